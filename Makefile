@@ -1,0 +1,50 @@
+# The two commands of the README: `make demo` (the main job) and `make test`.
+# Both install what is missing (apt packages, the virtualenv, pip packages) and skip the rest.
+
+VENV    := .venv
+BIN     := $(VENV)/bin
+STAMP   := $(VENV)/.installed
+PYTHON  ?= python3
+SUDO    := $(shell [ "$$(id -u)" -eq 0 ] || echo sudo)
+APT_PKGS := fuse3 libfuse3-dev pkg-config gcc systemd attr
+CHECKED := kspeedfs mountd pytorch_ext tests bench
+
+.PHONY: demo test lint deps apt bench clean
+
+demo: deps
+	$(BIN)/kspeedfs demo
+
+test: deps lint
+	$(BIN)/pytest -q
+
+lint: deps
+	$(BIN)/ruff check $(CHECKED)
+	$(BIN)/ruff format --check $(CHECKED)
+	$(BIN)/mypy kspeedfs mountd pytorch_ext
+
+bench: deps
+	$(BIN)/python bench/bench_fuse.py
+
+deps: apt $(STAMP)
+
+apt:
+	@missing=""; \
+	for p in $(APT_PKGS); do dpkg -s $$p >/dev/null 2>&1 || missing="$$missing $$p"; done; \
+	$(PYTHON) -c 'import ensurepip, venv' 2>/dev/null || missing="$$missing python3-venv"; \
+	$(PYTHON) -c 'import sysconfig, os, sys; sys.exit(not os.path.exists(sysconfig.get_paths()["include"] + "/Python.h"))' \
+		|| missing="$$missing python3-dev"; \
+	if [ -n "$$missing" ]; then \
+		echo "installing apt packages:$$missing"; \
+		$(SUDO) apt-get update -q && \
+		DEBIAN_FRONTEND=noninteractive $(SUDO) apt-get install -y -q $$missing; \
+	fi
+
+$(STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	$(BIN)/pip install -q torch==2.14.1 torchvision==0.29.1
+	$(BIN)/pip install -q -e '.[torch,dev]'
+	touch $(STAMP)
+
+clean:
+	rm -rf $(VENV) build *.egg-info

@@ -1,0 +1,57 @@
+"""Client-side admin operations shared by the CLI, the demo and the fast path."""
+
+from __future__ import annotations
+
+import os
+import time
+from typing import Any
+
+from .client import NodeClient
+from .config import Settings
+from .errors import DataError, KSpeedError
+from .names import validate_name
+from .progress import ProgressBar
+from .scan import check_source
+
+
+def connect(settings: Settings) -> NodeClient:
+    client = NodeClient(settings.nodes[0], settings.token_file, settings.timeout)
+    client.connect()
+    return client
+
+
+def preload(
+    settings: Settings,
+    source: str,
+    name: str,
+    wait: bool = True,
+    show_progress: bool = True,
+    lifetime: str = "offline",
+    replicas: int = 1,
+) -> dict[str, Any]:
+    """Ask the node to load `source` as `name`; with `wait`, poll until ready or failed."""
+    validate_name(name)
+    src = check_source(source)
+    with connect(settings) as client:
+        started = client.request(
+            "preload", name=name, source=os.path.abspath(src), lifetime=lifetime, replicas=replicas
+        )
+        if not wait:
+            return started
+        bar = ProgressBar(f"preload {name}") if show_progress else None
+        try:
+            while True:
+                p = client.request("progress", name=name)
+                if bar:
+                    bar.update(p["files_done"], p["files_total"], p["bytes_done"], p["bytes_total"])
+                if p["state"] == "ready":
+                    return p
+                if p["state"] == "failed":
+                    raise DataError(f"preload of {name} failed: {p['error']}")
+                time.sleep(0.1)
+        except KeyboardInterrupt:
+            client.request("unload", name=name)
+            raise KSpeedError(f"preload of {name} interrupted and cancelled") from None
+        finally:
+            if bar:
+                bar.close()

@@ -1,0 +1,316 @@
+"""The `kspeedfs` command: argument parsing and one-line errors with documented exit codes."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from . import __version__, admin, auth
+from .config import Settings, load_settings
+from .errors import EXIT_CODES_DOC, InvalidArgument, KSpeedError
+from .units import format_size
+
+log = logging.getLogger("kspeedfs")
+
+
+def _client_options(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--nodes", help="HOST:PORT[,...] of the cache nodes (env KSPEEDFS_NODES)")
+    p.add_argument("--config", help="TOML config file (env KSPEEDFS_CONFIG)")
+    p.add_argument("--token-file", help="cluster token file (env KSPEEDFS_TOKEN_FILE)")
+    p.add_argument("--timeout", type=float, help="seconds to wait for a node")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="kspeedfs",
+        description="Dataset cache for deep-learning training.",
+        epilog=EXIT_CODES_DOC,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("--version", action="version", version=f"kspeedfs {__version__}")
+    parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    p = sub.add_parser("node", help="run the cache daemon of this node")
+    _client_options(p)
+    p.add_argument("--listen", help="HOST:PORT to serve on (default 127.0.0.1:7420)")
+    p.add_argument("--shm-dir", help="tmpfs folder for segments (default /dev/shm/kspeedfs)")
+    p.add_argument("--memory", help="memory budget, e.g. 8GiB or 50%% (default 50%% of shm)")
+    p.add_argument("--segment-size", help="segment size, e.g. 64MiB")
+    p.add_argument("--no-verify", action="store_true", help="skip checksums of datasets at start")
+
+    p = sub.add_parser("preload", help="load a dataset into the cache (kept until unload)")
+    _client_options(p)
+    p.add_argument("source", help="source folder")
+    p.add_argument("--name", required=True, help="dataset name: [a-z0-9][a-z0-9._-]{0,63}")
+    p.add_argument("--no-wait", action="store_true", help="return once the node accepted it")
+    p.add_argument("--replicas", type=int, default=1, help="copies of each segment (default 1)")
+    p.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
+
+    for name, help_text in (("ls", "list datasets"), ("status", "show the nodes")):
+        p = sub.add_parser(name, help=help_text)
+        _client_options(p)
+        p.add_argument("--json", action="store_true", help="machine-readable output")
+
+    p = sub.add_parser("unload", help="remove a dataset from the cache")
+    _client_options(p)
+    p.add_argument("name")
+
+    p = sub.add_parser("mount", help="mount the cache as a read-only filesystem")
+    _client_options(p)
+    p.add_argument("mountpoint")
+    p.add_argument("--dataset", help="serve one dataset at the root")
+    p.add_argument("-f", "--foreground", action="store_true", help="do not go to the background")
+    p.add_argument("-o", dest="options", default="", help="FUSE options: allow_other,...")
+    p.add_argument("--log-file", help="where the background mount logs")
+
+    p = sub.add_parser("umount", help="unmount a kspeedfs mount")
+    p.add_argument("mountpoint")
+    p.add_argument("-z", "--lazy", action="store_true", help="lazy unmount (also if stale)")
+
+    p = sub.add_parser("shutdown", help="stop the node daemon")
+    _client_options(p)
+
+    p = sub.add_parser("token", help="cluster tokens")
+    tsub = p.add_subparsers(dest="token_command", required=True, metavar="ACTION")
+    t = tsub.add_parser("new", help="write a new admin token, or the read token of the current one")
+    t.add_argument("--role", choices=auth.ROLES, default="admin")
+    t.add_argument("--token-file", help="the admin token file (default ~/.config/kspeedfs/token)")
+    t.add_argument("--output", help="where to write (default: the token file itself for admin)")
+    t.add_argument("--force", action="store_true", help="replace an existing file")
+
+    p = sub.add_parser(
+        "sample", help="generate an ImageNet-like sample dataset (class folders of JPEGs)"
+    )
+    p.add_argument("dest")
+    p.add_argument("--classes", type=int, default=10)
+    p.add_argument("--per-class", type=int, default=50)
+    p.add_argument("--size", default="110KiB", help="approximate file size")
+
+    p = sub.add_parser(
+        "demo", help="the built-in end-to-end run: node, sample, preload, mount, epoch"
+    )
+    p.add_argument("--workdir", default="/tmp/kspeedfs-demo")
+    p.add_argument("--classes", type=int, default=20)
+    p.add_argument("--per-class", type=int, default=100)
+    p.add_argument("--workers", type=int, default=2)
+    return parser
+
+
+def _settings(args: argparse.Namespace, **extra: Any) -> Settings:
+    cli = {
+        "nodes": getattr(args, "nodes", None),
+        "token_file": getattr(args, "token_file", None),
+        "timeout": getattr(args, "timeout", None),
+        **extra,
+    }
+    return load_settings(cli, config_file=getattr(args, "config", None))
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(
+        level=logging.DEBUG if args.verbose else logging.INFO,
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
+    try:
+        return COMMANDS[args.command](args) or 0
+    except KSpeedError as e:
+        print(f"kspeedfs: {e}", file=sys.stderr)
+        return e.exit_code
+    except KeyboardInterrupt:
+        print("kspeedfs: interrupted", file=sys.stderr)
+        return 130
+
+
+def cmd_node(args: argparse.Namespace) -> int:
+    from .node import run_node
+
+    settings = _settings(
+        args,
+        listen=args.listen,
+        shm_dir=args.shm_dir,
+        memory=args.memory,
+        segment_size=args.segment_size,
+        verify_on_start=False if args.no_verify else None,
+    )
+    logging.getLogger().setLevel(logging.DEBUG if args.verbose else settings.log_level)
+    run_node(settings)
+    return 0
+
+
+def cmd_preload(args: argparse.Namespace) -> int:
+    settings = _settings(args)
+    if args.replicas < 1:
+        raise InvalidArgument("--replicas must be at least 1")
+    result = admin.preload(
+        settings,
+        args.source,
+        args.name,
+        wait=not args.no_wait,
+        show_progress=not args.quiet,
+        replicas=args.replicas,
+    )
+    state = result.get("state", "loading")
+    print(
+        f"{args.name}: {state}, {result['files_total']} files, {format_size(result['bytes_total'])}"
+    )
+    return 0
+
+
+def cmd_ls(args: argparse.Namespace) -> int:
+    with admin.connect(_settings(args)) as client:
+        datasets = client.request("list")["datasets"]
+    if args.json:
+        print(json.dumps(datasets, indent=2))
+        return 0
+    rows = [("NAME", "FILES", "BYTES", "STATE", "LIFETIME", "SOURCE")]
+    for d in datasets:
+        files = d.get("files", d.get("files_total", 0))
+        size = d.get("bytes", d.get("bytes_total", 0))
+        state = d["state"]
+        if state == "loading" and d.get("bytes_total"):
+            state = f"loading {100 * d['bytes_done'] / d['bytes_total']:.0f}%"
+        if state == "failed":
+            state = f"failed: {d.get('error', '')}"
+        rows.append(
+            (
+                d["name"],
+                str(files),
+                format_size(size),
+                state,
+                d.get("lifetime", "-"),
+                d.get("source", ""),
+            )
+        )
+    _print_table(rows)
+    return 0
+
+
+def cmd_status(args: argparse.Namespace) -> int:
+    settings = _settings(args)
+    out = []
+    for addr in settings.nodes:
+        from .client import NodeClient
+
+        try:
+            with NodeClient(addr, settings.token_file, settings.timeout) as client:
+                out.append({"up": True, **client.request("status")})
+        except KSpeedError as e:
+            if len(settings.nodes) == 1:
+                raise
+            out.append({"up": False, "node": str(addr), "error": str(e)})
+    if args.json:
+        print(json.dumps(out, indent=2))
+        return 0
+    rows = [("NODE", "STATE", "MEMORY USED / BUDGET", "DATASETS", "SEGMENTS", "SHM DIR")]
+    for s in out:
+        if not s["up"]:
+            rows.append((s["node"], "down", "-", "-", "-", s["error"]))
+            continue
+        mem = f"{format_size(s['used'])} / {format_size(s['budget'])}"
+        loading = f" (+{len(s['loading'])} loading)" if s["loading"] else ""
+        rows.append(
+            (s["node"], "up", mem, f"{s['datasets']}{loading}", str(s["segments"]), s["shm_dir"])
+        )
+    _print_table(rows)
+    return 0
+
+
+def cmd_unload(args: argparse.Namespace) -> int:
+    with admin.connect(_settings(args)) as client:
+        result = client.request("unload", name=args.name)
+    print(f"{args.name}: {result['state']}")
+    return 0
+
+
+def cmd_mount(args: argparse.Namespace) -> int:
+    from .mount import run_mount
+
+    options = [o for o in args.options.split(",") if o]
+    run_mount(
+        args.mountpoint,
+        _settings(args),
+        dataset=args.dataset,
+        options=options,
+        foreground=args.foreground,
+        log_file=args.log_file,
+    )
+    return 0
+
+
+def cmd_umount(args: argparse.Namespace) -> int:
+    from .mount import unmount
+
+    unmount(args.mountpoint, lazy=args.lazy)
+    return 0
+
+
+def cmd_shutdown(args: argparse.Namespace) -> int:
+    with admin.connect(_settings(args)) as client:
+        client.request("shutdown")
+    return 0
+
+
+def cmd_token(args: argparse.Namespace) -> int:
+    settings = _settings(args)
+    token_file = settings.token_file
+    if args.role == "admin":
+        dest = Path(args.output) if args.output else token_file
+        auth.write_token(dest, auth.new_admin_token(), overwrite=args.force)
+    else:
+        if not args.output:
+            raise InvalidArgument("--output is required for a read token")
+        dest = Path(args.output)
+        auth.write_token(
+            dest, auth.derive_read_token(auth.read_token(token_file)), overwrite=args.force
+        )
+    print(f"wrote a {args.role} token to {dest} (mode 0600)")
+    return 0
+
+
+def cmd_sample(args: argparse.Namespace) -> int:
+    from .sample import make_sample
+    from .units import parse_size
+
+    started = time.monotonic()
+    n, nbytes = make_sample(Path(args.dest), args.classes, args.per_class, parse_size(args.size))
+    print(
+        f"wrote {n} files, {format_size(nbytes)} to {args.dest} in {time.monotonic() - started:.1f}s"
+    )
+    return 0
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    from .demo import run_demo
+
+    return run_demo(Path(args.workdir), args.classes, args.per_class, args.workers)
+
+
+def _print_table(rows: list[tuple[str, ...]]) -> None:
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    for r in rows:
+        print("  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip())
+
+
+COMMANDS = {
+    "node": cmd_node,
+    "preload": cmd_preload,
+    "ls": cmd_ls,
+    "status": cmd_status,
+    "unload": cmd_unload,
+    "mount": cmd_mount,
+    "umount": cmd_umount,
+    "shutdown": cmd_shutdown,
+    "token": cmd_token,
+    "sample": cmd_sample,
+    "demo": cmd_demo,
+}
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,154 @@
+"""The blocking client (CLI, DataLoader workers): one authenticated connection to one node.
+
+Requests can be pipelined: `send_*` queue a request and return its id, `receive_*` collect the
+answers in order. Read answers land in caller-provided buffers (recv_into, no extra copy).
+"""
+
+from __future__ import annotations
+
+import itertools
+import socket
+from pathlib import Path
+from typing import Any
+
+from . import auth, protocol
+from .errors import AuthError, NodeUnreachable, ProtocolError, error_from_wire
+from .protocol import MsgType
+from .units import Address
+
+
+class NodeClient:
+    def __init__(self, address: Address, token_file: Path, timeout: float = 10.0):
+        self.address = address
+        self.token_file = token_file
+        self.timeout = timeout
+        self.role = ""
+        self.node = ""
+        self._sock: socket.socket | None = None
+        self._ids = itertools.count(1)
+        self._header = bytearray(protocol.HEADER_SIZE)
+
+    def __enter__(self) -> NodeClient:
+        self.connect()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def connect(self) -> None:
+        if self._sock is not None:
+            return
+        token = auth.read_token(self.token_file)
+        try:
+            sock = socket.create_connection(tuple(self.address), timeout=self.timeout)
+        except OSError as e:
+            raise NodeUnreachable(
+                f"no kspeedfs node at {self.address} ({e.strerror or e}): is `kspeedfs node` running?"
+            ) from None
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        self._sock = sock
+        try:
+            hello = self._receive_json(0, MsgType.HELLO)
+            nonce = bytes.fromhex(str(hello.get("nonce", "")))
+            self.node = str(hello.get("node", ""))
+            role = auth.token_role(token)
+            self._send(
+                protocol.encode_json(
+                    MsgType.AUTH, 0, {"role": role, "mac": auth.respond(token, nonce)}
+                )
+            )
+            self.role = str(self._receive_json(0, MsgType.RESPONSE)["role"])
+        except BaseException:
+            self.close()
+            raise
+
+    def close(self) -> None:
+        if self._sock is not None:
+            self._sock.close()
+            self._sock = None
+
+    def request(self, op: str, **args: Any) -> dict[str, Any]:
+        rid = self.send_request(op, **args)
+        return self.receive_response(rid)
+
+    def send_request(self, op: str, **args: Any) -> int:
+        self.connect()
+        rid = next(self._ids)
+        self._send(protocol.encode_json(MsgType.REQUEST, rid, {"op": op, **args}))
+        return rid
+
+    def receive_response(self, rid: int) -> dict[str, Any]:
+        return self._receive_json(rid, MsgType.RESPONSE)
+
+    def read(self, dataset: str, ranges: list[tuple[int, int, int]]) -> bytearray:
+        buf = bytearray(sum(r[2] for r in ranges))
+        self.receive_read(self.send_read(dataset, ranges), memoryview(buf))
+        return buf
+
+    def send_read(self, dataset: str, ranges: list[tuple[int, int, int]]) -> int:
+        self.connect()
+        rid = next(self._ids)
+        self._send(protocol.encode_frame(MsgType.READ, rid, protocol.encode_read(dataset, ranges)))
+        return rid
+
+    def receive_read(self, rid: int, out: memoryview) -> None:
+        """Receive a DATA answer straight into `out`, which must be exactly its length."""
+        msg_type, got_rid, length = self._receive_header()
+        if msg_type == MsgType.ERROR:
+            self._raise_error(length)
+        if msg_type != MsgType.DATA or got_rid != rid or length != len(out):
+            self.close()
+            raise ProtocolError(f"unexpected answer from {self.address} to read {rid}")
+        self._recv_exact(out)
+
+    def _send(self, data: bytes) -> None:
+        assert self._sock is not None
+        try:
+            self._sock.sendall(data)
+        except OSError as e:
+            self.close()
+            raise NodeUnreachable(f"lost the connection to {self.address}: {e}") from None
+
+    def _recv_exact(self, out: memoryview) -> None:
+        assert self._sock is not None
+        got = 0
+        while got < len(out):
+            try:
+                n = self._sock.recv_into(out[got:])
+            except OSError as e:
+                self.close()
+                raise NodeUnreachable(f"lost the connection to {self.address}: {e}") from None
+            if n == 0:
+                self.close()
+                raise NodeUnreachable(f"node {self.address} closed the connection")
+            got += n
+
+    def _receive_header(self) -> tuple[MsgType, int, int]:
+        if self._sock is None:
+            raise NodeUnreachable(f"not connected to {self.address}")
+        self._recv_exact(memoryview(self._header))
+        try:
+            return protocol.parse_header(self._header)
+        except ProtocolError:
+            self.close()
+            raise
+
+    def _receive_json(self, rid: int, expected: MsgType) -> dict[str, Any]:
+        msg_type, got_rid, length = self._receive_header()
+        if msg_type == MsgType.ERROR:
+            self._raise_error(length)
+        payload = bytearray(length)
+        self._recv_exact(memoryview(payload))
+        if msg_type != expected or (rid and got_rid != rid):
+            self.close()
+            raise ProtocolError(f"unexpected {msg_type.name} from {self.address}")
+        return protocol.decode_json(bytes(payload))
+
+    def _raise_error(self, length: int) -> None:
+        payload = bytearray(length)
+        self._recv_exact(memoryview(payload))
+        err = protocol.decode_json(bytes(payload))
+        exc = error_from_wire(str(err.get("kind")), str(err.get("message")))
+        if isinstance(exc, (AuthError, ProtocolError)):
+            self.close()
+        raise exc

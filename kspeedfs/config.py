@@ -1,0 +1,160 @@
+"""The one typed settings object; precedence CLI > environment > TOML file > default."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import tomllib
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from .errors import InvalidArgument, NotFound
+from .units import Address, parse_address, parse_address_list, parse_size
+
+DEFAULT_PORT = 7420
+DEFAULT_CONFIG_FILE = Path("/etc/kspeedfs/kspeedfs.toml")
+
+
+def default_token_file() -> Path:
+    base = os.environ.get("XDG_CONFIG_HOME") or os.path.join(os.path.expanduser("~"), ".config")
+    return Path(base) / "kspeedfs" / "token"
+
+
+@dataclasses.dataclass
+class Settings:
+    listen: Address = Address("127.0.0.1", DEFAULT_PORT)
+    nodes: list[Address] = dataclasses.field(
+        default_factory=lambda: [Address("127.0.0.1", DEFAULT_PORT)]
+    )
+    shm_dir: Path = Path("/dev/shm/kspeedfs")
+    # Budget for cached data: a size, or a percentage of the shm filesystem.
+    memory: str = "50%"
+    segment_size: int = 64 * 1024 * 1024
+    token_file: Path = dataclasses.field(default_factory=default_token_file)
+    verify_on_start: bool = True
+    lease_ttl: float = 30.0
+    timeout: float = 10.0
+    log_level: str = "INFO"
+
+    def memory_budget(self) -> int:
+        """The budget in bytes; a percentage is taken of the filesystem that holds shm_dir."""
+        if self.memory.strip().endswith("%"):
+            try:
+                pct = float(self.memory.strip()[:-1])
+            except ValueError:
+                raise InvalidArgument(f"bad memory budget {self.memory!r}") from None
+            probe = self.shm_dir
+            while not probe.exists():
+                probe = probe.parent
+            st = os.statvfs(probe)
+            return int(st.f_blocks * st.f_frsize * pct / 100)
+        return parse_size(self.memory)
+
+
+# Each setting: how to convert a string (env/CLI) or a TOML value to its type.
+def _to_bool(v: Any) -> bool:
+    if isinstance(v, bool):
+        return v
+    s = str(v).strip().lower()
+    if s in ("1", "true", "yes", "on"):
+        return True
+    if s in ("0", "false", "no", "off"):
+        return False
+    raise InvalidArgument(f"not a boolean: {v!r}")
+
+
+def _to_nodes(v: Any) -> list[Address]:
+    if isinstance(v, list):
+        return [parse_address(str(x)) for x in v]
+    return parse_address_list(str(v))
+
+
+def _to_float(v: Any) -> float:
+    try:
+        return float(v)
+    except (TypeError, ValueError):
+        raise InvalidArgument(f"not a number: {v!r}") from None
+
+
+def _to_memory(v: Any) -> str:
+    s = str(v)
+    if not s.strip().endswith("%"):
+        parse_size(s)  # validate now, not at first use
+    return s
+
+
+_CONVERTERS: dict[str, Any] = {
+    "listen": lambda v: parse_address(str(v)),
+    "nodes": _to_nodes,
+    "shm_dir": lambda v: Path(str(v)),
+    "memory": _to_memory,
+    "segment_size": lambda v: parse_size(v if isinstance(v, int) else str(v)),
+    "token_file": lambda v: Path(os.path.expanduser(str(v))),
+    "verify_on_start": _to_bool,
+    "lease_ttl": _to_float,
+    "timeout": _to_float,
+    "log_level": lambda v: str(v).upper(),
+}
+
+ENV_PREFIX = "KSPEEDFS_"
+
+
+def load_settings(
+    cli: Mapping[str, Any] | None = None,
+    env: Mapping[str, str] | None = None,
+    config_file: str | os.PathLike[str] | None = None,
+) -> Settings:
+    """Build Settings from the TOML file, then the environment, then CLI values (not None)."""
+    env = os.environ if env is None else env
+    cli = {k: v for k, v in (cli or {}).items() if v is not None}
+    settings = Settings()
+
+    path = config_file or env.get(ENV_PREFIX + "CONFIG")
+    if path:
+        file_values = _read_toml(Path(path), required=True)
+    else:
+        file_values = _read_toml(DEFAULT_CONFIG_FILE, required=False)
+    layers = [
+        ("config file", file_values),
+        (
+            "environment",
+            {
+                key: env[ENV_PREFIX + key.upper()]
+                for key in _CONVERTERS
+                if ENV_PREFIX + key.upper() in env
+            },
+        ),
+        ("command line", cli),
+    ]
+    for origin, values in layers:
+        for key, value in values.items():
+            if key not in _CONVERTERS:
+                raise InvalidArgument(f"unknown setting {key!r} in {origin}")
+            try:
+                setattr(settings, key, _CONVERTERS[key](value))
+            except InvalidArgument as e:
+                raise InvalidArgument(f"{key} from {origin}: {e}") from None
+    if settings.segment_size < 4096:
+        raise InvalidArgument("segment_size must be at least 4096 bytes")
+    return settings
+
+
+def _read_toml(path: Path, required: bool) -> dict[str, Any]:
+    try:
+        with open(path, "rb") as f:
+            data = tomllib.load(f)
+    except FileNotFoundError:
+        if required:
+            raise NotFound(f"config file not found: {path}") from None
+        return {}
+    except tomllib.TOMLDecodeError as e:
+        raise InvalidArgument(f"config file {path}: {e}") from None
+    # Sections group settings for readers; keys are unique across them.
+    flat: dict[str, Any] = {}
+    for key, value in data.items():
+        if isinstance(value, dict):
+            flat.update({k.replace("-", "_"): v for k, v in value.items()})
+        else:
+            flat[key.replace("-", "_")] = value
+    return flat

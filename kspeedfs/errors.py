@@ -1,0 +1,102 @@
+"""The exception tree, its errno mapping and the CLI exit codes."""
+
+from __future__ import annotations
+
+import errno
+
+
+class KSpeedError(Exception):
+    """Base of every error kspeedfs raises on purpose; the message is one line for the user."""
+
+    errno: int = errno.EIO
+    exit_code: int = 1
+
+
+class NodeUnreachable(KSpeedError):
+    errno = errno.EHOSTUNREACH
+    exit_code = 3
+
+
+class NotFound(KSpeedError):
+    errno = errno.ENOENT
+    exit_code = 4
+
+
+class InvalidArgument(KSpeedError):
+    errno = errno.EINVAL
+    exit_code = 5
+
+
+class AlreadyExists(KSpeedError):
+    errno = errno.EEXIST
+    exit_code = 6
+
+
+class NoSpace(KSpeedError):
+    errno = errno.ENOSPC
+    exit_code = 7
+
+
+class MountError(KSpeedError):
+    errno = errno.EBUSY
+    exit_code = 8
+
+
+class AuthError(KSpeedError):
+    errno = errno.EACCES
+    exit_code = 9
+
+
+class DataError(KSpeedError):
+    errno = errno.EIO
+    exit_code = 10
+
+
+class ProtocolError(KSpeedError):
+    errno = errno.EPROTO
+    exit_code = 11
+
+
+class ReadOnly(KSpeedError):
+    errno = errno.EROFS
+    exit_code = 12
+
+
+# Errors cross the wire by class name; the client re-raises the same class.
+ERROR_CLASSES: dict[str, type[KSpeedError]] = {
+    cls.__name__: cls
+    for cls in (
+        KSpeedError,
+        NodeUnreachable,
+        NotFound,
+        InvalidArgument,
+        AlreadyExists,
+        NoSpace,
+        MountError,
+        AuthError,
+        DataError,
+        ProtocolError,
+        ReadOnly,
+    )
+}
+
+
+def error_from_wire(kind: str, message: str) -> KSpeedError:
+    return ERROR_CLASSES.get(kind, KSpeedError)(message)
+
+
+EXIT_CODES_DOC = """\
+exit codes:
+  0  success
+  1  unexpected error
+  2  bad command line
+  3  node not running or unreachable
+  4  not found (source, dataset)
+  5  invalid argument (bad name, source not a folder, bad option)
+  6  already exists (dataset already loaded)
+  7  not enough memory budget
+  8  mountpoint missing, busy or mount failed
+  9  authentication refused
+ 10  data error (unreadable or corrupt data)
+ 11  protocol error
+ 12  read-only"""

@@ -1,0 +1,274 @@
+"""The manifest: one immutable, memory-mapped record of a dataset's tree, layout and checksums.
+
+Compact arrays (no Python object per file) in one file, so that every process on a node maps
+the same pages read-only. Layout: an 8-byte magic, a u32 header length, a JSON header, then
+64-byte aligned little-endian arrays whose offsets the header lists.
+"""
+
+from __future__ import annotations
+
+import json
+import mmap
+import os
+import stat
+import struct
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from .errors import DataError, NotFound
+from .scan import Tree
+
+MAGIC = b"KSPDMAN1"
+FORMAT_VERSION = 1
+_ALIGN = 64
+
+# name -> dtype; every per-entry array has one row per entry.
+ENTRY_ARRAYS = {
+    "parent": "<u4",
+    "mode": "<u4",
+    "size": "<u8",
+    "mtime_ns": "<i8",
+    "data": "<u8",  # file: offset in the dataset's byte stream; folder: first child; link: name blob
+    "count": "<u4",  # folder: number of children
+    "name_off": "<u8",
+    "name_len": "<u4",
+    "checksum": "<u8",  # xxh3_64 of a file's bytes
+}
+SEGMENT_ARRAYS = {"seg_len": "<u8", "seg_checksum": "<u8"}
+
+
+def plan_layout(tree: Tree, segment_size: int) -> tuple[list[int], list[int]]:
+    """Assign each regular file an offset in the dataset's byte stream.
+
+    A file that fits in a segment never straddles two (so a small file is one range on one
+    node); a larger one starts a fresh segment and spans as many as it needs. The unused tail
+    of a segment is not stored. Returns (offset per entry, used length per segment).
+    """
+    offsets = [0] * len(tree)
+    pos = 0
+    for i, (mode, size) in enumerate(zip(tree.mode, tree.size, strict=True)):
+        if not stat.S_ISREG(mode) or size == 0:
+            offsets[i] = pos
+            continue
+        room = segment_size - pos % segment_size
+        if size > room and pos % segment_size != 0:
+            pos += room
+        offsets[i] = pos
+        pos += size
+    n_segments = (pos + segment_size - 1) // segment_size
+    seg_len = [0] * n_segments
+    for i, (mode, size) in enumerate(zip(tree.mode, tree.size, strict=True)):
+        if stat.S_ISREG(mode) and size:
+            end = offsets[i] + size
+            last = (end - 1) // segment_size
+            seg_len[last] = max(seg_len[last], end - last * segment_size)
+            for k in range(offsets[i] // segment_size, last):
+                seg_len[k] = segment_size
+    return offsets, seg_len
+
+
+def write_manifest(
+    path: str | os.PathLike[str],
+    tree: Tree,
+    offsets: list[int],
+    checksums: list[int],
+    seg_len: list[int],
+    seg_checksums: list[int],
+    header: dict[str, Any],
+) -> None:
+    n = len(tree)
+    names = bytearray()
+    name_off = np.zeros(n, dtype="<u8")
+    name_len = np.zeros(n, dtype="<u4")
+    data = np.array(offsets, dtype="<u8")
+    for i, name in enumerate(tree.names):
+        name_off[i], name_len[i] = len(names), len(name)
+        names += name
+    for i, target in tree.link_target.items():
+        data[i] = len(names)
+        names += target
+    for i, mode in enumerate(tree.mode):
+        if stat.S_ISDIR(mode):
+            data[i] = tree.first_child[i]
+    arrays: dict[str, np.ndarray] = {
+        "parent": np.array(tree.parent, dtype="<u4"),
+        "mode": np.array(tree.mode, dtype="<u4"),
+        "size": np.array(tree.size, dtype="<u8"),
+        "mtime_ns": np.array(tree.mtime_ns, dtype="<i8"),
+        "data": data,
+        "count": np.array(tree.child_count, dtype="<u4"),
+        "name_off": name_off,
+        "name_len": name_len,
+        "checksum": np.array(checksums, dtype="<u8"),
+        "seg_len": np.array(seg_len, dtype="<u8"),
+        "seg_checksum": np.array(seg_checksums, dtype="<u8"),
+        "names": np.frombuffer(bytes(names), dtype="u1"),
+    }
+    header = dict(header, format=FORMAT_VERSION, entries=n, segments=len(seg_len))
+    # The header records offsets, which change the header's length: lay out twice.
+    layout: dict[str, list[Any]] = {}
+    for _ in range(2):
+        blob = json.dumps(dict(header, arrays=layout), sort_keys=True).encode()
+        pos = _align(len(MAGIC) + 4 + len(blob) + 256)
+        layout = {}
+        for key, arr in arrays.items():
+            layout[key] = [pos, arr.dtype.str, int(arr.size)]
+            pos = _align(pos + arr.nbytes)
+    blob = json.dumps(dict(header, arrays=layout), sort_keys=True).encode()
+    tmp = Path(str(path) + ".tmp")
+    with open(tmp, "wb") as f:
+        f.write(MAGIC + struct.pack("<I", len(blob)) + blob)
+        for key, arr in arrays.items():
+            f.seek(layout[key][0])
+            f.write(arr.tobytes())
+        f.truncate(pos)
+    os.replace(tmp, path)
+
+
+def _align(n: int) -> int:
+    return (n + _ALIGN - 1) // _ALIGN * _ALIGN
+
+
+class Manifest:
+    """A read-only view of a manifest file; the arrays are views of one shared mapping."""
+
+    def __init__(self, path: str | os.PathLike[str]):
+        self.path = Path(path)
+        try:
+            with open(self.path, "rb") as f:
+                self._map = mmap.mmap(f.fileno(), 0, prot=mmap.PROT_READ)
+        except FileNotFoundError:
+            raise NotFound(f"manifest not found: {self.path}") from None
+        except (OSError, ValueError) as e:
+            raise DataError(f"cannot map manifest {self.path}: {e}") from None
+        try:
+            self.header = self._parse_header()
+            arrays = {
+                key: np.frombuffer(self._map, dtype=dtype, count=count, offset=offset)
+                for key, (offset, dtype, count) in self.header["arrays"].items()
+            }
+        except (ValueError, KeyError, TypeError, struct.error) as e:
+            raise DataError(f"corrupt manifest {self.path}: {e}") from None
+        n, nseg = self.header["entries"], self.header["segments"]
+        for key in ENTRY_ARRAYS:
+            if arrays[key].size != n:
+                raise DataError(f"corrupt manifest {self.path}: {key} has wrong length")
+        for key in SEGMENT_ARRAYS:
+            if arrays[key].size != nseg:
+                raise DataError(f"corrupt manifest {self.path}: {key} has wrong length")
+        self.parent = arrays["parent"]
+        self.mode = arrays["mode"]
+        self.size = arrays["size"]
+        self.mtime_ns = arrays["mtime_ns"]
+        self.data = arrays["data"]
+        self.count = arrays["count"]
+        self.name_off = arrays["name_off"]
+        self.name_len = arrays["name_len"]
+        self.checksum = arrays["checksum"]
+        self.seg_len = arrays["seg_len"]
+        self.seg_checksum = arrays["seg_checksum"]
+        self._names_base = int(self.header["arrays"]["names"][0])
+        self.segment_size: int = int(self.header["segment_size"])
+        self.entries: int = n
+        self.segments: int = nseg
+
+    def _parse_header(self) -> dict[str, Any]:
+        if self._map[: len(MAGIC)] != MAGIC:
+            raise ValueError("bad magic")
+        (length,) = struct.unpack_from("<I", self._map, len(MAGIC))
+        start = len(MAGIC) + 4
+        if start + length > len(self._map):
+            raise ValueError("header runs past the end")
+        header: dict[str, Any] = json.loads(self._map[start : start + length])
+        if header.get("format") != FORMAT_VERSION:
+            raise ValueError(f"unsupported format {header.get('format')!r}")
+        return header
+
+    @property
+    def uuid(self) -> str:
+        return str(self.header["uuid"])
+
+    @property
+    def nbytes(self) -> int:
+        return len(self._map)
+
+    def name(self, i: int) -> bytes:
+        off = self._names_base + int(self.name_off[i])
+        return self._map[off : off + int(self.name_len[i])]
+
+    def link_target(self, i: int) -> bytes:
+        off = self._names_base + int(self.data[i])
+        return self._map[off : off + int(self.size[i])]
+
+    def is_dir(self, i: int) -> bool:
+        return stat.S_ISDIR(int(self.mode[i]))
+
+    def is_file(self, i: int) -> bool:
+        return stat.S_ISREG(int(self.mode[i]))
+
+    def children(self, i: int) -> range:
+        if not self.is_dir(i):
+            return range(0)
+        first = int(self.data[i])
+        return range(first, first + int(self.count[i]))
+
+    def lookup(self, dir_idx: int, name: bytes) -> int | None:
+        """Binary search among a folder's children (sorted by name bytes)."""
+        kids = self.children(dir_idx)
+        lo, hi = kids.start, kids.stop
+        while lo < hi:
+            mid = (lo + hi) // 2
+            mid_name = self.name(mid)
+            if mid_name < name:
+                lo = mid + 1
+            elif mid_name > name:
+                hi = mid
+            else:
+                return mid
+        return None
+
+    def resolve(self, relpath: str | bytes) -> int:
+        """Entry index of a path relative to the dataset root (no symlinks followed)."""
+        raw = os.fsencode(relpath)
+        idx = 0
+        for part in raw.split(b"/"):
+            if part in (b"", b"."):
+                continue
+            found = self.lookup(idx, part)
+            if found is None:
+                raise NotFound(f"no such file in dataset: {os.fsdecode(raw)}")
+            idx = found
+        return idx
+
+    def path(self, i: int) -> bytes:
+        parts = []
+        while i != 0:
+            parts.append(self.name(i))
+            i = int(self.parent[i])
+        return b"/".join(reversed(parts))
+
+    def iter_files(self) -> Iterator[int]:
+        """Indices of regular files, in manifest (breadth-first, name-sorted) order."""
+        yield from np.flatnonzero((self.mode & 0o170000) == stat.S_IFREG).tolist()
+
+    def ranges(
+        self, i: int, offset: int = 0, length: int | None = None
+    ) -> list[tuple[int, int, int]]:
+        """(segment, offset in segment, length) pieces for bytes [offset, offset+length) of file i."""
+        size = int(self.size[i])
+        end = size if length is None else min(size, offset + length)
+        if offset >= end:
+            return []
+        seg_size = self.segment_size
+        pos = int(self.data[i]) + offset
+        stop = int(self.data[i]) + end
+        out = []
+        while pos < stop:
+            seg, seg_off = divmod(pos, seg_size)
+            n = min(stop - pos, seg_size - seg_off)
+            out.append((seg, seg_off, n))
+            pos += n
+        return out

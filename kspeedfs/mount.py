@@ -1,0 +1,183 @@
+"""Mount lifecycle: checks, daemonizing, pyfuse3 init/main/close, signals, unmount."""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import signal
+import subprocess
+import sys
+from collections.abc import Callable, Iterable
+from pathlib import Path
+
+import pyfuse3
+import trio
+
+from .aclient import AsyncNodeClient
+from .config import Settings
+from .errors import ERROR_CLASSES, KSpeedError, MountError
+from .fs import KSpeedFS, require_dataset
+from .names import validate_name
+from .notify import notify
+
+log = logging.getLogger(__name__)
+
+FUSE_OPTIONS = ("fsname=kspeedfs", "subtype=kspeedfs", "ro", "default_permissions")
+ALLOWED_OPTIONS = frozenset({"allow_other", "allow_root", "auto_unmount"})
+ERRORS_BY_EXIT_CODE = {cls.exit_code: cls for cls in ERROR_CLASSES.values() if cls.exit_code > 1}
+
+
+def check_mountpoint(mountpoint: str | os.PathLike[str]) -> Path:
+    path = Path(mountpoint)
+    if not path.exists():
+        raise MountError(f"mountpoint does not exist: {path}")
+    if not path.is_dir():
+        raise MountError(f"mountpoint is not a folder: {path}")
+    if os.path.ismount(path):
+        raise MountError(f"mountpoint is busy (something is mounted there): {path}")
+    return path.resolve()
+
+
+def fuse_options(extra: Iterable[str] = ()) -> set[str]:
+    options = set(FUSE_OPTIONS)
+    for opt in extra:
+        if opt not in ALLOWED_OPTIONS:
+            raise MountError(f"unsupported mount option {opt!r}")
+        options.add(opt)
+    return options
+
+
+async def serve_mount(
+    mountpoint: Path,
+    settings: Settings,
+    dataset: str | None,
+    options: set[str],
+    on_ready: Callable[[], None],
+) -> None:
+    client = AsyncNodeClient(settings.nodes[0], settings.token_file, settings.timeout)
+    fs = KSpeedFS(client, dataset)
+    await fs.refresh(force=True)
+    # A mount with no node to ask is useless: check before mounting, fail with a clear error.
+    await client.request("ping")
+    if dataset:
+        require_dataset(fs, dataset)
+    pyfuse3.init(fs, str(mountpoint), options)
+    try:
+        with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT, signal.SIGHUP) as signals:
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(_terminate_on_signal, signals)
+                log.info("mounted %s at %s", dataset or "all datasets", mountpoint)
+                notify("READY=1", f"STATUS=mounted at {mountpoint}")
+                on_ready()
+                await pyfuse3.main(min_tasks=1, max_tasks=16)
+                nursery.cancel_scope.cancel()
+    except BaseException:
+        pyfuse3.close(unmount=False)
+        raise
+    pyfuse3.close(unmount=True)
+    await client.aclose()
+
+
+async def _terminate_on_signal(signals: trio.abc.ReceiveChannel[int]) -> None:
+    async for signum in signals:
+        log.info("received %s, unmounting", signal.Signals(signum).name)
+        pyfuse3.terminate()
+        return
+
+
+def run_mount(
+    mountpoint: str,
+    settings: Settings,
+    dataset: str | None = None,
+    options: Iterable[str] = (),
+    foreground: bool = False,
+    log_file: str | None = None,
+) -> None:
+    """Mount and serve; in the background unless `foreground`, returning once the mount is up."""
+    if dataset is not None:
+        validate_name(dataset)
+    path = check_mountpoint(mountpoint)
+    opts = fuse_options(options)
+    if foreground:
+        trio.run(serve_mount, path, settings, dataset, opts, lambda: None)
+        return
+    read_fd, write_fd = os.pipe()
+    pid = os.fork()
+    if pid:
+        os.close(write_fd)
+        with os.fdopen(read_fd, "rb") as r:
+            answer = r.read().decode(errors="replace")
+        if answer.startswith("ok"):
+            return
+        os.waitpid(pid, 0)
+        code, _, message = answer.partition(" ")
+        error = ERRORS_BY_EXIT_CODE.get(int(code) if code.isdigit() else 0, MountError)
+        raise error(message.strip() or "the mount process died before the mount was ready")
+    os.close(read_fd)
+    os.setsid()
+    _redirect_stdio(log_file)
+
+    def ready() -> None:
+        os.write(write_fd, b"ok\n")
+        os.close(write_fd)
+
+    code = 0
+    try:
+        trio.run(serve_mount, path, settings, dataset, opts, ready)
+    except KSpeedError as e:
+        _report(write_fd, f"{e.exit_code} {e}")
+        code = e.exit_code
+    except BaseException as e:  # the parent must hear of any failure, then we exit
+        log.exception("mount failed")
+        _report(write_fd, f"{MountError.exit_code} mount failed: {e}")
+        code = 1
+    os._exit(code)
+
+
+def _report(fd: int, message: str) -> None:
+    try:
+        os.write(fd, message.encode() + b"\n")
+        os.close(fd)
+    except OSError:
+        pass  # already reported ready; the log has the error
+
+
+def _redirect_stdio(log_file: str | None) -> None:
+    devnull = os.open(os.devnull, os.O_RDWR)
+    os.dup2(devnull, 0)
+    out = os.open(log_file, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644) if log_file else devnull
+    os.dup2(out, 1)
+    os.dup2(out, 2)
+    for handler in logging.getLogger().handlers:
+        if isinstance(handler, logging.StreamHandler):
+            handler.setStream(sys.stderr)
+
+
+def unmount(mountpoint: str, lazy: bool = False) -> None:
+    path = Path(mountpoint)
+    if not path.exists():
+        raise MountError(f"mountpoint does not exist: {path}")
+    if not _is_kspeedfs_mount(path):
+        raise MountError(f"not a kspeedfs mount: {path}")
+    tool = shutil.which("fusermount3") or shutil.which("fusermount")
+    if tool is None:
+        raise MountError("fusermount3 not found: install the fuse3 package")
+    args = [tool, "-u"] + (["-z"] if lazy else []) + [str(path)]
+    done = subprocess.run(args, capture_output=True, text=True)
+    if done.returncode != 0:
+        raise MountError(
+            done.stderr.strip().splitlines()[-1] if done.stderr.strip() else "unmount failed"
+        )
+
+
+def _is_kspeedfs_mount(path: Path) -> bool:
+    target = os.path.realpath(path)
+    with open("/proc/self/mountinfo") as f:
+        for line in f:
+            fields = line.split()
+            sep = fields.index("-")
+            mnt = fields[4].encode().decode("unicode_escape")
+            if mnt == target and fields[sep + 1].startswith("fuse") and "kspeedfs" in line:
+                return True
+    return False

@@ -1,0 +1,387 @@
+"""The node daemon: a trio TCP server over the segment store (preload, list, read, unload)."""
+
+from __future__ import annotations
+
+import functools
+import logging
+import os
+import secrets
+import signal
+import time
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+from typing import Any
+
+import trio
+
+from . import auth, protocol
+from .config import Settings
+from .errors import AlreadyExists, AuthError, InvalidArgument, KSpeedError, NotFound, ProtocolError
+from .loader import Progress, load_tree, stored_size_estimate
+from .names import validate_name
+from .notify import notify, watchdog_interval
+from .protocol import MsgType
+from .scan import check_source, scan_tree
+from .store import SegmentStore
+from .units import format_size
+
+log = logging.getLogger(__name__)
+
+HANDSHAKE_TIMEOUT = 10.0
+FAILED_PRELOAD_KEPT_S = 600.0
+# Small pieces are joined before sending: one copy is cheaper than one syscall each.
+COALESCE_BELOW = 256 * 1024
+
+ADMIN_OPS = frozenset({"preload", "unload", "shutdown"})
+
+
+class Connection:
+    """Framing over one trio stream."""
+
+    def __init__(self, stream: trio.abc.Stream):
+        self.stream = stream
+        self.decoder = protocol.FrameDecoder()
+
+    async def receive(self) -> protocol.Frame | None:
+        while True:
+            frame = self.decoder.next_frame()
+            if frame is not None:
+                return frame
+            data = await self.stream.receive_some(256 * 1024)
+            if not data:
+                if self.decoder.pending:
+                    raise ProtocolError("connection closed inside a frame")
+                return None
+            self.decoder.feed(data)
+
+    async def send_json(self, msg_type: MsgType, request_id: int, obj: dict[str, Any]) -> None:
+        await self.stream.send_all(protocol.encode_json(msg_type, request_id, obj))
+
+    async def send_error(self, request_id: int, exc: KSpeedError) -> None:
+        await self.send_json(
+            MsgType.ERROR, request_id, {"kind": type(exc).__name__, "message": str(exc)}
+        )
+
+
+class NodeServer:
+    def __init__(self, settings: Settings):
+        self.settings = settings
+        self.store = SegmentStore(settings.shm_dir, settings.memory_budget())
+        self.loading: dict[str, Progress] = {}
+        self.failed_at: dict[str, float] = {}
+        self.started = time.time()
+        self.token = ""
+        self.port = settings.listen.port
+        self.stats = {"connections": 0, "reads": 0, "read_bytes": 0, "refused": 0}
+        self._nursery: trio.Nursery | None = None
+        self._ops: dict[str, Callable[[dict[str, Any]], Awaitable[dict[str, Any]]]] = {
+            "ping": self.op_ping,
+            "status": self.op_status,
+            "list": self.op_list,
+            "preload": self.op_preload,
+            "progress": self.op_progress,
+            "unload": self.op_unload,
+            "shutdown": self.op_shutdown,
+        }
+
+    @property
+    def address(self) -> str:
+        return f"{self.settings.listen.host}:{self.port}"
+
+    async def run(self, task_status: trio.TaskStatus[int] = trio.TASK_STATUS_IGNORED) -> None:
+        self.token = auth.ensure_token(self.settings.token_file)
+        await trio.to_thread.run_sync(self.store.recover, self.settings.verify_on_start)
+        async with trio.open_nursery() as nursery:
+            self._nursery = nursery
+            listen = self.settings.listen
+            listeners = await nursery.start(
+                functools.partial(trio.serve_tcp, self._handle, listen.port, host=listen.host)
+            )
+            self.port = listeners[0].socket.getsockname()[1]
+            log.info(
+                "serving on %s: %d datasets, %s of %s budget used, shm %s",
+                self.address,
+                len(self.store.datasets),
+                format_size(self.store.used()),
+                format_size(self.store.budget),
+                self.settings.shm_dir,
+            )
+            nursery.start_soon(self._watch_signals, nursery)
+            interval = watchdog_interval()
+            if interval:
+                nursery.start_soon(self._watchdog, interval)
+            notify(
+                "READY=1", f"STATUS=serving {len(self.store.datasets)} datasets on {self.address}"
+            )
+            task_status.started(self.port)
+
+    async def _watch_signals(self, nursery: trio.Nursery) -> None:
+        with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
+            async for signum in signals:
+                log.info("received %s, shutting down", signal.Signals(signum).name)
+                notify("STOPPING=1")
+                self._cancel_loads()
+                nursery.cancel_scope.cancel()
+
+    async def _watchdog(self, interval: float) -> None:
+        while True:
+            notify("WATCHDOG=1")
+            await trio.sleep(interval)
+
+    def _cancel_loads(self) -> None:
+        for progress in self.loading.values():
+            progress.cancel.set()
+
+    async def _handle(self, stream: trio.SocketStream) -> None:
+        self.stats["connections"] += 1
+        conn = Connection(stream)
+        try:
+            role = await self._handshake(conn)
+            if role is None:
+                return
+            await self._serve(conn, role)
+        except ProtocolError as e:
+            log.warning("closing connection: %s", e)
+        except (trio.BrokenResourceError, trio.ClosedResourceError, ConnectionError):
+            pass
+        except Exception:
+            log.exception("unexpected error on a connection; closing it")
+        finally:
+            with trio.move_on_after(1) as scope:
+                scope.shield = True
+                await stream.aclose()
+
+    async def _handshake(self, conn: Connection) -> str | None:
+        nonce = secrets.token_bytes(32)
+        await conn.send_json(
+            MsgType.HELLO,
+            0,
+            {"version": protocol.VERSION, "node": self.address, "nonce": nonce.hex()},
+        )
+        with trio.move_on_after(HANDSHAKE_TIMEOUT):
+            frame = await conn.receive()
+            if frame is None:
+                return None
+            if frame.type != MsgType.AUTH:
+                self.stats["refused"] += 1
+                await conn.send_error(frame.request_id, AuthError("authenticate first"))
+                return None
+            msg = frame.json()
+            role = msg.get("role")
+            if not auth.verify(self.token, nonce, str(role), msg.get("mac", "")):
+                self.stats["refused"] += 1
+                log.warning("refused a client with a wrong token (role %r)", str(role)[:16])
+                await conn.send_error(
+                    frame.request_id, AuthError("authentication refused: wrong cluster token")
+                )
+                return None
+            await conn.send_json(MsgType.RESPONSE, frame.request_id, {"role": role})
+            return str(role)
+        return None
+
+    async def _serve(self, conn: Connection, role: str) -> None:
+        while True:
+            frame = await conn.receive()
+            if frame is None:
+                return
+            try:
+                if frame.type == MsgType.REQUEST:
+                    msg = frame.json()
+                    op = msg.get("op")
+                    handler = self._ops.get(op) if isinstance(op, str) else None
+                    if handler is None:
+                        raise InvalidArgument(f"unknown operation {op!r}")
+                    if op in ADMIN_OPS and role != "admin":
+                        raise AuthError(f"{op} needs the admin role; this client has {role}")
+                    result = await handler(msg)
+                    await conn.send_json(MsgType.RESPONSE, frame.request_id, result)
+                elif frame.type == MsgType.READ:
+                    await self._read(conn, frame)
+                else:
+                    raise ProtocolError(f"unexpected message type {frame.type.name}")
+            except ProtocolError as e:
+                await conn.send_error(frame.request_id, e)
+                raise
+            except KSpeedError as e:
+                await conn.send_error(frame.request_id, e)
+
+    async def _read(self, conn: Connection, frame: protocol.Frame) -> None:
+        name, ranges = protocol.decode_read(frame.payload)
+        ds = self.store.open(name)
+        views = [ds.view(seg, off, n) for seg, off, n in ranges]
+        total = sum(len(v) for v in views)
+        self.stats["reads"] += 1
+        self.stats["read_bytes"] += total
+        header = protocol.encode_header(MsgType.DATA, frame.request_id, total)
+        if total < COALESCE_BELOW:
+            await conn.stream.send_all(b"".join([header, *views]))
+        else:
+            await conn.stream.send_all(header)
+            for v in views:
+                await conn.stream.send_all(v)
+
+    async def op_ping(self, msg: dict[str, Any]) -> dict[str, Any]:
+        return {"node": self.address, "version": protocol.VERSION}
+
+    async def op_status(self, msg: dict[str, Any]) -> dict[str, Any]:
+        return {
+            "node": self.address,
+            "pid": os.getpid(),
+            "shm_dir": str(self.settings.shm_dir),
+            "budget": self.store.budget,
+            "used": self.store.used(),
+            "datasets": len(self.store.datasets),
+            "loading": sorted(n for n, p in self.loading.items() if p.state == "loading"),
+            "segments": sum(len(os.listdir(r.path / "seg")) for r in self.store.datasets.values()),
+            "uptime": time.time() - self.started,
+            "stats": dict(self.stats),
+        }
+
+    async def op_list(self, msg: dict[str, Any]) -> dict[str, Any]:
+        self._expire_failed()
+        out = [r.to_wire() for r in self.store.datasets.values()]
+        for name, p in self.loading.items():
+            out.append({"name": name, **p.to_wire()})
+        return {"node": self.address, "datasets": sorted(out, key=lambda d: d["name"])}
+
+    def _expire_failed(self) -> None:
+        now = time.monotonic()
+        for name, when in list(self.failed_at.items()):
+            if now - when > FAILED_PRELOAD_KEPT_S:
+                self.failed_at.pop(name)
+                self.loading.pop(name, None)
+
+    async def op_preload(self, msg: dict[str, Any]) -> dict[str, Any]:
+        name = validate_name(msg.get("name", ""))
+        source = msg.get("source")
+        lifetime = msg.get("lifetime", "offline")
+        if lifetime not in ("offline", "leased"):
+            raise InvalidArgument(f"bad lifetime {lifetime!r}: offline or leased")
+        if not isinstance(source, str) or not os.path.isabs(source):
+            raise InvalidArgument("source must be an absolute path")
+        if name in self.store.datasets:
+            raise AlreadyExists(f"dataset {name!r} is already loaded")
+        current = self.loading.get(name)
+        if current is not None and current.state != "failed":
+            raise AlreadyExists(f"dataset {name!r} is already loading")
+        src = check_source(source)
+        progress = Progress(state="scanning", source=source)
+        self.loading[name] = progress
+        self.failed_at.pop(name, None)
+        try:
+            tree = await trio.to_thread.run_sync(scan_tree, src)
+            need = stored_size_estimate(tree)
+            self.store.reserve(name, need)
+        except BaseException:
+            self.loading.pop(name, None)
+            raise
+        progress.state = "loading"
+        progress.files_total, progress.bytes_total = tree.file_count, tree.data_bytes
+        header = {
+            "name": name,
+            "uuid": secrets.token_hex(16),
+            "source": source,
+            "segment_size": self.settings.segment_size,
+            "created": time.time(),
+        }
+        meta = {
+            **header,
+            "lifetime": lifetime,
+            "replicas": int(msg.get("replicas", 1)),
+            "files": tree.file_count,
+            "bytes": tree.data_bytes,
+        }
+        assert self._nursery is not None
+        self._nursery.start_soon(self._load, name, src, tree, header, meta, progress)
+        log.info(
+            "preloading %s from %s: %d files, %s",
+            name,
+            source,
+            tree.file_count,
+            format_size(tree.data_bytes),
+        )
+        return {"name": name, "files_total": tree.file_count, "bytes_total": tree.data_bytes}
+
+    async def _load(
+        self,
+        name: str,
+        src: Path,
+        tree: Any,
+        header: dict[str, Any],
+        meta: dict[str, Any],
+        progress: Progress,
+    ) -> None:
+        staging = self.store.new_staging(name)
+        try:
+            await trio.to_thread.run_sync(
+                load_tree, src, tree, staging, self.settings.segment_size, header, progress
+            )
+            manifest_size = (staging / "manifest.ksm").stat().st_size
+            meta["stored"] = tree.data_bytes + manifest_size
+            self.store.publish(staging, meta)
+            progress.state = "ready"
+            self.loading.pop(name, None)
+            elapsed = time.monotonic() - progress.started
+            log.info(
+                "dataset %s ready: %s in %.1fs (%.0f MB/s)",
+                name,
+                format_size(tree.data_bytes),
+                elapsed,
+                tree.data_bytes / 1e6 / max(elapsed, 1e-9),
+            )
+        except BaseException as e:
+            self.store.discard_staging(staging)
+            self.store.release(name)
+            progress.state = "failed"
+            progress.error = str(e) if isinstance(e, KSpeedError) else f"{type(e).__name__}: {e}"
+            self.failed_at[name] = time.monotonic()
+            log.error("preload of %s failed: %s", name, progress.error)
+            if not isinstance(e, Exception):
+                raise
+
+    async def op_progress(self, msg: dict[str, Any]) -> dict[str, Any]:
+        name = validate_name(msg.get("name", ""))
+        progress = self.loading.get(name)
+        if progress is not None:
+            return progress.to_wire()
+        record = self.store.datasets.get(name)
+        if record is None:
+            raise NotFound(f"no dataset named {name!r}")
+        return {
+            "state": "ready",
+            "files_total": record.files,
+            "bytes_total": record.bytes,
+            "files_done": record.files,
+            "bytes_done": record.bytes,
+            "elapsed": 0.0,
+            "error": "",
+        }
+
+    async def op_unload(self, msg: dict[str, Any]) -> dict[str, Any]:
+        name = validate_name(msg.get("name", ""))
+        progress = self.loading.get(name)
+        if progress is not None and progress.state == "failed":
+            self.loading.pop(name)
+            return {"name": name, "state": "forgotten"}
+        if progress is not None:
+            progress.cancel.set()
+            return {"name": name, "state": "cancelled"}
+        record = await trio.to_thread.run_sync(self.store.unload, name)
+        log.info("unloaded %s", name)
+        return {"name": name, "state": "unloaded", "bytes": record.stored}
+
+    async def op_shutdown(self, msg: dict[str, Any]) -> dict[str, Any]:
+        assert self._nursery is not None
+        self._cancel_loads()
+        self._nursery.start_soon(self._stop_after_reply, self._nursery)
+        return {"node": self.address, "state": "stopping"}
+
+    async def _stop_after_reply(self, nursery: trio.Nursery) -> None:
+        await trio.sleep(0.05)
+        notify("STOPPING=1")
+        nursery.cancel_scope.cancel()
+
+
+def run_node(settings: Settings) -> None:
+    server = NodeServer(settings)
+    trio.run(server.run)

@@ -1,0 +1,148 @@
+"""The wire protocol, sans-IO: bytes in, frames out; shared by the async and blocking clients.
+
+Frame = 12-byte header (magic "KS", version, type, request id, payload length) + payload.
+Control messages carry JSON; reads carry a compact binary range list, and their answers the
+raw bytes of the ranges back to back.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import json
+import struct
+from typing import Any
+
+from .errors import ProtocolError
+
+MAGIC = b"KS"
+VERSION = 1
+HEADER = struct.Struct("!2sBBII")
+HEADER_SIZE = HEADER.size
+MAX_PAYLOAD = 128 * 1024 * 1024
+MAX_CONTROL_PAYLOAD = 16 * 1024 * 1024
+MAX_RANGES = 65536
+
+_RANGE = struct.Struct("!IQI")  # segment, offset in segment, length
+_READ_HEAD = struct.Struct("!BI")  # dataset name length, range count
+
+
+class MsgType(enum.IntEnum):
+    HELLO = 1  # server -> client: version, node, nonce
+    AUTH = 2  # client -> server: role, HMAC of the nonce
+    REQUEST = 3  # client -> server: JSON {"op": ..., ...}
+    RESPONSE = 4  # server -> client: JSON
+    ERROR = 5  # server -> client: JSON {"kind": ..., "message": ...}
+    READ = 6  # client -> server: binary range list
+    DATA = 7  # server -> client: the ranges' bytes
+
+
+_VALID_TYPES = frozenset(int(t) for t in MsgType)
+
+
+@dataclasses.dataclass
+class Frame:
+    type: MsgType
+    request_id: int
+    payload: bytes
+
+    def json(self) -> dict[str, Any]:
+        return decode_json(self.payload)
+
+
+def encode_header(msg_type: MsgType, request_id: int, length: int) -> bytes:
+    if length > MAX_PAYLOAD:
+        raise ProtocolError(f"payload of {length} bytes exceeds the maximum {MAX_PAYLOAD}")
+    return HEADER.pack(MAGIC, VERSION, int(msg_type), request_id & 0xFFFFFFFF, length)
+
+
+def parse_header(data: bytes | bytearray | memoryview) -> tuple[MsgType, int, int]:
+    """Validate a 12-byte header; returns (type, request id, payload length)."""
+    magic, version, msg_type, request_id, length = HEADER.unpack(data)
+    if magic != MAGIC:
+        raise ProtocolError("bad magic: not a kspeedfs peer")
+    if version != VERSION:
+        raise ProtocolError(f"unsupported protocol version {version} (this side speaks {VERSION})")
+    if msg_type not in _VALID_TYPES:
+        raise ProtocolError(f"unknown message type {msg_type}")
+    limit = MAX_PAYLOAD if msg_type == MsgType.DATA else MAX_CONTROL_PAYLOAD
+    if length > limit:
+        raise ProtocolError(f"frame of {length} bytes exceeds the maximum {limit}")
+    return MsgType(msg_type), request_id, length
+
+
+def encode_frame(msg_type: MsgType, request_id: int, payload: bytes = b"") -> bytes:
+    return encode_header(msg_type, request_id, len(payload)) + payload
+
+
+def encode_json(msg_type: MsgType, request_id: int, obj: dict[str, Any]) -> bytes:
+    return encode_frame(msg_type, request_id, json.dumps(obj, separators=(",", ":")).encode())
+
+
+def decode_json(payload: bytes) -> dict[str, Any]:
+    try:
+        obj = json.loads(payload)
+    except (UnicodeDecodeError, ValueError) as e:
+        raise ProtocolError(f"malformed JSON payload: {e}") from None
+    if not isinstance(obj, dict):
+        raise ProtocolError("JSON payload is not an object")
+    return obj
+
+
+def encode_read(dataset: str, ranges: list[tuple[int, int, int]]) -> bytes:
+    name = dataset.encode()
+    if len(ranges) > MAX_RANGES:
+        raise ProtocolError(f"too many ranges in one read ({len(ranges)} > {MAX_RANGES})")
+    parts = [_READ_HEAD.pack(len(name), len(ranges)), name]
+    parts.extend(_RANGE.pack(*r) for r in ranges)
+    return b"".join(parts)
+
+
+def decode_read(payload: bytes) -> tuple[str, list[tuple[int, int, int]]]:
+    if len(payload) < _READ_HEAD.size:
+        raise ProtocolError("truncated read request")
+    name_len, count = _READ_HEAD.unpack_from(payload)
+    if count > MAX_RANGES:
+        raise ProtocolError(f"too many ranges in one read ({count})")
+    start = _READ_HEAD.size + name_len
+    if len(payload) != start + count * _RANGE.size:
+        raise ProtocolError("read request length does not match its range count")
+    try:
+        dataset = payload[_READ_HEAD.size : start].decode()
+    except UnicodeDecodeError:
+        raise ProtocolError("dataset name is not UTF-8") from None
+    ranges = [_RANGE.unpack_from(payload, start + k * _RANGE.size) for k in range(count)]
+    total = sum(r[2] for r in ranges)
+    if total > MAX_PAYLOAD:
+        raise ProtocolError(f"read of {total} bytes exceeds the maximum {MAX_PAYLOAD}")
+    return dataset, ranges
+
+
+class FrameDecoder:
+    """Accumulates received bytes and yields whole frames; raises ProtocolError on bad input."""
+
+    def __init__(self) -> None:
+        self._buf = bytearray()
+        self._header: tuple[MsgType, int, int] | None = None
+
+    def feed(self, data: bytes | bytearray | memoryview) -> None:
+        self._buf += data
+
+    def next_frame(self) -> Frame | None:
+        if self._header is None:
+            if len(self._buf) < HEADER_SIZE:
+                return None
+            self._header = parse_header(bytes(self._buf[:HEADER_SIZE]))
+            del self._buf[:HEADER_SIZE]
+        msg_type, request_id, length = self._header
+        if len(self._buf) < length:
+            return None
+        payload = bytes(self._buf[:length])
+        del self._buf[:length]
+        self._header = None
+        return Frame(msg_type, request_id, payload)
+
+    @property
+    def pending(self) -> int:
+        """Bytes received but not yet returned as a frame (for the caller's memory checks)."""
+        return len(self._buf)
