@@ -1,0 +1,50 @@
+"""The read interface every data transport implements (TCP now, RDMA where both ends can).
+
+A transport reads ranges of one node's segments into caller-provided memory. The cluster
+client picks one per node (see `open_transport`); callers never see which.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Protocol
+
+from .client import NodeClient
+from .config import Settings
+from .units import Address
+
+log = logging.getLogger(__name__)
+
+Range = tuple[int, int, int]  # (segment, offset in segment, length)
+
+
+class Transport(Protocol):
+    name: str
+    address: Address
+
+    def read_into(self, dataset: str, ranges: list[Range], out: memoryview) -> None:
+        """Fill `out` (exactly the ranges' total length) with the ranges' bytes, in order."""
+        ...
+
+    def close(self) -> None: ...
+
+
+class TcpTransport:
+    """Vectored reads over the node's TCP protocol: one round trip per call."""
+
+    name = "tcp"
+
+    def __init__(self, address: Address, settings: Settings):
+        self.address = address
+        self.client = NodeClient(address, settings.token_file, settings.timeout)
+
+    def read_into(self, dataset: str, ranges: list[Range], out: memoryview) -> None:
+        self.client.receive_read(self.client.send_read(dataset, ranges), out)
+
+    def close(self) -> None:
+        self.client.close()
+
+
+def open_transport(address: Address, settings: Settings) -> Transport:
+    """TCP for now; the RDMA transport plugs in here after its negotiation succeeds."""
+    return TcpTransport(address, settings)
