@@ -22,8 +22,8 @@ import pyfuse3
 import trio
 
 from .aclient import AsyncNodeClient
-from .errors import KSpeedError, NodeUnreachable, NotFound
-from .localdata import LocalDataset
+from .cluster import ClusterReader, DatasetHandle
+from .errors import DataError, KSpeedError, NodeUnreachable, NotFound
 
 log = logging.getLogger(__name__)
 
@@ -43,7 +43,7 @@ class MountedDataset:
     slot: int
     name: str
     uuid: str
-    data: LocalDataset
+    data: DatasetHandle
     alive: bool = True
 
 
@@ -52,9 +52,12 @@ def _erofs() -> pyfuse3.FUSEError:
 
 
 class KSpeedFS(pyfuse3.Operations):
-    def __init__(self, client: AsyncNodeClient, dataset: str | None = None):
+    def __init__(
+        self, clients: list[AsyncNodeClient], reader: ClusterReader, dataset: str | None = None
+    ):
         super().__init__()
-        self.client = client
+        self.clients = clients  # the local node first: the dataset list comes from one of them
+        self.reader = reader
         self.single = dataset  # serve this dataset at the root instead of one folder each
         self.by_slot: dict[int, MountedDataset] = {}
         self.by_name: dict[str, MountedDataset] = {}
@@ -71,11 +74,17 @@ class KSpeedFS(pyfuse3.Operations):
         if not force and now - self._last_refresh < REFRESH_INTERVAL:
             return
         self._last_refresh = now
-        try:
-            listing = await self.client.request("list")
-        except NodeUnreachable as e:
+        listing = None
+        error: KSpeedError | None = None
+        for client in self.clients:
+            try:
+                listing = await client.request("list")
+                break
+            except NodeUnreachable as e:
+                error = e
+        if listing is None:
             if not self._node_down_logged:
-                log.warning("node unreachable, serving the datasets already known: %s", e)
+                log.warning("no node answers, serving the datasets already known: %s", error)
                 self._node_down_logged = True
             return
         self._node_down_logged = False
@@ -87,7 +96,7 @@ class KSpeedFS(pyfuse3.Operations):
             if name in self.by_name or (self.single and name != self.single):
                 continue
             try:
-                data = await trio.to_thread.run_sync(LocalDataset, d["path"])
+                data = await trio.to_thread.run_sync(self.reader.open_dataset, name, d)
             except KSpeedError as e:
                 log.error("cannot open dataset %s: %s", name, e)
                 continue
@@ -234,8 +243,14 @@ class KSpeedFS(pyfuse3.Operations):
         if not mounted.alive:
             log.error("read of %s after it was unloaded", mounted.name)
             raise pyfuse3.FUSEError(errno.EIO)
+        local = mounted.data.local
+        if local is not None:
+            try:
+                return local.read(idx, off, size)  # in the event loop: no thread hop when local
+            except DataError:
+                pass  # not (all) held here: the cluster path below knows where it is
         try:
-            return mounted.data.read(idx, off, size)
+            return await trio.to_thread.run_sync(self.reader.read, mounted.data, idx, off, size)
         except KSpeedError as e:
             log.error(
                 "cannot read %s/%s: %s",

@@ -1,7 +1,8 @@
-"""Copies a scanned source tree into staging segments, checksumming as it goes.
+"""Copies the files of some segments of a scanned source tree into staging, checksumming them.
 
-Runs in a worker thread of the node daemon. Each file is read straight into the mapped segment
-(one copy, kernel to tmpfs page), then hashed in place.
+Runs in a worker thread of a node daemon. Each file is read straight into the mapped segment
+(one copy, kernel to tmpfs page), then hashed in place. A node loads only the segments that
+placement gives it; a file lying wholly in those segments gets its checksum here.
 """
 
 from __future__ import annotations
@@ -12,14 +13,14 @@ import os
 import stat
 import threading
 import time
+from collections.abc import Collection
 from pathlib import Path
 from typing import Any
 
 import xxhash
 
 from .errors import DataError, KSpeedError
-from .localdata import MANIFEST_FILE, segment_path
-from .manifest import plan_layout, write_manifest
+from .localdata import segment_path
 from .scan import Tree
 
 
@@ -49,63 +50,111 @@ class Progress:
         }
 
 
-def stored_size_estimate(tree: Tree) -> int:
-    """Memory a dataset will take: its file bytes plus the manifest (about 80 bytes an entry)."""
+def manifest_size_estimate(tree: Tree) -> int:
+    """Bytes of the manifest: about 60 bytes an entry plus the names."""
     names = sum(len(n) for n in tree.names) + sum(len(t) for t in tree.link_target.values())
-    return tree.data_bytes + 96 * len(tree) + names + 65536
+    return 64 * len(tree) + names + 65536
 
 
-def load_tree(
+def files_in(
+    tree: Tree, offsets: list[int], segment_size: int, held: Collection[int]
+) -> list[int]:
+    """Regular, non-empty files with at least one byte in the held segments, in tree order."""
+    out = []
+    for i, (mode, size) in enumerate(zip(tree.mode, tree.size, strict=True)):
+        if stat.S_ISREG(mode) and size:
+            first = offsets[i] // segment_size
+            last = (offsets[i] + size - 1) // segment_size
+            if any(k in held for k in range(first, last + 1)):
+                out.append(i)
+    return out
+
+
+def load_segments(
     source: Path,
     tree: Tree,
+    offsets: list[int],
+    seg_len: list[int],
+    held: Collection[int],
     staging: Path,
     segment_size: int,
-    header: dict[str, Any],
     progress: Progress,
-) -> None:
-    """Fill staging/seg/ and write staging/manifest.ksm; raises on any problem."""
-    offsets, seg_len = plan_layout(tree, segment_size)
-    checksums = [0] * len(tree)
-    progress.files_total = tree.file_count
-    progress.bytes_total = tree.data_bytes
-    maps: list[mmap.mmap] = []
+) -> dict[int, int]:
+    """Fill staging/seg/ with the held segments; returns {entry: checksum} for the files that
+    lie wholly in held segments (the others are checksummed by whoever holds all of them)."""
+    held = set(held)
+    todo = files_in(tree, offsets, segment_size, held)
+    progress.files_total = len(todo)
+    progress.bytes_total = sum(tree.size[i] for i in todo)
+    checksums: dict[int, int] = {}
+    maps: dict[int, mmap.mmap] = {}
     try:
-        for seg, length in enumerate(seg_len):
+        for seg in sorted(held):
+            length = seg_len[seg]
             fd = os.open(segment_path(staging, seg), os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o644)
             try:
                 try:
                     os.posix_fallocate(fd, 0, length)  # claim tmpfs pages now: ENOSPC up front
                 except OSError as e:
                     raise DataError(f"cannot allocate segment {seg}: {e.strerror}") from None
-                maps.append(mmap.mmap(fd, length))
+                maps[seg] = mmap.mmap(fd, length)
             finally:
                 os.close(fd)
         src = os.fsencode(source)
-        for i, mode in enumerate(tree.mode):
-            if not stat.S_ISREG(mode):
-                continue
+        for i in todo:
             if progress.cancel.is_set():
                 raise KSpeedError("preload cancelled")
             size = tree.size[i]
             path = src + b"/" + tree.path(i)
-            checksums[i] = _copy_file(path, size, offsets[i], segment_size, maps)
+            digest = _copy_file(path, size, offsets[i], segment_size, maps)
+            if digest is not None:
+                checksums[i] = digest
             progress.files_done += 1
             progress.bytes_done += size
-        seg_checksums = [xxhash.xxh3_64_intdigest(m) for m in maps]
-        for m in maps:
+        for m in maps.values():
             m.flush()
     finally:
-        for m in maps:
+        for m in maps.values():
             m.close()
-    write_manifest(
-        staging / MANIFEST_FILE, tree, offsets, checksums, seg_len, seg_checksums, header
-    )
+    return checksums
+
+
+def segment_checksums(staging: Path, held: Collection[int]) -> dict[int, int]:
+    out = {}
+    for seg in held:
+        with open(segment_path(staging, seg), "rb") as f:
+            size = os.fstat(f.fileno()).st_size
+            if size == 0:
+                out[seg] = xxhash.xxh3_64_intdigest(b"")
+                continue
+            with mmap.mmap(f.fileno(), 0, prot=mmap.PROT_READ) as m:
+                out[seg] = xxhash.xxh3_64_intdigest(m)
+    return out
+
+
+def checksum_source_file(source: Path, relpath: bytes, size: int) -> int:
+    """Checksum of a whole source file (for files no single node holds entirely)."""
+    path = os.fsencode(source) + b"/" + relpath
+    hasher = xxhash.xxh3_64()
+    try:
+        with open(path, "rb", buffering=0) as f:
+            total = 0
+            while chunk := f.read(8 << 20):
+                hasher.update(chunk)
+                total += len(chunk)
+    except OSError as e:
+        raise DataError(f"cannot read {os.fsdecode(path)}: {e.strerror}") from None
+    if total != size:
+        raise DataError(f"source changed while loading: {os.fsdecode(path)}")
+    return hasher.intdigest()
 
 
 def _copy_file(
-    path: bytes, size: int, offset: int, segment_size: int, maps: list[mmap.mmap]
-) -> int:
+    path: bytes, size: int, offset: int, segment_size: int, maps: dict[int, mmap.mmap]
+) -> int | None:
+    """Copy the held pieces of one file; its checksum when every piece was held, else None."""
     hasher = xxhash.xxh3_64()
+    complete = True
     try:
         fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
     except OSError as e:
@@ -116,23 +165,27 @@ def _copy_file(
             while remaining:
                 seg, seg_off = divmod(pos, segment_size)
                 n = min(remaining, segment_size - seg_off)
-                dest = memoryview(maps[seg])[seg_off : seg_off + n]
-                got = 0
-                while got < n:
-                    r = f.readinto(dest[got:])
-                    if not r:
-                        raise DataError(
-                            f"source changed while loading (shorter): {os.fsdecode(path)}"
-                        )
-                    got += r
-                hasher.update(dest)
-                dest.release()
+                if seg not in maps:
+                    complete = False
+                    f.seek(n, os.SEEK_CUR)
+                else:
+                    dest = memoryview(maps[seg])[seg_off : seg_off + n]
+                    got = 0
+                    while got < n:
+                        r = f.readinto(dest[got:])
+                        if not r:
+                            raise DataError(
+                                f"source changed while loading (shorter): {os.fsdecode(path)}"
+                            )
+                        got += r
+                    hasher.update(dest)
+                    dest.release()
                 pos += n
                 remaining -= n
-            if f.read(1):
+            if complete and f.read(1):
                 raise DataError(f"source changed while loading (longer): {os.fsdecode(path)}")
     except OSError as e:
         raise DataError(f"cannot read {os.fsdecode(path)}: {e.strerror}") from None
     finally:
         os.close(fd)
-    return hasher.intdigest()
+    return hasher.intdigest() if complete else None

@@ -39,6 +39,17 @@ class LocalDataset:
         self.manifest = Manifest(self.path / MANIFEST_FILE)
         self._maps: dict[int, mmap.mmap] = {}
         self._lock = threading.Lock()
+        # Published datasets never change, so which segments are here is known once and for all.
+        try:
+            self.held = frozenset(int(n) for n in os.listdir(self.path / SEGMENT_DIR))
+        except (FileNotFoundError, ValueError):
+            self.held = frozenset()
+
+    def holds(self, seg: int) -> bool:
+        return seg in self.held
+
+    def holds_file(self, i: int) -> bool:
+        return all(seg in self.held for seg, _, _ in self.manifest.ranges(i))
 
     @property
     def uuid(self) -> str:
@@ -51,8 +62,8 @@ class LocalDataset:
         with self._lock:
             m = self._maps.get(seg)
             if m is None:
-                if not 0 <= seg < self.manifest.segments:
-                    raise DataError(f"segment {seg} out of range")
+                if seg not in self.held:
+                    raise DataError(f"segment {seg} of {self.path.name} is not held on this node")
                 try:
                     with open(segment_path(self.path, seg), "rb") as f:
                         m = mmap.mmap(f.fileno(), 0, prot=mmap.PROT_READ)

@@ -136,14 +136,14 @@ class Manifest:
     """A read-only view of a manifest file; the arrays are views of one shared mapping."""
 
     def __init__(self, path: str | os.PathLike[str]):
-        self.path = Path(path)
+        self.file = Path(path)
         try:
-            with open(self.path, "rb") as f:
+            with open(self.file, "rb") as f:
                 self._map = mmap.mmap(f.fileno(), 0, prot=mmap.PROT_READ)
         except FileNotFoundError:
-            raise NotFound(f"manifest not found: {self.path}") from None
+            raise NotFound(f"manifest not found: {self.file}") from None
         except (OSError, ValueError) as e:
-            raise DataError(f"cannot map manifest {self.path}: {e}") from None
+            raise DataError(f"cannot map manifest {self.file}: {e}") from None
         try:
             self.header = self._parse_header()
             arrays = {
@@ -151,14 +151,14 @@ class Manifest:
                 for key, (offset, dtype, count) in self.header["arrays"].items()
             }
         except (ValueError, KeyError, TypeError, struct.error) as e:
-            raise DataError(f"corrupt manifest {self.path}: {e}") from None
+            raise DataError(f"corrupt manifest {self.file}: {e}") from None
         n, nseg = self.header["entries"], self.header["segments"]
         for key in ENTRY_ARRAYS:
             if arrays[key].size != n:
-                raise DataError(f"corrupt manifest {self.path}: {key} has wrong length")
+                raise DataError(f"corrupt manifest {self.file}: {key} has wrong length")
         for key in SEGMENT_ARRAYS:
             if arrays[key].size != nseg:
-                raise DataError(f"corrupt manifest {self.path}: {key} has wrong length")
+                raise DataError(f"corrupt manifest {self.file}: {key} has wrong length")
         self.parent = arrays["parent"]
         self.mode = arrays["mode"]
         self.size = arrays["size"]

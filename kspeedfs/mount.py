@@ -15,6 +15,7 @@ import pyfuse3
 import trio
 
 from .aclient import AsyncNodeClient
+from .cluster import ClusterReader, local_node_for
 from .config import Settings
 from .errors import ERROR_CLASSES, KSpeedError, MountError
 from .fs import KSpeedFS, require_dataset
@@ -55,11 +56,14 @@ async def serve_mount(
     options: set[str],
     on_ready: Callable[[], None],
 ) -> None:
-    client = AsyncNodeClient(settings.nodes[0], settings.token_file, settings.timeout)
-    fs = KSpeedFS(client, dataset)
-    await fs.refresh(force=True)
+    local = local_node_for(settings)
+    order = sorted(settings.nodes, key=lambda a: str(a) != local)
+    clients = [AsyncNodeClient(a, settings.token_file, settings.timeout) for a in order]
+    reader = ClusterReader(settings, local)
+    fs = KSpeedFS(clients, reader, dataset)
     # A mount with no node to ask is useless: check before mounting, fail with a clear error.
-    await client.request("ping")
+    await _first_answer(clients)
+    await fs.refresh(force=True)
     if dataset:
         require_dataset(fs, dataset)
     pyfuse3.init(fs, str(mountpoint), options)
@@ -76,7 +80,21 @@ async def serve_mount(
         pyfuse3.close(unmount=False)
         raise
     pyfuse3.close(unmount=True)
-    await client.aclose()
+    reader.close()
+    for client in clients:
+        await client.aclose()
+
+
+async def _first_answer(clients: list[AsyncNodeClient]) -> None:
+    error: KSpeedError | None = None
+    for client in clients:
+        try:
+            await client.request("ping")
+            return
+        except KSpeedError as e:
+            error = e
+    assert error is not None
+    raise error
 
 
 async def _terminate_on_signal(signals: trio.abc.ReceiveChannel[int]) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import base64
 import functools
 import logging
 import os
@@ -17,13 +18,14 @@ import trio
 from . import auth, protocol
 from .config import Settings
 from .errors import AlreadyExists, AuthError, InvalidArgument, KSpeedError, NotFound, ProtocolError
-from .loader import Progress, load_tree, stored_size_estimate
+from .client import NodeClient
+from .loader import Progress
+from .preload import Plan, Stager, coordinate, plan_preload
 from .names import validate_name
 from .notify import notify, watchdog_interval
 from .protocol import MsgType
-from .scan import check_source, scan_tree
 from .store import SegmentStore
-from .units import format_size
+from .units import format_size, parse_address
 
 log = logging.getLogger(__name__)
 
@@ -32,7 +34,19 @@ FAILED_PRELOAD_KEPT_S = 600.0
 # Small pieces are joined before sending: one copy is cheaper than one syscall each.
 COALESCE_BELOW = 256 * 1024
 
-ADMIN_OPS = frozenset({"preload", "unload", "shutdown"})
+ADMIN_OPS = frozenset(
+    {
+        "preload", "unload", "unload_local", "shutdown", "stage", "stage_status", "stage_result",
+        "stage_manifest", "commit", "abort",
+    }
+)
+
+
+def cluster_members(settings: Settings) -> list[str]:
+    """The node list this node places data over; just itself when it is not in the list."""
+    me = str(settings.listen)
+    members = [str(a) for a in settings.nodes]
+    return members if me in members else [me]
 
 
 class Connection:
@@ -74,13 +88,23 @@ class NodeServer:
         self.port = settings.listen.port
         self.stats = {"connections": 0, "reads": 0, "read_bytes": 0, "refused": 0}
         self._nursery: trio.Nursery | None = None
+        self.members = cluster_members(settings)
+        self.stager = Stager(self.store, self.address)
         self._ops: dict[str, Callable[[dict[str, Any]], Awaitable[dict[str, Any]]]] = {
             "ping": self.op_ping,
             "status": self.op_status,
             "list": self.op_list,
             "preload": self.op_preload,
             "progress": self.op_progress,
+            "manifest": self.op_manifest,
             "unload": self.op_unload,
+            "unload_local": self.op_unload_local,
+            "stage": self.stager.op_stage,
+            "stage_status": self.stager.op_stage_status,
+            "stage_result": self.stager.op_stage_result,
+            "stage_manifest": self.stager.op_stage_manifest,
+            "commit": self.stager.op_commit,
+            "abort": self.stager.op_abort,
             "shutdown": self.op_shutdown,
         }
 
@@ -93,6 +117,8 @@ class NodeServer:
         await trio.to_thread.run_sync(self.store.recover, self.settings.verify_on_start)
         async with trio.open_nursery() as nursery:
             self._nursery = nursery
+            self.stager.nursery = nursery
+            nursery.start_soon(self.stager.expire_idle)
             listen = self.settings.listen
             listeners = await nursery.start(
                 functools.partial(trio.serve_tcp, self._handle, listen.port, host=listen.host)
@@ -252,92 +278,89 @@ class NodeServer:
                 self.loading.pop(name, None)
 
     async def op_preload(self, msg: dict[str, Any]) -> dict[str, Any]:
+        """Coordinate a preload over the live members (this node included)."""
         name = validate_name(msg.get("name", ""))
-        source = msg.get("source")
-        lifetime = msg.get("lifetime", "offline")
-        if lifetime not in ("offline", "leased"):
-            raise InvalidArgument(f"bad lifetime {lifetime!r}: offline or leased")
-        if not isinstance(source, str) or not os.path.isabs(source):
-            raise InvalidArgument("source must be an absolute path")
         if name in self.store.datasets:
             raise AlreadyExists(f"dataset {name!r} is already loaded")
         current = self.loading.get(name)
         if current is not None and current.state != "failed":
             raise AlreadyExists(f"dataset {name!r} is already loading")
-        src = check_source(source)
-        progress = Progress(state="scanning", source=source)
+        progress = Progress(state="scanning", source=str(msg.get("source", "")))
         self.loading[name] = progress
         self.failed_at.pop(name, None)
         try:
-            tree = await trio.to_thread.run_sync(scan_tree, src)
-            need = stored_size_estimate(tree)
-            self.store.reserve(name, need)
+            live = await self.live_members()
+            plan = await plan_preload(msg, self.settings.segment_size, live)
         except BaseException:
             self.loading.pop(name, None)
             raise
         progress.state = "loading"
-        progress.files_total, progress.bytes_total = tree.file_count, tree.data_bytes
-        header = {
-            "name": name,
-            "uuid": secrets.token_hex(16),
-            "source": source,
-            "segment_size": self.settings.segment_size,
-            "created": time.time(),
-        }
-        meta = {
-            **header,
-            "lifetime": lifetime,
-            "replicas": int(msg.get("replicas", 1)),
-            "files": tree.file_count,
-            "bytes": tree.data_bytes,
-        }
+        progress.files_total, progress.bytes_total = plan.tree.file_count, plan.tree.data_bytes
         assert self._nursery is not None
-        self._nursery.start_soon(self._load, name, src, tree, header, meta, progress)
+        self._nursery.start_soon(self._coordinate, plan, progress)
         log.info(
-            "preloading %s from %s: %d files, %s",
-            name,
-            source,
-            tree.file_count,
-            format_size(tree.data_bytes),
+            "preloading %s from %s over %d nodes: %d files, %s",
+            name, plan.source, len(plan.members), plan.tree.file_count,
+            format_size(plan.tree.data_bytes),
         )
-        return {"name": name, "files_total": tree.file_count, "bytes_total": tree.data_bytes}
+        return {
+            "name": name,
+            "files_total": plan.tree.file_count,
+            "bytes_total": plan.tree.data_bytes,
+            "nodes": plan.members,
+        }
 
-    async def _load(
-        self,
-        name: str,
-        src: Path,
-        tree: Any,
-        header: dict[str, Any],
-        meta: dict[str, Any],
-        progress: Progress,
-    ) -> None:
-        staging = self.store.new_staging(name)
+    async def _coordinate(self, plan: Plan, progress: Progress) -> None:
         try:
-            await trio.to_thread.run_sync(
-                load_tree, src, tree, staging, self.settings.segment_size, header, progress
-            )
-            manifest_size = (staging / "manifest.ksm").stat().st_size
-            meta["stored"] = tree.data_bytes + manifest_size
-            self.store.publish(staging, meta)
+            await coordinate(plan, self.call, progress, self.store.staging_dir)
             progress.state = "ready"
-            self.loading.pop(name, None)
+            self.loading.pop(plan.name, None)
             elapsed = time.monotonic() - progress.started
             log.info(
                 "dataset %s ready: %s in %.1fs (%.0f MB/s)",
-                name,
-                format_size(tree.data_bytes),
+                plan.name,
+                format_size(plan.tree.data_bytes),
                 elapsed,
-                tree.data_bytes / 1e6 / max(elapsed, 1e-9),
+                plan.tree.data_bytes / 1e6 / max(elapsed, 1e-9),
             )
         except BaseException as e:
-            self.store.discard_staging(staging)
-            self.store.release(name)
             progress.state = "failed"
             progress.error = str(e) if isinstance(e, KSpeedError) else f"{type(e).__name__}: {e}"
-            self.failed_at[name] = time.monotonic()
-            log.error("preload of %s failed: %s", name, progress.error)
+            if isinstance(e, BaseExceptionGroup):
+                progress.error = "; ".join(str(x) for x in e.exceptions)
+            self.failed_at[plan.name] = time.monotonic()
+            log.error("preload of %s failed: %s", plan.name, progress.error)
             if not isinstance(e, Exception):
                 raise
+
+    async def call(self, member: str, op: str, args: dict[str, Any]) -> dict[str, Any]:
+        """Run an op on a member: directly when it is this node, else over TCP."""
+        if member == self.address:
+            return await self._ops[op](dict(args, op=op))
+        return await trio.to_thread.run_sync(self._remote_call, member, op, args)
+
+    def _remote_call(self, member: str, op: str, args: dict[str, Any]) -> dict[str, Any]:
+        with NodeClient(parse_address(member), self.settings.token_file, self.settings.timeout) as c:
+            return c.request(op, **args)
+
+    async def live_members(self) -> list[str]:
+        live = []
+        for member in self.members:
+            try:
+                await self.call(member, "ping", {})
+                live.append(member)
+            except KSpeedError as e:
+                log.warning("node %s is down, placing data on the others: %s", member, e)
+        return live
+
+    async def op_manifest(self, msg: dict[str, Any]) -> dict[str, Any]:
+        """The manifest's bytes, for a client on a machine that holds no part of the dataset."""
+        name = validate_name(msg.get("name", ""))
+        record = self.store.datasets.get(name)
+        if record is None:
+            raise NotFound(f"no dataset named {name!r}")
+        data = await trio.to_thread.run_sync((record.path / "manifest.ksm").read_bytes)
+        return {"name": name, "uuid": record.uuid, "manifest": base64.b64encode(data).decode()}
 
     async def op_progress(self, msg: dict[str, Any]) -> dict[str, Any]:
         name = validate_name(msg.get("name", ""))
@@ -349,6 +372,7 @@ class NodeServer:
             raise NotFound(f"no dataset named {name!r}")
         return {
             "state": "ready",
+            "source": record.source,
             "files_total": record.files,
             "bytes_total": record.bytes,
             "files_done": record.files,
@@ -358,6 +382,7 @@ class NodeServer:
         }
 
     async def op_unload(self, msg: dict[str, Any]) -> dict[str, Any]:
+        """Unload everywhere: here and on every other member that holds part of it."""
         name = validate_name(msg.get("name", ""))
         progress = self.loading.get(name)
         if progress is not None and progress.state == "failed":
@@ -366,9 +391,26 @@ class NodeServer:
         if progress is not None:
             progress.cancel.set()
             return {"name": name, "state": "cancelled"}
-        record = await trio.to_thread.run_sync(self.store.unload, name)
-        log.info("unloaded %s", name)
+        record = self.store.datasets.get(name)
+        if record is None:
+            raise NotFound(f"no dataset named {name!r}")
+        for member in record.members:
+            if member != self.address:
+                try:
+                    await self.call(member, "unload_local", {"name": name, "uuid": record.uuid})
+                except KSpeedError as e:
+                    log.warning("could not unload %s on %s: %s", name, member, e)
+        await self.op_unload_local({"name": name, "uuid": record.uuid})
         return {"name": name, "state": "unloaded", "bytes": record.stored}
+
+    async def op_unload_local(self, msg: dict[str, Any]) -> dict[str, Any]:
+        name = validate_name(msg.get("name", ""))
+        record = self.store.datasets.get(name)
+        if record is None or (msg.get("uuid") and record.uuid != msg["uuid"]):
+            return {"name": name, "state": "absent"}
+        await trio.to_thread.run_sync(self.store.unload, name)
+        log.info("unloaded %s", name)
+        return {"name": name, "state": "unloaded"}
 
     async def op_shutdown(self, msg: dict[str, Any]) -> dict[str, Any]:
         assert self._nursery is not None

@@ -40,6 +40,9 @@ class DatasetRecord:
     stored: int  # bytes of memory it takes (segments + manifest)
     created: float
     path: Path
+    segments: int = 0  # segments in the whole dataset
+    held: list[int] = dataclasses.field(default_factory=list)  # the ones this node holds
+    members: list[str] = dataclasses.field(default_factory=list)  # nodes it was placed over
 
     def to_wire(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)
@@ -92,7 +95,7 @@ class SegmentStore:
         m = ds.manifest
         if m.uuid != meta["uuid"]:
             raise DataError("manifest and meta.json disagree")
-        for seg in range(m.segments):
+        for seg in meta.get("held", range(m.segments)):
             p = segment_path(path, seg)
             if p.stat().st_size != int(m.seg_len[seg]):
                 raise DataError(f"segment {seg} has the wrong size")
@@ -112,6 +115,9 @@ class SegmentStore:
             stored=int(meta["stored"]),
             created=float(meta["created"]),
             path=path,
+            segments=int(meta.get("segments", 0)),
+            held=[int(k) for k in meta.get("held", [])],
+            members=[str(n) for n in meta.get("members", [])],
         )
 
     def used(self) -> int:
@@ -122,12 +128,8 @@ class SegmentStore:
         with self._lock:
             if name in self.datasets or name in self.reserved:
                 raise AlreadyExists(f"dataset {name!r} is already loaded or loading")
-            free = self.budget - self.used()
-            if nbytes > free:
-                raise NoSpace(
-                    f"dataset needs {format_size(nbytes)} but only {format_size(max(free, 0))} "
-                    f"of the {format_size(self.budget)} budget is free"
-                )
+            if self.budget - self.used() < nbytes:
+                self._raise_no_space(nbytes)
             st = os.statvfs(self.root)
             fs_free = st.f_bavail * st.f_frsize
             if nbytes > fs_free:
@@ -136,6 +138,13 @@ class SegmentStore:
                     f"{format_size(fs_free)} free"
                 )
             self.reserved[name] = nbytes
+
+    def _raise_no_space(self, nbytes: int) -> None:
+        free = self.budget - self.used()
+        raise NoSpace(
+            f"dataset needs {format_size(nbytes)} on this node but only "
+            f"{format_size(max(free, 0))} of its {format_size(self.budget)} budget is free"
+        )
 
     def release(self, name: str) -> None:
         with self._lock:

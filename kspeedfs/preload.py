@@ -1,0 +1,358 @@
+"""Distributed preload: the coordinator plans and drives it, every member stages its part.
+
+1. The coordinator (the node a client asked) scans the source, plans the layout and places
+   each segment on `replicas` live members (rendezvous hashing).
+2. Every member scans the same source itself (checked by a digest of the tree), reserves
+   budget for its segments and loads them straight from the source, in parallel.
+3. The coordinator gathers the checksums, writes the one manifest, sends it to every member.
+4. Commit: each member publishes with one rename. Any failure before that aborts everywhere;
+   a member whose coordinator vanishes drops its staged part after STAGE_IDLE_TIMEOUT.
+"""
+
+from __future__ import annotations
+
+import base64
+import dataclasses
+import logging
+import os
+import secrets
+import time
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import trio
+import xxhash
+
+from . import placement
+from .errors import AlreadyExists, DataError, InvalidArgument, KSpeedError, NotFound
+from .loader import (
+    Progress,
+    checksum_source_file,
+    load_segments,
+    manifest_size_estimate,
+    segment_checksums,
+)
+from .localdata import MANIFEST_FILE
+from .manifest import Manifest, plan_layout, write_manifest
+from .names import validate_name
+from .scan import Tree, check_source, scan_tree
+from .store import SegmentStore
+from .units import format_size
+
+log = logging.getLogger(__name__)
+
+STAGE_IDLE_TIMEOUT = 300.0
+POLL_INTERVAL = 0.1
+
+Call = Callable[[str, str, dict[str, Any]], Awaitable[dict[str, Any]]]
+
+
+def tree_digest(tree: Tree) -> str:
+    """Identifies a scan: every member must see the same files with the same sizes."""
+    h = xxhash.xxh3_128()
+    for name, parent, mode, size, mtime in zip(
+        tree.names, tree.parent, tree.mode, tree.size, tree.mtime_ns, strict=True
+    ):
+        h.update(b"%d\0%d\0%d\0%d\0" % (parent, mode, size, mtime) + name + b"\0")
+    return h.hexdigest()
+
+
+def _b64(arr: np.ndarray) -> str:
+    return base64.b64encode(arr.tobytes()).decode()
+
+
+def _unb64(text: str, dtype: str) -> np.ndarray:
+    return np.frombuffer(base64.b64decode(text), dtype=dtype)
+
+
+@dataclasses.dataclass
+class Stage:
+    name: str
+    uuid: str
+    source: str
+    held: list[int]
+    progress: Progress
+    staging: Path | None = None
+    checksums: dict[int, int] = dataclasses.field(default_factory=dict)
+    seg_checksums: dict[int, int] = dataclasses.field(default_factory=dict)
+    stored: int = 0
+    last_contact: float = dataclasses.field(default_factory=time.monotonic)
+
+
+class Stager:
+    """A member's side: stage its segments, then take the manifest, then commit or abort."""
+
+    def __init__(self, store: SegmentStore, address: str):
+        self.store = store
+        self.address = address
+        self.stages: dict[str, Stage] = {}
+        self.nursery: trio.Nursery | None = None
+
+    def _get(self, msg: dict[str, Any]) -> Stage:
+        name = validate_name(msg.get("name", ""))
+        stage = self.stages.get(name)
+        if stage is None or stage.uuid != msg.get("uuid"):
+            raise NotFound(f"no staged preload of {name!r} on {self.address}")
+        stage.last_contact = time.monotonic()
+        return stage
+
+    async def op_stage(self, msg: dict[str, Any]) -> dict[str, Any]:
+        name = validate_name(msg.get("name", ""))
+        source = str(msg.get("source", ""))
+        segment_size = int(msg["segment_size"])
+        if name in self.store.datasets:
+            raise AlreadyExists(f"dataset {name!r} is already loaded on {self.address}")
+        current = self.stages.get(name)
+        if current is not None and current.progress.state != "failed":
+            raise AlreadyExists(f"dataset {name!r} is already loading on {self.address}")
+        try:
+            src = check_source(source)
+        except KSpeedError as e:
+            raise InvalidArgument(f"node {self.address} cannot read the source: {e}") from None
+        progress = Progress(state="scanning", source=source)
+        stage = Stage(name, str(msg["uuid"]), source, [int(k) for k in msg["segments"]], progress)
+        self.stages[name] = stage
+        try:
+            tree = await trio.to_thread.run_sync(scan_tree, src)
+            if tree_digest(tree) != msg.get("digest"):
+                raise DataError(f"node {self.address} sees a different source tree at {source}")
+            offsets, seg_len = plan_layout(tree, segment_size)
+            if any(not 0 <= k < len(seg_len) for k in stage.held):
+                raise InvalidArgument("segment number out of range")
+            held_bytes = sum(seg_len[k] for k in stage.held)
+            stage.stored = held_bytes + manifest_size_estimate(tree)
+            self.store.reserve(name, stage.stored)
+        except BaseException:
+            self.stages.pop(name, None)
+            raise
+        stage.staging = self.store.new_staging(name)
+        progress.state = "loading"
+        assert self.nursery is not None
+        self.nursery.start_soon(self._load, stage, src, tree, offsets, seg_len, segment_size)
+        return {"node": self.address, "segments": len(stage.held), "bytes": held_bytes}
+
+    async def _load(
+        self, stage: Stage, src: Path, tree: Tree, offsets: list[int], seg_len: list[int],
+        segment_size: int,
+    ) -> None:
+        assert stage.staging is not None
+        try:
+            stage.checksums = await trio.to_thread.run_sync(
+                load_segments, src, tree, offsets, seg_len, stage.held, stage.staging,
+                segment_size, stage.progress,
+            )
+            stage.seg_checksums = await trio.to_thread.run_sync(
+                segment_checksums, stage.staging, stage.held
+            )
+            stage.progress.state = "staged"
+        except BaseException as e:
+            self._fail(stage, e)
+            if not isinstance(e, Exception):
+                raise
+
+    def _fail(self, stage: Stage, e: BaseException) -> None:
+        if stage.staging is not None:
+            self.store.discard_staging(stage.staging)
+        self.store.release(stage.name)
+        stage.progress.state = "failed"
+        stage.progress.error = str(e) if isinstance(e, KSpeedError) else f"{type(e).__name__}: {e}"
+        log.error("staging %s failed: %s", stage.name, stage.progress.error)
+
+    async def op_stage_status(self, msg: dict[str, Any]) -> dict[str, Any]:
+        return self._get(msg).progress.to_wire()
+
+    async def op_stage_result(self, msg: dict[str, Any]) -> dict[str, Any]:
+        stage = self._get(msg)
+        if stage.progress.state != "staged":
+            raise InvalidArgument(f"{stage.name} is {stage.progress.state}, not staged")
+        idx = np.array(sorted(stage.checksums), dtype="<u4")
+        sums = np.array([stage.checksums[int(i)] for i in idx], dtype="<u8")
+        return {
+            "files": _b64(idx),
+            "sums": _b64(sums),
+            "segments": {str(k): v for k, v in stage.seg_checksums.items()},
+        }
+
+    async def op_stage_manifest(self, msg: dict[str, Any]) -> dict[str, Any]:
+        stage = self._get(msg)
+        assert stage.staging is not None
+        data = base64.b64decode(str(msg["manifest"]))
+        path = stage.staging / MANIFEST_FILE
+        tmp = path.with_suffix(".tmp")
+        tmp.write_bytes(data)
+        m = Manifest(tmp)
+        if m.uuid != stage.uuid:
+            raise DataError("manifest belongs to another preload")
+        for k in stage.held:
+            if int(m.seg_checksum[k]) != stage.seg_checksums[k]:
+                raise DataError(f"segment {k} checksum disagrees with the manifest")
+        os.replace(tmp, path)
+        return {"node": self.address}
+
+    async def op_commit(self, msg: dict[str, Any]) -> dict[str, Any]:
+        stage = self._get(msg)
+        assert stage.staging is not None
+        if not (stage.staging / MANIFEST_FILE).exists():
+            raise InvalidArgument(f"{stage.name}: commit before the manifest")
+        meta = dict(msg["meta"], held=stage.held)
+        meta["stored"] = sum(
+            (stage.staging / "seg" / f).stat().st_size for f in os.listdir(stage.staging / "seg")
+        ) + (stage.staging / MANIFEST_FILE).stat().st_size
+        self.store.publish(stage.staging, meta)
+        self.stages.pop(stage.name, None)
+        log.info("published %s: %d segments held here", stage.name, len(stage.held))
+        return {"node": self.address}
+
+    async def op_abort(self, msg: dict[str, Any]) -> dict[str, Any]:
+        name = validate_name(msg.get("name", ""))
+        stage = self.stages.get(name)
+        if stage is not None and stage.uuid == msg.get("uuid"):
+            stage.progress.cancel.set()
+            if stage.progress.state in ("staged", "loading", "scanning"):
+                self._fail(stage, KSpeedError("aborted by the coordinator"))
+            self.stages.pop(name, None)
+        return {"node": self.address}
+
+    async def expire_idle(self) -> None:
+        """Drop staged parts whose coordinator stopped calling (it died mid-preload)."""
+        while True:
+            await trio.sleep(STAGE_IDLE_TIMEOUT / 10)
+            now = time.monotonic()
+            for stage in list(self.stages.values()):
+                if now - stage.last_contact > STAGE_IDLE_TIMEOUT:
+                    log.warning("dropping %s: its coordinator stopped calling", stage.name)
+                    await self.op_abort({"name": stage.name, "uuid": stage.uuid})
+
+
+@dataclasses.dataclass
+class Plan:
+    name: str
+    uuid: str
+    source: str
+    lifetime: str
+    replicas: int
+    segment_size: int
+    tree: Tree
+    digest: str
+    members: list[str]
+    assignment: dict[str, list[int]]
+
+
+async def plan_preload(
+    msg: dict[str, Any], segment_size: int, live_members: list[str]
+) -> Plan:
+    name = validate_name(msg.get("name", ""))
+    source = msg.get("source")
+    lifetime = msg.get("lifetime", "offline")
+    replicas = int(msg.get("replicas", 1))
+    if lifetime not in ("offline", "leased"):
+        raise InvalidArgument(f"bad lifetime {lifetime!r}: offline or leased")
+    if not isinstance(source, str) or not os.path.isabs(source):
+        raise InvalidArgument("source must be an absolute path")
+    if not 1 <= replicas <= len(live_members):
+        raise InvalidArgument(
+            f"replicas must be between 1 and the {len(live_members)} live nodes, not {replicas}"
+        )
+    src = check_source(source)
+    tree = await trio.to_thread.run_sync(scan_tree, src)
+    _offsets, seg_len = plan_layout(tree, segment_size)
+    return Plan(
+        name=name,
+        uuid=secrets.token_hex(16),
+        source=source,
+        lifetime=lifetime,
+        replicas=replicas,
+        segment_size=segment_size,
+        tree=tree,
+        digest=tree_digest(tree),
+        members=list(live_members),
+        assignment=placement.assignment(name, len(seg_len), live_members, replicas),
+    )
+
+
+async def coordinate(plan: Plan, call: Call, progress: Progress, scratch: Path) -> None:
+    """Stage on every member, build and send the manifest, commit; abort everywhere on error."""
+    tree = plan.tree
+    offsets, seg_len = plan_layout(tree, plan.segment_size)
+    member_progress: dict[str, tuple[int, int]] = {}
+    results: dict[str, dict[str, Any]] = {}
+    ident = {"name": plan.name, "uuid": plan.uuid}
+
+    async def stage_member(member: str) -> None:
+        await call(member, "stage", {
+            **ident, "source": plan.source, "segment_size": plan.segment_size,
+            "segments": plan.assignment[member], "digest": plan.digest,
+        })
+        while True:
+            p = await call(member, "stage_status", ident)
+            member_progress[member] = (p["bytes_done"], p["bytes_total"])
+            done = sum(d for d, _ in member_progress.values())
+            total = sum(t for _, t in member_progress.values()) or 1
+            progress.bytes_done = int(progress.bytes_total * done / total)
+            progress.files_done = int(progress.files_total * done / total)
+            if p["state"] == "staged":
+                break
+            if p["state"] == "failed":
+                raise DataError(f"node {member}: {p['error']}")
+            await trio.sleep(POLL_INTERVAL)
+        results[member] = await call(member, "stage_result", ident)
+
+    try:
+        async with trio.open_nursery() as nursery:
+            for member in plan.members:
+                nursery.start_soon(stage_member, member)
+        checksums = [0] * len(tree)
+        seg_checksums = [0] * len(seg_len)
+        for res in results.values():
+            for i, s in zip(_unb64(res["files"], "<u4"), _unb64(res["sums"], "<u8"), strict=True):
+                checksums[int(i)] = int(s)
+            for k, s in res["segments"].items():
+                seg_checksums[int(k)] = int(s)
+        covered = {int(i) for res in results.values() for i in _unb64(res["files"], "<u4")}
+        for i, (mode, size) in enumerate(zip(tree.mode, tree.size, strict=True)):
+            if size and i not in covered and (mode & 0o170000) == 0o100000:
+                # Its segments sit on different nodes: checksum it from the source.
+                checksums[i] = await trio.to_thread.run_sync(
+                    checksum_source_file, Path(plan.source), tree.path(i), size
+                )
+        header = {
+            "name": plan.name, "uuid": plan.uuid, "source": plan.source,
+            "segment_size": plan.segment_size, "created": time.time(),
+            "members": plan.members, "replicas": plan.replicas,
+        }
+        path = scratch / f"{plan.name}.{plan.uuid}.manifest"
+        await trio.to_thread.run_sync(
+            write_manifest, path, tree, offsets, checksums, seg_len, seg_checksums, header
+        )
+        try:
+            blob = base64.b64encode(path.read_bytes()).decode()
+        finally:
+            path.unlink(missing_ok=True)
+        meta = {
+            **header, "lifetime": plan.lifetime, "files": tree.file_count,
+            "bytes": tree.data_bytes, "segments": len(seg_len),
+        }
+        async with trio.open_nursery() as nursery:
+            for member in plan.members:
+                nursery.start_soon(call, member, "stage_manifest", {**ident, "manifest": blob})
+        # Commit is the one step that cannot be undone atomically: a member that fails here
+        # is rolled back by unloading the dataset everywhere.
+        async with trio.open_nursery() as nursery:
+            for member in plan.members:
+                nursery.start_soon(call, member, "commit", {**ident, "meta": meta})
+        log.info(
+            "preload of %s committed on %d nodes: %s", plan.name, len(plan.members),
+            format_size(tree.data_bytes),
+        )
+    except BaseException:
+        with trio.CancelScope(shield=True):
+            for member in plan.members:
+                for op in ("abort", "unload_local"):
+                    try:
+                        args = ident if op == "abort" else {"name": plan.name, "uuid": plan.uuid}
+                        await call(member, op, args)
+                    except KSpeedError as e:
+                        log.warning("rollback of %s on %s: %s", plan.name, member, e)
+        raise
