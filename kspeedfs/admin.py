@@ -8,16 +8,24 @@ from typing import Any
 
 from .client import NodeClient
 from .config import Settings
-from .errors import DataError, KSpeedError
+from .errors import DataError, KSpeedError, NodeUnreachable
 from .names import validate_name
 from .progress import ProgressBar
 from .scan import check_source
 
 
 def connect(settings: Settings) -> NodeClient:
-    client = NodeClient(settings.nodes[0], settings.token_file, settings.timeout)
-    client.connect()
-    return client
+    """A connection to the first node of the list that answers."""
+    error: KSpeedError | None = None
+    for address in settings.nodes:
+        client = NodeClient(address, settings.token_file, settings.timeout)
+        try:
+            client.connect()
+            return client
+        except NodeUnreachable as e:
+            error = e
+    assert error is not None
+    raise error
 
 
 def preload(

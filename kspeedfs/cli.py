@@ -193,33 +193,63 @@ def cmd_ls(args: argparse.Namespace) -> int:
 
 
 def cmd_status(args: argparse.Namespace) -> int:
-    settings = _settings(args)
-    out = []
-    for addr in settings.nodes:
-        from .client import NodeClient
+    from .client import NodeClient
 
+    settings = _settings(args)
+    nodes = []
+    for addr in settings.nodes:
         try:
             with NodeClient(addr, settings.token_file, settings.timeout) as client:
-                out.append({"up": True, **client.request("status")})
+                nodes.append({"up": True, **client.request("status")})
         except KSpeedError as e:
             if len(settings.nodes) == 1:
                 raise
-            out.append({"up": False, "node": str(addr), "error": str(e)})
+            nodes.append({"up": False, "node": str(addr), "error": str(e)})
+    datasets = _residency(nodes)
     if args.json:
-        print(json.dumps(out, indent=2))
+        print(json.dumps({"nodes": nodes, "datasets": datasets}, indent=2))
         return 0
-    rows = [("NODE", "STATE", "MEMORY USED / BUDGET", "DATASETS", "SEGMENTS", "SHM DIR")]
-    for s in out:
+    rows = [("NODE", "STATE", "MEMORY USED / BUDGET", "DATASETS", "SEGMENTS", "TRANSPORT", "SHM DIR")]
+    for s in nodes:
         if not s["up"]:
-            rows.append((s["node"], "down", "-", "-", "-", s["error"]))
+            rows.append((s["node"], "down", "-", "-", "-", "-", s["error"]))
             continue
         mem = f"{format_size(s['used'])} / {format_size(s['budget'])}"
         loading = f" (+{len(s['loading'])} loading)" if s["loading"] else ""
         rows.append(
-            (s["node"], "up", mem, f"{s['datasets']}{loading}", str(s["segments"]), s["shm_dir"])
+            (
+                s["node"], "up", mem, f"{s['datasets']}{loading}", str(s["segments"]),
+                str(s.get("transport", "tcp")), s["shm_dir"],
+            )
         )
     _print_table(rows)
+    if datasets:
+        print()
+        table = [("DATASET", "SEGMENTS", "RESIDENT")]
+        for name, d in sorted(datasets.items()):
+            table.append((name, str(d["segments"]), f"{d['resident_pct']:.0f}%"))
+        _print_table(table)
     return 0
+
+
+def _residency(nodes: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """Per dataset: the share of its segments that at least one up node holds."""
+    held: dict[str, set[int]] = {}
+    total: dict[str, int] = {}
+    for s in nodes:
+        if not s["up"]:
+            continue
+        for name, h in s.get("held", {}).items():
+            held.setdefault(name, set()).update(h["held"])
+            total[name] = max(total.get(name, 0), int(h["segments"]))
+    return {
+        name: {
+            "segments": total[name],
+            "resident": len(held[name]),
+            "resident_pct": 100.0 * len(held[name]) / total[name] if total[name] else 100.0,
+        }
+        for name in held
+    }
 
 
 def cmd_unload(args: argparse.Namespace) -> int:

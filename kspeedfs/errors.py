@@ -27,6 +27,10 @@ class InvalidArgument(KSpeedError):
     exit_code = 5
 
 
+class SourceNotVisible(InvalidArgument):
+    """A node cannot read a preload's source: the coordinator pushes its segments instead."""
+
+
 class AlreadyExists(KSpeedError):
     errno = errno.EEXIST
     exit_code = 6
@@ -70,6 +74,7 @@ ERROR_CLASSES: dict[str, type[KSpeedError]] = {
         NodeUnreachable,
         NotFound,
         InvalidArgument,
+        SourceNotVisible,
         AlreadyExists,
         NoSpace,
         MountError,

@@ -119,6 +119,31 @@ def load_segments(
     return checksums
 
 
+def read_segment(
+    source: Path, tree: Tree, offsets: list[int], segment_size: int, seg: int, length: int
+) -> bytearray:
+    """One segment's bytes assembled from the source (for a node that cannot read it)."""
+    out = bytearray(length)
+    base = seg * segment_size
+    src = os.fsencode(source)
+    for i in files_in(tree, offsets, segment_size, {seg}):
+        start, end = max(offsets[i], base), min(offsets[i] + tree.size[i], base + length)
+        path = src + b"/" + tree.path(i)
+        try:
+            with open(path, "rb", buffering=0) as f:
+                f.seek(start - offsets[i])
+                view = memoryview(out)[start - base : end - base]
+                got = 0
+                while got < len(view):
+                    n = f.readinto(view[got:])
+                    if not n:
+                        raise DataError(f"source changed while loading: {os.fsdecode(path)}")
+                    got += n
+        except OSError as e:
+            raise DataError(f"cannot read {os.fsdecode(path)}: {e.strerror}") from None
+    return out
+
+
 def segment_checksums(staging: Path, held: Collection[int]) -> dict[int, int]:
     out = {}
     for seg in held:

@@ -37,7 +37,7 @@ COALESCE_BELOW = 256 * 1024
 ADMIN_OPS = frozenset(
     {
         "preload", "unload", "unload_local", "shutdown", "stage", "stage_status", "stage_result",
-        "stage_manifest", "commit", "abort",
+        "stage_manifest", "stage_put", "stage_done", "commit", "abort",
     }
 )
 
@@ -54,7 +54,7 @@ class Connection:
 
     def __init__(self, stream: trio.abc.Stream):
         self.stream = stream
-        self.decoder = protocol.FrameDecoder()
+        self.decoder = protocol.FrameDecoder(protocol.MAX_HANDSHAKE_PAYLOAD)
 
     async def receive(self) -> protocol.Frame | None:
         while True:
@@ -103,6 +103,8 @@ class NodeServer:
             "stage_status": self.stager.op_stage_status,
             "stage_result": self.stager.op_stage_result,
             "stage_manifest": self.stager.op_stage_manifest,
+            "stage_put": self.stager.op_stage_put,
+            "stage_done": self.stager.op_stage_done,
             "commit": self.stager.op_commit,
             "abort": self.stager.op_abort,
             "shutdown": self.op_shutdown,
@@ -202,6 +204,7 @@ class NodeServer:
                 )
                 return None
             await conn.send_json(MsgType.RESPONSE, frame.request_id, {"role": role})
+            conn.decoder.max_payload = protocol.MAX_CONTROL_PAYLOAD
             return str(role)
         return None
 
@@ -230,6 +233,9 @@ class NodeServer:
                 raise
             except KSpeedError as e:
                 await conn.send_error(frame.request_id, e)
+            except (KeyError, TypeError, ValueError) as e:
+                # A request missing a field or with one of the wrong type: refuse it, stay up.
+                await conn.send_error(frame.request_id, InvalidArgument(f"malformed request: {e!r}"))
 
     async def _read(self, conn: Connection, frame: protocol.Frame) -> None:
         name, ranges = protocol.decode_read(frame.payload)
@@ -261,6 +267,12 @@ class NodeServer:
             "segments": sum(len(os.listdir(r.path / "seg")) for r in self.store.datasets.values()),
             "uptime": time.time() - self.started,
             "stats": dict(self.stats),
+            "loaded": dict(self.stager.loaded),
+            "members": self.members,
+            "held": {
+                r.name: {"held": r.held, "segments": r.segments}
+                for r in self.store.datasets.values()
+            },
         }
 
     async def op_list(self, msg: dict[str, Any]) -> dict[str, Any]:

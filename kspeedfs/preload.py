@@ -26,15 +26,23 @@ import trio
 import xxhash
 
 from . import placement
-from .errors import AlreadyExists, DataError, InvalidArgument, KSpeedError, NotFound
+from .errors import (
+    AlreadyExists,
+    DataError,
+    InvalidArgument,
+    KSpeedError,
+    NotFound,
+    SourceNotVisible,
+)
 from .loader import (
     Progress,
     checksum_source_file,
     load_segments,
     manifest_size_estimate,
+    read_segment,
     segment_checksums,
 )
-from .localdata import MANIFEST_FILE
+from .localdata import MANIFEST_FILE, segment_path
 from .manifest import Manifest, plan_layout, write_manifest
 from .names import validate_name
 from .scan import Tree, check_source, scan_tree
@@ -45,6 +53,7 @@ log = logging.getLogger(__name__)
 
 STAGE_IDLE_TIMEOUT = 300.0
 POLL_INTERVAL = 0.1
+PUSH_CHUNK = 4 * 1024 * 1024
 
 Call = Callable[[str, str, dict[str, Any]], Awaitable[dict[str, Any]]]
 
@@ -89,6 +98,7 @@ class Stager:
         self.address = address
         self.stages: dict[str, Stage] = {}
         self.nursery: trio.Nursery | None = None
+        self.loaded = {"segments": 0, "bytes": 0}  # what this node loaded from sources
 
     def _get(self, msg: dict[str, Any]) -> Stage:
         name = validate_name(msg.get("name", ""))
@@ -101,23 +111,27 @@ class Stager:
     async def op_stage(self, msg: dict[str, Any]) -> dict[str, Any]:
         name = validate_name(msg.get("name", ""))
         source = str(msg.get("source", ""))
-        segment_size = int(msg["segment_size"])
         if name in self.store.datasets:
             raise AlreadyExists(f"dataset {name!r} is already loaded on {self.address}")
         current = self.stages.get(name)
         if current is not None and current.progress.state != "failed":
             raise AlreadyExists(f"dataset {name!r} is already loading on {self.address}")
+        if msg.get("push"):
+            return await self._stage_for_push(name, msg)
+        segment_size = int(msg["segment_size"])
         try:
             src = check_source(source)
         except KSpeedError as e:
-            raise InvalidArgument(f"node {self.address} cannot read the source: {e}") from None
+            raise SourceNotVisible(f"node {self.address} cannot read the source: {e}") from None
         progress = Progress(state="scanning", source=source)
         stage = Stage(name, str(msg["uuid"]), source, [int(k) for k in msg["segments"]], progress)
         self.stages[name] = stage
         try:
             tree = await trio.to_thread.run_sync(scan_tree, src)
             if tree_digest(tree) != msg.get("digest"):
-                raise DataError(f"node {self.address} sees a different source tree at {source}")
+                raise SourceNotVisible(
+                    f"node {self.address} sees a different source tree at {source}"
+                )
             offsets, seg_len = plan_layout(tree, segment_size)
             if any(not 0 <= k < len(seg_len) for k in stage.held):
                 raise InvalidArgument("segment number out of range")
@@ -133,6 +147,56 @@ class Stager:
         self.nursery.start_soon(self._load, stage, src, tree, offsets, seg_len, segment_size)
         return {"node": self.address, "segments": len(stage.held), "bytes": held_bytes}
 
+    async def _stage_for_push(self, name: str, msg: dict[str, Any]) -> dict[str, Any]:
+        """Allocate the held segments; the coordinator then writes them with stage_put."""
+        seg_len = {int(k): int(v) for k, v in msg["seg_len"].items()}
+        progress = Progress(state="receiving", source=str(msg.get("source", "")))
+        progress.bytes_total = sum(seg_len.values())
+        stage = Stage(name, str(msg["uuid"]), progress.source, sorted(seg_len), progress)
+        stage.stored = progress.bytes_total + int(msg.get("manifest_estimate", 0))
+        self.store.reserve(name, stage.stored)
+        self.stages[name] = stage
+        try:
+            stage.staging = self.store.new_staging(name)
+            for k, length in seg_len.items():
+                with open(segment_path(stage.staging, k), "wb") as f:
+                    if length:
+                        os.posix_fallocate(f.fileno(), 0, length)
+        except BaseException as e:
+            self._fail(stage, e)
+            self.stages.pop(name, None)
+            raise
+        return {"node": self.address, "segments": len(seg_len), "bytes": progress.bytes_total}
+
+    async def op_stage_put(self, msg: dict[str, Any]) -> dict[str, Any]:
+        stage = self._get(msg)
+        seg, offset = int(msg["segment"]), int(msg["offset"])
+        data = base64.b64decode(str(msg["data"]))
+        assert stage.staging is not None
+        if seg not in stage.held or stage.progress.state != "receiving":
+            raise InvalidArgument(f"segment {seg} is not expected here")
+        path = segment_path(stage.staging, seg)
+        if offset < 0 or offset + len(data) > path.stat().st_size:
+            raise InvalidArgument("write past the end of the segment")
+        fd = os.open(path, os.O_WRONLY)
+        try:
+            os.pwrite(fd, data, offset)
+        finally:
+            os.close(fd)
+        stage.progress.bytes_done += len(data)
+        return {"node": self.address}
+
+    async def op_stage_done(self, msg: dict[str, Any]) -> dict[str, Any]:
+        stage = self._get(msg)
+        assert stage.staging is not None
+        stage.seg_checksums = await trio.to_thread.run_sync(
+            segment_checksums, stage.staging, stage.held
+        )
+        stage.progress.state = "staged"
+        self.loaded["segments"] += len(stage.held)
+        self.loaded["bytes"] += stage.progress.bytes_done
+        return {"node": self.address}
+
     async def _load(
         self, stage: Stage, src: Path, tree: Tree, offsets: list[int], seg_len: list[int],
         segment_size: int,
@@ -146,7 +210,11 @@ class Stager:
             stage.seg_checksums = await trio.to_thread.run_sync(
                 segment_checksums, stage.staging, stage.held
             )
+            if stage.progress.cancel.is_set():
+                raise KSpeedError("aborted by the coordinator")
             stage.progress.state = "staged"
+            self.loaded["segments"] += len(stage.held)
+            self.loaded["bytes"] += stage.progress.bytes_done
         except BaseException as e:
             self._fail(stage, e)
             if not isinstance(e, Exception):
@@ -209,8 +277,9 @@ class Stager:
         name = validate_name(msg.get("name", ""))
         stage = self.stages.get(name)
         if stage is not None and stage.uuid == msg.get("uuid"):
+            # A loading thread sees the cancel and cleans up after itself; otherwise we do.
             stage.progress.cancel.set()
-            if stage.progress.state in ("staged", "loading", "scanning"):
+            if stage.progress.state in ("staged", "receiving"):
                 self._fail(stage, KSpeedError("aborted by the coordinator"))
             self.stages.pop(name, None)
         return {"node": self.address}
@@ -281,10 +350,22 @@ async def coordinate(plan: Plan, call: Call, progress: Progress, scratch: Path) 
     ident = {"name": plan.name, "uuid": plan.uuid}
 
     async def stage_member(member: str) -> None:
-        await call(member, "stage", {
-            **ident, "source": plan.source, "segment_size": plan.segment_size,
-            "segments": plan.assignment[member], "digest": plan.digest,
-        })
+        held = plan.assignment[member]
+        try:
+            await call(member, "stage", {
+                **ident, "source": plan.source, "segment_size": plan.segment_size,
+                "segments": held, "digest": plan.digest,
+            })
+        except SourceNotVisible as e:
+            log.info("%s; pushing its %d segments to it", e, len(held))
+            await call(member, "stage", {
+                **ident, "push": True, "source": plan.source,
+                "seg_len": {str(k): seg_len[k] for k in held},
+                "manifest_estimate": manifest_size_estimate(tree),
+            })
+            for k in held:
+                await push_segment(member, k)
+            await call(member, "stage_done", ident)
         while True:
             p = await call(member, "stage_status", ident)
             member_progress[member] = (p["bytes_done"], p["bytes_total"])
@@ -298,6 +379,14 @@ async def coordinate(plan: Plan, call: Call, progress: Progress, scratch: Path) 
                 raise DataError(f"node {member}: {p['error']}")
             await trio.sleep(POLL_INTERVAL)
         results[member] = await call(member, "stage_result", ident)
+
+    async def push_segment(member: str, seg: int) -> None:
+        data = await trio.to_thread.run_sync(
+            read_segment, Path(plan.source), tree, offsets, plan.segment_size, seg, seg_len[seg]
+        )
+        for pos in range(0, len(data), PUSH_CHUNK):
+            chunk = base64.b64encode(data[pos : pos + PUSH_CHUNK]).decode()
+            await call(member, "stage_put", {**ident, "segment": seg, "offset": pos, "data": chunk})
 
     try:
         async with trio.open_nursery() as nursery:

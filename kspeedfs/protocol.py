@@ -22,6 +22,7 @@ HEADER_SIZE = HEADER.size
 MAX_PAYLOAD = 128 * 1024 * 1024
 MAX_CONTROL_PAYLOAD = 16 * 1024 * 1024
 MAX_RANGES = 65536
+MAX_HANDSHAKE_PAYLOAD = 4096
 
 _RANGE = struct.Struct("!IQI")  # segment, offset in segment, length
 _READ_HEAD = struct.Struct("!BI")  # dataset name length, range count
@@ -121,9 +122,12 @@ def decode_read(payload: bytes) -> tuple[str, list[tuple[int, int, int]]]:
 class FrameDecoder:
     """Accumulates received bytes and yields whole frames; raises ProtocolError on bad input."""
 
-    def __init__(self) -> None:
+    def __init__(self, max_payload: int = MAX_PAYLOAD) -> None:
         self._buf = bytearray()
         self._header: tuple[MsgType, int, int] | None = None
+        # A server lowers this until the peer has authenticated, so that a stranger
+        # cannot make it buffer large frames.
+        self.max_payload = max_payload
 
     def feed(self, data: bytes | bytearray | memoryview) -> None:
         self._buf += data
@@ -133,6 +137,8 @@ class FrameDecoder:
             if len(self._buf) < HEADER_SIZE:
                 return None
             self._header = parse_header(bytes(self._buf[:HEADER_SIZE]))
+            if self._header[2] > self.max_payload:
+                raise ProtocolError(f"frame of {self._header[2]} bytes exceeds {self.max_payload} here")
             del self._buf[:HEADER_SIZE]
         msg_type, request_id, length = self._header
         if len(self._buf) < length:

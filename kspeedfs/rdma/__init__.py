@@ -1,0 +1,1 @@
+"""RDMA transport: one-sided reads of a node's registered segment memory (pyverbs)."""
