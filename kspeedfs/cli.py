@@ -7,6 +7,7 @@ import json
 import logging
 import sys
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -322,7 +323,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
     return run_demo(Path(args.workdir), args.classes, args.per_class, args.workers)
 
 
-def _print_table(rows: list[tuple[str, ...]]) -> None:
+def _print_table(rows: Sequence[tuple[str, ...]]) -> None:
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     for r in rows:
         print("  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip())

@@ -40,7 +40,9 @@ class NodeClient:
             return
         token = auth.read_token(self.token_file)
         try:
-            sock = socket.create_connection(tuple(self.address), timeout=self.timeout)
+            sock = socket.create_connection(
+                (self.address.host, self.address.port), timeout=self.timeout
+            )
         except OSError as e:
             raise NodeUnreachable(
                 f"no kspeedfs node at {self.address} ({e.strerror or e}): is `kspeedfs node` running?"

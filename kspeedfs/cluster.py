@@ -50,7 +50,9 @@ class DatasetHandle:
     def owners(self, seg: int) -> list[str]:
         found = self._owners.get(seg)
         if found is None:
-            found = self._owners[seg] = placement.owners(self.name, seg, self.members, self.replicas)
+            found = self._owners[seg] = placement.owners(
+                self.name, seg, self.members, self.replicas
+            )
         return found
 
     def local_holds(self, seg: int) -> bool:
@@ -230,7 +232,9 @@ class ClusterReader:
             with open(path, "rb", buffering=0) as f:
                 if offset == 0 and length >= size:
                     data = f.read(size + 1)
-                    if len(data) != size or xxhash.xxh3_64_intdigest(data) != int(ds.manifest.checksum[i]):
+                    if len(data) != size or xxhash.xxh3_64_intdigest(data) != int(
+                        ds.manifest.checksum[i]
+                    ):
                         raise DataError(f"source file changed since preload: {os.fsdecode(path)}")
                     self.stats["source"] += 1
                     return data
@@ -253,7 +257,8 @@ class ClusterReader:
 def local_node_for(settings: Settings) -> str | None:
     """This machine's node: the one we listen as, when it is in the node list."""
     me = str(settings.listen)
-    return me if me in [str(a) for a in settings.nodes] else (
-        str(settings.nodes[0]) if len(settings.nodes) == 1 else None
+    return (
+        me
+        if me in [str(a) for a in settings.nodes]
+        else (str(settings.nodes[0]) if len(settings.nodes) == 1 else None)
     )
-

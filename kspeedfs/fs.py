@@ -15,6 +15,7 @@ import os
 import stat
 import time
 from collections import Counter
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -191,7 +192,7 @@ class KSpeedFS(pyfuse3.Operations):
             raise pyfuse3.FUSEError(errno.ENOENT)
         return self._entry(mounted, found)
 
-    async def forget(self, inode_list: list[tuple[int, int]]) -> None:
+    async def forget(self, inode_list: Sequence[tuple[int, int]]) -> None:
         pass  # inodes are computed, not tracked
 
     async def opendir(self, inode: int, ctx: pyfuse3.RequestContext) -> int:

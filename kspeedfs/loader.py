@@ -56,9 +56,7 @@ def manifest_size_estimate(tree: Tree) -> int:
     return 64 * len(tree) + names + 65536
 
 
-def files_in(
-    tree: Tree, offsets: list[int], segment_size: int, held: Collection[int]
-) -> list[int]:
+def files_in(tree: Tree, offsets: list[int], segment_size: int, held: Collection[int]) -> list[int]:
     """Regular, non-empty files with at least one byte in the held segments, in tree order."""
     out = []
     for i, (mode, size) in enumerate(zip(tree.mode, tree.size, strict=True)):

@@ -8,7 +8,7 @@ import shutil
 import signal
 import subprocess
 import sys
-from collections.abc import Callable, Iterable
+from collections.abc import AsyncIterator, Callable, Iterable
 from pathlib import Path
 
 import pyfuse3
@@ -97,7 +97,7 @@ async def _first_answer(clients: list[AsyncNodeClient]) -> None:
     raise error
 
 
-async def _terminate_on_signal(signals: trio.abc.ReceiveChannel[int]) -> None:
+async def _terminate_on_signal(signals: AsyncIterator[int]) -> None:
     async for signum in signals:
         log.info("received %s, unmounting", signal.Signals(signum).name)
         pyfuse3.terminate()
@@ -140,17 +140,17 @@ def run_mount(
         os.write(write_fd, b"ok\n")
         os.close(write_fd)
 
-    code = 0
+    status = 0
     try:
         trio.run(serve_mount, path, settings, dataset, opts, ready)
     except KSpeedError as e:
         _report(write_fd, f"{e.exit_code} {e}")
-        code = e.exit_code
+        status = e.exit_code
     except BaseException as e:  # the parent must hear of any failure, then we exit
         log.exception("mount failed")
         _report(write_fd, f"{MountError.exit_code} mount failed: {e}")
-        code = 1
-    os._exit(code)
+        status = 1
+    os._exit(status)
 
 
 def _report(fd: int, message: str) -> None:

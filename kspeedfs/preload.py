@@ -198,14 +198,26 @@ class Stager:
         return {"node": self.address}
 
     async def _load(
-        self, stage: Stage, src: Path, tree: Tree, offsets: list[int], seg_len: list[int],
+        self,
+        stage: Stage,
+        src: Path,
+        tree: Tree,
+        offsets: list[int],
+        seg_len: list[int],
         segment_size: int,
     ) -> None:
         assert stage.staging is not None
         try:
             stage.checksums = await trio.to_thread.run_sync(
-                load_segments, src, tree, offsets, seg_len, stage.held, stage.staging,
-                segment_size, stage.progress,
+                load_segments,
+                src,
+                tree,
+                offsets,
+                seg_len,
+                stage.held,
+                stage.staging,
+                segment_size,
+                stage.progress,
             )
             stage.seg_checksums = await trio.to_thread.run_sync(
                 segment_checksums, stage.staging, stage.held
@@ -265,9 +277,13 @@ class Stager:
         if not (stage.staging / MANIFEST_FILE).exists():
             raise InvalidArgument(f"{stage.name}: commit before the manifest")
         meta = dict(msg["meta"], held=stage.held)
-        meta["stored"] = sum(
-            (stage.staging / "seg" / f).stat().st_size for f in os.listdir(stage.staging / "seg")
-        ) + (stage.staging / MANIFEST_FILE).stat().st_size
+        meta["stored"] = (
+            sum(
+                (stage.staging / "seg" / f).stat().st_size
+                for f in os.listdir(stage.staging / "seg")
+            )
+            + (stage.staging / MANIFEST_FILE).stat().st_size
+        )
         self.store.publish(stage.staging, meta)
         self.stages.pop(stage.name, None)
         log.info("published %s: %d segments held here", stage.name, len(stage.held))
@@ -309,9 +325,7 @@ class Plan:
     assignment: dict[str, list[int]]
 
 
-async def plan_preload(
-    msg: dict[str, Any], segment_size: int, live_members: list[str]
-) -> Plan:
+async def plan_preload(msg: dict[str, Any], segment_size: int, live_members: list[str]) -> Plan:
     name = validate_name(msg.get("name", ""))
     source = msg.get("source")
     lifetime = msg.get("lifetime", "offline")
@@ -352,17 +366,30 @@ async def coordinate(plan: Plan, call: Call, progress: Progress, scratch: Path) 
     async def stage_member(member: str) -> None:
         held = plan.assignment[member]
         try:
-            await call(member, "stage", {
-                **ident, "source": plan.source, "segment_size": plan.segment_size,
-                "segments": held, "digest": plan.digest,
-            })
+            await call(
+                member,
+                "stage",
+                {
+                    **ident,
+                    "source": plan.source,
+                    "segment_size": plan.segment_size,
+                    "segments": held,
+                    "digest": plan.digest,
+                },
+            )
         except SourceNotVisible as e:
             log.info("%s; pushing its %d segments to it", e, len(held))
-            await call(member, "stage", {
-                **ident, "push": True, "source": plan.source,
-                "seg_len": {str(k): seg_len[k] for k in held},
-                "manifest_estimate": manifest_size_estimate(tree),
-            })
+            await call(
+                member,
+                "stage",
+                {
+                    **ident,
+                    "push": True,
+                    "source": plan.source,
+                    "seg_len": {str(k): seg_len[k] for k in held},
+                    "manifest_estimate": manifest_size_estimate(tree),
+                },
+            )
             for k in held:
                 await push_segment(member, k)
             await call(member, "stage_done", ident)
@@ -407,9 +434,13 @@ async def coordinate(plan: Plan, call: Call, progress: Progress, scratch: Path) 
                     checksum_source_file, Path(plan.source), tree.path(i), size
                 )
         header = {
-            "name": plan.name, "uuid": plan.uuid, "source": plan.source,
-            "segment_size": plan.segment_size, "created": time.time(),
-            "members": plan.members, "replicas": plan.replicas,
+            "name": plan.name,
+            "uuid": plan.uuid,
+            "source": plan.source,
+            "segment_size": plan.segment_size,
+            "created": time.time(),
+            "members": plan.members,
+            "replicas": plan.replicas,
         }
         path = scratch / f"{plan.name}.{plan.uuid}.manifest"
         await trio.to_thread.run_sync(
@@ -420,8 +451,11 @@ async def coordinate(plan: Plan, call: Call, progress: Progress, scratch: Path) 
         finally:
             path.unlink(missing_ok=True)
         meta = {
-            **header, "lifetime": plan.lifetime, "files": tree.file_count,
-            "bytes": tree.data_bytes, "segments": len(seg_len),
+            **header,
+            "lifetime": plan.lifetime,
+            "files": tree.file_count,
+            "bytes": tree.data_bytes,
+            "segments": len(seg_len),
         }
         async with trio.open_nursery() as nursery:
             for member in plan.members:
@@ -432,7 +466,9 @@ async def coordinate(plan: Plan, call: Call, progress: Progress, scratch: Path) 
             for member in plan.members:
                 nursery.start_soon(call, member, "commit", {**ident, "meta": meta})
         log.info(
-            "preload of %s committed on %d nodes: %s", plan.name, len(plan.members),
+            "preload of %s committed on %d nodes: %s",
+            plan.name,
+            len(plan.members),
             format_size(tree.data_bytes),
         )
     except BaseException:

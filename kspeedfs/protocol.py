@@ -138,7 +138,9 @@ class FrameDecoder:
                 return None
             self._header = parse_header(bytes(self._buf[:HEADER_SIZE]))
             if self._header[2] > self.max_payload:
-                raise ProtocolError(f"frame of {self._header[2]} bytes exceeds {self.max_payload} here")
+                raise ProtocolError(
+                    f"frame of {self._header[2]} bytes exceeds {self.max_payload} here"
+                )
             del self._buf[:HEADER_SIZE]
         msg_type, request_id, length = self._header
         if len(self._buf) < length:

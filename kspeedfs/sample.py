@@ -17,7 +17,7 @@ def _base_jpeg(rng: random.Random, target: int) -> bytes:
     for _ in range(4):  # a few rounds of resizing get within ~10% of the target size
         noise = bytes(rng.getrandbits(8) for _ in range((side // 4) ** 2 * 3))
         img = Image.frombytes("RGB", (side // 4, side // 4), noise).resize(
-            (side, side), Image.BILINEAR
+            (side, side), Image.Resampling.BILINEAR
         )
         buf = io.BytesIO()
         img.save(buf, "JPEG", quality=90)
