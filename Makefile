@@ -48,3 +48,22 @@ $(STAMP): pyproject.toml
 
 clean:
 	rm -rf $(VENV) build *.egg-info
+
+# Optional RDMA transport: Debian's pyverbs (built for Python 3.11) linked into the virtualenv.
+RDMA_APT := rdma-core ibverbs-providers python3-pyverbs
+DEB_PYVERBS := /usr/lib/python3/dist-packages/pyverbs
+
+.PHONY: rdma
+rdma: deps
+	@missing=""; \
+	for p in $(RDMA_APT); do dpkg -s $$p >/dev/null 2>&1 || missing="$$missing $$p"; done; \
+	if [ -n "$$missing" ]; then \
+		echo "installing apt packages:$$missing"; \
+		$(SUDO) apt-get update -q && \
+		DEBIAN_FRONTEND=noninteractive $(SUDO) apt-get install -y -q $$missing; \
+	fi
+	ln -sfn $(DEB_PYVERBS) "$$($(BIN)/python -c 'import sysconfig; print(sysconfig.get_paths()["platlib"])')/pyverbs"
+	@$(BIN)/python -c 'import pyverbs.device' || { \
+		echo "pyverbs does not import: Debian's is built for $$(ls $(DEB_PYVERBS)/device.*.so)"; exit 1; }
+	@$(BIN)/python -c 'from kspeedfs.rdma.verbs import probe; p = probe(); \
+		print("RDMA:", f"usable ({p.device} port {p.port})" if p.usable else f"not usable here: {p.reason}")'

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 import time
 from typing import Any
 
@@ -11,7 +10,7 @@ from .config import Settings
 from .errors import DataError, KSpeedError, NodeUnreachable
 from .names import validate_name
 from .progress import ProgressBar
-from .scan import check_source
+from .sources import normalize_source
 
 
 def connect(settings: Settings) -> NodeClient:
@@ -36,13 +35,20 @@ def preload(
     show_progress: bool = True,
     lifetime: str = "offline",
     replicas: int = 1,
+    endpoint: str = "",
 ) -> dict[str, Any]:
-    """Ask the node to load `source` as `name`; with `wait`, poll until ready or failed."""
+    """Ask the node to load `source` (a folder or an s3:// URL) as `name`; with `wait`, poll
+    until ready or failed."""
     validate_name(name)
-    src = check_source(source)
+    src = normalize_source(source)
     with connect(settings) as client:
         started = client.request(
-            "preload", name=name, source=os.path.abspath(src), lifetime=lifetime, replicas=replicas
+            "preload",
+            name=name,
+            source=src,
+            lifetime=lifetime,
+            replicas=replicas,
+            endpoint=endpoint,
         )
         if not wait:
             return started

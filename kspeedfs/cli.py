@@ -13,7 +13,7 @@ from typing import Any
 
 from . import __version__, admin, auth
 from .config import Settings, load_settings
-from .errors import EXIT_CODES_DOC, InvalidArgument, KSpeedError
+from .errors import EXIT_CODES_DOC, AuthError, InvalidArgument, KSpeedError
 from .units import format_size
 
 log = logging.getLogger("kspeedfs")
@@ -44,11 +44,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--memory", help="memory budget, e.g. 8GiB or 50%% (default 50%% of shm)")
     p.add_argument("--segment-size", help="segment size, e.g. 64MiB")
     p.add_argument("--no-verify", action="store_true", help="skip checksums of datasets at start")
+    p.add_argument("--spill-dir", help="disk folder for read-through segments evicted from memory")
+    p.add_argument("--spill", help="spill budget, e.g. 512GiB (with --spill-dir)")
 
     p = sub.add_parser("preload", help="load a dataset into the cache (kept until unload)")
     _client_options(p)
-    p.add_argument("source", help="source folder")
+    p.add_argument("source", help="source folder, or s3://bucket/prefix")
     p.add_argument("--name", required=True, help="dataset name: [a-z0-9][a-z0-9._-]{0,63}")
+    p.add_argument("--endpoint", help="object store endpoint URL of an s3:// source")
     p.add_argument("--no-wait", action="store_true", help="return once the node accepted it")
     p.add_argument("--replicas", type=int, default=1, help="copies of each segment (default 1)")
     p.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
@@ -58,6 +61,10 @@ def build_parser() -> argparse.ArgumentParser:
         _client_options(p)
         p.add_argument("--json", action="store_true", help="machine-readable output")
 
+    p = sub.add_parser("refresh", help="re-list a read-through dataset's source, re-read changes")
+    _client_options(p)
+    p.add_argument("name")
+
     p = sub.add_parser("unload", help="remove a dataset from the cache")
     _client_options(p)
     p.add_argument("name")
@@ -66,6 +73,9 @@ def build_parser() -> argparse.ArgumentParser:
     _client_options(p)
     p.add_argument("mountpoint")
     p.add_argument("--dataset", help="serve one dataset at the root")
+    p.add_argument("--source", help="read-through: serve this folder or s3:// URL, cached as read")
+    p.add_argument("--endpoint", help="object store endpoint URL of an s3:// --source")
+    p.add_argument("--name", help="dataset name for --source (default: from the source)")
     p.add_argument("-f", "--foreground", action="store_true", help="do not go to the background")
     p.add_argument("-o", dest="options", default="", help="FUSE options: allow_other,...")
     p.add_argument("--log-file", help="where the background mount logs")
@@ -73,6 +83,15 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("umount", help="unmount a kspeedfs mount")
     p.add_argument("mountpoint")
     p.add_argument("-z", "--lazy", action="store_true", help="lazy unmount (also if stale)")
+
+    p = sub.add_parser("mounts", help="the mounts kspeedfs-mountd keeps, and their state")
+    p.add_argument("--state-file", help="mountd's status file (default /run/kspeedfs-mountd/...)")
+    p.add_argument("--json", action="store_true", help="machine-readable output")
+
+    p = sub.add_parser("install-systemd", help="install the systemd units and mount helpers")
+    p.add_argument("--prefix", default="/", help="install under DIR instead of / (default /)")
+    p.add_argument("--exec-prefix", help="where the kspeedfs scripts are (default: this venv)")
+    p.add_argument("--example-mount", action="store_true", help="also mnt-imagenet.mount")
 
     p = sub.add_parser("shutdown", help="stop the node daemon")
     _client_options(p)
@@ -139,6 +158,8 @@ def cmd_node(args: argparse.Namespace) -> int:
         memory=args.memory,
         segment_size=args.segment_size,
         verify_on_start=False if args.no_verify else None,
+        spill_dir=args.spill_dir,
+        spill=args.spill,
     )
     logging.getLogger().setLevel(logging.DEBUG if args.verbose else settings.log_level)
     run_node(settings)
@@ -156,6 +177,7 @@ def cmd_preload(args: argparse.Namespace) -> int:
         wait=not args.no_wait,
         show_progress=not args.quiet,
         replicas=args.replicas,
+        endpoint=args.endpoint or "",
     )
     state = result.get("state", "loading")
     print(
@@ -203,7 +225,8 @@ def cmd_status(args: argparse.Namespace) -> int:
             with NodeClient(addr, settings.token_file, settings.timeout) as client:
                 nodes.append({"up": True, **client.request("status")})
         except KSpeedError as e:
-            if len(settings.nodes) == 1:
+            # A refused token is this client's problem, not a node that is down.
+            if len(settings.nodes) == 1 or isinstance(e, AuthError):
                 raise
             nodes.append({"up": False, "node": str(addr), "error": str(e)})
     datasets = _residency(nodes)
@@ -230,6 +253,14 @@ def cmd_status(args: argparse.Namespace) -> int:
         for name, d in sorted(datasets.items()):
             table.append((name, str(d["segments"]), f"{d['resident_pct']:.0f}%"))
         _print_table(table)
+    from .rtclient import cache_table, spill_lines
+
+    cache = cache_table(nodes)
+    if cache:
+        print()
+        _print_table(cache)
+    for line in spill_lines(nodes):
+        print(line)
     return 0
 
 
@@ -260,14 +291,42 @@ def cmd_unload(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_refresh(args: argparse.Namespace) -> int:
+    settings = _settings(args)
+    # A refresh lists the whole source: it may take longer than an ordinary request.
+    settings.timeout = max(settings.timeout, 600.0)
+    with admin.connect(settings) as client:
+        result = client.request("refresh", name=args.name)
+    if result["state"] == "unchanged":
+        print(f"{args.name}: unchanged")
+    else:
+        print(
+            f"{args.name}: refreshed, {result['changed']} files changed, "
+            f"{result['kept']} of {result['segments']} segments kept"
+        )
+    return 0
+
+
 def cmd_mount(args: argparse.Namespace) -> int:
     from .mount import run_mount
 
     options = [o for o in args.options.split(",") if o]
+    settings = _settings(args)
+    dataset = args.dataset
+    if args.source:
+        from .mount import check_mountpoint
+        from .rtclient import register_source
+
+        check_mountpoint(args.mountpoint)  # before anything is created on the node
+        dataset = register_source(
+            settings, args.source, args.endpoint or "", args.name or args.dataset
+        )
+    elif args.endpoint or args.name:
+        raise InvalidArgument("--endpoint and --name go with --source")
     run_mount(
         args.mountpoint,
-        _settings(args),
-        dataset=args.dataset,
+        settings,
+        dataset=dataset,
         options=options,
         foreground=args.foreground,
         log_file=args.log_file,
@@ -279,6 +338,22 @@ def cmd_umount(args: argparse.Namespace) -> int:
     from .mount import unmount
 
     unmount(args.mountpoint, lazy=args.lazy)
+    return 0
+
+
+def cmd_mounts(args: argparse.Namespace) -> int:
+    from mountd.state import DEFAULT_STATE_FILE, print_status
+
+    return print_status(Path(args.state_file or DEFAULT_STATE_FILE), args.json)
+
+
+def cmd_install_systemd(args: argparse.Namespace) -> int:
+    from .systemd_units import install
+
+    exec_prefix = Path(args.exec_prefix) if args.exec_prefix else None
+    for path in install(Path(args.prefix), exec_prefix, args.example_mount):
+        print(f"wrote {path}")
+    print("next: systemctl daemon-reload && systemctl enable --now kspeedfs-node kspeedfs-mountd")
     return 0
 
 
@@ -335,8 +410,11 @@ COMMANDS = {
     "ls": cmd_ls,
     "status": cmd_status,
     "unload": cmd_unload,
+    "refresh": cmd_refresh,
     "mount": cmd_mount,
     "umount": cmd_umount,
+    "mounts": cmd_mounts,
+    "install-systemd": cmd_install_systemd,
     "shutdown": cmd_shutdown,
     "token": cmd_token,
     "sample": cmd_sample,

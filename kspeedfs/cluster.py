@@ -25,6 +25,8 @@ from .client import NodeClient
 from .config import Settings
 from .errors import DataError, KSpeedError, NodeUnreachable, NotFound
 from .localdata import LocalDataset
+from .rtclient import open_local, read_source, read_through
+from .sources import is_url
 from .manifest import Manifest
 from .transport import Range, Transport, open_transport
 from .units import parse_address
@@ -153,7 +155,7 @@ class ClusterReader:
         for d in listing["datasets"]:
             if d["name"] == info["name"] and d.get("uuid") == info["uuid"] and d.get("path"):
                 try:
-                    local = LocalDataset(d["path"])
+                    local = open_local(d["path"])
                 except KSpeedError:
                     return None
                 return local if local.uuid == info["uuid"] else None
@@ -176,6 +178,8 @@ class ClusterReader:
     def read(self, ds: DatasetHandle, i: int, offset: int, length: int) -> bytes:
         """Bytes [offset, offset+length) of file i, from wherever they can be had."""
         pieces = ds.manifest.ranges(i, offset, length)
+        if ds.manifest.header.get("readthrough"):
+            return read_through(self, ds, i, offset, length)
         if ds.local is not None and all(ds.local.holds(p[0]) for p in pieces):
             self.stats["local"] += 1
             return ds.local.read(i, offset, length)
@@ -226,6 +230,9 @@ class ClusterReader:
     def _read_source(self, ds: DatasetHandle, i: int, offset: int, length: int) -> bytes:
         if not ds.source:
             raise DataError(f"{ds.name}: no copy reachable and no source recorded")
+        if is_url(ds.source):
+            self.stats["source"] += 1
+            return read_source(ds, i, offset, length)
         path = os.fsencode(ds.source) + b"/" + ds.manifest.path(i)
         size = int(ds.manifest.size[i])
         try:

@@ -36,6 +36,14 @@ class Settings:
     lease_ttl: float = 30.0
     timeout: float = 10.0
     log_level: str = "INFO"
+    # Data transport between nodes: "auto" (RDMA where both ends can, else TCP), "tcp", "rdma".
+    transport: str = "auto"
+    rdma_device: str = ""  # "" = the first device with an active port
+    rdma_gid_index: int = -1  # -1 = pick one (RoCE v2 with an IPv4 address first)
+    # Read-through caching: evicted segments go to spill_dir (a disk folder) within `spill`.
+    spill_dir: Path | None = None
+    spill: str = "0"
+    source_check_interval: float = 300.0  # seconds between checks of sources for changes; 0: off
 
     def memory_budget(self) -> int:
         """The budget in bytes; a percentage is taken of the filesystem that holds shm_dir."""
@@ -77,6 +85,23 @@ def _to_float(v: Any) -> float:
         raise InvalidArgument(f"not a number: {v!r}") from None
 
 
+def _to_choice(v: Any, choices: tuple[str, ...]) -> str:
+    s = str(v).strip().lower()
+    if s not in choices:
+        raise InvalidArgument(f"{v!r} is not one of {', '.join(choices)}")
+    return s
+
+
+def _to_int(v: Any, minimum: int) -> int:
+    try:
+        n = int(v)
+    except (TypeError, ValueError):
+        raise InvalidArgument(f"not an integer: {v!r}") from None
+    if n < minimum:
+        raise InvalidArgument(f"{n} is below the minimum {minimum}")
+    return n
+
+
 def _to_memory(v: Any) -> str:
     s = str(v)
     if not s.strip().endswith("%"):
@@ -95,6 +120,12 @@ _CONVERTERS: dict[str, Any] = {
     "lease_ttl": _to_float,
     "timeout": _to_float,
     "log_level": lambda v: str(v).upper(),
+    "transport": lambda v: _to_choice(v, ("auto", "tcp", "rdma")),
+    "rdma_device": str,
+    "rdma_gid_index": lambda v: _to_int(v, -1),
+    "spill_dir": lambda v: Path(os.path.expanduser(str(v))) if str(v) else None,
+    "spill": lambda v: str(parse_size(v if isinstance(v, int) else str(v))),
+    "source_check_interval": _to_float,
 }
 
 ENV_PREFIX = "KSPEEDFS_"

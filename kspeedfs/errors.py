@@ -56,6 +56,10 @@ class DataError(KSpeedError):
     exit_code = 10
 
 
+class SourceChanged(DataError):
+    """A source file is no longer as listed: a snapshot cannot be served from it."""
+
+
 class ProtocolError(KSpeedError):
     errno = errno.EPROTO
     exit_code = 11
@@ -79,6 +83,7 @@ ERROR_CLASSES: dict[str, type[KSpeedError]] = {
         NoSpace,
         MountError,
         AuthError,
+        SourceChanged,
         DataError,
         ProtocolError,
         ReadOnly,

@@ -37,6 +37,7 @@ INDEX_MASK = (1 << SLOT_SHIFT) - 1
 WRITE_FLAGS = os.O_WRONLY | os.O_RDWR | os.O_APPEND | os.O_TRUNC | os.O_CREAT
 CHECKSUM_XATTR = b"user.kspeedfs.xxh3"
 STATS_XATTR = b"user.kspeedfs.stats"
+SOURCES_XATTR = b"user.kspeedfs.sources"
 
 
 @dataclass
@@ -300,6 +301,9 @@ class KSpeedFS(pyfuse3.Operations):
         self.counts["getxattr"] += 1
         if name == STATS_XATTR and inode == ROOT:
             return json.dumps(dict(self.counts)).encode()
+        if name == SOURCES_XATTR and inode == ROOT:
+            # Where cluster reads were served from (local/remote/source): failover at work.
+            return json.dumps(dict(self.reader.stats)).encode()
         if name == CHECKSUM_XATTR and inode != ROOT:
             mounted, idx = self._locate(inode)
             if mounted.data.manifest.is_file(idx):

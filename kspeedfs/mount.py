@@ -21,6 +21,7 @@ from .errors import ERROR_CLASSES, KSpeedError, MountError
 from .fs import KSpeedFS, require_dataset
 from .names import validate_name
 from .notify import notify
+from .rtclient import report_touches
 
 log = logging.getLogger(__name__)
 
@@ -71,6 +72,7 @@ async def serve_mount(
         with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT, signal.SIGHUP) as signals:
             async with trio.open_nursery() as nursery:
                 nursery.start_soon(_terminate_on_signal, signals)
+                nursery.start_soon(report_touches, fs, clients)
                 log.info("mounted %s at %s", dataset or "all datasets", mountpoint)
                 notify("READY=1", f"STATUS=mounted at {mountpoint}")
                 on_ready()

@@ -43,7 +43,8 @@ def mount_entries() -> list[MountEntry]:
             sep = fields.index(b"-", 6)
             entries.append(
                 MountEntry(
-                    _unescape(fields[4]), fields[sep + 1].decode(errors="replace"),
+                    _unescape(fields[4]),
+                    fields[sep + 1].decode(errors="replace"),
                     _unescape(fields[sep + 2]),
                 )
             )
@@ -76,7 +77,8 @@ def kspeedfs_mounted(path: str | os.PathLike[str]) -> bool:
 def is_stale(path: str | os.PathLike[str]) -> bool:
     """True for a FUSE mount whose process died: every access fails with ENOTCONN."""
     try:
-        os.stat(path)
+        # Not stat: the kernel may answer it from cached attributes of a dead mount.
+        os.statvfs(path)
     except OSError as e:
         return e.errno == errno.ENOTCONN
     return False

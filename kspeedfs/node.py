@@ -19,11 +19,14 @@ from . import auth, protocol
 from .config import Settings
 from .errors import AlreadyExists, AuthError, InvalidArgument, KSpeedError, NotFound, ProtocolError
 from .client import NodeClient
+from .leases import LeaseTable
 from .loader import Progress
 from .preload import Plan, Stager, coordinate, plan_preload
 from .names import validate_name
 from .notify import notify, watchdog_interval
 from .protocol import MsgType
+from .rdma.server import RdmaService
+from .readthrough import ReadThroughCache
 from .store import SegmentStore
 from .units import format_size, parse_address
 
@@ -38,6 +41,7 @@ ADMIN_OPS = frozenset(
     {
         "preload", "unload", "unload_local", "shutdown", "stage", "stage_status", "stage_result",
         "stage_manifest", "stage_put", "stage_done", "commit", "abort",
+        "register_source", "refresh",
     }
 )
 
@@ -90,6 +94,7 @@ class NodeServer:
         self._nursery: trio.Nursery | None = None
         self.members = cluster_members(settings)
         self.stager = Stager(self.store, self.address)
+        self.leases = LeaseTable(settings.lease_ttl)
         self._ops: dict[str, Callable[[dict[str, Any]], Awaitable[dict[str, Any]]]] = {
             "ping": self.op_ping,
             "status": self.op_status,
@@ -97,6 +102,9 @@ class NodeServer:
             "preload": self.op_preload,
             "progress": self.op_progress,
             "manifest": self.op_manifest,
+            "lease_acquire": self.op_lease_acquire,
+            "lease_renew": self.op_lease_renew,
+            "lease_release": self.op_lease_release,
             "unload": self.op_unload,
             "unload_local": self.op_unload_local,
             "stage": self.stager.op_stage,
@@ -109,6 +117,10 @@ class NodeServer:
             "abort": self.stager.op_abort,
             "shutdown": self.op_shutdown,
         }
+        self.rdma = RdmaService.start(settings)
+        self.rdma.attach(self)
+        self.cache = ReadThroughCache(self)  # read-through datasets: fill, evict, spill
+        self._ops.update(self.cache.ops())
 
     @property
     def address(self) -> str:
@@ -117,10 +129,13 @@ class NodeServer:
     async def run(self, task_status: trio.TaskStatus[int] = trio.TASK_STATUS_IGNORED) -> None:
         self.token = auth.ensure_token(self.settings.token_file)
         await trio.to_thread.run_sync(self.store.recover, self.settings.verify_on_start)
+        await trio.to_thread.run_sync(self.cache.recover)
         async with trio.open_nursery() as nursery:
             self._nursery = nursery
             self.stager.nursery = nursery
             nursery.start_soon(self.stager.expire_idle)
+            nursery.start_soon(self._expire_leases)
+            await nursery.start(self.cache.run)
             listen = self.settings.listen
             listeners = await nursery.start(
                 functools.partial(trio.serve_tcp, self._handle, listen.port, host=listen.host)
@@ -163,6 +178,7 @@ class NodeServer:
     async def _handle(self, stream: trio.SocketStream) -> None:
         self.stats["connections"] += 1
         conn = Connection(stream)
+        rdma_peers = self.rdma.bind_connection()  # its queue pairs live as long as it does
         try:
             role = await self._handshake(conn)
             if role is None:
@@ -175,6 +191,7 @@ class NodeServer:
         except Exception:
             log.exception("unexpected error on a connection; closing it")
         finally:
+            rdma_peers.close()
             with trio.move_on_after(1) as scope:
                 scope.shield = True
                 await stream.aclose()
@@ -267,6 +284,10 @@ class NodeServer:
             "segments": sum(len(os.listdir(r.path / "seg")) for r in self.store.datasets.values()),
             "uptime": time.time() - self.started,
             "stats": dict(self.stats),
+            "transport": self.rdma.label,
+            "rdma": self.rdma.status(),
+            "leases": self.leases.total(),
+            "cache": self.cache.status(),
             "loaded": dict(self.stager.loaded),
             "members": self.members,
             "held": {
@@ -277,7 +298,10 @@ class NodeServer:
 
     async def op_list(self, msg: dict[str, Any]) -> dict[str, Any]:
         self._expire_failed()
-        out = [r.to_wire() for r in self.store.datasets.values()]
+        out = [
+            {**r.to_wire(), "leases": self.leases.count(r.name)}
+            for r in self.store.datasets.values()
+        ]
         for name, p in self.loading.items():
             out.append({"name": name, **p.to_wire()})
         return {"node": self.address, "datasets": sorted(out, key=lambda d: d["name"])}
@@ -423,6 +447,70 @@ class NodeServer:
         await trio.to_thread.run_sync(self.store.unload, name)
         log.info("unloaded %s", name)
         return {"name": name, "state": "unloaded"}
+
+    async def op_lease_acquire(self, msg: dict[str, Any]) -> dict[str, Any]:
+        name = validate_name(msg.get("name", ""))
+        if name not in self.store.datasets:
+            raise NotFound(f"no dataset named {name!r}")
+        lease = self.leases.acquire(name, str(msg.get("holder", "")))
+        count = self.leases.count(name)
+        log.info("lease on %s taken by %s (%d held)", name, lease.holder, count)
+        return {**lease.to_wire(self.leases.clock()), "ttl": self.leases.ttl, "leases": count}
+
+    async def op_lease_renew(self, msg: dict[str, Any]) -> dict[str, Any]:
+        lease = self.leases.renew(str(msg.get("lease", "")))
+        return lease.to_wire(self.leases.clock())
+
+    async def op_lease_release(self, msg: dict[str, Any]) -> dict[str, Any]:
+        lease = self.leases.release(str(msg.get("lease", "")))
+        left = self.leases.count(lease.name)
+        log.info("lease on %s released by %s (%d left)", lease.name, lease.holder, left)
+        unloaded = False
+        if not left:
+            unloaded = await self._unload_unleased(lease.name, "its last lease was released")
+        return {"name": lease.name, "leases": left, "unloaded": unloaded}
+
+    def _lease_home(self, name: str) -> bool:
+        # One node keeps a dataset's leases (the first it was placed over), so that only
+        # that node decides to unload it.
+        record = self.store.datasets.get(name)
+        return record is None or not record.members or record.members[0] == self.address
+
+    async def _expire_leases(self) -> None:
+        """End leases that were not renewed (a crashed job) and leased datasets no one holds."""
+        while True:
+            await trio.sleep(min(1.0, self.leases.ttl / 4))
+            try:
+                reasons: dict[str, str] = {}
+                for lease in self.leases.expire():
+                    log.warning("lease on %s held by %s expired", lease.name, lease.holder)
+                    reasons[lease.name] = "its last lease expired"
+                leased = [
+                    r.name
+                    for r in self.store.datasets.values()
+                    if r.lifetime == "leased" and self._lease_home(r.name)
+                ]
+                for name in self.leases.idle(leased):
+                    reasons.setdefault(name, f"no lease on it for {self.leases.ttl:g}s")
+                for name, why in sorted(reasons.items()):
+                    await self._unload_unleased(name, why)
+            except Exception:
+                log.exception("lease expiry failed; trying again")
+
+    async def _unload_unleased(self, name: str, why: str) -> bool:
+        """Unload a leased dataset no lease holds any more; an offline one is never touched."""
+        record = self.store.datasets.get(name)
+        if record is None or record.lifetime != "leased" or not self.leases.begin_close(name):
+            return False
+        try:
+            log.info("unloading %s: %s", name, why)
+            await self.op_unload({"name": name})
+        except KSpeedError as e:
+            log.warning("could not unload %s: %s", name, e)
+            return False
+        finally:
+            self.leases.forget(name)
+        return True
 
     async def op_shutdown(self, msg: dict[str, Any]) -> dict[str, Any]:
         assert self._nursery is not None

@@ -36,16 +36,23 @@ from .errors import (
 )
 from .loader import (
     Progress,
-    checksum_source_file,
-    load_segments,
     manifest_size_estimate,
-    read_segment,
     segment_checksums,
 )
 from .localdata import MANIFEST_FILE, segment_path
 from .manifest import Manifest, plan_layout, write_manifest
 from .names import validate_name
-from .scan import Tree, check_source, scan_tree
+from .scan import Tree
+from .sources import (
+    Source,
+    checked_source,
+    checksum_source_file,
+    is_url,
+    load_segments,
+    read_segment,
+    scan_any,
+    source_for,
+)
 from .store import SegmentStore
 from .units import format_size
 
@@ -120,14 +127,14 @@ class Stager:
             return await self._stage_for_push(name, msg)
         segment_size = int(msg["segment_size"])
         try:
-            src = check_source(source)
+            src = checked_source(source, str(msg.get("endpoint") or ""))
         except KSpeedError as e:
             raise SourceNotVisible(f"node {self.address} cannot read the source: {e}") from None
         progress = Progress(state="scanning", source=source)
         stage = Stage(name, str(msg["uuid"]), source, [int(k) for k in msg["segments"]], progress)
         self.stages[name] = stage
         try:
-            tree = await trio.to_thread.run_sync(scan_tree, src)
+            tree = await trio.to_thread.run_sync(scan_any, src)
             if tree_digest(tree) != msg.get("digest"):
                 raise SourceNotVisible(
                     f"node {self.address} sees a different source tree at {source}"
@@ -150,6 +157,8 @@ class Stager:
     async def _stage_for_push(self, name: str, msg: dict[str, Any]) -> dict[str, Any]:
         """Allocate the held segments; the coordinator then writes them with stage_put."""
         seg_len = {int(k): int(v) for k, v in msg["seg_len"].items()}
+        if any(k < 0 or v < 0 for k, v in seg_len.items()):
+            raise InvalidArgument("negative segment number or length")
         progress = Progress(state="receiving", source=str(msg.get("source", "")))
         progress.bytes_total = sum(seg_len.values())
         stage = Stage(name, str(msg["uuid"]), progress.source, sorted(seg_len), progress)
@@ -165,6 +174,8 @@ class Stager:
         except BaseException as e:
             self._fail(stage, e)
             self.stages.pop(name, None)
+            if isinstance(e, OSError):
+                raise DataError(f"cannot allocate staging on {self.address}: {e}") from None
             raise
         return {"node": self.address, "segments": len(seg_len), "bytes": progress.bytes_total}
 
@@ -200,7 +211,7 @@ class Stager:
     async def _load(
         self,
         stage: Stage,
-        src: Path,
+        src: Path | Source,
         tree: Tree,
         offsets: list[int],
         seg_len: list[int],
@@ -323,6 +334,7 @@ class Plan:
     digest: str
     members: list[str]
     assignment: dict[str, list[int]]
+    endpoint: str = ""  # object store endpoint of a URL source
 
 
 async def plan_preload(msg: dict[str, Any], segment_size: int, live_members: list[str]) -> Plan:
@@ -332,14 +344,14 @@ async def plan_preload(msg: dict[str, Any], segment_size: int, live_members: lis
     replicas = int(msg.get("replicas", 1))
     if lifetime not in ("offline", "leased"):
         raise InvalidArgument(f"bad lifetime {lifetime!r}: offline or leased")
-    if not isinstance(source, str) or not os.path.isabs(source):
-        raise InvalidArgument("source must be an absolute path")
+    if not isinstance(source, str) or not (os.path.isabs(source) or is_url(source)):
+        raise InvalidArgument("source must be an absolute path or a URL")
     if not 1 <= replicas <= len(live_members):
         raise InvalidArgument(
             f"replicas must be between 1 and the {len(live_members)} live nodes, not {replicas}"
         )
-    src = check_source(source)
-    tree = await trio.to_thread.run_sync(scan_tree, src)
+    src = checked_source(source, str(msg.get("endpoint") or ""))
+    tree = await trio.to_thread.run_sync(scan_any, src)
     _offsets, seg_len = plan_layout(tree, segment_size)
     return Plan(
         name=name,
@@ -352,6 +364,7 @@ async def plan_preload(msg: dict[str, Any], segment_size: int, live_members: lis
         digest=tree_digest(tree),
         members=list(live_members),
         assignment=placement.assignment(name, len(seg_len), live_members, replicas),
+        endpoint=str(msg.get("endpoint") or ""),
     )
 
 
@@ -375,6 +388,7 @@ async def coordinate(plan: Plan, call: Call, progress: Progress, scratch: Path) 
                     "segment_size": plan.segment_size,
                     "segments": held,
                     "digest": plan.digest,
+                    "endpoint": plan.endpoint,
                 },
             )
         except SourceNotVisible as e:
@@ -409,7 +423,13 @@ async def coordinate(plan: Plan, call: Call, progress: Progress, scratch: Path) 
 
     async def push_segment(member: str, seg: int) -> None:
         data = await trio.to_thread.run_sync(
-            read_segment, Path(plan.source), tree, offsets, plan.segment_size, seg, seg_len[seg]
+            read_segment,
+            source_for(plan.source, plan.endpoint),
+            tree,
+            offsets,
+            plan.segment_size,
+            seg,
+            seg_len[seg],
         )
         for pos in range(0, len(data), PUSH_CHUNK):
             chunk = base64.b64encode(data[pos : pos + PUSH_CHUNK]).decode()
@@ -431,7 +451,10 @@ async def coordinate(plan: Plan, call: Call, progress: Progress, scratch: Path) 
             if size and i not in covered and (mode & 0o170000) == 0o100000:
                 # Its segments sit on different nodes: checksum it from the source.
                 checksums[i] = await trio.to_thread.run_sync(
-                    checksum_source_file, Path(plan.source), tree.path(i), size
+                    checksum_source_file,
+                    source_for(plan.source, plan.endpoint),
+                    tree.path(i),
+                    size,
                 )
         header = {
             "name": plan.name,
@@ -441,6 +464,8 @@ async def coordinate(plan: Plan, call: Call, progress: Progress, scratch: Path) 
             "created": time.time(),
             "members": plan.members,
             "replicas": plan.replicas,
+            "endpoint": plan.endpoint,
+            "digest": plan.digest,
         }
         path = scratch / f"{plan.name}.{plan.uuid}.manifest"
         await trio.to_thread.run_sync(

@@ -15,6 +15,7 @@ import os
 import shutil
 import threading
 import uuid
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -23,6 +24,7 @@ import xxhash
 from .errors import AlreadyExists, DataError, KSpeedError, NoSpace, NotFound
 from .localdata import MANIFEST_FILE, META_FILE, LocalDataset, read_meta, segment_path
 from .names import validate_name
+from .rtclient import open_local
 from .units import format_size
 
 log = logging.getLogger(__name__)
@@ -62,6 +64,12 @@ class SegmentStore:
         self.reserved: dict[str, int] = {}  # name -> bytes reserved by a preload in progress
         self._lock = threading.Lock()
         self._open: dict[str, LocalDataset] = {}
+        # Followers of the datasets (the RDMA registration): called with a dataset's name once
+        # it is visible (also for each one found at start), and before its files are unlinked.
+        self.on_publish: list[Callable[[str], None]] = []
+        self.before_unload: list[Callable[[str], None]] = []
+        # Frees evictable (read-through) memory when a reservation does not fit; returns bytes.
+        self.reclaim: Callable[[int], int] | None = None
 
     def recover(self, verify: bool) -> None:
         """Find the datasets a previous daemon published; drop staging leftovers and broken ones."""
@@ -85,6 +93,9 @@ class SegmentStore:
                 record.files,
                 format_size(record.bytes),
             )
+        for name in sorted(self.datasets):
+            for hook in self.on_publish:
+                hook(name)
 
     def _check(self, path: Path, verify: bool) -> DatasetRecord:
         meta = read_meta(path)
@@ -128,6 +139,8 @@ class SegmentStore:
         with self._lock:
             if name in self.datasets or name in self.reserved:
                 raise AlreadyExists(f"dataset {name!r} is already loaded or loading")
+            if self.budget - self.used() < nbytes and self.reclaim is not None:
+                self.reclaim(nbytes - (self.budget - self.used()))
             if self.budget - self.used() < nbytes:
                 self._raise_no_space(nbytes)
             st = os.statvfs(self.root)
@@ -169,6 +182,8 @@ class SegmentStore:
             record = self._record(final, meta, (final / MANIFEST_FILE).stat().st_size)
             self.datasets[name] = record
             self.reserved.pop(name, None)
+        for hook in self.on_publish:
+            hook(name)
         return record
 
     def unload(self, name: str) -> DatasetRecord:
@@ -177,6 +192,8 @@ class SegmentStore:
             if record is None:
                 raise NotFound(f"no dataset named {name!r}")
             self._open.pop(name, None)
+        for hook in self.before_unload:
+            hook(name)
         self._discard(record.path)
         return record
 
@@ -198,5 +215,5 @@ class SegmentStore:
             record = self.datasets.get(name)
             if record is None:
                 raise NotFound(f"no dataset named {name!r}")
-            ds = self._open[name] = LocalDataset(record.path)
+            ds = self._open[name] = open_local(record.path)
         return ds

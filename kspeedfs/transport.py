@@ -46,5 +46,9 @@ class TcpTransport:
 
 
 def open_transport(address: Address, settings: Settings) -> Transport:
-    """TCP for now; the RDMA transport plugs in here after its negotiation succeeds."""
-    return TcpTransport(address, settings)
+    """RDMA where the `transport` setting and both ends allow it, else TCP (see rdma.client)."""
+    if settings.transport == "tcp":
+        return TcpTransport(address, settings)
+    from .rdma.client import negotiate
+
+    return negotiate(address, settings)

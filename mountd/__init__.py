@@ -1,1 +1,1 @@
-"""Placeholder: filled by its own issue."""
+"""kspeedfs-mountd: keeps the mounts declared in /etc/kspeedfs/mounts.d alive."""

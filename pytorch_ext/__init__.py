@@ -1,1 +1,18 @@
-"""Placeholder: filled by its own issue."""
+"""The PyTorch fast path: datasets that read the cache's shared memory directly, no FUSE hop."""
+
+from .array import KSpeedDataset
+from .external_source import KSpeedCallable, SampleInfo
+from .folder import KSpeedFolder
+from .image_folder import KSpeedImageFolder
+from .lease import release_all as release_leases
+from .prefetch import ClairvoyantSampler
+
+__all__ = [
+    "ClairvoyantSampler",
+    "KSpeedCallable",
+    "KSpeedDataset",
+    "KSpeedFolder",
+    "KSpeedImageFolder",
+    "SampleInfo",
+    "release_leases",
+]

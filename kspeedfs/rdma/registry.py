@@ -46,6 +46,13 @@ class SegmentRegistry:
         # finds out and undoes itself instead of pinning an unloaded dataset forever.
         self._epoch: dict[str, int] = {}
         self._generations = itertools.count(1)
+        # One registration per dataset at a time: a second caller waits and gets its table.
+        self._registering: dict[str, threading.Lock] = {}
+
+    def epoch(self, name: str) -> int:
+        """Changes whenever a dataset is deregistered; read it before looking the dataset up."""
+        with self._lock:
+            return self._epoch.get(name, 0)
 
     def register(
         self,
@@ -54,40 +61,49 @@ class SegmentRegistry:
         count: int,
         segments: Mapping[int, Any],
         length_of: Callable[[Any], int] = len,
+        epoch: int | None = None,
     ) -> SegmentTable | None:
-        """Register a dataset's held segments (index -> buffer) out of `count`; the new table,
-        or None when the dataset was deregistered meanwhile. Idempotent for the same uuid."""
+        """Register a dataset's held segments (index -> buffer) out of `count`: the new table,
+        or None when the dataset was deregistered after `epoch` was read. Idempotent for the
+        same uuid; a table of another uuid (the dataset was reloaded) is replaced."""
         with self._lock:
-            current = self._tables.get(name)
+            name_lock = self._registering.setdefault(name, threading.Lock())
+        with name_lock:
+            with self._lock:
+                current = self._tables.get(name)
+                now = self._epoch.get(name, 0)
+            if epoch is None:
+                epoch = now
+            if epoch != now:
+                return None
             if current is not None and current.uuid == uuid:
                 return current
-            epoch = self._epoch.get(name, 0)
-        if current is not None:
-            self.deregister(name)
-            epoch += 1
-        regions: dict[int, Region] = {}
-        try:
-            for seg, buffer in sorted(segments.items()):
-                if not 0 <= seg < count:
-                    raise DataError(f"segment {seg} of {name} out of range")
-                length = length_of(buffer)
-                if length:
-                    regions[seg] = self.registrar.register(buffer, length)
-        except BaseException:
+            if current is not None:
+                self.deregister(name)
+                epoch += 1
+            regions: dict[int, Region] = {}
+            try:
+                for seg, buffer in sorted(segments.items()):
+                    if not 0 <= seg < count:
+                        raise DataError(f"segment {seg} of {name} out of range")
+                    length = length_of(buffer)
+                    if length:
+                        regions[seg] = self.registrar.register(buffer, length)
+            except BaseException:
+                _close_all(regions.values())
+                raise
+            keys = [SegmentKey(0, 0, 0)] * count
+            for seg, r in regions.items():
+                keys[seg] = SegmentKey(r.addr, r.length, r.rkey)
+            with self._lock:
+                if self._epoch.get(name, 0) == epoch:
+                    table = SegmentTable(name, uuid, next(self._generations), tuple(keys))
+                    self._tables[name] = table
+                    self._regions[name] = list(regions.values())
+                    return table
+            log.info("dataset %s went away while it was being registered; dropping it", name)
             _close_all(regions.values())
-            raise
-        keys = [SegmentKey(0, 0, 0)] * count
-        for seg, r in regions.items():
-            keys[seg] = SegmentKey(r.addr, r.length, r.rkey)
-        with self._lock:
-            if self._epoch.get(name, 0) == epoch and name not in self._tables:
-                table = SegmentTable(name, uuid, next(self._generations), tuple(keys))
-                self._tables[name] = table
-                self._regions[name] = list(regions.values())
-                return table
-        log.info("dataset %s went away while it was being registered; dropping it", name)
-        _close_all(regions.values())
-        return None
+            return None
 
     def deregister(self, name: str) -> bool:
         """Deregister every segment of a dataset; once this returns no remote read reaches it."""

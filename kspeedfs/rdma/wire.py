@@ -75,7 +75,9 @@ def decode_table(dataset: str, data: bytes) -> SegmentTable:
         raise ProtocolError("segment table length does not match its segment count")
     keys = []
     for k in range(count):
-        addr, length, rkey = _TABLE_ENTRY.unpack_from(data, _TABLE_HEAD.size + k * _TABLE_ENTRY.size)
+        addr, length, rkey = _TABLE_ENTRY.unpack_from(
+            data, _TABLE_HEAD.size + k * _TABLE_ENTRY.size
+        )
         if addr + length >= 1 << 64:
             raise ProtocolError(f"segment {k} wraps the address space")
         keys.append(SegmentKey(addr, length, rkey))

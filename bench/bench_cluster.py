@@ -1,0 +1,421 @@
+"""Cluster benchmark: node daemons on 127.0.0.1, figures and ratios side by side in one run.
+
+    .venv/bin/python bench/bench_cluster.py [--files 3000] [--cache /var/tmp/kspeedfs-bench-cluster]
+
+1. remote bulk read (large ranges) over TcpTransport vs a plain Python socket loopback
+   transfer of the same bytes: GB/s and ratio (target >= 0.7)
+2. ~110 KB files from a remote node: one read_ranges with many ranges vs one file at a time
+3. preload rate with 1, 2 and 3 nodes loading the same source: MB/s and scaling
+4. FUSE read of a dataset spread over 3 nodes vs the same dataset on 1 node: files/s ratio
+
+Every node is a separate process; so is the plain socket server. On one machine "remote" means
+another process over loopback TCP, so the figures measure the software, not a network.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import multiprocessing
+import os
+import random
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from kspeedfs import auth  # noqa: E402
+from kspeedfs.client import NodeClient  # noqa: E402
+from kspeedfs.cluster import ClusterReader  # noqa: E402
+from kspeedfs.config import Settings  # noqa: E402
+from kspeedfs.errors import KSpeedError  # noqa: E402
+from kspeedfs.localdata import MANIFEST_FILE  # noqa: E402
+from kspeedfs.manifest import Manifest  # noqa: E402
+from kspeedfs.transport import TcpTransport  # noqa: E402
+from kspeedfs.units import Address, format_size, parse_address, parse_size  # noqa: E402
+
+KSPEEDFS = [sys.executable, "-m", "kspeedfs.cli"]
+BULK_TARGET = 0.7
+BULK_RANGE = 8 << 20  # one range: a whole segment
+BULK_CALL = 64 << 20  # bytes per read call (8 ranges), and per plain-socket request
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def wait_until(predicate: Callable[[], bool], timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise SystemExit(f"timed out waiting for {what}")
+        time.sleep(0.02)
+
+
+class BenchCluster:
+    """`size` node daemons that know each other, with a private token and empty config."""
+
+    def __init__(self, workdir: Path, tag: str, size: int, segment_size: str, memory: str):
+        self.workdir = workdir
+        self.tag = tag
+        self.segment_size = segment_size
+        self.memory = memory
+        self.addresses = [f"127.0.0.1:{free_port()}" for _ in range(size)]
+        self.shm_root = Path("/dev/shm") / f"kspeedfs-bench-{tag}-{uuid.uuid4().hex[:8]}"
+        self.token_file = workdir / "token"
+        self.config_file = workdir / "empty.toml"
+        self.procs: list[subprocess.Popen[bytes]] = []
+        self.mounts: list[tuple[Path, subprocess.Popen[bytes]]] = []
+
+    def env(self, local: str | None = None) -> dict[str, str]:
+        env = {k: v for k, v in os.environ.items() if not k.startswith("KSPEEDFS_")}
+        env["KSPEEDFS_CONFIG"] = str(self.config_file)
+        env["KSPEEDFS_TOKEN_FILE"] = str(self.token_file)
+        env["KSPEEDFS_NODES"] = ",".join(self.addresses)
+        env["KSPEEDFS_TRANSPORT"] = "tcp"
+        if local:
+            env["KSPEEDFS_LISTEN"] = local
+        return env
+
+    def settings(self) -> Settings:
+        return Settings(
+            nodes=[parse_address(a) for a in self.addresses],
+            token_file=self.token_file,
+            timeout=60.0,
+            transport="tcp",
+        )
+
+    def start(self) -> BenchCluster:
+        self.config_file.write_text("")
+        if not self.token_file.exists():
+            auth.write_token(self.token_file, auth.new_admin_token())
+        for i, address in enumerate(self.addresses):
+            with open(self.workdir / f"node-{self.tag}-{i}.log", "ab") as out:
+                self.procs.append(
+                    subprocess.Popen(
+                        [
+                            *KSPEEDFS, "node", "--listen", address, "--nodes",
+                            ",".join(self.addresses), "--shm-dir", str(self.shm_root / str(i)),
+                            "--memory", self.memory, "--segment-size", self.segment_size,
+                        ],
+                        stdout=out,
+                        stderr=subprocess.STDOUT,
+                        env=self.env(),
+                        start_new_session=True,
+                    )
+                )
+        for address in self.addresses:
+            wait_until(lambda a=address: self._answers(a), 30, f"node {address}")
+        return self
+
+    def _answers(self, address: str) -> bool:
+        if any(p.poll() is not None for p in self.procs):
+            raise SystemExit(f"a node of {self.tag} exited; see {self.workdir}")
+        try:
+            self.request(address, "ping")
+            return True
+        except KSpeedError:
+            return False
+
+    def request(self, address: str, op: str, **args: Any) -> dict[str, Any]:
+        with NodeClient(parse_address(address), self.token_file, 60.0) as c:
+            return c.request(op, **args)
+
+    def preload(self, source: Path, name: str) -> float:
+        """Seconds from the request to the dataset being ready on every node."""
+        started = time.perf_counter()
+        self.request(self.addresses[0], "preload", name=name, source=str(source), replicas=1)
+        while True:
+            p = self.request(self.addresses[0], "progress", name=name)
+            if p["state"] == "ready":
+                return time.perf_counter() - started
+            if p["state"] == "failed":
+                raise SystemExit(f"preload of {name} failed: {p['error']}")
+            time.sleep(0.01)
+
+    def shm_of(self, i: int) -> Path:
+        return self.shm_root / str(i)
+
+    def mount(self, mountpoint: Path, local: str) -> None:
+        mountpoint.mkdir(parents=True, exist_ok=True)
+        with open(self.workdir / f"mount-{self.tag}.log", "ab") as out:
+            proc = subprocess.Popen(
+                [*KSPEEDFS, "mount", str(mountpoint), "--foreground"],
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                env=self.env(local=local),
+                start_new_session=True,
+            )
+        self.mounts.append((mountpoint, proc))
+
+        def up() -> bool:
+            if proc.poll() is not None:
+                raise SystemExit(f"the mount of {self.tag} exited; see {self.workdir}")
+            return os.path.ismount(mountpoint)
+
+        wait_until(up, 30, f"mount at {mountpoint}")
+
+    def close(self) -> None:
+        for mountpoint, proc in self.mounts:
+            subprocess.run(["fusermount3", "-u", "-z", str(mountpoint)], capture_output=True)
+            try:
+                proc.wait(10)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+        self.mounts = []
+        for p in self.procs:
+            if p.poll() is None:
+                p.send_signal(signal.SIGTERM)
+        for p in self.procs:
+            try:
+                p.wait(15)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait()
+        self.procs = []
+        shutil.rmtree(self.shm_root, ignore_errors=True)
+
+
+def make_sources(cache: Path, files: int, size: int, big: int) -> tuple[Path, Path]:
+    """small/: `files` files of about `size` bytes in 50 folders; big/: files of 64 MiB."""
+    small, bulk = cache / f"small-{files}x{size}", cache / f"big-{big}"
+    rng = random.Random(0)
+    if not small.exists():
+        tmp = small.with_suffix(".tmp")
+        shutil.rmtree(tmp, ignore_errors=True)
+        block = os.urandom(4 << 20)
+        for i in range(files):
+            folder = tmp / f"c{i % 50:03d}"
+            folder.mkdir(parents=True, exist_ok=True)
+            n = size + rng.randint(-size // 5, size // 5)
+            k = rng.randrange(len(block) - n)
+            (folder / f"img{i:06d}.jpg").write_bytes(block[k : k + n])
+        tmp.rename(small)
+    if not bulk.exists():
+        tmp = bulk.with_suffix(".tmp")
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+        for i in range(max(1, big // (64 << 20))):
+            (tmp / f"part{i}.bin").write_bytes(os.urandom(64 << 20))
+        tmp.rename(bulk)
+    return small, bulk
+
+
+def warm(root: Path) -> int:
+    total = 0
+    for dirpath, _dirs, names in os.walk(root):
+        for name in names:
+            with open(os.path.join(dirpath, name), "rb") as f:
+                total += len(f.read())
+    return total
+
+
+# 1. Bulk reads.
+
+
+def _plain_server(sock: socket.socket, size: int) -> None:
+    """The baseline: a Python process that sendall()s slices of one buffer on request."""
+    data = memoryview(os.urandom(size))
+    conn, _ = sock.accept()
+    conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    with conn:
+        while True:
+            req = conn.recv(8)
+            if len(req) < 8:
+                return
+            conn.sendall(data[: int.from_bytes(req, "big")])
+
+
+def recv_exact_into(sock: socket.socket, view: memoryview) -> None:
+    got = 0
+    while got < len(view):
+        n = sock.recv_into(view[got:])
+        if n == 0:
+            raise SystemExit("plain server closed the connection")
+        got += n
+
+
+def plain_loopback(calls: int) -> float:
+    """Seconds for `calls` transfers of BULK_CALL bytes, client in this process."""
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(1)
+    ctx = multiprocessing.get_context("fork")
+    server = ctx.Process(target=_plain_server, args=(listener, BULK_CALL))
+    server.start()
+    out = memoryview(bytearray(BULK_CALL))
+    try:
+        with socket.create_connection(listener.getsockname()) as s:
+            s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            for _ in range(2):  # warm up
+                s.sendall(BULK_CALL.to_bytes(8, "big"))
+                recv_exact_into(s, out)
+            started = time.perf_counter()
+            for _ in range(calls):
+                s.sendall(BULK_CALL.to_bytes(8, "big"))
+                recv_exact_into(s, out)
+            return time.perf_counter() - started
+    finally:
+        listener.close()
+        server.join(10)
+        if server.is_alive():
+            server.kill()
+
+
+def kspeedfs_bulk(cluster: BenchCluster, name: str, segments: int, calls: int) -> float:
+    """Seconds for `calls` TcpTransport reads of BULK_CALL bytes in 8 MiB ranges."""
+    per_call = BULK_CALL // BULK_RANGE
+    transport = TcpTransport(Address("127.0.0.1", int(cluster.addresses[0].split(":")[1])),
+                             cluster.settings())
+    out = memoryview(bytearray(BULK_CALL))
+    try:
+        for k in range(2):
+            ranges = [((k * per_call + j) % segments, 0, BULK_RANGE) for j in range(per_call)]
+            transport.read_into(name, ranges, out)
+        started = time.perf_counter()
+        for k in range(calls):
+            ranges = [((k * per_call + j) % segments, 0, BULK_RANGE) for j in range(per_call)]
+            transport.read_into(name, ranges, out)
+        return time.perf_counter() - started
+    finally:
+        transport.close()
+
+
+# 2. Small files, batched or not.
+
+
+def small_file_rates(cluster: BenchCluster, name: str, batch: int) -> tuple[float, float, int]:
+    m = Manifest(cluster.shm_of(0) / "datasets" / name / MANIFEST_FILE)
+    files = [m.ranges(i) for i in m.iter_files()]
+    node = cluster.addresses[0]
+    reader = ClusterReader(cluster.settings(), local_node=None)
+    buf = memoryview(bytearray(max(sum(r[2] for f in files[i : i + batch] for r in f)
+                                   for i in range(0, len(files), batch))))
+    try:
+        for ranges in files[:20]:  # warm up the connection
+            reader.read_ranges(node, name, ranges, buf[: sum(r[2] for r in ranges)])
+        started = time.perf_counter()
+        for ranges in files:
+            reader.read_ranges(node, name, ranges, buf[: sum(r[2] for r in ranges)])
+        one = len(files) / (time.perf_counter() - started)
+        started = time.perf_counter()
+        for i in range(0, len(files), batch):
+            ranges = [r for f in files[i : i + batch] for r in f]
+            reader.read_ranges(node, name, ranges, buf[: sum(r[2] for r in ranges)])
+        batched = len(files) / (time.perf_counter() - started)
+    finally:
+        reader.close()
+    return one, batched, len(files)
+
+
+# 4. FUSE reads.
+
+
+def read_tree(root: Path) -> tuple[int, float]:
+    paths = sorted(
+        os.path.join(d, f) for d, _dirs, names in os.walk(root) for f in names
+    )
+    buf = bytearray(1 << 20)
+    random.Random(1).shuffle(paths)
+    started = time.perf_counter()
+    for p in paths:
+        fd = os.open(p, os.O_RDONLY)
+        try:
+            while os.readv(fd, [buf]) == len(buf):
+                pass
+        finally:
+            os.close(fd)
+    return len(paths), time.perf_counter() - started
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--files", type=int, default=3000, help="small files (default 3000)")
+    p.add_argument("--size", default="110KiB", help="small file size (default 110KiB)")
+    p.add_argument("--bulk", default="512MiB", help="bulk dataset size (default 512MiB)")
+    p.add_argument("--bulk-gb", type=float, default=4.0, help="GB moved per bulk figure")
+    p.add_argument("--batch", type=int, default=64, help="files per batched read (default 64)")
+    p.add_argument("--segment-size", default="8MiB")
+    p.add_argument("--cache", default="/var/tmp/kspeedfs-bench-cluster")
+    args = p.parse_args()
+    logging.basicConfig(level=logging.WARNING)
+
+    cache = Path(args.cache)
+    small, bulk = make_sources(cache, args.files, parse_size(args.size), parse_size(args.bulk))
+    small_bytes, bulk_bytes = warm(small), warm(bulk)
+    memory = str(small_bytes + bulk_bytes + (512 << 20))
+    print(
+        f"sources: {args.files} files of ~{args.size} ({format_size(small_bytes)}), "
+        f"{format_size(bulk_bytes)} in 64 MiB files; segments {args.segment_size}; "
+        f"{os.cpu_count()} CPUs, load {os.getloadavg()[0]:.2f}"
+    )
+    workdir = Path(tempfile.mkdtemp(prefix="kspeedfs-bench-cluster-"))
+    clusters: dict[int, BenchCluster] = {}
+    try:
+        # 3. Preload with 1, 2, 3 nodes (the 1- and 3-node clusters are kept for 1, 2 and 4).
+        rates = {}
+        for n in (1, 2, 3):
+            c = clusters[n] = BenchCluster(workdir, f"n{n}", n, args.segment_size, memory).start()
+            rates[n] = small_bytes / c.preload(small, "small") / 1e6
+            if n == 2:
+                c.close()
+        solo, trio = clusters[1], clusters[3]
+
+        calls = max(4, int(args.bulk_gb * 1e9 / BULK_CALL))
+        solo.preload(bulk, "bulk")
+        segments = Manifest(solo.shm_of(0) / "datasets" / "bulk" / MANIFEST_FILE).segments
+        t_plain = plain_loopback(calls)
+        t_ks = kspeedfs_bulk(solo, "bulk", segments, calls)
+        moved = calls * BULK_CALL
+        plain_gbs, ks_gbs = moved / t_plain / 1e9, moved / t_ks / 1e9
+        ratio = ks_gbs / plain_gbs
+        verdict = "meets" if ratio >= BULK_TARGET else "MISSES"
+        print(f"\n1. remote bulk read, {format_size(BULK_CALL)} per call in "
+              f"{format_size(BULK_RANGE)} ranges, {format_size(moved)} in all")
+        print(f"   plain Python socket loopback: {plain_gbs:6.2f} GB/s")
+        print(f"   kspeedfs TcpTransport:        {ks_gbs:6.2f} GB/s   ratio {ratio:.2f} "
+              f"(target >= {BULK_TARGET}, {verdict})")
+
+        one, batched, nfiles = small_file_rates(solo, "small", args.batch)
+        print(f"\n2. {nfiles} files of ~{args.size} from a remote node (read_ranges)")
+        print(f"   one file per round trip:      {one:8.0f} files/s")
+        print(f"   {args.batch} files per round trip:     {batched:8.0f} files/s   "
+              f"x{batched / one:.1f}")
+
+        print(f"\n3. preload of {format_size(small_bytes)} ({args.files} files), "
+              "each node loading its own segments from the source (page cache warm)")
+        for n, rate in rates.items():
+            print(f"   {n} node{'s' if n > 1 else ' '}: {rate:8.0f} MB/s   "
+                  f"scaling x{rate / rates[1]:.2f}")
+
+        held = [len(os.listdir(trio.shm_of(i) / "datasets" / "small" / "seg")) for i in range(3)]
+        solo.mount(workdir / "mnt-1", solo.addresses[0])
+        trio.mount(workdir / "mnt-3", trio.addresses[0])
+        n1, t1 = read_tree(workdir / "mnt-1" / "small")
+        n3, t3 = read_tree(workdir / "mnt-3" / "small")
+        print(f"\n4. FUSE read of every file once (fresh mount, random order); the 3-node "
+              f"mount runs on node 1 (segments per node {held})")
+        print(f"   dataset on 1 node (all local): {n1 / t1:8.0f} files/s")
+        print(f"   spread over 3 nodes:           {n3 / t3:8.0f} files/s   "
+              f"ratio {(n3 / t3) / (n1 / t1):.2f}")
+    finally:
+        for c in clusters.values():
+            c.close()
+        shutil.rmtree(workdir, ignore_errors=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,196 @@
+"""FUSE benchmark: raw reads, ImageFolder epochs and preload rate, source folder vs kspeedfs mount.
+
+    .venv/bin/python bench/bench_fuse.py [--files 20000] [--cache /var/tmp/kspeedfs-bench]
+
+Generates about 20,000 JPEG-like files of ~110 KB in 100 class folders once (reused after),
+then prints figures and mount/source ratios beside the targets of issue 2, and the FUSE
+requests per file the mount daemon saw in each pass.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import random
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from kspeedfs.demo import LocalCache, ensure_sample, run_epoch  # noqa: E402
+from kspeedfs.units import format_size  # noqa: E402
+
+TARGETS = {"first": 0.06, "second": 0.15, "imagefolder": 0.95, "preload": 0.7}
+STATS_XATTR = "user.kspeedfs.stats"
+BUF = bytearray(1 << 20)
+
+
+def list_files(root: Path) -> list[tuple[bytes, int]]:
+    """(path relative to root, size) of every regular file, sorted."""
+    base = os.fsencode(root)
+    out = []
+    for dirpath, _dirs, files in os.walk(base):
+        for name in files:
+            full = os.path.join(dirpath, name)
+            out.append((os.path.relpath(full, base), os.stat(full).st_size))
+    out.sort()
+    return out
+
+
+def read_files(root: Path, files: list[tuple[bytes, int]]) -> tuple[float, int]:
+    """open, read, close every file once; returns (seconds, bytes). Checks every length."""
+    base = os.fsencode(root) + b"/"
+    total = 0
+    started = time.perf_counter()
+    for rel, size in files:
+        fd = os.open(base + rel, os.O_RDONLY)
+        try:
+            got = n = os.readv(fd, [BUF])  # one syscall into a reused buffer: no allocation
+            while n == len(BUF):  # only files of 1 MiB or more need more reads
+                n = os.readv(fd, [BUF])
+                got += n
+        finally:
+            os.close(fd)
+        if got != size:
+            raise SystemExit(f"short read of {os.fsdecode(rel)}: {got} of {size} bytes")
+        total += got
+    return time.perf_counter() - started, total
+
+
+def fuse_stats(mountpoint: Path) -> dict[str, int]:
+    counts: dict[str, int] = json.loads(os.getxattr(mountpoint, STATS_XATTR))
+    return counts
+
+
+def per_file(before: dict[str, int], after: dict[str, int], files: int) -> str:
+    diff = {k: after.get(k, 0) - before.get(k, 0) for k in set(before) | set(after)}
+    diff["getxattr"] = diff.get("getxattr", 0) - 1  # the stats request itself
+    diff = {k: v for k, v in diff.items() if v > 0}
+    order = ["lookup", "getattr", "open", "read", "release", "opendir", "readdir"]
+    keys = [k for k in order if k in diff] + sorted(k for k in diff if k not in order)
+    parts = [f"{k} {diff[k] / files:.2f}" for k in keys]
+    total = sum(diff.values()) / files
+    return f"FUSE requests per file: {', '.join(parts) or 'none'}; total {total:.2f}"
+
+
+def ratio_line(ratio: float, target: float) -> str:
+    verdict = "meets" if ratio >= target else "MISSES"
+    return f"ratio {ratio:.3f} (target >= {target}, {verdict})"
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--files", type=int, default=20000, help="number of files (default 20000)")
+    p.add_argument("--classes", type=int, default=100)
+    p.add_argument("--size", default="110KiB", help="approximate file size")
+    p.add_argument("--cache", default="/var/tmp/kspeedfs-bench", help="where the data set is kept")
+    p.add_argument("--workers", type=int, default=2, help="DataLoader workers")
+    p.add_argument("--rounds", type=int, default=1, help="ImageFolder epochs per side (best kept)")
+    p.add_argument("--skip-imagefolder", action="store_true")
+    p.add_argument("--seed", type=int, default=0)
+    args = p.parse_args()
+    logging.basicConfig(level=logging.WARNING)
+
+    per_class = max(1, args.files // args.classes)
+    cache = Path(args.cache)
+    source = ensure_sample(
+        cache / f"set-{args.classes}x{per_class}-{args.size}", args.classes, per_class, args.size
+    )
+    files = list_files(source)
+    data_bytes = sum(s for _, s in files)
+    n = len(files)
+    print(
+        f"data set: {n} files in {args.classes} class folders, {format_size(data_bytes)} "
+        f"(mean {format_size(data_bytes / n)}), {source}"
+    )
+    print(f"machine: {os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.2f}")
+    shuffled = list(files)
+    random.Random(args.seed).shuffle(shuffled)
+
+    # Warm the page cache, then the plain read rate that preload is compared with.
+    read_files(source, files)
+    t_plain, _ = read_files(source, files)
+    t_src, _ = read_files(source, shuffled)
+    src_fps = n / t_src
+    results: dict[str, Any] = {}
+
+    workdir = Path(tempfile.mkdtemp(prefix="kspeedfs-bench-"))
+    memory = data_bytes + data_bytes // 10 + (64 << 20)
+    with LocalCache(workdir, memory) as node:
+        started = time.perf_counter()
+        node.preload(source.parent, "bench", show_progress=False)
+        t_preload = time.perf_counter() - started
+
+        mnt = workdir / "mnt"
+        node.mount(mnt)
+        served = mnt / "bench" / source.name
+        os.listdir(served)  # the top folders are looked up once, not per file
+        s0 = fuse_stats(mnt)
+        t1, _ = read_files(served, shuffled)
+        s1 = fuse_stats(mnt)
+        t2, _ = read_files(served, shuffled)
+        s2 = fuse_stats(mnt)
+
+        print("\n(1) raw read of every file once, random order (open, read, close)")
+        print(
+            f"  source (page cache warm): {src_fps:9.0f} files/s  "
+            f"{data_bytes / t_src / 1e6:8.1f} MB/s"
+        )
+        for label, t, key, (a, b) in (
+            ("mount, first pass:      ", t1, "first", (s0, s1)),
+            ("mount, second pass:     ", t2, "second", (s1, s2)),
+        ):
+            ratio = (n / t) / src_fps
+            results[key] = ratio
+            print(
+                f"  {label}  {n / t:9.0f} files/s  {data_bytes / t / 1e6:8.1f} MB/s  "
+                f"{ratio_line(ratio, TARGETS[key])}"
+            )
+            print(f"      {per_file(a, b, n)}")
+
+        if not args.skip_imagefolder:
+            print(
+                f"\n(2) ImageFolder + train transform + DataLoader(num_workers={args.workers}), "
+                "one epoch; the mount freshly mounted (cold kernel cache) for each"
+            )
+            best_src = best_mnt = 0.0
+            stats_line = ""
+            for _ in range(args.rounds):
+                images, seconds, _classes = run_epoch(source, args.workers)
+                best_src = max(best_src, images / seconds)
+                node.unmount(mnt)
+                node.mount(mnt)
+                before = fuse_stats(mnt)
+                images, seconds, _classes = run_epoch(served, args.workers)
+                best_mnt = max(best_mnt, images / seconds)
+                stats_line = per_file(before, fuse_stats(mnt), images)
+            results["imagefolder"] = best_mnt / best_src
+            print(f"  source: {best_src:7.1f} images/s")
+            print(
+                f"  mount:  {best_mnt:7.1f} images/s  "
+                f"{ratio_line(results['imagefolder'], TARGETS['imagefolder'])}"
+            )
+            print(f"      {stats_line}")
+
+    plain_rate = data_bytes / t_plain / 1e6
+    preload_rate = data_bytes / t_preload / 1e6
+    results["preload"] = preload_rate / plain_rate
+    print("\n(3) preload rate against plain reading of the source (page cache warm)")
+    print(f"  plain read of the source: {plain_rate:8.1f} MB/s")
+    print(
+        f"  preload:                  {preload_rate:8.1f} MB/s  "
+        f"({format_size(data_bytes)} in {t_preload:.2f}s)  "
+        f"{ratio_line(results['preload'], TARGETS['preload'])}"
+    )
+    missed = [k for k, v in results.items() if v < TARGETS[k]]
+    print(f"\ntargets missed: {', '.join(missed)}" if missed else "\nall targets met")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

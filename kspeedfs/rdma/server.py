@@ -1,0 +1,237 @@
+"""The node's RDMA side: segment memory registered for remote reads, and the control ops.
+
+Registered when a dataset is published or found at start, deregistered before its files are
+unlinked. A client connects one RC queue pair per control connection ("rdma_connect"), fetches
+a dataset's segment table ("rdma_segments") and then reads with no work on this side.
+"""
+
+from __future__ import annotations
+
+import contextvars
+import logging
+import mmap
+import os
+import threading
+from typing import TYPE_CHECKING, Any
+
+import trio
+
+from ..config import Settings
+from ..errors import InvalidArgument, KSpeedError
+from ..names import validate_name
+from .registry import SegmentRegistry
+from .verbs import Device, Region, ResponderQP, VerbsError, open_device, probe
+from .wire import Endpoint, table_to_wire
+
+if TYPE_CHECKING:
+    from ..node import NodeServer
+    from ..store import SegmentStore
+
+log = logging.getLogger(__name__)
+
+MAX_PEERS = 4096  # queue pairs this node keeps for clients, all connections together
+PROBE_BYTES = 64
+
+
+class PeerSet:
+    """The queue pairs made for one control connection; they go when it closes."""
+
+    def __init__(self, service: RdmaService):
+        self.service = service
+        self.qps: list[ResponderQP] = []
+
+    def close(self) -> None:
+        self.service._drop(self)
+
+
+_current_peers: contextvars.ContextVar[PeerSet | None] = contextvars.ContextVar(
+    "kspeedfs_rdma_peers", default=None
+)
+
+
+class RdmaService:
+    """Enabled with a device; otherwise a stand-in that says why and answers "not available"."""
+
+    def __init__(
+        self,
+        reason: str = "",
+        device: Device | None = None,
+        registry: SegmentRegistry | None = None,
+    ):
+        self.device = device
+        self.reason = reason
+        self.registry = registry
+        self._lock = threading.Lock()
+        self._peer_count = 0
+        self._store: SegmentStore | None = None
+        self._cq: Any = None
+        self._probe_map: mmap.mmap | None = None
+        self._probe: Region | None = None
+        if device is not None:
+            self._cq = device.make_cq(16)
+            # A small region of random bytes the client reads back to prove the path works.
+            self._probe_map = mmap.mmap(-1, PROBE_BYTES)
+            self._probe_map.write(os.urandom(PROBE_BYTES))
+            self._probe = device.register(self._probe_map, PROBE_BYTES)
+
+    @classmethod
+    def start(cls, settings: Settings) -> RdmaService:
+        """Open the device the settings allow; without one, TCP only (an error if forced)."""
+        if settings.transport == "tcp":
+            return cls("RDMA disabled by the transport setting")
+        found = probe(settings.rdma_device)
+        device: Device | None = None
+        reason = found.reason
+        if found.usable:
+            try:
+                device = open_device(found.device, found.port, settings.rdma_gid_index)
+                return cls(device=device, registry=SegmentRegistry(device))
+            except VerbsError as e:
+                reason = str(e)
+        if settings.transport == "rdma":
+            raise InvalidArgument(f"transport is rdma, but this node cannot use RDMA: {reason}")
+        log.info("RDMA off (%s): serving over TCP only", reason)
+        return cls(reason)
+
+    @property
+    def enabled(self) -> bool:
+        return self.device is not None
+
+    @property
+    def label(self) -> str:
+        """What `kspeedfs status` shows in the TRANSPORT column."""
+        return f"rdma ({self.device.label})" if self.device is not None else "tcp"
+
+    def attach(self, server: NodeServer) -> None:
+        """Add the control ops to the node and follow its store's datasets."""
+        server._ops["rdma_connect"] = self.op_connect
+        server._ops["rdma_segments"] = self.op_segments
+        self._store = server.store
+        if self.enabled:
+            server.store.on_publish.append(self.dataset_published)
+            server.store.before_unload.append(self.dataset_unloading)
+
+    # Memory registration.
+
+    def dataset_published(self, name: str) -> None:
+        """Register a dataset that became visible: now when off the event loop (start-up
+        recovery runs in a worker thread), else in a worker thread of its own."""
+        if not self.enabled:
+            return
+        try:
+            trio.lowlevel.current_trio_token()
+        except RuntimeError:
+            self._register_logged(name)
+            return
+        trio.lowlevel.spawn_system_task(trio.to_thread.run_sync, self._register_logged, name)
+
+    def dataset_unloading(self, name: str) -> None:
+        """Before the files go: no remote read reaches the segments once this returns."""
+        if self.registry is not None and self.registry.deregister(name):
+            log.info("deregistered the RDMA memory of %s", name)
+
+    def _register_logged(self, name: str) -> None:
+        try:
+            self.register(name)
+        except Exception as e:  # runs unattended: an escaped error would stop the node
+            log.error("dataset %s is served over TCP only: %s", name, e)
+
+    def register(self, name: str) -> Any:
+        """Register a dataset's held segments (idempotent); its table, or None if it is gone."""
+        assert self.registry is not None and self._store is not None
+        # Read before the lookup: an unload in between then makes the registration undo itself.
+        epoch = self.registry.epoch(name)
+        try:
+            ds = self._store.open(name)
+        except KSpeedError:
+            return None
+        segments = {k: ds.segment(k) for k in sorted(ds.held)}
+        table = self.registry.register(name, ds.uuid, ds.manifest.segments, segments, epoch=epoch)
+        if table is not None:
+            log.info(
+                "registered %d segments of %s for RDMA reads (generation %d)",
+                len(segments),
+                name,
+                table.generation,
+            )
+        return table
+
+    # Control ops.
+
+    def bind_connection(self) -> PeerSet:
+        """Called by the node for each control connection; close the result when it ends."""
+        peers = PeerSet(self)
+        _current_peers.set(peers)
+        return peers
+
+    async def op_connect(self, msg: dict[str, Any]) -> dict[str, Any]:
+        if self.device is None:
+            return {"available": False, "reason": self.reason}
+        peers = _current_peers.get()
+        if peers is None:
+            return {"available": False, "reason": "this node cannot tie RDMA to connections"}
+        client = Endpoint.from_wire(msg.get("endpoint"))
+        # One queue pair per connection: a reconnect (after an error) replaces the old one.
+        self._drop(peers)
+        with self._lock:
+            if self._peer_count >= MAX_PEERS:
+                return {"available": False, "reason": f"node has {MAX_PEERS} RDMA peers already"}
+            self._peer_count += 1
+        try:
+            qp = ResponderQP(self.device, self._cq, client)
+        except KSpeedError as e:
+            with self._lock:
+                self._peer_count -= 1
+            return {"available": False, "reason": str(e)}
+        peers.qps.append(qp)
+        assert self._probe is not None and self._probe_map is not None
+        return {
+            "available": True,
+            "endpoint": qp.endpoint.to_wire(),
+            "probe": {
+                "addr": self._probe.addr,
+                "rkey": self._probe.rkey,
+                "length": PROBE_BYTES,
+                "data": bytes(self._probe_map[:PROBE_BYTES]).hex(),
+            },
+        }
+
+    async def op_segments(self, msg: dict[str, Any]) -> dict[str, Any]:
+        name = validate_name(msg.get("name", ""))
+        if self._store is not None:
+            self._store.open(name)  # NotFound for a dataset this node does not have
+        if self.registry is None:
+            return {"available": False, "reason": self.reason}
+        table = self.registry.table(name)
+        if table is None:
+            try:
+                table = await trio.to_thread.run_sync(self.register, name)
+            except KSpeedError as e:
+                return {"available": False, "reason": str(e)}
+        if table is None:
+            return {"available": False, "reason": f"dataset {name} is being unloaded"}
+        return {"available": True, "uuid": table.uuid, "table": table_to_wire(table)}
+
+    def _drop(self, peers: PeerSet) -> None:
+        qps, peers.qps = peers.qps, []
+        for qp in qps:
+            try:
+                qp.close()
+            except Exception as e:
+                log.warning("could not destroy an RDMA queue pair: %s", e)
+        with self._lock:
+            self._peer_count -= len(qps)
+
+    def status(self) -> dict[str, Any]:
+        if self.device is None:
+            return {"enabled": False, "reason": self.reason}
+        assert self.registry is not None
+        return {
+            "enabled": True,
+            "device": self.device.name,
+            "port": self.device.port,
+            "gid": self.device.gid,
+            "gid_index": self.device.gid_index,
+            "peers": self._peer_count,
+            **self.registry.statistics(),
+        }

@@ -1,0 +1,317 @@
+"""One declared mount kept alive: a `kspeedfs mount --foreground` child, watched and restarted."""
+
+from __future__ import annotations
+
+import dataclasses
+import errno
+import logging
+import os
+import signal
+import subprocess
+import time
+from collections.abc import Callable
+from typing import Any
+
+import trio
+
+from kspeedfs.aclient import AsyncNodeClient
+from kspeedfs.config import Settings, load_settings
+from kspeedfs.errors import AlreadyExists, DataError, KSpeedError, MountError, NotFound
+from kspeedfs.mountinfo import kspeedfs_mounted, lazy_unmount, require_free_mountpoint
+
+from .declarations import Declaration
+
+log = logging.getLogger(__name__)
+
+# The child is not the service's main process: systemd would drop its notifications anyway,
+# and a test socket must only see mountd's own.
+CHILD_ENV_DROP = ("NOTIFY_SOCKET", "WATCHDOG_USEC", "WATCHDOG_PID", "LISTEN_FDS", "LISTEN_PID")
+
+
+@dataclasses.dataclass(frozen=True)
+class Timing:
+    """How fast mountd reacts; the defaults suit a service, tests shorten them."""
+
+    retry_min: float = 1.0
+    retry_max: float = 60.0
+    stable_after: float = 60.0  # a mount up this long restarts the backoff from retry_min
+    check_interval: float = 2.0
+    mount_timeout: float = 120.0
+    hang_timeout: float = 60.0  # statfs asks the node too, which may take its timeout
+    stop_timeout: float = 10.0
+
+
+def child_env() -> dict[str, str]:
+    return {k: v for k, v in os.environ.items() if k not in CHILD_ENV_DROP}
+
+
+def prepare_mountpoint(decl: Declaration) -> Settings:
+    """Blocking checks before a mount: settings, the mountpoint folder, leftovers of a crash."""
+    settings = load_settings(decl.settings_cli(), config_file=decl.config)
+    # First, from mountinfo: any access to a stale leftover would fail with ENOTCONN.
+    try:
+        os.makedirs(decl.mountpoint, exist_ok=True)
+    except FileExistsError:
+        raise MountError(f"mountpoint is not a folder: {decl.mountpoint}") from None
+    except OSError as e:
+        raise MountError(f"cannot create mountpoint {decl.mountpoint}: {e.strerror}") from None
+    require_free_mountpoint(decl.mountpoint)
+    return settings
+
+
+async def ensure_dataset(settings: Settings, name: str, source: str) -> None:
+    """Preload `name` from `source` unless the node has it; wait until it is ready."""
+    client = AsyncNodeClient(settings.nodes[0], settings.token_file, settings.timeout)
+    try:
+        try:
+            progress: dict[str, Any] | None = await client.request("progress", name=name)
+        except NotFound:
+            progress = None
+        if progress is None or progress["state"] == "failed":
+            log.info("preloading %s from %s", name, source)
+            try:
+                await client.request("preload", name=name, source=source, lifetime="offline")
+            except AlreadyExists:
+                pass  # someone else started it: wait for theirs
+        while True:
+            progress = await client.request("progress", name=name)
+            if progress["state"] == "ready":
+                return
+            if progress["state"] == "failed":
+                raise DataError(f"preload of {name} from {source} failed: {progress['error']}")
+            await trio.sleep(1.0)
+    finally:
+        await client.aclose()
+
+
+class MountSupervisor:
+    """Mounts one declaration and remounts it, with exponential backoff, whenever it fails."""
+
+    def __init__(
+        self,
+        decl: Declaration,
+        timing: Timing,
+        on_change: Callable[[], None],
+        verbose: bool = False,
+        after: list[trio.Event] | None = None,
+    ):
+        self.decl = decl
+        self.timing = timing
+        self.verbose = verbose
+        self.state = "starting"
+        self.error: str | None = None  # why it is not mounted now
+        self.last_error: str | None = None  # why it last failed, kept once mounted again
+        self.pid: int | None = None
+        self.restarts = 0
+        self.mounted_since: float | None = None
+        self.next_retry: float | None = None
+        self.settled = trio.Event()  # the first attempt ended: mounted or failed
+        self.done = trio.Event()
+        self._on_change = on_change
+        self._after = after or []
+        self._cancel = trio.CancelScope()
+        self._last_error_line: str | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "name": self.decl.name,
+            "file": str(self.decl.file),
+            "mountpoint": self.decl.mountpoint,
+            "dataset": self.decl.dataset or "all",
+            "state": self.state,
+            "error": self.error,
+            "last_error": self.last_error,
+            "pid": self.pid,
+            "restarts": self.restarts,
+            "mounted_since": self.mounted_since,
+            "next_retry": self.next_retry,
+        }
+
+    def stop(self) -> None:
+        """Unmount and end; `done` is set once the mount and its process are gone."""
+        if self.state not in ("stopping", "stopped"):
+            log.info("%s: stopping", self.decl.name)
+            self._set("stopping")
+        self._cancel.cancel()
+
+    def _set(self, state: str, error: str | None = None, next_retry: float | None = None) -> None:
+        self.state, self.error, self.next_retry = state, error, next_retry
+        self._on_change()
+
+    async def run(self) -> None:
+        try:
+            with self._cancel:
+                for event in self._after:  # a replaced mount of the same mountpoint goes first
+                    await event.wait()
+                await self._keep_mounted()
+        finally:
+            with trio.CancelScope(shield=True):
+                await self._unmount_leftover()
+            self.settled.set()
+            self.state, self.pid, self.next_retry = "stopped", None, None
+            log.info("%s: stopped, nothing mounted at %s", self.decl.name, self.decl.mountpoint)
+            self.done.set()
+            self._on_change()
+
+    async def _keep_mounted(self) -> None:
+        delay = self.timing.retry_min
+        while True:
+            try:
+                reason = await self._attempt()
+            except Exception as e:  # a bug here must not take the other mounts down
+                log.exception("%s: mount attempt failed", self.decl.name)
+                reason = f"internal error: {e!r}"
+            self.settled.set()
+            if self.mounted_since is not None:
+                if time.time() - self.mounted_since >= self.timing.stable_after:
+                    delay = self.timing.retry_min
+                self.mounted_since = None
+            log.warning("%s: %s; mounting again in %.1fs", self.decl.name, reason, delay)
+            self.last_error = reason
+            self._set("retrying", reason, next_retry=time.time() + delay)
+            await trio.sleep(delay)
+            delay = min(delay * 2, self.timing.retry_max)
+            self.restarts += 1
+
+    async def _attempt(self) -> str:
+        """Mount once and watch it; returns why it is not (or no longer) mounted."""
+        decl = self.decl
+        self._set("mounting", self.error)
+        try:
+            settings = await trio.to_thread.run_sync(prepare_mountpoint, decl)
+            if decl.source and decl.dataset:
+                self._set("loading", self.error)
+                await ensure_dataset(settings, decl.dataset, decl.source)
+        except KSpeedError as e:
+            return str(e)
+        except OSError as e:
+            return f"{e.strerror or e}"
+        self._last_error_line = None
+        proc = await trio.lowlevel.open_process(
+            decl.mount_argv(self.verbose),
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            env=child_env(),
+            start_new_session=True,  # a terminal's Ctrl-C reaches mountd only; mountd stops it
+        )
+        self.pid = proc.pid
+        try:
+            async with trio.open_nursery() as nursery:
+                output_done = trio.Event()
+                assert proc.stdout is not None
+                nursery.start_soon(self._read_output, proc.stdout, output_done)
+                reason = await self._watch(proc)
+                if proc.poll() is not None:
+                    # Its last line on stderr says why it failed: read it before reporting.
+                    with trio.move_on_after(2.0):
+                        await output_done.wait()
+                    reason = self._exit_reason(proc)
+                nursery.cancel_scope.cancel()
+            return reason
+        finally:
+            with trio.CancelScope(shield=True):
+                await self._stop_process(proc)
+                await self._unmount_leftover()
+                if proc.stdout is not None:
+                    await proc.stdout.aclose()
+            self.pid = None
+
+    async def _watch(self, proc: trio.Process) -> str:
+        mountpoint = self.decl.mountpoint
+        deadline = trio.current_time() + self.timing.mount_timeout
+        # Reading mountinfo is cheap and does not touch the new mount.
+        while not kspeedfs_mounted(mountpoint):
+            if proc.poll() is not None:
+                return "exited"
+            if trio.current_time() > deadline:
+                return f"not mounted {self.timing.mount_timeout:.0f}s after start"
+            await trio.sleep(0.05)
+        problem = await self._check_health(proc)
+        if problem:
+            return problem
+        self.mounted_since = time.time()
+        log.info("%s: mounted %s at %s", self.decl.name, self.decl.dataset or "all", mountpoint)
+        self._set("mounted")
+        self.settled.set()
+        while True:
+            with trio.move_on_after(self.timing.check_interval):
+                await proc.wait()
+            problem = await self._check_health(proc)
+            if problem:
+                return problem
+
+    async def _check_health(self, proc: trio.Process) -> str | None:
+        if proc.poll() is not None:
+            return "exited"
+        if not kspeedfs_mounted(self.decl.mountpoint):
+            return "the mount disappeared (unmounted from outside)"
+        try:
+            # statfs always goes to the FUSE process (stat may be answered from the kernel's
+            # cache); a thread keeps a hung mount from blocking mountd.
+            with trio.fail_after(self.timing.hang_timeout):
+                await trio.to_thread.run_sync(
+                    os.statvfs, self.decl.mountpoint, abandon_on_cancel=True
+                )
+        except trio.TooSlowError:
+            return f"the mount did not answer for {self.timing.hang_timeout:.0f}s"
+        except OSError as e:
+            if proc.poll() is not None:
+                return "exited"
+            if e.errno == errno.ENOTCONN:
+                return "the mount is stale (Transport endpoint is not connected)"
+            return f"the mount fails: {e.strerror}"
+        return None
+
+    def _exit_reason(self, proc: trio.Process) -> str:
+        code = proc.returncode
+        assert code is not None
+        if code < 0:
+            return f"mount process killed by {signal.Signals(-code).name}"
+        if self._last_error_line:
+            return self._last_error_line
+        if code == 0:
+            return "mount process exited"
+        return f"mount process exited with code {code}"
+
+    async def _read_output(self, stream: trio.abc.ReceiveStream, done: trio.Event) -> None:
+        pending = b""
+        try:
+            async for chunk in stream:
+                *lines, pending = (pending + chunk).split(b"\n")
+                for line in lines:
+                    self._child_line(line)
+            if pending:
+                self._child_line(pending)
+        except (trio.ClosedResourceError, trio.BrokenResourceError):
+            pass
+        finally:
+            done.set()
+
+    def _child_line(self, raw: bytes) -> None:
+        line = raw.decode(errors="replace").rstrip()
+        if not line:
+            return
+        log.info("[%s] %s", self.decl.name, line)
+        if line.startswith("kspeedfs: "):  # the CLI's one-line error
+            self._last_error_line = line.removeprefix("kspeedfs: ")
+
+    async def _stop_process(self, proc: trio.Process) -> None:
+        if proc.poll() is not None:
+            return
+        # The mount unmounts itself on SIGTERM; SIGKILL only when it does not end in time.
+        proc.send_signal(signal.SIGTERM)
+        with trio.move_on_after(self.timing.stop_timeout):
+            await proc.wait()
+        if proc.poll() is None:
+            log.warning(
+                "%s: mount process %d ignored SIGTERM, killing it", self.decl.name, proc.pid
+            )
+            proc.kill()
+            await proc.wait()
+
+    async def _unmount_leftover(self) -> None:
+        try:
+            await trio.to_thread.run_sync(lazy_unmount, self.decl.mountpoint)
+        except MountError as e:
+            log.error("%s: cannot unmount %s: %s", self.decl.name, self.decl.mountpoint, e)

@@ -1,0 +1,420 @@
+"""Finding (or actively loading) the cached dataset behind a path, and reading it in each process.
+
+`attach` runs once, where the dataset object is built: it finds the dataset whose source holds
+the path, preloads it with a lease when it is not there, and returns a `CacheRef`, which is
+plain picklable config. `reader(ref)` opens the manifest and mappings lazily in each process
+(DataLoader workers fork or spawn) and keeps one `Reader` per dataset per process.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import logging
+import os
+import re
+import threading
+import time
+from collections.abc import Sequence
+from typing import Any, NamedTuple
+
+from kspeedfs.client import NodeClient
+from kspeedfs.cluster import ClusterReader, DatasetHandle, local_node_for
+from kspeedfs.config import Settings, load_settings
+from kspeedfs.errors import (
+    AlreadyExists,
+    AuthError,
+    DataError,
+    InvalidArgument,
+    KSpeedError,
+    NoSpace,
+    NotFound,
+)
+from kspeedfs.manifest import Manifest
+from kspeedfs.progress import ProgressBar
+from kspeedfs.scan import check_source
+from kspeedfs.units import parse_address
+
+from . import lease
+
+log = logging.getLogger(__name__)
+
+POLL_S = 0.1
+# One vectored read stays well under the protocol's frame and range limits.
+MAX_READ_BYTES = 64 * 1024 * 1024
+MAX_READ_RANGES = 4096
+
+
+class _Piece(NamedTuple):
+    pos: int  # where it goes in the output buffer
+    seg: int
+    off: int  # offset in the segment
+    n: int
+    entry: int
+    file_off: int  # offset in the file, for a fallback read by file
+
+
+@dataclasses.dataclass(frozen=True)
+class CacheRef:
+    """Picklable: what any process needs to open the same dataset again."""
+
+    settings: Settings
+    name: str
+    uuid: str
+    source: str
+    info: dict[str, Any]  # the node's listing entry (members, path, replicas, lifetime)
+    local: bool | None  # None: map where possible; True: must map; False: always the network
+
+    @property
+    def key(self) -> tuple[str, str, bool | None]:
+        return (self.name, self.uuid, self.local)
+
+
+def client_settings(
+    nodes: str | Sequence[str] | None, token: str | os.PathLike[str] | None
+) -> Settings:
+    """Settings from the config file and environment, with the dataset's own arguments on top."""
+    cli: dict[str, Any] = {}
+    if nodes is not None:
+        cli["nodes"] = nodes if isinstance(nodes, str) else ",".join(str(n) for n in nodes)
+    if token is not None:
+        cli["token_file"] = os.fspath(token)
+    return load_settings(cli)
+
+
+def process_rank() -> int:
+    """This process's rank in a distributed job (0 when there is none)."""
+    try:
+        import torch.distributed as dist
+
+        if dist.is_available() and dist.is_initialized():
+            return int(dist.get_rank())
+    except ImportError:
+        pass
+    for var in ("RANK", "LOCAL_RANK"):
+        value = os.environ.get(var, "")
+        if value.isdigit():
+            return int(value)
+    return 0
+
+
+def derived_name(source: str) -> str:
+    """A stable dataset name for an actively loaded source: its folder name and a path hash."""
+    base = re.sub(r"[^a-z0-9._-]+", "-", os.path.basename(source.rstrip("/")).lower()).strip("-._")
+    digest = hashlib.sha256(source.encode(errors="surrogateescape")).hexdigest()[:10]
+    return f"{base[:40] or 'dataset'}-{digest}"
+
+
+def _inside(path: str, folder: str) -> str | None:
+    """`path` relative to `folder` ('' for the folder itself), or None when it is outside."""
+    rel = os.path.relpath(path, folder)
+    if rel == ".":
+        return ""
+    if rel == ".." or rel.startswith("../") or os.path.isabs(rel):
+        return None
+    return rel
+
+
+def _relative(path: str, source: str) -> str | None:
+    # Compare both as written and with symlinks resolved: jobs spell paths differently.
+    for p in {os.path.abspath(path), os.path.realpath(path)}:
+        for s in {os.path.abspath(source), os.path.realpath(source)}:
+            rel = _inside(p, s)
+            if rel is not None:
+                return rel
+    return None
+
+
+def _match(
+    datasets: list[dict[str, Any]], path: str, objname: str | None
+) -> tuple[dict[str, Any], str] | None:
+    """The dataset that holds `path` (the most specific source wins), and the path inside it."""
+    live = [d for d in datasets if d.get("state") != "failed"]
+    if objname is not None:
+        for d in live:
+            if d["name"] == objname:
+                rel = _relative(path, str(d.get("source", "")))
+                if rel is None:
+                    raise InvalidArgument(
+                        f"{path} is not inside dataset {objname} (loaded from {d.get('source')})"
+                    )
+                return d, rel
+        return None
+    best: tuple[dict[str, Any], str] | None = None
+    for d in live:
+        rel = _relative(path, str(d.get("source", "")))
+        if rel is not None and (best is None or len(d["source"]) > len(best[0]["source"])):
+            best = d, rel
+    return best
+
+
+def attach(
+    path: str,
+    *,
+    objname: str | None,
+    settings: Settings,
+    local: bool | None,
+    source_for_preload: str | None = None,
+) -> tuple[CacheRef, str, tuple[str, str] | None]:
+    """Find or actively load the dataset holding `path`.
+
+    Returns the ref, `path` relative to the dataset root, and the lease key when this process
+    took a lease (release it with `lease.unhold`).
+    """
+    cluster = ClusterReader(settings, local_node_for(settings))
+    preloaded = False
+    for _attempt in range(5):
+        node, listing = cluster.live_request("list")
+        found = _match(listing["datasets"], path, objname)
+        if found is None:
+            if preloaded:
+                raise DataError(f"dataset for {path} vanished right after loading it")
+            _active_preload(settings, source_for_preload or path, objname)
+            preloaded = True
+            continue
+        info, rel = found
+        if info.get("state") != "ready":
+            _wait_ready(settings, node, info["name"])
+            continue
+        key = None
+        if info.get("lifetime") == "leased":
+            members = info.get("members") or [node]
+            try:
+                key = lease.hold(settings, str(members[0]), info["name"])
+            except NotFound:
+                continue  # unloaded between the listing and the lease: look again
+        ref = CacheRef(
+            settings=settings,
+            name=info["name"],
+            uuid=str(info["uuid"]),
+            source=str(info["source"]),
+            info=info,
+            local=local,
+        )
+        return ref, rel, key
+    raise KSpeedError(f"could not attach {path}: the cache kept changing under us")
+
+
+def _active_preload(settings: Settings, source: str, objname: str | None) -> None:
+    """Preload `source` with a leased lifetime; waits for it (progress shown on rank 0)."""
+    try:
+        src = os.path.abspath(check_source(source))
+    except KSpeedError as e:
+        raise type(e)(f"{source} is not in the cache and cannot be loaded: {e}") from None
+    name = objname or derived_name(src)
+    client = _connect(settings)
+    try:
+        try:
+            client.request("preload", name=name, source=src, lifetime="leased", replicas=1)
+            log.info("actively preloading %s as %s (leased)", src, name)
+        except AlreadyExists:
+            pass  # another job (or rank) started it: wait for it like them
+        except AuthError as e:
+            raise AuthError(
+                f"{source} is not in the cache and loading it needs the admin token: {e}"
+            ) from None
+        except (NoSpace, NotFound, InvalidArgument) as e:
+            raise type(e)(f"{source} is not in the cache and cannot be loaded: {e}") from None
+        _poll(client, name, src)
+    finally:
+        client.close()
+
+
+def _connect(settings: Settings, node: str | None = None) -> NodeClient:
+    from kspeedfs import admin
+
+    if node is None:
+        return admin.connect(settings)
+    client = NodeClient(parse_address(node), settings.token_file, settings.timeout)
+    client.connect()
+    return client
+
+
+def _wait_ready(settings: Settings, node: str, name: str) -> None:
+    client = _connect(settings, node)
+    try:
+        _poll(client, name, name)
+    except NotFound:
+        pass  # finished (or failed) and forgotten meanwhile: the caller looks again
+    finally:
+        client.close()
+
+
+def _poll(client: NodeClient, name: str, what: str) -> None:
+    bar = ProgressBar(f"kspeedfs load {name}") if process_rank() == 0 else None
+    try:
+        while True:
+            p = client.request("progress", name=name)
+            if bar is not None:
+                bar.update(p["files_done"], p["files_total"], p["bytes_done"], p["bytes_total"])
+            if p["state"] == "ready":
+                return
+            if p["state"] == "failed":
+                raise DataError(f"loading {what} into the cache failed: {p['error']}")
+            time.sleep(POLL_S)
+    finally:
+        if bar is not None:
+            bar.close()
+
+
+class Reader:
+    """One process's access to one dataset: zero-copy views of local segments, network for the rest.
+
+    Thread-safe for reads; the cluster reader pools one connection per thread in use.
+    """
+
+    def __init__(self, ref: CacheRef):
+        self.ref = ref
+        local_node = None if ref.local is False else local_node_for(ref.settings)
+        self.cluster = ClusterReader(ref.settings, local_node)
+        self.handle: DatasetHandle = self.cluster.open_dataset(ref.name, ref.info)
+        if self.handle.uuid != ref.uuid:
+            raise DataError(f"dataset {ref.name} was reloaded since this job attached to it")
+        if ref.local is True and self.handle.local is None:
+            raise InvalidArgument(
+                f"dataset {ref.name} cannot be mapped by this process (local=True)"
+            )
+        self.manifest: Manifest = self.handle.manifest
+        self.local = self.handle.local
+        self.local_node = local_node
+        self.all_local = self.local is not None and len(self.local.held) == self.manifest.segments
+        self._scratch = threading.local()
+
+    def is_local(self, entry: int) -> bool:
+        return self.all_local or (self.local is not None and self.local.holds_file(entry))
+
+    def view(self, entry: int) -> memoryview:
+        """File `entry`'s bytes: a view of shared memory when local, else a fresh buffer."""
+        if self.is_local(entry):
+            assert self.local is not None
+            return self.local.file_view(entry)
+        out = bytearray(int(self.manifest.size[entry]))
+        self.gather([(entry, 0, len(out))], memoryview(out))
+        return memoryview(out)
+
+    def scratch_view(self, entry: int) -> memoryview:
+        """Like `view`, but remote bytes land in a reusable per-thread buffer (valid until the
+        next call: for decoding right away)."""
+        if self.is_local(entry):
+            assert self.local is not None
+            return self.local.file_view(entry)
+        n = int(self.manifest.size[entry])
+        buf: bytearray | None = getattr(self._scratch, "buf", None)
+        if buf is None or len(buf) < n:
+            buf = self._scratch.buf = bytearray(max(n, 1 << 20))
+        out = memoryview(buf)[:n]
+        self.gather([(entry, 0, n)], out)
+        return out
+
+    def fetch(self, entries: Sequence[int]) -> dict[int, memoryview]:
+        """Whole files, one vectored read per node; each entry's bytes are its own memory."""
+        entries = list(dict.fromkeys(entries))
+        sizes = [int(self.manifest.size[e]) for e in entries]
+        buf = memoryview(bytearray(sum(sizes)))
+        self.gather([(e, 0, n) for e, n in zip(entries, sizes, strict=True)], buf)
+        out, pos = {}, 0
+        for e, n in zip(entries, sizes, strict=True):
+            out[e] = buf[pos : pos + n]
+            pos += n
+        return out
+
+    def gather(self, requests: Sequence[tuple[int, int, int]], out: memoryview) -> None:
+        """Fill `out` with bytes [offset, offset+length) of each (entry, offset, length), back to
+        back: local pieces are copied from shared memory, the rest read with one request per
+        node; a node that fails is replaced by the cluster's replica/source fallback."""
+        by_node: dict[str, list[_Piece]] = {}
+        fallback: list[_Piece] = []
+        pos = 0
+        for entry, offset, length in requests:
+            file_off = offset
+            for seg, off, n in self.manifest.ranges(entry, offset, length):
+                if self.local is not None and self.local.holds(seg):
+                    out[pos : pos + n] = self.local.view(seg, off, n)
+                else:
+                    piece = _Piece(pos, seg, off, n, entry, file_off)
+                    node = self._owner(seg)
+                    if node is None:
+                        fallback.append(piece)
+                    else:
+                        by_node.setdefault(node, []).append(piece)
+                pos += n
+                file_off += n
+        if pos != len(out):
+            raise InvalidArgument(f"a buffer of {len(out)} bytes for {pos} bytes of reads")
+        for node, pieces in by_node.items():
+            try:
+                self._read_node(node, pieces, out)
+            except KSpeedError as e:
+                log.warning(
+                    "%s: read from %s failed (%s); trying elsewhere", self.ref.name, node, e
+                )
+                fallback.extend(pieces)
+        for p in fallback:
+            out[p.pos : p.pos + p.n] = self.cluster.read(self.handle, p.entry, p.file_off, p.n)
+
+    def _owner(self, seg: int) -> str | None:
+        for node in self.handle.owners(seg):
+            if node != self.local_node and not self.cluster.is_down(node):
+                return node
+        return None
+
+    def _read_node(self, node: str, pieces: list[_Piece], out: memoryview) -> None:
+        # Merge pieces adjacent both in the segment and in `out` (rows of one array, say).
+        merged: list[list[int]] = []  # [out pos, seg, off, n]
+        for p in pieces:
+            last = merged[-1] if merged else None
+            if (
+                last
+                and last[1] == p.seg
+                and last[2] + last[3] == p.off
+                and last[0] + last[3] == p.pos
+            ):
+                last[3] += p.n
+            else:
+                merged.append([p.pos, p.seg, p.off, p.n])
+        start = 0
+        while start < len(merged):
+            end, total = start, 0
+            while (
+                end < len(merged)
+                and end - start < MAX_READ_RANGES
+                and (total == 0 or total + merged[end][3] <= MAX_READ_BYTES)
+            ):
+                total += merged[end][3]
+                end += 1
+            chunk = merged[start:end]
+            ranges = [(seg, off, n) for _pos, seg, off, n in chunk]
+            first = chunk[0][0]
+            if chunk[-1][0] + chunk[-1][3] - first == total:
+                # Back to back in `out` (pieces never overlap): receive straight into it.
+                self.cluster.read_ranges(node, self.ref.name, ranges, out[first : first + total])
+            else:
+                tmp = memoryview(bytearray(total))
+                self.cluster.read_ranges(node, self.ref.name, ranges, tmp)
+                at = 0
+                for opos, _seg, _off, n in chunk:
+                    out[opos : opos + n] = tmp[at : at + n]
+                    at += n
+            start = end
+
+
+_readers: dict[tuple[str, str, bool | None], Reader] = {}
+_readers_pid = os.getpid()
+_readers_lock = threading.Lock()
+
+
+def reader(ref: CacheRef) -> Reader:
+    """This process's reader for `ref` (mappings survive fork; the cluster reader reconnects)."""
+    global _readers_pid
+    r = _readers.get(ref.key)
+    if r is not None and _readers_pid == os.getpid():
+        return r
+    with _readers_lock:
+        if _readers_pid != os.getpid():
+            _readers_pid = os.getpid()
+            for old in _readers.values():
+                old._scratch = threading.local()
+        r = _readers.get(ref.key)
+        if r is None:
+            r = _readers[ref.key] = Reader(ref)
+    return r

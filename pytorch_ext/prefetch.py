@@ -1,0 +1,265 @@
+"""Clairvoyant prefetch: the epoch's order is known in advance, so remote samples are fetched
+ahead of use, into a bounded buffer, by a thread in each process that reads.
+
+`ClairvoyantSampler` is a `DistributedSampler` (same order, same `set_epoch`) that also hands
+its plan to the dataset. A DataLoader gives batch j of an epoch to worker j % num_workers, so
+each worker knows which batches it will get and fetches its next `depth` ones in the
+background, one vectored read per node each. A request that does not match the plan (another
+sampler, a resumed iterator) is simply read on demand: prediction affects speed, never data.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import threading
+from collections import Counter
+from collections.abc import Callable, Sequence
+from typing import Any, Generic, TypeVar
+
+import numpy as np
+from torch.utils.data import DistributedSampler, get_worker_info
+
+log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+
+class _Sized:
+    def __init__(self, n: int):
+        self.n = n
+
+    def __len__(self) -> int:
+        return self.n
+
+
+@dataclasses.dataclass(frozen=True)
+class EpochPlan:
+    """Picklable: what the sampler will yield this epoch on this rank."""
+
+    length: int
+    num_replicas: int
+    rank: int
+    shuffle: bool
+    seed: int
+    drop_last: bool
+    epoch: int
+    depth: int
+
+    def order(self) -> list[int]:
+        # The sampler's own code computes it, so the plan cannot drift from what it yields.
+        s: DistributedSampler[int] = DistributedSampler(
+            _Sized(self.length),  # type: ignore[arg-type]
+            num_replicas=self.num_replicas,
+            rank=self.rank,
+            shuffle=self.shuffle,
+            seed=self.seed,
+            drop_last=self.drop_last,
+        )
+        s.set_epoch(self.epoch)
+        return list(s)
+
+    def next_epoch(self) -> EpochPlan:
+        return dataclasses.replace(self, epoch=self.epoch + 1)
+
+
+class ClairvoyantSampler(DistributedSampler[int]):
+    """A DistributedSampler that tells its dataset the epoch's order, for prefetching.
+
+    Without torch.distributed (or explicit num_replicas/rank) it is a seeded shuffle over the
+    whole dataset. `depth` is how many batches each reader fetches ahead.
+    """
+
+    def __init__(
+        self,
+        dataset: Any,
+        num_replicas: int | None = None,
+        rank: int | None = None,
+        shuffle: bool = True,
+        seed: int = 0,
+        drop_last: bool = False,
+        depth: int = 4,
+    ):
+        import torch.distributed as dist
+
+        if num_replicas is None or rank is None:
+            if dist.is_available() and dist.is_initialized():
+                num_replicas = dist.get_world_size() if num_replicas is None else num_replicas
+                rank = dist.get_rank() if rank is None else rank
+            else:
+                num_replicas = 1 if num_replicas is None else num_replicas
+                rank = 0 if rank is None else rank
+        super().__init__(dataset, num_replicas, rank, shuffle, seed, drop_last)
+        self.depth = max(1, depth)
+        self._publish()
+
+    def set_epoch(self, epoch: int) -> None:
+        super().set_epoch(epoch)
+        self._publish()
+
+    def plan(self) -> EpochPlan:
+        return EpochPlan(
+            length=len(self.dataset),  # type: ignore[arg-type]
+            num_replicas=self.num_replicas,
+            rank=self.rank,
+            shuffle=self.shuffle,
+            seed=self.seed,
+            drop_last=self.drop_last,
+            epoch=self.epoch,
+            depth=self.depth,
+        )
+
+    def _publish(self) -> None:
+        set_plan = getattr(self.dataset, "set_plan", None)
+        if set_plan is not None:
+            set_plan(self.plan())
+
+
+class Prefetcher(Generic[T]):
+    """Fetches `batches` in order on a thread, at most `depth` ahead of the consumer."""
+
+    def __init__(self, batches: Sequence[np.ndarray], fetch: Callable[[np.ndarray], T], depth: int):
+        self.batches = batches
+        self.fetch = fetch
+        self.depth = depth
+        self._done: dict[int, T] = {}
+        self._consumed = 0
+        self._failed: BaseException | None = None
+        self._stopped = False
+        self._cond = threading.Condition()
+        self._thread = threading.Thread(target=self._run, name="kspeedfs-prefetch", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        try:
+            for k, batch in enumerate(self.batches):
+                with self._cond:
+                    while not self._stopped and k >= self._consumed + self.depth:
+                        self._cond.wait()
+                    if self._stopped:
+                        return
+                data = self.fetch(batch)
+                with self._cond:
+                    self._done[k] = data
+                    self._cond.notify_all()
+        except BaseException as e:  # reported to the consumer, which reads on demand instead
+            with self._cond:
+                self._failed = e
+                self._cond.notify_all()
+
+    def take(self, k: int) -> T | None:
+        """Batch k's data (waiting for it), or None when the prefetcher failed or stopped."""
+        with self._cond:
+            while k not in self._done and self._failed is None and not self._stopped:
+                self._cond.wait()
+            data = self._done.pop(k, None)
+            self._consumed = max(self._consumed, k + 1)
+            self._cond.notify_all()
+            if data is None and self._failed is not None:
+                log.warning("prefetch failed, reading on demand: %s", self._failed)
+            return data
+
+    def stop(self) -> None:
+        with self._cond:
+            self._stopped = True
+            self._done.clear()
+            self._cond.notify_all()
+
+
+class PlanFollower(Generic[T]):
+    """One process's view of a plan: the batches it will be asked for, fetched ahead."""
+
+    def __init__(self, plan: EpochPlan, batch_size: int, fetch: Callable[[np.ndarray], T]):
+        self.given = plan  # the plan set by the sampler; `plan` may run an epoch ahead of it
+        self.plan = plan
+        self.batch_size = batch_size
+        self.fetch = fetch
+        self.pid = os.getpid()
+        self.pos = 0
+        self.prefetcher: Prefetcher[T] | None = None
+        self.mine: list[np.ndarray] = []
+        self._start(plan)
+
+    def _my_batches(self, plan: EpochPlan) -> list[np.ndarray]:
+        info = get_worker_info()
+        wid, nw = (info.id, info.num_workers) if info is not None else (0, 1)
+        order = np.asarray(plan.order(), dtype=np.int64)
+        bs = self.batch_size
+        return [order[i : i + bs] for i in range(wid * bs, len(order), bs * nw)]
+
+    def _start(self, plan: EpochPlan) -> None:
+        if self.prefetcher is not None:
+            self.prefetcher.stop()
+        self.plan = plan
+        self.mine = self._my_batches(plan)
+        self.pos = 0
+        self.prefetcher = Prefetcher(self.mine, self.fetch, plan.depth)
+
+    def restart(self, plan: EpochPlan) -> None:
+        self.given = plan
+        self._start(plan)
+
+    def take(self, indices: np.ndarray) -> T | None:
+        """The prefetched data for this request, or None when it is not the predicted one."""
+        if self.pos < len(self.mine) and np.array_equal(self.mine[self.pos], indices):
+            return self._take_next()
+        # A new pass over the same plan (no set_epoch), or the next epoch with persistent
+        # workers that never saw set_epoch.
+        for plan in (self.plan, self.plan.next_epoch()):
+            first = self._my_batches(plan)[:1]
+            if first and np.array_equal(first[0], indices):
+                self._start(plan)
+                return self._take_next()
+        if self.prefetcher is not None:
+            log.debug("request off the plan; prefetch stopped for this pass")
+            self.prefetcher.stop()
+            self.prefetcher = None
+        return None
+
+    def _take_next(self) -> T | None:
+        assert self.prefetcher is not None
+        data = self.prefetcher.take(self.pos)
+        self.pos += 1
+        return data
+
+    def stop(self) -> None:
+        if self.prefetcher is not None:
+            self.prefetcher.stop()
+
+
+class PrefetchMixin:
+    """Plan handling shared by the datasets: `set_plan`, `statistics`, `_prefetched`."""
+
+    _plan: EpochPlan | None = None
+    _follower: PlanFollower[Any] | None = None
+    _stats: Counter[str] | None = None
+
+    def set_plan(self, plan: EpochPlan | None) -> None:
+        """Called by ClairvoyantSampler; workers started afterwards inherit the plan."""
+        self._plan = plan
+
+    def statistics(self) -> dict[str, int]:
+        """This process's counts: local, prefetched and fetched (on demand) samples."""
+        return dict(self._counts())
+
+    def _counts(self) -> Counter[str]:
+        if self._stats is None:
+            self._stats = Counter()
+        return self._stats
+
+    def _prefetched(self, indices: np.ndarray, fetch: Callable[[np.ndarray], T]) -> T | None:
+        plan = self._plan
+        if plan is None or len(indices) == 0:
+            return None
+        f = self._follower
+        if f is None or f.pid != os.getpid():
+            f = self._follower = PlanFollower(plan, len(indices), fetch)
+        elif f.given != plan:
+            f.restart(plan)
+        return f.take(indices)
+
+    def _drop_prefetch_state(self, state: dict[str, Any]) -> dict[str, Any]:
+        state.pop("_follower", None)
+        state.pop("_stats", None)
+        return state

@@ -1,0 +1,199 @@
+"""Real FUSE mounts: every byte equals the source's, read-only everywhere, live dataset changes."""
+
+from __future__ import annotations
+
+import errno
+import hashlib
+import json
+import os
+import threading
+from pathlib import Path
+
+import pytest
+from conftest import MountProcess, NodeProcess, run_cli, wait_for
+
+pytestmark = pytest.mark.fuse
+
+
+def walk(root: Path) -> dict[bytes, tuple[str, bytes]]:
+    """Relative path -> (kind, sha256 of the bytes or link target), names kept as raw bytes."""
+    out: dict[bytes, tuple[str, bytes]] = {}
+    base = os.fsencode(root)
+    for dirpath, dirnames, filenames in os.walk(base):
+        rel_dir = os.path.relpath(dirpath, base)
+        for name in dirnames + filenames:
+            full = os.path.join(dirpath, name)
+            rel = os.path.normpath(os.path.join(rel_dir, name))
+            if os.path.islink(full):
+                out[rel] = ("link", os.readlink(full))
+            elif os.path.isdir(full):
+                out[rel] = ("dir", b"")
+            else:
+                with open(full, "rb") as f:
+                    out[rel] = ("file", hashlib.sha256(f.read()).digest())
+    return out
+
+
+def preload(node: NodeProcess, source: Path, name: str) -> None:
+    done = run_cli("preload", str(source), "--name", name, "-q", env=node.env())
+    assert done.returncode == 0, done.stderr
+
+
+def test_every_file_through_the_mount_equals_the_source(
+    node: NodeProcess, tree: Path, tmp_path: Path, mounts: list[MountProcess]
+) -> None:
+    preload(node, tree, "awkward")
+    m = MountProcess(tmp_path / "mnt", node.env(), tmp_path)
+    mounts.append(m)
+    m.start()
+    served = m.mountpoint / "awkward"
+    expected = walk(tree)
+    assert walk(served) == expected
+    # The awkward cases are in there, not just skipped by both sides.
+    assert expected[b"big.bin"][0] == "file"
+    assert (served / "big.bin").stat().st_size > 2 * (1 << 20)
+    assert expected[b"raw-\xff\xfe/latin1-\xe9.bin"][0] == "file"
+    assert os.readlink(served / "link-to-small") == "a/small.txt"
+    assert (served / "link-to-small").read_bytes() == b"hello kspeedfs\n"
+    assert os.listdir(served / "empty_dir") == []
+    assert (served / "a" / "empty.bin").read_bytes() == b""
+    # Reads at odd offsets across the segment boundary.
+    src_big = (tree / "big.bin").read_bytes()
+    with open(served / "big.bin", "rb") as f:
+        for off in (0, (1 << 20) - 7, 2 * (1 << 20) + 12000, len(src_big) - 1):
+            f.seek(off)
+            assert f.read(4099) == src_big[off : off + 4099]
+    st_src, st_mnt = (tree / "a" / "small.txt").stat(), (served / "a" / "small.txt").stat()
+    assert st_mnt.st_size == st_src.st_size
+    assert st_mnt.st_mtime_ns == st_src.st_mtime_ns
+    with pytest.raises(FileNotFoundError):
+        (served / "no-such-file").stat()
+    with pytest.raises(FileNotFoundError):
+        (m.mountpoint / "no-such-dataset").stat()
+
+
+def test_single_dataset_at_the_root(
+    node: NodeProcess, tree: Path, tmp_path: Path, mounts: list[MountProcess]
+) -> None:
+    preload(node, tree, "awkward")
+    m = MountProcess(tmp_path / "one", node.env(), tmp_path, args=("--dataset", "awkward"))
+    mounts.append(m)
+    m.start()
+    assert walk(m.mountpoint) == walk(tree)
+
+
+def _errno_of(fn) -> int:  # type: ignore[no-untyped-def]
+    try:
+        fn()
+    except OSError as e:
+        return e.errno
+    raise AssertionError("the write was allowed")
+
+
+def test_writes_fail_with_erofs(node: NodeProcess, tree: Path, mount_all: MountProcess) -> None:
+    preload(node, tree, "ro")
+    root = mount_all.mountpoint / "ro"
+    wait_for(root.exists, what="dataset folder")
+    small = root / "a" / "small.txt"
+    attempts = {
+        "open for write": lambda: open(small, "r+b"),
+        "open for append": lambda: open(small, "ab"),
+        "create": lambda: open(root / "new.txt", "wb"),
+        "create at top": lambda: open(mount_all.mountpoint / "new.txt", "wb"),
+        "mkdir": lambda: os.mkdir(root / "newdir"),
+        "mkdir at top": lambda: os.mkdir(mount_all.mountpoint / "newdataset"),
+        "unlink": lambda: os.unlink(small),
+        "rmdir": lambda: os.rmdir(root / "empty_dir"),
+        "rename": lambda: os.rename(small, root / "a" / "moved.txt"),
+        "symlink": lambda: os.symlink("x", root / "newlink"),
+        "link": lambda: os.link(small, root / "hardlink"),
+        "setxattr": lambda: os.setxattr(small, "user.x", b"1"),
+        "removexattr": lambda: os.removexattr(small, "user.kspeedfs.xxh3"),
+        "truncate": lambda: os.truncate(small, 0),
+        "chmod": lambda: os.chmod(small, 0o777),
+        "utime": lambda: os.utime(small, (0, 0)),
+    }
+    for what, attempt in attempts.items():
+        assert _errno_of(attempt) == errno.EROFS, what
+    assert small.read_bytes() == b"hello kspeedfs\n"
+    assert walk(root) == walk(tree)
+
+
+def test_checksum_xattr_matches_the_manifest(
+    node: NodeProcess, tree: Path, mount_all: MountProcess
+) -> None:
+    import xxhash
+
+    preload(node, tree, "xa")
+    small = mount_all.mountpoint / "xa" / "a" / "small.txt"
+    wait_for(small.exists, what="file")
+    assert "user.kspeedfs.xxh3" in os.listxattr(small)
+    expected = b"%016x" % xxhash.xxh3_64_intdigest(b"hello kspeedfs\n")
+    assert os.getxattr(small, "user.kspeedfs.xxh3") == expected
+
+
+def test_dataset_preloaded_after_the_mount_appears(
+    node: NodeProcess, tree: Path, mount_all: MountProcess
+) -> None:
+    assert os.listdir(mount_all.mountpoint) == []
+    preload(node, tree, "late")
+    wait_for(lambda: "late" in os.listdir(mount_all.mountpoint), what="late dataset listed")
+    assert walk(mount_all.mountpoint / "late") == walk(tree)
+    done = run_cli("unload", "late", env=node.env())
+    assert done.returncode == 0, done.stderr
+    wait_for(lambda: "late" not in os.listdir(mount_all.mountpoint), what="dataset gone")
+    assert not (mount_all.mountpoint / "late").exists()
+
+
+def test_unload_while_a_file_is_open_and_being_read(
+    node: NodeProcess, tree: Path, mount_all: MountProcess
+) -> None:
+    preload(node, tree, "victim")
+    big = mount_all.mountpoint / "victim" / "big.bin"
+    wait_for(big.exists, what="big file")
+    source = (tree / "big.bin").read_bytes()
+    outcomes: list[str] = []
+    stop = threading.Event()
+
+    def reader() -> None:
+        with open(big, "rb", buffering=0) as f:
+            while not stop.is_set():
+                # Drop this file's cached pages so that every pass reaches the daemon.
+                os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)
+                for off in range(0, len(source), 256 * 1024):
+                    try:
+                        chunk = os.pread(f.fileno(), 65536, off)
+                    except OSError as e:
+                        assert e.errno == errno.EIO, e
+                        outcomes.append("eio")
+                        return
+                    assert chunk == source[off : off + 65536]
+                outcomes.append("ok")
+
+    def daemon_reads() -> int:
+        return int(json.loads(os.getxattr(mount_all.mountpoint, "user.kspeedfs.stats"))["read"])
+
+    t = threading.Thread(target=reader)
+    t.start()
+    try:
+        wait_for(lambda: len(outcomes) >= 1, what="first full read")
+        done = run_cli("unload", "victim", env=node.env())
+        assert done.returncode == 0, done.stderr
+        reads, count = daemon_reads(), len(outcomes)
+        # Listing the top makes the mount notice the unload while the file stays open.
+        wait_for(
+            lambda: "victim" not in os.listdir(mount_all.mountpoint), what="victim unlisted"
+        )
+        wait_for(lambda: len(outcomes) > count + 2 or "eio" in outcomes, what="reads after unload")
+    finally:
+        stop.set()
+        t.join(30)
+    assert not t.is_alive()
+    assert set(outcomes) <= {"ok", "eio"}
+    assert daemon_reads() > reads, "the reads after unload never reached the daemon"
+    # The mount is still up and answers.
+    assert os.path.ismount(mount_all.mountpoint)
+    assert mount_all.proc is not None and mount_all.proc.poll() is None
+    preload(node, tree, "after")
+    wait_for(lambda: "after" in os.listdir(mount_all.mountpoint), what="new dataset")
+    assert (mount_all.mountpoint / "after" / "a" / "small.txt").read_bytes() == b"hello kspeedfs\n"
