@@ -116,6 +116,15 @@ class KSpeedFS(pyfuse3.Operations):
                 pyfuse3.invalidate_entry_async(ROOT, mounted.name.encode(), ignore_enoent=True)
             except OSError:
                 pass
+        else:
+            # Served at the root: the kernel would keep its entries (a day) for the old
+            # instance, e.g. after a refresh; forget them so lookups reach the new one.
+            m = mounted.data.manifest
+            for child in m.children(0):
+                try:
+                    pyfuse3.invalidate_entry_async(ROOT, m.name(child), ignore_enoent=True)
+                except OSError:
+                    pass
 
     def _locate(self, inode: int) -> tuple[MountedDataset, int]:
         if inode == ROOT and self.single:

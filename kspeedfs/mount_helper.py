@@ -10,6 +10,7 @@ from typing import Any
 from .config import load_settings
 from .errors import InvalidArgument, KSpeedError
 from .mount import ALLOWED_OPTIONS, check_mountpoint, fuse_options, run_mount
+from .mountinfo import is_stale, lazy_unmount, mount_at
 from .names import validate_name
 
 # mount(8)'s exit codes, which it passes on from its helpers.
@@ -148,6 +149,7 @@ def _mount(args: argparse.Namespace) -> int:
         check_mountpoint(args.mountpoint)
         fuse_options(fuse)
         return 0
+    _clear_stale(args.mountpoint)
     # Returns once the kernel serves the mount from a background process; fails before
     # mounting anything when the node, the token or the dataset is not right.
     run_mount(
@@ -159,6 +161,14 @@ def _mount(args: argparse.Namespace) -> int:
         log_file=values.get("log_file"),
     )
     return 0
+
+
+def _clear_stale(mountpoint: str) -> None:
+    """After a crash, `mount DIR` should just work: drop the dead kspeedfs mount left there."""
+    entry = mount_at(mountpoint)
+    if entry is not None and entry.is_kspeedfs and is_stale(mountpoint):
+        log.info("clearing the stale kspeedfs mount at %s", mountpoint)
+        lazy_unmount(mountpoint)
 
 
 if __name__ == "__main__":

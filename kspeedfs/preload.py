@@ -368,8 +368,72 @@ async def plan_preload(msg: dict[str, Any], segment_size: int, live_members: lis
     )
 
 
-async def coordinate(plan: Plan, call: Call, progress: Progress, scratch: Path) -> None:
-    """Stage on every member, build and send the manifest, commit; abort everywhere on error."""
+async def start_stages(plan: Plan, call: Call) -> set[str]:
+    """Ask every member to stage its part. Each checks the source and reserves its budget
+    before answering, so a preload that cannot fit is refused before anything loads.
+    Returns the members that cannot read the source (their segments get pushed)."""
+    _offsets, seg_len = plan_layout(plan.tree, plan.segment_size)
+    ident = {"name": plan.name, "uuid": plan.uuid}
+    pushed: set[str] = set()
+    errors: list[KSpeedError] = []
+
+    async def start(member: str) -> None:
+        held = plan.assignment[member]
+        try:
+            try:
+                await call(
+                    member,
+                    "stage",
+                    {
+                        **ident,
+                        "source": plan.source,
+                        "segment_size": plan.segment_size,
+                        "segments": held,
+                        "digest": plan.digest,
+                        "endpoint": plan.endpoint,
+                    },
+                )
+            except SourceNotVisible as e:
+                log.info("%s; pushing its %d segments to it", e, len(held))
+                await call(
+                    member,
+                    "stage",
+                    {
+                        **ident,
+                        "push": True,
+                        "source": plan.source,
+                        "seg_len": {str(k): seg_len[k] for k in held},
+                        "manifest_estimate": manifest_size_estimate(plan.tree),
+                    },
+                )
+                pushed.add(member)
+        except KSpeedError as e:
+            errors.append(e)
+
+    async with trio.open_nursery() as nursery:
+        for member in plan.members:
+            nursery.start_soon(start, member)
+    if errors:
+        await rollback(plan, call)
+        raise errors[0]
+    return pushed
+
+
+async def rollback(plan: Plan, call: Call) -> None:
+    """Abort the staged parts and unload any committed one, on every member."""
+    with trio.CancelScope(shield=True):
+        for member in plan.members:
+            for op in ("abort", "unload_local"):
+                try:
+                    await call(member, op, {"name": plan.name, "uuid": plan.uuid})
+                except KSpeedError as e:
+                    log.warning("rollback of %s on %s: %s", plan.name, member, e)
+
+
+async def coordinate(
+    plan: Plan, call: Call, progress: Progress, scratch: Path, pushed: set[str]
+) -> None:
+    """Load on every member, build and send the manifest, commit; roll back on error."""
     tree = plan.tree
     offsets, seg_len = plan_layout(tree, plan.segment_size)
     member_progress: dict[str, tuple[int, int]] = {}
@@ -377,34 +441,8 @@ async def coordinate(plan: Plan, call: Call, progress: Progress, scratch: Path) 
     ident = {"name": plan.name, "uuid": plan.uuid}
 
     async def stage_member(member: str) -> None:
-        held = plan.assignment[member]
-        try:
-            await call(
-                member,
-                "stage",
-                {
-                    **ident,
-                    "source": plan.source,
-                    "segment_size": plan.segment_size,
-                    "segments": held,
-                    "digest": plan.digest,
-                    "endpoint": plan.endpoint,
-                },
-            )
-        except SourceNotVisible as e:
-            log.info("%s; pushing its %d segments to it", e, len(held))
-            await call(
-                member,
-                "stage",
-                {
-                    **ident,
-                    "push": True,
-                    "source": plan.source,
-                    "seg_len": {str(k): seg_len[k] for k in held},
-                    "manifest_estimate": manifest_size_estimate(tree),
-                },
-            )
-            for k in held:
+        if member in pushed:
+            for k in plan.assignment[member]:
                 await push_segment(member, k)
             await call(member, "stage_done", ident)
         while True:
@@ -497,12 +535,5 @@ async def coordinate(plan: Plan, call: Call, progress: Progress, scratch: Path) 
             format_size(tree.data_bytes),
         )
     except BaseException:
-        with trio.CancelScope(shield=True):
-            for member in plan.members:
-                for op in ("abort", "unload_local"):
-                    try:
-                        args = ident if op == "abort" else {"name": plan.name, "uuid": plan.uuid}
-                        await call(member, op, args)
-                    except KSpeedError as e:
-                        log.warning("rollback of %s on %s: %s", plan.name, member, e)
+        await rollback(plan, call)
         raise

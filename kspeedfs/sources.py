@@ -185,10 +185,22 @@ class FsspecSource(Source):
         try:
             self.fs.invalidate_cache(self.root)
             info = self.fs.info(self.root)
+        except FileNotFoundError:
+            raise NotFound(f"source not found: {self.url} ({self._missing()})") from None
         except Exception as e:
             raise self._error(e, self.url) from None
         if info.get("type") != "directory":
             raise InvalidArgument(f"source is not a folder (a prefix): {self.url}")
+
+    def _missing(self) -> str:
+        """Why a path is not found: its bucket is missing, or nothing is under the prefix."""
+        bucket = self.root.split("/", 1)[0]
+        try:
+            if bucket != self.root and self.fs.exists(bucket):
+                return "no objects under it"
+        except Exception:
+            pass
+        return f"no bucket {bucket!r}" if self.protocol in ("s3", "s3a", "gs") else "missing"
 
     def scan(self) -> Tree:
         self.check()

@@ -7,7 +7,7 @@ import re
 import sysconfig
 from pathlib import Path
 
-from .errors import AlreadyExists, InvalidArgument, NotFound
+from .errors import AlreadyExists, InvalidArgument, KSpeedError, NotFound
 
 SERVICES = ("kspeedfs-node.service", "kspeedfs-mountd.service", "kspeedfs-mount@.service")
 EXAMPLES = ("mnt-imagenet.mount",)
@@ -78,6 +78,15 @@ def install(
         if link.exists() and not link.is_symlink():
             raise AlreadyExists(f"{link} exists and is not a symlink: remove it first")
 
+    try:
+        return _write(units, unit_dir, sbin, exec_prefix)
+    except OSError as e:
+        raise KSpeedError(
+            f"cannot write {e.filename or unit_dir}: {e.strerror} (run it as root?)"
+        ) from None
+
+
+def _write(units: dict[str, str], unit_dir: Path, sbin: Path, exec_prefix: Path) -> list[Path]:
     written: list[Path] = []
     unit_dir.mkdir(parents=True, exist_ok=True)
     for name, text in units.items():
@@ -94,7 +103,7 @@ def install(
             link.unlink()
         link.symlink_to(exec_prefix / "mount.kspeedfs")
         written.append(link)
-    mounts_dir = prefix / "etc" / "kspeedfs" / "mounts.d"
+    mounts_dir = unit_dir.parent.parent / "kspeedfs" / "mounts.d"
     mounts_dir.mkdir(parents=True, exist_ok=True)
     written.append(mounts_dir)
     return written

@@ -49,13 +49,13 @@ def prepare_mountpoint(decl: Declaration) -> Settings:
     """Blocking checks before a mount: settings, the mountpoint folder, leftovers of a crash."""
     settings = load_settings(decl.settings_cli(), config_file=decl.config)
     # First, from mountinfo: any access to a stale leftover would fail with ENOTCONN.
+    require_free_mountpoint(decl.mountpoint)
     try:
         os.makedirs(decl.mountpoint, exist_ok=True)
     except FileExistsError:
         raise MountError(f"mountpoint is not a folder: {decl.mountpoint}") from None
     except OSError as e:
         raise MountError(f"cannot create mountpoint {decl.mountpoint}: {e.strerror}") from None
-    require_free_mountpoint(decl.mountpoint)
     return settings
 
 

@@ -9,12 +9,12 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from conftest import NodeProcess, run_cli
+from conftest import KSPEEDFS, NodeProcess, run_cli, wait_for
 from mountdutil import kspeedfs_mounts_under, unmount_all_under
 
 from kspeedfs.errors import InvalidArgument
 from kspeedfs.mount_helper import split_options, translate_options
-from kspeedfs.mountinfo import mount_entries
+from kspeedfs.mountinfo import is_stale, kspeedfs_mounted, mount_entries
 
 HELPER = str(Path(sys.executable).parent / "mount.kspeedfs")
 
@@ -63,6 +63,31 @@ def test_helper_mounts_like_mount8_and_returns(
     mountinfo = Path("/proc/self/mountinfo").read_text()
     line = next(line for line in mountinfo.splitlines() if f" {mp} " in line)
     assert "allow_other" in line
+
+
+@pytest.mark.fuse
+def test_helper_mounts_over_a_stale_leftover(
+    loaded: NodeProcess, tree: Path, tmp_path: Path
+) -> None:
+    mp = tmp_path / "mnt"
+    mp.mkdir()
+    crashed = subprocess.Popen(
+        [*KSPEEDFS, "mount", str(mp), "--foreground"],
+        env=loaded.env(),
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    try:
+        wait_for(lambda: kspeedfs_mounted(mp), what="the mount that will crash")
+    finally:
+        crashed.kill()
+        crashed.wait()
+    assert is_stale(mp)
+    opts = f"nodes={loaded.address},token_file={loaded.token_file}"
+    done = helper("ds", str(mp), "-o", opts)
+    assert done.returncode == 0, done.stderr
+    assert (mp / "a" / "small.txt").read_bytes() == (tree / "a" / "small.txt").read_bytes()
+    assert kspeedfs_mounts_under(tmp_path) == [str(mp)]
 
 
 @pytest.mark.fuse

@@ -151,6 +151,18 @@ class Region:
         self._keep = None
 
 
+def _fork_init(pv: Any) -> None:
+    """On kernels that do not copy pinned pages at fork (before 5.13), keep registered memory
+    out of children so that a DataLoader fork cannot turn the parent's pool copy-on-write."""
+    try:
+        import pyverbs.fork
+
+        if pyverbs.fork.is_fork_initialized() == pv.enums.IBV_FORK_DISABLED:
+            pyverbs.fork.fork_init()
+    except Exception as e:  # too late (memory already registered) or not supported
+        log.debug("ibv_fork_init: %s", e)
+
+
 class Device:
     """An opened device in this process: context, protection domain, port, GID index."""
 
@@ -161,6 +173,7 @@ class Device:
         self.pid = os.getpid()
         self.name = name
         self.port = port
+        _fork_init(pv)
         try:
             self.ctx = _own(pv.device.Context(name=name))
             self.pd = _own(pyverbs.pd.PD(self.ctx))
@@ -373,6 +386,7 @@ class ReadChannel:
         self.qp = device.make_qp(self.cq, self.depth)
         self.psn = new_psn()
         self.endpoint = device.endpoint(self.qp, self.psn, int(device.attr.max_qp_init_rd_atom))
+        self._wr: tuple[Any, Any] | None = None
 
     @property
     def pool_size(self) -> int:
@@ -382,35 +396,38 @@ class ReadChannel:
         self.device.connect(self.qp, self.psn, remote, responder=False)
 
     def post_reads(self, reads: Sequence[ReadRequest]) -> None:
-        """Post RDMA READs into the pool as one linked list of work requests."""
+        """Post RDMA READs into the pool, all before any completion is awaited."""
         if not reads:
             return
-        pv = _pyverbs()
-        import pyverbs.wr
-
-        e = pv.enums
-        lkey = self.pool_region.lkey
+        sge, wr = self._request()
         base = self.pool_region.addr
-        wrs = []
-        # Built back to front: each request links to the next; all stay referenced until posted.
-        nxt = None
-        for r in reversed(reads):
-            sge = pyverbs.wr.SGE(base + r.pool_offset, r.length, lkey)
-            wr = pyverbs.wr.SendWR(
-                wr_id=r.wr_id,
-                opcode=e.IBV_WR_RDMA_READ,
-                num_sge=1,
-                sg=[sge],
-                send_flags=e.IBV_SEND_SIGNALED,
-                next_wr=nxt,
-            )
-            wr.set_wr_rdma(r.rkey, r.remote_addr)
-            wrs.append((wr, sge))
-            nxt = wr
         try:
-            self.qp.post_send(nxt)
+            for r in reads:
+                # The provider copies the request at posting: one request object serves all.
+                sge.addr = base + r.pool_offset
+                sge.length = r.length
+                wr.wr_id = r.wr_id
+                wr.set_wr_rdma(r.rkey, r.remote_addr)
+                self.qp.post_send(wr)
         except Exception as exc:
-            raise NodeUnreachable(f"cannot post RDMA reads to {self.device.name}: {exc}") from None
+            raise NodeUnreachable(f"cannot post RDMA reads on {self.device.name}: {exc}") from None
+
+    def _request(self) -> tuple[Any, Any]:
+        # Made once: pyverbs 44 never frees a request's memory (its destructors are misnamed),
+        # so a request per read would leak; and closing them by hand would double-free on a
+        # pyverbs that fixes that.
+        if self._wr is None:
+            pv = _pyverbs()
+            import pyverbs.wr
+
+            e = pv.enums
+            sge = pyverbs.wr.SGE(self.pool_region.addr, 1, self.pool_region.lkey)
+            wr = pyverbs.wr.SendWR(
+                opcode=e.IBV_WR_RDMA_READ, num_sge=1, sg=[sge], send_flags=e.IBV_SEND_SIGNALED
+            )
+            wr.sg_list = sge  # point at the SGE itself, so that changing it changes the request
+            self._wr = (sge, wr)
+        return self._wr
 
     def poll(self, max_entries: int) -> list[Completion]:
         pv = _pyverbs()

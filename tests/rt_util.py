@@ -1,0 +1,77 @@
+"""Helpers of the read-through, eviction and S3 tests: nodes with extra environment, mounts of a
+source, the node's cache counters, memory actually used in a folder."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+from conftest import MountProcess, NodeProcess
+
+
+class EnvNode(NodeProcess):
+    """A node (and its clients) with extra environment: credentials, check intervals."""
+
+    def __init__(self, *args: Any, env_extra: dict[str, str], **kwargs: Any):
+        super().__init__(*args, **kwargs)
+        self.env_extra = env_extra
+
+    def env(self) -> dict[str, str]:
+        return {**super().env(), **self.env_extra}
+
+
+def cache_status(node: NodeProcess, name: str) -> dict[str, Any]:
+    """The node's cache counters of one dataset (hits, misses, in_memory, ...)."""
+    found: dict[str, Any] = node.request("status")["cache"]["datasets"][name]
+    return found
+
+
+def mount_source(
+    node: NodeProcess,
+    tmp_path: Path,
+    mounts: list[MountProcess],
+    source: str | Path,
+    *extra: str,
+    mnt: str = "mnt",
+    env: dict[str, str] | None = None,
+) -> MountProcess:
+    m = MountProcess(
+        tmp_path / mnt, env or node.env(), tmp_path, args=("--source", str(source), *extra)
+    )
+    mounts.append(m)
+    return m.start()
+
+
+def shm_bytes(path: Path) -> int:
+    """Memory (tmpfs pages) or disk the files under path take, not their apparent sizes."""
+    return sum(p.lstat().st_blocks * 512 for p in path.rglob("*") if p.is_file())
+
+
+def file_count(path: Path) -> int:
+    return sum(1 for p in path.rglob("*") if p.is_file())
+
+
+def read_uncached(path: Path) -> bytes:
+    """Read a file through a mount, past the kernel's page cache (so the daemon serves it)."""
+    with open(path, "rb") as f:
+        os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)
+        return f.read()
+
+
+def deleted_maps(pid: int, folder: Path) -> list[str]:
+    """Mappings a process still holds of unlinked files under folder (memory not returned)."""
+    with open(f"/proc/{pid}/maps") as f:
+        return [line for line in f if str(folder) in line and "(deleted)" in line]
+
+
+def write_files(root: Path, count: int, size: int, subdirs: int = 2) -> dict[str, bytes]:
+    """count files of `size` random bytes spread over subfolders; relative path -> bytes."""
+    out = {}
+    for i in range(count):
+        rel = f"d{i % subdirs}/file{i:04d}.bin"
+        data = os.urandom(size)
+        (root / rel).parent.mkdir(parents=True, exist_ok=True)
+        (root / rel).write_bytes(data)
+        out[rel] = data
+    return out

@@ -1,0 +1,150 @@
+"""One memory budget: read-through data evicted LRU (to a spill folder when set), pinned data kept."""
+
+from __future__ import annotations
+
+import shutil
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from conftest import MountProcess, NodeProcess, run_cli
+from rt_util import (
+    cache_status,
+    deleted_maps,
+    file_count,
+    mount_source,
+    shm_bytes,
+    write_files,
+)
+
+pytestmark = pytest.mark.fuse
+
+BUDGET = 6 << 20
+PAGE = 4096
+
+
+@pytest.fixture
+def make_node(token_file: Path, tmp_path: Path) -> Iterator[type[NodeProcess]]:
+    """Start nodes with a 6 MiB budget (and extra flags); all stopped and cleaned afterwards."""
+    made: list[NodeProcess] = []
+
+    def start(*extra: str) -> NodeProcess:
+        shm = Path("/dev/shm") / f"kspeedfs-test-{uuid.uuid4().hex[:10]}"
+        n = NodeProcess(shm, token_file, tmp_path, memory=str(BUDGET), extra=extra)
+        made.append(n)
+        return n.start()
+
+    yield start  # type: ignore[misc]
+    for n in made:
+        n.stop()
+        shutil.rmtree(n.shm_dir, ignore_errors=True)
+
+
+def within_budget(node: NodeProcess) -> bool:
+    # The budget counts bytes; tmpfs hands out whole pages (one partial page a file at most).
+    return shm_bytes(node.shm_dir) <= BUDGET + PAGE * file_count(node.shm_dir)
+
+
+def test_reading_more_than_the_budget_evicts_and_keeps_pinned_data(
+    make_node, tmp_path: Path, mounts: list[MountProcess]
+) -> None:
+    node = make_node()
+    pinned_src = tmp_path / "pinned"
+    write_files(pinned_src, 3, 500_000)
+    done = run_cli("preload", str(pinned_src), "--name", "pinned", "-q", env=node.env())
+    assert done.returncode == 0, done.stderr
+    pinned_files = sorted((node.shm_dir / "datasets" / "pinned" / "seg").iterdir())
+
+    src = tmp_path / "big"
+    files = write_files(src, 16, 700_000)  # one file a segment: 16 segments, 11 MB
+    m = mount_source(node, tmp_path, mounts, src)
+    for rel in sorted(files):
+        assert (m.mountpoint / rel).read_bytes() == files[rel]
+        assert within_budget(node)
+    st = cache_status(node, "big")
+    assert st["evictions"] > 0
+    assert 0 < st["in_memory"] < st["segments"] == 16
+    pinned = cache_status(node, "pinned")
+    assert pinned["in_memory"] == pinned["segments"] == len(pinned_files)
+    assert sorted((node.shm_dir / "datasets" / "pinned" / "seg").iterdir()) == pinned_files
+    # Evicted segments are not kept alive by the mount's maps: their memory really returned.
+    assert deleted_maps(m.proc.pid, node.shm_dir) == []  # type: ignore[union-attr]
+
+    # Read back (from the source: no spill folder) through a fresh mount, still within budget.
+    again = mount_source(node, tmp_path, mounts, src, mnt="mnt2")
+    for rel in sorted(files):
+        assert (again.mountpoint / rel).read_bytes() == files[rel]
+        assert within_budget(node)
+    assert cache_status(node, "big")["fills_source"] > 16
+    assert cache_status(node, "pinned")["in_memory"] == len(pinned_files)
+
+
+def test_evicted_segments_are_read_back_from_the_spill_folder(
+    make_node, tmp_path: Path, mounts: list[MountProcess]
+) -> None:
+    spill = tmp_path / "spill"
+    node = make_node("--spill-dir", str(spill), "--spill", "16MiB")
+    src = tmp_path / "big"
+    files = write_files(src, 16, 700_000)
+    m = mount_source(node, tmp_path, mounts, src)
+    for rel in sorted(files):
+        assert (m.mountpoint / rel).read_bytes() == files[rel]
+        assert within_budget(node)
+    st = cache_status(node, "big")
+    assert st["evictions"] > 0
+    assert st["on_spill"] == st["evictions"]  # every evicted segment went to disk
+    assert st["in_memory"] + st["on_spill"] == 16
+    assert shm_bytes(spill) <= 16 << 20
+
+    again = mount_source(node, tmp_path, mounts, src, mnt="mnt2")
+    for rel in sorted(files):
+        assert (again.mountpoint / rel).read_bytes() == files[rel]
+        assert within_budget(node)
+    st2 = cache_status(node, "big")
+    assert st2["fills_spill"] > 0
+    assert st2["source_reads"] == st["source_reads"]  # nothing read from the source again
+    done = run_cli("status", env=node.env())
+    assert done.returncode == 0, done.stderr
+    assert f"in {spill}" in done.stdout
+
+
+def test_spill_budget_is_kept(make_node, tmp_path: Path, mounts: list[MountProcess]) -> None:
+    spill = tmp_path / "spill"
+    node = make_node("--spill-dir", str(spill), "--spill", "2MiB")
+    src = tmp_path / "big"
+    files = write_files(src, 16, 700_000)
+    m = mount_source(node, tmp_path, mounts, src)
+    for rel in sorted(files):
+        assert (m.mountpoint / rel).read_bytes() == files[rel]
+        assert shm_bytes(spill) <= 2 << 20
+    st = cache_status(node, "big")
+    assert st["evictions"] > 2
+    assert 0 < st["on_spill"] <= 2
+    status = node.request("status")["cache"]["spill"]
+    assert status["used"] <= status["budget"] == 2 << 20
+
+
+def test_a_preload_makes_room_by_evicting_read_through_data(
+    make_node, tmp_path: Path, mounts: list[MountProcess]
+) -> None:
+    node = make_node()
+    src = tmp_path / "big"
+    files = write_files(src, 16, 700_000)
+    m = mount_source(node, tmp_path, mounts, src)
+    for rel in sorted(files):
+        (m.mountpoint / rel).read_bytes()
+    held = cache_status(node, "big")["in_memory"]
+    pinned_src = tmp_path / "pinned"
+    write_files(pinned_src, 4, 700_000)
+    done = run_cli("preload", str(pinned_src), "--name", "pinned", "-q", env=node.env())
+    assert done.returncode == 0, done.stderr
+    assert cache_status(node, "pinned")["in_memory"] == 4
+    assert cache_status(node, "big")["in_memory"] < held
+    assert within_budget(node)
+    # And the read-through dataset still reads right, around the pinned data.
+    again = mount_source(node, tmp_path, mounts, src, mnt="mnt2")
+    for rel in sorted(files):
+        assert (again.mountpoint / rel).read_bytes() == files[rel]
+        assert within_budget(node)
+    assert cache_status(node, "pinned")["in_memory"] == 4
