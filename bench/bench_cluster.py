@@ -15,6 +15,7 @@ another process over loopback TCP, so the figures measure the software, not a ne
 from __future__ import annotations
 
 import argparse
+import functools
 import logging
 import multiprocessing
 import os
@@ -105,9 +106,18 @@ class BenchCluster:
                 self.procs.append(
                     subprocess.Popen(
                         [
-                            *KSPEEDFS, "node", "--listen", address, "--nodes",
-                            ",".join(self.addresses), "--shm-dir", str(self.shm_root / str(i)),
-                            "--memory", self.memory, "--segment-size", self.segment_size,
+                            *KSPEEDFS,
+                            "node",
+                            "--listen",
+                            address,
+                            "--nodes",
+                            ",".join(self.addresses),
+                            "--shm-dir",
+                            str(self.shm_root / str(i)),
+                            "--memory",
+                            self.memory,
+                            "--segment-size",
+                            self.segment_size,
                         ],
                         stdout=out,
                         stderr=subprocess.STDOUT,
@@ -116,7 +126,7 @@ class BenchCluster:
                     )
                 )
         for address in self.addresses:
-            wait_until(lambda a=address: self._answers(a), 30, f"node {address}")
+            wait_until(functools.partial(self._answers, address), 30, f"node {address}")
         return self
 
     def _answers(self, address: str) -> bool:
@@ -166,7 +176,7 @@ class BenchCluster:
 
         wait_until(up, 30, f"mount at {mountpoint}")
 
-    def close(self) -> None:
+    def unmount_all(self) -> None:
         for mountpoint, proc in self.mounts:
             subprocess.run(["fusermount3", "-u", "-z", str(mountpoint)], capture_output=True)
             try:
@@ -175,6 +185,9 @@ class BenchCluster:
                 proc.kill()
                 proc.wait()
         self.mounts = []
+
+    def close(self) -> None:
+        self.unmount_all()
         for p in self.procs:
             if p.poll() is None:
                 p.send_signal(signal.SIGTERM)
@@ -277,11 +290,13 @@ def plain_loopback(calls: int) -> float:
 def kspeedfs_bulk(cluster: BenchCluster, name: str, segments: int, calls: int) -> float:
     """Seconds for `calls` TcpTransport reads of BULK_CALL bytes in 8 MiB ranges."""
     per_call = BULK_CALL // BULK_RANGE
-    transport = TcpTransport(Address("127.0.0.1", int(cluster.addresses[0].split(":")[1])),
-                             cluster.settings())
+    transport = TcpTransport(
+        Address("127.0.0.1", int(cluster.addresses[0].split(":")[1])), cluster.settings()
+    )
     out = memoryview(bytearray(BULK_CALL))
     try:
-        for k in range(2):
+        # Warm up over every segment: the node maps each page once, then serves from the map.
+        for k in range(-(-segments // per_call)):
             ranges = [((k * per_call + j) % segments, 0, BULK_RANGE) for j in range(per_call)]
             transport.read_into(name, ranges, out)
         started = time.perf_counter()
@@ -301,8 +316,14 @@ def small_file_rates(cluster: BenchCluster, name: str, batch: int) -> tuple[floa
     files = [m.ranges(i) for i in m.iter_files()]
     node = cluster.addresses[0]
     reader = ClusterReader(cluster.settings(), local_node=None)
-    buf = memoryview(bytearray(max(sum(r[2] for f in files[i : i + batch] for r in f)
-                                   for i in range(0, len(files), batch))))
+    buf = memoryview(
+        bytearray(
+            max(
+                sum(r[2] for f in files[i : i + batch] for r in f)
+                for i in range(0, len(files), batch)
+            )
+        )
+    )
     try:
         for ranges in files[:20]:  # warm up the connection
             reader.read_ranges(node, name, ranges, buf[: sum(r[2] for r in ranges)])
@@ -324,9 +345,7 @@ def small_file_rates(cluster: BenchCluster, name: str, batch: int) -> tuple[floa
 
 
 def read_tree(root: Path) -> tuple[int, float]:
-    paths = sorted(
-        os.path.join(d, f) for d, _dirs, names in os.walk(root) for f in names
-    )
+    paths = sorted(os.path.join(d, f) for d, _dirs, names in os.walk(root) for f in names)
     buf = bytearray(1 << 20)
     random.Random(1).shuffle(paths)
     started = time.perf_counter()
@@ -345,7 +364,8 @@ def main() -> int:
     p.add_argument("--files", type=int, default=3000, help="small files (default 3000)")
     p.add_argument("--size", default="110KiB", help="small file size (default 110KiB)")
     p.add_argument("--bulk", default="512MiB", help="bulk dataset size (default 512MiB)")
-    p.add_argument("--bulk-gb", type=float, default=4.0, help="GB moved per bulk figure")
+    p.add_argument("--bulk-gb", type=float, default=2.0, help="GB moved per bulk round")
+    p.add_argument("--rounds", type=int, default=3, help="rounds of each figure (best kept)")
     p.add_argument("--batch", type=int, default=64, help="files per batched read (default 64)")
     p.add_argument("--segment-size", default="8MiB")
     p.add_argument("--cache", default="/var/tmp/kspeedfs-bench-cluster")
@@ -368,7 +388,12 @@ def main() -> int:
         rates = {}
         for n in (1, 2, 3):
             c = clusters[n] = BenchCluster(workdir, f"n{n}", n, args.segment_size, memory).start()
-            rates[n] = small_bytes / c.preload(small, "small") / 1e6
+            best = float("inf")
+            for r in range(args.rounds):
+                if r:
+                    c.request(c.addresses[0], "unload", name="small")
+                best = min(best, c.preload(small, "small"))
+            rates[n] = small_bytes / best / 1e6
             if n == 2:
                 c.close()
         solo, trio = clusters[1], clusters[3]
@@ -376,40 +401,66 @@ def main() -> int:
         calls = max(4, int(args.bulk_gb * 1e9 / BULK_CALL))
         solo.preload(bulk, "bulk")
         segments = Manifest(solo.shm_of(0) / "datasets" / "bulk" / MANIFEST_FILE).segments
-        t_plain = plain_loopback(calls)
-        t_ks = kspeedfs_bulk(solo, "bulk", segments, calls)
+        # Interleaved rounds, best of each: other load on the machine hits both sides alike.
         moved = calls * BULK_CALL
-        plain_gbs, ks_gbs = moved / t_plain / 1e9, moved / t_ks / 1e9
+        plain_gbs = ks_gbs = 0.0
+        for _ in range(args.rounds):
+            plain_gbs = max(plain_gbs, moved / plain_loopback(calls) / 1e9)
+            ks_gbs = max(ks_gbs, moved / kspeedfs_bulk(solo, "bulk", segments, calls) / 1e9)
         ratio = ks_gbs / plain_gbs
         verdict = "meets" if ratio >= BULK_TARGET else "MISSES"
-        print(f"\n1. remote bulk read, {format_size(BULK_CALL)} per call in "
-              f"{format_size(BULK_RANGE)} ranges, {format_size(moved)} in all")
+        print(
+            f"\n1. remote bulk read, {format_size(BULK_CALL)} per call in "
+            f"{format_size(BULK_RANGE)} ranges, {format_size(moved)} a round, "
+            f"best of {args.rounds} interleaved rounds"
+        )
         print(f"   plain Python socket loopback: {plain_gbs:6.2f} GB/s")
-        print(f"   kspeedfs TcpTransport:        {ks_gbs:6.2f} GB/s   ratio {ratio:.2f} "
-              f"(target >= {BULK_TARGET}, {verdict})")
+        print(
+            f"   kspeedfs TcpTransport:        {ks_gbs:6.2f} GB/s   ratio {ratio:.2f} "
+            f"(target >= {BULK_TARGET}, {verdict})"
+        )
 
-        one, batched, nfiles = small_file_rates(solo, "small", args.batch)
-        print(f"\n2. {nfiles} files of ~{args.size} from a remote node (read_ranges)")
+        one = batched = 0.0
+        for _ in range(args.rounds):
+            r1, rb, nfiles = small_file_rates(solo, "small", args.batch)
+            one, batched = max(one, r1), max(batched, rb)
+        print(
+            f"\n2. {nfiles} files of ~{args.size} from a remote node (read_ranges), best of {args.rounds}"
+        )
         print(f"   one file per round trip:      {one:8.0f} files/s")
-        print(f"   {args.batch} files per round trip:     {batched:8.0f} files/s   "
-              f"x{batched / one:.1f}")
+        print(
+            f"   {args.batch} files per round trip:     {batched:8.0f} files/s   "
+            f"x{batched / one:.1f}"
+        )
 
-        print(f"\n3. preload of {format_size(small_bytes)} ({args.files} files), "
-              "each node loading its own segments from the source (page cache warm)")
+        print(
+            f"\n3. preload of {format_size(small_bytes)} ({args.files} files), each node "
+            f"loading its own segments from the source (page cache warm), best of {args.rounds}"
+        )
         for n, rate in rates.items():
-            print(f"   {n} node{'s' if n > 1 else ' '}: {rate:8.0f} MB/s   "
-                  f"scaling x{rate / rates[1]:.2f}")
+            print(
+                f"   {n} node{'s' if n > 1 else ' '}: {rate:8.0f} MB/s   "
+                f"scaling x{rate / rates[1]:.2f}"
+            )
 
         held = [len(os.listdir(trio.shm_of(i) / "datasets" / "small" / "seg")) for i in range(3)]
-        solo.mount(workdir / "mnt-1", solo.addresses[0])
-        trio.mount(workdir / "mnt-3", trio.addresses[0])
-        n1, t1 = read_tree(workdir / "mnt-1" / "small")
-        n3, t3 = read_tree(workdir / "mnt-3" / "small")
-        print(f"\n4. FUSE read of every file once (fresh mount, random order); the 3-node "
-              f"mount runs on node 1 (segments per node {held})")
-        print(f"   dataset on 1 node (all local): {n1 / t1:8.0f} files/s")
-        print(f"   spread over 3 nodes:           {n3 / t3:8.0f} files/s   "
-              f"ratio {(n3 / t3) / (n1 / t1):.2f}")
+        # Fresh mounts each round: the kernel keeps a mount's pages, a new mount starts cold.
+        rate1 = rate3 = 0.0
+        for _ in range(args.rounds):
+            for c, mnt in ((solo, workdir / "mnt-1"), (trio, workdir / "mnt-3")):
+                c.mount(mnt, c.addresses[0])
+                nfiles, seconds = read_tree(mnt / "small")
+                c.unmount_all()
+                if c is solo:
+                    rate1 = max(rate1, nfiles / seconds)
+                else:
+                    rate3 = max(rate3, nfiles / seconds)
+        print(
+            f"\n4. FUSE read of every file once (fresh mount, random order), best of "
+            f"{args.rounds}; the 3-node mount runs on node 1 (segments per node {held})"
+        )
+        print(f"   dataset on 1 node (all local): {rate1:8.0f} files/s")
+        print(f"   spread over 3 nodes:           {rate3:8.0f} files/s   ratio {rate3 / rate1:.2f}")
     finally:
         for c in clusters.values():
             c.close()

@@ -78,6 +78,15 @@ def per_file(before: dict[str, int], after: dict[str, int], files: int) -> str:
     return f"FUSE requests per file: {', '.join(parts) or 'none'}; total {total:.2f}"
 
 
+def disk_read_bytes(pid: int) -> int:
+    """Bytes a process made the kernel read from storage (page cache misses)."""
+    with open(f"/proc/{pid}/io") as f:
+        for line in f:
+            if line.startswith("read_bytes:"):
+                return int(line.split()[1])
+    return 0
+
+
 def ratio_line(ratio: float, target: float) -> str:
     verdict = "meets" if ratio >= target else "MISSES"
     return f"ratio {ratio:.3f} (target >= {target}, {verdict})"
@@ -122,9 +131,12 @@ def main() -> int:
     workdir = Path(tempfile.mkdtemp(prefix="kspeedfs-bench-"))
     memory = data_bytes + data_bytes // 10 + (64 << 20)
     with LocalCache(workdir, memory) as node:
+        assert node.node is not None
+        disk_before = disk_read_bytes(node.node.pid)
         started = time.perf_counter()
         node.preload(source.parent, "bench", show_progress=False)
         t_preload = time.perf_counter() - started
+        preload_disk = disk_read_bytes(node.node.pid) - disk_before
 
         mnt = workdir / "mnt"
         node.mount(mnt)
@@ -187,6 +199,8 @@ def main() -> int:
         f"({format_size(data_bytes)} in {t_preload:.2f}s)  "
         f"{ratio_line(results['preload'], TARGETS['preload'])}"
     )
+    # Other processes can push the source out of the page cache: then preload reads the disk.
+    print(f"  source bytes the node read from disk during preload: {format_size(preload_disk)}")
     missed = [k for k, v in results.items() if v < TARGETS[k]]
     print(f"\ntargets missed: {', '.join(missed)}" if missed else "\nall targets met")
     return 0

@@ -25,9 +25,9 @@ from .client import NodeClient
 from .config import Settings
 from .errors import DataError, KSpeedError, NodeUnreachable, NotFound
 from .localdata import LocalDataset
+from .manifest import Manifest
 from .rtclient import open_local, read_source, read_through
 from .sources import is_url
-from .manifest import Manifest
 from .transport import Range, Transport, open_transport
 from .units import parse_address
 

@@ -1,13 +1,14 @@
 """Copies the files of some segments of a scanned source tree into staging, checksumming them.
 
-Runs in a worker thread of a node daemon. Each file is read straight into the mapped segment
-(one copy, kernel to tmpfs page), then hashed in place. A node loads only the segments that
+Runs in a worker thread of a node daemon. The kernel copies each file into its segment file
+(sendfile: one copy, no page faults on the mapping), then it is hashed in place through the map. A node loads only the segments that
 placement gives it; a file lying wholly in those segments gets its checksum here.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import errno
 import mmap
 import os
 import stat
@@ -86,25 +87,25 @@ def load_segments(
     progress.bytes_total = sum(tree.size[i] for i in todo)
     checksums: dict[int, int] = {}
     maps: dict[int, mmap.mmap] = {}
+    fds: dict[int, int] = {}  # kept open: the copies are written through them
     try:
         for seg in sorted(held):
             length = seg_len[seg]
-            fd = os.open(segment_path(staging, seg), os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o644)
+            fd = fds[seg] = os.open(
+                segment_path(staging, seg), os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o644
+            )
             try:
-                try:
-                    os.posix_fallocate(fd, 0, length)  # claim tmpfs pages now: ENOSPC up front
-                except OSError as e:
-                    raise DataError(f"cannot allocate segment {seg}: {e.strerror}") from None
-                maps[seg] = mmap.mmap(fd, length)
-            finally:
-                os.close(fd)
+                os.posix_fallocate(fd, 0, length)  # claim tmpfs pages now: ENOSPC up front
+            except OSError as e:
+                raise DataError(f"cannot allocate segment {seg}: {e.strerror}") from None
+            maps[seg] = mmap.mmap(fd, length)
         src = os.fsencode(source)
         for i in todo:
             if progress.cancel.is_set():
                 raise KSpeedError("preload cancelled")
             size = tree.size[i]
             path = src + b"/" + tree.path(i)
-            digest = _copy_file(path, size, offsets[i], segment_size, maps)
+            digest = _copy_file(path, size, offsets[i], segment_size, maps, fds)
             if digest is not None:
                 checksums[i] = digest
             progress.files_done += 1
@@ -114,6 +115,8 @@ def load_segments(
     finally:
         for m in maps.values():
             m.close()
+        for fd in fds.values():
+            os.close(fd)
     return checksums
 
 
@@ -172,8 +175,17 @@ def checksum_source_file(source: Path, relpath: bytes, size: int) -> int:
     return hasher.intdigest()
 
 
+# sendfile errors that mean "this source cannot be spliced": read into the mapping instead.
+_NO_SENDFILE = frozenset({errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP})
+
+
 def _copy_file(
-    path: bytes, size: int, offset: int, segment_size: int, maps: dict[int, mmap.mmap]
+    path: bytes,
+    size: int,
+    offset: int,
+    segment_size: int,
+    maps: dict[int, mmap.mmap],
+    fds: dict[int, int],
 ) -> int | None:
     """Copy the held pieces of one file; its checksum when every piece was held, else None."""
     hasher = xxhash.xxh3_64()
@@ -183,32 +195,48 @@ def _copy_file(
     except OSError as e:
         raise DataError(f"cannot read {os.fsdecode(path)}: {e.strerror}") from None
     try:
-        with open(fd, "rb", buffering=0, closefd=False) as f:
-            pos, remaining = offset, size
-            while remaining:
-                seg, seg_off = divmod(pos, segment_size)
-                n = min(remaining, segment_size - seg_off)
-                if seg not in maps:
-                    complete = False
-                    f.seek(n, os.SEEK_CUR)
-                else:
-                    dest = memoryview(maps[seg])[seg_off : seg_off + n]
-                    got = 0
-                    while got < n:
-                        r = f.readinto(dest[got:])
-                        if not r:
-                            raise DataError(
-                                f"source changed while loading (shorter): {os.fsdecode(path)}"
-                            )
-                        got += r
+        pos, done = offset, 0
+        while done < size:
+            seg, seg_off = divmod(pos, segment_size)
+            n = min(size - done, segment_size - seg_off)
+            if seg not in maps:
+                complete = False
+            else:
+                dest = memoryview(maps[seg])[seg_off : seg_off + n]
+                try:
+                    _fill(fd, done, fds[seg], seg_off, dest, path)
                     hasher.update(dest)
+                finally:
                     dest.release()
-                pos += n
-                remaining -= n
-            if complete and f.read(1):
-                raise DataError(f"source changed while loading (longer): {os.fsdecode(path)}")
+            pos += n
+            done += n
+        if complete and os.pread(fd, 1, size):
+            raise DataError(f"source changed while loading (longer): {os.fsdecode(path)}")
     except OSError as e:
         raise DataError(f"cannot read {os.fsdecode(path)}: {e.strerror}") from None
     finally:
         os.close(fd)
     return hasher.intdigest() if complete else None
+
+
+def _fill(
+    src_fd: int, src_off: int, dest_fd: int, dest_off: int, dest: memoryview, path: bytes
+) -> None:
+    """Copy len(dest) bytes from src_fd at src_off into the segment at dest_off (= dest)."""
+    n, got = len(dest), 0
+    try:
+        os.lseek(dest_fd, dest_off, os.SEEK_SET)
+        while got < n:
+            r = os.sendfile(dest_fd, src_fd, src_off + got, n - got)
+            if not r:
+                raise DataError(f"source changed while loading (shorter): {os.fsdecode(path)}")
+            got += r
+        return
+    except OSError as e:
+        if e.errno not in _NO_SENDFILE:
+            raise
+    while got < n:
+        r = os.preadv(src_fd, [dest[got:]], src_off + got)
+        if not r:
+            raise DataError(f"source changed while loading (shorter): {os.fsdecode(path)}")
+        got += r

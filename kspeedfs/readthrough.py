@@ -114,9 +114,11 @@ class ReadThroughCache:
         self.stats: Counter[str] = Counter()
         self.fill_wait = max(1.0, self.settings.timeout / 2)
         self.spill: SpillArea | None = None
-        spill_dir = self.settings.spill_dir
+        spill_dir, spill_budget = self.settings.spill_dir, parse_size(self.settings.spill)
+        if (spill_dir is None) != (spill_budget == 0):
+            raise InvalidArgument("--spill-dir and --spill SIZE go together")
         if spill_dir is not None:
-            self.spill = SpillArea(Path(spill_dir), parse_size(self.settings.spill))
+            self.spill = SpillArea(Path(spill_dir), spill_budget)
         self._nursery: trio.Nursery | None = None
         self.store.reclaim = self.reclaim
 
@@ -350,8 +352,9 @@ class ReadThroughCache:
                     if o in old.resident:
                         try:
                             os.link(segment_path(old.record.path, o), segment_path(staging, n))
-                        except OSError:
-                            sums[n] = 0 if not self._spilled(old, o) else sums[n]
+                        except OSError:  # evicted meanwhile: from the spill, else read again
+                            if not self._spilled(old, o):
+                                sums[n] = 0
             sums.tofile(staging / SEGSUMS_FILE)
             (staging / EPOCH_FILE).write_bytes(bytes(8))
             base = sum(

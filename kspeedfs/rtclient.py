@@ -169,6 +169,8 @@ def read_through(
     """Bytes of file i from the cache, asking the dataset's node to fill missing segments;
     from the source when that cannot be done now."""
     pieces = ds.manifest.ranges(i, offset, length)
+    if not pieces:
+        return b""
     owner = ds.members[0] if ds.members else reader.local_node
     local = ds.local
     if owner is not None and not reader.is_down(owner):
@@ -193,7 +195,9 @@ def read_through(
         if filled:
             try:
                 if local is not None:
-                    return local.read(i, offset, length)
+                    data = local.read(i, offset, length)
+                    reader.stats["local"] += 1
+                    return data
                 out = bytearray(sum(p[2] for p in pieces))
                 reader.read_ranges(owner, ds.name, pieces, memoryview(out))
                 reader.stats["remote"] += 1

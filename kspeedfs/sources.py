@@ -260,8 +260,12 @@ def tree_from_listing(files: dict[bytes, tuple[int, int]]) -> Tree:
     newest of its files' (object stores have no folder times), so a change shows up."""
     children: dict[bytes, set[bytes]] = {b"": set()}
     dir_mtime: dict[bytes, int] = {b"": 0}
-    for rel, (_size, mtime) in files.items():
+    for rel, (_size, mtime) in list(files.items()):
         parts = rel.split(b"/")
+        if any(part in (b"", b".", b"..") for part in parts):
+            log.warning("skipping object %r: not a usable path", rel)
+            del files[rel]
+            continue
         parent = b""
         for depth, part in enumerate(parts):
             path = b"/".join(parts[: depth + 1])

@@ -279,12 +279,31 @@ class Reader:
         self.local_node = local_node
         self.all_local = self.local is not None and len(self.local.held) == self.manifest.segments
         self._scratch = threading.local()
+        self._seg_views: dict[int, memoryview] = {}
+        self._data = self.manifest.data
+        self._size = self.manifest.size
+        self._seg_size = self.manifest.segment_size
+
+    def local_view(self, entry: int) -> memoryview:
+        """`view` of a file when the whole dataset is local: the per-sample hot path."""
+        start = int(self._data[entry])
+        seg, off = divmod(start, self._seg_size)
+        end = off + int(self._size[entry])
+        if end > self._seg_size:
+            return self.view(entry)  # spans segments: joined
+        mv = self._seg_views.get(seg)
+        if mv is None:
+            assert self.local is not None
+            mv = self._seg_views[seg] = memoryview(self.local.segment(seg))
+        return mv[off:end]
 
     def is_local(self, entry: int) -> bool:
         return self.all_local or (self.local is not None and self.local.holds_file(entry))
 
     def view(self, entry: int) -> memoryview:
         """File `entry`'s bytes: a view of shared memory when local, else a fresh buffer."""
+        if self.all_local:
+            return self.local_view(entry)
         if self.is_local(entry):
             assert self.local is not None
             return self.local.file_view(entry)
@@ -295,6 +314,8 @@ class Reader:
     def scratch_view(self, entry: int) -> memoryview:
         """Like `view`, but remote bytes land in a reusable per-thread buffer (valid until the
         next call: for decoding right away)."""
+        if self.all_local:
+            return self.local_view(entry)
         if self.is_local(entry):
             assert self.local is not None
             return self.local.file_view(entry)
@@ -401,6 +422,16 @@ class Reader:
 _readers: dict[tuple[str, str, bool | None], Reader] = {}
 _readers_pid = os.getpid()
 _readers_lock = threading.Lock()
+# Bumped in a forked child: objects that cache a reader check it instead of calling getpid.
+generation = 0
+
+
+def _after_fork() -> None:
+    global generation
+    generation += 1
+
+
+os.register_at_fork(after_in_child=_after_fork)
 
 
 def reader(ref: CacheRef) -> Reader:

@@ -63,7 +63,12 @@ class CachedPath(PrefetchMixin):
 
     @property
     def _reader(self) -> cache.Reader:
-        return cache.reader(self._ref)
+        held = self.__dict__.get("_held_reader")
+        if held is not None and held[0] == cache.generation:
+            return held[1]
+        r = cache.reader(self._ref)
+        self._held_reader = (cache.generation, r)
+        return r
 
     def relpath(self, entry: int) -> str:
         full = self._reader.manifest.path(entry)
@@ -80,14 +85,18 @@ class CachedPath(PrefetchMixin):
             raise InvalidArgument(f"not a regular file in {self._ref.name}: {os.fsdecode(rel)}")
         return i
 
+    _ready: dict[int, memoryview] = {}
+
     def _bytes(self, entry: int, scratch: bool = False) -> memoryview:
-        ready = getattr(self, "_ready", None)
-        if ready:
-            data = ready.get(entry)
+        if self._ready:
+            data = self._ready.get(entry)
             if data is not None:
                 return data
         r = self._reader
         counts = self._counts()
+        if r.all_local:
+            counts["local"] += 1
+            return r.local_view(entry)
         if r.is_local(entry):
             counts["local"] += 1
         else:
@@ -103,7 +112,7 @@ class CachedPath(PrefetchMixin):
         """Before serving a batch: its remote files in memory, prefetched or in one read per node."""
         r = self._reader
         if r.all_local:
-            self._ready: dict[int, memoryview] = {}
+            self._ready = {}
             return
         got = self._prefetched(indices, lambda idx: self._fetch_remote(self._entries(idx)))
         counts = self._counts()
@@ -123,6 +132,7 @@ class CachedPath(PrefetchMixin):
         state = self.__dict__.copy()
         state.pop("_lease", None)
         state.pop("_ready", None)
+        state.pop("_held_reader", None)
         return self._drop_prefetch_state(state)
 
 

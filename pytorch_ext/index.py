@@ -8,6 +8,7 @@ for spawned workers.
 
 from __future__ import annotations
 
+import bisect
 import os
 import stat
 from collections.abc import Callable, Iterator, Sequence
@@ -37,12 +38,15 @@ class SampleIndex:
             i += self.total
         if not 0 <= i < self.total:
             raise IndexError(f"sample index {i} out of range for {self.total} samples")
-        return int(np.searchsorted(self.starts, i, side="right")) - 1
+        starts = self.__dict__.get("_starts_list")
+        if starts is None:
+            starts = self._starts_list = self.starts.tolist()  # bisect beats numpy on scalars
+        return bisect.bisect_right(starts, i) - 1
 
     def entry(self, i: int) -> int:
         i = i + self.total if i < 0 else i
         r = self._run(i)
-        return int(self.entries[r]) + i - int(self.starts[r])
+        return int(self.entries[r]) + i - self._starts_list[r]
 
     def target(self, i: int) -> int:
         return int(self.targets[self._run(i)])

@@ -148,3 +148,22 @@ def test_a_preload_makes_room_by_evicting_read_through_data(
         assert (again.mountpoint / rel).read_bytes() == files[rel]
         assert within_budget(node)
     assert cache_status(node, "pinned")["in_memory"] == 4
+
+
+def test_pinned_data_filling_the_budget_leaves_reads_to_the_source(
+    make_node, tmp_path: Path, mounts: list[MountProcess]
+) -> None:
+    node = make_node()
+    pinned_src = tmp_path / "pinned"
+    write_files(pinned_src, 8, 700_000)  # 8 of the 6 MiB budget's segments: about 5.6 MB
+    done = run_cli("preload", str(pinned_src), "--name", "pinned", "-q", env=node.env())
+    assert done.returncode == 0, done.stderr
+    src = tmp_path / "big"
+    files = write_files(src, 4, 700_000)
+    m = mount_source(node, tmp_path, mounts, src)
+    for rel in sorted(files):
+        assert (m.mountpoint / rel).read_bytes() == files[rel]
+        assert within_budget(node)
+    assert cache_status(node, "big")["in_memory"] == 0
+    assert cache_status(node, "pinned")["in_memory"] == 8
+    assert "no room" in m.log()  # why it reads the source, said once in the mount's log

@@ -299,3 +299,20 @@ def test_paths_outside_or_missing_in_a_dataset(node: NodeProcess, loaded: Path) 
         KSpeedImageFolder("/usr/share", objname="imgs", **kw(node))
     with pytest.raises(InvalidArgument, match="decode"):
         KSpeedImageFolder(str(loaded), decode="gpu", **kw(node))
+
+
+def test_pickles_config_not_per_file_lists(node: NodeProcess, tmp_path: Path) -> None:
+    import pickle
+
+    roots = []
+    for name, per_class in (("few", 4), ("lot", 80)):
+        root = tmp_path / name / "train"
+        make_sample(root, classes=3, per_class=per_class, file_size=1500, bases=2)
+        preload(node, root.parent, name)
+        roots.append(root)
+    few, lot = (KSpeedImageFolder(str(r), transform=FIXED, **kw(node)) for r in roots)
+    assert (len(few), len(lot)) == (12, 240)
+    # 20 times the files, the same pickle (what spawned workers receive) within a few bytes.
+    assert abs(len(pickle.dumps(lot)) - len(pickle.dumps(few))) < 64
+    copy = pickle.loads(pickle.dumps(lot))
+    assert torch.equal(copy[200][0], lot[200][0]) and copy.samples == lot.samples

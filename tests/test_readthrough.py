@@ -65,7 +65,7 @@ def test_concurrent_misses_fetch_each_segment_once(
 
     def reader(k: int) -> None:
         try:
-            for rel in names[k::8] + names[: k : 8]:
+            for rel in names[k::8] + names[:k:8]:
                 got[rel] = (m.mountpoint / rel).read_bytes()
         except BaseException as e:
             errors.append(e)
@@ -140,7 +140,10 @@ def test_changed_source_is_served_as_cached_shown_stale_and_refreshed(
     assert done.stdout.strip() == "src: unchanged"
     # A mount made before the refresh sees the new instance too.
     wait_for(
-        lambda: read_uncached(m.mountpoint / "a" / "small.txt") == (tree / "a" / "small.txt").read_bytes(),
+        lambda: (
+            read_uncached(m.mountpoint / "a" / "small.txt")
+            == (tree / "a" / "small.txt").read_bytes()
+        ),
         what="the refreshed dataset on the old mount",
     )
 
@@ -186,24 +189,44 @@ def test_node_killed_mount_serves_from_the_source_then_recovers(
     m = mount_source(node, tmp_path, mounts, src)
     for rel in names[:6]:
         assert (m.mountpoint / rel).read_bytes() == files[rel]
-    held_before = cache_status(node, "data")["in_memory"]
     segments = cache_status(node, "data")["segments"]
-    assert 0 < held_before < segments
     uuid_before = listing(node)[0]["uuid"]
 
-    node.kill9()
-    for rel in names:
-        assert (m.mountpoint / rel).read_bytes() == files[rel]
-    assert "degraded" in m.log() or "marked down" in m.log()
+    # A reader keeps reading (past the kernel's cache) while the node dies: first the files
+    # already cached, then, once the node is gone, all of them.
+    stop, all_files = threading.Event(), threading.Event()
+    rounds: list[bool] = []
+    errors: list[str] = []
 
-    node.start()
-    (entry,) = listing(node)
-    assert entry["uuid"] == uuid_before  # the same instance, recovered from shared memory
-    assert cache_status(node, "data")["in_memory"] == held_before
+    def reader() -> None:
+        while not stop.is_set():
+            for rel in names if all_files.is_set() else names[:6]:
+                try:
+                    if read_uncached(m.mountpoint / rel) != files[rel]:
+                        errors.append(f"{rel}: wrong bytes")
+                except OSError as e:
+                    errors.append(f"{rel}: {e}")
+            rounds.append(all_files.is_set())
 
-    def refilled() -> bool:
-        for rel in names:
-            assert read_uncached(m.mountpoint / rel) == files[rel]
-        return bool(cache_status(node, "data")["in_memory"] == segments)
+    thread = threading.Thread(target=reader)
+    thread.start()
+    try:
+        wait_for(lambda: len(rounds) >= 2, what="reads of cached files")
+        node.kill9()
+        all_files.set()
+        wait_for(lambda: rounds.count(True) >= 2, what="reads while the node is down")
+        assert "degraded" in m.log() or "marked down" in m.log()
 
-    wait_for(refilled, timeout=60, what="the mount filling the cache again")
+        node.start()
+        (entry,) = listing(node)
+        assert entry["uuid"] == uuid_before  # the same instance, found again in shared memory
+        # The mount notices the node is back and fills the cache again.
+        wait_for(
+            lambda: cache_status(node, "data")["in_memory"] == segments,
+            timeout=60,
+            what="the mount filling the cache again",
+        )
+    finally:
+        stop.set()
+        thread.join()
+    assert errors == []

@@ -9,7 +9,6 @@ import shutil
 import socket
 import subprocess
 import sys
-import time
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -40,16 +39,20 @@ class S3Server:
             # The first three calls (make a user, its policy, its key) run unauthenticated.
             "INITIAL_NO_AUTH_ACTION_COUNT": "3",
         }
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(self.port)],
-            stdout=open(self.log_path, "wb"),
-            stderr=subprocess.STDOUT,
-            env=env,
-        )
+        with open(self.log_path, "wb") as log:
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(self.port)],
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                env=env,
+            )
         wait_for(self._answers, what="the S3 server")
         iam = boto3.client("iam", **self._client_args("bootstrap", "bootstrap"))
         iam.create_user(UserName="trainer")
-        policy = {"Version": "2012-10-17", "Statement": [{"Effect": "Allow", "Action": "*", "Resource": "*"}]}
+        policy = {
+            "Version": "2012-10-17",
+            "Statement": [{"Effect": "Allow", "Action": "*", "Resource": "*"}],
+        }
         iam.put_user_policy(UserName="trainer", PolicyName="all", PolicyDocument=json.dumps(policy))
         key = iam.create_access_key(UserName="trainer")["AccessKey"]
         self.key, self.secret = key["AccessKeyId"], key["SecretAccessKey"]
@@ -84,7 +87,11 @@ class S3Server:
     def object_gets(self, prefix: str) -> int:
         """GETs of objects under prefix that the server answered (its own request log)."""
         pattern = re.compile(rf"GET /{BUCKET}/{re.escape(prefix)}/[^ ?]+ HTTP")
-        return sum(1 for line in self.log_path.read_text(errors="replace").splitlines() if pattern.search(line))
+        return sum(
+            1
+            for line in self.log_path.read_text(errors="replace").splitlines()
+            if pattern.search(line)
+        )
 
     def stop(self) -> None:
         self.proc.terminate()
@@ -146,7 +153,10 @@ def listing(node: NodeProcess) -> list[dict]:  # type: ignore[type-arg]
 
 
 def test_preload_from_s3_serves_every_byte(
-    s3: S3Server, s3_node: NodeProcess, dataset: tuple[str, Path], tmp_path: Path,
+    s3: S3Server,
+    s3_node: NodeProcess,
+    dataset: tuple[str, Path],
+    tmp_path: Path,
     mounts: list[MountProcess],
 ) -> None:
     prefix, local = dataset
@@ -169,7 +179,10 @@ def test_preload_from_s3_serves_every_byte(
 
 
 def test_read_through_s3_second_pass_makes_no_requests(
-    s3: S3Server, s3_node: NodeProcess, dataset: tuple[str, Path], tmp_path: Path,
+    s3: S3Server,
+    s3_node: NodeProcess,
+    dataset: tuple[str, Path],
+    tmp_path: Path,
     mounts: list[MountProcess],
 ) -> None:
     prefix, local = dataset
@@ -193,7 +206,10 @@ def test_read_through_s3_second_pass_makes_no_requests(
 
 
 def test_wrong_credentials_and_missing_bucket_are_refused_and_change_nothing(
-    s3: S3Server, s3_node: NodeProcess, dataset: tuple[str, Path], token_file: Path,
+    s3: S3Server,
+    s3_node: NodeProcess,
+    dataset: tuple[str, Path],
+    token_file: Path,
     tmp_path: Path,
 ) -> None:
     prefix, _local = dataset
@@ -223,15 +239,26 @@ def test_wrong_credentials_and_missing_bucket_are_refused_and_change_nothing(
         (f"s3://{BUCKET}/{prefix}/big.bin", 5, "not a folder"),
     ):
         done = run_cli(
-            "preload", source, "--name", "bad", "--endpoint", s3.endpoint, "-q",
+            "preload",
+            source,
+            "--name",
+            "bad",
+            "--endpoint",
+            s3.endpoint,
+            "-q",
             env=s3_node.env(),
         )
         assert done.returncode == code, done.stderr
         assert done.stderr.count("\n") == 1
         assert words in done.stderr
     done = run_cli(
-        "mount", str(tmp_path / "mnt"), "--source", f"s3://no-such-bucket-kspeed/{prefix}",
-        "--endpoint", s3.endpoint, env=s3_node.env(),
+        "mount",
+        str(tmp_path / "mnt"),
+        "--source",
+        f"s3://no-such-bucket-kspeed/{prefix}",
+        "--endpoint",
+        s3.endpoint,
+        env=s3_node.env(),
     )
     assert done.returncode == 4, done.stderr
     assert listing(s3_node) == []

@@ -1,0 +1,38 @@
+"""The built-in demo runs end to end on a tiny sample and leaves nothing running."""
+
+from __future__ import annotations
+
+import os
+import re
+import socket
+from pathlib import Path
+
+import pytest
+from conftest import run_cli
+
+pytestmark = pytest.mark.fuse
+
+
+def test_demo_runs_and_cleans_up(tmp_path: Path) -> None:
+    workdir = tmp_path / "demo"
+    env = {k: v for k, v in os.environ.items() if not k.startswith("KSPEEDFS_")}
+    args = ("demo", "--workdir", str(workdir), "--classes", "2", "--per-class", "6")
+    done = run_cli(*args, env=env, timeout=300)
+    assert done.returncode == 0, done.stdout + done.stderr
+    out = done.stdout
+    rates = re.findall(r"^\s+(source|mount)\s.*: 12 images in .* = \d+ images/s$", out, re.M)
+    assert rates == ["source", "mount"], out
+    assert re.search(r"mount/source: \d+\.\d\d", out)
+    node = re.search(r"node on 127\.0\.0\.1:(\d+), shm (\S+),", out)
+    assert node, out
+    port, shm = int(node.group(1)), Path(node.group(2))
+    assert not shm.exists()
+    with pytest.raises(ConnectionRefusedError):
+        socket.create_connection(("127.0.0.1", port), timeout=5).close()
+    with open("/proc/self/mounts") as f:
+        assert str(workdir) not in f.read()
+    assert (workdir / "token").exists()  # its own token, not the user's
+    # A second run reuses the generated sample.
+    again = run_cli(*args, env=env, timeout=300)
+    assert again.returncode == 0, again.stdout + again.stderr
+    assert "reusing the sample dataset" in again.stdout
