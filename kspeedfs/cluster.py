@@ -162,12 +162,18 @@ class ClusterReader:
         return None
 
     def _fetch_manifest(self, name: str, uuid: str) -> Manifest:
-        _node, reply = self.live_request("manifest", name=name)
-        if reply["uuid"] != uuid:
-            raise DataError(f"dataset {name} changed while opening it")
+        node, reply = self.live_request("manifest", name=name)
         fd, path = tempfile.mkstemp(prefix=f"kspeedfs-{name}-", suffix=".ksm")
         with os.fdopen(fd, "wb") as f:
-            f.write(base64.b64decode(reply["manifest"]))
+            while True:
+                if reply["uuid"] != uuid:
+                    os.unlink(path)
+                    raise DataError(f"dataset {name} changed while opening it")
+                data = base64.b64decode(reply["data"])
+                f.write(data)
+                if not data or reply["offset"] + len(data) >= reply["total"]:
+                    break
+                reply = self.request(node, "manifest", name=name, offset=reply["offset"] + len(data))
         try:
             return Manifest(path)
         finally:

@@ -33,6 +33,7 @@ from .units import format_size, parse_address
 log = logging.getLogger(__name__)
 
 HANDSHAKE_TIMEOUT = 10.0
+MANIFEST_PIECE = 4 * 1024 * 1024
 FAILED_PRELOAD_KEPT_S = 600.0
 # Small pieces are joined before sending: one copy is cheaper than one syscall each.
 COALESCE_BELOW = 256 * 1024
@@ -396,8 +397,25 @@ class NodeServer:
         record = self.store.datasets.get(name)
         if record is None:
             raise NotFound(f"no dataset named {name!r}")
-        data = await trio.to_thread.run_sync((record.path / "manifest.ksm").read_bytes)
-        return {"name": name, "uuid": record.uuid, "manifest": base64.b64encode(data).decode()}
+        offset = int(msg.get("offset", 0))
+        path = record.path / "manifest.ksm"
+        total = path.stat().st_size
+        # In pieces of MANIFEST_PIECE: a large manifest is far over one control frame.
+        length = max(0, min(int(msg.get("length", MANIFEST_PIECE)), MANIFEST_PIECE, total - offset))
+
+        def read_piece() -> bytes:
+            with open(path, "rb") as f:
+                f.seek(offset)
+                return f.read(length)
+
+        data = await trio.to_thread.run_sync(read_piece)
+        return {
+            "name": name,
+            "uuid": record.uuid,
+            "offset": offset,
+            "total": total,
+            "data": base64.b64encode(data).decode(),
+        }
 
     async def op_progress(self, msg: dict[str, Any]) -> dict[str, Any]:
         name = validate_name(msg.get("name", ""))

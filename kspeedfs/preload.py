@@ -61,6 +61,8 @@ log = logging.getLogger(__name__)
 STAGE_IDLE_TIMEOUT = 300.0
 POLL_INTERVAL = 0.1
 PUSH_CHUNK = 4 * 1024 * 1024
+MANIFEST_CHUNK = 4 * 1024 * 1024
+MAX_MANIFEST_BYTES = 1 << 34
 
 Call = Callable[[str, str, dict[str, Any]], Awaitable[dict[str, Any]]]
 
@@ -269,10 +271,19 @@ class Stager:
     async def op_stage_manifest(self, msg: dict[str, Any]) -> dict[str, Any]:
         stage = self._get(msg)
         assert stage.staging is not None
-        data = base64.b64decode(str(msg["manifest"]))
+        data = base64.b64decode(str(msg["data"]))
+        offset, total = int(msg["offset"]), int(msg["total"])
+        if offset < 0 or offset + len(data) > total or total > MAX_MANIFEST_BYTES:
+            raise InvalidArgument("manifest piece out of range")
         path = stage.staging / MANIFEST_FILE
         tmp = path.with_suffix(".tmp")
-        tmp.write_bytes(data)
+        with open(tmp, "r+b" if offset else "wb") as f:
+            f.seek(offset)
+            f.write(data)
+        if offset + len(data) < total:
+            return {"node": self.address, "received": offset + len(data)}
+        if tmp.stat().st_size != total:
+            raise DataError("manifest arrived incomplete")
         m = Manifest(tmp)
         if m.uuid != stage.uuid:
             raise DataError("manifest belongs to another preload")
@@ -510,7 +521,7 @@ async def coordinate(
             write_manifest, path, tree, offsets, checksums, seg_len, seg_checksums, header
         )
         try:
-            blob = base64.b64encode(path.read_bytes()).decode()
+            blob = path.read_bytes()
         finally:
             path.unlink(missing_ok=True)
         meta = {
@@ -520,9 +531,16 @@ async def coordinate(
             "bytes": tree.data_bytes,
             "segments": len(seg_len),
         }
+        async def send_manifest(member: str) -> None:
+            # In pieces: an ImageNet manifest (~100 MB) is far over one control frame.
+            for pos in range(0, len(blob), MANIFEST_CHUNK):
+                chunk = base64.b64encode(blob[pos : pos + MANIFEST_CHUNK]).decode()
+                args = {**ident, "offset": pos, "total": len(blob), "data": chunk}
+                await call(member, "stage_manifest", args)
+
         async with trio.open_nursery() as nursery:
             for member in plan.members:
-                nursery.start_soon(call, member, "stage_manifest", {**ident, "manifest": blob})
+                nursery.start_soon(send_manifest, member)
         # Commit is the one step that cannot be undone atomically: a member that fails here
         # is rolled back by unloading the dataset everywhere.
         async with trio.open_nursery() as nursery:
