@@ -148,7 +148,7 @@ class KSpeedDataset(CachedPath, Dataset[Any]):
     def _batch(self, idx: np.ndarray) -> np.ndarray:
         counts = self._counts()
         if not self._reader.all_local:
-            got = self._prefetched(idx, self.read_rows)
+            got = self._prefetched(idx, self._weak_fetch("read_rows"))
             if got is not None:
                 counts["prefetched"] += len(idx)
                 return got

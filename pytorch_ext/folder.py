@@ -114,7 +114,7 @@ class CachedPath(PrefetchMixin):
         if r.all_local:
             self._ready = {}
             return
-        got = self._prefetched(indices, lambda idx: self._fetch_remote(self._entries(idx)))
+        got = self._prefetched(indices, self._weak_fetch("_fetch_entries"))
         counts = self._counts()
         ready: dict[int, memoryview] = dict(got) if got else {}
         counts["prefetched"] += len(ready)
@@ -123,6 +123,9 @@ class CachedPath(PrefetchMixin):
             ready.update(r.fetch(missing))
             counts["fetched"] += len(missing)
         self._ready = ready
+
+    def _fetch_entries(self, indices: np.ndarray) -> dict[int, memoryview]:
+        return self._fetch_remote(self._entries(indices))
 
     def _entries(self, indices: np.ndarray) -> np.ndarray:
         raise NotImplementedError

@@ -14,6 +14,7 @@ import dataclasses
 import logging
 import os
 import threading
+import weakref
 from collections import Counter
 from collections.abc import Callable, Sequence
 from typing import Any, Generic, TypeVar
@@ -179,6 +180,7 @@ class PlanFollower(Generic[T]):
         self.pos = 0
         self.prefetcher: Prefetcher[T] | None = None
         self.mine: list[np.ndarray] = []
+        self._firsts: dict[EpochPlan, np.ndarray | None] = {}
         self._start(plan)
 
     def _my_batches(self, plan: EpochPlan) -> list[np.ndarray]:
@@ -207,8 +209,8 @@ class PlanFollower(Generic[T]):
         # A new pass over the same plan (no set_epoch), or the next epoch with persistent
         # workers that never saw set_epoch.
         for plan in (self.plan, self.plan.next_epoch()):
-            first = self._my_batches(plan)[:1]
-            if first and np.array_equal(first[0], indices):
+            first = self._first_batch(plan)
+            if first is not None and np.array_equal(first, indices):
                 self._start(plan)
                 return self._take_next()
         if self.prefetcher is not None:
@@ -216,6 +218,13 @@ class PlanFollower(Generic[T]):
             self.prefetcher.stop()
             self.prefetcher = None
         return None
+
+    def _first_batch(self, plan: EpochPlan) -> np.ndarray | None:
+        # Computing an order costs a shuffle of the whole dataset: once per plan.
+        if plan not in self._firsts:
+            mine = self.mine if plan == self.plan else self._my_batches(plan)
+            self._firsts[plan] = mine[0] if mine else None
+        return self._firsts[plan]
 
     def _take_next(self) -> T | None:
         assert self.prefetcher is not None
@@ -258,6 +267,18 @@ class PrefetchMixin:
         elif f.given != plan:
             f.restart(plan)
         return f.take(indices)
+
+    def _weak_fetch(self, method: str) -> Callable[[np.ndarray], Any]:
+        """`self.method` for the prefetch thread, without keeping the dataset alive."""
+        ref = weakref.ref(self)
+
+        def fetch(indices: np.ndarray) -> Any:
+            me = ref()
+            if me is None:
+                raise ReferenceError("the dataset is gone")
+            return getattr(me, method)(indices)
+
+        return fetch
 
     def _drop_prefetch_state(self, state: dict[str, Any]) -> dict[str, Any]:
         state.pop("_follower", None)

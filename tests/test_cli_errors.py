@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-import json
+import dataclasses
 import os
 import re
 import uuid
@@ -16,8 +16,16 @@ from kspeedfs import auth
 from kspeedfs.errors import EXIT_CODES_DOC, InvalidArgument
 
 
+@dataclasses.dataclass
+class World:
+    tmp: Path
+    src: Path
+    shm: Path
+    node: NodeProcess
+
+
 @pytest.fixture(scope="module")
-def world(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Path]]:
+def world(tmp_path_factory: pytest.TempPathFactory) -> Iterator[World]:
     """One node with one dataset ("ok") that fills most of a small memory budget."""
     tmp = tmp_path_factory.mktemp("cli")
     token = tmp / "token"
@@ -30,7 +38,7 @@ def world(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Path]]
         assert done.returncode == 0, done.stderr
         (tmp / "a-file").write_text("not a folder")
         (tmp / "mnt").mkdir()
-        yield {"tmp": tmp, "src": src, "shm": shm, "node": node}  # type: ignore[dict-item]
+        yield World(tmp, src, shm, node)
     finally:
         node.stop()
         import shutil
@@ -57,9 +65,7 @@ def snapshot(node: NodeProcess, shm: Path) -> tuple[str, list[str], list[str]]:
     return done.stdout, files, mounts
 
 
-def check_error(
-    done: object, code: int, fragment: str
-) -> None:
+def check_error(done: object, code: int, fragment: str) -> None:
     import subprocess
 
     assert isinstance(done, subprocess.CompletedProcess)
@@ -91,15 +97,17 @@ CASES = [
 ]
 
 
-@pytest.mark.parametrize(("argv", "code", "fragment"), [c[1:] for c in CASES], ids=[c[0] for c in CASES])
-def test_bad_input(world: dict, argv: list[str], code: int, fragment: str) -> None:  # type: ignore[type-arg]
-    node: NodeProcess = world["node"]
-    args = [a.format(tmp=world["tmp"], src=world["src"]) for a in argv]
-    before = snapshot(node, world["shm"])
+@pytest.mark.parametrize(
+    ("argv", "code", "fragment"), [c[1:] for c in CASES], ids=[c[0] for c in CASES]
+)
+def test_bad_input(world: World, argv: list[str], code: int, fragment: str) -> None:
+    node = world.node
+    args = [a.format(tmp=world.tmp, src=world.src) for a in argv]
+    before = snapshot(node, world.shm)
     done = run_cli(*args, env=node.env())
     check_error(done, code, fragment)
-    assert snapshot(node, world["shm"]) == before
-    assert not os.path.ismount(world["tmp"] / "mnt")
+    assert snapshot(node, world.shm) == before
+    assert not os.path.ismount(world.tmp / "mnt")
 
 
 def test_over_memory_budget(shm_dir: Path, token_file: Path, tmp_path: Path, tree: Path) -> None:
@@ -118,55 +126,61 @@ def test_over_memory_budget(shm_dir: Path, token_file: Path, tmp_path: Path, tre
 
 @pytest.mark.parametrize(
     "argv",
-    [["ls"], ["status"], ["preload", "{src}", "--name", "x"], ["unload", "ok"], ["mount", "{tmp}/mnt"]],
+    [
+        ["ls"],
+        ["status"],
+        ["preload", "{src}", "--name", "x"],
+        ["unload", "ok"],
+        ["mount", "{tmp}/mnt"],
+    ],
     ids=lambda a: a[0],
 )
-def test_node_not_running(world: dict, argv: list[str]) -> None:  # type: ignore[type-arg]
-    node: NodeProcess = world["node"]
-    before = snapshot(node, world["shm"])
+def test_node_not_running(world: World, argv: list[str]) -> None:
+    node = world.node
+    before = snapshot(node, world.shm)
     env = {**node.env(), "KSPEEDFS_NODES": f"127.0.0.1:{free_port()}"}
-    args = [a.format(tmp=world["tmp"], src=world["src"]) for a in argv]
+    args = [a.format(tmp=world.tmp, src=world.src) for a in argv]
     check_error(run_cli(*args, env=env), 3, "no kspeedfs node at 127.0.0.1")
-    assert snapshot(node, world["shm"]) == before
-    assert not os.path.ismount(world["tmp"] / "mnt")
+    assert snapshot(node, world.shm) == before
+    assert not os.path.ismount(world.tmp / "mnt")
 
 
 @pytest.mark.fuse
-def test_mountpoint_busy(world: dict) -> None:  # type: ignore[type-arg]
-    node: NodeProcess = world["node"]
-    tmp: Path = world["tmp"]
+def test_mountpoint_busy(world: World) -> None:
+    node = world.node
+    tmp: Path = world.tmp
     m = MountProcess(tmp / "busy", node.env(), tmp)
     try:
         m.start()
-        before = snapshot(node, world["shm"])
+        before = snapshot(node, world.shm)
         for extra in ([], ["--foreground"]):
             done = run_cli("mount", str(m.mountpoint), *extra, env=node.env())
             check_error(done, 8, "busy")
-        assert snapshot(node, world["shm"]) == before
+        assert snapshot(node, world.shm) == before
         assert (m.mountpoint / "ok" / "a" / "small.txt").read_bytes() == b"hello kspeedfs\n"
     finally:
         m.stop()
 
 
-def test_node_checks_names_and_sources_itself(world: dict) -> None:  # type: ignore[type-arg]
+def test_node_checks_names_and_sources_itself(world: World) -> None:
     """A client that skips the CLI's checks still cannot get bad input past the node."""
-    node: NodeProcess = world["node"]
-    before = snapshot(node, world["shm"])
+    node = world.node
+    before = snapshot(node, world.shm)
     for name in ("../etc", "UPPER", "", "x" * 65, "a\n"):
         with pytest.raises(InvalidArgument):
-            node.request("preload", name=name, source=str(world["src"]))
+            node.request("preload", name=name, source=str(world.src))
     with pytest.raises(InvalidArgument):
         node.request("preload", name="rel", source="relative/path")
     with pytest.raises(InvalidArgument):
-        node.request("preload", name="life", source=str(world["src"]), lifetime="forever")
+        node.request("preload", name="life", source=str(world.src), lifetime="forever")
     with pytest.raises(InvalidArgument):
         node.request("no-such-op")
-    assert snapshot(node, world["shm"]) == before
+    assert snapshot(node, world.shm) == before
 
 
-def test_bad_command_line_is_exit_2(world: dict) -> None:  # type: ignore[type-arg]
-    node: NodeProcess = world["node"]
-    done = run_cli("preload", str(world["src"]), env=node.env())  # --name missing
+def test_bad_command_line_is_exit_2(world: World) -> None:
+    node = world.node
+    done = run_cli("preload", str(world.src), env=node.env())  # --name missing
     assert done.returncode == 2
     assert "--name" in done.stderr
     done = run_cli("node", "--memory", "lots", env=node.env())

@@ -6,6 +6,7 @@ import json
 import os
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 from conftest import MountProcess, NodeProcess, run_cli
@@ -17,10 +18,11 @@ def shm_bytes(path: Path) -> int:
     return sum(p.lstat().st_blocks * 512 for p in path.rglob("*") if p.is_file())
 
 
-def listing(node: NodeProcess) -> list[dict]:  # type: ignore[type-arg]
+def listing(node: NodeProcess) -> list[dict[str, Any]]:
     done = run_cli("ls", "--json", env=node.env())
     assert done.returncode == 0, done.stderr
-    return json.loads(done.stdout)  # type: ignore[no-any-return]
+    datasets: list[dict[str, Any]] = json.loads(done.stdout)
+    return datasets
 
 
 def restart(node: NodeProcess) -> str:
@@ -48,9 +50,9 @@ def test_kill_during_preload_leaves_nothing(
         staging = shm_dir / "staging"
         deadline = time.monotonic() + 30
         while time.monotonic() < deadline:
-            if staging.is_dir() and any(p.is_dir() for p in staging.glob("half.*/seg")):
-                if shm_bytes(staging) > 0:
-                    break
+            staged = staging.is_dir() and any(p.is_dir() for p in staging.glob("half.*/seg"))
+            if staged and shm_bytes(staging) > 0:
+                break
             time.sleep(0.002)
         node.kill9()
         assert not (shm_dir / "datasets" / "half").exists(), "the load finished before the kill"

@@ -10,9 +10,8 @@ from pathlib import Path
 import pytest
 from conftest import run_cli
 
-pytestmark = pytest.mark.fuse
 
-
+@pytest.mark.fuse
 def test_demo_runs_and_cleans_up(tmp_path: Path) -> None:
     workdir = tmp_path / "demo"
     env = {k: v for k, v in os.environ.items() if not k.startswith("KSPEEDFS_")}
@@ -32,7 +31,18 @@ def test_demo_runs_and_cleans_up(tmp_path: Path) -> None:
     with open("/proc/self/mounts") as f:
         assert str(workdir) not in f.read()
     assert (workdir / "token").exists()  # its own token, not the user's
-    # A second run reuses the generated sample.
-    again = run_cli(*args, env=env, timeout=300)
-    assert again.returncode == 0, again.stdout + again.stderr
-    assert "reusing the sample dataset" in again.stdout
+
+
+def test_the_sample_is_generated_once(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from kspeedfs.demo import ensure_sample
+
+    train = ensure_sample(tmp_path / "s", classes=2, per_class=3, size="8KiB")
+    files = sorted(train.rglob("*.JPEG"))
+    assert len(files) == 6
+    stamps = [f.stat().st_mtime_ns for f in files]
+    assert ensure_sample(tmp_path / "s", classes=2, per_class=3, size="8KiB") == train
+    assert "reusing the sample dataset" in capsys.readouterr().out
+    assert [f.stat().st_mtime_ns for f in files] == stamps
+    # Other parameters make a new sample in place of the old one.
+    ensure_sample(tmp_path / "s", classes=3, per_class=1, size="8KiB")
+    assert len(list(train.rglob("*.JPEG"))) == 3

@@ -7,6 +7,7 @@ import hashlib
 import json
 import os
 import threading
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -82,7 +83,12 @@ def test_single_dataset_at_the_root(
     assert walk(m.mountpoint) == walk(tree)
 
 
-def _errno_of(fn) -> int:  # type: ignore[no-untyped-def]
+def _open(path: Path, mode: str) -> None:
+    with open(path, mode):
+        pass
+
+
+def _errno_of(fn: Callable[[], object]) -> int | None:
     try:
         fn()
     except OSError as e:
@@ -96,10 +102,10 @@ def test_writes_fail_with_erofs(node: NodeProcess, tree: Path, mount_all: MountP
     wait_for(root.exists, what="dataset folder")
     small = root / "a" / "small.txt"
     attempts = {
-        "open for write": lambda: open(small, "r+b"),
-        "open for append": lambda: open(small, "ab"),
-        "create": lambda: open(root / "new.txt", "wb"),
-        "create at top": lambda: open(mount_all.mountpoint / "new.txt", "wb"),
+        "open for write": lambda: _open(small, "r+b"),
+        "open for append": lambda: _open(small, "ab"),
+        "create": lambda: _open(root / "new.txt", "wb"),
+        "create at top": lambda: _open(mount_all.mountpoint / "new.txt", "wb"),
         "mkdir": lambda: os.mkdir(root / "newdir"),
         "mkdir at top": lambda: os.mkdir(mount_all.mountpoint / "newdataset"),
         "unlink": lambda: os.unlink(small),
@@ -182,9 +188,7 @@ def test_unload_while_a_file_is_open_and_being_read(
         assert done.returncode == 0, done.stderr
         reads, count = daemon_reads(), len(outcomes)
         # Listing the top makes the mount notice the unload while the file stays open.
-        wait_for(
-            lambda: "victim" not in os.listdir(mount_all.mountpoint), what="victim unlisted"
-        )
+        wait_for(lambda: "victim" not in os.listdir(mount_all.mountpoint), what="victim unlisted")
         wait_for(lambda: len(outcomes) > count + 2 or "eio" in outcomes, what="reads after unload")
     finally:
         stop.set()

@@ -39,7 +39,7 @@ def test_every_held_byte_and_checksum(tree: Path, tmp_path: Path) -> None:
     for i, mode in enumerate(scanned.mode):
         if not stat.S_ISREG(mode):
             continue
-        data = open(os.path.join(base, scanned.path(i)), "rb").read()
+        data = Path(os.fsdecode(os.path.join(base, scanned.path(i)))).read_bytes()
         if data:
             files += 1
             assert stream[offsets[i] : offsets[i] + len(data)] == data

@@ -160,13 +160,15 @@ def test_ranges_cover_the_file(tree: Path, tmp_path: Path) -> None:
     size = int(m.size[big])
     pieces = m.ranges(big)
     assert sum(n for _, _, n in pieces) == size
-    assert all(0 <= off and off + n <= seg for _, off, n in pieces)
+    assert all(off >= 0 and off + n <= seg for _, off, n in pieces)
     assert [s for s, _, _ in pieces] == list(range(pieces[0][0], pieces[0][0] + len(pieces)))
     assert m.ranges(big, seg - 10, 30) == [
         (pieces[0][0], seg - 10, 10),
         (pieces[0][0] + 1, 0, 20),
     ]
-    assert m.ranges(big, size - 5, 100) == [(pieces[-1][0], (size - 5) - (len(pieces) - 1) * seg, 5)]
+    assert m.ranges(big, size - 5, 100) == [
+        (pieces[-1][0], (size - 5) - (len(pieces) - 1) * seg, 5)
+    ]
     assert m.ranges(big, size, 10) == []
     assert m.ranges(m.resolve("a/empty.bin")) == []
 
@@ -189,4 +191,3 @@ def test_missing_and_corrupt_manifests(tree: Path, tmp_path: Path) -> None:
         bad.write_bytes(blob)
         with pytest.raises(DataError):
             Manifest(bad)
-

@@ -13,13 +13,11 @@ import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
+import boto3
 import pytest
 from conftest import MountProcess, NodeProcess, free_port, run_cli, wait_for
 from rt_util import EnvNode, cache_status, mount_source
 from test_fuse_files import walk
-
-boto3 = pytest.importorskip("boto3")
-pytest.importorskip("s3fs")
 
 pytestmark = pytest.mark.fuse
 
