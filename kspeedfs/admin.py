@@ -5,7 +5,7 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from .client import NodeClient
+from .client import SCAN_TIMEOUT, NodeClient
 from .config import Settings
 from .errors import DataError, KSpeedError, NodeUnreachable
 from .names import validate_name
@@ -44,6 +44,7 @@ def preload(
     with connect(settings) as client:
         started = client.request(
             "preload",
+            answer_within=SCAN_TIMEOUT,
             name=name,
             source=src,
             lifetime=lifetime,

@@ -17,6 +17,10 @@ from .protocol import MsgType
 from .units import Address
 
 
+# Ops that scan a whole source before answering (1.28 M files take minutes on NFS).
+SCAN_TIMEOUT = 3600.0
+
+
 class NodeClient:
     def __init__(self, address: Address, token_file: Path, timeout: float = 10.0):
         self.address = address
@@ -69,9 +73,17 @@ class NodeClient:
             self._sock.close()
             self._sock = None
 
-    def request(self, op: str, **args: Any) -> dict[str, Any]:
+    def request(self, op: str, *, answer_within: float | None = None, **args: Any) -> dict[str, Any]:
+        """One request and its answer; `answer_within` overrides the timeout for slow ops."""
         rid = self.send_request(op, **args)
-        return self.receive_response(rid)
+        if answer_within is None or self._sock is None:
+            return self.receive_response(rid)
+        self._sock.settimeout(answer_within)
+        try:
+            return self.receive_response(rid)
+        finally:
+            if self._sock is not None:
+                self._sock.settimeout(self.timeout)
 
     def send_request(self, op: str, **args: Any) -> int:
         self.connect()

@@ -18,7 +18,7 @@ import trio
 from . import auth, protocol
 from .config import Settings
 from .errors import AlreadyExists, AuthError, InvalidArgument, KSpeedError, NotFound, ProtocolError
-from .client import NodeClient
+from .client import SCAN_TIMEOUT, NodeClient
 from .leases import LeaseTable
 from .loader import Progress
 from .preload import Plan, Stager, coordinate, plan_preload, start_stages
@@ -379,7 +379,8 @@ class NodeServer:
 
     def _remote_call(self, member: str, op: str, args: dict[str, Any]) -> dict[str, Any]:
         with NodeClient(parse_address(member), self.settings.token_file, self.settings.timeout) as c:
-            return c.request(op, **args)
+            slow = op in ("stage", "preload")
+            return c.request(op, answer_within=SCAN_TIMEOUT if slow else None, **args)
 
     async def live_members(self) -> list[str]:
         live = []
