@@ -135,6 +135,11 @@ class LocalCache:
             )
         self.mountpoints.append(mountpoint)
 
+    def mount_pid(self, mountpoint: Path) -> int | None:
+        """The pid of the process serving this mount (for CPU accounting)."""
+        pids = _mount_pids(mountpoint)
+        return pids[0] if pids else None
+
     def unmount(self, mountpoint: Path) -> None:
         pids = _mount_pids(mountpoint)
         done = subprocess.run(

@@ -30,6 +30,7 @@ from kspeedfs.errors import (
     NoSpace,
     NotFound,
 )
+from kspeedfs.localdata import LocalDataset
 from kspeedfs.manifest import Manifest
 from kspeedfs.progress import ProgressBar
 from kspeedfs.scan import check_source
@@ -277,7 +278,11 @@ class Reader:
         self.manifest: Manifest = self.handle.manifest
         self.local = self.handle.local
         self.local_node = local_node
-        self.all_local = self.local is not None and len(self.local.held) == self.manifest.segments
+        # The hot path (cached segment views) only for a static dataset held whole here: the
+        # segments of a read-through one come and go, and a cached view would pin them.
+        self.all_local = (
+            type(self.local) is LocalDataset and len(self.local.held) == self.manifest.segments
+        )
         self._scratch = threading.local()
         self._seg_views: dict[int, memoryview] = {}
         self._data = self.manifest.data
