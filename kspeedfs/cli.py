@@ -14,6 +14,7 @@ from typing import Any
 from . import __version__, admin, auth
 from .config import Settings, load_settings
 from .errors import EXIT_CODES_DOC, AuthError, InvalidArgument, KSpeedError
+from .logs import setup_logging
 from .units import format_size
 
 log = logging.getLogger("kspeedfs")
@@ -134,10 +135,7 @@ def _settings(args: argparse.Namespace, **extra: Any) -> Settings:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    logging.basicConfig(
-        level=logging.DEBUG if args.verbose else logging.INFO,
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-    )
+    setup_logging(args.verbose)
     try:
         return COMMANDS[args.command](args) or 0
     except KSpeedError as e:
@@ -233,7 +231,9 @@ def cmd_status(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps({"nodes": nodes, "datasets": datasets}, indent=2))
         return 0
-    rows = [("NODE", "STATE", "MEMORY USED / BUDGET", "DATASETS", "SEGMENTS", "TRANSPORT", "SHM DIR")]
+    rows = [
+        ("NODE", "STATE", "MEMORY USED / BUDGET", "DATASETS", "SEGMENTS", "TRANSPORT", "SHM DIR")
+    ]
     for s in nodes:
         if not s["up"]:
             rows.append((s["node"], "down", "-", "-", "-", "-", s["error"]))
@@ -242,8 +242,13 @@ def cmd_status(args: argparse.Namespace) -> int:
         loading = f" (+{len(s['loading'])} loading)" if s["loading"] else ""
         rows.append(
             (
-                s["node"], "up", mem, f"{s['datasets']}{loading}", str(s["segments"]),
-                str(s.get("transport", "tcp")), s["shm_dir"],
+                s["node"],
+                "up",
+                mem,
+                f"{s['datasets']}{loading}",
+                str(s["segments"]),
+                str(s.get("transport", "tcp")),
+                s["shm_dir"],
             )
         )
     _print_table(rows)

@@ -16,7 +16,6 @@ from .errors import AuthError, NodeUnreachable, ProtocolError, error_from_wire
 from .protocol import MsgType
 from .units import Address
 
-
 # Ops that scan a whole source before answering (1.28 M files take minutes on NFS).
 SCAN_TIMEOUT = 3600.0
 
@@ -73,7 +72,9 @@ class NodeClient:
             self._sock.close()
             self._sock = None
 
-    def request(self, op: str, *, answer_within: float | None = None, **args: Any) -> dict[str, Any]:
+    def request(
+        self, op: str, *, answer_within: float | None = None, **args: Any
+    ) -> dict[str, Any]:
         """One request and its answer; `answer_within` overrides the timeout for slow ops."""
         rid = self.send_request(op, **args)
         if answer_within is None or self._sock is None:

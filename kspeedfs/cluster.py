@@ -173,7 +173,9 @@ class ClusterReader:
                 f.write(data)
                 if not data or reply["offset"] + len(data) >= reply["total"]:
                     break
-                reply = self.request(node, "manifest", name=name, offset=reply["offset"] + len(data))
+                reply = self.request(
+                    node, "manifest", name=name, offset=reply["offset"] + len(data)
+                )
         try:
             return Manifest(path)
         finally:

@@ -7,6 +7,7 @@ placement gives it; a file lying wholly in those segments gets its checksum here
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import errno
 import mmap
@@ -69,6 +70,9 @@ def files_in(tree: Tree, offsets: list[int], segment_size: int, held: Collection
     return out
 
 
+LOAD_THREADS = 2  # copying is CPU-bound (tmpfs page allocation, hashing): one run per core
+
+
 def load_segments(
     source: Path,
     tree: Tree,
@@ -78,46 +82,138 @@ def load_segments(
     staging: Path,
     segment_size: int,
     progress: Progress,
+    seg_checksums: dict[int, int] | None = None,
 ) -> dict[int, int]:
     """Fill staging/seg/ with the held segments; returns {entry: checksum} for the files that
-    lie wholly in held segments (the others are checksummed by whoever holds all of them)."""
-    held = set(held)
-    todo = files_in(tree, offsets, segment_size, held)
+    lie wholly in held segments (the others are checksummed by whoever holds all of them).
+
+    Segments are filled one at a time (only one segment's fd and mapping open per thread:
+    ImageNet has thousands of segments) by LOAD_THREADS threads, each taking a contiguous run
+    of segments. A file split between two runs gets no checksum here, like one split between
+    nodes. When `seg_checksums` is given it receives each segment's checksum, computed while
+    the bytes are hot instead of in a second pass."""
+    held_sorted = sorted(set(held))
+    todo = files_in(tree, offsets, segment_size, set(held_sorted))
     progress.files_total = len(todo)
     progress.bytes_total = sum(tree.size[i] for i in todo)
+    # (file, offset in file, offset in segment, length) for every piece, per held segment.
+    pieces: dict[int, list[tuple[int, int, int, int]]] = {seg: [] for seg in held_sorted}
+    for i in todo:
+        pos, done, size = offsets[i], 0, tree.size[i]
+        while done < size:
+            seg, seg_off = divmod(pos, segment_size)
+            n = min(size - done, segment_size - seg_off)
+            if seg in pieces:
+                pieces[seg].append((i, done, seg_off, n))
+            pos += n
+            done += n
+    src = os.fsencode(source)
+    lock = threading.Lock()
     checksums: dict[int, int] = {}
-    maps: dict[int, mmap.mmap] = {}
-    fds: dict[int, int] = {}  # kept open: the copies are written through them
-    try:
-        for seg in sorted(held):
-            length = seg_len[seg]
-            fd = fds[seg] = os.open(
-                segment_path(staging, seg), os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o644
-            )
+    sums: dict[int, int] = {}
+
+    def run(segs: list[int]) -> None:
+        hashers: dict[int, Any] = {}  # files started in this run, by entry
+        for seg in segs:
+            fd = os.open(segment_path(staging, seg), os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o644)
             try:
-                os.posix_fallocate(fd, 0, length)  # claim tmpfs pages now: ENOSPC up front
-            except OSError as e:
-                raise DataError(f"cannot allocate segment {seg}: {e.strerror}") from None
-            maps[seg] = mmap.mmap(fd, length)
-        src = os.fsencode(source)
-        for i in todo:
-            if progress.cancel.is_set():
-                raise KSpeedError("preload cancelled")
-            size = tree.size[i]
-            path = src + b"/" + tree.path(i)
-            digest = _copy_file(path, size, offsets[i], segment_size, maps, fds)
-            if digest is not None:
-                checksums[i] = digest
-            progress.files_done += 1
-            progress.bytes_done += size
-        for m in maps.values():
-            m.flush()
-    finally:
-        for m in maps.values():
-            m.close()
-        for fd in fds.values():
-            os.close(fd)
+                try:
+                    os.posix_fallocate(fd, 0, seg_len[seg])  # claim tmpfs pages: ENOSPC up front
+                except OSError as e:
+                    raise DataError(f"cannot allocate segment {seg}: {e.strerror}") from None
+                with mmap.mmap(fd, seg_len[seg]) as m:
+                    sums[seg] = _fill_segment(
+                        seg, m, fd, pieces[seg], src, tree, hashers, checksums, progress, lock
+                    )
+            finally:
+                os.close(fd)
+
+    # A run may start only where no file continues from the segment before: every file then
+    # lies in one run and gets its checksum here.
+    clean = {seg for seg, ps in pieces.items() if not ps or ps[0][1] == 0}
+    runs = _contiguous_runs(held_sorted, seg_len, LOAD_THREADS, clean)
+    if len(runs) <= 1:
+        for r in runs:
+            run(r)
+    else:
+        with concurrent.futures.ThreadPoolExecutor(len(runs)) as pool:
+            for fut in [pool.submit(run, r) for r in runs]:
+                fut.result()
+    if seg_checksums is not None:
+        seg_checksums.update(sums)
     return checksums
+
+
+def _fill_segment(
+    seg: int,
+    m: mmap.mmap,
+    seg_fd: int,
+    seg_pieces: list[tuple[int, int, int, int]],
+    src: bytes,
+    tree: Tree,
+    hashers: dict[int, Any],
+    checksums: dict[int, int],
+    progress: Progress,
+    lock: threading.Lock,
+) -> int:
+    """Copy one segment's pieces in order; returns the segment's checksum."""
+    seg_hasher = xxhash.xxh3_64()
+    covered = 0
+    for i, file_off, seg_off, n in seg_pieces:
+        if progress.cancel.is_set():
+            raise KSpeedError("preload cancelled")
+        path = src + b"/" + tree.path(i)
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+        except OSError as e:
+            raise DataError(f"cannot read {os.fsdecode(path)}: {e.strerror}") from None
+        dest = memoryview(m)[seg_off : seg_off + n]
+        try:
+            _fill(fd, file_off, seg_fd, seg_off, dest, path)
+            if file_off == 0:
+                hashers[i] = (xxhash.xxh3_64(), 0)
+            hasher, expected = hashers.get(i, (None, -1))
+            if hasher is not None and expected == file_off:
+                hasher.update(dest)
+                hashers[i] = (hasher, file_off + n)
+            else:  # a piece is missing (held elsewhere, or in another run): no checksum here
+                hashers.pop(i, None)
+            seg_hasher.update(dest)
+            last = file_off + n == tree.size[i]
+            if last and os.pread(fd, 1, tree.size[i]):
+                raise DataError(f"source changed while loading (longer): {os.fsdecode(path)}")
+        except OSError as e:
+            raise DataError(f"cannot read {os.fsdecode(path)}: {e.strerror}") from None
+        finally:
+            dest.release()
+            os.close(fd)
+        covered += n
+        with lock:
+            progress.bytes_done += n
+            if last:
+                progress.files_done += 1
+                h, _ = hashers.pop(i, (None, 0))
+                if h is not None:
+                    checksums[i] = h.intdigest()
+    if covered != len(m):  # pieces always tile a segment; if not, hash what is there
+        return xxhash.xxh3_64_intdigest(m)
+    return seg_hasher.intdigest()
+
+
+def _contiguous_runs(
+    segs: list[int], seg_len: list[int], n: int, can_start: set[int]
+) -> list[list[int]]:
+    """Split segments into at most n contiguous runs of about equal bytes, each starting at a
+    segment in `can_start`."""
+    total = sum(seg_len[k] for k in segs)
+    runs: list[list[int]] = [[]]
+    acc = 0
+    for k in segs:
+        if runs[-1] and acc >= total * len(runs) / n and len(runs) < n and k in can_start:
+            runs.append([])
+        runs[-1].append(k)
+        acc += seg_len[k]
+    return [r for r in runs if r]
 
 
 def read_segment(
@@ -177,46 +273,6 @@ def checksum_source_file(source: Path, relpath: bytes, size: int) -> int:
 
 # sendfile errors that mean "this source cannot be spliced": read into the mapping instead.
 _NO_SENDFILE = frozenset({errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP})
-
-
-def _copy_file(
-    path: bytes,
-    size: int,
-    offset: int,
-    segment_size: int,
-    maps: dict[int, mmap.mmap],
-    fds: dict[int, int],
-) -> int | None:
-    """Copy the held pieces of one file; its checksum when every piece was held, else None."""
-    hasher = xxhash.xxh3_64()
-    complete = True
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
-    except OSError as e:
-        raise DataError(f"cannot read {os.fsdecode(path)}: {e.strerror}") from None
-    try:
-        pos, done = offset, 0
-        while done < size:
-            seg, seg_off = divmod(pos, segment_size)
-            n = min(size - done, segment_size - seg_off)
-            if seg not in maps:
-                complete = False
-            else:
-                dest = memoryview(maps[seg])[seg_off : seg_off + n]
-                try:
-                    _fill(fd, done, fds[seg], seg_off, dest, path)
-                    hasher.update(dest)
-                finally:
-                    dest.release()
-            pos += n
-            done += n
-        if complete and os.pread(fd, 1, size):
-            raise DataError(f"source changed while loading (longer): {os.fsdecode(path)}")
-    except OSError as e:
-        raise DataError(f"cannot read {os.fsdecode(path)}: {e.strerror}") from None
-    finally:
-        os.close(fd)
-    return hasher.intdigest() if complete else None
 
 
 def _fill(

@@ -9,6 +9,7 @@ from typing import Any
 
 from .config import load_settings
 from .errors import InvalidArgument, KSpeedError
+from .logs import setup_logging
 from .mount import ALLOWED_OPTIONS, check_mountpoint, fuse_options, run_mount
 from .mountinfo import is_stale, lazy_unmount, mount_at
 from .names import validate_name
@@ -112,10 +113,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    logging.basicConfig(
-        level=logging.DEBUG if args.verbose else logging.INFO,
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-    )
+    setup_logging(args.verbose)
     try:
         return _mount(args)
     except InvalidArgument as e:

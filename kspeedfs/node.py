@@ -10,20 +10,19 @@ import secrets
 import signal
 import time
 from collections.abc import Awaitable, Callable
-from pathlib import Path
 from typing import Any
 
 import trio
 
 from . import auth, protocol
+from .client import SCAN_TIMEOUT, NodeClient
 from .config import Settings
 from .errors import AlreadyExists, AuthError, InvalidArgument, KSpeedError, NotFound, ProtocolError
-from .client import SCAN_TIMEOUT, NodeClient
 from .leases import LeaseTable
 from .loader import Progress
-from .preload import Plan, Stager, coordinate, plan_preload, start_stages
 from .names import validate_name
 from .notify import notify, watchdog_interval
+from .preload import Plan, Stager, coordinate, plan_preload, start_stages
 from .protocol import MsgType
 from .rdma.server import RdmaService
 from .readthrough import ReadThroughCache
@@ -40,9 +39,20 @@ COALESCE_BELOW = 256 * 1024
 
 ADMIN_OPS = frozenset(
     {
-        "preload", "unload", "unload_local", "shutdown", "stage", "stage_status", "stage_result",
-        "stage_manifest", "stage_put", "stage_done", "commit", "abort",
-        "register_source", "refresh",
+        "preload",
+        "unload",
+        "unload_local",
+        "shutdown",
+        "stage",
+        "stage_status",
+        "stage_result",
+        "stage_manifest",
+        "stage_put",
+        "stage_done",
+        "commit",
+        "abort",
+        "register_source",
+        "refresh",
     }
 )
 
@@ -253,7 +263,9 @@ class NodeServer:
                 await conn.send_error(frame.request_id, e)
             except (KeyError, TypeError, ValueError) as e:
                 # A request missing a field or with one of the wrong type: refuse it, stay up.
-                await conn.send_error(frame.request_id, InvalidArgument(f"malformed request: {e!r}"))
+                await conn.send_error(
+                    frame.request_id, InvalidArgument(f"malformed request: {e!r}")
+                )
 
     async def _read(self, conn: Connection, frame: protocol.Frame) -> None:
         name, ranges = protocol.decode_read(frame.payload)
@@ -338,7 +350,10 @@ class NodeServer:
         self._nursery.start_soon(self._coordinate, plan, progress, pushed)
         log.info(
             "preloading %s from %s over %d nodes: %d files, %s",
-            name, plan.source, len(plan.members), plan.tree.file_count,
+            name,
+            plan.source,
+            len(plan.members),
+            plan.tree.file_count,
             format_size(plan.tree.data_bytes),
         )
         return {
@@ -378,7 +393,9 @@ class NodeServer:
         return await trio.to_thread.run_sync(self._remote_call, member, op, args)
 
     def _remote_call(self, member: str, op: str, args: dict[str, Any]) -> dict[str, Any]:
-        with NodeClient(parse_address(member), self.settings.token_file, self.settings.timeout) as c:
+        with NodeClient(
+            parse_address(member), self.settings.token_file, self.settings.timeout
+        ) as c:
             slow = op in ("stage", "preload")
             return c.request(op, answer_within=SCAN_TIMEOUT if slow else None, **args)
 

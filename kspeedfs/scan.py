@@ -33,6 +33,16 @@ class Tree:
     def __len__(self) -> int:
         return len(self.names)
 
+    def append(self, name: bytes, parent: int, mode: int, size: int, mtime_ns: int) -> None:
+        """Add one entry; a folder's first_child/child_count are set when it is listed."""
+        self.names.append(name)
+        self.parent.append(parent)
+        self.mode.append(mode)
+        self.size.append(size)
+        self.mtime_ns.append(mtime_ns)
+        self.first_child.append(0)
+        self.child_count.append(0)
+
     def path(self, i: int) -> bytes:
         parts = []
         while i != 0:
@@ -66,7 +76,7 @@ def scan_tree(source: str | os.PathLike[str]) -> Tree:
     root_bytes = os.fsencode(root)
     st = os.stat(root_bytes)
     tree = Tree()
-    _append(tree, b"", 0, st.st_mode, 0, st.st_mtime_ns)
+    tree.append(b"", 0, st.st_mode, 0, st.st_mtime_ns)
     queue: list[tuple[int, bytes]] = [(0, root_bytes)]
     head = 0
     while head < len(queue):
@@ -81,13 +91,13 @@ def scan_tree(source: str | os.PathLike[str]) -> Tree:
             mode = est.st_mode
             idx = len(tree)
             if stat.S_ISDIR(mode):
-                _append(tree, entry.name, dir_idx, mode, 0, est.st_mtime_ns)
+                tree.append(entry.name, dir_idx, mode, 0, est.st_mtime_ns)
                 queue.append((idx, entry.path))
             elif stat.S_ISREG(mode):
-                _append(tree, entry.name, dir_idx, mode, est.st_size, est.st_mtime_ns)
+                tree.append(entry.name, dir_idx, mode, est.st_size, est.st_mtime_ns)
             elif stat.S_ISLNK(mode):
                 target = os.readlink(entry.path)
-                _append(tree, entry.name, dir_idx, mode, len(target), est.st_mtime_ns)
+                tree.append(entry.name, dir_idx, mode, len(target), est.st_mtime_ns)
                 tree.link_target[idx] = target
             else:
                 log.warning("skipping special file %r", os.fsdecode(entry.path))
@@ -95,13 +105,3 @@ def scan_tree(source: str | os.PathLike[str]) -> Tree:
             count += 1
         tree.child_count[dir_idx] = count
     return tree
-
-
-def _append(tree: Tree, name: bytes, parent: int, mode: int, size: int, mtime_ns: int) -> None:
-    tree.names.append(name)
-    tree.parent.append(parent)
-    tree.mode.append(mode)
-    tree.size.append(size)
-    tree.mtime_ns.append(mtime_ns)
-    tree.first_child.append(0)
-    tree.child_count.append(0)

@@ -278,7 +278,7 @@ def tree_from_listing(files: dict[bytes, tuple[int, int]]) -> Tree:
                 dir_mtime.setdefault(path, 0)
             parent = path
     tree = Tree()
-    _append(tree, b"", 0, DIR_MODE, 0, dir_mtime[b""])
+    tree.append(b"", 0, DIR_MODE, 0, dir_mtime[b""])
     queue: list[tuple[int, bytes]] = [(0, b"")]
     head = 0
     while head < len(queue):
@@ -291,21 +291,11 @@ def tree_from_listing(files: dict[bytes, tuple[int, int]]) -> Tree:
             child = path + b"/" + name if path else name
             if child in children:
                 queue.append((len(tree), child))
-                _append(tree, name, idx, DIR_MODE, 0, dir_mtime[child])
+                tree.append(name, idx, DIR_MODE, 0, dir_mtime[child])
             else:
                 size, mtime = files[child]
-                _append(tree, name, idx, FILE_MODE, size, mtime)
+                tree.append(name, idx, FILE_MODE, size, mtime)
     return tree
-
-
-def _append(tree: Tree, name: bytes, parent: int, mode: int, size: int, mtime_ns: int) -> None:
-    tree.names.append(name)
-    tree.parent.append(parent)
-    tree.mode.append(mode)
-    tree.size.append(size)
-    tree.mtime_ns.append(mtime_ns)
-    tree.first_child.append(0)
-    tree.child_count.append(0)
 
 
 _sources: dict[tuple[str, str], Source] = {}
@@ -459,11 +449,12 @@ def load_segments(
     staging: Path,
     segment_size: int,
     progress: loader.Progress,
+    seg_checksums: dict[int, int] | None = None,
 ) -> dict[int, int]:
     """loader.load_segments for any source; object stores are read segments in parallel."""
     if isinstance(source, Path):
         return loader.load_segments(
-            source, tree, offsets, seg_len, held, staging, segment_size, progress
+            source, tree, offsets, seg_len, held, staging, segment_size, progress, seg_checksums
         )
     held = sorted(set(held))
     layout = Layout.of_tree(tree, offsets, segment_size)

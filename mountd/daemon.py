@@ -14,6 +14,7 @@ from typing import Any
 import trio
 
 from kspeedfs.errors import EXIT_CODES_DOC, InvalidArgument, KSpeedError
+from kspeedfs.logs import setup_logging
 from kspeedfs.mountinfo import lazy_unmount
 from kspeedfs.notify import notify, watchdog_interval
 
@@ -237,10 +238,7 @@ def _timing_options(p: argparse.ArgumentParser) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    logging.basicConfig(
-        level=logging.DEBUG if args.verbose else logging.INFO,
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-    )
+    setup_logging(args.verbose)
     try:
         if args.command in (None, "run"):
             return cmd_run(args)

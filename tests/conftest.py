@@ -71,25 +71,25 @@ class NodeProcess:
         }
 
     def start(self) -> NodeProcess:
-        log = open(self.log_path, "ab")
-        self.proc = subprocess.Popen(
-            [
-                *KSPEEDFS,
-                "node",
-                "--listen",
-                self.address,
-                "--shm-dir",
-                str(self.shm_dir),
-                "--memory",
-                self.memory,
-                "--segment-size",
-                self.segment_size,
-                *self.extra,
-            ],
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            env=self.env(),
-        )
+        with open(self.log_path, "ab") as log:  # the child keeps its own copy of the fd
+            self.proc = subprocess.Popen(
+                [
+                    *KSPEEDFS,
+                    "node",
+                    "--listen",
+                    self.address,
+                    "--shm-dir",
+                    str(self.shm_dir),
+                    "--memory",
+                    self.memory,
+                    "--segment-size",
+                    self.segment_size,
+                    *self.extra,
+                ],
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                env=self.env(),
+            )
         wait_for(self._answers, what=f"node on {self.address}")
         return self
 
@@ -153,13 +153,13 @@ class MountProcess:
 
     def start(self) -> MountProcess:
         self.mountpoint.mkdir(parents=True, exist_ok=True)
-        log = open(self.log_path, "ab")
-        self.proc = subprocess.Popen(
-            [*KSPEEDFS, "mount", str(self.mountpoint), "--foreground", *self.args],
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            env=self.env,
-        )
+        with open(self.log_path, "ab") as log:  # the child keeps its own copy of the fd
+            self.proc = subprocess.Popen(
+                [*KSPEEDFS, "mount", str(self.mountpoint), "--foreground", *self.args],
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                env=self.env,
+            )
 
         def mounted() -> bool:
             assert self.proc is not None
