@@ -26,7 +26,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from kspeedfs.demo import LocalCache, ensure_sample, run_epoch  # noqa: E402
 from kspeedfs.units import format_size  # noqa: E402
 
-TARGETS = {"first": 0.06, "second": 0.15, "imagefolder": 0.95, "preload": 0.7}
+TARGETS = {
+    "first": 0.06,
+    "second": 0.15,
+    "imagefolder": 0.95,
+    "imagefolder_warm": 0.95,
+    "preload": 0.7,
+}
 STATS_XATTR = "user.kspeedfs.stats"
 BUF = bytearray(1 << 20)
 
@@ -184,9 +190,9 @@ def main() -> int:
                 f"\n(2) ImageFolder + train transform + DataLoader(num_workers={args.workers}), "
                 "one epoch; the mount freshly mounted (cold kernel cache) for each"
             )
-            best_src = best_mnt = 0.0
+            best_src = best_mnt = best_warm = 0.0
             cpu_src = cpu_mnt = cpu_daemon = float("inf")
-            stats_line = ""
+            stats_line = warm_line = ""
             for _ in range(args.rounds):
                 c0 = own_cpu()
                 images, seconds, _classes = run_epoch(source, args.workers)
@@ -202,6 +208,11 @@ def main() -> int:
                 cpu_daemon = min(cpu_daemon, (process_cpu(pid) - d0) / images)
                 best_mnt = max(best_mnt, images / seconds)
                 stats_line = per_file(before, fuse_stats(mnt), images)
+                # The epochs after the first: the kernel kept the pages (keep_cache).
+                before = fuse_stats(mnt)
+                images, seconds, _classes = run_epoch(served, args.workers)
+                best_warm = max(best_warm, images / seconds)
+                warm_line = per_file(before, fuse_stats(mnt), images)
             results["imagefolder"] = best_mnt / best_src
             print(f"  source: {best_src:7.1f} images/s")
             print(
@@ -209,6 +220,12 @@ def main() -> int:
                 f"{ratio_line(results['imagefolder'], TARGETS['imagefolder'])}"
             )
             print(f"      {stats_line}")
+            results["imagefolder_warm"] = best_warm / best_src
+            print(
+                f"  mount, next epoch (same mount): {best_warm:7.1f} images/s  "
+                f"{ratio_line(results['imagefolder_warm'], TARGETS['imagefolder'])}"
+            )
+            print(f"      {warm_line}")
             # CPU per image does not depend on what else runs on the machine; with the CPUs
             # the bottleneck, images/s over the mount vs the source is their inverse ratio.
             cpu_ratio = cpu_src / (cpu_mnt + cpu_daemon)
