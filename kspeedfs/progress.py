@@ -16,13 +16,18 @@ class ProgressBar:
         self.width = width
         self.tty = self.stream.isatty()
         self._last_line = 0.0
+        self._last_bytes = -1
         self.started = time.monotonic()
 
     def update(self, files_done: int, files_total: int, bytes_done: int, bytes_total: int) -> None:
         now = time.monotonic()
         # On a terminal redraw often; in a log, a line every few seconds is plenty.
-        if not self.tty and now - self._last_line < 5 and bytes_done < bytes_total:
+        if not self.tty and (
+            (now - self._last_line < 5 and bytes_done < bytes_total)
+            or bytes_done == self._last_bytes
+        ):
             return
+        self._last_bytes = bytes_done
         self._last_line = now
         frac = bytes_done / bytes_total if bytes_total else 1.0
         filled = int(frac * self.width)
