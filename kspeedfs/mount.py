@@ -19,6 +19,7 @@ from .cluster import ClusterReader, local_node_for
 from .config import Settings
 from .errors import ERROR_CLASSES, KSpeedError, MountError
 from .fs import KSpeedFS, require_dataset
+from .mountinfo import is_stale, kspeedfs_mounted
 from .names import validate_name
 from .notify import notify
 from .rtclient import report_touches
@@ -32,6 +33,10 @@ ERRORS_BY_EXIT_CODE = {cls.exit_code: cls for cls in ERROR_CLASSES.values() if c
 
 def check_mountpoint(mountpoint: str | os.PathLike[str]) -> Path:
     path = Path(mountpoint)
+    if kspeedfs_mounted(path) and is_stale(path):
+        raise MountError(
+            f"stale kspeedfs mount at {path} (its process died): `kspeedfs umount -z {path}`"
+        )
     if not path.exists():
         raise MountError(f"mountpoint does not exist: {path}")
     if not path.is_dir():
@@ -176,9 +181,7 @@ def _redirect_stdio(log_file: str | None) -> None:
 
 def unmount(mountpoint: str, lazy: bool = False) -> None:
     path = Path(mountpoint)
-    if not path.exists():
-        raise MountError(f"mountpoint does not exist: {path}")
-    if not _is_kspeedfs_mount(path):
+    if not kspeedfs_mounted(path):  # mountinfo, not stat: a stale mount fails every stat
         raise MountError(f"not a kspeedfs mount: {path}")
     tool = shutil.which("fusermount3") or shutil.which("fusermount")
     if tool is None:
@@ -189,15 +192,3 @@ def unmount(mountpoint: str, lazy: bool = False) -> None:
         raise MountError(
             done.stderr.strip().splitlines()[-1] if done.stderr.strip() else "unmount failed"
         )
-
-
-def _is_kspeedfs_mount(path: Path) -> bool:
-    target = os.path.realpath(path)
-    with open("/proc/self/mountinfo") as f:
-        for line in f:
-            fields = line.split()
-            sep = fields.index("-")
-            mnt = fields[4].encode().decode("unicode_escape")
-            if mnt == target and fields[sep + 1].startswith("fuse") and "kspeedfs" in line:
-                return True
-    return False

@@ -340,7 +340,11 @@ class NodeServer:
         try:
             live = await self.live_members()
             plan = await plan_preload(msg, self.settings.segment_size, live)
-            pushed = await start_stages(plan, self.call)
+            self.stager.planned[plan.uuid] = plan.tree
+            try:
+                pushed = await start_stages(plan, self.call)
+            finally:
+                self.stager.planned.pop(plan.uuid, None)
         except BaseException:
             self.loading.pop(name, None)
             raise

@@ -106,6 +106,8 @@ class Stager:
         self.store = store
         self.address = address
         self.stages: dict[str, Stage] = {}
+        # Trees this node scanned as a coordinator, by preload uuid: its own stage reuses them.
+        self.planned: dict[str, Tree] = {}
         self.nursery: trio.Nursery | None = None
         self.loaded = {"segments": 0, "bytes": 0}  # what this node loaded from sources
 
@@ -136,7 +138,9 @@ class Stager:
         stage = Stage(name, str(msg["uuid"]), source, [int(k) for k in msg["segments"]], progress)
         self.stages[name] = stage
         try:
-            tree = await trio.to_thread.run_sync(scan_any, src)
+            tree = self.planned.pop(stage.uuid, None)
+            if tree is None:
+                tree = await trio.to_thread.run_sync(scan_any, src)
             if tree_digest(tree) != msg.get("digest"):
                 raise SourceNotVisible(
                     f"node {self.address} sees a different source tree at {source}"
