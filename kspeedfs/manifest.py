@@ -150,9 +150,9 @@ class Manifest:
                 key: np.frombuffer(self._map, dtype=dtype, count=count, offset=offset)
                 for key, (offset, dtype, count) in self.header["arrays"].items()
             }
+            n, nseg = int(self.header["entries"]), int(self.header["segments"])
         except (ValueError, KeyError, TypeError, struct.error) as e:
-            raise DataError(f"corrupt manifest {self.file}: {e}") from None
-        n, nseg = self.header["entries"], self.header["segments"]
+            raise DataError(f"corrupt manifest {self.file}: {e!r}") from None
         for key in ENTRY_ARRAYS:
             if arrays[key].size != n:
                 raise DataError(f"corrupt manifest {self.file}: {key} has wrong length")

@@ -45,7 +45,9 @@ def parse_address(text: str, default_port: int = 7420) -> Address:
     if not text:
         raise InvalidArgument("empty address")
     if text.startswith("["):
-        host, _, rest = text[1:].partition("]")
+        host, bracket, rest = text[1:].partition("]")
+        if not bracket or (rest and not rest.startswith(":")):
+            raise InvalidArgument(f"bad address {text!r} (expected [IPv6]:PORT)")
         port_text = rest.removeprefix(":")
     elif text.count(":") == 1:
         host, port_text = text.split(":")

@@ -191,3 +191,16 @@ def test_missing_and_corrupt_manifests(tree: Path, tmp_path: Path) -> None:
         bad.write_bytes(blob)
         with pytest.raises(DataError):
             Manifest(bad)
+
+
+def test_header_without_counts_is_a_data_error(tmp_path: Path) -> None:
+    import json
+    import struct
+
+    from kspeedfs.manifest import MAGIC
+
+    blob = json.dumps({"format": 1, "arrays": {}}).encode()
+    path = tmp_path / "bad.ksm"
+    path.write_bytes(MAGIC + struct.pack("<I", len(blob)) + blob)
+    with pytest.raises(DataError, match="corrupt manifest"):
+        Manifest(path)

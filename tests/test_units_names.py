@@ -120,3 +120,10 @@ def test_a_valid_name_is_a_safe_single_path_component(name: str) -> None:
         return
     assert "/" not in name and "\x00" not in name and name not in (".", "..")
     assert name.isascii() and name == name.lower() and 1 <= len(name) <= 64
+
+
+def test_unclosed_or_garbled_ipv6_address_is_refused() -> None:
+    for text in ("[::1", "[::1]x", "[::1]7420"):
+        with pytest.raises(InvalidArgument):
+            parse_address(text)
+    assert parse_address("[::1]:7000") == ("::1", 7000)
