@@ -1,4 +1,9 @@
-"""The async (trio) client for the FUSE process: same codec and handshake as the blocking one."""
+"""The async (trio) client for control requests from trio processes (FUSE mount, mountd).
+
+Same codec and handshake as the blocking client. Data reads of a mount go through the cluster
+reader's transports in worker threads instead: one read path (failover, RDMA) for every
+process, and no read waits on the event loop.
+"""
 
 from __future__ import annotations
 
@@ -96,11 +101,3 @@ class AsyncNodeClient:
             protocol.encode_json(MsgType.REQUEST, rid, {"op": op, **args}), MsgType.RESPONSE
         )
         return frame.json()
-
-    async def read(self, dataset: str, ranges: list[tuple[int, int, int]]) -> bytes:
-        rid = next(self._ids)
-        payload = protocol.encode_read(dataset, ranges)
-        frame = await self._exchange(
-            protocol.encode_frame(MsgType.READ, rid, payload), MsgType.DATA
-        )
-        return frame.payload
