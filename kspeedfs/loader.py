@@ -1,8 +1,9 @@
 """Copies the files of some segments of a scanned source tree into staging, checksumming them.
 
-Runs in a worker thread of a node daemon. The kernel copies each file into its segment file
-(sendfile: one copy, no page faults on the mapping), then it is hashed in place through the map. A node loads only the segments that
-placement gives it; a file lying wholly in those segments gets its checksum here.
+Runs in worker threads of a node daemon. The kernel copies each file into its segment file
+(sendfile: one copy, no page faults on the mapping), then it is hashed in place through the
+map. A node loads only the segments that placement gives it; a file lying wholly in those
+segments gets its checksum here.
 """
 
 from __future__ import annotations
