@@ -27,6 +27,7 @@ class CachedPath(PrefetchMixin):
     _ref: cache.CacheRef
     _top: int
     _prefix: bytes
+    _index: SampleIndex  # set by datasets over a folder; KSpeedDataset has none
 
     def _attach(
         self,
@@ -128,7 +129,8 @@ class CachedPath(PrefetchMixin):
         return self._fetch_remote(self._entries(indices))
 
     def _entries(self, indices: np.ndarray) -> np.ndarray:
-        raise NotImplementedError
+        """Manifest entries of dataset indices (a subclass with its own sample list overrides)."""
+        return self._index.entries_of(indices)
 
     def __getstate__(self) -> dict[str, Any]:
         # Only config crosses to workers: no lease, no threads, no buffers.
@@ -199,6 +201,3 @@ class KSpeedFolder(CachedPath, Dataset[Any]):
             return [self[int(i)] for i in idx]
         finally:
             self._ready = {}
-
-    def _entries(self, indices: np.ndarray) -> np.ndarray:
-        return self._index.entries_of(indices)

@@ -70,22 +70,25 @@ class NodeProcess:
             "KSPEEDFS_NODES": self.address,
         }
 
+    def command(self) -> list[str]:
+        return [
+            *KSPEEDFS,
+            "node",
+            "--listen",
+            self.address,
+            "--shm-dir",
+            str(self.shm_dir),
+            "--memory",
+            self.memory,
+            "--segment-size",
+            self.segment_size,
+            *self.extra,
+        ]
+
     def start(self) -> NodeProcess:
         with open(self.log_path, "ab") as log:  # the child keeps its own copy of the fd
             self.proc = subprocess.Popen(
-                [
-                    *KSPEEDFS,
-                    "node",
-                    "--listen",
-                    self.address,
-                    "--shm-dir",
-                    str(self.shm_dir),
-                    "--memory",
-                    self.memory,
-                    "--segment-size",
-                    self.segment_size,
-                    *self.extra,
-                ],
+                self.command(),
                 stdout=log,
                 stderr=subprocess.STDOUT,
                 env=self.env(),

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 from clusterutil import Cluster, held_on_disk, running, staging_left
-from conftest import KSPEEDFS, NodeProcess, make_tree, run_cli, wait_for
+from conftest import NodeProcess, make_tree, run_cli, wait_for
 
 from kspeedfs import placement
 from kspeedfs.cluster import ClusterReader
@@ -201,21 +201,7 @@ class SourceBlindNode(NodeProcess):
         self.hidden = hidden
 
     def start(self) -> NodeProcess:
-        node = shlex.join(
-            [
-                *KSPEEDFS,
-                "node",
-                "--listen",
-                self.address,
-                "--shm-dir",
-                str(self.shm_dir),
-                "--memory",
-                self.memory,
-                "--segment-size",
-                self.segment_size,
-                *self.extra,
-            ]
-        )
+        node = shlex.join(self.command())
         cmd = f"mount -t tmpfs none {shlex.quote(str(self.hidden))} && exec {node}"
         with open(self.log_path, "ab") as log:
             self.proc = subprocess.Popen(
