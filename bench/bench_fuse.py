@@ -78,7 +78,7 @@ def per_file(before: dict[str, int], after: dict[str, int], files: int) -> str:
     diff = {k: after.get(k, 0) - before.get(k, 0) for k in set(before) | set(after)}
     diff["getxattr"] = diff.get("getxattr", 0) - 1  # the stats request itself
     diff = {k: v for k, v in diff.items() if v > 0}
-    order = ["lookup", "getattr", "open", "read", "release", "opendir", "readdir"]
+    order = ["lookup", "getattr", "open", "read", "release", "opendir", "readdirplus"]
     keys = [k for k in order if k in diff] + sorted(k for k in diff if k not in order)
     parts = [f"{k} {diff[k] / files:.2f}" for k in keys]
     total = sum(diff.values()) / files

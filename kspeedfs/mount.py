@@ -1,4 +1,4 @@
-"""Mount lifecycle: checks, daemonizing, pyfuse3 init/main/close, signals, unmount."""
+"""Mount lifecycle: checks, daemonizing, the FUSE session and its trio side, signals, unmount."""
 
 from __future__ import annotations
 
@@ -11,7 +11,6 @@ import sys
 from collections.abc import AsyncIterator, Callable, Iterable
 from pathlib import Path
 
-import pyfuse3
 import trio
 
 from .aclient import AsyncNodeClient
@@ -19,6 +18,7 @@ from .cluster import ClusterReader, local_node_for
 from .config import Settings
 from .errors import ERROR_CLASSES, KSpeedError, MountError
 from .fs import KSpeedFS, require_dataset
+from .fuse_kernel import FuseSession
 from .mountinfo import is_stale, kspeedfs_mounted
 from .names import validate_name
 from .notify import notify
@@ -72,24 +72,30 @@ async def serve_mount(
     await fs.refresh(force=True)
     if dataset:
         require_dataset(fs, dataset)
-    pyfuse3.init(fs, str(mountpoint), options)
+    session = FuseSession(fs, str(mountpoint), options)
+    fs.session = session
+    fs.trio_token = trio.lowlevel.current_trio_token()
     try:
+        session.mount()
+    except OSError as e:
+        raise MountError(e.strerror or str(e)) from None
+    try:
+        session.start()
         with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT, signal.SIGHUP) as signals:
             async with trio.open_nursery() as nursery:
-                nursery.start_soon(_terminate_on_signal, signals)
+                nursery.start_soon(_unmount_on_signal, signals, session)
                 nursery.start_soon(report_touches, fs, clients)
                 log.info("mounted %s at %s", dataset or "all datasets", mountpoint)
                 notify("READY=1", f"STATUS=mounted at {mountpoint}")
                 on_ready()
-                await pyfuse3.main(min_tasks=1, max_tasks=16)
+                await trio.to_thread.run_sync(session.done.wait, abandon_on_cancel=True)
                 nursery.cancel_scope.cancel()
-    except BaseException:
-        pyfuse3.close(unmount=False)
-        raise
-    pyfuse3.close(unmount=True)
-    reader.close()
-    for client in clients:
-        await client.aclose()
+    finally:
+        session.unmount()
+        session.close()
+        reader.close()
+        for client in clients:
+            await client.aclose()
 
 
 async def _first_answer(clients: list[AsyncNodeClient]) -> None:
@@ -104,10 +110,11 @@ async def _first_answer(clients: list[AsyncNodeClient]) -> None:
     raise error
 
 
-async def _terminate_on_signal(signals: AsyncIterator[int]) -> None:
+async def _unmount_on_signal(signals: AsyncIterator[int], session: FuseSession) -> None:
     async for signum in signals:
         log.info("received %s, unmounting", signal.Signals(signum).name)
-        pyfuse3.terminate()
+        await trio.to_thread.run_sync(session.unmount)
+        session.done.set()  # files still open keep a detached mount's threads busy: stop anyway
         return
 
 
