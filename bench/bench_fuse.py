@@ -85,6 +85,28 @@ def per_file(before: dict[str, int], after: dict[str, int], files: int) -> str:
     return f"FUSE requests per file: {', '.join(parts) or 'none'}; total {total:.2f}"
 
 
+def copy_into_tmpfs(root: Path, files: list[tuple[bytes, int]]) -> float:
+    """Seconds to copy every file into a fresh tmpfs folder, one thread (what `cp -r` does):
+    the floor for any cache that keeps the bytes in memory, since new pages must be touched."""
+    dest = Path(tempfile.mkdtemp(prefix="kspeedfs-bench-copy-", dir="/dev/shm"))
+    base = os.fsencode(root) + b"/"
+    try:
+        started = time.perf_counter()
+        for n, (rel, size) in enumerate(files):
+            src = os.open(base + rel, os.O_RDONLY)
+            dst = os.open(os.path.join(os.fsencode(dest), b"%d" % n), os.O_WRONLY | os.O_CREAT)
+            try:
+                done = 0
+                while done < size:
+                    done += os.sendfile(dst, src, done, size - done)
+            finally:
+                os.close(src)
+                os.close(dst)
+        return time.perf_counter() - started
+    finally:
+        shutil.rmtree(dest, ignore_errors=True)
+
+
 def disk_read_bytes(pid: int) -> int:
     """Bytes a process made the kernel read from storage (page cache misses)."""
     with open(f"/proc/{pid}/io") as f:
@@ -146,6 +168,7 @@ def main() -> int:
     t_plain, _ = read_files(source, files)
     t_src, _ = read_files(source, shuffled)
     src_fps = n / t_src
+    t_copy = copy_into_tmpfs(source, files)
     results: dict[str, Any] = {}
 
     workdir = Path(tempfile.mkdtemp(prefix="kspeedfs-bench-"))
@@ -246,6 +269,11 @@ def main() -> int:
         f"  preload:                  {preload_rate:8.1f} MB/s  "
         f"({format_size(data_bytes)} in {t_preload:.2f}s)  "
         f"{ratio_line(results['preload'], TARGETS['preload'])}"
+    )
+    copy_rate = data_bytes / t_copy / 1e6
+    print(
+        f"  copy into tmpfs, 1 thread:{copy_rate:8.1f} MB/s  (new memory must be touched: "
+        f"preload/copy {preload_rate / copy_rate:.2f})"
     )
     # Other processes can push the source out of the page cache: then preload reads the disk.
     print(f"  source bytes the node read from disk during preload: {format_size(preload_disk)}")

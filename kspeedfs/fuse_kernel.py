@@ -177,6 +177,7 @@ class FuseSession:
         self.threads = threads
         self.fd = -1
         self._keep: socket.socket | None = None  # auto_unmount: fusermount3 watches this end
+        self._fusermount: subprocess.Popen[str] | None = None
         self._pool = ThreadPoolExecutor(max_workers=8, thread_name_prefix="fuse-blocking")
         self._notify = ThreadPoolExecutor(max_workers=1, thread_name_prefix="fuse-notify")
         self._workers: list[threading.Thread] = []
@@ -202,6 +203,7 @@ class FuseSession:
         except OSError:
             fds = []
         auto_unmount = "auto_unmount" in self.options
+        self._fusermount = proc  # with auto_unmount it stays, watching our end of the socket
         if not fds or not auto_unmount:
             _, err = proc.communicate()
             if not fds:
@@ -248,6 +250,12 @@ class FuseSession:
             self.fd = -1
         if self._keep is not None:
             self._keep.close()
+            self._keep = None
+            if self._fusermount is not None:
+                try:
+                    self._fusermount.wait(5)
+                except subprocess.TimeoutExpired:
+                    log.warning("fusermount3 (auto_unmount) did not exit")
 
     def counts(self) -> Counter[str]:
         total: Counter[str] = Counter()
@@ -293,12 +301,14 @@ class FuseSession:
                     if e.errno == errno.ENODEV:
                         self.detached = True
                         return  # unmounted
-                    raise
+                    log.error("FUSE request loop ends: %s", e)
+                    return
                 if n == 0:
                     return
-                self._handle(view[:n], counts)
-        except Exception:
-            log.exception("FUSE request loop failed")
+                try:
+                    self._handle(view[:n], counts)
+                except Exception:  # a reply the kernel refused: log it, serve the next one
+                    log.exception("FUSE request failed")
         finally:
             self.done.set()
 

@@ -37,3 +37,18 @@ def test_stale_mount_is_reported_and_cleared(
     mounts.append(m2)
     m2.start()
     assert os.listdir(m2.mountpoint) == []
+
+
+@pytest.mark.fuse
+def test_auto_unmount_leaves_no_stale_mount(
+    node: NodeProcess, tmp_path: Path, mounts: list[MountProcess]
+) -> None:
+    m = MountProcess(tmp_path / "mnt", node.env(), tmp_path, args=("-o", "auto_unmount"))
+    mounts.append(m)
+    m.start()
+    assert m.proc is not None
+    os.kill(m.proc.pid, signal.SIGKILL)
+    m.proc.wait()
+    # fusermount3 holds the other end of our socket and unmounts when it closes.
+    wait_for(lambda: not kspeedfs_mounted(m.mountpoint), what="fusermount3 to unmount")
+    assert not is_stale(m.mountpoint)
