@@ -52,7 +52,9 @@ OPCODE_NAMES = {
     STATFS: "statfs", RELEASE: "release", GETXATTR: "getxattr", LISTXATTR: "listxattr",
     FLUSH: "flush", INIT: "init", OPENDIR: "opendir", READDIR: "readdir",
     RELEASEDIR: "releasedir", ACCESS: "access", READDIRPLUS: "readdirplus", IOCTL: "ioctl",
+    FORGET: "forget", BATCH_FORGET: "forget", INTERRUPT: "interrupt", DESTROY: "destroy",
 }  # fmt: skip
+COUNTED = (*OPCODE_NAMES.values(), "other")
 WRITE_OPCODES = frozenset(
     {SETATTR, SYMLINK, MKNOD, MKDIR, UNLINK, RMDIR, RENAME, LINK, WRITE, SETXATTR, REMOVEXATTR}
     | {CREATE, FALLOCATE, RENAME2, COPY_FILE_RANGE, TMPFILE}
@@ -258,10 +260,12 @@ class FuseSession:
                     log.warning("fusermount3 (auto_unmount) did not exit")
 
     def counts(self) -> Counter[str]:
+        """Requests seen, by kind. Each thread counts in its own Counter, made with every key
+        it will ever use, so reading them while they are written needs no lock."""
         total: Counter[str] = Counter()
         for c in list(self._thread_counts):
             total.update(c)
-        return total
+        return +total
 
     def invalidate_entry_async(self, parent: int, name: bytes) -> None:
         """Make the kernel forget a cached name. In a thread of its own: the kernel takes the
@@ -287,7 +291,7 @@ class FuseSession:
     # ---- the request loop
 
     def _serve(self) -> None:
-        counts: Counter[str] = Counter()
+        counts: Counter[str] = Counter(dict.fromkeys(COUNTED, 0))
         self._thread_counts.append(counts)
         buf = bytearray(READ_BUFFER)
         view = memoryview(buf)
@@ -315,7 +319,7 @@ class FuseSession:
     def _handle(self, req: memoryview, counts: Counter[str]) -> None:
         _length, opcode, unique, ino, _uid, _gid, _pid, _ext, _ = IN_HEADER.unpack_from(req)
         body = req[IN_HEADER.size :]
-        counts[OPCODE_NAMES.get(opcode, str(opcode))] += 1
+        counts[OPCODE_NAMES.get(opcode, "other")] += 1
         if opcode in NO_REPLY:
             return
         try:
