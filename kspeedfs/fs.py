@@ -7,7 +7,10 @@ in the kernel's no-open mode with the page cache kept, so a second epoch costs n
 
 Handlers run in the session's threads; the dataset list is refreshed from the node by trio
 (`refresh`), which replaces the two lookup tables whole rather than mutating them, so a handler
-always sees a consistent pair.
+always sees a consistent pair. A request at the root asks for a refresh and waits for it briefly
+(TOP_WAIT), and not at all while the node does not answer: a frozen node slows nothing but the
+lookup of names it has not told us about yet. An unloaded dataset's maps are let go at once, so
+its memory returns to the machine even while the mount stays up.
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ import json
 import logging
 import os
 import stat
+import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -34,6 +38,9 @@ ROOT = ROOT_INODE
 DATA_TIMEOUT = 86400.0  # dataset contents never change
 TOP_TIMEOUT = 1.0  # the top-level list changes with preload/unload
 REFRESH_INTERVAL = 1.0
+TOP_WAIT = 0.5  # how long a request at the root waits for the node's list
+LOOKUP_WAIT = 2.0  # and a lookup of a name not known yet
+BACKGROUND_REFRESH = 5.0
 SLOT_SHIFT = 32
 INDEX_MASK = (1 << SLOT_SHIFT) - 1
 ENOATTR = errno.ENODATA
@@ -62,11 +69,15 @@ class KSpeedFS:
         self.by_name: dict[str, MountedDataset] = {}
         self.session: FuseSession | None = None
         self.trio_token: trio.lowlevel.TrioToken | None = None
+        self.nursery: trio.Nursery | None = None  # where refreshes asked by handlers run
         self.uid, self.gid = os.getuid(), os.getgid()
         self.mounted_at_ns = time.time_ns()
         self._next_slot = 1
         self._last_refresh = -1e9
         self._node_down_logged = False
+        self._node_answers = True  # at the last refresh; handlers wait for one only if so
+        self._inflight: threading.Event | None = None  # set when the running refresh ends
+        self._inflight_lock = threading.Lock()
 
     # ---- the dataset list (trio side)
 
@@ -84,6 +95,7 @@ class KSpeedFS:
                 break
             except NodeUnreachable as e:
                 error = e
+        self._node_answers = listing is not None
         if listing is None:
             if not self._node_down_logged:
                 log.warning("no node answers, serving the datasets already known: %s", error)
@@ -116,6 +128,8 @@ class KSpeedFS:
     def _drop(self, mounted: MountedDataset) -> None:
         log.info("dataset %s is gone from the node", mounted.name)
         mounted.alive = False
+        if mounted.data.local is not None:
+            mounted.data.local.release()  # its memory returns to the node's machine
         if self.session is None:
             return
         if not self.single:
@@ -127,16 +141,44 @@ class KSpeedFS:
             for child in m.children(0):
                 self.session.invalidate_entry_async(ROOT, m.name(child))
 
-    def _refresh_from_thread(self, force: bool = False) -> None:
-        """From a FUSE thread: refresh in trio, waiting for it (top-level requests only)."""
-        if not force and time.monotonic() - self._last_refresh < REFRESH_INTERVAL:
+    def _refresh_from_thread(self, force: bool = False, wait: float = TOP_WAIT) -> None:
+        """From a FUSE thread: have trio refresh the list (one refresh at a time, at most once
+        a second unless forced) and wait for it up to `wait` seconds, and only while the node
+        answers: a frozen node must not hold up the requests that walk through the root."""
+        if self.trio_token is None or self.nursery is None:
             return
-        if self.trio_token is None:
-            return
+        with self._inflight_lock:
+            done = self._inflight
+            if done is None:
+                if not force and time.monotonic() - self._last_refresh < REFRESH_INTERVAL:
+                    return
+                done = self._inflight = threading.Event()
+                try:
+                    self.trio_token.run_sync_soon(self._start_refresh, done)
+                except trio.RunFinishedError:
+                    self._inflight = None
+                    return  # shutting down: serve what is known
+        if self._node_answers:
+            done.wait(wait)
+
+    async def keep_refreshed(self) -> None:
+        """Notice unloads even when nobody looks at the root: their memory is freed only once
+        this process lets go of its maps."""
+        while True:
+            await trio.sleep(BACKGROUND_REFRESH)
+            await self.refresh()
+
+    def _start_refresh(self, done: threading.Event) -> None:
+        assert self.nursery is not None
+        self.nursery.start_soon(self._refresh_task, done)
+
+    async def _refresh_task(self, done: threading.Event) -> None:
         try:
-            trio.from_thread.run(self.refresh, force, trio_token=self.trio_token)
-        except trio.RunFinishedError:
-            pass  # shutting down: serve what is known
+            await self.refresh(force=True)
+        finally:
+            with self._inflight_lock:
+                self._inflight = None
+            done.set()
 
     # ---- inodes and attributes
 
@@ -199,8 +241,8 @@ class KSpeedFS:
         if parent == ROOT and not self.single:
             self._refresh_from_thread()
             mounted = self.by_name.get(os.fsdecode(name))
-            if mounted is None:
-                self._refresh_from_thread(force=True)
+            if mounted is None:  # loaded a moment ago? ask now rather than in a second
+                self._refresh_from_thread(force=True, wait=LOOKUP_WAIT)
                 mounted = self.by_name.get(os.fsdecode(name))
             if mounted is None:
                 raise FuseError(errno.ENOENT)

@@ -39,6 +39,9 @@ OUR_MINOR = 31  # the struct layouts below are those of protocol 7.31
 MAX_WRITE = 128 * 1024
 MAX_PAGES = 256  # reads of up to 1 MiB in one request
 READ_BUFFER = MAX_WRITE + 64 * 1024  # must hold the largest request the kernel may send
+# Idle threads cost nothing (blocked in read); more than the cores so that a request waiting on
+# the node (a refresh of the dataset list) never holds up the reads of local data.
+THREADS = 4
 
 # opcodes (include/uapi/linux/fuse.h)
 LOOKUP, FORGET, GETATTR, SETATTR, READLINK, SYMLINK = 1, 2, 3, 4, 5, 6
@@ -172,7 +175,9 @@ class Filesystem(Protocol):
 class FuseSession:
     """One mount: the /dev/fuse fd, the threads serving it, and per-opcode request counts."""
 
-    def __init__(self, fs: Filesystem, mountpoint: str, options: Iterable[str], threads: int = 2):
+    def __init__(
+        self, fs: Filesystem, mountpoint: str, options: Iterable[str], threads: int = THREADS
+    ):
         self.fs = fs
         self.mountpoint = mountpoint
         self.options = sorted(set(options))

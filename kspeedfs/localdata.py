@@ -74,6 +74,13 @@ class LocalDataset:
                 self._maps[seg] = m
         return m
 
+    def release(self) -> None:
+        """Stop using this instance (it was unloaded): its maps are dropped, not closed, since a
+        reader may still hold one; each unmaps when its last reference goes."""
+        with self._lock:
+            self._maps.clear()
+            self.held = frozenset()
+
     def view(self, seg: int, offset: int, length: int) -> memoryview:
         m = self.segment(seg)
         if offset < 0 or length < 0 or offset + length > len(m):

@@ -83,6 +83,8 @@ async def serve_mount(
         session.start()
         with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT, signal.SIGHUP) as signals:
             async with trio.open_nursery() as nursery:
+                fs.nursery = nursery
+                nursery.start_soon(fs.keep_refreshed)
                 nursery.start_soon(_unmount_on_signal, signals, session)
                 nursery.start_soon(report_touches, fs, clients)
                 log.info("mounted %s at %s", dataset or "all datasets", mountpoint)

@@ -85,6 +85,12 @@ class ReadThroughDataset(LocalDataset):
                     self._maps.pop(seg, None)
             self.held = frozenset(self._present)
 
+    def release(self) -> None:
+        with self._lock:
+            self._present.clear()
+            self._inodes.clear()
+        super().release()
+
     def _appeared(self, seg: int) -> bool:
         try:
             st = os.stat(segment_path(self.path, seg))

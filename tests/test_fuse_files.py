@@ -6,7 +6,9 @@ import errno
 import hashlib
 import json
 import os
+import signal
 import threading
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -202,3 +204,70 @@ def test_unload_while_a_file_is_open_and_being_read(
     preload(node, tree, "after")
     wait_for(lambda: "after" in os.listdir(mount_all.mountpoint), what="new dataset")
     assert (mount_all.mountpoint / "after" / "a" / "small.txt").read_bytes() == b"hello kspeedfs\n"
+
+
+def test_a_frozen_node_does_not_hold_up_reads_of_local_data(
+    node: NodeProcess, tree: Path, tmp_path: Path, mounts: list[MountProcess]
+) -> None:
+    preload(node, tree, "frozen")
+    m = MountProcess(tmp_path / "mnt", {**node.env(), "KSPEEDFS_TIMEOUT": "30"}, tmp_path)
+    mounts.append(m)
+    m.start()
+    path = m.mountpoint / "frozen" / "a" / "small.txt"
+    assert path.read_bytes() == (tree / "a" / "small.txt").read_bytes()
+    assert node.proc is not None
+    node.proc.send_signal(signal.SIGSTOP)
+    reads: list[bytes] = []
+
+    def read_many() -> None:
+        for _ in range(30):  # over several seconds: the root's attributes expire meanwhile
+            with open(path, "rb") as f:
+                os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)
+                reads.append(f.read())
+            time.sleep(0.1)
+
+    try:
+        # Unknown top-level names make the mount ask the node, which does not answer now.
+        askers = [
+            threading.Thread(target=os.path.exists, args=(m.mountpoint / f"new{i}",))
+            for i in range(3)
+        ]
+        for t in askers:
+            t.start()
+        reader = threading.Thread(target=read_many)
+        reader.start()
+        # Each walk through the root would wait for the node (30 s) if requests at the
+        # root waited for it: 30 reads would take many minutes.
+        wait_for(lambda: not reader.is_alive(), timeout=60, what="reads while the node is frozen")
+        assert reads == [b"hello kspeedfs\n"] * 30
+        for t in askers:
+            t.join(30)
+            assert not t.is_alive()
+    finally:
+        node.proc.send_signal(signal.SIGCONT)
+    assert os.path.ismount(m.mountpoint)
+    assert path.read_bytes() == (tree / "a" / "small.txt").read_bytes()
+
+
+def test_unload_frees_the_memory_a_mount_had_mapped(
+    node: NodeProcess, tree: Path, mount_all: MountProcess
+) -> None:
+    preload(node, tree, "mapped")
+    wait_for(lambda: "mapped" in os.listdir(mount_all.mountpoint), what="dataset listed")
+    assert walk(mount_all.mountpoint / "mapped") == walk(tree)  # maps every segment
+    assert mount_all.proc is not None
+    maps = Path(f"/proc/{mount_all.proc.pid}/maps")
+
+    def segment_maps() -> int:
+        return sum(
+            1
+            for line in maps.read_text().splitlines()
+            if str(node.shm_dir) in line and "/seg/" in line
+        )
+
+    assert segment_maps() > 0
+    done = run_cli("unload", "mapped", env=node.env())
+    assert done.returncode == 0, done.stderr
+    # Nobody touches the mount: its own periodic refresh notices, and lets go of the maps.
+    wait_for(lambda: segment_maps() == 0, timeout=30, what="the mount to unmap the segments")
+    assert os.path.ismount(mount_all.mountpoint)
