@@ -189,7 +189,6 @@ class FuseSession:
         self._notify = ThreadPoolExecutor(max_workers=1, thread_name_prefix="fuse-notify")
         self._workers: list[threading.Thread] = []
         self._thread_counts: list[Counter[str]] = []
-        self._local = threading.local()
         self.done = threading.Event()
         self.detached = False  # the kernel said ENODEV, or we unmounted: never unmount again
 
@@ -249,10 +248,8 @@ class FuseSession:
             t.join(max(0.0, deadline - time.monotonic()))
         self._pool.shutdown(wait=False, cancel_futures=True)
         self._notify.shutdown(wait=False, cancel_futures=True)
+        # A thread still blocked in read(2) would read whatever reused the fd number next.
         if all(not t.is_alive() for t in self._workers) and self.fd >= 0:
-            os.close(self.fd)
-            self.fd = -1
-        if self.fd >= 0:
             os.close(self.fd)
             self.fd = -1
         if self._keep is not None:
