@@ -78,15 +78,20 @@ class KSpeedFS:
         self._node_answers = True  # at the last refresh; handlers wait for one only if so
         self._inflight: threading.Event | None = None  # set when the running refresh ends
         self._inflight_lock = threading.Lock()
+        self._refresh_lock = trio.Lock()
 
     # ---- the dataset list (trio side)
 
     async def refresh(self, force: bool = False) -> None:
         """Sync the dataset list with the node (at most once a second unless forced)."""
-        now = time.monotonic()
-        if not force and now - self._last_refresh < REFRESH_INTERVAL:
-            return
-        self._last_refresh = now
+        async with self._refresh_lock:  # two interleaved refreshes would each open a dataset
+            now = time.monotonic()
+            if not force and now - self._last_refresh < REFRESH_INTERVAL:
+                return
+            self._last_refresh = now
+            await self._refresh()
+
+    async def _refresh(self) -> None:
         listing = None
         error: KSpeedError | None = None
         for client in self.clients:
