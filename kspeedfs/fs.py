@@ -77,6 +77,7 @@ class KSpeedFS:
         self._node_down_logged = False
         self._node_answers = True  # at the last refresh; handlers wait for one only if so
         self._inflight: threading.Event | None = None  # set when the running refresh ends
+        self._inflight_since = 0.0
         self._inflight_lock = threading.Lock()
         self._refresh_lock = trio.Lock()
 
@@ -152,19 +153,23 @@ class KSpeedFS:
         answers: a frozen node must not hold up the requests that walk through the root."""
         if self.trio_token is None or self.nursery is None:
             return
+        now = time.monotonic()
         with self._inflight_lock:
             done = self._inflight
             if done is None:
-                if not force and time.monotonic() - self._last_refresh < REFRESH_INTERVAL:
+                if not force and now - self._last_refresh < REFRESH_INTERVAL:
                     return
                 done = self._inflight = threading.Event()
+                self._inflight_since = now
                 try:
                     self.trio_token.run_sync_soon(self._start_refresh, done)
                 except trio.RunFinishedError:
                     self._inflight = None
                     return  # shutting down: serve what is known
-        if self._node_answers:
-            done.wait(wait)
+            # A refresh already slower than `wait` is waited for no longer, by anyone.
+            left = wait - (now - self._inflight_since)
+        if self._node_answers and left > 0:
+            done.wait(left)
 
     async def keep_refreshed(self) -> None:
         """Notice unloads even when nobody looks at the root: their memory is freed only once
