@@ -132,6 +132,16 @@ class CachedPath(PrefetchMixin):
         """Manifest entries of dataset indices (a subclass with its own sample list overrides)."""
         return self._index.entries_of(indices)
 
+    def __getitems__(self, indices: Sequence[int]) -> list[Any]:
+        """A DataLoader batch: its remote files are read in one request per node (or were
+        prefetched) before the per-sample `__getitem__` calls."""
+        idx = np.asarray(indices, dtype=np.int64)
+        self._prepare_batch(self._entries(idx), idx)
+        try:
+            return [self[int(i)] for i in idx]  # type: ignore[index]  # each dataset has one
+        finally:
+            self._ready = {}
+
     def __getstate__(self) -> dict[str, Any]:
         # Only config crosses to workers: no lease, no threads, no buffers.
         state = self.__dict__.copy()
@@ -191,13 +201,3 @@ class KSpeedFolder(CachedPath, Dataset[Any]):
     def __getitem__(self, index: int) -> Any:
         """File `index` as a read-only uint8 array over the cached bytes; override this."""
         return np.frombuffer(self.read_index(index), dtype=np.uint8)
-
-    def __getitems__(self, indices: Sequence[int]) -> list[Any]:
-        """A DataLoader batch: its remote files are read in one request per node (or were
-        prefetched) before the per-sample `__getitem__` calls."""
-        idx = np.asarray(indices, dtype=np.int64)
-        self._prepare_batch(self._entries(idx), idx)
-        try:
-            return [self[int(i)] for i in idx]
-        finally:
-            self._ready = {}

@@ -230,14 +230,5 @@ class KSpeedImageFolder(CachedPath, VisionDataset):
                 return img.convert("RGB")
         return self.loader(ViewFile(self._bytes(entry)))
 
-    def __getitems__(self, indices: Sequence[int]) -> list[Any]:
-        """A DataLoader batch: remote files read in one request per node (or prefetched)."""
-        idx = np.asarray(indices, dtype=np.int64)
-        self._prepare_batch(self._entries(idx), idx)
-        try:
-            return [self[int(i)] for i in idx]
-        finally:
-            self._ready = {}
-
     def extra_repr(self) -> str:
         return f"Cached dataset: {self._ref.name} (decode={self.decode})"

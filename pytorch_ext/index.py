@@ -12,13 +12,14 @@ import bisect
 import os
 import stat
 from collections.abc import Callable, Iterator, Sequence
-from typing import Any, overload
+from typing import Any, TypeVar, overload
 
 import numpy as np
 
 from kspeedfs.manifest import Manifest
 
 _S_IFMT = 0o170000
+T = TypeVar("T")
 
 
 class SampleIndex:
@@ -162,14 +163,29 @@ def extension_check(m: Manifest, extensions: tuple[str, ...]) -> Callable[[int, 
     return lambda i, _path: m.name(i).lower().endswith(exts)
 
 
-class LazySamples(Sequence[tuple[str, int]]):
+class _BuiltOnAccess(Sequence[T]):
+    """A read-only list over the sample index whose items are made when asked for."""
+
+    def __init__(self, index: SampleIndex):
+        self._index = index
+
+    def __len__(self) -> int:
+        return len(self._index)
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, Sequence):
+            return NotImplemented
+        return len(self) == len(other) and all(a == b for a, b in zip(self, other, strict=True))
+
+    __hash__ = None  # type: ignore[assignment]
+
+
+class LazySamples(_BuiltOnAccess[tuple[str, int]]):
     """`samples` of an image folder, built on access: (source path, target)."""
 
     def __init__(self, owner: Any):
+        super().__init__(owner._index)
         self._owner = owner
-
-    def __len__(self) -> int:
-        return len(self._owner._index)
 
     @overload
     def __getitem__(self, i: int) -> tuple[str, int]: ...
@@ -180,34 +196,19 @@ class LazySamples(Sequence[tuple[str, int]]):
     def __getitem__(self, i: int | slice) -> tuple[str, int] | list[tuple[str, int]]:
         if isinstance(i, slice):
             return [self[k] for k in range(*i.indices(len(self)))]
-        index = self._owner._index
-        return self._owner.source_path(index.entry(i)), index.target(i)
+        return self._owner.source_path(self._index.entry(i)), self._index.target(i)
 
     def __iter__(self) -> Iterator[tuple[str, int]]:
-        index = self._owner._index
-        targets = index.all_targets()
-        for k, e in enumerate(index.all_entries()):
+        targets = self._index.all_targets()
+        for k, e in enumerate(self._index.all_entries()):
             yield self._owner.source_path(int(e)), int(targets[k])
-
-    def __eq__(self, other: object) -> bool:
-        if not isinstance(other, Sequence):
-            return NotImplemented
-        return len(self) == len(other) and all(a == b for a, b in zip(self, other, strict=True))
-
-    __hash__ = None  # type: ignore[assignment]
 
     def __repr__(self) -> str:
         return f"<{len(self)} samples of {self._owner.root!r}, built on access>"
 
 
-class LazyTargets(Sequence[int]):
+class LazyTargets(_BuiltOnAccess[int]):
     """`targets` without a list: an int per sample from the run arrays."""
-
-    def __init__(self, index: SampleIndex):
-        self._index = index
-
-    def __len__(self) -> int:
-        return len(self._index)
 
     @overload
     def __getitem__(self, i: int) -> int: ...
@@ -227,25 +228,16 @@ class LazyTargets(Sequence[int]):
         arr = self._index.all_targets()
         return arr if dtype is None else arr.astype(dtype)
 
-    def __eq__(self, other: object) -> bool:
-        if not isinstance(other, Sequence):
-            return NotImplemented
-        return len(self) == len(other) and list(self) == list(other)
-
-    __hash__ = None  # type: ignore[assignment]
-
     def __repr__(self) -> str:
         return f"<{len(self)} targets, built on access>"
 
 
-class LazyFiles(Sequence[str]):
+class LazyFiles(_BuiltOnAccess[str]):
     """`files` of a folder dataset: paths relative to its root."""
 
     def __init__(self, owner: Any):
+        super().__init__(owner._index)
         self._owner = owner
-
-    def __len__(self) -> int:
-        return len(self._owner._index)
 
     @overload
     def __getitem__(self, i: int) -> str: ...
@@ -256,14 +248,7 @@ class LazyFiles(Sequence[str]):
     def __getitem__(self, i: int | slice) -> str | list[str]:
         if isinstance(i, slice):
             return [self[k] for k in range(*i.indices(len(self)))]
-        return self._owner.relpath(self._owner._index.entry(i))
-
-    def __eq__(self, other: object) -> bool:
-        if not isinstance(other, Sequence):
-            return NotImplemented
-        return len(self) == len(other) and all(a == b for a, b in zip(self, other, strict=True))
-
-    __hash__ = None  # type: ignore[assignment]
+        return self._owner.relpath(self._index.entry(i))
 
     def __repr__(self) -> str:
         return f"<{len(self)} files of {self._owner.root!r}>"
