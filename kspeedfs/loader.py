@@ -71,6 +71,17 @@ def files_in(tree: Tree, offsets: list[int], segment_size: int, held: Collection
     return out
 
 
+def create_segment(staging: Path, seg: int, length: int) -> int:
+    """A new segment file in staging with its tmpfs pages claimed (ENOSPC up front); its fd."""
+    fd = os.open(segment_path(staging, seg), os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o644)
+    try:
+        os.posix_fallocate(fd, 0, length)
+    except OSError as e:
+        os.close(fd)
+        raise DataError(f"cannot allocate segment {seg}: {e.strerror}") from None
+    return fd
+
+
 LOAD_THREADS = 2  # copying is CPU-bound (tmpfs page allocation, hashing): one run per core
 
 
@@ -116,12 +127,8 @@ def load_segments(
     def run(segs: list[int]) -> None:
         hashers: dict[int, Any] = {}  # files started in this run, by entry
         for seg in segs:
-            fd = os.open(segment_path(staging, seg), os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o644)
+            fd = create_segment(staging, seg, seg_len[seg])
             try:
-                try:
-                    os.posix_fallocate(fd, 0, seg_len[seg])  # claim tmpfs pages: ENOSPC up front
-                except OSError as e:
-                    raise DataError(f"cannot allocate segment {seg}: {e.strerror}") from None
                 with mmap.mmap(fd, seg_len[seg]) as m:
                     sums[seg] = _fill_segment(
                         seg, m, fd, pieces[seg], src, tree, hashers, checksums, progress, lock

@@ -238,11 +238,7 @@ class Stager:
                 stage.progress,
                 seg_sums,
             )
-            if set(seg_sums) != set(stage.held):  # sources that do not hash as they copy
-                seg_sums = await trio.to_thread.run_sync(
-                    segment_checksums, stage.staging, stage.held
-                )
-            stage.seg_checksums = seg_sums
+            stage.seg_checksums = seg_sums  # every source hashes segments as it fills them
             if stage.progress.cancel.is_set():
                 raise KSpeedError("aborted by the coordinator")
             stage.progress.state = "staged"

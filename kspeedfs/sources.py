@@ -33,7 +33,6 @@ from .errors import (
     NotFound,
     SourceChanged,
 )
-from .localdata import segment_path
 from .manifest import Manifest
 from .scan import Tree, check_source, scan_tree
 
@@ -464,12 +463,8 @@ def load_segments(
     maps: dict[int, mmap.mmap] = {}
     try:
         for seg in held:
-            fd = os.open(segment_path(staging, seg), os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o644)
+            fd = loader.create_segment(staging, seg, seg_len[seg])
             try:
-                try:
-                    os.posix_fallocate(fd, 0, seg_len[seg])
-                except OSError as e:
-                    raise DataError(f"cannot allocate segment {seg}: {e.strerror}") from None
                 maps[seg] = mmap.mmap(fd, seg_len[seg])
             finally:
                 os.close(fd)
@@ -480,6 +475,8 @@ def load_segments(
             view = memoryview(maps[seg])
             try:
                 fill_segment(source, layout, seg, view)
+                if seg_checksums is not None:  # while the bytes are hot, as the loader does
+                    seg_checksums[seg] = xxhash.xxh3_64_intdigest(view)
             finally:
                 view.release()
             progress.bytes_done += seg_len[seg]
