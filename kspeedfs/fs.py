@@ -74,7 +74,6 @@ class KSpeedFS:
         self.mounted_at_ns = time.time_ns()
         self._next_slot = 1
         self._last_refresh = -1e9
-        self._node_down_logged = False
         self._node_answers = True  # at the last refresh; handlers wait for one only if so
         self._inflight: threading.Event | None = None  # set when the running refresh ends
         self._inflight_since = 0.0
@@ -83,13 +82,10 @@ class KSpeedFS:
 
     # ---- the dataset list (trio side)
 
-    async def refresh(self, force: bool = False) -> None:
-        """Sync the dataset list with the node (at most once a second unless forced)."""
+    async def refresh(self) -> None:
+        """Sync the dataset list with the node (callers keep to about one a second)."""
         async with self._refresh_lock:  # two interleaved refreshes would each open a dataset
-            now = time.monotonic()
-            if not force and now - self._last_refresh < REFRESH_INTERVAL:
-                return
-            self._last_refresh = now
+            self._last_refresh = time.monotonic()
             await self._refresh()
 
     async def _refresh(self) -> None:
@@ -101,13 +97,12 @@ class KSpeedFS:
                 break
             except NodeUnreachable as e:
                 error = e
-        self._node_answers = listing is not None
         if listing is None:
-            if not self._node_down_logged:
+            if self._node_answers:
                 log.warning("no node answers, serving the datasets already known: %s", error)
-                self._node_down_logged = True
+            self._node_answers = False
             return
-        self._node_down_logged = False
+        self._node_answers = True
         ready = {d["name"]: d for d in listing["datasets"] if d.get("state") == "ready"}
         by_name = dict(self.by_name)
         by_slot = dict(self.by_slot)
@@ -184,7 +179,7 @@ class KSpeedFS:
 
     async def _refresh_task(self, done: threading.Event) -> None:
         try:
-            await self.refresh(force=True)
+            await self.refresh()
         finally:
             with self._inflight_lock:
                 self._inflight = None

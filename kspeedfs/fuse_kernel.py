@@ -27,7 +27,7 @@ import threading
 import time
 from collections import Counter
 from collections.abc import Callable, Iterable, Iterator
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import CancelledError, Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -187,6 +187,7 @@ class FuseSession:
         self._fusermount: subprocess.Popen[str] | None = None
         self._pool = ThreadPoolExecutor(max_workers=8, thread_name_prefix="fuse-blocking")
         self._notify = ThreadPoolExecutor(max_workers=1, thread_name_prefix="fuse-notify")
+        self._last_invalidation: Future[None] | None = None
         self._workers: list[threading.Thread] = []
         self._thread_counts: list[Counter[str]] = []
         self.done = threading.Event()
@@ -272,13 +273,16 @@ class FuseSession:
     def invalidate_entry_async(self, parent: int, name: bytes) -> None:
         """Make the kernel forget a cached name. In a thread of its own: the kernel takes the
         folder's lock, which a request waiting on our caller may hold."""
-        self._notify.submit(self._invalidate_entry, parent, name)
+        self._last_invalidation = self._notify.submit(self._invalidate_entry, parent, name)
 
     def wait_invalidations(self, timeout: float = 1.0) -> None:
         """Wait for the invalidations asked so far (only where no folder lock is held)."""
+        last = self._last_invalidation
+        if last is None or last.done():
+            return  # the common case: nothing was dropped since
         try:
-            self._notify.submit(lambda: None).result(timeout)
-        except (TimeoutError, RuntimeError):
+            last.result(timeout)  # one thread runs them in order: the last done, all done
+        except (TimeoutError, CancelledError):
             pass  # a folder lock held elsewhere, or shutting down: the kernel catches up later
 
     def _invalidate_entry(self, parent: int, name: bytes) -> None:

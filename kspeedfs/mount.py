@@ -69,7 +69,7 @@ async def serve_mount(
     fs = KSpeedFS(clients, reader, dataset)
     # A mount with no node to ask is useless: check before mounting, fail with a clear error.
     await _first_answer(clients)
-    await fs.refresh(force=True)
+    await fs.refresh()
     if dataset:
         require_dataset(fs, dataset)
     session = FuseSession(fs, str(mountpoint), options)
