@@ -185,9 +185,9 @@ class ClusterReader:
 
     def read(self, ds: DatasetHandle, i: int, offset: int, length: int) -> bytes:
         """Bytes [offset, offset+length) of file i, from wherever they can be had."""
-        pieces = ds.manifest.ranges(i, offset, length)
         if ds.manifest.header.get("readthrough"):
             return read_through(self, ds, i, offset, length)
+        pieces = ds.manifest.ranges(i, offset, length)
         if ds.local is not None and all(ds.local.holds(p[0]) for p in pieces):
             self.stats["local"] += 1
             return ds.local.read(i, offset, length)
