@@ -12,20 +12,39 @@ import logging
 import mmap
 import os
 import threading
-from typing import TYPE_CHECKING, Any
+from collections.abc import Awaitable, Callable
+from typing import Any, Protocol
 
 import trio
 
-from ..config import Settings
-from ..errors import InvalidArgument, KSpeedError
-from ..names import validate_name
-from .registry import SegmentRegistry
-from .verbs import Device, Region, ResponderQP, VerbsError, open_device, probe
-from .wire import Endpoint, table_to_wire
+from kspeedfs.format.config import Settings
+from kspeedfs.format.errors import InvalidArgument, KSpeedError
+from kspeedfs.format.localdata import LocalDataset
+from kspeedfs.format.names import validate_name
+from kspeedfs.rdma.registry import SegmentRegistry
+from kspeedfs.rdma.verbs import Device, Region, ResponderQP, VerbsError, open_device, probe
+from kspeedfs.rdma.wire import Endpoint, table_to_wire
 
-if TYPE_CHECKING:
-    from ..node import NodeServer
-    from ..store import SegmentStore
+
+class PublishedDatasets(Protocol):
+    """What the service needs of the node's store: its datasets and their comings and goings."""
+
+    on_publish: list[Callable[[str], None]]
+    before_unload: list[Callable[[str], None]]
+
+    def open(self, name: str) -> LocalDataset: ...
+
+
+class OpTable(Protocol):
+    """Where the node's ops are registered, each with the role it needs."""
+
+    def add(
+        self,
+        name: str,
+        handler: Callable[[dict[str, Any]], Awaitable[dict[str, Any]]],
+        role: str,
+    ) -> None: ...
+
 
 log = logging.getLogger(__name__)
 
@@ -63,7 +82,7 @@ class RdmaService:
         self.registry = registry
         self._lock = threading.Lock()
         self._peer_count = 0
-        self._store: SegmentStore | None = None
+        self._store: PublishedDatasets | None = None
         self._cq: Any = None
         self._probe_map: mmap.mmap | None = None
         self._probe: Region | None = None
@@ -102,14 +121,17 @@ class RdmaService:
         """What `kspeedfs status` shows in the TRANSPORT column."""
         return f"rdma ({self.device.label})" if self.device is not None else "tcp"
 
-    def attach(self, server: NodeServer) -> None:
-        """Add the control ops to the node and follow its store's datasets."""
-        server._ops["rdma_connect"] = self.op_connect
-        server._ops["rdma_segments"] = self.op_segments
-        self._store = server.store
+    def register_ops(self, ops: OpTable) -> None:
+        """Add the control ops RDMA clients use; readers use them, so the read role may."""
+        ops.add("rdma_connect", self.op_connect, "read")
+        ops.add("rdma_segments", self.op_segments, "read")
+
+    def follow(self, store: PublishedDatasets) -> None:
+        """Register each dataset the store publishes; deregister it before it goes."""
+        self._store = store
         if self.enabled:
-            server.store.on_publish.append(self.dataset_published)
-            server.store.before_unload.append(self.dataset_unloading)
+            store.on_publish.append(self.dataset_published)
+            store.before_unload.append(self.dataset_unloading)
 
     # Memory registration.
 

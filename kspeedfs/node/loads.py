@@ -1,0 +1,74 @@
+"""The node's table of datasets being loaded: each one's progress, from scanning to ready or failed.
+
+Published datasets live in the store; this table holds the ones not published yet, so that
+`list`, `progress` and a second preload of the same name all see one state. A failed load is
+kept for FAILED_KEPT_S so that whoever waits on it can read why, then forgotten.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from typing import Any
+
+from kspeedfs.format.errors import AlreadyExists, KSpeedError
+from kspeedfs.sources.loader import Progress
+
+FAILED_KEPT_S = 600.0
+
+
+class LoadTable:
+    def __init__(self) -> None:
+        self._loads: dict[str, Progress] = {}
+        self._failed_at: dict[str, float] = {}
+
+    def start(self, name: str, source: str) -> Progress:
+        """A new load of `name`; AlreadyExists while another one is under way."""
+        current = self._loads.get(name)
+        if current is not None and current.state != "failed":
+            raise AlreadyExists(f"dataset {name!r} is already loading {current.source}".rstrip())
+        progress = Progress(state="scanning", source=source)
+        self._loads[name] = progress
+        self._failed_at.pop(name, None)
+        return progress
+
+    def get(self, name: str) -> Progress | None:
+        return self._loads.get(name)
+
+    def finish(self, name: str) -> None:
+        """The load published its dataset (or was given up before it started)."""
+        self._loads.pop(name, None)
+        self._failed_at.pop(name, None)
+
+    def fail(self, name: str, error: BaseException) -> str:
+        """Record why a load failed; returns the one-line reason."""
+        progress = self._loads.get(name)
+        if isinstance(error, BaseExceptionGroup):
+            reason = "; ".join(str(x) for x in error.exceptions)
+        elif isinstance(error, KSpeedError):
+            reason = str(error)
+        else:
+            reason = f"{type(error).__name__}: {error}"
+        if progress is not None:
+            progress.state = "failed"
+            progress.error = reason
+            self._failed_at[name] = time.monotonic()
+        return reason
+
+    def items(self) -> Iterator[tuple[str, Progress]]:
+        self._expire()
+        return iter(list(self._loads.items()))
+
+    def to_wire(self) -> list[dict[str, Any]]:
+        """Each load as `list` shows it: its name and progress."""
+        return [{"name": name, **p.to_wire()} for name, p in self.items()]
+
+    def cancel_all(self) -> None:
+        for progress in self._loads.values():
+            progress.cancel.set()
+
+    def _expire(self) -> None:
+        now = time.monotonic()
+        for name, when in list(self._failed_at.items()):
+            if now - when > FAILED_KEPT_S:
+                self.finish(name)

@@ -1,0 +1,68 @@
+"""Connections from this node to the other members, kept and reused across calls.
+
+A preload polls every member ten times a second; a connection (and a handshake) per call cost
+more than the calls. Each member gets a few idle connections; a call takes one (or opens one
+when all are busy: a long "stage" scan must not hold up a ping) and gives it back after.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+from kspeedfs.format.units import parse_address
+from kspeedfs.net.aconnection import AsyncNodeClient
+from kspeedfs.net.connection import SCAN_TIMEOUT
+
+log = logging.getLogger(__name__)
+
+IDLE_PER_MEMBER = 4
+# Ops that scan a whole source before answering.
+SLOW_OPS = frozenset({"stage", "preload"})
+
+
+class PeerPool:
+    def __init__(self, token_file: Path, timeout: float, idle_per_member: int = IDLE_PER_MEMBER):
+        self.token_file = token_file
+        self.timeout = timeout
+        self.idle_per_member = idle_per_member
+        self._idle: dict[str, list[AsyncNodeClient]] = {}
+        self._closed_stats: Counter[str] = Counter()  # of clients no longer kept
+
+    async def call(self, member: str, op: str, args: dict[str, Any]) -> dict[str, Any]:
+        """Run `op` on `member`; NodeUnreachable when it cannot be reached."""
+        idle = self._idle.setdefault(member, [])
+        client = idle.pop() if idle else self._open(member)
+        try:
+            return await client.request(
+                op, answer_within=SCAN_TIMEOUT if op in SLOW_OPS else None, **args
+            )
+        finally:
+            # Kept even after an error: a client whose connection broke reconnects on its next
+            # request, and one refused an op is still a good connection.
+            if len(idle) < self.idle_per_member:
+                idle.append(client)
+            else:
+                self._closed_stats.update(client.stats)
+                await client.aclose()
+
+    def _open(self, member: str) -> AsyncNodeClient:
+        return AsyncNodeClient(parse_address(member), self.token_file, self.timeout)
+
+    async def aclose(self) -> None:
+        for clients in self._idle.values():
+            for client in clients:
+                self._closed_stats.update(client.stats)
+                await client.aclose()
+        self._idle.clear()
+
+    def statistics(self) -> dict[str, int]:
+        """Connections opened, requests sent, and requests sent again after a restart."""
+        total = Counter(self._closed_stats)
+        for clients in self._idle.values():
+            for client in clients:
+                total.update(client.stats)
+        total["idle"] = sum(c.connected for cs in self._idle.values() for c in cs)
+        return {k: int(total[k]) for k in ("connects", "requests", "retries", "idle")}

@@ -1,0 +1,556 @@
+"""The node daemon: a trio TCP server over the segment store (preload, list, read, unload)."""
+
+from __future__ import annotations
+
+import base64
+import functools
+import logging
+import os
+import secrets
+import signal
+import time
+from pathlib import Path
+from typing import Any
+
+import trio
+
+from kspeedfs.format import auth, protocol
+from kspeedfs.format.config import Settings
+from kspeedfs.format.errors import (
+    AlreadyExists,
+    AuthError,
+    InvalidArgument,
+    KSpeedError,
+    NotFound,
+    ProtocolError,
+    StaleDataset,
+)
+from kspeedfs.format.names import validate_name
+from kspeedfs.format.protocol import MsgType
+from kspeedfs.format.units import format_size
+from kspeedfs.node.leases import LeaseTable
+from kspeedfs.node.loads import LoadTable
+from kspeedfs.node.ops import ADMIN, READ, OpRegistry
+from kspeedfs.node.peers import PeerPool
+from kspeedfs.node.preload import Plan, Stager, coordinate, plan_preload, start_stages
+from kspeedfs.node.readthrough import ReadThroughCache
+from kspeedfs.node.store import SegmentStore
+from kspeedfs.rdma.server import RdmaService
+from kspeedfs.sources.loader import Progress
+from kspeedfs.system.notify import notify, watchdog_interval
+
+log = logging.getLogger(__name__)
+
+HANDSHAKE_TIMEOUT = 10.0
+MANIFEST_PIECE = 4 * 1024 * 1024
+# Small pieces are joined before sending: one copy is cheaper than one syscall each.
+COALESCE_BELOW = 256 * 1024
+
+
+def cluster_members(settings: Settings) -> list[str]:
+    """The node list this node places data over; just itself when it is not in the list."""
+    me = str(settings.listen)
+    members = [str(a) for a in settings.nodes]
+    return members if me in members else [me]
+
+
+class Connection:
+    """Framing over one trio stream."""
+
+    def __init__(self, stream: trio.abc.Stream):
+        self.stream = stream
+        self.decoder = protocol.FrameDecoder(protocol.MAX_HANDSHAKE_PAYLOAD)
+
+    async def receive(self) -> protocol.Frame | None:
+        while True:
+            frame = self.decoder.next_frame()
+            if frame is not None:
+                return frame
+            data = await self.stream.receive_some(256 * 1024)
+            if not data:
+                if self.decoder.pending:
+                    raise ProtocolError("connection closed inside a frame")
+                return None
+            self.decoder.feed(data)
+
+    async def send_json(self, msg_type: MsgType, request_id: int, obj: dict[str, Any]) -> None:
+        await self.stream.send_all(protocol.encode_json(msg_type, request_id, obj))
+
+    async def send_error(self, request_id: int, exc: KSpeedError) -> None:
+        await self.send_json(
+            MsgType.ERROR, request_id, {"kind": type(exc).__name__, "message": str(exc)}
+        )
+
+
+class NodeServer:
+    def __init__(self, settings: Settings, rdma: RdmaService | None = None):
+        self.settings = settings
+        self.store = SegmentStore(settings.shm_dir, settings.memory_budget())
+        self.loads = LoadTable()
+        self.started = time.time()
+        self.token = ""
+        self.port = settings.listen.port
+        self.stats = {"connections": 0, "reads": 0, "read_bytes": 0, "refused": 0}
+        self._nursery: trio.Nursery | None = None
+        self.members = cluster_members(settings)
+        self.stager = Stager(self.store, self.address)
+        self.leases = LeaseTable(settings.lease_ttl)
+        self.peers = PeerPool(settings.token_file, settings.timeout)
+        self.rdma = rdma if rdma is not None else RdmaService.start(settings)
+        self.rdma.follow(self.store)
+        # read-through datasets: fill, evict, spill
+        self.cache = ReadThroughCache(self.store, settings, self.address, self.loads)
+        self.ops = OpRegistry()
+        self._register_ops()
+        self.stager.register_ops(self.ops)
+        self.rdma.register_ops(self.ops)
+        self.cache.register_ops(self.ops)
+
+    def _register_ops(self) -> None:
+        # Leases are taken by jobs with whatever token they hold: a job reading a dataset
+        # another job loaded (leased) must hold a lease on it, so the read role may.
+        for name, handler, role in (
+            ("ping", self.op_ping, READ),
+            ("status", self.op_status, READ),
+            ("list", self.op_list, READ),
+            ("progress", self.op_progress, READ),
+            ("manifest", self.op_manifest, READ),
+            ("lease_acquire", self.op_lease_acquire, READ),
+            ("lease_renew", self.op_lease_renew, READ),
+            ("lease_release", self.op_lease_release, READ),
+            ("preload", self.op_preload, ADMIN),
+            ("unload", self.op_unload, ADMIN),
+            ("unload_local", self.op_unload_local, ADMIN),
+            ("shutdown", self.op_shutdown, ADMIN),
+        ):
+            self.ops.add(name, handler, role)
+
+    @property
+    def address(self) -> str:
+        return f"{self.settings.listen.host}:{self.port}"
+
+    async def run(self, task_status: trio.TaskStatus[int] = trio.TASK_STATUS_IGNORED) -> None:
+        self.token = auth.ensure_token(self.settings.token_file)
+        await trio.to_thread.run_sync(self.store.recover, self.settings.verify_on_start)
+        await trio.to_thread.run_sync(self.cache.recover)
+        try:
+            await self._serve_until_stopped(task_status)
+        finally:
+            await self.peers.aclose()
+
+    async def _serve_until_stopped(self, task_status: trio.TaskStatus[int]) -> None:
+        async with trio.open_nursery() as nursery:
+            self._nursery = nursery
+            await nursery.start(self.stager.run)
+            nursery.start_soon(self._expire_leases)
+            await nursery.start(self.cache.run)
+            listen = self.settings.listen
+            listeners = await nursery.start(
+                functools.partial(trio.serve_tcp, self._handle, listen.port, host=listen.host)
+            )
+            self.port = listeners[0].socket.getsockname()[1]
+            log.info(
+                "serving on %s: %d datasets, %s of %s budget used, shm %s",
+                self.address,
+                len(self.store.datasets),
+                format_size(self.store.used()),
+                format_size(self.store.budget),
+                self.settings.shm_dir,
+            )
+            nursery.start_soon(self._watch_signals, nursery)
+            interval = watchdog_interval()
+            if interval:
+                nursery.start_soon(self._watchdog, interval)
+            notify(
+                "READY=1", f"STATUS=serving {len(self.store.datasets)} datasets on {self.address}"
+            )
+            task_status.started(self.port)
+
+    async def _watch_signals(self, nursery: trio.Nursery) -> None:
+        with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
+            async for signum in signals:
+                log.info("received %s, shutting down", signal.Signals(signum).name)
+                notify("STOPPING=1")
+                self._cancel_loads()
+                nursery.cancel_scope.cancel()
+
+    async def _watchdog(self, interval: float) -> None:
+        while True:
+            notify("WATCHDOG=1")
+            await trio.sleep(interval)
+
+    def _cancel_loads(self) -> None:
+        self.loads.cancel_all()
+
+    async def _handle(self, stream: trio.SocketStream) -> None:
+        self.stats["connections"] += 1
+        conn = Connection(stream)
+        rdma_peers = self.rdma.bind_connection()  # its queue pairs live as long as it does
+        try:
+            role = await self._handshake(conn)
+            if role is None:
+                return
+            await self._serve(conn, role)
+        except ProtocolError as e:
+            log.warning("closing connection: %s", e)
+        except (trio.BrokenResourceError, trio.ClosedResourceError, ConnectionError):
+            pass
+        except Exception:
+            log.exception("unexpected error on a connection; closing it")
+        finally:
+            rdma_peers.close()
+            with trio.move_on_after(1) as scope:
+                scope.shield = True
+                await stream.aclose()
+
+    async def _handshake(self, conn: Connection) -> str | None:
+        nonce = secrets.token_bytes(32)
+        await conn.send_json(
+            MsgType.HELLO,
+            0,
+            {"version": protocol.VERSION, "node": self.address, "nonce": nonce.hex()},
+        )
+        with trio.move_on_after(HANDSHAKE_TIMEOUT):
+            frame = await conn.receive()
+            if frame is None:
+                return None
+            if frame.type != MsgType.AUTH:
+                self.stats["refused"] += 1
+                await conn.send_error(frame.request_id, AuthError("authenticate first"))
+                return None
+            msg = frame.json()
+            role = msg.get("role")
+            if not auth.verify(self.token, nonce, str(role), msg.get("mac", "")):
+                self.stats["refused"] += 1
+                log.warning("refused a client with a wrong token (role %r)", str(role)[:16])
+                await conn.send_error(
+                    frame.request_id, AuthError("authentication refused: wrong cluster token")
+                )
+                return None
+            await conn.send_json(MsgType.RESPONSE, frame.request_id, {"role": role})
+            conn.decoder.max_payload = protocol.MAX_CONTROL_PAYLOAD
+            return str(role)
+        return None
+
+    async def _serve(self, conn: Connection, role: str) -> None:
+        while True:
+            frame = await conn.receive()
+            if frame is None:
+                return
+            try:
+                if frame.type == MsgType.REQUEST:
+                    msg = frame.json()
+                    result = await self.ops.authorize(msg.get("op"), role)(msg)
+                    await conn.send_json(MsgType.RESPONSE, frame.request_id, result)
+                elif frame.type == MsgType.READ:
+                    await self._read(conn, frame)
+                else:
+                    raise ProtocolError(f"unexpected message type {frame.type.name}")
+            except ProtocolError as e:
+                await conn.send_error(frame.request_id, e)
+                raise
+            except KSpeedError as e:
+                await conn.send_error(frame.request_id, e)
+            except (KeyError, TypeError, ValueError) as e:
+                # A request missing a field or with one of the wrong type: refuse it, stay up.
+                await conn.send_error(
+                    frame.request_id, InvalidArgument(f"malformed request: {e!r}")
+                )
+
+    async def _read(self, conn: Connection, frame: protocol.Frame) -> None:
+        name, instance, ranges = protocol.decode_read(frame.payload)
+        ds = self.store.open(name)
+        if ds.uuid != instance:
+            raise StaleDataset(
+                f"dataset {name} on {self.address} is another instance than the one asked for"
+                " (unloaded and loaded again): not serving its bytes"
+            )
+        views = [ds.view(seg, off, n) for seg, off, n in ranges]
+        total = sum(len(v) for v in views)
+        self.stats["reads"] += 1
+        self.stats["read_bytes"] += total
+        header = protocol.encode_header(MsgType.DATA, frame.request_id, total)
+        if total < COALESCE_BELOW:
+            await conn.stream.send_all(b"".join([header, *views]))
+        else:
+            await conn.stream.send_all(header)
+            for v in views:
+                await _send_direct(conn.stream, v)
+
+    async def op_ping(self, msg: dict[str, Any]) -> dict[str, Any]:
+        return {"node": self.address, "version": protocol.VERSION}
+
+    async def op_status(self, msg: dict[str, Any]) -> dict[str, Any]:
+        folders = [r.path / "seg" for r in self.store.datasets.values()]
+        segments = await trio.to_thread.run_sync(_count_files, folders)
+        return {
+            "node": self.address,
+            "pid": os.getpid(),
+            "shm_dir": str(self.settings.shm_dir),
+            "budget": self.store.budget,
+            "used": self.store.used(),
+            "datasets": len(self.store.datasets),
+            "loading": sorted(n for n, p in self.loads.items() if p.state == "loading"),
+            "segments": segments,
+            "uptime": time.time() - self.started,
+            "stats": dict(self.stats),
+            "transport": self.rdma.label,
+            "rdma": self.rdma.status(),
+            "leases": self.leases.total(),
+            "cache": self.cache.status(),
+            "loaded": dict(self.stager.loaded),
+            "members": self.members,
+            "peers": self.peers.statistics(),
+            "held": {
+                r.name: {"held": r.held, "segments": r.segments}
+                for r in self.store.datasets.values()
+            },
+        }
+
+    async def op_list(self, msg: dict[str, Any]) -> dict[str, Any]:
+        out = [
+            {**r.to_wire(), "leases": self.leases.count(r.name)}
+            for r in self.store.datasets.values()
+        ]
+        out.extend(self.loads.to_wire())
+        return {"node": self.address, "datasets": sorted(out, key=lambda d: d["name"])}
+
+    async def op_preload(self, msg: dict[str, Any]) -> dict[str, Any]:
+        """Coordinate a preload over the live members (this node included)."""
+        name = validate_name(msg.get("name", ""))
+        if name in self.store.datasets:
+            raise AlreadyExists(f"dataset {name!r} is already loaded")
+        progress = self.loads.start(name, str(msg.get("source", "")))
+        try:
+            live = await self.live_members()
+            plan = await plan_preload(msg, self.settings.segment_size, live)
+            with self.stager.scanned(plan.uuid, plan.tree):
+                pushed = await start_stages(plan, self.call)
+        except BaseException:
+            self.loads.finish(name)
+            raise
+        progress.state = "loading"
+        progress.files_total, progress.bytes_total = plan.tree.file_count, plan.tree.data_bytes
+        assert self._nursery is not None
+        self._nursery.start_soon(self._coordinate, plan, progress, pushed)
+        log.info(
+            "preloading %s from %s over %d nodes: %d files, %s",
+            name,
+            plan.source,
+            len(plan.members),
+            plan.tree.file_count,
+            format_size(plan.tree.data_bytes),
+        )
+        return {
+            "name": name,
+            "files_total": plan.tree.file_count,
+            "bytes_total": plan.tree.data_bytes,
+            "nodes": plan.members,
+        }
+
+    async def _coordinate(self, plan: Plan, progress: Progress, pushed: set[str]) -> None:
+        try:
+            await coordinate(plan, self.call, progress, self.store.staging_dir, pushed)
+            progress.state = "ready"
+            self.loads.finish(plan.name)
+            elapsed = time.monotonic() - progress.started
+            log.info(
+                "dataset %s ready: %s in %.1fs (%.0f MB/s)",
+                plan.name,
+                format_size(plan.tree.data_bytes),
+                elapsed,
+                plan.tree.data_bytes / 1e6 / max(elapsed, 1e-9),
+            )
+        except BaseException as e:
+            log.error("preload of %s failed: %s", plan.name, self.loads.fail(plan.name, e))
+            if not isinstance(e, Exception):
+                raise
+
+    async def call(self, member: str, op: str, args: dict[str, Any]) -> dict[str, Any]:
+        """Run an op on a member: directly when it is this node, else over a kept connection."""
+        if member == self.address:
+            return await self.ops.handler(op)(dict(args, op=op))
+        return await self.peers.call(member, op, args)
+
+    async def live_members(self) -> list[str]:
+        live = []
+        for member in self.members:
+            try:
+                await self.call(member, "ping", {})
+                live.append(member)
+            except KSpeedError as e:
+                log.warning("node %s is down, placing data on the others: %s", member, e)
+        return live
+
+    async def op_manifest(self, msg: dict[str, Any]) -> dict[str, Any]:
+        """The manifest's bytes, for a client on a machine that holds no part of the dataset."""
+        name = validate_name(msg.get("name", ""))
+        record = self.store.datasets.get(name)
+        if record is None:
+            raise NotFound(f"no dataset named {name!r}")
+        offset = int(msg.get("offset", 0))
+        path = record.path / "manifest.ksm"
+        # In pieces of MANIFEST_PIECE: a large manifest is far over one control frame.
+        asked = int(msg.get("length", MANIFEST_PIECE))
+
+        def read_piece() -> tuple[int, bytes]:
+            with open(path, "rb") as f:
+                total = os.fstat(f.fileno()).st_size
+                f.seek(offset)
+                return total, f.read(max(0, min(asked, MANIFEST_PIECE, total - offset)))
+
+        total, data = await trio.to_thread.run_sync(read_piece)
+        return {
+            "name": name,
+            "uuid": record.uuid,
+            "offset": offset,
+            "total": total,
+            "data": base64.b64encode(data).decode(),
+        }
+
+    async def op_progress(self, msg: dict[str, Any]) -> dict[str, Any]:
+        name = validate_name(msg.get("name", ""))
+        progress = self.loads.get(name)
+        if progress is not None:
+            return progress.to_wire()
+        record = self.store.datasets.get(name)
+        if record is None:
+            raise NotFound(f"no dataset named {name!r}")
+        return record.to_wire()
+
+    async def op_unload(self, msg: dict[str, Any]) -> dict[str, Any]:
+        """Unload everywhere: here and on every other member that holds part of it."""
+        name = validate_name(msg.get("name", ""))
+        progress = self.loads.get(name)
+        if progress is not None and progress.state == "failed":
+            self.loads.finish(name)
+            return {"name": name, "state": "forgotten"}
+        if progress is not None:
+            progress.cancel.set()
+            return {"name": name, "state": "cancelled"}
+        record = self.store.datasets.get(name)
+        if record is None:
+            raise NotFound(f"no dataset named {name!r}")
+        for member in record.members:
+            if member != self.address:
+                try:
+                    await self.call(member, "unload_local", {"name": name, "uuid": record.uuid})
+                except KSpeedError as e:
+                    log.warning("could not unload %s on %s: %s", name, member, e)
+        await self.op_unload_local({"name": name, "uuid": record.uuid})
+        return {"name": name, "state": "unloaded", "bytes": record.stored}
+
+    async def op_unload_local(self, msg: dict[str, Any]) -> dict[str, Any]:
+        name = validate_name(msg.get("name", ""))
+        record = self.store.datasets.get(name)
+        if record is None or (msg.get("uuid") and record.uuid != msg["uuid"]):
+            return {"name": name, "state": "absent"}
+        await trio.to_thread.run_sync(self.store.unload, name)
+        log.info("unloaded %s", name)
+        return {"name": name, "state": "unloaded"}
+
+    async def op_lease_acquire(self, msg: dict[str, Any]) -> dict[str, Any]:
+        name = validate_name(msg.get("name", ""))
+        if name not in self.store.datasets:
+            raise NotFound(f"no dataset named {name!r}")
+        lease = self.leases.acquire(name, str(msg.get("holder", "")))
+        count = self.leases.count(name)
+        log.info("lease on %s taken by %s (%d held)", name, lease.holder, count)
+        return {**lease.to_wire(self.leases.clock()), "ttl": self.leases.ttl, "leases": count}
+
+    async def op_lease_renew(self, msg: dict[str, Any]) -> dict[str, Any]:
+        lease = self.leases.renew(str(msg.get("lease", "")))
+        return lease.to_wire(self.leases.clock())
+
+    async def op_lease_release(self, msg: dict[str, Any]) -> dict[str, Any]:
+        lease = self.leases.release(str(msg.get("lease", "")))
+        left = self.leases.count(lease.name)
+        log.info("lease on %s released by %s (%d left)", lease.name, lease.holder, left)
+        unloaded = False
+        if not left:
+            unloaded = await self._unload_unleased(lease.name, "its last lease was released")
+        return {"name": lease.name, "leases": left, "unloaded": unloaded}
+
+    def _lease_home(self, name: str) -> bool:
+        # One node keeps a dataset's leases (the first it was placed over), so that only
+        # that node decides to unload it.
+        record = self.store.datasets.get(name)
+        return record is None or not record.members or record.members[0] == self.address
+
+    async def _expire_leases(self) -> None:
+        """End leases that were not renewed (a crashed job) and leased datasets no one holds."""
+        while True:
+            await trio.sleep(min(1.0, self.leases.ttl / 4))
+            try:
+                reasons: dict[str, str] = {}
+                for lease in self.leases.expire():
+                    log.warning("lease on %s held by %s expired", lease.name, lease.holder)
+                    reasons[lease.name] = "its last lease expired"
+                leased = [
+                    r.name
+                    for r in self.store.datasets.values()
+                    if r.lifetime == "leased" and self._lease_home(r.name)
+                ]
+                for name in self.leases.idle(leased):
+                    reasons.setdefault(name, f"no lease on it for {self.leases.ttl:g}s")
+                for name, why in sorted(reasons.items()):
+                    await self._unload_unleased(name, why)
+            except Exception:
+                log.exception("lease expiry failed; trying again")
+
+    async def _unload_unleased(self, name: str, why: str) -> bool:
+        """Unload a leased dataset no lease holds any more; an offline one is never touched."""
+        record = self.store.datasets.get(name)
+        if record is None or record.lifetime != "leased" or not self.leases.begin_close(name):
+            return False
+        try:
+            log.info("unloading %s: %s", name, why)
+            await self.op_unload({"name": name})
+        except KSpeedError as e:
+            log.warning("could not unload %s: %s", name, e)
+            return False
+        finally:
+            self.leases.forget(name)
+        return True
+
+    async def op_shutdown(self, msg: dict[str, Any]) -> dict[str, Any]:
+        assert self._nursery is not None
+        self._cancel_loads()
+        self._nursery.start_soon(self._stop_after_reply, self._nursery)
+        return {"node": self.address, "state": "stopping"}
+
+    async def _stop_after_reply(self, nursery: trio.Nursery) -> None:
+        await trio.sleep(0.05)
+        notify("STOPPING=1")
+        nursery.cancel_scope.cancel()
+
+
+async def _send_direct(stream: trio.abc.Stream, data: memoryview) -> None:
+    """Write the mapped bytes straight to the socket, waiting only while it is full. trio's
+    send_all takes two scheduler passes per partial send: most of a node's user CPU on bulk
+    reads (measured with bench/bench_cluster.py)."""
+    if not isinstance(stream, trio.SocketStream):
+        await stream.send_all(data)
+        return
+    sock = stream.socket
+    while data:
+        try:
+            data = data[os.write(sock.fileno(), data) :]
+        except BlockingIOError:
+            await trio.lowlevel.wait_writable(sock)
+    await trio.lowlevel.checkpoint()
+
+
+def _count_files(folders: list[Path]) -> int:
+    count = 0
+    for folder in folders:
+        try:
+            count += len(os.listdir(folder))
+        except FileNotFoundError:
+            pass  # unloaded meanwhile
+    return count
+
+
+def run_node(settings: Settings) -> None:
+    server = NodeServer(settings)
+    trio.run(server.run)

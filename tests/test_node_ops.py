@@ -1,0 +1,118 @@
+"""The node's op table and its connections to other members, on real nodes on 127.0.0.1."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import trio
+from clusterutil import Cluster, running
+from conftest import NodeProcess, make_tree, wait_for
+
+from kspeedfs.format import auth
+from kspeedfs.format.errors import AuthError, InvalidArgument
+from kspeedfs.format.units import Address
+from kspeedfs.net.aconnection import AsyncNodeClient
+
+
+@pytest.fixture
+def read_token(token_file: Path, tmp_path: Path) -> Path:
+    path = tmp_path / "read-token"
+    auth.write_token(path, auth.derive_read_token(auth.read_token(token_file)))
+    return path
+
+
+def test_a_read_client_is_refused_admin_ops_in_one_line_and_keeps_its_connection(
+    node: NodeProcess, read_token: Path
+) -> None:
+    async def main() -> None:
+        client = AsyncNodeClient(Address("127.0.0.1", node.port), read_token)
+        try:
+            assert (await client.request("ping"))["node"] == node.address
+            assert client.role == "read"
+            for op, args in (
+                ("unload", {"name": "anything"}),
+                ("shutdown", {}),
+                ("stage", {"name": "x", "uuid": "u", "source": "/", "segments": []}),
+                ("register_source", {"name": "x", "source": "/"}),
+            ):
+                with pytest.raises(AuthError) as refused:
+                    await client.request(op, **args)
+                assert str(refused.value) == f"{op} needs the admin role; this client has read"
+                # The same connection answers the next request.
+                assert (await client.request("list"))["node"] == node.address
+            assert client.stats["connects"] == 1
+        finally:
+            await client.aclose()
+
+    trio.run(main)
+    assert node.proc is not None and node.proc.poll() is None
+
+
+def test_an_unknown_op_is_refused_and_the_connection_stays(node: NodeProcess) -> None:
+    with node.client() as c:
+        before = c.request("status")["stats"]["connections"]
+        for op in ("no_such_op", "_serve", ""):
+            with pytest.raises(InvalidArgument, match="unknown operation"):
+                c.request(op)
+        assert c.request("status")["stats"]["connections"] == before
+
+
+@pytest.fixture
+def pair(token_file: Path, tmp_path: Path) -> Iterator[Cluster]:
+    with running(Cluster(token_file, tmp_path, size=2)) as cluster:
+        yield cluster
+
+
+def preload(coordinator: NodeProcess, source: Path, name: str) -> dict[str, Any]:
+    """Preload through one node's op directly (no CLI: it would open connections of its own)."""
+    with coordinator.client() as c:
+        started = c.request("preload", name=name, source=str(source))
+        deadline = time.monotonic() + 60
+        while (state := c.request("progress", name=name)["state"]) != "ready":
+            assert state != "failed" and time.monotonic() < deadline, state
+            time.sleep(0.05)
+    return started
+
+
+def test_node_to_node_calls_reuse_connections(pair: Cluster, tmp_path: Path) -> None:
+    coordinator, member = pair.nodes
+    src = make_tree(tmp_path / "src")
+    with member.client() as watch:
+        before = watch.request("status")["stats"]["connections"]
+        for name in ("one", "two"):
+            started = preload(coordinator, src, name)
+            assert sorted(started["nodes"]) == sorted(pair.addresses)
+        after = watch.request("status")["stats"]["connections"]
+    peers = coordinator.request("status")["peers"]
+    # ping, stage, stage_status (polled), stage_result, stage_manifest, commit: per preload
+    assert peers["requests"] >= 12
+    # One connection carries them all (a second only if two calls overlapped).
+    assert after - before <= 2, (before, after, peers)
+    assert peers["connects"] <= 2, peers
+    assert "one" in pair.listing(member) and "two" in pair.listing(member)
+
+
+def test_a_connection_that_died_with_a_restart_is_retried_once(
+    pair: Cluster, tmp_path: Path
+) -> None:
+    coordinator, member = pair.nodes
+    src = make_tree(tmp_path / "src")
+    preload(coordinator, src, "before")
+    assert coordinator.request("status")["peers"]["idle"] >= 1  # a connection kept to member
+
+    member.stop()
+    member.start()
+    wait_for(lambda: "before" in pair.listing(member), what="the member's datasets back")
+
+    # The pooled connection is dead; the first call on it (a ping that decides who is live)
+    # is sent again on a new one, so the member still gets its share of the new dataset.
+    started = preload(coordinator, src, "after")
+    assert sorted(started["nodes"]) == sorted(pair.addresses)
+    peers = coordinator.request("status")["peers"]
+    assert peers["retries"] >= 1, peers
+    assert "after" in pair.listing(member)
+    assert "is down" not in coordinator.log()
