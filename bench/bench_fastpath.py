@@ -33,8 +33,9 @@ import psutil  # noqa: E402
 from torch.utils.data import DataLoader, Dataset, Subset  # noqa: E402
 from torchvision import datasets  # noqa: E402
 
-from kspeedfs.demo import LocalCache, ensure_sample, train_transform  # noqa: E402
-from kspeedfs.units import format_size  # noqa: E402
+from kspeedfs.demo import ensure_sample, train_transform
+from kspeedfs.format.units import format_size
+from kspeedfs.localproc import LocalCache
 from pytorch_ext import KSpeedFolder, KSpeedImageFolder  # noqa: E402
 
 BUF = bytearray(1 << 20)

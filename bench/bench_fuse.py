@@ -23,8 +23,9 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from kspeedfs.demo import LocalCache, ensure_sample, run_epoch  # noqa: E402
-from kspeedfs.units import format_size  # noqa: E402
+from kspeedfs.demo import ensure_sample, run_epoch
+from kspeedfs.format.units import format_size
+from kspeedfs.localproc import LocalCache
 
 TARGETS = {
     "first": 0.06,
@@ -181,12 +182,12 @@ def main() -> int:
     workdir = Path(tempfile.mkdtemp(prefix="kspeedfs-bench-"))
     memory = data_bytes + data_bytes // 10 + (64 << 20)
     with LocalCache(workdir, memory) as node:
-        assert node.node is not None
-        disk_before = disk_read_bytes(node.node.pid)
+        assert node.node.proc is not None
+        disk_before = disk_read_bytes(node.node.proc.pid)
         started = time.perf_counter()
         node.preload(source.parent, "bench", show_progress=False)
         t_preload = time.perf_counter() - started
-        preload_disk = disk_read_bytes(node.node.pid) - disk_before
+        preload_disk = disk_read_bytes(node.node.proc.pid) - disk_before
 
         mnt = workdir / "mnt"
         node.mount(mnt)

@@ -17,9 +17,6 @@ import concurrent.futures
 import logging
 import os
 import random
-import re
-import socket
-import subprocess
 import sys
 import tempfile
 import time
@@ -31,54 +28,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from bench_fuse import list_files, read_files  # noqa: E402
 
-from kspeedfs.demo import LocalCache, ensure_sample, run_epoch  # noqa: E402
-from kspeedfs.units import format_size, parse_size  # noqa: E402
+from kspeedfs.demo import ensure_sample, run_epoch
+from kspeedfs.format.units import format_size, parse_size
+from kspeedfs.localproc import LocalCache, S3Server
 
 TARGET = 0.9
 BUCKET = "bench"
-
-
-class S3Server:
-    """moto's S3 server on 127.0.0.1 (no IAM checks), logging every request it answers."""
-
-    def __init__(self, workdir: Path):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            self.port = s.getsockname()[1]
-        self.endpoint = f"http://127.0.0.1:{self.port}"
-        self.log_path = workdir / "moto.log"
-        with open(self.log_path, "wb") as log:
-            self.proc = subprocess.Popen(
-                [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(self.port)],
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                env={**os.environ, "PYTHONUNBUFFERED": "1"},
-            )
-        deadline = time.monotonic() + 30
-        while True:
-            try:
-                socket.create_connection(("127.0.0.1", self.port), 0.5).close()
-                break
-            except OSError:
-                if time.monotonic() > deadline or self.proc.poll() is not None:
-                    raise SystemExit("the S3 server did not start") from None
-                time.sleep(0.1)
-
-    def object_gets(self) -> int:
-        pattern = re.compile(rf"GET /{BUCKET}/[^ ?]+ HTTP")
-        return sum(
-            1
-            for line in self.log_path.read_text(errors="replace").splitlines()
-            if pattern.search(line)
-        )
-
-    def stop(self) -> None:
-        self.proc.terminate()
-        try:
-            self.proc.wait(10)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()
 
 
 def upload(server: S3Server, source: Path, prefix: str) -> None:
@@ -149,7 +104,7 @@ def main() -> int:
     )
 
     workdir = Path(tempfile.mkdtemp(prefix="kspeedfs-bench-rt-"))
-    server = S3Server(workdir)
+    server = S3Server(workdir).start()
     raw: dict[str, float] = {}
     img: dict[str, float] = {}
     reads: dict[str, Any] = {}
@@ -191,10 +146,10 @@ def main() -> int:
                 ("local", (str(source),)),
                 ("s3", (url, "--endpoint", server.endpoint)),
             )
-            gets = server.object_gets()
+            gets = server.object_gets(BUCKET)
             for label, src in sources:
                 epoch(f"read-through {label}, epoch 1", "--source", *src, "--name", f"rt-{label}")
-            gets1 = server.object_gets()
+            gets1 = server.object_gets(BUCKET)
             # Second epochs and the preloaded dataset in turns, best of each kept: the machine
             # is shared, and a single pass of each says more about the neighbours than us.
             for _ in range(args.rounds):
@@ -205,7 +160,11 @@ def main() -> int:
                     )
             for label, _src in sources:
                 st = node.request("status")["cache"]["datasets"][f"rt-{label}"]
-                reads[label] = (st["source_reads"], gets1 - gets, server.object_gets() - gets1)
+                reads[label] = (
+                    st["source_reads"],
+                    gets1 - gets,
+                    server.object_gets(BUCKET) - gets1,
+                )
             if not args.skip_imagefolder:
                 img_epoch("preloaded", "--dataset", "pre")
                 for label, src in sources:

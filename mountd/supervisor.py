@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import errno
+import functools
 import logging
 import os
 import signal
@@ -14,10 +15,10 @@ from typing import Any
 
 import trio
 
-from kspeedfs.aclient import AsyncNodeClient
-from kspeedfs.config import Settings, load_settings
-from kspeedfs.errors import AlreadyExists, DataError, KSpeedError, MountError, NotFound
-from kspeedfs.mountinfo import kspeedfs_mounted, lazy_unmount, require_free_mountpoint
+from kspeedfs.client import admin
+from kspeedfs.format.config import Settings, load_settings
+from kspeedfs.format.errors import KSpeedError, MountError
+from kspeedfs.system.mountinfo import kspeedfs_mounted, lazy_unmount, require_free_mountpoint
 
 from .declarations import Declaration
 
@@ -61,27 +62,11 @@ def prepare_mountpoint(decl: Declaration) -> Settings:
 
 async def ensure_dataset(settings: Settings, name: str, source: str) -> None:
     """Preload `name` from `source` unless the node has it; wait until it is ready."""
-    client = AsyncNodeClient(settings.nodes[0], settings.token_file, settings.timeout)
-    try:
-        try:
-            progress: dict[str, Any] | None = await client.request("progress", name=name)
-        except NotFound:
-            progress = None
-        if progress is None or progress["state"] == "failed":
-            log.info("preloading %s from %s", name, source)
-            try:
-                await client.request("preload", name=name, source=source, lifetime="offline")
-            except AlreadyExists:
-                pass  # someone else started it: wait for theirs
-        while True:
-            progress = await client.request("progress", name=name)
-            if progress["state"] == "ready":
-                return
-            if progress["state"] == "failed":
-                raise DataError(f"preload of {name} from {source} failed: {progress['error']}")
-            await trio.sleep(1.0)
-    finally:
-        await client.aclose()
+    # The one blocking preload-and-wait, in a thread; a stop (cancel) does not wait for it.
+    await trio.to_thread.run_sync(
+        functools.partial(admin.ensure_loaded, settings, source, name, lifetime="offline"),
+        abandon_on_cancel=True,
+    )
 
 
 class MountSupervisor:

@@ -3,81 +3,19 @@
 from __future__ import annotations
 
 import os
-import shutil
-import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-from conftest import NodeProcess, free_port, run_cli
+from conftest import NodeProcess, run_cli
 
-from kspeedfs.localdata import SEGMENT_DIR
-
-
-def distinct_ports(n: int) -> list[int]:
-    ports: list[int] = []
-    while len(ports) < n:
-        p = free_port()
-        if p not in ports:
-            ports.append(p)
-    return ports
+from kspeedfs.format.localdata import SEGMENT_DIR
+from kspeedfs.localproc import LocalCluster
 
 
-class Cluster:
+class Cluster(LocalCluster):
     """`size` node daemons sharing one token, each with its own shm folder."""
-
-    def __init__(
-        self,
-        token_file: Path,
-        log_dir: Path,
-        size: int = 3,
-        segment_size: str = "64KiB",
-        memory: str = "1GiB",
-    ):
-        self.root = Path("/dev/shm") / f"kspeedfs-test-{uuid.uuid4().hex[:10]}"
-        self.token_file = token_file
-        ports = distinct_ports(size)
-        self.addresses = [f"127.0.0.1:{p}" for p in ports]
-        node_list = ",".join(self.addresses)
-        self.nodes = [
-            NodeProcess(
-                self.root / f"node{i}",
-                token_file,
-                log_dir,
-                memory=memory,
-                segment_size=segment_size,
-                port=p,
-                extra=("--nodes", node_list),
-            )
-            for i, p in enumerate(ports)
-        ]
-
-    def start(self) -> Cluster:
-        for n in self.nodes:
-            n.start()
-        return self
-
-    def stop(self) -> None:
-        for n in self.nodes:
-            n.stop()
-        shutil.rmtree(self.root, ignore_errors=True)
-
-    def env(
-        self, local: NodeProcess | None = None, first: NodeProcess | None = None
-    ) -> dict[str, str]:
-        """Client environment: every node listed (`first` first: it coordinates a preload);
-        with `local`, the process counts as running on that node (it maps its segments)."""
-        order = sorted(self.addresses, key=lambda a: first is None or a != first.address)
-        env = {
-            **os.environ,
-            "KSPEEDFS_TOKEN_FILE": str(self.token_file),
-            "KSPEEDFS_NODES": ",".join(order),
-        }
-        env.pop("KSPEEDFS_LISTEN", None)
-        if local is not None:
-            env["KSPEEDFS_LISTEN"] = local.address
-        return env
 
     def preload(
         self, source: Path, name: str, replicas: int = 1, via: NodeProcess | None = None

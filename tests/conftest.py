@@ -4,134 +4,27 @@ from __future__ import annotations
 
 import os
 import shutil
-import signal
-import socket
 import subprocess
-import sys
-import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
 
-from kspeedfs.client import NodeClient
-from kspeedfs.errors import KSpeedError
-from kspeedfs.units import Address
-
-KSPEEDFS = [sys.executable, "-m", "kspeedfs.cli"]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+# The process helpers live in the package (the demo and the benches use them too); tests import
+# them from here.
+from kspeedfs.localproc import KSPEEDFS as KSPEEDFS
+from kspeedfs.localproc import MountProcess as MountProcess
+from kspeedfs.localproc import NodeProcess as NodeProcess
+from kspeedfs.localproc import free_port as free_port
+from kspeedfs.localproc import wait_until
 
 
-def wait_for(predicate, timeout: float = 20.0, what: str = "condition") -> None:  # type: ignore[no-untyped-def]
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():
-            return
-        time.sleep(0.05)
-    raise AssertionError(f"timed out waiting for {what}")
-
-
-class NodeProcess:
-    """One `kspeedfs node` subprocess with its own port and shm folder."""
-
-    def __init__(
-        self,
-        shm_dir: Path,
-        token_file: Path,
-        log_dir: Path,
-        memory: str = "1GiB",
-        segment_size: str = "1MiB",
-        port: int | None = None,
-        extra: tuple[str, ...] = (),
-    ):
-        self.shm_dir = shm_dir
-        self.token_file = token_file
-        self.memory = memory
-        self.segment_size = segment_size
-        self.port = port or free_port()
-        self.extra = extra
-        self.log_path = log_dir / f"node-{self.port}.log"
-        self.proc: subprocess.Popen[bytes] | None = None
-
-    @property
-    def address(self) -> str:
-        return f"127.0.0.1:{self.port}"
-
-    def env(self) -> dict[str, str]:
-        return {
-            **os.environ,
-            "KSPEEDFS_TOKEN_FILE": str(self.token_file),
-            "KSPEEDFS_NODES": self.address,
-        }
-
-    def command(self) -> list[str]:
-        return [
-            *KSPEEDFS,
-            "node",
-            "--listen",
-            self.address,
-            "--shm-dir",
-            str(self.shm_dir),
-            "--memory",
-            self.memory,
-            "--segment-size",
-            self.segment_size,
-            *self.extra,
-        ]
-
-    def start(self) -> NodeProcess:
-        with open(self.log_path, "ab") as log:  # the child keeps its own copy of the fd
-            self.proc = subprocess.Popen(
-                self.command(),
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                env=self.env(),
-            )
-        wait_for(self._answers, what=f"node on {self.address}")
-        return self
-
-    def _answers(self) -> bool:
-        assert self.proc is not None
-        if self.proc.poll() is not None:
-            raise AssertionError(
-                f"node exited with {self.proc.returncode}: {self.log_path.read_text()}"
-            )
-        try:
-            with self.client() as c:
-                c.request("ping")
-            return True
-        except KSpeedError:
-            return False
-
-    def client(self) -> NodeClient:
-        return NodeClient(Address("127.0.0.1", self.port), self.token_file, timeout=10)
-
-    def request(self, op: str, **args: object) -> dict:  # type: ignore[type-arg]
-        with self.client() as c:
-            return c.request(op, **args)
-
-    def stop(self) -> None:
-        if self.proc and self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(10)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-
-    def kill9(self) -> None:
-        assert self.proc is not None
-        self.proc.kill()
-        self.proc.wait()
-
-    def log(self) -> str:
-        return self.log_path.read_text(errors="replace")
+def wait_for(predicate: Callable[[], bool], timeout: float = 20.0, what: str = "condition") -> None:
+    try:
+        wait_until(predicate, timeout, what)
+    except TimeoutError as e:
+        raise AssertionError(str(e)) from None
 
 
 def run_cli(
@@ -140,59 +33,6 @@ def run_cli(
     return subprocess.run(
         [*KSPEEDFS, *args], env=env, capture_output=True, text=True, timeout=timeout
     )
-
-
-class MountProcess:
-    """A foreground `kspeedfs mount` subprocess; always unmounted in teardown."""
-
-    def __init__(
-        self, mountpoint: Path, env: dict[str, str], log_dir: Path, args: tuple[str, ...] = ()
-    ):
-        self.mountpoint = mountpoint
-        self.env = env
-        self.args = args
-        self.log_path = log_dir / f"mount-{mountpoint.name}.log"
-        self.proc: subprocess.Popen[bytes] | None = None
-
-    def start(self) -> MountProcess:
-        self.mountpoint.mkdir(parents=True, exist_ok=True)
-        with open(self.log_path, "ab") as log:  # the child keeps its own copy of the fd
-            self.proc = subprocess.Popen(
-                [*KSPEEDFS, "mount", str(self.mountpoint), "--foreground", *self.args],
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                env=self.env,
-            )
-
-        def mounted() -> bool:
-            assert self.proc is not None
-            if self.proc.poll() is not None:
-                raise AssertionError(f"mount exited: {self.log_path.read_text()}")
-            return os.path.ismount(self.mountpoint)
-
-        wait_for(mounted, what=f"mount at {self.mountpoint}")
-        return self
-
-    def stop(self) -> None:
-        if os.path.ismount(self.mountpoint) or _stale(self.mountpoint):
-            subprocess.run(["fusermount3", "-u", "-z", str(self.mountpoint)], capture_output=True)
-        if self.proc and self.proc.poll() is None:
-            try:
-                self.proc.wait(10)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-
-    def log(self) -> str:
-        return self.log_path.read_text(errors="replace")
-
-
-def _stale(path: Path) -> bool:
-    try:
-        os.stat(path)
-        return False
-    except OSError:
-        return True
 
 
 @pytest.fixture
@@ -204,7 +44,7 @@ def shm_dir() -> Iterator[Path]:
 
 @pytest.fixture
 def token_file(tmp_path: Path) -> Path:
-    from kspeedfs import auth
+    from kspeedfs.format import auth
 
     path = tmp_path / "token"
     auth.write_token(path, auth.new_admin_token())

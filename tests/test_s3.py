@@ -4,47 +4,33 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import shutil
-import socket
-import subprocess
-import sys
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
 import boto3
 import pytest
-from conftest import MountProcess, NodeProcess, free_port, run_cli, wait_for
+from conftest import MountProcess, NodeProcess, run_cli
 from rt_util import EnvNode, cache_status, mount_source
 from test_fuse_files import walk
+
+from kspeedfs import localproc
 
 pytestmark = pytest.mark.fuse
 
 BUCKET = "kspeed-data"
 
 
-class S3Server:
-    """`python -m moto.server` with IAM checks on: wrong keys are refused as on AWS."""
+class S3Server(localproc.S3Server):
+    """moto's S3 server with IAM checks on: wrong keys are refused as on AWS."""
 
     def __init__(self, log_dir: Path):
-        self.port = free_port()
-        self.endpoint = f"http://127.0.0.1:{self.port}"
-        self.log_path = log_dir / "moto.log"
-        env = {
-            **os.environ,
-            "PYTHONUNBUFFERED": "1",
-            # The first three calls (make a user, its policy, its key) run unauthenticated.
-            "INITIAL_NO_AUTH_ACTION_COUNT": "3",
-        }
-        with open(self.log_path, "wb") as log:
-            self.proc = subprocess.Popen(
-                [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(self.port)],
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                env=env,
-            )
-        wait_for(self._answers, what="the S3 server")
+        # The first three calls (make a user, its policy, its key) run unauthenticated.
+        super().__init__(log_dir, env_extra={"INITIAL_NO_AUTH_ACTION_COUNT": "3"})
+
+    def start(self, timeout: float = localproc.START_TIMEOUT) -> S3Server:
+        super().start(timeout)
         iam = boto3.client("iam", **self._client_args("bootstrap", "bootstrap"))
         iam.create_user(UserName="trainer")
         policy = {
@@ -55,15 +41,7 @@ class S3Server:
         key = iam.create_access_key(UserName="trainer")["AccessKey"]
         self.key, self.secret = key["AccessKeyId"], key["SecretAccessKey"]
         self.s3 = boto3.client("s3", **self._client_args(self.key, self.secret))
-
-    def _answers(self) -> bool:
-        if self.proc.poll() is not None:
-            raise AssertionError(f"S3 server exited: {self.log_path.read_text()}")
-        try:
-            socket.create_connection(("127.0.0.1", self.port), 0.5).close()
-            return True
-        except OSError:
-            return False
+        return self
 
     def _client_args(self, key: str, secret: str) -> dict[str, str]:
         return {
@@ -82,27 +60,10 @@ class S3Server:
             "AWS_SHARED_CREDENTIALS_FILE": "/dev/null",
         }
 
-    def object_gets(self, prefix: str) -> int:
-        """GETs of objects under prefix that the server answered (its own request log)."""
-        pattern = re.compile(rf"GET /{BUCKET}/{re.escape(prefix)}/[^ ?]+ HTTP")
-        return sum(
-            1
-            for line in self.log_path.read_text(errors="replace").splitlines()
-            if pattern.search(line)
-        )
-
-    def stop(self) -> None:
-        self.proc.terminate()
-        try:
-            self.proc.wait(10)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()
-
 
 @pytest.fixture(scope="module")
 def s3(tmp_path_factory: pytest.TempPathFactory) -> Iterator[S3Server]:
-    server = S3Server(tmp_path_factory.mktemp("s3"))
+    server = S3Server(tmp_path_factory.mktemp("s3")).start()
     try:
         server.s3.create_bucket(Bucket=BUCKET)
         yield server
@@ -165,13 +126,13 @@ def test_preload_from_s3_serves_every_byte(
     assert done.returncode == 0, done.stderr
     (entry,) = listing(s3_node)
     assert (entry["source"], entry["lifetime"], entry["files"]) == (url, "offline", 26)
-    gets = s3.object_gets(prefix)
+    gets = s3.object_gets(BUCKET, prefix)
     assert gets >= 25  # every non-empty object was fetched
     m = MountProcess(tmp_path / "mnt", s3_node.env(), tmp_path)
     mounts.append(m)
     m.start()
     assert walk(m.mountpoint / "objects") == walk(local)
-    assert s3.object_gets(prefix) == gets  # served from memory
+    assert s3.object_gets(BUCKET, prefix) == gets  # served from memory
     checksum = os.getxattr(m.mountpoint / "objects" / "big.bin", "user.kspeedfs.xxh3")
     assert checksum != b"0" * 16
 
@@ -188,9 +149,9 @@ def test_read_through_s3_second_pass_makes_no_requests(
     first = mount_source(
         s3_node, tmp_path, mounts, url, "--endpoint", s3.endpoint, "--name", "coco"
     )
-    assert s3.object_gets(prefix) == 0  # listing only
+    assert s3.object_gets(BUCKET, prefix) == 0  # listing only
     assert walk(first.mountpoint) == walk(local)
-    gets = s3.object_gets(prefix)
+    gets = s3.object_gets(BUCKET, prefix)
     st = cache_status(s3_node, "coco")
     assert gets == st["source_reads"] > 0
     assert st["in_memory"] == st["segments"]
@@ -199,7 +160,7 @@ def test_read_through_s3_second_pass_makes_no_requests(
         s3_node, tmp_path, mounts, url, "--endpoint", s3.endpoint, "--name", "coco", mnt="mnt2"
     )
     assert walk(second.mountpoint) == walk(local)
-    assert s3.object_gets(prefix) == gets
+    assert s3.object_gets(BUCKET, prefix) == gets
     assert "degraded" not in first.log() + second.log()
 
 

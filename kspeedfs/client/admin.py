@@ -1,0 +1,149 @@
+"""Client-side admin operations shared by the CLI, the demo, the fast path and mountd."""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any
+
+from kspeedfs.format.config import Settings
+from kspeedfs.format.errors import AlreadyExists, DataError, KSpeedError, NodeUnreachable, NotFound
+from kspeedfs.format.names import validate_name
+from kspeedfs.net.connection import SCAN_TIMEOUT, NodeClient
+from kspeedfs.sources.source import name_from_source, normalize_source
+from kspeedfs.system.progress import ProgressBar
+
+log = logging.getLogger(__name__)
+
+POLL_S = 0.1
+
+
+def connect(settings: Settings) -> NodeClient:
+    """A connection to the first node of the list that answers."""
+    error: KSpeedError | None = None
+    for address in settings.nodes:
+        client = NodeClient(address, settings.token_file, settings.timeout)
+        try:
+            client.connect()
+            return client
+        except NodeUnreachable as e:
+            error = e
+    assert error is not None
+    raise error
+
+
+def preload_done(progress: dict[str, Any], what: str) -> bool:
+    """The one reading of a `progress` reply: True once ready, False while loading; a failed
+    load raises DataError ("{what} failed: why")."""
+    if progress["state"] == "ready":
+        return True
+    if progress["state"] == "failed":
+        raise DataError(f"{what} failed: {progress.get('error', '')}")
+    return False
+
+
+def wait_ready(
+    client: NodeClient,
+    name: str,
+    what: str | None = None,
+    progress_label: str | None = None,
+    first: dict[str, Any] | None = None,
+    poll_s: float = POLL_S,
+) -> dict[str, Any]:
+    """Poll `name` until it is ready (returns the last `progress` reply) or failed (DataError).
+
+    `progress_label` shows a progress bar with that label; `first` is a reply already in hand.
+    """
+    what = what or f"preload of {name}"
+    bar = ProgressBar(progress_label) if progress_label else None
+    try:
+        p = first or client.request("progress", name=name)
+        while True:
+            if bar is not None:
+                bar.update(p["files_done"], p["files_total"], p["bytes_done"], p["bytes_total"])
+            if preload_done(p, what):
+                return p
+            time.sleep(poll_s)
+            p = client.request("progress", name=name)
+    finally:
+        if bar is not None:
+            bar.close()
+
+
+def start_preload(
+    client: NodeClient, name: str, src: str, lifetime: str, replicas: int = 1, endpoint: str = ""
+) -> dict[str, Any]:
+    """Ask for a load of `src` (normalized) as `name`; answers once the node has scanned it."""
+    return client.request(
+        "preload",
+        answer_within=SCAN_TIMEOUT,
+        name=name,
+        source=src,
+        lifetime=lifetime,
+        replicas=replicas,
+        endpoint=endpoint,
+    )
+
+
+def preload(
+    settings: Settings,
+    source: str,
+    name: str,
+    wait: bool = True,
+    show_progress: bool = True,
+    lifetime: str = "offline",
+    replicas: int = 1,
+    endpoint: str = "",
+) -> dict[str, Any]:
+    """Ask the node to load `source` (a folder or an s3:// URL) as `name`; with `wait`, poll
+    until ready or failed (Ctrl-C cancels the load)."""
+    validate_name(name)
+    src = normalize_source(source)
+    with connect(settings) as client:
+        started = start_preload(client, name, src, lifetime, replicas, endpoint)
+        if not wait:
+            return started
+        try:
+            return wait_ready(
+                client, name, progress_label=f"preload {name}" if show_progress else None
+            )
+        except KeyboardInterrupt:
+            client.request("unload", name=name)
+            raise KSpeedError(f"preload of {name} interrupted and cancelled") from None
+
+
+def ensure_loaded(
+    settings: Settings,
+    source: str,
+    name: str,
+    lifetime: str = "offline",
+    progress_label: str | None = None,
+) -> dict[str, Any]:
+    """Make sure `name` is loaded: wait for it when the node holds it or is loading it (the
+    source is not even looked at then), else preload it from `source` and wait."""
+    validate_name(name)
+    with connect(settings) as client:
+        try:
+            current: dict[str, Any] | None = client.request("progress", name=name)
+        except NotFound:
+            current = None
+        if current is None or current["state"] == "failed":
+            try:
+                start_preload(client, name, normalize_source(source), lifetime)
+                log.info("preloading %s as %s (%s)", source, name, lifetime)
+            except AlreadyExists:
+                pass  # another job (or rank) started it meanwhile: wait for theirs
+        what = f"preload of {name} from {source}"
+        return wait_ready(client, name, what=what, progress_label=progress_label)
+
+
+def register_source(
+    settings: Settings, source: str, endpoint: str = "", name: str | None = None
+) -> str:
+    """Make (or find) the read-through dataset of a source on the node; returns its name."""
+    source = normalize_source(source)
+    name = validate_name(name) if name else validate_name(name_from_source(source))
+    with connect(settings) as client:
+        reply = client.request("register_source", name=name, source=source, endpoint=endpoint)
+        wait_ready(client, name, what=f"listing {source}", first=reply)
+    return name

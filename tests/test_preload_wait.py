@@ -1,0 +1,35 @@
+"""The one preload-and-wait (kspeedfs.client.admin) against a real node."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from conftest import NodeProcess
+
+from kspeedfs.client import admin
+from kspeedfs.format.errors import AlreadyExists, DataError
+
+
+def test_ensure_loaded_loads_once_then_joins_without_the_source(
+    node: NodeProcess, tree: Path, tmp_path: Path
+) -> None:
+    settings = node.settings()
+    first = admin.ensure_loaded(settings, str(tree), "ds")
+    assert first["state"] == "ready" and first["files_done"] == first["files_total"] > 0
+    (before,) = node.request("list")["datasets"]
+    # Loaded already: the source is not looked at (a mountd or job whose source is gone).
+    again = admin.ensure_loaded(settings, str(tmp_path / "gone"), "ds")
+    assert again["state"] == "ready"
+    (after,) = node.request("list")["datasets"]
+    assert after["uuid"] == before["uuid"]
+    # The CLI's preload refuses instead.
+    with pytest.raises(AlreadyExists):
+        admin.preload(settings, str(tree), "ds", show_progress=False)
+
+
+def test_a_failed_progress_reply_is_an_error_naming_the_load() -> None:
+    assert admin.preload_done({"state": "ready"}, "preload of ds")
+    assert not admin.preload_done({"state": "loading"}, "preload of ds")
+    with pytest.raises(DataError, match="^preload of ds failed: disk on fire$"):
+        admin.preload_done({"state": "failed", "error": "disk on fire"}, "preload of ds")
