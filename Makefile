@@ -21,6 +21,7 @@ lint: deps
 	$(BIN)/ruff check $(CHECKED)
 	$(BIN)/ruff format --check $(CHECKED)
 	$(BIN)/mypy kspeedfs mountd pytorch_ext
+	$(BIN)/lint-imports
 
 bench: deps
 	$(BIN)/python bench/bench_fuse.py

@@ -15,79 +15,53 @@ another process over loopback TCP, so the figures measure the software, not a ne
 from __future__ import annotations
 
 import argparse
-import functools
 import logging
 import multiprocessing
 import os
 import random
 import shutil
-import signal
 import socket
-import subprocess
 import sys
 import tempfile
 import time
-import uuid
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from kspeedfs import auth  # noqa: E402
-from kspeedfs.client import NodeClient  # noqa: E402
-from kspeedfs.cluster import ClusterReader  # noqa: E402
-from kspeedfs.config import Settings  # noqa: E402
-from kspeedfs.errors import KSpeedError  # noqa: E402
-from kspeedfs.localdata import MANIFEST_FILE  # noqa: E402
-from kspeedfs.manifest import Manifest  # noqa: E402
-from kspeedfs.transport import TcpTransport  # noqa: E402
-from kspeedfs.units import Address, format_size, parse_address, parse_size  # noqa: E402
+from kspeedfs.client import admin
+from kspeedfs.client.reader import ClusterReader
+from kspeedfs.format.config import Settings
+from kspeedfs.format.localdata import MANIFEST_FILE
+from kspeedfs.format.manifest import Manifest
+from kspeedfs.format.units import Address, format_size, parse_address, parse_size
+from kspeedfs.localproc import LocalCluster, MountProcess, NodeProcess, ensure_token, private_env
+from kspeedfs.net.connection import NodeClient
+from kspeedfs.net.transport import TcpTransport
 
-KSPEEDFS = [sys.executable, "-m", "kspeedfs.cli"]
 BULK_TARGET = 0.7
 BULK_RANGE = 8 << 20  # one range: a whole segment
 BULK_CALL = 64 << 20  # bytes per read call (8 ranges), and per plain-socket request
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def wait_until(predicate: Callable[[], bool], timeout: float, what: str) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise SystemExit(f"timed out waiting for {what}")
-        time.sleep(0.02)
-
-
-class BenchCluster:
+class BenchCluster(LocalCluster):
     """`size` node daemons that know each other, with a private token and empty config."""
 
     def __init__(self, workdir: Path, tag: str, size: int, segment_size: str, memory: str):
+        config_file = workdir / "empty.toml"
+        config_file.write_text("")
+        super().__init__(
+            ensure_token(workdir / "token"),
+            workdir,
+            size=size,
+            segment_size=segment_size,
+            memory=memory,
+            base_env={**private_env(config_file), "KSPEEDFS_TRANSPORT": "tcp"},
+            own_session=True,
+            tag=f"bench-{tag}",
+        )
         self.workdir = workdir
-        self.tag = tag
-        self.segment_size = segment_size
-        self.memory = memory
-        self.addresses = [f"127.0.0.1:{free_port()}" for _ in range(size)]
-        self.shm_root = Path("/dev/shm") / f"kspeedfs-bench-{tag}-{uuid.uuid4().hex[:8]}"
-        self.token_file = workdir / "token"
-        self.config_file = workdir / "empty.toml"
-        self.procs: list[subprocess.Popen[bytes]] = []
-        self.mounts: list[tuple[Path, subprocess.Popen[bytes]]] = []
-
-    def env(self, local: str | None = None) -> dict[str, str]:
-        env = {k: v for k, v in os.environ.items() if not k.startswith("KSPEEDFS_")}
-        env["KSPEEDFS_CONFIG"] = str(self.config_file)
-        env["KSPEEDFS_TOKEN_FILE"] = str(self.token_file)
-        env["KSPEEDFS_NODES"] = ",".join(self.addresses)
-        env["KSPEEDFS_TRANSPORT"] = "tcp"
-        if local:
-            env["KSPEEDFS_LISTEN"] = local
-        return env
+        self.mounts: list[MountProcess] = []
 
     def settings(self) -> Settings:
         return Settings(
@@ -97,47 +71,6 @@ class BenchCluster:
             transport="tcp",
         )
 
-    def start(self) -> BenchCluster:
-        self.config_file.write_text("")
-        if not self.token_file.exists():
-            auth.write_token(self.token_file, auth.new_admin_token())
-        for i, address in enumerate(self.addresses):
-            with open(self.workdir / f"node-{self.tag}-{i}.log", "ab") as out:
-                self.procs.append(
-                    subprocess.Popen(
-                        [
-                            *KSPEEDFS,
-                            "node",
-                            "--listen",
-                            address,
-                            "--nodes",
-                            ",".join(self.addresses),
-                            "--shm-dir",
-                            str(self.shm_root / str(i)),
-                            "--memory",
-                            self.memory,
-                            "--segment-size",
-                            self.segment_size,
-                        ],
-                        stdout=out,
-                        stderr=subprocess.STDOUT,
-                        env=self.env(),
-                        start_new_session=True,
-                    )
-                )
-        for address in self.addresses:
-            wait_until(functools.partial(self._answers, address), 30, f"node {address}")
-        return self
-
-    def _answers(self, address: str) -> bool:
-        if any(p.poll() is not None for p in self.procs):
-            raise SystemExit(f"a node of {self.tag} exited; see {self.workdir}")
-        try:
-            self.request(address, "ping")
-            return True
-        except KSpeedError:
-            return False
-
     def request(self, address: str, op: str, **args: Any) -> dict[str, Any]:
         with NodeClient(parse_address(address), self.token_file, 60.0) as c:
             return c.request(op, **args)
@@ -145,60 +78,27 @@ class BenchCluster:
     def preload(self, source: Path, name: str) -> float:
         """Seconds from the request to the dataset being ready on every node."""
         started = time.perf_counter()
-        self.request(self.addresses[0], "preload", name=name, source=str(source), replicas=1)
-        while True:
-            p = self.request(self.addresses[0], "progress", name=name)
-            if p["state"] == "ready":
-                return time.perf_counter() - started
-            if p["state"] == "failed":
-                raise SystemExit(f"preload of {name} failed: {p['error']}")
-            time.sleep(0.01)
+        with admin.connect(self.settings()) as client:
+            admin.start_preload(client, name, str(source), "offline")
+            admin.wait_ready(client, name, poll_s=0.01)
+        return time.perf_counter() - started
 
     def shm_of(self, i: int) -> Path:
-        return self.shm_root / str(i)
+        return self.nodes[i].shm_dir
 
-    def mount(self, mountpoint: Path, local: str) -> None:
-        mountpoint.mkdir(parents=True, exist_ok=True)
-        with open(self.workdir / f"mount-{self.tag}.log", "ab") as out:
-            proc = subprocess.Popen(
-                [*KSPEEDFS, "mount", str(mountpoint), "--foreground"],
-                stdout=out,
-                stderr=subprocess.STDOUT,
-                env=self.env(local=local),
-                start_new_session=True,
-            )
-        self.mounts.append((mountpoint, proc))
-
-        def up() -> bool:
-            if proc.poll() is not None:
-                raise SystemExit(f"the mount of {self.tag} exited; see {self.workdir}")
-            return os.path.ismount(mountpoint)
-
-        wait_until(up, 30, f"mount at {mountpoint}")
+    def mount(self, mountpoint: Path, local: NodeProcess) -> None:
+        m = MountProcess(mountpoint, self.env(local=local), self.workdir, own_session=True)
+        self.mounts.append(m)
+        m.start()
 
     def unmount_all(self) -> None:
-        for mountpoint, proc in self.mounts:
-            subprocess.run(["fusermount3", "-u", "-z", str(mountpoint)], capture_output=True)
-            try:
-                proc.wait(10)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+        for m in self.mounts:
+            m.stop()
         self.mounts = []
 
     def close(self) -> None:
         self.unmount_all()
-        for p in self.procs:
-            if p.poll() is None:
-                p.send_signal(signal.SIGTERM)
-        for p in self.procs:
-            try:
-                p.wait(15)
-            except subprocess.TimeoutExpired:
-                p.kill()
-                p.wait()
-        self.procs = []
-        shutil.rmtree(self.shm_root, ignore_errors=True)
+        self.stop()
 
 
 def make_sources(cache: Path, files: int, size: int, big: int) -> tuple[Path, Path]:
@@ -294,15 +194,16 @@ def kspeedfs_bulk(cluster: BenchCluster, name: str, segments: int, calls: int) -
         Address("127.0.0.1", int(cluster.addresses[0].split(":")[1])), cluster.settings()
     )
     out = memoryview(bytearray(BULK_CALL))
+    instance = Manifest(cluster.shm_of(0) / "datasets" / name / MANIFEST_FILE).uuid
     try:
         # Warm up over every segment: the node maps each page once, then serves from the map.
         for k in range(-(-segments // per_call)):
             ranges = [((k * per_call + j) % segments, 0, BULK_RANGE) for j in range(per_call)]
-            transport.read_into(name, ranges, out)
+            transport.read_into(name, instance, ranges, out)
         started = time.perf_counter()
         for k in range(calls):
             ranges = [((k * per_call + j) % segments, 0, BULK_RANGE) for j in range(per_call)]
-            transport.read_into(name, ranges, out)
+            transport.read_into(name, instance, ranges, out)
         return time.perf_counter() - started
     finally:
         transport.close()
@@ -326,15 +227,15 @@ def small_file_rates(cluster: BenchCluster, name: str, batch: int) -> tuple[floa
     )
     try:
         for ranges in files[:20]:  # warm up the connection
-            reader.read_ranges(node, name, ranges, buf[: sum(r[2] for r in ranges)])
+            reader.read_ranges(node, name, m.uuid, ranges, buf[: sum(r[2] for r in ranges)])
         started = time.perf_counter()
         for ranges in files:
-            reader.read_ranges(node, name, ranges, buf[: sum(r[2] for r in ranges)])
+            reader.read_ranges(node, name, m.uuid, ranges, buf[: sum(r[2] for r in ranges)])
         one = len(files) / (time.perf_counter() - started)
         started = time.perf_counter()
         for i in range(0, len(files), batch):
             ranges = [r for f in files[i : i + batch] for r in f]
-            reader.read_ranges(node, name, ranges, buf[: sum(r[2] for r in ranges)])
+            reader.read_ranges(node, name, m.uuid, ranges, buf[: sum(r[2] for r in ranges)])
         batched = len(files) / (time.perf_counter() - started)
     finally:
         reader.close()
@@ -448,7 +349,7 @@ def main() -> int:
         rate1 = rate3 = 0.0
         for _ in range(args.rounds):
             for c, mnt in ((solo, workdir / "mnt-1"), (trio, workdir / "mnt-3")):
-                c.mount(mnt, c.addresses[0])
+                c.mount(mnt, c.nodes[0])
                 nfiles, seconds = read_tree(mnt / "small")
                 c.unmount_all()
                 if c is solo:

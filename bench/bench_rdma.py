@@ -21,12 +21,13 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from kspeedfs.config import Settings  # noqa: E402
-from kspeedfs.demo import LocalCache  # noqa: E402
-from kspeedfs.localdata import LocalDataset  # noqa: E402
-from kspeedfs.rdma.verbs import probe  # noqa: E402
-from kspeedfs.transport import Range, TcpTransport, Transport, open_transport  # noqa: E402
-from kspeedfs.units import format_size, parse_size  # noqa: E402
+from kspeedfs.format.config import Settings
+from kspeedfs.format.localdata import LocalDataset
+from kspeedfs.format.units import format_size, parse_size
+from kspeedfs.localproc import LocalCache
+from kspeedfs.net.transport import Range, TcpTransport, Transport
+from kspeedfs.rdma.client import open_transport
+from kspeedfs.rdma.verbs import probe
 
 BULK_FILE = 128 << 20
 BULK_CALL = 64 << 20  # bytes per read_into for bulk reads (the TCP frame limit is 128 MiB)
@@ -97,27 +98,31 @@ def timed(fn: Callable[[], int], rounds: int) -> tuple[float, int]:
     return best, nbytes
 
 
-def run_calls(t: Transport, dataset: str, calls: list[list[Range]], buf: bytearray) -> int:
+def run_calls(
+    t: Transport, dataset: tuple[str, str], calls: list[list[Range]], buf: bytearray
+) -> int:
     total = 0
     view = memoryview(buf)
     for ranges in calls:
         n = sum(r[2] for r in ranges)
-        t.read_into(dataset, ranges, view[:n])
+        t.read_into(*dataset, ranges, view[:n])
         total += n
     return total
 
 
-def check(t: Transport, dataset: str, src: Path, files: list[tuple[bytes, list[Range]]]) -> None:
+def check(
+    t: Transport, dataset: tuple[str, str], src: Path, files: list[tuple[bytes, list[Range]]]
+) -> None:
     for path, ranges in files:
         out = bytearray(sum(r[2] for r in ranges))
-        t.read_into(dataset, ranges, memoryview(out))
+        t.read_into(*dataset, ranges, memoryview(out))
         if out != (src / os.fsdecode(path)).read_bytes():
             raise SystemExit(f"{t.name}: wrong bytes for {os.fsdecode(path)}")
 
 
 def measure(
     t: Transport,
-    dataset: str,
+    dataset: tuple[str, str],
     bulk: list[list[Range]],
     small: list[tuple[bytes, list[Range]]],
     batch: int,
@@ -180,8 +185,9 @@ def main() -> int:
             print(f"RDMA not measured, TCP figures only: {found.reason}")
         results = {}
         for name, t in transports.items():
-            check(t, "rdmabench", src, bulk_files[:1] + small[:200])
-            results[name] = measure(t, "rdmabench", bulk, small, args.batch, args.rounds)
+            instance = ("rdmabench", ds.uuid)  # (name, instance id): what every read names
+            check(t, instance, src, bulk_files[:1] + small[:200])
+            results[name] = measure(t, instance, bulk, small, args.batch, args.rounds)
             t.close()
 
     print(f"\n{'':28}" + "".join(f"{name:>14}" for name in results))

@@ -11,11 +11,13 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from . import __version__, admin, auth
-from .config import Settings, load_settings
-from .errors import EXIT_CODES_DOC, AuthError, InvalidArgument, KSpeedError
-from .logs import setup_logging
-from .units import format_size
+from kspeedfs import __version__
+from kspeedfs.client import admin
+from kspeedfs.format import auth
+from kspeedfs.format.config import Settings, load_settings
+from kspeedfs.format.errors import EXIT_CODES_DOC, AuthError, InvalidArgument, KSpeedError
+from kspeedfs.format.units import format_size
+from kspeedfs.system.logs import setup_logging
 
 log = logging.getLogger("kspeedfs")
 
@@ -147,7 +149,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def cmd_node(args: argparse.Namespace) -> int:
-    from .node import run_node
+    from kspeedfs.node.server import run_node
 
     settings = _settings(
         args,
@@ -214,7 +216,7 @@ def cmd_ls(args: argparse.Namespace) -> int:
 
 
 def cmd_status(args: argparse.Namespace) -> int:
-    from .client import NodeClient
+    from kspeedfs.net.connection import NodeClient
 
     settings = _settings(args)
     nodes = []
@@ -258,7 +260,7 @@ def cmd_status(args: argparse.Namespace) -> int:
         for name, d in sorted(datasets.items()):
             table.append((name, str(d["segments"]), f"{d['resident_pct']:.0f}%"))
         _print_table(table)
-    from .rtclient import cache_table, spill_lines
+    from kspeedfs.tables import cache_table, spill_lines
 
     cache = cache_table(nodes)
     if cache:
@@ -313,17 +315,16 @@ def cmd_refresh(args: argparse.Namespace) -> int:
 
 
 def cmd_mount(args: argparse.Namespace) -> int:
-    from .mount import run_mount
+    from kspeedfs.fuse.mount import run_mount
 
     options = [o for o in args.options.split(",") if o]
     settings = _settings(args)
     dataset = args.dataset
     if args.source:
-        from .mount import check_mountpoint
-        from .rtclient import register_source
+        from kspeedfs.fuse.mount import check_mountpoint
 
         check_mountpoint(args.mountpoint)  # before anything is created on the node
-        dataset = register_source(
+        dataset = admin.register_source(
             settings, args.source, args.endpoint or "", args.name or args.dataset
         )
     elif args.endpoint or args.name:
@@ -340,7 +341,7 @@ def cmd_mount(args: argparse.Namespace) -> int:
 
 
 def cmd_umount(args: argparse.Namespace) -> int:
-    from .mount import unmount
+    from kspeedfs.fuse.mount import unmount
 
     unmount(args.mountpoint, lazy=args.lazy)
     return 0
@@ -353,7 +354,7 @@ def cmd_mounts(args: argparse.Namespace) -> int:
 
 
 def cmd_install_systemd(args: argparse.Namespace) -> int:
-    from .systemd_units import install
+    from kspeedfs.systemd_units import install
 
     exec_prefix = Path(args.exec_prefix) if args.exec_prefix else None
     for path in install(Path(args.prefix), exec_prefix, args.example_mount):
@@ -386,8 +387,8 @@ def cmd_token(args: argparse.Namespace) -> int:
 
 
 def cmd_sample(args: argparse.Namespace) -> int:
-    from .sample import make_sample
-    from .units import parse_size
+    from kspeedfs.format.units import parse_size
+    from kspeedfs.sample import make_sample
 
     started = time.monotonic()
     n, nbytes = make_sample(Path(args.dest), args.classes, args.per_class, parse_size(args.size))
@@ -398,7 +399,7 @@ def cmd_sample(args: argparse.Namespace) -> int:
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
-    from .demo import run_demo
+    from kspeedfs.demo import run_demo
 
     return run_demo(Path(args.workdir), args.classes, args.per_class, args.workers)
 

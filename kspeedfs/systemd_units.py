@@ -7,7 +7,7 @@ import re
 import sysconfig
 from pathlib import Path
 
-from .errors import AlreadyExists, InvalidArgument, KSpeedError, NotFound
+from kspeedfs.format.errors import AlreadyExists, InvalidArgument, KSpeedError, NotFound
 
 SERVICES = ("kspeedfs-node.service", "kspeedfs-mountd.service", "kspeedfs-mount@.service")
 EXAMPLES = ("mnt-imagenet.mount",)

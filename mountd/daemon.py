@@ -13,10 +13,10 @@ from typing import Any
 
 import trio
 
-from kspeedfs.errors import EXIT_CODES_DOC, InvalidArgument, KSpeedError
-from kspeedfs.logs import setup_logging
-from kspeedfs.mountinfo import lazy_unmount
-from kspeedfs.notify import notify, watchdog_interval
+from kspeedfs.format.errors import EXIT_CODES_DOC, InvalidArgument, KSpeedError
+from kspeedfs.system.logs import setup_logging
+from kspeedfs.system.mountinfo import lazy_unmount
+from kspeedfs.system.notify import notify, watchdog_interval
 
 from .declarations import (
     DEFAULT_MOUNTS_DIR,

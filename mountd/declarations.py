@@ -11,11 +11,11 @@ import tomllib
 from pathlib import Path
 from typing import Any
 
-from kspeedfs.errors import InvalidArgument, KSpeedError, NotFound
-from kspeedfs.mount import ALLOWED_OPTIONS
-from kspeedfs.mountinfo import normalize
-from kspeedfs.names import validate_name
-from kspeedfs.units import parse_address_list
+from kspeedfs.format.errors import InvalidArgument, KSpeedError, NotFound
+from kspeedfs.format.names import validate_name
+from kspeedfs.format.units import parse_address_list
+from kspeedfs.fuse.mount import ALLOWED_OPTIONS
+from kspeedfs.system.mountinfo import normalize
 
 log = logging.getLogger(__name__)
 

@@ -8,7 +8,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from kspeedfs.errors import KSpeedError, NotFound
+from kspeedfs.format.errors import KSpeedError, NotFound
 
 # RuntimeDirectory=kspeedfs-mountd in the unit: systemd creates it and removes it at stop.
 DEFAULT_STATE_FILE = Path("/run/kspeedfs-mountd/state.json")

@@ -13,7 +13,7 @@ import numpy as np
 import torch
 from torch.utils.data import BatchSampler, Dataset
 
-from kspeedfs.errors import DataError, InvalidArgument
+from kspeedfs.format.errors import DataError, InvalidArgument
 
 from .folder import CachedPath, PathLike
 from .prefetch import ClairvoyantSampler

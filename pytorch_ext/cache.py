@@ -14,15 +14,14 @@ import logging
 import os
 import re
 import threading
-import time
 from collections.abc import Sequence
-from typing import Any, NamedTuple
+from typing import Any
 
-from kspeedfs.client import NodeClient
-from kspeedfs.cluster import ClusterReader, DatasetHandle, local_node_for
-from kspeedfs.config import Settings, load_settings
-from kspeedfs.errors import (
-    AlreadyExists,
+from kspeedfs.client import admin
+from kspeedfs.client.handle import DatasetHandle
+from kspeedfs.client.reader import ClusterReader, local_node_for
+from kspeedfs.format.config import Settings, load_settings
+from kspeedfs.format.errors import (
     AuthError,
     DataError,
     InvalidArgument,
@@ -30,29 +29,15 @@ from kspeedfs.errors import (
     NoSpace,
     NotFound,
 )
-from kspeedfs.localdata import LocalDataset
-from kspeedfs.manifest import Manifest
-from kspeedfs.progress import ProgressBar
-from kspeedfs.scan import check_source
-from kspeedfs.units import parse_address
+from kspeedfs.format.localdata import LocalDataset
+from kspeedfs.format.manifest import Manifest
+from kspeedfs.format.units import parse_address
+from kspeedfs.net.connection import NodeClient
+from kspeedfs.sources.scan import check_source
 
 from . import lease
 
 log = logging.getLogger(__name__)
-
-POLL_S = 0.1
-# One vectored read stays well under the protocol's frame and range limits.
-MAX_READ_BYTES = 64 * 1024 * 1024
-MAX_READ_RANGES = 4096
-
-
-class _Piece(NamedTuple):
-    pos: int  # where it goes in the output buffer
-    seg: int
-    off: int  # offset in the segment
-    n: int
-    entry: int
-    file_off: int  # offset in the file, for a fallback read by file
 
 
 @dataclasses.dataclass(frozen=True)
@@ -156,7 +141,7 @@ def attach(
     settings: Settings,
     local: bool | None,
     source_for_preload: str | None = None,
-) -> tuple[CacheRef, str, tuple[str, str] | None]:
+) -> tuple[CacheRef, str, tuple[str, str, str] | None]:
     """Find or actively load the dataset holding `path`.
 
     Returns the ref, `path` relative to the dataset root, and the lease key when this process
@@ -181,7 +166,7 @@ def attach(
         if info.get("lifetime") == "leased":
             members = info.get("members") or [node]
             try:
-                key = lease.hold(settings, str(members[0]), info["name"])
+                key = lease.hold(settings, str(members[0]), info["name"], str(info["uuid"]))
             except NotFound:
                 continue  # unloaded between the listing and the lease: look again
         ref = CacheRef(
@@ -197,65 +182,34 @@ def attach(
 
 
 def _active_preload(settings: Settings, source: str, objname: str | None) -> None:
-    """Preload `source` with a leased lifetime; waits for it (progress shown on rank 0)."""
+    """Preload `source` with a leased lifetime, or join its load already under way (another job
+    or rank started it); waits for it (progress shown on rank 0)."""
     try:
         src = os.path.abspath(check_source(source))
     except KSpeedError as e:
         raise type(e)(f"{source} is not in the cache and cannot be loaded: {e}") from None
     name = objname or derived_name(src)
-    client = _connect(settings)
     try:
-        try:
-            client.request("preload", name=name, source=src, lifetime="leased", replicas=1)
-            log.info("actively preloading %s as %s (leased)", src, name)
-        except AlreadyExists:
-            pass  # another job (or rank) started it: wait for it like them
-        except AuthError as e:
-            raise AuthError(
-                f"{source} is not in the cache and loading it needs the admin token: {e}"
-            ) from None
-        except (NoSpace, NotFound, InvalidArgument) as e:
-            raise type(e)(f"{source} is not in the cache and cannot be loaded: {e}") from None
-        _poll(client, name, src)
-    finally:
-        client.close()
-
-
-def _connect(settings: Settings, node: str | None = None) -> NodeClient:
-    from kspeedfs import admin
-
-    if node is None:
-        return admin.connect(settings)
-    client = NodeClient(parse_address(node), settings.token_file, settings.timeout)
-    client.connect()
-    return client
+        label = f"kspeedfs load {name}" if process_rank() == 0 else None
+        admin.ensure_loaded(settings, src, name, lifetime="leased", progress_label=label)
+    except AuthError as e:
+        raise AuthError(
+            f"{source} is not in the cache and loading it needs the admin token: {e}"
+        ) from None
+    except (NoSpace, NotFound, InvalidArgument) as e:
+        raise type(e)(f"{source} is not in the cache and cannot be loaded: {e}") from None
 
 
 def _wait_ready(settings: Settings, node: str, name: str) -> None:
-    client = _connect(settings, node)
+    """Wait for a load of `name` that `node` lists as under way."""
+    client = NodeClient(parse_address(node), settings.token_file, settings.timeout)
     try:
-        _poll(client, name, name)
+        label = f"kspeedfs load {name}" if process_rank() == 0 else None
+        admin.wait_ready(client, name, progress_label=label)
     except NotFound:
         pass  # finished (or failed) and forgotten meanwhile: the caller looks again
     finally:
         client.close()
-
-
-def _poll(client: NodeClient, name: str, what: str) -> None:
-    bar = ProgressBar(f"kspeedfs load {name}") if process_rank() == 0 else None
-    try:
-        while True:
-            p = client.request("progress", name=name)
-            if bar is not None:
-                bar.update(p["files_done"], p["files_total"], p["bytes_done"], p["bytes_total"])
-            if p["state"] == "ready":
-                return
-            if p["state"] == "failed":
-                raise DataError(f"loading {what} into the cache failed: {p['error']}")
-            time.sleep(POLL_S)
-    finally:
-        if bar is not None:
-            bar.close()
 
 
 class Reader:
@@ -299,7 +253,10 @@ class Reader:
         mv = self._seg_views.get(seg)
         if mv is None:
             assert self.local is not None
-            mv = self._seg_views[seg] = memoryview(self.local.segment(seg))
+            try:
+                mv = self._seg_views[seg] = memoryview(self.local.segment(seg))
+            except DataError:
+                return self._copied(entry)  # unloaded before we mapped it: the read policy
         return mv[off:end]
 
     def is_local(self, entry: int) -> bool:
@@ -311,7 +268,13 @@ class Reader:
             return self.local_view(entry)
         if self.is_local(entry):
             assert self.local is not None
-            return self.local.file_view(entry)
+            try:
+                return self.local.file_view(entry)
+            except DataError:
+                pass  # unloaded before we mapped it: the read policy finds another copy
+        return self._copied(entry)
+
+    def _copied(self, entry: int) -> memoryview:
         out = bytearray(int(self.manifest.size[entry]))
         self.gather([(entry, 0, len(out))], memoryview(out))
         return memoryview(out)
@@ -323,7 +286,10 @@ class Reader:
             return self.local_view(entry)
         if self.is_local(entry):
             assert self.local is not None
-            return self.local.file_view(entry)
+            try:
+                return self.local.file_view(entry)
+            except DataError:
+                pass
         n = int(self.manifest.size[entry])
         buf: bytearray | None = getattr(self._scratch, "buf", None)
         if buf is None or len(buf) < n:
@@ -346,82 +312,8 @@ class Reader:
 
     def gather(self, requests: Sequence[tuple[int, int, int]], out: memoryview) -> None:
         """Fill `out` with bytes [offset, offset+length) of each (entry, offset, length), back to
-        back: local pieces are copied from shared memory, the rest read with one request per
-        node; a node that fails is replaced by the cluster's replica/source fallback."""
-        by_node: dict[str, list[_Piece]] = {}
-        fallback: list[_Piece] = []
-        pos = 0
-        for entry, offset, length in requests:
-            file_off = offset
-            for seg, off, n in self.manifest.ranges(entry, offset, length):
-                if self.local is not None and self.local.holds(seg):
-                    out[pos : pos + n] = self.local.view(seg, off, n)
-                else:
-                    piece = _Piece(pos, seg, off, n, entry, file_off)
-                    node = self._owner(seg)
-                    if node is None:
-                        fallback.append(piece)
-                    else:
-                        by_node.setdefault(node, []).append(piece)
-                pos += n
-                file_off += n
-        if pos != len(out):
-            raise InvalidArgument(f"a buffer of {len(out)} bytes for {pos} bytes of reads")
-        for node, pieces in by_node.items():
-            try:
-                self._read_node(node, pieces, out)
-            except KSpeedError as e:
-                log.warning(
-                    "%s: read from %s failed (%s); trying elsewhere", self.ref.name, node, e
-                )
-                fallback.extend(pieces)
-        for p in fallback:
-            out[p.pos : p.pos + p.n] = self.cluster.read(self.handle, p.entry, p.file_off, p.n)
-
-    def _owner(self, seg: int) -> str | None:
-        for node in self.handle.owners(seg):
-            if node != self.local_node and not self.cluster.is_down(node):
-                return node
-        return None
-
-    def _read_node(self, node: str, pieces: list[_Piece], out: memoryview) -> None:
-        # Merge pieces adjacent both in the segment and in `out` (rows of one array, say).
-        merged: list[list[int]] = []  # [out pos, seg, off, n]
-        for p in pieces:
-            last = merged[-1] if merged else None
-            if (
-                last
-                and last[1] == p.seg
-                and last[2] + last[3] == p.off
-                and last[0] + last[3] == p.pos
-            ):
-                last[3] += p.n
-            else:
-                merged.append([p.pos, p.seg, p.off, p.n])
-        start = 0
-        while start < len(merged):
-            end, total = start, 0
-            while (
-                end < len(merged)
-                and end - start < MAX_READ_RANGES
-                and (total == 0 or total + merged[end][3] <= MAX_READ_BYTES)
-            ):
-                total += merged[end][3]
-                end += 1
-            chunk = merged[start:end]
-            ranges = [(seg, off, n) for _pos, seg, off, n in chunk]
-            first = chunk[0][0]
-            if chunk[-1][0] + chunk[-1][3] - first == total:
-                # Back to back in `out` (pieces never overlap): receive straight into it.
-                self.cluster.read_ranges(node, self.ref.name, ranges, out[first : first + total])
-            else:
-                tmp = memoryview(bytearray(total))
-                self.cluster.read_ranges(node, self.ref.name, ranges, tmp)
-                at = 0
-                for opos, _seg, _off, n in chunk:
-                    out[opos : opos + n] = tmp[at : at + n]
-                    at += n
-            start = end
+        back, by the cluster's one read policy (local map, owners, verified source)."""
+        self.cluster.gather(self.handle, requests, out)
 
 
 _readers: dict[tuple[str, str, bool | None], Reader] = {}

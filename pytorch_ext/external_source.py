@@ -7,7 +7,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from kspeedfs.errors import InvalidArgument
+from kspeedfs.format.errors import InvalidArgument
 
 from .folder import PathLike
 from .image_folder import KSpeedImageFolder

@@ -10,8 +10,8 @@ from typing import Any
 import numpy as np
 from torch.utils.data import Dataset
 
-from kspeedfs.errors import InvalidArgument
-from kspeedfs.manifest import Manifest
+from kspeedfs.format.errors import InvalidArgument
+from kspeedfs.format.manifest import Manifest
 
 from . import cache, lease
 from .index import IndexBuilder, LazyFiles, SampleIndex, build_folder_index, extension_check

@@ -15,7 +15,7 @@ from torchvision.datasets import VisionDataset
 from torchvision.datasets.folder import IMG_EXTENSIONS, default_loader, pil_loader
 from torchvision.io import ImageReadMode, decode_image, decode_jpeg
 
-from kspeedfs.errors import InvalidArgument, NotFound
+from kspeedfs.format.errors import InvalidArgument, NotFound
 
 from .folder import CachedPath, PathLike
 from .index import (

@@ -16,7 +16,7 @@ from typing import Any, TypeVar, overload
 
 import numpy as np
 
-from kspeedfs.manifest import Manifest
+from kspeedfs.format.manifest import Manifest
 
 _S_IFMT = 0o170000
 T = TypeVar("T")

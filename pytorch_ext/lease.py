@@ -7,10 +7,10 @@ import os
 import socket
 import threading
 
-from kspeedfs.client import NodeClient
-from kspeedfs.config import Settings
-from kspeedfs.errors import KSpeedError, NotFound
-from kspeedfs.units import parse_address
+from kspeedfs.format.config import Settings
+from kspeedfs.format.errors import KSpeedError, NotFound
+from kspeedfs.format.units import parse_address
+from kspeedfs.net.connection import NodeClient
 
 log = logging.getLogger(__name__)
 
@@ -18,9 +18,10 @@ log = logging.getLogger(__name__)
 class LeaseKeeper:
     """Holds one lease on a dataset at its home node until released (or this process dies)."""
 
-    def __init__(self, settings: Settings, home: str, name: str):
+    def __init__(self, settings: Settings, home: str, name: str, instance: str):
         self.home = home
         self.name = name
+        self.instance = instance
         self.pid = os.getpid()
         self.lease_id = ""
         self.ttl = settings.lease_ttl
@@ -33,7 +34,9 @@ class LeaseKeeper:
     def acquire(self) -> None:
         """Take the lease; raises NotFound when the dataset is gone (or being unloaded)."""
         with self._lock:
-            reply = self._client.request("lease_acquire", name=self.name, holder=self.holder)
+            reply = self._client.request(
+                "lease_acquire", name=self.name, uuid=self.instance, holder=self.holder
+            )
         self.lease_id = str(reply["lease"])
         self.ttl = float(reply.get("ttl", self.ttl))
         log.debug("lease on %s at %s: %s (ttl %.1fs)", self.name, self.home, reply, self.ttl)
@@ -56,7 +59,7 @@ class LeaseKeeper:
                     except NotFound:
                         # The node restarted or we stalled past the ttl: take a new one.
                         reply = self._client.request(
-                            "lease_acquire", name=self.name, holder=self.holder
+                            "lease_acquire", name=self.name, uuid=self.instance, holder=self.holder
                         )
                         self.lease_id = str(reply["lease"])
                         log.warning("lease on %s was lost; took a new one", self.name)
@@ -88,23 +91,23 @@ class LeaseKeeper:
             self._client.close()
 
 
-_held: dict[tuple[str, str], tuple[LeaseKeeper, int]] = {}
+_held: dict[tuple[str, str, str], tuple[LeaseKeeper, int]] = {}
 _held_lock = threading.Lock()
 
 
-def hold(settings: Settings, home: str, name: str) -> tuple[str, str]:
-    """Count one more user of the process's lease on `name`, taking it if it is the first."""
-    key = (home, name)
+def hold(settings: Settings, home: str, name: str, instance: str) -> tuple[str, str, str]:
+    """Count one more user of the process's lease on an instance, taking it if it is the first."""
+    key = (home, name, instance)
     with _held_lock:
         keeper, users = _held.get(key, (None, 0))
         if keeper is None or keeper.pid != os.getpid():
-            keeper, users = LeaseKeeper(settings, home, name), 0
+            keeper, users = LeaseKeeper(settings, home, name, instance), 0
             keeper.acquire()
         _held[key] = (keeper, users + 1)
     return key
 
 
-def unhold(key: tuple[str, str], pid: int) -> None:
+def unhold(key: tuple[str, str, str], pid: int) -> None:
     """One user fewer; the last one releases the lease (only in the process that took it)."""
     if os.getpid() != pid:
         return

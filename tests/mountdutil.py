@@ -16,7 +16,7 @@ from typing import Any
 
 from conftest import wait_for
 
-from kspeedfs.mountinfo import mount_entries
+from kspeedfs.system.mountinfo import mount_entries
 
 MOUNTD = [sys.executable, "-m", "mountd.daemon"]
 

@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 from conftest import MountProcess, NodeProcess, free_port, make_tree, run_cli
 
-from kspeedfs import auth
-from kspeedfs.errors import EXIT_CODES_DOC, InvalidArgument
+from kspeedfs.format import auth
+from kspeedfs.format.errors import EXIT_CODES_DOC, InvalidArgument
 
 
 @dataclasses.dataclass

@@ -11,11 +11,11 @@ import pytest
 from clusterutil import Cluster, held_on_disk, running, staging_left
 from conftest import make_tree, run_cli
 
-from kspeedfs import auth, protocol
-from kspeedfs.client import NodeClient
-from kspeedfs.errors import AuthError
-from kspeedfs.protocol import MsgType
-from kspeedfs.units import Address
+from kspeedfs.format import auth, protocol
+from kspeedfs.format.errors import AuthError
+from kspeedfs.format.protocol import MsgType
+from kspeedfs.format.units import Address
+from kspeedfs.net.connection import NodeClient
 
 
 @pytest.fixture(scope="module")
@@ -153,7 +153,9 @@ def test_unauthenticated_requests_are_refused(cluster: Cluster) -> None:
     sock, _nonce = raw_connect(port)
     with sock:
         sock.sendall(
-            protocol.encode_frame(MsgType.READ, 1, protocol.encode_read("kept", [(0, 0, 10)]))
+            protocol.encode_frame(
+                MsgType.READ, 1, protocol.encode_read("kept", "0" * 32, [(0, 0, 10)])
+            )
         )
         kind, err = answer(sock)
         assert kind == MsgType.ERROR and err["kind"] == "AuthError"
@@ -197,7 +199,8 @@ def test_read_role_reads_but_cannot_change_anything(
     expected = (node.shm_dir / "datasets" / "kept" / "seg" / f"{seg:08d}").read_bytes()[:1000]
     with NodeClient(Address("127.0.0.1", node.port), read_token) as c:
         assert c.role == "read"
-        assert bytes(c.read("kept", [(seg, 0, 1000)])) == expected
+        uuid = cluster.listing(node)["kept"]["uuid"]
+        assert bytes(c.read("kept", uuid, [(seg, 0, 1000)])) == expected
 
     (tmp_path / "src").mkdir()
     (tmp_path / "src" / "f").write_bytes(b"x")

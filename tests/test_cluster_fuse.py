@@ -16,10 +16,10 @@ from clusterutil import Cluster, held_on_disk, running
 from conftest import MountProcess, NodeProcess, wait_for
 from torchvision import datasets, transforms
 
-from kspeedfs import placement
-from kspeedfs.cluster import DOWN_FOR_S
-from kspeedfs.localdata import MANIFEST_FILE
-from kspeedfs.manifest import Manifest
+from kspeedfs.client.reader import DOWN_FOR_S
+from kspeedfs.format import placement
+from kspeedfs.format.localdata import MANIFEST_FILE
+from kspeedfs.format.manifest import Manifest
 from kspeedfs.sample import make_sample
 
 pytestmark = pytest.mark.fuse

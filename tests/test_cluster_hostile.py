@@ -18,9 +18,10 @@ from conftest import NodeProcess, make_tree, run_cli, wait_for
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from kspeedfs import auth, protocol
-from kspeedfs.node import HANDSHAKE_TIMEOUT
-from kspeedfs.protocol import HEADER, MAX_CONTROL_PAYLOAD, MAX_PAYLOAD, MsgType
+from kspeedfs.format import auth, protocol
+from kspeedfs.format.localdata import LocalDataset
+from kspeedfs.format.protocol import HEADER, MAX_CONTROL_PAYLOAD, MAX_PAYLOAD, MsgType
+from kspeedfs.node.server import HANDSHAKE_TIMEOUT
 
 SEGMENT = 64 * 1024
 DATASET = "victim"
@@ -34,6 +35,7 @@ class Node:
         self.shm_root = shm_root
         self.dataset_dir = proc.shm_dir / "datasets" / DATASET
         self.seg0 = (self.dataset_dir / "seg" / "00000000").read_bytes()
+        self.uuid = LocalDataset(self.dataset_dir).uuid
         self.admin = auth.read_token(proc.token_file)
         self.read = auth.derive_read_token(self.admin)
 
@@ -41,7 +43,8 @@ class Node:
         assert self.proc.proc is not None and self.proc.proc.poll() is None, "daemon died"
         with self.proc.client() as c:
             assert c.request("ping")["node"] == self.proc.address
-            assert bytes(c.read(DATASET, [(0, 5, 100), (0, 0, 5)])) == (
+            uuid = c.request("list")["datasets"][0]["uuid"]
+            assert bytes(c.read(DATASET, uuid, [(0, 5, 100), (0, 0, 5)])) == (
                 self.seg0[5:105] + self.seg0[:5]
             )
             assert [d["name"] for d in c.request("list")["datasets"]] == [DATASET]
@@ -161,8 +164,13 @@ def frame(
     return HEADER.pack(magic, version, msg_type, 1, n) + payload
 
 
-def read_payload(name: str, ranges: list[tuple[int, int, int]]) -> bytes:
-    return frame(MsgType.READ, protocol.encode_read(name, ranges))
+OTHER_INSTANCE = "0" * 32
+
+
+def read_payload(
+    name: str, ranges: list[tuple[int, int, int]], instance: str = OTHER_INSTANCE
+) -> bytes:
+    return frame(MsgType.READ, protocol.encode_read(name, instance, ranges))
 
 
 # Bytes that make the daemon close the connection, with or without a reply first.
@@ -171,7 +179,7 @@ CLOSING = {
     "truncated payload": frame(MsgType.REQUEST, b'{"op":"pi', length=100),
     "wrong magic": frame(MsgType.REQUEST, b'{"op":"ping"}', magic=b"HT"),
     "http": b"GET / HTTP/1.1\r\nHost: x\r\n\r\n",
-    "wrong version": frame(MsgType.REQUEST, b'{"op":"ping"}', version=2),
+    "wrong version": frame(MsgType.REQUEST, b'{"op":"ping"}', version=protocol.VERSION + 1),
     "version zero": frame(MsgType.REQUEST, b'{"op":"ping"}', version=0),
     "oversize control": frame(MsgType.REQUEST, length=MAX_CONTROL_PAYLOAD + 1),
     "oversize data": frame(MsgType.DATA, length=MAX_PAYLOAD),
@@ -186,12 +194,16 @@ CLOSING = {
     "json not an object": frame(MsgType.REQUEST, b'["ping"]'),
     "not utf-8": frame(MsgType.REQUEST, b'{"op": "\xff\xfe"}'),
     "read shorter than its ranges": frame(
-        MsgType.READ, protocol.encode_read(DATASET, [(0, 0, 1)])[:-3]
+        MsgType.READ, protocol.encode_read(DATASET, "0" * 32, [(0, 0, 1)])[:-3]
     ),
-    "read name past the payload": frame(MsgType.READ, struct.pack("!BI", 200, 0) + b"abc"),
-    "read too many ranges": frame(MsgType.READ, struct.pack("!BI", 1, 70000) + b"v"),
+    "read name past the payload": frame(
+        MsgType.READ, struct.pack("!B16sI", 200, bytes(16), 0) + b"abc"
+    ),
+    "read too many ranges": frame(MsgType.READ, struct.pack("!B16sI", 1, bytes(16), 70000) + b"v"),
     "read of more than the maximum": read_payload(DATASET, [(0, 0, MAX_PAYLOAD), (0, 0, 1)]),
-    "read name not utf-8": frame(MsgType.READ, struct.pack("!BI", 2, 0) + b"\xff\xfe"),
+    "read name not utf-8": frame(
+        MsgType.READ, struct.pack("!B16sI", 2, bytes(16), 0) + b"\xff\xfe"
+    ),
 }
 
 
@@ -210,19 +222,22 @@ def test_bad_frames_close_the_connection(node: Node, case: str) -> None:
 
 
 # Requests the daemon refuses with an error while the connection carries on.
-REFUSED: dict[str, tuple[bytes, str]] = {
-    "past the segment end": (read_payload(DATASET, [(0, SEGMENT - 10, 100)]), "DataError"),
-    "offset past the end": (read_payload(DATASET, [(0, 2**40, 1)]), "DataError"),
-    "segment that does not exist": (read_payload(DATASET, [(2**32 - 1, 0, 1)]), "DataError"),
-    "unknown dataset": (read_payload("nope", [(0, 0, 1)]), "NotFound"),
-    "traversal in a read": (read_payload("../victim", [(0, 0, 1)]), "NotFound"),
-    "absolute name in a read": (read_payload("/etc/passwd", [(0, 0, 1)]), "NotFound"),
+# (dataset, ranges, whether the read names the instance the node holds, the error's kind)
+REFUSED: dict[str, tuple[str, list[tuple[int, int, int]], bool, str]] = {
+    "past the segment end": (DATASET, [(0, SEGMENT - 10, 100)], True, "DataError"),
+    "offset past the end": (DATASET, [(0, 2**40, 1)], True, "DataError"),
+    "segment that does not exist": (DATASET, [(2**32 - 1, 0, 1)], True, "DataError"),
+    "another instance": (DATASET, [(0, 0, 1)], False, "StaleDataset"),
+    "unknown dataset": ("nope", [(0, 0, 1)], True, "NotFound"),
+    "traversal in a read": ("../victim", [(0, 0, 1)], True, "NotFound"),
+    "absolute name in a read": ("/etc/passwd", [(0, 0, 1)], True, "NotFound"),
 }
 
 
 @pytest.mark.parametrize("case", sorted(REFUSED))
 def test_bad_reads_are_refused_and_the_connection_carries_on(node: Node, case: str) -> None:
-    data, kind = REFUSED[case]
+    name, ranges, held, kind = REFUSED[case]
+    data = read_payload(name, ranges, node.uuid if held else OTHER_INSTANCE)
     with Raw(node, node.read) as raw:
         for _ in range(2):
             raw.send(data)
@@ -230,7 +245,7 @@ def test_bad_reads_are_refused_and_the_connection_carries_on(node: Node, case: s
             assert got is not None and got[0] == MsgType.ERROR, case
             assert json.loads(got[1])["kind"] == kind
         # The same connection still reads.
-        raw.send(read_payload(DATASET, [(0, 0, 10)]))
+        raw.send(read_payload(DATASET, [(0, 0, 10)], node.uuid))
         assert raw.reply() == (MsgType.DATA, node.seg0[:10])
     node.assert_serves()
 
@@ -293,9 +308,9 @@ def hostile_round(node: Node) -> None:
                 raw.sock.shutdown(socket.SHUT_WR)
             while raw.reply() is not None:
                 pass
-    for data, _kind in REFUSED.values():
+    for name, ranges, held, _kind in REFUSED.values():
         with Raw(node, node.read) as raw:
-            raw.send(data)
+            raw.send(read_payload(name, ranges, node.uuid if held else OTHER_INSTANCE))
             raw.reply()
 
 
@@ -339,7 +354,7 @@ def header_fields() -> st.SearchStrategy[bytes]:
     return st.builds(
         lambda magic, version, kind, rid, length: HEADER.pack(magic, version, kind, rid, length),
         st.sampled_from([b"KS", b"KS", b"KS", b"SK", b"\0\0"]),
-        st.sampled_from([protocol.VERSION] * 4 + [0, 2, 255]),
+        st.sampled_from([protocol.VERSION] * 4 + [0, protocol.VERSION + 1, 255]),
         st.integers(0, 9) | st.integers(0, 255),
         st.integers(0, 2**32 - 1),
         st.integers(0, 64) | st.integers(0, 2**32 - 1),

@@ -8,7 +8,7 @@ from collections import Counter
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kspeedfs.placement import assignment, owners
+from kspeedfs.format.placement import assignment, owners
 
 NODES = [f"10.0.0.{i}:7420" for i in range(1, 9)]
 NEW = "10.0.0.99:7420"

@@ -15,11 +15,11 @@ import pytest
 from clusterutil import Cluster, held_on_disk, running, staging_left
 from conftest import NodeProcess, make_tree, run_cli, wait_for
 
-from kspeedfs import placement
-from kspeedfs.cluster import ClusterReader
-from kspeedfs.config import load_settings
-from kspeedfs.localdata import MANIFEST_FILE
-from kspeedfs.manifest import Manifest
+from kspeedfs.client.reader import ClusterReader
+from kspeedfs.format import placement
+from kspeedfs.format.config import load_settings
+from kspeedfs.format.localdata import MANIFEST_FILE
+from kspeedfs.format.manifest import Manifest
 
 SEGMENT = 64 * 1024
 

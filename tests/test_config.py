@@ -1,4 +1,4 @@
-"""Unit tests of kspeedfs.config: precedence CLI > environment > file > default, and errors."""
+"""Unit tests of kspeedfs.format.config: precedence CLI > environment > file > default, and errors."""
 
 from __future__ import annotations
 
@@ -6,10 +6,10 @@ from pathlib import Path
 
 import pytest
 
-from kspeedfs import config
-from kspeedfs.config import Settings, load_settings
-from kspeedfs.errors import InvalidArgument, NotFound
-from kspeedfs.units import Address
+from kspeedfs.format import config
+from kspeedfs.format.config import Settings, load_settings
+from kspeedfs.format.errors import InvalidArgument, NotFound
+from kspeedfs.format.units import Address
 
 
 @pytest.fixture(autouse=True)

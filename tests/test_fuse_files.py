@@ -173,8 +173,10 @@ def test_unload_while_a_file_is_open_and_being_read(
                     try:
                         chunk = os.pread(f.fileno(), 65536, off)
                     except OSError as e:
-                        assert e.errno == errno.EIO, e
-                        outcomes.append("eio")
+                        # EIO: no copy and no matching source; ESTALE: the mount forgot the
+                        # instance (its memory is freed). Never another instance's bytes.
+                        assert e.errno in (errno.EIO, errno.ESTALE), e
+                        outcomes.append("error")
                         return
                     assert chunk == source[off : off + 65536]
                 outcomes.append("ok")
@@ -191,12 +193,14 @@ def test_unload_while_a_file_is_open_and_being_read(
         reads, count = daemon_reads(), len(outcomes)
         # Listing the top makes the mount notice the unload while the file stays open.
         wait_for(lambda: "victim" not in os.listdir(mount_all.mountpoint), what="victim unlisted")
-        wait_for(lambda: len(outcomes) > count + 2 or "eio" in outcomes, what="reads after unload")
+        wait_for(
+            lambda: len(outcomes) > count + 2 or "error" in outcomes, what="reads after unload"
+        )
     finally:
         stop.set()
         t.join(30)
     assert not t.is_alive()
-    assert set(outcomes) <= {"ok", "eio"}
+    assert set(outcomes) <= {"ok", "error"}
     assert daemon_reads() > reads, "the reads after unload never reached the daemon"
     # The mount is still up and answers.
     assert os.path.ismount(mount_all.mountpoint)

@@ -12,14 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from kspeedfs.fuse_kernel import (
-    ROOT_INODE,
-    Attr,
-    FuseError,
-    FuseSession,
-    ReadResult,
-    StatFs,
-)
+from kspeedfs.fuse.kernel import ROOT_INODE, Attr, FuseError, FuseSession, ReadResult, StatFs
 
 DIR_INO, FILE_INO, BOOM_INO, SLOW_INO, BAD_INO = 2, 3, 4, 5, 6
 FIRST_CHILD = 1000

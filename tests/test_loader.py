@@ -9,11 +9,13 @@ from pathlib import Path
 import pytest
 import xxhash
 
-from kspeedfs.errors import DataError
-from kspeedfs.loader import Progress, load_segments, segment_checksums
-from kspeedfs.localdata import segment_path
-from kspeedfs.manifest import plan_layout
-from kspeedfs.scan import scan_tree
+from kspeedfs.format.errors import DataError
+from kspeedfs.format.layout import Layout
+from kspeedfs.format.localdata import segment_path
+from kspeedfs.format.manifest import plan_layout
+from kspeedfs.sources.loader import Progress, load_segments, segment_checksums
+from kspeedfs.sources.scan import scan_tree
+from kspeedfs.sources.source import LocalSource
 
 SEG = 4096
 
@@ -22,7 +24,8 @@ def stage(src: Path, held: set[int], staging: Path) -> tuple[dict[int, int], lis
     tree = scan_tree(src)
     offsets, seg_len = plan_layout(tree, SEG)
     (staging / "seg").mkdir(parents=True)
-    sums = load_segments(src, tree, offsets, seg_len, held, staging, SEG, Progress())
+    layout = Layout.of_tree(tree, offsets, seg_len, SEG)
+    sums = load_segments(LocalSource(str(src)), tree, layout, held, staging, Progress())
     return sums, offsets, seg_len
 
 
@@ -74,5 +77,10 @@ def test_a_source_that_changes_after_the_scan(tmp_path: Path, change: str) -> No
     (tmp_path / "st" / "seg").mkdir(parents=True)
     with pytest.raises(DataError, match=change):
         load_segments(
-            src, tree, offsets, seg_len, set(range(len(seg_len))), tmp_path / "st", SEG, Progress()
+            LocalSource(str(src)),
+            tree,
+            Layout.of_tree(tree, offsets, seg_len, SEG),
+            set(range(len(seg_len))),
+            tmp_path / "st",
+            Progress(),
         )

@@ -10,9 +10,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kspeedfs.errors import DataError, NotFound
-from kspeedfs.manifest import Manifest, plan_layout, write_manifest
-from kspeedfs.scan import Tree, scan_tree
+from kspeedfs.format.errors import DataError, NotFound
+from kspeedfs.format.manifest import Manifest, plan_layout, write_manifest
+from kspeedfs.format.tree import Tree
+from kspeedfs.sources.scan import scan_tree
 
 FILE = stat.S_IFREG | 0o644
 DIR = stat.S_IFDIR | 0o755
@@ -197,7 +198,7 @@ def test_header_without_counts_is_a_data_error(tmp_path: Path) -> None:
     import json
     import struct
 
-    from kspeedfs.manifest import MAGIC
+    from kspeedfs.format.manifest import MAGIC
 
     blob = json.dumps({"format": 1, "arrays": {}}).encode()
     path = tmp_path / "bad.ksm"

@@ -7,8 +7,8 @@ from pathlib import Path
 
 from conftest import NodeProcess, make_tree, run_cli
 
-from kspeedfs.cluster import ClusterReader
-from kspeedfs.config import load_settings
+from kspeedfs.client.reader import ClusterReader
+from kspeedfs.format.config import load_settings
 
 
 def test_manifest_fetched_in_pieces_equals_the_file(node: NodeProcess, tmp_path: Path) -> None:

@@ -12,9 +12,9 @@ import pytest
 from conftest import KSPEEDFS, NodeProcess, run_cli, wait_for
 from mountdutil import kspeedfs_mounts_under, unmount_all_under
 
-from kspeedfs.errors import InvalidArgument
-from kspeedfs.mount_helper import split_options, translate_options
-from kspeedfs.mountinfo import is_stale, kspeedfs_mounted, mount_entries
+from kspeedfs.format.errors import InvalidArgument
+from kspeedfs.fuse.mount_helper import split_options, translate_options
+from kspeedfs.system.mountinfo import is_stale, kspeedfs_mounted, mount_entries
 
 HELPER = str(Path(sys.executable).parent / "mount.kspeedfs")
 

@@ -24,8 +24,8 @@ from mountdutil import (
     unmount_all_under,
 )
 
-from kspeedfs import auth
-from kspeedfs.mountinfo import is_stale, kspeedfs_mounted
+from kspeedfs.format import auth
+from kspeedfs.system.mountinfo import is_stale, kspeedfs_mounted
 from mountd.declarations import Declaration, InvalidDeclaration, load_declarations
 
 pytestmark = pytest.mark.fuse

@@ -8,9 +8,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kspeedfs import protocol
-from kspeedfs.errors import ProtocolError
-from kspeedfs.protocol import (
+from kspeedfs.format import protocol
+from kspeedfs.format.errors import ProtocolError
+from kspeedfs.format.protocol import (
     HEADER,
     MAX_CONTROL_PAYLOAD,
     MAX_PAYLOAD,
@@ -19,6 +19,8 @@ from kspeedfs.protocol import (
     FrameDecoder,
     MsgType,
 )
+
+INSTANCE = "ab" * 16
 
 
 def decode_all(data: bytes, chunk: int | None = None) -> list[Frame]:
@@ -45,7 +47,9 @@ def test_frames_arrive_in_any_split() -> None:
         protocol.encode_json(MsgType.REQUEST, 1, {"op": "ping"}),
         protocol.encode_frame(MsgType.DATA, 2, b""),
         protocol.encode_frame(MsgType.DATA, 3, bytes(range(256)) * 40),
-        protocol.encode_frame(MsgType.READ, 2**32 - 1, protocol.encode_read("ds", [(1, 2, 3)])),
+        protocol.encode_frame(
+            MsgType.READ, 2**32 - 1, protocol.encode_read("ds", INSTANCE, [(1, 2, 3)])
+        ),
     ]
     wire = b"".join(frames)
     whole = decode_all(wire)
@@ -98,12 +102,23 @@ def test_bad_json_payloads(payload: bytes) -> None:
 
 def test_read_request_round_trip() -> None:
     ranges = [(0, 0, 1), (7, 2**40, 4096), (2**32 - 1, 5, 0)]
-    assert protocol.decode_read(protocol.encode_read("imagenet", ranges)) == ("imagenet", ranges)
-    assert protocol.decode_read(protocol.encode_read("x", [])) == ("x", [])
+    instance = "0123456789abcdef" * 2
+    assert protocol.decode_read(protocol.encode_read("imagenet", instance, ranges)) == (
+        "imagenet",
+        instance,
+        ranges,
+    )
+    assert protocol.decode_read(protocol.encode_read("x", instance, [])) == ("x", instance, [])
+
+
+def test_a_read_must_name_its_instance() -> None:
+    for bad in ("", "abc", "g" * 32, "0" * 30, "0" * 34):
+        with pytest.raises(ProtocolError, match="instance id"):
+            protocol.encode_read("ds", bad, [(0, 0, 1)])
 
 
 def test_bad_read_requests() -> None:
-    good = protocol.encode_read("ds", [(1, 2, 3), (4, 5, 6)])
+    good = protocol.encode_read("ds", INSTANCE, [(1, 2, 3), (4, 5, 6)])
     with pytest.raises(ProtocolError, match="truncated"):
         protocol.decode_read(good[:3])
     with pytest.raises(ProtocolError, match="length"):
@@ -111,14 +126,14 @@ def test_bad_read_requests() -> None:
     with pytest.raises(ProtocolError, match="length"):
         protocol.decode_read(good + b"\0")
     with pytest.raises(ProtocolError, match="UTF-8"):
-        protocol.decode_read(struct.pack("!BI", 2, 0) + b"\xff\xfe")
+        protocol.decode_read(struct.pack("!B16sI", 2, bytes(16), 0) + b"\xff\xfe")
     with pytest.raises(ProtocolError, match="too many"):
-        protocol.decode_read(struct.pack("!BI", 0, MAX_RANGES + 1))
+        protocol.decode_read(struct.pack("!B16sI", 0, bytes(16), MAX_RANGES + 1))
     with pytest.raises(ProtocolError, match="too many"):
-        protocol.encode_read("ds", [(0, 0, 1)] * (MAX_RANGES + 1))
+        protocol.encode_read("ds", INSTANCE, [(0, 0, 1)] * (MAX_RANGES + 1))
     too_big = [(0, 0, 2**31), (1, 0, 2**31)]
     with pytest.raises(ProtocolError, match="exceeds"):
-        protocol.decode_read(protocol.encode_read("ds", too_big))
+        protocol.decode_read(protocol.encode_read("ds", INSTANCE, too_big))
 
 
 @settings(max_examples=500, deadline=None)

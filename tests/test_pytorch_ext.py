@@ -12,9 +12,9 @@ from conftest import NodeProcess
 from torchvision import datasets, transforms
 from torchvision.io import ImageReadMode, decode_image, read_file
 
-from kspeedfs import admin
-from kspeedfs.config import load_settings
-from kspeedfs.errors import InvalidArgument, KSpeedError, NotFound
+from kspeedfs.client import admin
+from kspeedfs.format.config import load_settings
+from kspeedfs.format.errors import InvalidArgument, KSpeedError, NotFound
 from kspeedfs.sample import make_sample
 from pytorch_ext import (
     KSpeedCallable,

@@ -11,8 +11,8 @@ import pytest
 from conftest import NodeProcess, wait_for
 from test_pytorch_ext import preload
 
-from kspeedfs.errors import InvalidArgument, NotFound
-from kspeedfs.leases import LeaseTable
+from kspeedfs.format.errors import InvalidArgument, NotFound
+from kspeedfs.node.leases import LeaseTable
 from kspeedfs.sample import make_sample
 
 
@@ -27,8 +27,8 @@ class Clock:
 def test_table_counts_renews_and_expires() -> None:
     clock = Clock()
     t = LeaseTable(10.0, clock)
-    a = t.acquire("ds", "host:1")
-    b = t.acquire("ds", "host:2")
+    a = t.acquire("ds", "i1", "host:1")
+    b = t.acquire("ds", "i1", "host:2")
     assert t.count("ds") == 2 and t.total() == 2
     assert t.holders("ds") == ["host:1", "host:2"]
     clock.now += 8
@@ -47,7 +47,7 @@ def test_table_counts_renews_and_expires() -> None:
 def test_a_lease_past_its_ttl_cannot_be_renewed_even_before_the_sweep() -> None:
     clock = Clock()
     t = LeaseTable(5.0, clock)
-    lease = t.acquire("ds", "h")
+    lease = t.acquire("ds", "i1", "h")
     clock.now += 5.0
     with pytest.raises(NotFound):
         t.renew(lease.id)
@@ -61,7 +61,7 @@ def test_idle_gives_a_never_leased_dataset_one_ttl_of_grace() -> None:
     assert t.idle(["orphan"]) == []
     clock.now += 0.1
     assert t.idle(["orphan"]) == ["orphan"]
-    lease = t.acquire("held", "h")
+    lease = t.acquire("held", "i1", "h")
     for _ in range(5):  # held for five ttls by renewals
         clock.now += 9
         t.renew(lease.id)
@@ -74,15 +74,15 @@ def test_idle_gives_a_never_leased_dataset_one_ttl_of_grace() -> None:
 
 def test_closing_blocks_new_leases_until_forgotten() -> None:
     t = LeaseTable(10.0, Clock())
-    lease = t.acquire("ds", "h")
+    lease = t.acquire("ds", "i1", "h")
     assert not t.begin_close("ds")  # still held
     t.release(lease.id)
     assert t.begin_close("ds")
     assert not t.begin_close("ds")  # one task unloads it
     with pytest.raises(NotFound, match="being unloaded"):
-        t.acquire("ds", "h")
+        t.acquire("ds", "i1", "h")
     t.forget("ds")
-    assert t.acquire("ds", "h").name == "ds"
+    assert t.acquire("ds", "i1", "h").name == "ds"
     with pytest.raises(InvalidArgument):
         LeaseTable(0)
 
@@ -222,8 +222,8 @@ def test_a_leased_dataset_nobody_leases_is_unloaded(
     short_ttl_node: NodeProcess, source: Path
 ) -> None:
     """A job that died between starting the preload and taking its lease leaves nothing."""
-    from kspeedfs import admin
-    from kspeedfs.config import load_settings
+    from kspeedfs.client import admin
+    from kspeedfs.format.config import load_settings
 
     node = short_ttl_node
     settings = load_settings({"nodes": node.address, "token_file": str(node.token_file)})

@@ -14,12 +14,13 @@ from pathlib import Path
 import pytest
 from conftest import NodeProcess, make_tree, run_cli, wait_for
 
-from kspeedfs.config import load_settings
-from kspeedfs.errors import KSpeedError, NodeUnreachable, NotFound
-from kspeedfs.localdata import LocalDataset
+from kspeedfs.format.config import load_settings
+from kspeedfs.format.errors import KSpeedError, NodeUnreachable, NotFound
+from kspeedfs.format.localdata import LocalDataset
+from kspeedfs.format.units import parse_address
+from kspeedfs.net.transport import Transport
+from kspeedfs.rdma.client import open_transport
 from kspeedfs.rdma.verbs import has_device
-from kspeedfs.transport import Transport, open_transport
-from kspeedfs.units import parse_address
 
 pytestmark = [
     pytest.mark.rdma,
@@ -64,9 +65,10 @@ def files_of(node: NodeProcess, source: Path) -> list[tuple[list[tuple[int, int,
     return [(m.ranges(i), (source / os.fsdecode(m.path(i))).read_bytes()) for i in m.iter_files()]
 
 
-def read(t: Transport, ranges: list[tuple[int, int, int]], dataset: str = "ds") -> bytes:
+def read(t: Transport, node: NodeProcess, ranges: list[tuple[int, int, int]]) -> bytes:
     out = bytearray(sum(r[2] for r in ranges))
-    t.read_into(dataset, ranges, memoryview(out))
+    uuid = LocalDataset(node.shm_dir / "datasets" / "ds").uuid
+    t.read_into("ds", uuid, ranges, memoryview(out))
     return bytes(out)
 
 
@@ -84,10 +86,10 @@ def test_reads_from_two_nodes_equal_the_source(
         files = files_of(node, src)
         # One batch of every file: many RDMA READs posted at once.
         batch = [r for ranges, _ in files for r in ranges]
-        assert read(t, batch) == b"".join(data for _, data in files)
+        assert read(t, node, batch) == b"".join(data for _, data in files)
         # And file by file, small reads each.
         for ranges, data in files:
-            assert read(t, ranges) == data
+            assert read(t, node, ranges) == data
         assert t.name == "rdma"
         assert node.request("status")["rdma"]["peers"] >= 1
         t.close()
@@ -106,7 +108,7 @@ def test_a_reloaded_dataset_is_read_with_fresh_keys(
     files = files_of(node, src)
     batch = [r for ranges, _ in files for r in ranges]
     expected = b"".join(data for _, data in files)
-    assert read(t, batch) == expected
+    assert read(t, node, batch) == expected
     # Unloaded and loaded again: the transport's keys are stale, the node refuses them.
     done = run_cli("unload", "ds", env=node.env())
     assert done.returncode == 0, done.stderr
@@ -114,11 +116,11 @@ def test_a_reloaded_dataset_is_read_with_fresh_keys(
     preload(node, src)
     files = files_of(node, src)
     batch = [r for ranges, _ in files for r in ranges]
-    assert read(t, batch) == b"".join(data for _, data in files)
+    assert read(t, node, batch) == b"".join(data for _, data in files)
     done = run_cli("unload", "ds", env=node.env())
     assert done.returncode == 0, done.stderr
     with pytest.raises(NotFound):
-        read(t, batch)
+        read(t, node, batch)
     t.close()
 
 
@@ -137,7 +139,7 @@ def test_a_node_killed_mid_read(two_nodes: list[NodeProcess], tmp_path: Path) ->
         t = rdma_transport(victim)
         try:
             while not stop.is_set():
-                data = read(t, big[0])
+                data = read(t, victim, big[0])
                 assert data == big[1], "a wrong byte from a dying node"
                 good += 1
         except KSpeedError as e:
@@ -159,13 +161,15 @@ def test_a_node_killed_mid_read(two_nodes: list[NodeProcess], tmp_path: Path) ->
     # The other node is unaffected.
     t = rdma_transport(survivor)
     files = files_of(survivor, src)
-    assert read(t, [r for ranges, _ in files for r in ranges]) == b"".join(d for _, d in files)
+    assert read(t, survivor, [r for ranges, _ in files for r in ranges]) == b"".join(
+        d for _, d in files
+    )
     t.close()
     # Restarted, the node registers its segments again and serves without a reload.
     victim.start()
     wait_for(lambda: victim.request("status")["rdma"]["datasets"] == 1, what="re-registration")
     t = rdma_transport(victim)
-    assert read(t, big[0]) == big[1]
+    assert read(t, victim, big[0]) == big[1]
     t.close()
 
 
@@ -177,7 +181,7 @@ def test_a_transport_used_across_fork(two_nodes: list[NodeProcess], tmp_path: Pa
     files = files_of(node, src)
     batch = [r for ranges, _ in files for r in ranges]
     expected = b"".join(data for _, data in files)
-    assert read(t, batch) == expected
+    assert read(t, node, batch) == expected
     r, w = os.pipe()
     pid = os.fork()
     if pid == 0:
@@ -185,7 +189,7 @@ def test_a_transport_used_across_fork(two_nodes: list[NodeProcess], tmp_path: Pa
         try:
             os.close(r)
             # A DataLoader worker: same object, its own queue pair.
-            ok = read(t, batch) == expected and t.name == "rdma"
+            ok = read(t, node, batch) == expected and t.name == "rdma"
             t.close()
         finally:
             os.write(w, b"1" if ok else b"0")
@@ -196,5 +200,5 @@ def test_a_transport_used_across_fork(two_nodes: list[NodeProcess], tmp_path: Pa
     os.waitpid(pid, 0)
     assert child_ok == b"1"
     # The parent's queue pair survived the child.
-    assert read(t, batch) == expected
+    assert read(t, node, batch) == expected
     t.close()

@@ -10,7 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from rdmafakes import FakeChannel, FakeRegistrar
 
-from kspeedfs.errors import DataError, NodeUnreachable, ProtocolError
+from kspeedfs.format.errors import DataError, NodeUnreachable, ProtocolError
 from kspeedfs.rdma.client import PoolRing, StaleKey, plan_pieces, run_reads
 from kspeedfs.rdma.registry import SegmentRegistry
 from kspeedfs.rdma.verbs import Completion

@@ -15,15 +15,15 @@ import pytest
 from conftest import NodeProcess, run_cli
 from rdmafakes import FakeChannel, FakeRegistrar
 
-from kspeedfs.config import load_settings
-from kspeedfs.errors import InvalidArgument
-from kspeedfs.localdata import LocalDataset
+from kspeedfs.format.config import load_settings
+from kspeedfs.format.errors import InvalidArgument
+from kspeedfs.format.localdata import LocalDataset
+from kspeedfs.format.units import Address, parse_address
+from kspeedfs.net.transport import TcpTransport
 from kspeedfs.rdma import client as rdma_client
 from kspeedfs.rdma import verbs
-from kspeedfs.rdma.client import RdmaTransport, negotiate
+from kspeedfs.rdma.client import RdmaTransport, negotiate, open_transport
 from kspeedfs.rdma.verbs import DeviceProbe
-from kspeedfs.transport import TcpTransport, open_transport
-from kspeedfs.units import Address, parse_address
 
 ADDR = Address("127.0.0.1", 7420)
 
@@ -187,7 +187,7 @@ def test_a_node_without_rdma_is_read_over_tcp_even_with_a_device_here(
     ranges = [r for i in files for r in m.ranges(i)]
     expected = b"".join((tree / os.fsdecode(m.path(i))).read_bytes() for i in files)
     out = bytearray(len(expected))
-    t.read_into("ds", ranges, memoryview(out))
+    t.read_into("ds", m.uuid, ranges, memoryview(out))
     assert bytes(out) == expected
     assert t.name == "tcp"
     assert made[0].closed and made[0].posted == []
@@ -206,7 +206,7 @@ def test_a_node_without_rdma_is_read_over_tcp_even_with_a_device_here(
         channel_factory=channel,
     )
     with pytest.raises(InvalidArgument, match="transport is rdma, but node .* has no RDMA"):
-        t.read_into("ds", ranges, memoryview(out))
+        t.read_into("ds", m.uuid, ranges, memoryview(out))
     t.close()
 
 

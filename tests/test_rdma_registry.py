@@ -8,7 +8,7 @@ import uuid
 import pytest
 from rdmafakes import FakeRegistrar
 
-from kspeedfs.errors import DataError
+from kspeedfs.format.errors import DataError
 from kspeedfs.rdma.registry import SegmentRegistry
 
 

@@ -23,17 +23,17 @@ import trio
 from conftest import NodeProcess, make_tree, run_cli
 from rdmafakes import FakeChannel, FakeDevice, FakeRegion, FakeRegistrar
 
-from kspeedfs import auth
-from kspeedfs.config import Settings
-from kspeedfs.errors import InvalidArgument, NotFound
-from kspeedfs.localdata import META_FILE, LocalDataset, read_meta
-from kspeedfs.node import NodeServer
+from kspeedfs.format import auth
+from kspeedfs.format.config import Settings
+from kspeedfs.format.errors import InvalidArgument, NotFound
+from kspeedfs.format.localdata import META_FILE, LocalDataset, read_meta
+from kspeedfs.format.units import Address
+from kspeedfs.node.server import NodeServer
 from kspeedfs.rdma import client as rdma_client
 from kspeedfs.rdma import verbs
 from kspeedfs.rdma.client import RdmaTransport
 from kspeedfs.rdma.registry import SegmentRegistry
 from kspeedfs.rdma.server import RdmaService
-from kspeedfs.units import Address
 
 
 @pytest.fixture(autouse=True)
@@ -73,7 +73,9 @@ def shm(template: tuple[Path, Path, Path]) -> Iterator[Path]:
     shutil.rmtree(path, ignore_errors=True)
 
 
-def make_server(shm: Path, token: Path, registrar: FakeRegistrar) -> NodeServer:
+def make_server(
+    shm: Path, token: Path, registrar: FakeRegistrar, rdma: RdmaService | None = None
+) -> NodeServer:
     settings = Settings(
         listen=Address("127.0.0.1", 0),
         nodes=[Address("127.0.0.1", 0)],
@@ -82,11 +84,10 @@ def make_server(shm: Path, token: Path, registrar: FakeRegistrar) -> NodeServer:
         token_file=token,
         transport="tcp",
     )
-    server = NodeServer(settings)
-    # The node as it is with a device, the device being the stand-in.
-    server.rdma = RdmaService(device=FakeDevice(registrar), registry=SegmentRegistry(registrar))  # type: ignore[arg-type]
-    server.rdma.attach(server)
-    return server
+    if rdma is None:
+        # The node as it is with a device, the device being the stand-in.
+        rdma = RdmaService(device=FakeDevice(registrar), registry=SegmentRegistry(registrar))  # type: ignore[arg-type]
+    return NodeServer(settings, rdma=rdma)
 
 
 class InProcessControl:
@@ -102,7 +103,7 @@ class InProcessControl:
     def request(self, op: str, **args: Any) -> dict[str, Any]:
         self.ops.append(op)
         result: dict[str, Any] = self.context.run(
-            trio.run, self.server._ops[op], {"op": op, **args}
+            trio.run, self.server.ops.handler(op), {"op": op, **args}
         )
         return result
 
@@ -117,8 +118,11 @@ class InProcessTcp:
         self.client = InProcessControl(server)
         self.reads = 0
 
-    def read_into(self, dataset: str, ranges: list[tuple[int, int, int]], out: memoryview) -> None:
+    def read_into(
+        self, dataset: str, instance: str, ranges: list[tuple[int, int, int]], out: memoryview
+    ) -> None:
         ds = self.server.store.open(dataset)
+        assert ds.uuid == instance, "the TCP side was asked for another instance"
         pos = 0
         for seg, off, n in ranges:
             out[pos : pos + n] = ds.view(seg, off, n)
@@ -127,6 +131,10 @@ class InProcessTcp:
 
     def close(self) -> None:
         self.client.peers.close()
+
+
+def ds_uuid(shm: Path) -> str:
+    return LocalDataset(shm / "datasets" / "ds").uuid
 
 
 def all_files(shm: Path, src: Path) -> tuple[list[tuple[int, int, int]], bytes]:
@@ -242,7 +250,7 @@ def test_reads_over_rdma_are_byte_equal_and_need_no_tcp_reads(
     t, channels, controls = new_transport(server, fake)
     ranges, expected = all_files(shm, template[1])
     out = bytearray(len(expected))
-    t.read_into("ds", ranges, memoryview(out))
+    t.read_into("ds", ds_uuid(shm), ranges, memoryview(out))
     assert bytes(out) == expected
     assert t.name == "rdma"
     assert controls[0].reads == 0
@@ -266,14 +274,14 @@ def test_a_stale_key_is_an_error_then_a_new_table_never_a_read_of_freed_memory(
     t, channels, controls = new_transport(server, fake)
     ranges, expected = all_files(shm, template[1])
     out = bytearray(len(expected))
-    t.read_into("ds", ranges, memoryview(out))
+    t.read_into("ds", ds_uuid(shm), ranges, memoryview(out))
     old_keys = {r.rkey for r in fake.made if r.closed is False and r.length > 64}
 
     # Unloaded and loaded again under the same name: the client still holds the old keys.
     trio.run(server.op_unload_local, {"name": "ds"})
     republish(server, template[0], "ds")
     out = bytearray(len(expected))
-    t.read_into("ds", ranges, memoryview(out))
+    t.read_into("ds", ds_uuid(shm), ranges, memoryview(out))
     assert bytes(out) == expected
     assert controls[0].client.ops == ["rdma_connect", "rdma_segments"] * 2
     assert len(channels) == 2 and channels[0].closed and not channels[1].closed
@@ -284,7 +292,7 @@ def test_a_stale_key_is_an_error_then_a_new_table_never_a_read_of_freed_memory(
     # Unloaded for good: the fresh table is refused like a TCP read would be.
     trio.run(server.op_unload_local, {"name": "ds"})
     with pytest.raises(NotFound):
-        t.read_into("ds", ranges, memoryview(out))
+        t.read_into("ds", ds_uuid(shm), ranges, memoryview(out))
 
 
 def test_a_failed_handshake_falls_back_to_tcp_with_one_log_line(
@@ -305,7 +313,7 @@ def test_a_failed_handshake_falls_back_to_tcp_with_one_log_line(
     caplog.set_level(logging.INFO, logger="kspeedfs.rdma")
     t, channels, controls = new_transport(server, fake)
     out = bytearray(len(expected))
-    t.read_into("ds", ranges, memoryview(out))
+    t.read_into("ds", ds_uuid(shm), ranges, memoryview(out))
     assert bytes(out) == expected
     assert t.name == "tcp" and controls[0].reads == 1
     assert channels[0].closed
@@ -314,7 +322,7 @@ def test_a_failed_handshake_falls_back_to_tcp_with_one_log_line(
 
     # The verdict holds for the next transport to that node: no second handshake, no log line.
     t2, channels2, _ = new_transport(server, fake)
-    t2.read_into("ds", ranges, memoryview(out))
+    t2.read_into("ds", ds_uuid(shm), ranges, memoryview(out))
     assert t2.name == "tcp" and channels2 == []
     assert len([r for r in caplog.records if "using TCP" in r.getMessage()]) == 1
 
@@ -323,14 +331,12 @@ def test_forced_rdma_refuses_a_node_without_it(
     shm: Path, template: tuple[Path, Path, Path]
 ) -> None:
     fake = FakeRegistrar()
-    server = make_server(shm, template[2], fake)
+    server = make_server(shm, template[2], fake, rdma=RdmaService("no RDMA device"))
     server.store.recover(verify=False)
-    server.rdma = RdmaService("no RDMA device")
-    server.rdma.attach(server)
     t, _, _ = new_transport(server, fake, transport="rdma")
     ranges, expected = all_files(shm, template[1])
     with pytest.raises(InvalidArgument, match="transport is rdma, but node .*no RDMA device"):
-        t.read_into("ds", ranges, memoryview(bytearray(len(expected))))
+        t.read_into("ds", ds_uuid(shm), ranges, memoryview(bytearray(len(expected))))
 
 
 def test_a_dataset_the_node_cannot_register_is_read_over_tcp(
@@ -345,7 +351,7 @@ def test_a_dataset_the_node_cannot_register_is_read_over_tcp(
     t, channels, controls = new_transport(server, fake)
     ranges, expected = all_files(shm, template[1])
     out = bytearray(len(expected))
-    t.read_into("ds", ranges, memoryview(out))
+    t.read_into("ds", ds_uuid(shm), ranges, memoryview(out))
     assert bytes(out) == expected
     assert t.name == "rdma" and controls[0].reads == 1
     assert "reading ds over TCP" in caplog.text
@@ -382,11 +388,11 @@ def test_a_forked_child_makes_its_own_queue_pair_and_leaves_the_parents_alone(
     t, channels, controls = new_transport(server, fake)
     ranges, expected = all_files(shm, template[1])
     out = bytearray(len(expected))
-    t.read_into("ds", ranges, memoryview(out))
+    t.read_into("ds", ds_uuid(shm), ranges, memoryview(out))
 
     def child() -> dict[str, Any]:
         mine = bytearray(len(expected))
-        t.read_into("ds", ranges, memoryview(mine))
+        t.read_into("ds", ds_uuid(shm), ranges, memoryview(mine))
         t.close()
         return {
             "equal": bytes(mine) == expected,
@@ -408,7 +414,7 @@ def test_a_forked_child_makes_its_own_queue_pair_and_leaves_the_parents_alone(
     }
     # The parent goes on with its own queue pair.
     posted = len(channels[0].posted)
-    t.read_into("ds", ranges, memoryview(out))
+    t.read_into("ds", ds_uuid(shm), ranges, memoryview(out))
     assert bytes(out) == expected
     assert len(channels) == 1 and len(channels[0].posted) > posted
 

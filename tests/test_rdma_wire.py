@@ -10,7 +10,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from kspeedfs.errors import DataError, ProtocolError
+from kspeedfs.format.errors import DataError, ProtocolError
 from kspeedfs.rdma.wire import (
     Endpoint,
     SegmentKey,

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 from conftest import MountProcess, NodeProcess, run_cli, wait_for
 
-from kspeedfs.mountinfo import is_stale, kspeedfs_mounted
+from kspeedfs.system.mountinfo import is_stale, kspeedfs_mounted
 
 
 @pytest.mark.fuse

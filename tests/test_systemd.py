@@ -15,7 +15,7 @@ import pytest
 from conftest import NodeProcess, run_cli
 from mountdutil import NotifyListener
 
-from kspeedfs.errors import KSpeedError
+from kspeedfs.format.errors import KSpeedError
 from kspeedfs.systemd_units import (
     EXAMPLES,
     MOUNT_HELPERS,

@@ -6,9 +6,15 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from kspeedfs.errors import InvalidArgument
-from kspeedfs.names import validate_name
-from kspeedfs.units import Address, format_size, parse_address, parse_address_list, parse_size
+from kspeedfs.format.errors import InvalidArgument
+from kspeedfs.format.names import validate_name
+from kspeedfs.format.units import (
+    Address,
+    format_size,
+    parse_address,
+    parse_address_list,
+    parse_size,
+)
 
 
 @pytest.mark.parametrize(

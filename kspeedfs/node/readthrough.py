@@ -44,7 +44,7 @@ from kspeedfs.format.layout import Layout
 from kspeedfs.format.localdata import MANIFEST_FILE, segment_path
 from kspeedfs.format.manifest import Manifest, plan_layout, write_manifest
 from kspeedfs.format.names import validate_name
-from kspeedfs.format.rtview import EPOCH_FILE, READTHROUGH, SEGSUMS_FILE
+from kspeedfs.format.readthrough_view import EPOCH_FILE, READTHROUGH, SEGSUMS_FILE
 from kspeedfs.format.tree import Tree
 from kspeedfs.format.units import format_size, parse_size
 from kspeedfs.node.ops import ADMIN, READ, OpRegistry

@@ -446,20 +446,28 @@ class NodeServer:
         if record is None or (msg.get("uuid") and record.uuid != msg["uuid"]):
             return {"name": name, "state": "absent"}
         await trio.to_thread.run_sync(self.store.unload, name)
+        self.leases.forget(name)  # they kept that instance; a reload must not count them
         log.info("unloaded %s", name)
         return {"name": name, "state": "unloaded"}
 
     async def op_lease_acquire(self, msg: dict[str, Any]) -> dict[str, Any]:
         name = validate_name(msg.get("name", ""))
-        if name not in self.store.datasets:
+        record = self.store.datasets.get(name)
+        if record is None:
             raise NotFound(f"no dataset named {name!r}")
-        lease = self.leases.acquire(name, str(msg.get("holder", "")))
+        if msg.get("uuid") and msg["uuid"] != record.uuid:
+            raise StaleDataset(f"dataset {name!r} was loaded again: the instance asked for is gone")
+        lease = self.leases.acquire(name, record.uuid, str(msg.get("holder", "")))
         count = self.leases.count(name)
         log.info("lease on %s taken by %s (%d held)", name, lease.holder, count)
         return {**lease.to_wire(self.leases.clock()), "ttl": self.leases.ttl, "leases": count}
 
     async def op_lease_renew(self, msg: dict[str, Any]) -> dict[str, Any]:
         lease = self.leases.renew(str(msg.get("lease", "")))
+        record = self.store.datasets.get(lease.name)
+        if record is None or record.uuid != lease.instance:
+            self.leases.release(lease.id)
+            raise NotFound(f"the instance of {lease.name!r} this lease kept is gone")
         return lease.to_wire(self.leases.clock())
 
     async def op_lease_release(self, msg: dict[str, Any]) -> dict[str, Any]:

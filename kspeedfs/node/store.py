@@ -30,7 +30,7 @@ from kspeedfs.format.localdata import (
     segment_path,
 )
 from kspeedfs.format.names import validate_name
-from kspeedfs.format.rtview import open_local
+from kspeedfs.format.readthrough_view import open_local
 from kspeedfs.format.units import format_size
 
 log = logging.getLogger(__name__)

@@ -1,6 +1,6 @@
 """The RDMA transport: one RC queue pair per node, batched RDMA READs into a registered pool.
 
-`open_transport` (kspeedfs.transport) calls `negotiate`: RDMA when this process has a usable
+`open_transport` (kspeedfs.net.transport) calls `negotiate`: RDMA when this process has a usable
 device and the node's handshake succeeds (its probe region reads back right), else TCP with one
 log line saying why. The TCP connection stays as the control channel (handshake, segment
 tables) and the fallback for a dataset the node could not register.
@@ -17,13 +17,26 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
-from ..config import Settings
-from ..errors import DataError, InvalidArgument, KSpeedError, NodeUnreachable, ProtocolError
-from ..transport import Range, TcpTransport, Transport
-from ..units import Address
-from .verbs import Completion, DeviceProbe, ReadChannel, ReadRequest, VerbsError, open_device
-from .verbs import probe as probe_device
-from .wire import Endpoint, SegmentTable, table_from_wire
+from kspeedfs.format.config import Settings
+from kspeedfs.format.errors import (
+    DataError,
+    InvalidArgument,
+    KSpeedError,
+    NodeUnreachable,
+    ProtocolError,
+)
+from kspeedfs.format.units import Address
+from kspeedfs.net.transport import Range, TcpTransport, Transport
+from kspeedfs.rdma.verbs import (
+    Completion,
+    DeviceProbe,
+    ReadChannel,
+    ReadRequest,
+    VerbsError,
+    open_device,
+)
+from kspeedfs.rdma.verbs import probe as probe_device
+from kspeedfs.rdma.wire import Endpoint, SegmentTable, table_from_wire
 
 log = logging.getLogger(__name__)
 
@@ -170,7 +183,9 @@ class Control(Protocol):
 
     client: Any  # NodeClient: request(op, **args) -> dict
 
-    def read_into(self, dataset: str, ranges: list[Range], out: memoryview) -> None: ...
+    def read_into(
+        self, dataset: str, instance: str, ranges: list[Range], out: memoryview
+    ) -> None: ...
 
     def close(self) -> None: ...
 
@@ -202,7 +217,7 @@ class RdmaTransport:
         self.name = "rdma"  # "tcp" once RDMA is off for this transport
         self.fallback_reason = ""
 
-    def read_into(self, dataset: str, ranges: list[Range], out: memoryview) -> None:
+    def read_into(self, dataset: str, instance: str, ranges: list[Range], out: memoryview) -> None:
         self._check_fork()
         total = sum(r[2] for r in ranges)
         if total != len(out):
@@ -211,8 +226,13 @@ class RdmaTransport:
             if not self.fallback_reason and self._channel is None:
                 self.connect()
             table = None if self.fallback_reason else self._table(dataset)
+            if table is not None and table.uuid != instance:
+                # Loaded again under the same name since we fetched its table: never read the
+                # new instance's memory for the old one. The node's answer over TCP decides.
+                self._tables.pop(dataset, None)
+                table = None
             if table is None:
-                self._tcp.read_into(dataset, ranges, out)
+                self._tcp.read_into(dataset, instance, ranges, out)
                 return
             assert self._channel is not None
             # Pieces small enough that several are in flight even in a small pool.
@@ -365,3 +385,10 @@ def negotiate(
             log.info("using TCP: %s", found.reason)
         return TcpTransport(address, settings)
     return RdmaTransport(address, settings, channel_factory or _default_factory(found, settings))
+
+
+def open_transport(address: Address, settings: Settings) -> Transport:
+    """RDMA where the `transport` setting and both ends allow it, else TCP (see rdma.client)."""
+    if settings.transport == "tcp":
+        return TcpTransport(address, settings)
+    return negotiate(address, settings)

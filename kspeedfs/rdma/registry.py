@@ -12,8 +12,8 @@ import threading
 from collections.abc import Callable, Mapping
 from typing import Any, Protocol
 
-from ..errors import DataError
-from .wire import SegmentKey, SegmentTable
+from kspeedfs.format.errors import DataError
+from kspeedfs.rdma.wire import SegmentKey, SegmentTable
 
 log = logging.getLogger(__name__)
 

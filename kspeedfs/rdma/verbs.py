@@ -22,8 +22,8 @@ from typing import Any
 
 import numpy as np
 
-from ..errors import DataError, NodeUnreachable
-from .wire import Endpoint, gid_to_verbs
+from kspeedfs.format.errors import DataError, NodeUnreachable
+from kspeedfs.rdma.wire import Endpoint, gid_to_verbs
 
 log = logging.getLogger(__name__)
 

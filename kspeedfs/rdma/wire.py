@@ -10,7 +10,7 @@ import struct
 import uuid as uuid_mod
 from typing import Any
 
-from ..errors import DataError, ProtocolError
+from kspeedfs.format.errors import DataError, ProtocolError
 
 TABLE_MAGIC = b"KSRT"
 TABLE_VERSION = 1

@@ -9,8 +9,10 @@ Handlers run in the session's threads; the dataset list is refreshed from the no
 (`refresh`), which replaces the two lookup tables whole rather than mutating them, so a handler
 always sees a consistent pair. A request at the root asks for a refresh and waits for it briefly
 (TOP_WAIT), and not at all while the node does not answer: a frozen node slows nothing but the
-lookup of names it has not told us about yet. An unloaded dataset's maps are let go at once, so
-its memory returns to the machine even while the mount stays up.
+lookup of names it has not told us about yet. An unloaded instance is forgotten at once (its
+slot, manifest and segment maps), so its memory returns to the machine while the mount stays
+up; a request on one of its inodes then gets ESTALE, never the bytes of a newer instance.
+A refresh that fails in any way logs one line and is tried again: the mount serves on.
 """
 
 from __future__ import annotations
@@ -27,10 +29,11 @@ from dataclasses import dataclass
 
 import trio
 
-from .aclient import AsyncNodeClient
-from .cluster import ClusterReader, DatasetHandle
-from .errors import DataError, KSpeedError, NodeUnreachable, NotFound
-from .fuse_kernel import ROOT_INODE, Attr, FuseError, FuseSession, ReadResult, StatFs
+from kspeedfs.client.handle import DatasetHandle
+from kspeedfs.client.reader import ClusterReader
+from kspeedfs.format.errors import DataError, KSpeedError, NodeUnreachable, NotFound
+from kspeedfs.fuse.kernel import ROOT_INODE, Attr, FuseError, FuseSession, ReadResult, StatFs
+from kspeedfs.net.aconnection import AsyncNodeClient
 
 log = logging.getLogger(__name__)
 
@@ -55,7 +58,6 @@ class MountedDataset:
     name: str
     uuid: str
     data: DatasetHandle
-    alive: bool = True
 
 
 class KSpeedFS:
@@ -75,6 +77,7 @@ class KSpeedFS:
         self._next_slot = 1
         self._last_refresh = -1e9
         self._node_answers = True  # at the last refresh; handlers wait for one only if so
+        self._last_error = ""  # of the last failed refresh: logged once, not every second
         self._inflight: threading.Event | None = None  # set when the running refresh ends
         self._inflight_since = 0.0
         self._inflight_lock = threading.Lock()
@@ -82,11 +85,25 @@ class KSpeedFS:
 
     # ---- the dataset list (trio side)
 
-    async def refresh(self) -> None:
-        """Sync the dataset list with the node (callers keep to about one a second)."""
+    async def refresh(self, strict: bool = False) -> None:
+        """Sync the dataset list with the node (callers keep to about one a second). Errors
+        are logged and the known datasets kept; `strict` (the first refresh) raises them."""
         async with self._refresh_lock:  # two interleaved refreshes would each open a dataset
             self._last_refresh = time.monotonic()
-            await self._refresh()
+            try:
+                await self._refresh()
+            except Exception as e:
+                if strict:
+                    raise
+                self._node_answers = False  # handlers must not wait on a node that refuses us
+                why = str(e) if isinstance(e, KSpeedError) else f"{type(e).__name__}: {e}"
+                if why != self._last_error:
+                    log.error("cannot refresh the dataset list (serving what is known): %s", why)
+                self._last_error = why
+                return
+            if self._last_error:
+                log.info("the dataset list is refreshed again")
+                self._last_error = ""
 
     async def _refresh(self) -> None:
         listing = None
@@ -109,6 +126,7 @@ class KSpeedFS:
         gone = [m for n, m in by_name.items() if n not in ready or ready[n]["uuid"] != m.uuid]
         for mounted in gone:
             del by_name[mounted.name]
+            del by_slot[mounted.slot]
             self._drop(mounted)
         for name, d in ready.items():
             if name in by_name or (self.single and name != self.single):
@@ -127,8 +145,7 @@ class KSpeedFS:
         self.by_slot, self.by_name = by_slot, by_name
 
     def _drop(self, mounted: MountedDataset) -> None:
-        log.info("dataset %s is gone from the node", mounted.name)
-        mounted.alive = False
+        log.info("dataset %s (instance %s) is gone from the node", mounted.name, mounted.uuid[:8])
         if mounted.data.local is not None:
             mounted.data.local.release()  # its memory returns to the node's machine
         if self.session is None:
@@ -195,7 +212,8 @@ class KSpeedFS:
             return mounted, 0
         mounted_or_none = self.by_slot.get(inode >> SLOT_SHIFT)
         if mounted_or_none is None:
-            raise FuseError(errno.ENOENT)
+            # An instance that was unloaded (and forgotten): its inodes mean nothing now.
+            raise FuseError(errno.ESTALE)
         return mounted_or_none, (inode & INDEX_MASK) - 1
 
     def _inode(self, mounted: MountedDataset, idx: int) -> int:
@@ -289,9 +307,6 @@ class KSpeedFS:
 
     def read(self, ino: int, offset: int, size: int) -> ReadResult:
         mounted, idx = self._locate(ino)
-        if not mounted.alive:
-            log.error("read of %s after it was unloaded", mounted.name)
-            raise FuseError(errno.EIO)
         local = mounted.data.local
         if local is not None:
             try:

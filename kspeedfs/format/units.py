@@ -5,7 +5,7 @@ from __future__ import annotations
 import re
 from typing import NamedTuple
 
-from .errors import InvalidArgument
+from kspeedfs.format.errors import InvalidArgument
 
 _SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGTP]?)(i?B?)?\s*$", re.IGNORECASE)
 _FACTORS = {"": 0, "K": 1, "M": 2, "G": 3, "T": 4, "P": 5}

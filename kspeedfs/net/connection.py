@@ -11,10 +11,11 @@ import socket
 from pathlib import Path
 from typing import Any
 
-from . import auth, protocol
-from .errors import AuthError, NodeUnreachable, ProtocolError, error_from_wire
-from .protocol import MsgType
-from .units import Address
+from kspeedfs.format import auth, protocol
+from kspeedfs.format.errors import AuthError, NodeUnreachable, ProtocolError, error_from_wire
+from kspeedfs.format.protocol import MsgType
+from kspeedfs.format.units import Address
+from kspeedfs.net.handshake import HANDSHAKE_ID, ClientHandshake
 
 # Ops that scan a whole source before answering (1.28 M files take minutes on NFS).
 SCAN_TIMEOUT = 3600.0
@@ -52,17 +53,11 @@ class NodeClient:
             ) from None
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         self._sock = sock
+        handshake = ClientHandshake(token, str(self.address))
         try:
-            hello = self._receive_json(0, MsgType.HELLO)
-            nonce = bytes.fromhex(str(hello.get("nonce", "")))
-            self.node = str(hello.get("node", ""))
-            role = auth.token_role(token)
-            self._send(
-                protocol.encode_json(
-                    MsgType.AUTH, 0, {"role": role, "mac": auth.respond(token, nonce)}
-                )
-            )
-            self.role = str(self._receive_json(0, MsgType.RESPONSE)["role"])
+            self._send(handshake.answer(self._receive_json(HANDSHAKE_ID, MsgType.HELLO)))
+            self.role = handshake.check(self._receive_json(HANDSHAKE_ID, MsgType.RESPONSE))
+            self.node = handshake.node
         except BaseException:
             self.close()
             raise
@@ -95,15 +90,19 @@ class NodeClient:
     def receive_response(self, rid: int) -> dict[str, Any]:
         return self._receive_json(rid, MsgType.RESPONSE)
 
-    def read(self, dataset: str, ranges: list[tuple[int, int, int]]) -> bytearray:
+    def read(self, dataset: str, instance: str, ranges: list[tuple[int, int, int]]) -> bytearray:
         buf = bytearray(sum(r[2] for r in ranges))
-        self.receive_read(self.send_read(dataset, ranges), memoryview(buf))
+        self.receive_read(self.send_read(dataset, instance, ranges), memoryview(buf))
         return buf
 
-    def send_read(self, dataset: str, ranges: list[tuple[int, int, int]]) -> int:
+    def send_read(self, dataset: str, instance: str, ranges: list[tuple[int, int, int]]) -> int:
         self.connect()
         rid = next(self._ids)
-        self._send(protocol.encode_frame(MsgType.READ, rid, protocol.encode_read(dataset, ranges)))
+        self._send(
+            protocol.encode_frame(
+                MsgType.READ, rid, protocol.encode_read(dataset, instance, ranges)
+            )
+        )
         return rid
 
     def receive_read(self, rid: int, out: memoryview) -> None:

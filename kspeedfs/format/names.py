@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import re
 
-from .errors import InvalidArgument
+from kspeedfs.format.errors import InvalidArgument
 
 NAME_RE = re.compile(r"^[a-z0-9][a-z0-9._-]{0,63}$")
 

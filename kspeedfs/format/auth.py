@@ -12,7 +12,7 @@ import os
 import secrets
 from pathlib import Path
 
-from .errors import AuthError, InvalidArgument
+from kspeedfs.format.errors import AuthError, InvalidArgument
 
 ROLES = ("admin", "read")
 _PREFIX = {"admin": "ksa1-", "read": "ksr1-"}

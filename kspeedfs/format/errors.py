@@ -56,6 +56,10 @@ class DataError(KSpeedError):
     exit_code = 10
 
 
+class StaleDataset(DataError):
+    """The dataset instance a reader opened is no longer held (unloaded, or loaded again)."""
+
+
 class SourceChanged(DataError):
     """A source file is no longer as listed: a snapshot cannot be served from it."""
 
@@ -71,23 +75,12 @@ class ReadOnly(KSpeedError):
 
 
 # Errors cross the wire by class name; the client re-raises the same class.
+def _with_subclasses(cls: type[KSpeedError]) -> list[type[KSpeedError]]:
+    return [cls] + [c for sub in cls.__subclasses__() for c in _with_subclasses(sub)]
+
+
 ERROR_CLASSES: dict[str, type[KSpeedError]] = {
-    cls.__name__: cls
-    for cls in (
-        KSpeedError,
-        NodeUnreachable,
-        NotFound,
-        InvalidArgument,
-        SourceNotVisible,
-        AlreadyExists,
-        NoSpace,
-        MountError,
-        AuthError,
-        SourceChanged,
-        DataError,
-        ProtocolError,
-        ReadOnly,
-    )
+    cls.__name__: cls for cls in _with_subclasses(KSpeedError)
 }
 
 

@@ -8,21 +8,21 @@ import shutil
 import signal
 import subprocess
 import sys
-from collections.abc import AsyncIterator, Callable, Iterable
+from collections.abc import AsyncIterator, Callable, Iterable, Sequence
 from pathlib import Path
 
 import trio
 
-from .aclient import AsyncNodeClient
-from .cluster import ClusterReader, local_node_for
-from .config import Settings
-from .errors import ERROR_CLASSES, KSpeedError, MountError
-from .fs import KSpeedFS, require_dataset
-from .fuse_kernel import FuseSession
-from .mountinfo import is_stale, kspeedfs_mounted
-from .names import validate_name
-from .notify import notify
-from .rtclient import report_touches
+from kspeedfs.client.reader import ClusterReader, local_node_for
+from kspeedfs.format.config import Settings
+from kspeedfs.format.errors import ERROR_CLASSES, KSpeedError, MountError
+from kspeedfs.format.names import validate_name
+from kspeedfs.format.readthrough_view import ReadThroughDataset
+from kspeedfs.fuse.filesystem import KSpeedFS, require_dataset
+from kspeedfs.fuse.kernel import FuseSession
+from kspeedfs.net.aconnection import AsyncNodeClient
+from kspeedfs.system.mountinfo import is_stale, kspeedfs_mounted
+from kspeedfs.system.notify import notify
 
 log = logging.getLogger(__name__)
 
@@ -69,7 +69,7 @@ async def serve_mount(
     fs = KSpeedFS(clients, reader, dataset)
     # A mount with no node to ask is useless: check before mounting, fail with a clear error.
     await _first_answer(clients)
-    await fs.refresh()
+    await fs.refresh(strict=True)
     if dataset:
         require_dataset(fs, dataset)
     session = FuseSession(fs, str(mountpoint), options)
@@ -201,3 +201,28 @@ def unmount(mountpoint: str, lazy: bool = False) -> None:
         raise MountError(
             done.stderr.strip().splitlines()[-1] if done.stderr.strip() else "unmount failed"
         )
+
+
+TOUCH_INTERVAL = 1.0
+
+
+async def report_touches(fs: KSpeedFS, clients: Sequence[AsyncNodeClient]) -> None:
+    """Tell the node which read-through segments this mount read (its LRU cannot see mmap hits)."""
+    while True:
+        await trio.sleep(TOUCH_INTERVAL)
+        # Collected first, then sent: nothing of a dataset is held across the sleep, or an
+        # unloaded instance would stay mapped until the next round.
+        touches = [
+            (mounted.name, mounted.uuid, *mounted.data.local.drain_touches())
+            for mounted in list(fs.by_name.values())
+            if isinstance(mounted.data.local, ReadThroughDataset)
+        ]
+        for name, uuid, segments, hits in touches:
+            if not segments and not hits:
+                continue
+            try:
+                await clients[0].request(
+                    "touch", name=name, uuid=uuid, segments=segments, hits=hits
+                )
+            except KSpeedError as e:
+                log.debug("could not report reads of %s: %s", name, e)

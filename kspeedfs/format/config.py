@@ -9,8 +9,8 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from .errors import InvalidArgument, NotFound
-from .units import Address, parse_address, parse_address_list, parse_size
+from kspeedfs.format.errors import InvalidArgument, NotFound
+from kspeedfs.format.units import Address, parse_address, parse_address_list, parse_size
 
 DEFAULT_PORT = 7420
 DEFAULT_CONFIG_FILE = Path("/etc/kspeedfs/kspeedfs.toml")

@@ -13,10 +13,10 @@ import json
 import struct
 from typing import Any
 
-from .errors import ProtocolError
+from kspeedfs.format.errors import ProtocolError
 
 MAGIC = b"KS"
-VERSION = 1
+VERSION = 2  # 2: READ frames name the dataset instance
 HEADER = struct.Struct("!2sBBII")
 HEADER_SIZE = HEADER.size
 MAX_PAYLOAD = 128 * 1024 * 1024
@@ -25,7 +25,7 @@ MAX_RANGES = 65536
 MAX_HANDSHAKE_PAYLOAD = 4096
 
 _RANGE = struct.Struct("!IQI")  # segment, offset in segment, length
-_READ_HEAD = struct.Struct("!BI")  # dataset name length, range count
+_READ_HEAD = struct.Struct("!B16sI")  # dataset name length, instance id, range count
 
 
 class MsgType(enum.IntEnum):
@@ -90,19 +90,27 @@ def decode_json(payload: bytes) -> dict[str, Any]:
     return obj
 
 
-def encode_read(dataset: str, ranges: list[tuple[int, int, int]]) -> bytes:
+def encode_read(dataset: str, instance: str, ranges: list[tuple[int, int, int]]) -> bytes:
+    """A READ payload: ranges of the segments of one instance (`instance`: its 32 hex digits)."""
     name = dataset.encode()
     if len(ranges) > MAX_RANGES:
         raise ProtocolError(f"too many ranges in one read ({len(ranges)} > {MAX_RANGES})")
-    parts = [_READ_HEAD.pack(len(name), len(ranges)), name]
+    try:
+        instance_id = bytes.fromhex(instance)
+    except ValueError:
+        instance_id = b""
+    if len(instance_id) != 16:
+        raise ProtocolError(f"a dataset instance id is 32 hex digits, not {instance!r}")
+    parts = [_READ_HEAD.pack(len(name), instance_id, len(ranges)), name]
     parts.extend(_RANGE.pack(*r) for r in ranges)
     return b"".join(parts)
 
 
-def decode_read(payload: bytes) -> tuple[str, list[tuple[int, int, int]]]:
+def decode_read(payload: bytes) -> tuple[str, str, list[tuple[int, int, int]]]:
+    """(dataset name, instance id as hex, ranges) of a READ payload."""
     if len(payload) < _READ_HEAD.size:
         raise ProtocolError("truncated read request")
-    name_len, count = _READ_HEAD.unpack_from(payload)
+    name_len, instance_id, count = _READ_HEAD.unpack_from(payload)
     if count > MAX_RANGES:
         raise ProtocolError(f"too many ranges in one read ({count})")
     start = _READ_HEAD.size + name_len
@@ -116,7 +124,7 @@ def decode_read(payload: bytes) -> tuple[str, list[tuple[int, int, int]]]:
     total = sum(r[2] for r in ranges)
     if total > MAX_PAYLOAD:
         raise ProtocolError(f"read of {total} bytes exceeds the maximum {MAX_PAYLOAD}")
-    return dataset, ranges
+    return dataset, instance_id.hex(), ranges
 
 
 class FrameDecoder:

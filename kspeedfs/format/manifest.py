@@ -18,8 +18,10 @@ from typing import Any
 
 import numpy as np
 
-from .errors import DataError, NotFound
-from .scan import Tree
+from kspeedfs.format.errors import DataError, NotFound
+from kspeedfs.format.layout import Layout
+from kspeedfs.format.layout import plan_layout as plan_layout  # where callers import it from
+from kspeedfs.format.tree import Tree
 
 MAGIC = b"KSPDMAN1"
 FORMAT_VERSION = 1
@@ -38,36 +40,6 @@ ENTRY_ARRAYS = {
     "checksum": "<u8",  # xxh3_64 of a file's bytes
 }
 SEGMENT_ARRAYS = {"seg_len": "<u8", "seg_checksum": "<u8"}
-
-
-def plan_layout(tree: Tree, segment_size: int) -> tuple[list[int], list[int]]:
-    """Assign each regular file an offset in the dataset's byte stream.
-
-    A file that fits in a segment never straddles two (so a small file is one range on one
-    node); a larger one starts a fresh segment and spans as many as it needs. The unused tail
-    of a segment is not stored. Returns (offset per entry, used length per segment).
-    """
-    offsets = [0] * len(tree)
-    pos = 0
-    for i, (mode, size) in enumerate(zip(tree.mode, tree.size, strict=True)):
-        if not stat.S_ISREG(mode) or size == 0:
-            offsets[i] = pos
-            continue
-        room = segment_size - pos % segment_size
-        if size > room and pos % segment_size != 0:
-            pos += room
-        offsets[i] = pos
-        pos += size
-    n_segments = (pos + segment_size - 1) // segment_size
-    seg_len = [0] * n_segments
-    for i, (mode, size) in enumerate(zip(tree.mode, tree.size, strict=True)):
-        if stat.S_ISREG(mode) and size:
-            end = offsets[i] + size
-            last = (end - 1) // segment_size
-            seg_len[last] = max(seg_len[last], end - last * segment_size)
-            for k in range(offsets[i] // segment_size, last):
-                seg_len[k] = segment_size
-    return offsets, seg_len
 
 
 def write_manifest(
@@ -135,10 +107,16 @@ def _align(n: int) -> int:
 class Manifest:
     """A read-only view of a manifest file; the arrays are views of one shared mapping."""
 
-    def __init__(self, path: str | os.PathLike[str]):
+    def __init__(self, path: str | os.PathLike[str], dir_fd: int | None = None):
+        """Map the manifest at `path` (relative to `dir_fd` when given: then the folder it is
+        read from cannot be swapped under us by a rename)."""
         self.file = Path(path)
         try:
-            with open(self.file, "rb") as f:
+            with open(
+                self.file.name if dir_fd is not None else self.file,
+                "rb",
+                opener=lambda p, flags: os.open(p, flags | os.O_NOFOLLOW, dir_fd=dir_fd),
+            ) as f:
                 self._map = mmap.mmap(f.fileno(), 0, prot=mmap.PROT_READ)
         except FileNotFoundError:
             raise NotFound(f"manifest not found: {self.file}") from None
@@ -174,6 +152,7 @@ class Manifest:
         self.segment_size: int = int(self.header["segment_size"])
         self.entries: int = n
         self.segments: int = nseg
+        self.layout = Layout(self.data, self.size, self.mode, self.seg_len, self.segment_size)
 
     def _parse_header(self) -> dict[str, Any]:
         if self._map[: len(MAGIC)] != MAGIC:
@@ -258,17 +237,4 @@ class Manifest:
         self, i: int, offset: int = 0, length: int | None = None
     ) -> list[tuple[int, int, int]]:
         """(segment, offset in segment, length) pieces for bytes [offset, offset+length) of file i."""
-        size = int(self.size[i])
-        end = size if length is None else min(size, offset + length)
-        if offset >= end:
-            return []
-        seg_size = self.segment_size
-        pos = int(self.data[i]) + offset
-        stop = int(self.data[i]) + end
-        out = []
-        while pos < stop:
-            seg, seg_off = divmod(pos, seg_size)
-            n = min(stop - pos, seg_size - seg_off)
-            out.append((seg, seg_off, n))
-            pos += n
-        return out
+        return self.layout.ranges(i, offset, length)

@@ -7,12 +7,12 @@ import logging
 import sys
 from typing import Any
 
-from .config import load_settings
-from .errors import InvalidArgument, KSpeedError
-from .logs import setup_logging
-from .mount import ALLOWED_OPTIONS, check_mountpoint, fuse_options, run_mount
-from .mountinfo import is_stale, lazy_unmount, mount_at
-from .names import validate_name
+from kspeedfs.format.config import load_settings
+from kspeedfs.format.errors import InvalidArgument, KSpeedError
+from kspeedfs.format.names import validate_name
+from kspeedfs.fuse.mount import ALLOWED_OPTIONS, check_mountpoint, fuse_options, run_mount
+from kspeedfs.system.logs import setup_logging
+from kspeedfs.system.mountinfo import is_stale, lazy_unmount, mount_at
 
 # mount(8)'s exit codes, which it passes on from its helpers.
 EXIT_USAGE = 1

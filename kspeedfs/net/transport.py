@@ -9,9 +9,9 @@ from __future__ import annotations
 import logging
 from typing import Protocol
 
-from .client import NodeClient
-from .config import Settings
-from .units import Address
+from kspeedfs.format.config import Settings
+from kspeedfs.format.units import Address
+from kspeedfs.net.connection import NodeClient
 
 log = logging.getLogger(__name__)
 
@@ -22,7 +22,7 @@ class Transport(Protocol):
     name: str
     address: Address
 
-    def read_into(self, dataset: str, ranges: list[Range], out: memoryview) -> None:
+    def read_into(self, dataset: str, instance: str, ranges: list[Range], out: memoryview) -> None:
         """Fill `out` (exactly the ranges' total length) with the ranges' bytes, in order."""
         ...
 
@@ -38,17 +38,8 @@ class TcpTransport:
         self.address = address
         self.client = NodeClient(address, settings.token_file, settings.timeout)
 
-    def read_into(self, dataset: str, ranges: list[Range], out: memoryview) -> None:
-        self.client.receive_read(self.client.send_read(dataset, ranges), out)
+    def read_into(self, dataset: str, instance: str, ranges: list[Range], out: memoryview) -> None:
+        self.client.receive_read(self.client.send_read(dataset, instance, ranges), out)
 
     def close(self) -> None:
         self.client.close()
-
-
-def open_transport(address: Address, settings: Settings) -> Transport:
-    """RDMA where the `transport` setting and both ends allow it, else TCP (see rdma.client)."""
-    if settings.transport == "tcp":
-        return TcpTransport(address, settings)
-    from .rdma.client import negotiate
-
-    return negotiate(address, settings)

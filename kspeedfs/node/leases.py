@@ -11,13 +11,14 @@ import secrets
 import time
 from collections.abc import Callable, Iterable
 
-from .errors import InvalidArgument, NotFound
+from kspeedfs.format.errors import InvalidArgument, NotFound
 
 
 @dataclasses.dataclass
 class Lease:
     id: str
     name: str
+    instance: str  # the uuid of the instance it keeps loaded: a reload is not kept by it
     holder: str  # who holds it, for logs and listings ("host:pid")
     expires: float
 
@@ -25,6 +26,7 @@ class Lease:
         return {
             "lease": self.id,
             "name": self.name,
+            "uuid": self.instance,
             "holder": self.holder,
             "expires_in": max(0.0, self.expires - now),
         }
@@ -42,10 +44,10 @@ class LeaseTable:
         self._idle_since: dict[str, float] = {}
         self._closing: set[str] = set()
 
-    def acquire(self, name: str, holder: str) -> Lease:
+    def acquire(self, name: str, instance: str, holder: str) -> Lease:
         if name in self._closing:
             raise NotFound(f"dataset {name!r} is being unloaded")
-        lease = Lease(secrets.token_hex(16), name, holder[:200], self.clock() + self.ttl)
+        lease = Lease(secrets.token_hex(16), name, instance, holder[:200], self.clock() + self.ttl)
         self._leases[lease.id] = lease
         self._by_name.setdefault(name, set()).add(lease.id)
         self._idle_since.pop(name, None)

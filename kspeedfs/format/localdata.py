@@ -2,6 +2,11 @@
 
 Segments are never truncated while mapped (unload unlinks them), so a mapping stays valid
 even after the dataset is unloaded: no SIGBUS, the memory returns when the last map closes.
+
+One object is one instance: the folder is opened once and every segment is opened relative to
+that folder's descriptor. When the dataset is unloaded and loaded again under the same name,
+the new instance is a new folder at the same path; an old reader's lookups still go to the old
+folder, whose segments are gone, so it gets an error (and fails over), never the new bytes.
 """
 
 from __future__ import annotations
@@ -13,12 +18,13 @@ import threading
 from pathlib import Path
 from typing import Any
 
-from .errors import DataError
-from .manifest import Manifest
+from kspeedfs.format.errors import DataError, NotFound
+from kspeedfs.format.manifest import Manifest
 
 MANIFEST_FILE = "manifest.ksm"
 META_FILE = "meta.json"
 SEGMENT_DIR = "seg"
+_DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 
 
 def segment_path(dataset_dir: Path, seg: int) -> Path:
@@ -36,14 +42,45 @@ class LocalDataset:
 
     def __init__(self, path: str | os.PathLike[str]):
         self.path = Path(path)
-        self.manifest = Manifest(self.path / MANIFEST_FILE)
+        self._dir_fd = self._seg_fd = -1
+        try:
+            self._dir_fd = os.open(self.path, _DIR_FLAGS)
+        except FileNotFoundError:
+            raise NotFound(f"no dataset folder {self.path}") from None
+        except OSError as e:
+            raise DataError(f"cannot open dataset folder {self.path}: {e.strerror}") from None
+        self.manifest = Manifest(self.path / MANIFEST_FILE, dir_fd=self._dir_fd)
+        try:
+            self._seg_fd = os.open(SEGMENT_DIR, _DIR_FLAGS, dir_fd=self._dir_fd)
+        except FileNotFoundError:
+            pass  # no segment of it is held here
         self._maps: dict[int, mmap.mmap] = {}
         self._lock = threading.Lock()
         # Published datasets never change, so which segments are here is known once and for all.
         try:
-            self.held = frozenset(int(n) for n in os.listdir(self.path / SEGMENT_DIR))
-        except (FileNotFoundError, ValueError):
+            self.held = frozenset(int(n) for n in os.listdir(self._seg_fd))
+        except (OSError, ValueError):
             self.held = frozenset()
+
+    def __del__(self) -> None:
+        # Closed only here, never in release(): a thread may still be opening a segment
+        # relative to them, and a reused descriptor number would point elsewhere.
+        for fd in (getattr(self, "_seg_fd", -1), getattr(self, "_dir_fd", -1)):
+            if fd >= 0:
+                os.close(fd)
+
+    def _open_segment(self, seg: int) -> int:
+        """A descriptor of segment `seg` of this instance (FileNotFoundError once unloaded)."""
+        if self._seg_fd < 0:
+            raise FileNotFoundError(f"no segment folder in {self.path}")
+        return os.open(
+            f"{seg:08d}", os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=self._seg_fd
+        )
+
+    def _stat_segment(self, seg: int) -> os.stat_result:
+        if self._seg_fd < 0:
+            raise FileNotFoundError(f"no segment folder in {self.path}")
+        return os.stat(f"{seg:08d}", dir_fd=self._seg_fd, follow_symlinks=False)
 
     def holds(self, seg: int) -> bool:
         return seg in self.held
@@ -65,8 +102,11 @@ class LocalDataset:
                 if seg not in self.held:
                     raise DataError(f"segment {seg} of {self.path.name} is not held on this node")
                 try:
-                    with open(segment_path(self.path, seg), "rb") as f:
-                        m = mmap.mmap(f.fileno(), 0, prot=mmap.PROT_READ)
+                    fd = self._open_segment(seg)
+                    try:
+                        m = mmap.mmap(fd, 0, prot=mmap.PROT_READ)
+                    finally:
+                        os.close(fd)
                 except (OSError, ValueError) as e:
                     raise DataError(f"cannot map segment {seg} of {self.path.name}: {e}") from None
                 if len(m) != int(self.manifest.seg_len[seg]):

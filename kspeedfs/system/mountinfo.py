@@ -10,7 +10,7 @@ import shutil
 import subprocess
 from pathlib import Path
 
-from .errors import MountError
+from kspeedfs.format.errors import MountError
 
 _ESCAPE = re.compile(rb"\\([0-7]{3})")
 

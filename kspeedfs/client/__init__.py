@@ -1,0 +1,1 @@
+"""Reading a cluster's datasets: the one read policy, transports per node, preload and wait."""

@@ -1,0 +1,448 @@
+"""The one read policy, used by the FUSE mount and the fast path alike.
+
+Any process computes placement itself (no metadata server). A read tries, in order: the local
+node's mapped segment, then each owner of the segment (best first) over its transport, one
+vectored request per node, then the source file; only then it fails. Every read names the
+dataset instance it opened: a node holding another instance answers StaleDataset, a local map
+of an unloaded instance cannot be opened, and the source serves only while its file is still
+the one the manifest lists. So a reader gets its instance's bytes, verified source bytes, or an
+error, never another version's bytes. A node that does not answer is marked down for a while.
+"""
+
+from __future__ import annotations
+
+import base64
+import logging
+import os
+import tempfile
+import threading
+import time
+from collections import Counter
+from collections.abc import Sequence
+from typing import Any, NamedTuple
+
+import xxhash
+
+from kspeedfs.client.handle import DatasetHandle
+from kspeedfs.format.config import Settings
+from kspeedfs.format.errors import (
+    DataError,
+    InvalidArgument,
+    KSpeedError,
+    NodeUnreachable,
+    NotFound,
+    StaleDataset,
+)
+from kspeedfs.format.localdata import LocalDataset
+from kspeedfs.format.manifest import Manifest
+from kspeedfs.format.readthrough_view import open_local
+from kspeedfs.format.units import parse_address
+from kspeedfs.net.connection import NodeClient
+from kspeedfs.net.transport import Range, Transport
+from kspeedfs.rdma.client import open_transport
+from kspeedfs.sources.source import open_source
+
+log = logging.getLogger(__name__)
+
+DOWN_FOR_S = 10.0
+# One vectored read stays well under the protocol's frame and range limits.
+MAX_READ_BYTES = 64 * 1024 * 1024
+MAX_READ_RANGES = 4096
+
+
+class Piece(NamedTuple):
+    """Part of a read that lies in one segment."""
+
+    pos: int  # where it goes in the output buffer
+    seg: int
+    off: int  # offset in the segment
+    n: int
+    entry: int
+    file_off: int  # offset in the file, for a read from the source
+
+
+class ClusterReader:
+    """Thread-safe: FUSE worker threads and DataLoader workers (one per process) share one."""
+
+    def __init__(self, settings: Settings, local_node: str | None = None):
+        self.settings = settings
+        self.nodes = [str(a) for a in settings.nodes]
+        self.local_node = local_node
+        self.stats: Counter[str] = Counter()
+        self._down_until: dict[str, float] = {}
+        self._idle: dict[str, list[Transport]] = {}
+        self._lock = threading.Lock()
+        self._pid = os.getpid()
+
+    # Node health and connections.
+
+    def is_down(self, node: str) -> bool:
+        return self._down_until.get(node, 0.0) > time.monotonic()
+
+    def mark_down(self, node: str, reason: str) -> None:
+        if not self.is_down(node):
+            log.warning("node %s marked down for %.0fs: %s", node, DOWN_FOR_S, reason)
+        self._down_until[node] = time.monotonic() + DOWN_FOR_S
+
+    def _check_fork(self) -> None:
+        # Connections must not be shared across fork: a child starts with none.
+        if os.getpid() != self._pid:
+            self._pid = os.getpid()
+            self._idle = {}
+            self._lock = threading.Lock()
+
+    def _acquire(self, node: str) -> tuple[bool, Transport]:
+        """A connection to `node`: (True, one from the pool) or (False, a new one)."""
+        self._check_fork()
+        with self._lock:
+            pool = self._idle.get(node)
+            if pool:
+                return True, pool.pop()
+        return False, open_transport(parse_address(node), self.settings)
+
+    def _release(self, node: str, transport: Transport) -> None:
+        with self._lock:
+            self._idle.setdefault(node, []).append(transport)
+
+    def request(self, node: str, op: str, **args: Any) -> dict[str, Any]:
+        with NodeClient(parse_address(node), self.settings.token_file, self.settings.timeout) as c:
+            return c.request(op, **args)
+
+    def live_request(self, op: str, **args: Any) -> tuple[str, dict[str, Any]]:
+        """Ask the first node that answers (the local one first)."""
+        order = sorted(self.nodes, key=lambda n: (n != self.local_node, self.is_down(n)))
+        last: KSpeedError | None = None
+        for node in order:
+            try:
+                return node, self.request(node, op, **args)
+            except NodeUnreachable as e:
+                self.mark_down(node, str(e))
+                last = e
+        raise last or NodeUnreachable("no nodes configured")
+
+    # Datasets.
+
+    def list_datasets(self) -> dict[str, dict[str, Any]]:
+        """Ready datasets by name, from the first node that answers."""
+        _node, listing = self.live_request("list")
+        return {d["name"]: d for d in listing["datasets"] if d.get("state") == "ready"}
+
+    def open_dataset(self, name: str, info: dict[str, Any] | None = None) -> DatasetHandle:
+        if info is None:
+            info = self.list_datasets().get(name)
+            if info is None:
+                raise NotFound(f"no dataset named {name!r} in the cache")
+        local = self._open_local(info)
+        manifest = local.manifest if local else self._fetch_manifest(name, info["uuid"])
+        members = list(manifest.header.get("members") or info.get("members") or self.nodes)
+        return DatasetHandle(
+            name=name,
+            uuid=info["uuid"],
+            source=str(info.get("source", "")),
+            members=members,
+            replicas=int(manifest.header.get("replicas", info.get("replicas", 1))),
+            manifest=manifest,
+            local=local,
+        )
+
+    def _open_local(self, info: dict[str, Any]) -> LocalDataset | None:
+        """The local node's copy, when this process can map it."""
+        if self.local_node is None:
+            return None
+        try:
+            _node, listing = self.local_node, self.request(self.local_node, "list")
+        except NodeUnreachable:
+            listing = {"datasets": [info]}  # the node is down; its shm folder may still be here
+        for d in listing["datasets"]:
+            if d["name"] == info["name"] and d.get("uuid") == info["uuid"] and d.get("path"):
+                try:
+                    local = open_local(d["path"])
+                except KSpeedError:
+                    return None
+                return local if local.uuid == info["uuid"] else None
+        return None
+
+    def _fetch_manifest(self, name: str, uuid: str) -> Manifest:
+        node, reply = self.live_request("manifest", name=name)
+        fd, path = tempfile.mkstemp(prefix=f"kspeedfs-{name}-", suffix=".ksm")
+        with os.fdopen(fd, "wb") as f:
+            while True:
+                if reply["uuid"] != uuid:
+                    os.unlink(path)
+                    raise DataError(f"dataset {name} changed while opening it")
+                data = base64.b64decode(reply["data"])
+                f.write(data)
+                if not data or reply["offset"] + len(data) >= reply["total"]:
+                    break
+                reply = self.request(
+                    node, "manifest", name=name, offset=reply["offset"] + len(data)
+                )
+        try:
+            return Manifest(path)
+        finally:
+            os.unlink(path)  # the mapping keeps it alive; nothing to clean up later
+
+    # Reads: the one read policy.
+
+    def read(self, ds: DatasetHandle, i: int, offset: int, length: int) -> bytes:
+        """Bytes [offset, offset+length) of file i (clipped at its end), from wherever they can
+        be had; never fewer bytes than that, never bytes of another instance or version."""
+        n = max(0, min(length, int(ds.manifest.size[i]) - offset))
+        if n == 0:
+            return b""
+        local = ds.local
+        if local is not None and not ds.readthrough and local.holds_file(i):
+            try:
+                data = local.read(i, offset, n)
+                self.stats["local"] += 1
+                return data
+            except DataError as e:
+                _note_unmappable(ds, e)
+        out = bytearray(n)
+        self.gather(ds, [(i, offset, n)], memoryview(out))
+        return bytes(out)
+
+    def gather(
+        self, ds: DatasetHandle, requests: Sequence[tuple[int, int, int]], out: memoryview
+    ) -> None:
+        """Fill `out` with bytes [offset, offset+length) of each (entry, offset, length), back to
+        back. The policy, in order: the local map; the segment's owners (best first), one
+        vectored request per node; the source file, if it still matches the manifest; else
+        StaleDataset or DataError. A whole file that came from another node is checked against
+        the manifest's checksum."""
+        manifest = ds.manifest
+        by_node: dict[str, list[Piece]] = {}
+        from_source: list[Piece] = []
+        remote_entries: set[int] = set()
+        pos = 0
+        for entry, offset, length in requests:
+            file_off = offset
+            for seg, off, n in manifest.ranges(entry, offset, length):
+                piece = Piece(pos, seg, off, n, entry, file_off)
+                pos += n
+                file_off += n
+                if self._copy_local(ds, piece, out):
+                    continue
+                node = self._next_owner(ds, seg, set())
+                if node is None:
+                    from_source.append(piece)
+                else:
+                    by_node.setdefault(node, []).append(piece)
+                    remote_entries.add(entry)
+        if pos != len(out):
+            raise InvalidArgument(f"a buffer of {len(out)} bytes for {pos} bytes of reads")
+        failed: set[str] = set()
+        while by_node:
+            retry: dict[str, list[Piece]] = {}
+            for node, pieces in by_node.items():
+                try:
+                    self._read_node(ds, node, pieces, out)
+                    self.stats["remote"] += 1
+                except KSpeedError as e:
+                    log.warning("%s: read from %s failed (%s); trying elsewhere", ds.name, node, e)
+                    failed.add(node)
+                    for p in pieces:
+                        nxt = self._next_owner(ds, p.seg, failed)
+                        (retry.setdefault(nxt, []) if nxt else from_source).append(p)
+            by_node = retry
+        for p in from_source:
+            out[p.pos : p.pos + p.n] = self._read_source(ds, p.entry, p.file_off, p.n)
+        if remote_entries:
+            self._verify_whole_files(ds, requests, remote_entries, out)
+
+    def _copy_local(self, ds: DatasetHandle, p: Piece, out: memoryview) -> bool:
+        local = ds.local
+        if local is None or not (local.holds(p.seg) or (ds.readthrough and self._fill(ds, p.seg))):
+            return False
+        try:
+            out[p.pos : p.pos + p.n] = local.view(p.seg, p.off, p.n)
+        except DataError as e:
+            _note_unmappable(ds, e)
+            return False
+        self.stats["local"] += 1
+        return True
+
+    def _next_owner(self, ds: DatasetHandle, seg: int, failed: set[str]) -> str | None:
+        """The best owner of a segment that is up and not tried yet (never this node: its copy
+        is the local map)."""
+        if ds.readthrough:
+            # One node holds a read-through dataset, filling segments on demand.
+            owner = ds.members[0] if ds.members else self.local_node
+            if owner is None or owner in failed or self.is_down(owner) or owner == self.local_node:
+                return None
+            return owner if self._fill(ds, seg) else None
+        for node in ds.owners(seg):
+            if node != self.local_node and node not in failed and not self.is_down(node):
+                return node
+        return None
+
+    def _fill(self, ds: DatasetHandle, seg: int) -> bool:
+        """Ask a read-through dataset's node to cache a segment; False: read the source now."""
+        owner = ds.members[0] if ds.members else self.local_node
+        if owner is None or self.is_down(owner):
+            return False
+        try:
+            reply = self.request(owner, "fill", name=ds.name, uuid=ds.uuid, segment=seg)
+        except NodeUnreachable as e:
+            self.mark_down(owner, str(e))
+            return False
+        except KSpeedError as e:
+            _degraded(ds, str(e))
+            return False
+        if reply.get("state") != "cached":
+            _degraded(ds, str(reply.get("error") or f"segment {seg} is still being filled"))
+            return False
+        return ds.local is None or ds.local.holds(seg)
+
+    def _read_node(
+        self, ds: DatasetHandle, node: str, pieces: list[Piece], out: memoryview
+    ) -> None:
+        """The pieces from one node: merged where adjacent, in requests of bounded size."""
+        merged: list[list[int]] = []  # [out pos, seg, off, n]
+        for p in sorted(pieces, key=lambda p: p.pos):
+            last = merged[-1] if merged else None
+            if (
+                last
+                and last[1] == p.seg
+                and last[2] + last[3] == p.off
+                and last[0] + last[3] == p.pos
+            ):
+                last[3] += p.n
+            else:
+                merged.append([p.pos, p.seg, p.off, p.n])
+        start = 0
+        while start < len(merged):
+            end, total = start, 0
+            while (
+                end < len(merged)
+                and end - start < MAX_READ_RANGES
+                and (total == 0 or total + merged[end][3] <= MAX_READ_BYTES)
+            ):
+                total += merged[end][3]
+                end += 1
+            chunk = merged[start:end]
+            ranges = [(seg, off, n) for _pos, seg, off, n in chunk]
+            first = chunk[0][0]
+            if chunk[-1][0] + chunk[-1][3] - first == total:
+                # Back to back in `out`: received straight into it.
+                self.read_ranges(node, ds.name, ds.uuid, ranges, out[first : first + total])
+            else:
+                tmp = memoryview(bytearray(total))
+                self.read_ranges(node, ds.name, ds.uuid, ranges, tmp)
+                at = 0
+                for opos, _seg, _off, n in chunk:
+                    out[opos : opos + n] = tmp[at : at + n]
+                    at += n
+            self._verify_whole_segments(ds, node, chunk, out)
+            start = end
+
+    def read_ranges(
+        self, node: str, dataset: str, instance: str, ranges: list[Range], out: memoryview
+    ) -> None:
+        """One vectored read from one node. A pooled connection that turns out dead (the node
+        restarted since) is replaced once before the node is marked down."""
+        for attempt in (1, 2):
+            pooled, transport = self._acquire(node)
+            try:
+                transport.read_into(dataset, instance, ranges, out)
+            except NodeUnreachable as e:
+                transport.close()
+                if pooled and attempt == 1:
+                    continue
+                self.mark_down(node, str(e))
+                raise
+            except BaseException:
+                transport.close()
+                raise
+            self._release(node, transport)
+            return
+
+    def _verify_whole_segments(
+        self, ds: DatasetHandle, node: str, chunk: list[list[int]], out: memoryview
+    ) -> None:
+        """A whole segment from another node must hash to the manifest's segment checksum; a
+        bad one is that node's failure (the caller reads it elsewhere)."""
+        m = ds.manifest
+        for pos, seg, off, n in chunk:
+            expected = int(m.seg_checksum[seg])
+            whole = off == 0 and n == int(m.seg_len[seg])
+            if whole and expected and xxhash.xxh3_64_intdigest(out[pos : pos + n]) != expected:
+                raise DataError(f"segment {seg} of {ds.name} from {node} fails its checksum")
+
+    def _verify_whole_files(
+        self,
+        ds: DatasetHandle,
+        requests: Sequence[tuple[int, int, int]],
+        remote: set[int],
+        out: memoryview,
+    ) -> None:
+        pos = 0
+        for entry, offset, length in requests:
+            size = int(ds.manifest.size[entry])
+            checksum = int(ds.manifest.checksum[entry])
+            if entry in remote and offset == 0 and length == size and checksum:
+                got = out[pos : pos + size]
+                if xxhash.xxh3_64_intdigest(got) != checksum:
+                    log.error(
+                        "%s: bytes of %s from another node fail their checksum",
+                        ds.name,
+                        os.fsdecode(ds.manifest.path(entry)),
+                    )
+                    got[:] = self._read_source(ds, entry, 0, size)
+            pos += length
+
+    def _read_source(self, ds: DatasetHandle, i: int, offset: int, length: int) -> bytes:
+        """Bytes of file i from the source, only while the file is still the one the manifest
+        lists (size and time; the checksum too for a whole file); else StaleDataset."""
+        m = ds.manifest
+        if not ds.source:
+            raise StaleDataset(f"{ds.name}: no copy reachable and no source recorded")
+        source = open_source(ds.source, str(m.header.get("endpoint") or ""))
+        try:
+            data = source.read_verified(
+                m.path(i), offset, length, int(m.size[i]), int(m.mtime_ns[i]), int(m.checksum[i])
+            )
+        except StaleDataset as e:
+            raise StaleDataset(f"{ds.name}: no cached copy left, and {e}") from None
+        self.stats["source"] += 1
+        return data
+
+    def close(self) -> None:
+        with self._lock:
+            for pool in self._idle.values():
+                for t in pool:
+                    t.close()
+            self._idle = {}
+
+
+def local_node_for(settings: Settings) -> str | None:
+    """This machine's node: the one we listen as, when it is in the node list."""
+    me = str(settings.listen)
+    return (
+        me
+        if me in [str(a) for a in settings.nodes]
+        else (str(settings.nodes[0]) if len(settings.nodes) == 1 else None)
+    )
+
+
+DEGRADED_LOG_EVERY_S = 10.0
+
+
+DEGRADED_LOG_EVERY_S = 10.0
+_last_logged: dict[tuple[str, str], float] = {}
+
+
+def _log_every(ds: DatasetHandle, kind: str, message: str, *args: object) -> None:
+    """A warning at most every DEGRADED_LOG_EVERY_S per dataset and kind: reads repeat."""
+    now = time.monotonic()
+    if now - _last_logged.get((ds.name, kind), -1e9) >= DEGRADED_LOG_EVERY_S:
+        _last_logged[(ds.name, kind)] = now
+        log.warning(message, *args)
+
+
+def _degraded(ds: DatasetHandle, why: str) -> None:
+    _log_every(ds, "degraded", "%s: reading from the source (degraded): %s", ds.name, why)
+
+
+def _note_unmappable(ds: DatasetHandle, e: DataError) -> None:
+    _log_every(ds, "unmappable", "%s: local copy gone (%s); reading elsewhere", ds.name, e)

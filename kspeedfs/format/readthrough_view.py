@@ -1,0 +1,145 @@
+"""A read-through dataset folder, mapped: its set of present segments changes under its readers.
+
+A read-through dataset's segments appear (a node filled one) and disappear (it evicted one)
+while readers have it open. `ReadThroughDataset` looks for a segment file again on a miss, and
+drops its maps of evicted segments when the node's eviction counter (EPOCH_FILE) moves, so that
+an eviction really returns the memory.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import struct
+from pathlib import Path
+
+from kspeedfs.format.errors import DataError
+from kspeedfs.format.localdata import LocalDataset, read_meta
+
+READTHROUGH = "readthrough"  # the lifetime of a read-through dataset
+
+
+SEGSUMS_FILE = "segsums"  # u64 per segment: xxh3 of its bytes once filled (0: never filled)
+
+
+EPOCH_FILE = "epoch"  # u64 the node bumps on every eviction
+
+
+def open_local(path: str | os.PathLike[str]) -> LocalDataset:
+    """The right view of a published dataset folder: static, or read-through."""
+    try:
+        lifetime = read_meta(Path(path)).get("lifetime")
+    except (OSError, ValueError):
+        lifetime = None
+    return ReadThroughDataset(path) if lifetime == READTHROUGH else LocalDataset(path)
+
+
+class ReadThroughDataset(LocalDataset):
+    """A LocalDataset whose set of present segments changes under it."""
+
+    def __init__(self, path: str | os.PathLike[str]):
+        super().__init__(path)
+        self._present: set[int] = set(self.held)
+        self._inodes: dict[int, int] = {}
+        self._epoch = _map_epoch(self.path / EPOCH_FILE)
+        self._epoch_seen = self._read_epoch()
+        self.touched: set[int] = set()  # segments read since the last report to the node
+        self.hits = 0
+
+    def _read_epoch(self) -> int:
+        return int(struct.unpack_from("<Q", self._epoch, 0)[0]) if self._epoch is not None else 0
+
+    def _sync(self) -> None:
+        """Forget segments evicted since we last looked: our maps would pin memory the node freed."""
+        epoch = self._read_epoch()
+        if epoch == self._epoch_seen:
+            return
+        with self._lock:
+            self._epoch_seen = epoch
+            for seg in list(self._present):
+                try:
+                    ino: int | None = self._stat_segment(seg).st_ino
+                except FileNotFoundError:
+                    ino = None
+                if ino is None or self._inodes.get(seg, ino) != ino:
+                    self._present.discard(seg)
+                    self._inodes.pop(seg, None)
+                    # Dropped, not closed: a thread reading it still holds a reference.
+                    self._maps.pop(seg, None)
+            self.held = frozenset(self._present)
+
+    def release(self) -> None:
+        with self._lock:
+            self._present.clear()
+            self._inodes.clear()
+        super().release()
+
+    def _appeared(self, seg: int) -> bool:
+        try:
+            st = self._stat_segment(seg)
+        except (FileNotFoundError, NotADirectoryError):
+            return False
+        if not 0 <= seg < self.manifest.segments or st.st_size != int(self.manifest.seg_len[seg]):
+            return False
+        with self._lock:
+            self._present.add(seg)
+            self.held = frozenset(self._present)
+        return True
+
+    def holds(self, seg: int) -> bool:
+        self._sync()
+        return seg in self._present or self._appeared(seg)
+
+    def holds_file(self, i: int) -> bool:
+        return all(self.holds(seg) for seg, _, _ in self.manifest.ranges(i))
+
+    def segment(self, seg: int) -> mmap.mmap:
+        self._sync()
+        m = self._maps.get(seg)
+        if m is None:
+            if seg not in self._present and not self._appeared(seg):
+                raise DataError(f"segment {seg} of {self.path.name} is not cached on this node")
+            with self._lock:
+                m = self._maps.get(seg)
+                if m is None:
+                    m = self._map(seg)
+        self.touched.add(seg)
+        return m
+
+    def _map(self, seg: int) -> mmap.mmap:
+        try:
+            fd = self._open_segment(seg)
+            try:
+                m = mmap.mmap(fd, 0, prot=mmap.PROT_READ)
+                ino = os.fstat(fd).st_ino
+            finally:
+                os.close(fd)
+        except FileNotFoundError:
+            self._present.discard(seg)
+            raise DataError(f"segment {seg} of {self.path.name} was just evicted") from None
+        except (OSError, ValueError) as e:
+            raise DataError(f"cannot map segment {seg} of {self.path.name}: {e}") from None
+        if len(m) != int(self.manifest.seg_len[seg]):
+            raise DataError(f"segment {seg} of {self.path.name} has the wrong length")
+        self._maps[seg] = m
+        self._inodes[seg] = ino
+        return m
+
+    def read(self, i: int, offset: int, length: int) -> bytes:
+        data = super().read(i, offset, length)
+        self.hits += 1
+        return data
+
+    def drain_touches(self) -> tuple[list[int], int]:
+        """Segments read and reads served since the last call (for the node's LRU and stats)."""
+        touched, self.touched = self.touched, set()
+        hits, self.hits = self.hits, 0
+        return sorted(touched), hits
+
+
+def _map_epoch(path: Path) -> mmap.mmap | None:
+    try:
+        with open(path, "rb") as f:
+            return mmap.mmap(f.fileno(), 8, prot=mmap.PROT_READ)
+    except (OSError, ValueError):
+        return None

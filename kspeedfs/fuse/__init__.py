@@ -1,0 +1,1 @@
+"""The FUSE side: the kernel protocol loop, the filesystem, mount and mount.kspeedfs."""

@@ -1,0 +1,1 @@
+"""Connections to a node: the one handshake, the blocking and trio clients, the TCP transport."""

@@ -1,0 +1,1 @@
+"""The node daemon: server and ops, segment store, preload, read-through, spill, leases."""

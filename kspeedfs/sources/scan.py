@@ -1,0 +1,107 @@
+"""Builds a source's `Tree` (the manifest's input): a folder walk, or an object store's listing."""
+
+from __future__ import annotations
+
+import logging
+import os
+import stat
+from pathlib import Path
+
+from kspeedfs.format.errors import InvalidArgument, NotFound
+from kspeedfs.format.tree import Tree
+
+log = logging.getLogger(__name__)
+
+FILE_MODE = stat.S_IFREG | 0o644
+DIR_MODE = stat.S_IFDIR | 0o755
+
+
+def check_source(source: str | os.PathLike[str]) -> Path:
+    path = Path(source)
+    if not path.exists():
+        raise NotFound(f"source not found: {path}")
+    if not path.is_dir():
+        raise InvalidArgument(f"source is not a folder: {path}")
+    if not os.access(path, os.R_OK | os.X_OK):
+        raise InvalidArgument(f"source is not readable: {path}")
+    return path
+
+
+def scan_tree(source: str | os.PathLike[str]) -> Tree:
+    """lstat every entry once; symlinks are kept as links, special files skipped with a warning."""
+    root = check_source(source)
+    root_bytes = os.fsencode(root)
+    st = os.stat(root_bytes)
+    tree = Tree()
+    tree.append(b"", 0, st.st_mode, 0, st.st_mtime_ns)
+    queue: list[tuple[int, bytes]] = [(0, root_bytes)]
+    head = 0
+    while head < len(queue):
+        dir_idx, dir_path = queue[head]
+        head += 1
+        with os.scandir(dir_path) as it:
+            children = sorted(it, key=lambda e: e.name)
+        tree.first_child[dir_idx] = len(tree)
+        count = 0
+        for entry in children:
+            est = entry.stat(follow_symlinks=False)
+            mode = est.st_mode
+            idx = len(tree)
+            if stat.S_ISDIR(mode):
+                tree.append(entry.name, dir_idx, mode, 0, est.st_mtime_ns)
+                queue.append((idx, entry.path))
+            elif stat.S_ISREG(mode):
+                tree.append(entry.name, dir_idx, mode, est.st_size, est.st_mtime_ns)
+            elif stat.S_ISLNK(mode):
+                target = os.readlink(entry.path)
+                tree.append(entry.name, dir_idx, mode, len(target), est.st_mtime_ns)
+                tree.link_target[idx] = target
+            else:
+                log.warning("skipping special file %r", os.fsdecode(entry.path))
+                continue
+            count += 1
+        tree.child_count[dir_idx] = count
+    return tree
+
+
+def tree_from_listing(files: dict[bytes, tuple[int, int]]) -> Tree:
+    """A Tree from flat object keys: folders are the key prefixes; a folder's time is the
+    newest of its files' (object stores have no folder times), so a change shows up."""
+    children: dict[bytes, set[bytes]] = {b"": set()}
+    dir_mtime: dict[bytes, int] = {b"": 0}
+    for rel, (_size, mtime) in list(files.items()):
+        parts = rel.split(b"/")
+        if any(part in (b"", b".", b"..") for part in parts):
+            log.warning("skipping object %r: not a usable path", rel)
+            del files[rel]
+            continue
+        parent = b""
+        for depth, part in enumerate(parts):
+            path = b"/".join(parts[: depth + 1])
+            children[parent].add(part)
+            dir_mtime[parent] = max(dir_mtime[parent], mtime)
+            if depth < len(parts) - 1:
+                if path in files:
+                    log.warning("skipping object %r: a folder of the same name exists", path)
+                children.setdefault(path, set())
+                dir_mtime.setdefault(path, 0)
+            parent = path
+    tree = Tree()
+    tree.append(b"", 0, DIR_MODE, 0, dir_mtime[b""])
+    queue: list[tuple[int, bytes]] = [(0, b"")]
+    head = 0
+    while head < len(queue):
+        idx, path = queue[head]
+        head += 1
+        kids = sorted(children[path])
+        tree.first_child[idx] = len(tree)
+        tree.child_count[idx] = len(kids)
+        for name in kids:
+            child = path + b"/" + name if path else name
+            if child in children:
+                queue.append((len(tree), child))
+                tree.append(name, idx, DIR_MODE, 0, dir_mtime[child])
+            else:
+                size, mtime = files[child]
+                tree.append(name, idx, FILE_MODE, size, mtime)
+    return tree
