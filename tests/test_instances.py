@@ -14,12 +14,15 @@ import os
 import re
 import socket
 import threading
+from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 from clusterutil import Cluster, running
 from conftest import MountProcess, NodeProcess, run_cli, wait_for
 
+from kspeedfs.client.handle import DatasetHandle
 from kspeedfs.client.reader import ClusterReader
 from kspeedfs.format import auth
 from kspeedfs.format.config import load_settings
@@ -225,25 +228,42 @@ def test_the_mount_survives_a_token_it_no_longer_matches_and_a_node_that_answers
     assert "Traceback" not in mount.log()
 
 
-def test_a_node_restart_does_not_mark_it_down(
-    node: NodeProcess, tree: Path, caplog: pytest.LogCaptureFixture
-) -> None:
+@dataclass
+class RemoteRead:
+    """A file of the `tree` dataset read by a process that holds none of it."""
+
+    reader: ClusterReader
+    handle: DatasetHandle
+    entry: int
+    expected: bytes
+
+    def read(self) -> bytes:
+        return self.reader.read(self.handle, self.entry, 0, len(self.expected))
+
+
+@pytest.fixture
+def remote(node: NodeProcess, tree: Path) -> Iterator[RemoteRead]:
     preload(node.env(), tree)
     settings = load_settings({"nodes": node.address, "token_file": str(node.token_file)})
     reader = ClusterReader(settings, local_node=None)  # every read over the network
     try:
         handle = reader.open_dataset("ds")
-        i = handle.manifest.resolve("a/f010.bin")
-        expected = (tree / "a" / "f010.bin").read_bytes()
-        assert reader.read(handle, i, 0, len(expected)) == expected  # pools a connection
-        node.stop()
-        node.start()
-        assert reader.read(handle, i, 0, len(expected)) == expected
-        assert not reader.is_down(node.address)
-        assert reader.stats["source"] == 0
-        assert "marked down" not in caplog.text
+        entry = handle.manifest.resolve("a/f010.bin")
+        yield RemoteRead(reader, handle, entry, (tree / "a" / "f010.bin").read_bytes())
     finally:
         reader.close()
+
+
+def test_a_node_restart_does_not_mark_it_down(
+    node: NodeProcess, remote: RemoteRead, caplog: pytest.LogCaptureFixture
+) -> None:
+    assert remote.read() == remote.expected  # pools a connection
+    node.stop()
+    node.start()
+    assert remote.read() == remote.expected
+    assert not remote.reader.is_down(node.address)
+    assert remote.reader.stats["source"] == 0
+    assert "marked down" not in caplog.text
 
 
 def test_a_read_frame_for_another_instance_is_refused(node: NodeProcess, tree: Path) -> None:
@@ -257,28 +277,19 @@ def test_a_read_frame_for_another_instance_is_refused(node: NodeProcess, tree: P
 
 
 def test_bytes_from_another_node_are_checked_against_the_manifest(
-    node: NodeProcess, tree: Path, caplog: pytest.LogCaptureFixture
+    node: NodeProcess, remote: RemoteRead, caplog: pytest.LogCaptureFixture
 ) -> None:
-    preload(node.env(), tree)
-    settings = load_settings({"nodes": node.address, "token_file": str(node.token_file)})
-    reader = ClusterReader(settings, local_node=None)  # every read over the network
-    try:
-        handle = reader.open_dataset("ds")
-        i = handle.manifest.resolve("a/f010.bin")
-        expected = (tree / "a" / "f010.bin").read_bytes()
-        (seg, off, n), *_ = handle.manifest.ranges(i, 0, len(expected))
-        # Bit rot in the node's copy: same length, one byte flipped.
-        segment = node.shm_dir / "datasets" / "ds" / "seg" / f"{seg:08d}"
-        with open(segment, "r+b") as f:
-            f.seek(off + 7)
-            byte = f.read(1)
-            f.seek(off + 7)
-            f.write(bytes([byte[0] ^ 0xFF]))
-        assert reader.read(handle, i, 0, len(expected)) == expected
-        assert reader.stats["source"] == 1
-        assert "fail their checksum" in caplog.text
-    finally:
-        reader.close()
+    (seg, off, _n), *_ = remote.handle.manifest.ranges(remote.entry, 0, len(remote.expected))
+    # Bit rot in the node's copy: same length, one byte flipped.
+    segment = node.shm_dir / "datasets" / "ds" / "seg" / f"{seg:08d}"
+    with open(segment, "r+b") as f:
+        f.seek(off + 7)
+        byte = f.read(1)
+        f.seek(off + 7)
+        f.write(bytes([byte[0] ^ 0xFF]))
+    assert remote.read() == remote.expected
+    assert remote.reader.stats["source"] == 1
+    assert "fail their checksum" in caplog.text
 
 
 def test_a_lease_keeps_one_instance(node: NodeProcess, tree: Path) -> None:
