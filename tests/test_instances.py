@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import errno
 import os
-import re
 import socket
 import threading
 from collections.abc import Iterator
@@ -21,6 +20,7 @@ from pathlib import Path
 import pytest
 from clusterutil import Cluster, running
 from conftest import MountProcess, NodeProcess, run_cli, wait_for
+from rt_util import deleted_maps
 
 from kspeedfs.client.handle import DatasetHandle
 from kspeedfs.client.reader import ClusterReader
@@ -145,11 +145,6 @@ def test_partial_source_reads_refuse_a_changed_or_shrunk_file(
         reader.close()
 
 
-def deleted_manifests(pid: int) -> list[str]:
-    maps = Path(f"/proc/{pid}/maps").read_text()
-    return [line for line in maps.splitlines() if re.search(r"manifest\.ksm \(deleted\)", line)]
-
-
 def test_the_mount_forgets_unloaded_instances(
     node: NodeProcess, tree: Path, tmp_path: Path, mounts: list[MountProcess]
 ) -> None:
@@ -162,7 +157,7 @@ def test_the_mount_forgets_unloaded_instances(
         assert (mount.mountpoint / "ds" / "a" / "small.txt").read_bytes() == b"hello kspeedfs\n"
         unload(node.env())
         wait_for(lambda: "ds" not in os.listdir(mount.mountpoint), what="the unload")
-    assert deleted_manifests(mount.proc.pid) == []
+    assert deleted_maps(mount.proc.pid, node.shm_dir) == []  # no manifest, no segment
 
 
 def test_the_mount_survives_a_token_it_no_longer_matches_and_a_node_that_answers_garbage(
