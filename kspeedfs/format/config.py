@@ -44,6 +44,29 @@ class Settings:
     spill_dir: Path | None = None
     spill: str = "0"
     source_check_interval: float = 300.0  # seconds between checks of sources for changes; 0: off
+    # Who may read what (README "Security"): the group that may map segments directly ("" =
+    # the node's own group), the mount's permissions ("source": the source's modes and owners,
+    # checked by the kernel; "open": everyone on the machine), the folders a job token may
+    # preload from, the node's Unix socket for fd passing ("" = next to shm_dir), and mutual
+    # TLS on every TCP connection when all three files are set.
+    group: str = ""
+    access: str = "source"
+    source_roots: list[Path] = dataclasses.field(default_factory=list)
+    socket: Path | None = None
+    tls_cert: Path | None = None
+    tls_key: Path | None = None
+    tls_ca: Path | None = None
+
+    def socket_path(self) -> Path:
+        """The node's local socket: `socket`, else `SHM_DIR.sock` beside the shm folder."""
+        return self.socket or self.shm_dir.with_name(self.shm_dir.name + ".sock")
+
+    def tls(self) -> bool:
+        """Mutual TLS is on: all three of cert, key and CA are set (some but not all: refused)."""
+        given = [p is not None for p in (self.tls_cert, self.tls_key, self.tls_ca)]
+        if any(given) and not all(given):
+            raise InvalidArgument("tls_cert, tls_key and tls_ca go together")
+        return all(given)
 
     def memory_budget(self) -> int:
         """The budget in bytes; a percentage is taken of the filesystem that holds shm_dir."""
@@ -102,6 +125,19 @@ def _to_int(v: Any, minimum: int) -> int:
     return n
 
 
+def _to_optional_path(v: Any) -> Path | None:
+    return Path(os.path.expanduser(str(v))) if str(v) else None
+
+
+def _to_paths(v: Any) -> list[Path]:
+    items = v if isinstance(v, list) else [x for x in str(v).split(",") if x.strip()]
+    paths = [Path(os.path.expanduser(str(x).strip())) for x in items]
+    for p in paths:
+        if not p.is_absolute():
+            raise InvalidArgument(f"source root must be an absolute path: {p}")
+    return paths
+
+
 def _to_memory(v: Any) -> str:
     s = str(v)
     if not s.strip().endswith("%"):
@@ -126,6 +162,13 @@ _CONVERTERS: dict[str, Any] = {
     "spill_dir": lambda v: Path(os.path.expanduser(str(v))) if str(v) else None,
     "spill": lambda v: str(parse_size(v if isinstance(v, int) else str(v))),
     "source_check_interval": _to_float,
+    "group": str,
+    "access": lambda v: _to_choice(v, ("source", "open")),
+    "source_roots": _to_paths,
+    "socket": _to_optional_path,
+    "tls_cert": _to_optional_path,
+    "tls_key": _to_optional_path,
+    "tls_ca": _to_optional_path,
 }
 
 ENV_PREFIX = "KSPEEDFS_"

@@ -705,7 +705,7 @@ def _from_source(
     source: Source, manifest: Manifest, seg: int, length: int, tmp: Path
 ) -> tuple[int, int]:
     """Write one segment from the source to tmp; returns (checksum, source reads)."""
-    fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o644)
+    fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o640)
     try:
         try:
             os.posix_fallocate(fd, 0, length)  # claim the tmpfs pages now: ENOSPC up front

@@ -85,7 +85,7 @@ class Connection:
 class NodeServer:
     def __init__(self, settings: Settings, rdma: RdmaService | None = None):
         self.settings = settings
-        self.store = SegmentStore(settings.shm_dir, settings.memory_budget())
+        self.store = SegmentStore(settings.shm_dir, settings.memory_budget(), settings.group)
         self.loads = LoadTable()
         self.started = time.time()
         self.token = ""

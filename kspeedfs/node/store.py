@@ -12,7 +12,7 @@ import dataclasses
 import json
 import logging
 import os
-import shutil
+import stat
 import threading
 import uuid
 from collections.abc import Callable
@@ -21,17 +21,32 @@ from typing import Any
 
 import xxhash
 
-from kspeedfs.format.errors import AlreadyExists, DataError, KSpeedError, NoSpace, NotFound
+from kspeedfs.format.errors import (
+    AlreadyExists,
+    DataError,
+    InvalidArgument,
+    KSpeedError,
+    NoSpace,
+    NotFound,
+)
 from kspeedfs.format.localdata import (
     MANIFEST_FILE,
     META_FILE,
     LocalDataset,
-    read_meta,
     segment_path,
 )
 from kspeedfs.format.names import validate_name
 from kspeedfs.format.readthrough_view import open_local
 from kspeedfs.format.units import format_size
+from kspeedfs.node.safedir import (
+    DIR_FLAGS,
+    FILE_MODE,
+    open_owned_dir,
+    open_subdir,
+    remove_beneath,
+    resolve_group,
+    restrict_files,
+)
 
 log = logging.getLogger(__name__)
 
@@ -70,9 +85,14 @@ class DatasetRecord:
 
 
 class SegmentStore:
-    def __init__(self, root: Path, budget: int):
+    """The shm folder. Owned by the node (checked at start), readable by its uid and `group`;
+    everything in it is reached through descriptors of its three folders, never a symlink."""
+
+    def __init__(self, root: Path, budget: int, group: str = ""):
         self.root = root
         self.budget = budget
+        self.group = group
+        self._fd: dict[str, int] = {}  # "datasets", "staging", "trash" -> open folder
         self.datasets_dir = root / "datasets"
         self.staging_dir = root / "staging"
         self.trash_dir = root / "trash"
@@ -92,19 +112,29 @@ class SegmentStore:
         self._reclaimers.append(reclaim)
 
     def recover(self, verify: bool) -> None:
-        """Find the datasets a previous daemon published; drop staging leftovers and broken ones."""
-        for d in (self.datasets_dir, self.staging_dir, self.trash_dir):
-            d.mkdir(parents=True, exist_ok=True)
-        os.chmod(self.root, 0o755)
-        for leftover in list(self.staging_dir.iterdir()) + list(self.trash_dir.iterdir()):
-            log.info("removing unfinished or unloaded data %s", leftover.name)
-            shutil.rmtree(leftover, ignore_errors=True)
-        for path in sorted(self.datasets_dir.iterdir()):
+        """Check and open the folder; find the datasets a previous daemon published; drop
+        staging leftovers and broken ones. Refuses (InvalidArgument) a folder others could
+        change."""
+        root_fd = open_owned_dir(self.root, resolve_group(self.group))
+        try:
+            for name in ("datasets", "staging", "trash"):
+                self._fd[name] = open_subdir(root_fd, name, self.root / name)
+        finally:
+            os.close(root_fd)
+        for folder in ("staging", "trash"):
+            for leftover in sorted(os.listdir(self._fd[folder])):
+                log.info("removing unfinished or unloaded data %s", leftover)
+                remove_beneath(self._fd[folder], leftover)
+        datasets_fd = self._fd["datasets"]
+        for name in sorted(os.listdir(datasets_fd)):
+            path = self.datasets_dir / name
             try:
+                if stat.S_ISLNK(os.stat(name, dir_fd=datasets_fd, follow_symlinks=False).st_mode):
+                    raise DataError("it is a symlink, not a dataset folder")
                 record = self._check(path, verify)
             except (KSpeedError, OSError, ValueError, KeyError) as e:
-                log.error("dropping broken dataset %s: %s", path.name, e)
-                self._discard(path)
+                log.error("dropping broken dataset %s: %s", name, e)
+                self._discard(name)
                 continue
             self.datasets[record.name] = record
             log.info(
@@ -118,7 +148,7 @@ class SegmentStore:
                 hook(name)
 
     def _check(self, path: Path, verify: bool) -> DatasetRecord:
-        meta = read_meta(path)
+        meta = self._read_meta(path.name)
         validate_name(meta["name"])
         if meta["name"] != path.name:
             raise DataError("meta.json names another dataset")
@@ -133,6 +163,16 @@ class SegmentStore:
             if verify and xxhash.xxh3_64_intdigest(ds.segment(seg)) != int(m.seg_checksum[seg]):
                 raise DataError(f"segment {seg} fails its checksum")
         return self._record(path, meta, m.nbytes)
+
+    def _read_meta(self, name: str) -> dict[str, Any]:
+        folder = os.open(name, DIR_FLAGS, dir_fd=self._fd["datasets"])
+        try:
+            fd = os.open(META_FILE, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=folder)
+        finally:
+            os.close(folder)
+        with os.fdopen(fd) as f:
+            meta: dict[str, Any] = json.load(f)
+        return meta
 
     def _record(self, path: Path, meta: dict[str, Any], manifest_bytes: int) -> DatasetRecord:
         return DatasetRecord(
@@ -186,19 +226,38 @@ class SegmentStore:
             self.reserved.pop(name, None)
 
     def new_staging(self, name: str) -> Path:
-        path = self.staging_dir / f"{name}.{uuid.uuid4().hex[:12]}"
-        (path / "seg").mkdir(parents=True)
-        return path
+        folder = f"{validate_name(name)}.{uuid.uuid4().hex[:12]}"
+        os.mkdir(folder, 0o750, dir_fd=self._fd["staging"])
+        fd = os.open(folder, DIR_FLAGS, dir_fd=self._fd["staging"])
+        try:
+            os.mkdir("seg", 0o750, dir_fd=fd)
+        finally:
+            os.close(fd)
+        return self.staging_dir / folder
+
+    def _staged_name(self, staging: Path) -> str:
+        if staging.parent != self.staging_dir or staging.name in ("", ".", ".."):
+            raise InvalidArgument(f"not a staging folder of this node: {staging}")
+        return staging.name
 
     def publish(self, staging: Path, meta: dict[str, Any]) -> DatasetRecord:
-        """Make a complete staging folder visible in one rename."""
-        name = meta["name"]
-        with open(staging / META_FILE, "w") as f:
-            json.dump(meta, f)
+        """Make a complete staging folder visible in one rename, its files FILE_MODE."""
+        name = validate_name(meta["name"])
+        folder = self._staged_name(staging)
+        staging_fd = os.open(folder, DIR_FLAGS, dir_fd=self._fd["staging"])
+        try:
+            flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC
+            with os.fdopen(os.open(META_FILE, flags, FILE_MODE, dir_fd=staging_fd), "w") as f:
+                json.dump(meta, f)
+            restrict_files(staging_fd)
+        finally:
+            os.close(staging_fd)
         final = self.datasets_dir / name
         with self._lock:
             try:
-                os.rename(staging, final)
+                os.rename(
+                    folder, name, src_dir_fd=self._fd["staging"], dst_dir_fd=self._fd["datasets"]
+                )
             except OSError as e:
                 raise AlreadyExists(f"dataset {name!r} appeared while loading: {e}") from None
             record = self._record(final, meta, (final / MANIFEST_FILE).stat().st_size)
@@ -216,20 +275,22 @@ class SegmentStore:
             self._open.pop(name, None)
         for hook in self.before_unload:
             hook(name)
-        self._discard(record.path)
+        self._discard(record.path.name)
         return record
 
-    def _discard(self, path: Path) -> None:
-        # Rename first so the name is free at once; unlink keeps mapped pages valid for readers.
-        dest = self.trash_dir / f"{path.name}.{uuid.uuid4().hex[:12]}"
+    def _discard(self, name: str) -> None:
+        """Remove datasets/NAME. Renamed first so the name is free at once; unlinking keeps
+        mapped pages valid for readers."""
+        dest = f"{name}.{uuid.uuid4().hex[:12]}"
         try:
-            os.rename(path, dest)
+            os.rename(name, dest, src_dir_fd=self._fd["datasets"], dst_dir_fd=self._fd["trash"])
         except OSError:
-            dest = path
-        shutil.rmtree(dest, ignore_errors=True)
+            remove_beneath(self._fd["datasets"], name)
+            return
+        remove_beneath(self._fd["trash"], dest)
 
     def discard_staging(self, staging: Path) -> None:
-        shutil.rmtree(staging, ignore_errors=True)
+        remove_beneath(self._fd["staging"], self._staged_name(staging))
 
     def open(self, name: str) -> LocalDataset:
         ds = self._open.get(name)

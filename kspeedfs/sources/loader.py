@@ -61,7 +61,7 @@ def manifest_size_estimate(tree: Tree) -> int:
 
 def create_segment(staging: Path, seg: int, length: int) -> int:
     """A new segment file in staging with its tmpfs pages claimed (ENOSPC up front); its fd."""
-    fd = os.open(segment_path(staging, seg), os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o644)
+    fd = os.open(segment_path(staging, seg), os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o640)
     try:
         os.posix_fallocate(fd, 0, length)
     except OSError as e:

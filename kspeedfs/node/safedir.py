@@ -1,0 +1,162 @@
+"""A folder the node owns: checked before use, walked with descriptors, never through a symlink.
+
+The node often runs as root over a folder in a world-writable place (/dev/shm). Whoever could
+write to that folder, or to a folder above it, could swap a part of it for a symlink and have
+the node delete or serve files outside it. So the folder and each folder above it must be
+owned by the node's uid or root and not writable by others (a sticky /dev/shm is fine), and
+everything inside is opened relative to a descriptor with O_NOFOLLOW.
+"""
+
+from __future__ import annotations
+
+import grp
+import logging
+import os
+import shutil
+import stat
+from pathlib import Path
+
+from kspeedfs.format.errors import InvalidArgument
+
+log = logging.getLogger(__name__)
+
+DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+DIR_MODE = 0o2750  # setgid: files made inside belong to the readers' group
+FILE_MODE = 0o640
+
+
+def resolve_group(name: str) -> int:
+    """The gid of the readers' group; "" is the node's own group."""
+    if not name:
+        return os.getegid()
+    try:
+        return grp.getgrnam(name).gr_gid
+    except KeyError:
+        if name.isdigit():
+            return int(name)
+        raise InvalidArgument(f"group {name!r} does not exist (setting `group`)") from None
+
+
+def _unsafe(what: Path, st: os.stat_result, uid: int, sticky_ok: bool) -> str:
+    """Why a folder is not safe to use, or ''."""
+    if stat.S_ISLNK(st.st_mode):
+        return "is a symlink"
+    if not stat.S_ISDIR(st.st_mode):
+        return "is not a folder"
+    if st.st_uid not in (uid, 0):
+        return f"is owned by uid {st.st_uid}, not {uid}"
+    writable = st.st_mode & 0o022
+    if writable and not (sticky_ok and st.st_mode & stat.S_ISVTX and st.st_uid == 0):
+        return f"is writable by {'others' if st.st_mode & 0o002 else 'its group'}"
+    return ""
+
+
+def open_owned_dir(path: Path, gid: int) -> int:
+    """A descriptor of `path`, created (with its missing parents) when absent; refused with one
+    line when it or a folder above it could be changed by someone else."""
+    uid = os.geteuid()
+    path = Path(os.path.abspath(path))
+    missing = [p for p in [path, *path.parents] if not os.path.lexists(p)]
+    for folder in reversed(missing):
+        try:
+            os.mkdir(folder, 0o750 if folder != path else 0o700)
+        except FileExistsError:
+            pass  # made meanwhile: checked below like any other
+    # Folders above: a shared sticky one owned by root (/dev/shm, /tmp) is fine; a symlink
+    # among them must be root's or ours, and so must what it points to.
+    for above in path.parents:
+        link = os.lstat(above)
+        why = _unsafe(above, os.stat(above), uid, sticky_ok=True)
+        if not why and stat.S_ISLNK(link.st_mode) and link.st_uid not in (uid, 0):
+            why = f"is a symlink owned by uid {link.st_uid}"
+        if why:
+            raise InvalidArgument(f"refusing shm folder {path}: {above} {why}")
+    fd = _open_dir(path, path)
+    try:
+        st = os.fstat(fd)
+        # Only the node's uid may own the folder itself: root-owned is someone else's then.
+        why = _unsafe(path, st, uid, sticky_ok=False)
+        if not why and st.st_uid != uid:
+            why = f"is owned by uid {st.st_uid}, not {uid}"
+        if why:
+            raise InvalidArgument(f"refusing shm folder {path}: it {why}")
+        if st.st_gid != gid:
+            os.fchown(fd, -1, gid)
+        if stat.S_IMODE(st.st_mode) != DIR_MODE:
+            os.fchmod(fd, DIR_MODE)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def _open_dir(path: Path, shown: Path, dir_fd: int | None = None) -> int:
+    try:
+        return os.open(path, DIR_FLAGS, dir_fd=dir_fd)
+    except OSError as e:
+        if os.path.islink(path) if dir_fd is None else _is_link(dir_fd, str(path)):
+            raise InvalidArgument(f"refusing shm folder: {shown} is a symlink") from None
+        raise InvalidArgument(f"cannot open {shown}: {e.strerror}") from None
+
+
+def _is_link(dir_fd: int, name: str) -> bool:
+    try:
+        return stat.S_ISLNK(os.stat(name, dir_fd=dir_fd, follow_symlinks=False).st_mode)
+    except OSError:
+        return False
+
+
+def open_subdir(parent_fd: int, name: str, shown: Path) -> int:
+    """A descriptor of folder `name` inside parent_fd, made when absent; a symlink or a folder
+    owned by another uid there is refused."""
+    try:
+        os.mkdir(name, 0o750, dir_fd=parent_fd)
+    except FileExistsError:
+        pass
+    fd = _open_dir(Path(name), shown, dir_fd=parent_fd)
+    st = os.fstat(fd)
+    why = _unsafe(shown, st, os.geteuid(), sticky_ok=False)
+    if why:
+        os.close(fd)
+        raise InvalidArgument(f"refusing shm folder: {shown} {why}")
+    return fd
+
+
+def remove_beneath(dir_fd: int, name: str) -> None:
+    """Remove entry `name` of dir_fd: a folder with everything in it, never what a symlink in
+    it points to (shutil.rmtree with dir_fd walks by descriptors)."""
+    try:
+        st = os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
+    except FileNotFoundError:
+        return
+    if stat.S_ISDIR(st.st_mode):
+        assert shutil.rmtree.avoids_symlink_attacks
+        shutil.rmtree(name, dir_fd=dir_fd, onerror=_log_rm_error)
+    else:
+        try:
+            os.unlink(name, dir_fd=dir_fd)
+        except FileNotFoundError:
+            pass
+
+
+def _log_rm_error(func: object, path: str, exc: object) -> None:
+    log.warning("could not remove %s from the shm folder: %s", path, exc)
+
+
+def restrict_files(dir_fd: int) -> None:
+    """Give the files of a folder (and of its folders) FILE_MODE; symlinks are removed."""
+    for entry in os.scandir(dir_fd):
+        if entry.is_symlink():
+            os.unlink(entry.name, dir_fd=dir_fd)
+        elif entry.is_dir(follow_symlinks=False):
+            sub = os.open(entry.name, DIR_FLAGS, dir_fd=dir_fd)
+            try:
+                restrict_files(sub)
+            finally:
+                os.close(sub)
+        elif stat.S_IMODE(entry.stat(follow_symlinks=False).st_mode) != FILE_MODE:
+            fd = os.open(entry.name, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=dir_fd)
+            try:
+                os.fchmod(fd, FILE_MODE)
+            finally:
+                os.close(fd)
