@@ -9,6 +9,7 @@ from pathlib import Path
 
 from kspeedfs.format.errors import InvalidArgument, NotFound
 from kspeedfs.format.tree import Tree
+from kspeedfs.sources.beneath import link_stays_inside, open_beneath, open_root
 
 log = logging.getLogger(__name__)
 
@@ -28,39 +29,57 @@ def check_source(source: str | os.PathLike[str]) -> Path:
 
 
 def scan_tree(source: str | os.PathLike[str]) -> Tree:
-    """lstat every entry once; symlinks are kept as links, special files skipped with a warning."""
+    """lstat every entry once, each folder opened beneath the root without following a symlink
+    (a folder swapped for one is not walked); symlinks are kept as links only when they point
+    inside the tree, special files skipped with a warning."""
     root = check_source(source)
-    root_bytes = os.fsencode(root)
-    st = os.stat(root_bytes)
+    root_fd = open_root(os.fsencode(root))
+    try:
+        return _scan(root_fd)
+    finally:
+        os.close(root_fd)
+
+
+def _scan(root_fd: int) -> Tree:
+    st = os.fstat(root_fd)
     tree = Tree()
     tree.append(b"", 0, st.st_mode, 0, st.st_mtime_ns)
-    queue: list[tuple[int, bytes]] = [(0, root_bytes)]
+    queue: list[tuple[int, bytes]] = [(0, b"")]
     head = 0
     while head < len(queue):
-        dir_idx, dir_path = queue[head]
+        dir_idx, rel = queue[head]
         head += 1
-        with os.scandir(dir_path) as it:
-            children = sorted(it, key=lambda e: e.name)
-        tree.first_child[dir_idx] = len(tree)
-        count = 0
-        for entry in children:
-            est = entry.stat(follow_symlinks=False)
-            mode = est.st_mode
-            idx = len(tree)
-            if stat.S_ISDIR(mode):
-                tree.append(entry.name, dir_idx, mode, 0, est.st_mtime_ns)
-                queue.append((idx, entry.path))
-            elif stat.S_ISREG(mode):
-                tree.append(entry.name, dir_idx, mode, est.st_size, est.st_mtime_ns)
-            elif stat.S_ISLNK(mode):
-                target = os.readlink(entry.path)
-                tree.append(entry.name, dir_idx, mode, len(target), est.st_mtime_ns)
-                tree.link_target[idx] = target
-            else:
-                log.warning("skipping special file %r", os.fsdecode(entry.path))
-                continue
-            count += 1
-        tree.child_count[dir_idx] = count
+        fd = root_fd if not rel else open_beneath(root_fd, rel, os.O_RDONLY | os.O_DIRECTORY)
+        try:
+            with os.scandir(fd) as it:
+                children = sorted(((os.fsencode(e.name), e) for e in it), key=lambda p: p[0])
+            tree.first_child[dir_idx] = len(tree)
+            count = 0
+            for name, entry in children:
+                child = rel + b"/" + name if rel else name
+                est = entry.stat(follow_symlinks=False)
+                mode = est.st_mode
+                idx = len(tree)
+                if stat.S_ISDIR(mode):
+                    tree.append(name, dir_idx, mode, 0, est.st_mtime_ns)
+                    queue.append((idx, child))
+                elif stat.S_ISREG(mode):
+                    tree.append(name, dir_idx, mode, est.st_size, est.st_mtime_ns)
+                elif stat.S_ISLNK(mode):
+                    target = os.readlink(name, dir_fd=fd)
+                    if not link_stays_inside(child, target):
+                        log.warning("skipping symlink %r: it points outside the source", child)
+                        continue
+                    tree.append(name, dir_idx, mode, len(target), est.st_mtime_ns)
+                    tree.link_target[idx] = target
+                else:
+                    log.warning("skipping special file %r", os.fsdecode(child))
+                    continue
+                count += 1
+            tree.child_count[dir_idx] = count
+        finally:
+            if fd != root_fd:
+                os.close(fd)
     return tree
 
 

@@ -33,6 +33,7 @@ from kspeedfs.format.errors import (
 from kspeedfs.format.layout import FilePiece, FileTable, Layout
 from kspeedfs.format.manifest import Manifest
 from kspeedfs.format.tree import Tree
+from kspeedfs.sources.beneath import open_beneath, open_root
 from kspeedfs.sources.scan import check_source, scan_tree, tree_from_listing
 
 log = logging.getLogger(__name__)
@@ -44,7 +45,7 @@ FETCH_CHUNK = 8 << 20
 # sendfile errors that mean "this source cannot be spliced": read into the mapping instead.
 _NO_SENDFILE = frozenset({errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP})
 # open() errors that mean the listed file is gone or is no longer a plain file.
-_GONE = frozenset({errno.ENOENT, errno.ENOTDIR, errno.ELOOP})
+_GONE = frozenset({errno.ENOENT, errno.ENOTDIR, errno.ELOOP, errno.EXDEV})
 
 PieceDone = Callable[[FilePiece, memoryview], None]
 
@@ -148,16 +149,23 @@ class LocalSource(Source):
         check_source(self.url)
 
     def _open(self, relpath: bytes) -> int:
-        """An fd of the file; the last component is never followed when it is a symlink."""
+        """An fd of the file, resolved beneath the root: no component is followed when it is
+        a symlink (a folder swapped for a link to elsewhere reads as a changed source)."""
         path = self.root + b"/" + relpath
         try:
-            return os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+            root_fd = open_root(self.root)
+        except OSError as e:
+            raise DataError(f"cannot open the source {self.url}: {e.strerror}") from None
+        try:
+            return open_beneath(root_fd, relpath)
         except OSError as e:
             if e.errno in _GONE:
                 raise SourceChanged(
                     f"source file gone or replaced: {os.fsdecode(path)} ({e.strerror})"
                 ) from None
             raise DataError(f"cannot read {os.fsdecode(path)}: {e.strerror}") from None
+        finally:
+            os.close(root_fd)
 
     def fill(
         self,
