@@ -101,7 +101,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("token", help="cluster tokens")
     tsub = p.add_subparsers(dest="token_command", required=True, metavar="ACTION")
-    t = tsub.add_parser("new", help="write a new admin token, or the read token of the current one")
+    t = tsub.add_parser(
+        "new", help="write a new admin token, or the job or read token of the current one"
+    )
     t.add_argument("--role", choices=auth.ROLES, default="admin")
     t.add_argument("--token-file", help="the admin token file (default ~/.config/kspeedfs/token)")
     t.add_argument("--output", help="where to write (default: the token file itself for admin)")
@@ -377,11 +379,10 @@ def cmd_token(args: argparse.Namespace) -> int:
         auth.write_token(dest, auth.new_admin_token(), overwrite=args.force)
     else:
         if not args.output:
-            raise InvalidArgument("--output is required for a read token")
+            raise InvalidArgument(f"--output is required for a {args.role} token")
         dest = Path(args.output)
-        auth.write_token(
-            dest, auth.derive_read_token(auth.read_token(token_file)), overwrite=args.force
-        )
+        token = auth.derive_token(auth.read_token(token_file), args.role)
+        auth.write_token(dest, token, overwrite=args.force)
     print(f"wrote a {args.role} token to {dest} (mode 0600)")
     return 0
 

@@ -1,7 +1,9 @@
 """Cluster tokens and the HMAC challenge-response that proves a client holds one.
 
-The token file holds the admin secret. The read secret is derived from it, so a read-only
-token can be handed out (`kspeedfs token new --role read`) without revealing the admin one.
+The token file holds the admin secret. The job and read secrets are derived from it, so a
+token with less power can be handed out (`kspeedfs token new --role job|read`) without
+revealing the admin one. Roles, from most to least: admin (everything), job (preloads under
+`source_roots` with a lease, its own leases, reads), read (reads, listing).
 """
 
 from __future__ import annotations
@@ -14,17 +16,33 @@ from pathlib import Path
 
 from kspeedfs.format.errors import AuthError, InvalidArgument
 
-ROLES = ("admin", "read")
-_PREFIX = {"admin": "ksa1-", "read": "ksr1-"}
+ROLES = ("admin", "job", "read")
+_PREFIX = {"admin": "ksa1-", "job": "ksj1-", "read": "ksr1-"}
+# What each role may do includes what the roles ranked below it may.
+RANK = {"read": 0, "job": 1, "admin": 2}
 
 
 def new_admin_token() -> str:
     return _PREFIX["admin"] + secrets.token_hex(32)
 
 
+def derive_token(admin_token: str, role: str) -> str:
+    """The token of `role` that belongs to this admin token."""
+    if role == "admin":
+        return admin_token
+    if role not in ROLES:
+        raise InvalidArgument(f"unknown role {role!r}: one of {', '.join(ROLES)}")
+    label = f"kspeedfs {role} role".encode()
+    return _PREFIX[role] + hmac.new(admin_token.encode(), label, hashlib.sha256).hexdigest()
+
+
 def derive_read_token(admin_token: str) -> str:
-    digest = hmac.new(admin_token.encode(), b"kspeedfs read role", hashlib.sha256).hexdigest()
-    return _PREFIX["read"] + digest
+    return derive_token(admin_token, "read")
+
+
+def allows(role: str, needed: str) -> bool:
+    """Whether a client with `role` may call what needs `needed`."""
+    return RANK.get(role, -1) >= RANK[needed]
 
 
 def token_role(token: str) -> str:
@@ -79,8 +97,11 @@ def respond(token: str, nonce: bytes) -> str:
     return hmac.new(token.encode(), b"kspeedfs auth v1" + nonce, hashlib.sha256).hexdigest()
 
 
-def verify(admin_token: str, nonce: bytes, role: str, mac: str) -> bool:
-    if role not in ROLES or not isinstance(mac, str):
+def verify(admin_token: str, nonce: bytes, role: object, mac: object) -> bool:
+    """Whether mac proves the token of `role`; False for any malformed field (never raises:
+    compare_digest refuses a str that is not ASCII)."""
+    if role not in ROLES or not isinstance(role, str) or not isinstance(mac, str):
         return False
-    key = admin_token if role == "admin" else derive_read_token(admin_token)
-    return hmac.compare_digest(respond(key, nonce), mac)
+    if not mac.isascii():
+        return False
+    return hmac.compare_digest(respond(derive_token(admin_token, role), nonce), mac)

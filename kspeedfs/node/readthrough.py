@@ -47,7 +47,7 @@ from kspeedfs.format.names import validate_name
 from kspeedfs.format.readthrough_view import EPOCH_FILE, READTHROUGH, SEGSUMS_FILE
 from kspeedfs.format.tree import Tree
 from kspeedfs.format.units import format_size, parse_size
-from kspeedfs.node.ops import ADMIN, READ, OpRegistry
+from kspeedfs.node.ops import ADMIN, JOB, OpRegistry
 from kspeedfs.node.preload import tree_digest
 from kspeedfs.node.spill import SpillArea
 from kspeedfs.node.store import DatasetRecord
@@ -129,12 +129,12 @@ class ReadThroughCache:
         store.add_reclaimer(self.reclaim)
 
     def register_ops(self, ops: OpRegistry) -> None:
-        """Creating and refreshing a dataset needs an admin; readers fill what they miss and
-        report what they read, so the read role may do that."""
+        """Creating and refreshing a dataset needs an admin; filling what a reader misses (the
+        node reads the source for it) and reporting what it read need the job role."""
         ops.add("register_source", self.op_register_source, ADMIN)
         ops.add("refresh", self.op_refresh, ADMIN)
-        ops.add("fill", self.op_fill, READ)
-        ops.add("touch", self.op_touch, READ)
+        ops.add("fill", self.op_fill, JOB)
+        ops.add("touch", self.op_touch, JOB)
 
     # Start-up.
 

@@ -30,7 +30,7 @@ from kspeedfs.format.protocol import MsgType
 from kspeedfs.format.units import format_size
 from kspeedfs.node.leases import LeaseTable
 from kspeedfs.node.loads import LoadTable
-from kspeedfs.node.ops import ADMIN, READ, OpRegistry
+from kspeedfs.node.ops import ADMIN, JOB, READ, OpRegistry, caller_role, int_field, str_field
 from kspeedfs.node.peers import PeerPool
 from kspeedfs.node.preload import Plan, Stager, coordinate, plan_preload, start_stages
 from kspeedfs.node.readthrough import ReadThroughCache
@@ -107,18 +107,18 @@ class NodeServer:
         self.cache.register_ops(self.ops)
 
     def _register_ops(self) -> None:
-        # Leases are taken by jobs with whatever token they hold: a job reading a dataset
-        # another job loaded (leased) must hold a lease on it, so the read role may.
+        # Leases are the job role's: a lease can unload a dataset when it ends. A lease's id
+        # is a secret handed to the job that took it, so a job renews or ends only its own.
         for name, handler, role in (
             ("ping", self.op_ping, READ),
             ("status", self.op_status, READ),
             ("list", self.op_list, READ),
             ("progress", self.op_progress, READ),
             ("manifest", self.op_manifest, READ),
-            ("lease_acquire", self.op_lease_acquire, READ),
-            ("lease_renew", self.op_lease_renew, READ),
-            ("lease_release", self.op_lease_release, READ),
-            ("preload", self.op_preload, ADMIN),
+            ("lease_acquire", self.op_lease_acquire, JOB),
+            ("lease_renew", self.op_lease_renew, JOB),
+            ("lease_release", self.op_lease_release, JOB),
+            ("preload", self.op_preload, JOB),  # a job's: under source_roots, leased
             ("unload", self.op_unload, ADMIN),
             ("unload_local", self.op_unload_local, ADMIN),
             ("shutdown", self.op_shutdown, ADMIN),
@@ -218,9 +218,14 @@ class NodeServer:
                 self.stats["refused"] += 1
                 await conn.send_error(frame.request_id, AuthError("authenticate first"))
                 return None
-            msg = frame.json()
+            try:
+                msg = frame.json()
+            except (ValueError, ProtocolError):
+                msg = None
+            if not isinstance(msg, dict):
+                msg = {}
             role = msg.get("role")
-            if not auth.verify(self.token, nonce, str(role), msg.get("mac", "")):
+            if not auth.verify(self.token, nonce, role, msg.get("mac", "")):
                 self.stats["refused"] += 1
                 log.warning("refused a client with a wrong token (role %r)", str(role)[:16])
                 await conn.send_error(
@@ -233,6 +238,7 @@ class NodeServer:
         return None
 
     async def _serve(self, conn: Connection, role: str) -> None:
+        caller_role.set(role)  # this connection's task (and what it starts) runs as role
         while True:
             frame = await conn.receive()
             if frame is None:
@@ -240,6 +246,8 @@ class NodeServer:
             try:
                 if frame.type == MsgType.REQUEST:
                     msg = frame.json()
+                    if not isinstance(msg, dict):
+                        raise InvalidArgument("a request must be a JSON object")
                     result = await self.ops.authorize(msg.get("op"), role)(msg)
                     await conn.send_json(MsgType.RESPONSE, frame.request_id, result)
                 elif frame.type == MsgType.READ:
@@ -250,9 +258,13 @@ class NodeServer:
                 await conn.send_error(frame.request_id, e)
                 raise
             except KSpeedError as e:
+                if isinstance(e, (AuthError, InvalidArgument)):
+                    self.stats["refused"] += 1
                 await conn.send_error(frame.request_id, e)
             except (KeyError, TypeError, ValueError) as e:
                 # A request missing a field or with one of the wrong type: refuse it, stay up.
+                self.stats["refused"] += 1
+                log.info("refused a malformed request: %r", e)
                 await conn.send_error(
                     frame.request_id, InvalidArgument(f"malformed request: {e!r}")
                 )
@@ -318,6 +330,8 @@ class NodeServer:
     async def op_preload(self, msg: dict[str, Any]) -> dict[str, Any]:
         """Coordinate a preload over the live members (this node included)."""
         name = validate_name(msg.get("name", ""))
+        if caller_role.get() != ADMIN:
+            msg = self._job_preload(msg)
         if name in self.store.datasets:
             raise AlreadyExists(f"dataset {name!r} is already loaded")
         progress = self.loads.start(name, str(msg.get("source", "")))
@@ -347,6 +361,20 @@ class NodeServer:
             "bytes_total": plan.tree.data_bytes,
             "nodes": plan.members,
         }
+
+    def _job_preload(self, msg: dict[str, Any]) -> dict[str, Any]:
+        """A job's preload: its source must lie under one of `source_roots` (after resolving
+        links, so a link out of a root does not count) and it lives only while leased."""
+        source = str_field(msg, "source")
+        if msg.get("lifetime", "leased") != "leased":
+            raise AuthError("a job token preloads only with a lease (lifetime leased)")
+        roots = [os.path.realpath(r) for r in self.settings.source_roots]
+        if not roots:
+            raise AuthError("this node allows no job preloads: `source_roots` is not set")
+        real = os.path.realpath(source) if os.path.isabs(source) else ""
+        if not real or not any(real == r or real.startswith(r.rstrip("/") + "/") for r in roots):
+            raise AuthError(f"a job token may preload only under {', '.join(roots)}, not {source}")
+        return {**msg, "source": real, "lifetime": "leased"}
 
     async def _coordinate(self, plan: Plan, progress: Progress, pushed: set[str]) -> None:
         try:
@@ -388,10 +416,10 @@ class NodeServer:
         record = self.store.datasets.get(name)
         if record is None:
             raise NotFound(f"no dataset named {name!r}")
-        offset = int(msg.get("offset", 0))
+        offset = int_field(msg, "offset", 0)
         path = record.path / "manifest.ksm"
         # In pieces of MANIFEST_PIECE: a large manifest is far over one control frame.
-        asked = int(msg.get("length", MANIFEST_PIECE))
+        asked = int_field(msg, "length", MANIFEST_PIECE)
 
         def read_piece() -> tuple[int, bytes]:
             with open(path, "rb") as f:
@@ -457,13 +485,13 @@ class NodeServer:
             raise NotFound(f"no dataset named {name!r}")
         if msg.get("uuid") and msg["uuid"] != record.uuid:
             raise StaleDataset(f"dataset {name!r} was loaded again: the instance asked for is gone")
-        lease = self.leases.acquire(name, record.uuid, str(msg.get("holder", "")))
+        lease = self.leases.acquire(name, record.uuid, str_field(msg, "holder"))
         count = self.leases.count(name)
         log.info("lease on %s taken by %s (%d held)", name, lease.holder, count)
         return {**lease.to_wire(self.leases.clock()), "ttl": self.leases.ttl, "leases": count}
 
     async def op_lease_renew(self, msg: dict[str, Any]) -> dict[str, Any]:
-        lease = self.leases.renew(str(msg.get("lease", "")))
+        lease = self.leases.renew(str_field(msg, "lease"))
         record = self.store.datasets.get(lease.name)
         if record is None or record.uuid != lease.instance:
             self.leases.release(lease.id)
@@ -471,7 +499,7 @@ class NodeServer:
         return lease.to_wire(self.leases.clock())
 
     async def op_lease_release(self, msg: dict[str, Any]) -> dict[str, Any]:
-        lease = self.leases.release(str(msg.get("lease", "")))
+        lease = self.leases.release(str_field(msg, "lease"))
         left = self.leases.count(lease.name)
         log.info("lease on %s released by %s (%d left)", lease.name, lease.holder, left)
         unloaded = False
