@@ -57,6 +57,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--endpoint", help="object store endpoint URL of an s3:// source")
     p.add_argument("--no-wait", action="store_true", help="return once the node accepted it")
     p.add_argument("--replicas", type=int, default=1, help="copies of each segment (default 1)")
+    p.add_argument(
+        "--meta",
+        action="append",
+        default=[],
+        metavar="FILE",
+        help="a meta file in the source (one sample per line) to index too; repeatable",
+    )
     p.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
 
     for name, help_text in (("ls", "list datasets"), ("status", "show the nodes")):
@@ -180,6 +187,7 @@ def cmd_preload(args: argparse.Namespace) -> int:
         show_progress=not args.quiet,
         replicas=args.replicas,
         endpoint=args.endpoint or "",
+        meta=args.meta,
     )
     state = result.get("state", "loading")
     print(

@@ -5,6 +5,8 @@ from .external_source import KSpeedCallable, SampleInfo
 from .folder import KSpeedFolder
 from .image_folder import KSpeedImageFolder
 from .lease import release_all as release_leases
+from .meta import KSpeedMetaDataset
+from .mini_epoch import MiniEpochSampler
 from .prefetch import ClairvoyantSampler
 
 __all__ = [
@@ -13,6 +15,8 @@ __all__ = [
     "KSpeedDataset",
     "KSpeedFolder",
     "KSpeedImageFolder",
+    "KSpeedMetaDataset",
+    "MiniEpochSampler",
     "SampleInfo",
     "release_leases",
 ]

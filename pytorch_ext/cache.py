@@ -141,8 +141,10 @@ def attach(
     settings: Settings,
     local: bool | None,
     source_for_preload: str | None = None,
+    meta: Sequence[str] = (),
 ) -> tuple[CacheRef, str, tuple[str, str, str] | None]:
-    """Find or actively load the dataset holding `path`.
+    """Find or actively load the dataset holding `path` (an active load indexes the `meta`
+    files too).
 
     Returns the ref, `path` relative to the dataset root, and the lease key when this process
     took a lease (release it with `lease.unhold`).
@@ -155,7 +157,7 @@ def attach(
         if found is None:
             if preloaded:
                 raise DataError(f"dataset for {path} vanished right after loading it")
-            _active_preload(settings, source_for_preload or path, objname)
+            _active_preload(settings, source_for_preload or path, objname, meta)
             preloaded = True
             continue
         info, rel = found
@@ -181,7 +183,9 @@ def attach(
     raise KSpeedError(f"could not attach {path}: the cache kept changing under us")
 
 
-def _active_preload(settings: Settings, source: str, objname: str | None) -> None:
+def _active_preload(
+    settings: Settings, source: str, objname: str | None, meta: Sequence[str] = ()
+) -> None:
     """Preload `source` with a leased lifetime, or join its load already under way (another job
     or rank started it); waits for it (progress shown on rank 0)."""
     try:
@@ -191,7 +195,7 @@ def _active_preload(settings: Settings, source: str, objname: str | None) -> Non
     name = objname or derived_name(src)
     try:
         label = f"kspeedfs load {name}" if process_rank() == 0 else None
-        admin.ensure_loaded(settings, src, name, lifetime="leased", progress_label=label)
+        admin.ensure_loaded(settings, src, name, lifetime="leased", progress_label=label, meta=meta)
     except AuthError as e:
         raise AuthError(
             f"{source} is not in the cache and loading it needs the admin token: {e}"

@@ -14,7 +14,14 @@ from kspeedfs.format.errors import InvalidArgument
 from kspeedfs.format.manifest import Manifest
 
 from . import cache, lease
-from .index import IndexBuilder, LazyFiles, SampleIndex, build_folder_index, extension_check
+from .index import (
+    IndexBuilder,
+    LazyFiles,
+    SampleIndex,
+    SampleList,
+    build_folder_index,
+    extension_check,
+)
 from .prefetch import PrefetchMixin
 
 PathLike = str | os.PathLike[str]
@@ -27,7 +34,7 @@ class CachedPath(PrefetchMixin):
     _ref: cache.CacheRef
     _top: int
     _prefix: bytes
-    _index: SampleIndex  # set by datasets over a folder; KSpeedDataset has none
+    _index: SampleList  # set by datasets over a folder or a meta file; KSpeedDataset has none
 
     def _attach(
         self,
@@ -37,6 +44,7 @@ class CachedPath(PrefetchMixin):
         token: PathLike | None,
         local: bool | None,
         preload: PathLike | None = None,
+        meta: Sequence[str] = (),
     ) -> Manifest:
         """Find (or actively load) the dataset holding `path`; errors surface here, in the
         process that builds the dataset, never in a worker."""
@@ -47,6 +55,7 @@ class CachedPath(PrefetchMixin):
             settings=settings,
             local=local,
             source_for_preload=os.fspath(preload) if preload is not None else None,
+            meta=meta,
         )
         self._ref = ref
         if key is not None:

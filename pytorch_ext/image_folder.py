@@ -102,67 +102,14 @@ def _path_check(
     return valid, path_of
 
 
-class KSpeedImageFolder(CachedPath, VisionDataset):
-    """A drop-in for `torchvision.datasets.ImageFolder` over the cache.
+class CachedImages(CachedPath, VisionDataset):
+    """ImageFolder's sample interface over a sample index: lazy `samples`/`targets` (a list may
+    be assigned to either), the same sample for the same index and transform, `decode`."""
 
-    Same `classes`, `class_to_idx`, `samples` (source paths), `targets` and `imgs`, and the same
-    sample for the same index and transform. `samples` and `targets` are built on access from
-    the node's shared manifest (no per-file objects per process); assigning a list to either
-    works as with ImageFolder. `decode="tensor"` gives uint8 CHW tensors decoded by
-    torchvision.io straight from the zero-copy buffer. A custom `loader` is called with a
-    binary file object over the cached bytes instead of a path.
-    """
-
-    def __init__(
-        self,
-        root: PathLike,
-        transform: Callable[..., Any] | None = None,
-        target_transform: Callable[..., Any] | None = None,
-        loader: Callable[..., Any] = default_loader,
-        is_valid_file: Callable[[str], bool] | None = None,
-        allow_empty: bool = False,
-        *,
-        objname: str | None = None,
-        nodes: str | Sequence[str] | None = None,
-        token: PathLike | None = None,
-        decode: str = "pil",
-        local: bool | None = None,
-    ):
-        if decode not in ("pil", "tensor"):
-            raise InvalidArgument(f"decode must be 'pil' or 'tensor', not {decode!r}")
-        VisionDataset.__init__(self, root, transform=transform, target_transform=target_transform)
-        m = self._attach(self.root, objname, nodes, token, local)
-        if not m.is_dir(self._top):
-            raise InvalidArgument(f"{self.root} is a file, not a folder")
-        self.loader = loader
-        self.decode = decode
-        self.extensions = IMG_EXTENSIONS if is_valid_file is None else None
-        folders = class_folders(m, self._top)
-        if not folders:
-            raise FileNotFoundError(f"Couldn't find any class folder in {self.root}.")
-        self.classes = [name for name, _ in folders]
-        self.class_to_idx = {name: i for i, name in enumerate(self.classes)}
-        builder = IndexBuilder()
-        empty = []
-        for target, (name, entry) in enumerate(folders):
-            if is_valid_file is None:
-                added = build_folder_index(
-                    m, entry, target, builder, extension_check(m, IMG_EXTENSIONS)
-                )
-            else:
-                added = build_folder_index(
-                    m, entry, target, builder, *_path_check(is_valid_file, self.root, name)
-                )
-            if not added:
-                empty.append(name)
-        if empty and not allow_empty:
-            msg = f"Found no valid file for the classes {', '.join(sorted(empty))}. "
-            if self.extensions is not None:
-                msg += f"Supported extensions are: {', '.join(self.extensions)}"
-            raise FileNotFoundError(msg)
-        self._index: SampleIndex = builder.build()
-        self._samples: list[tuple[str, int]] | None = None
-        self._targets: list[int] | None = None
+    loader: Callable[..., Any]
+    decode: str
+    _samples: list[tuple[str, int]] | None = None
+    _targets: list[int] | None = None
 
     # ImageFolder's attributes: lazy views unless a list was assigned.
 
@@ -232,3 +179,66 @@ class KSpeedImageFolder(CachedPath, VisionDataset):
 
     def extra_repr(self) -> str:
         return f"Cached dataset: {self._ref.name} (decode={self.decode})"
+
+
+class KSpeedImageFolder(CachedImages):
+    """A drop-in for `torchvision.datasets.ImageFolder` over the cache.
+
+    Same `classes`, `class_to_idx`, `samples` (source paths), `targets` and `imgs`, and the same
+    sample for the same index and transform. `samples` and `targets` are built on access from
+    the node's shared manifest (no per-file objects per process); assigning a list to either
+    works as with ImageFolder. `decode="tensor"` gives uint8 CHW tensors decoded by
+    torchvision.io straight from the zero-copy buffer. A custom `loader` is called with a
+    binary file object over the cached bytes instead of a path.
+    """
+
+    def __init__(
+        self,
+        root: PathLike,
+        transform: Callable[..., Any] | None = None,
+        target_transform: Callable[..., Any] | None = None,
+        loader: Callable[..., Any] = default_loader,
+        is_valid_file: Callable[[str], bool] | None = None,
+        allow_empty: bool = False,
+        *,
+        objname: str | None = None,
+        nodes: str | Sequence[str] | None = None,
+        token: PathLike | None = None,
+        decode: str = "pil",
+        local: bool | None = None,
+    ):
+        if decode not in ("pil", "tensor"):
+            raise InvalidArgument(f"decode must be 'pil' or 'tensor', not {decode!r}")
+        VisionDataset.__init__(self, root, transform=transform, target_transform=target_transform)
+        m = self._attach(self.root, objname, nodes, token, local)
+        if not m.is_dir(self._top):
+            raise InvalidArgument(f"{self.root} is a file, not a folder")
+        self.loader = loader
+        self.decode = decode
+        self.extensions = IMG_EXTENSIONS if is_valid_file is None else None
+        folders = class_folders(m, self._top)
+        if not folders:
+            raise FileNotFoundError(f"Couldn't find any class folder in {self.root}.")
+        self.classes = [name for name, _ in folders]
+        self.class_to_idx = {name: i for i, name in enumerate(self.classes)}
+        builder = IndexBuilder()
+        empty = []
+        for target, (name, entry) in enumerate(folders):
+            if is_valid_file is None:
+                added = build_folder_index(
+                    m, entry, target, builder, extension_check(m, IMG_EXTENSIONS)
+                )
+            else:
+                added = build_folder_index(
+                    m, entry, target, builder, *_path_check(is_valid_file, self.root, name)
+                )
+            if not added:
+                empty.append(name)
+        if empty and not allow_empty:
+            msg = f"Found no valid file for the classes {', '.join(sorted(empty))}. "
+            if self.extensions is not None:
+                msg += f"Supported extensions are: {', '.join(self.extensions)}"
+            raise FileNotFoundError(msg)
+        self._index: SampleIndex = builder.build()
+        self._samples: list[tuple[str, int]] | None = None
+        self._targets: list[int] | None = None

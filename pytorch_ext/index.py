@@ -12,7 +12,7 @@ import bisect
 import os
 import stat
 from collections.abc import Callable, Iterator, Sequence
-from typing import Any, TypeVar, overload
+from typing import Any, Protocol, TypeVar, overload
 
 import numpy as np
 
@@ -20,6 +20,22 @@ from kspeedfs.format.manifest import Manifest
 
 _S_IFMT = 0o170000
 T = TypeVar("T")
+
+
+class SampleList(Protocol):
+    """What the datasets and the lazy lists ask of a sample list."""
+
+    def __len__(self) -> int: ...
+
+    def entry(self, i: int) -> int: ...
+
+    def target(self, i: int) -> Any: ...
+
+    def entries_of(self, indices: Sequence[int] | np.ndarray) -> np.ndarray: ...
+
+    def all_targets(self) -> np.ndarray: ...
+
+    def all_entries(self) -> np.ndarray: ...
 
 
 class SampleIndex:
@@ -166,7 +182,7 @@ def extension_check(m: Manifest, extensions: tuple[str, ...]) -> Callable[[int, 
 class _BuiltOnAccess(Sequence[T]):
     """A read-only list over the sample index whose items are made when asked for."""
 
-    def __init__(self, index: SampleIndex):
+    def __init__(self, index: SampleList):
         self._index = index
 
     def __len__(self) -> int:

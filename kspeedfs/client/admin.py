@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Sequence
 from typing import Any
 
 from kspeedfs.format.config import Settings
@@ -71,9 +72,16 @@ def wait_ready(
 
 
 def start_preload(
-    client: NodeClient, name: str, src: str, lifetime: str, replicas: int = 1, endpoint: str = ""
+    client: NodeClient,
+    name: str,
+    src: str,
+    lifetime: str,
+    replicas: int = 1,
+    endpoint: str = "",
+    meta: Sequence[str] = (),
 ) -> dict[str, Any]:
-    """Ask for a load of `src` (normalized) as `name`; answers once the node has scanned it."""
+    """Ask for a load of `src` (normalized) as `name`; answers once the node has scanned it.
+    `meta`: meta files in it (relative paths) to index as well."""
     return client.request(
         "preload",
         answer_within=SCAN_TIMEOUT,
@@ -82,6 +90,7 @@ def start_preload(
         lifetime=lifetime,
         replicas=replicas,
         endpoint=endpoint,
+        meta=list(meta),
     )
 
 
@@ -94,13 +103,14 @@ def preload(
     lifetime: str = "offline",
     replicas: int = 1,
     endpoint: str = "",
+    meta: Sequence[str] = (),
 ) -> dict[str, Any]:
     """Ask the node to load `source` (a folder or an s3:// URL) as `name`; with `wait`, poll
     until ready or failed (Ctrl-C cancels the load)."""
     validate_name(name)
     src = normalize_source(source)
     with connect(settings) as client:
-        started = start_preload(client, name, src, lifetime, replicas, endpoint)
+        started = start_preload(client, name, src, lifetime, replicas, endpoint, meta)
         if not wait:
             return started
         try:
@@ -118,6 +128,7 @@ def ensure_loaded(
     name: str,
     lifetime: str = "offline",
     progress_label: str | None = None,
+    meta: Sequence[str] = (),
 ) -> dict[str, Any]:
     """Make sure `name` is loaded: wait for it when the node holds it or is loading it (the
     source is not even looked at then), else preload it from `source` and wait."""
@@ -129,7 +140,7 @@ def ensure_loaded(
             current = None
         if current is None or current["state"] == "failed":
             try:
-                start_preload(client, name, normalize_source(source), lifetime)
+                start_preload(client, name, normalize_source(source), lifetime, meta=meta)
                 log.info("preloading %s as %s (%s)", source, name, lifetime)
             except AlreadyExists:
                 pass  # another job (or rank) started it meanwhile: wait for theirs

@@ -41,6 +41,7 @@ from kspeedfs.format.manifest import Manifest, plan_layout, write_manifest
 from kspeedfs.format.names import validate_name
 from kspeedfs.format.tree import Tree
 from kspeedfs.format.units import format_size
+from kspeedfs.node import meta as metafiles
 from kspeedfs.node.ops import ADMIN, OpRegistry
 from kspeedfs.node.store import SegmentStore
 from kspeedfs.sources.loader import (
@@ -105,6 +106,7 @@ class Stager:
         self._planned: dict[str, Tree] = {}
         self._nursery: trio.Nursery | None = None
         self.loaded = {"segments": 0, "bytes": 0}  # what this node loaded from sources
+        self.metafiles = metafiles.MetaIndexes(store, self._get)
 
     def register_ops(self, ops: OpRegistry) -> None:
         """The member's side of a preload: only a coordinator (an admin) drives it."""
@@ -119,6 +121,7 @@ class Stager:
             ("abort", self.op_abort),
         ):
             ops.add(name, handler, ADMIN)
+        self.metafiles.register_ops(ops)
 
     async def run(self, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         """Hosts the loads staged here, and drops the parts whose coordinator went away."""
@@ -175,7 +178,7 @@ class Stager:
             if any(not 0 <= k < len(seg_len) for k in stage.held):
                 raise InvalidArgument("segment number out of range")
             held_bytes = sum(seg_len[k] for k in stage.held)
-            stage.stored = held_bytes + manifest_size_estimate(tree)
+            stage.stored = held_bytes + manifest_size_estimate(tree) + int(msg.get("meta_bytes", 0))
             self.store.reserve(name, stage.stored)
         except BaseException:
             self.stages.pop(name, None)
@@ -200,6 +203,7 @@ class Stager:
         progress.bytes_total = sum(seg_len.values())
         stage = Stage(name, str(msg["uuid"]), progress.source, sorted(seg_len), progress)
         stage.stored = progress.bytes_total + int(msg.get("manifest_estimate", 0))
+        stage.stored += int(msg.get("meta_bytes", 0))
         self.store.reserve(name, stage.stored)
         self.stages[name] = stage
         try:
@@ -316,6 +320,7 @@ class Stager:
             meta["stored"] = (
                 sum((staging / "seg" / f).stat().st_size for f in os.listdir(staging / "seg"))
                 + (staging / MANIFEST_FILE).stat().st_size
+                + metafiles.stored_bytes(staging)
             )
             self.store.publish(staging, meta)
 
@@ -406,6 +411,7 @@ class Plan:
     members: list[str]
     assignment: dict[str, list[int]]
     endpoint: str = ""  # object store endpoint of a URL source
+    metas: list[str] = dataclasses.field(default_factory=list)  # meta files to index
 
 
 async def plan_preload(msg: dict[str, Any], segment_size: int, live_members: list[str]) -> Plan:
@@ -436,6 +442,7 @@ async def plan_preload(msg: dict[str, Any], segment_size: int, live_members: lis
         members=list(live_members),
         assignment=placement.assignment(name, len(seg_len), live_members, replicas),
         endpoint=str(msg.get("endpoint") or ""),
+        metas=metafiles.requested(msg, tree),
     )
 
 
@@ -447,6 +454,7 @@ async def start_stages(plan: Plan, call: Call) -> set[str]:
     ident = {"name": plan.name, "uuid": plan.uuid}
     pushed: set[str] = set()
     errors: list[KSpeedError] = []
+    meta_bytes = metafiles.reserve_estimate(plan.tree, plan.metas)
 
     async def start(member: str) -> None:
         held = plan.assignment[member]
@@ -462,6 +470,7 @@ async def start_stages(plan: Plan, call: Call) -> set[str]:
                         "segments": held,
                         "digest": plan.digest,
                         "endpoint": plan.endpoint,
+                        "meta_bytes": meta_bytes,
                     },
                 )
             except SourceNotVisible as e:
@@ -475,6 +484,7 @@ async def start_stages(plan: Plan, call: Call) -> set[str]:
                         "source": plan.source,
                         "seg_len": {str(k): seg_len[k] for k in held},
                         "manifest_estimate": manifest_size_estimate(plan.tree),
+                        "meta_bytes": meta_bytes,
                     },
                 )
                 pushed.add(member)
@@ -512,6 +522,7 @@ async def coordinate(
     member_progress: dict[str, tuple[int, int]] = {}
     results: dict[str, dict[str, Any]] = {}
     ident = {"name": plan.name, "uuid": plan.uuid}
+    indexes: list[tuple[str, Path]] = []
 
     async def stage_member(member: str) -> None:
         if member in pushed:
@@ -570,6 +581,7 @@ async def coordinate(
             write_manifest, path, tree, offsets, checksums, seg_len, seg_checksums, header
         )
         try:
+            indexes = await metafiles.build(plan.metas, path, source, scratch, ident)
             blob = path.read_bytes()
         finally:
             path.unlink(missing_ok=True)
@@ -591,6 +603,7 @@ async def coordinate(
         async with trio.open_nursery() as nursery:
             for member in plan.members:
                 nursery.start_soon(send_manifest, member)
+        await metafiles.send(plan.members, ident, indexes, call)
         # Commit is the one step that cannot be undone atomically: a member that fails here
         # is rolled back by unloading the dataset everywhere.
         async with trio.open_nursery() as nursery:
@@ -605,3 +618,5 @@ async def coordinate(
     except BaseException:
         await rollback(plan, call)
         raise
+    finally:
+        metafiles.discard(indexes)
