@@ -23,6 +23,7 @@ from typing import Any, NamedTuple
 
 import xxhash
 
+from kspeedfs.client import passed
 from kspeedfs.client.handle import DatasetHandle
 from kspeedfs.format.config import Settings
 from kspeedfs.format.errors import (
@@ -157,8 +158,13 @@ class ClusterReader:
             if d["name"] == info["name"] and d.get("uuid") == info["uuid"] and d.get("path"):
                 try:
                     local = open_local(d["path"])
-                except KSpeedError:
-                    return None
+                except KSpeedError as e:
+                    # Not in the segments' group: the node passes the descriptors instead.
+                    try:
+                        local = passed.attach(self.settings, d["path"], info["name"], info["uuid"])
+                    except KSpeedError as why:
+                        log.info("%s: no local map (%s; %s)", info["name"], e, why)
+                        return None
                 return local if local.uuid == info["uuid"] else None
         return None
 

@@ -107,17 +107,23 @@ def _align(n: int) -> int:
 class Manifest:
     """A read-only view of a manifest file; the arrays are views of one shared mapping."""
 
-    def __init__(self, path: str | os.PathLike[str], dir_fd: int | None = None):
+    def __init__(
+        self, path: str | os.PathLike[str], dir_fd: int | None = None, fd: int | None = None
+    ):
         """Map the manifest at `path` (relative to `dir_fd` when given: then the folder it is
-        read from cannot be swapped under us by a rename)."""
+        read from cannot be swapped under us by a rename), or the open file `fd` (one the node
+        passed; `path` then only names it in messages)."""
         self.file = Path(path)
         try:
-            with open(
-                self.file.name if dir_fd is not None else self.file,
-                "rb",
-                opener=lambda p, flags: os.open(p, flags | os.O_NOFOLLOW, dir_fd=dir_fd),
-            ) as f:
-                self._map = mmap.mmap(f.fileno(), 0, prot=mmap.PROT_READ)
+            if fd is not None:
+                self._map = mmap.mmap(fd, 0, prot=mmap.PROT_READ)
+            else:
+                with open(
+                    self.file.name if dir_fd is not None else self.file,
+                    "rb",
+                    opener=lambda p, flags: os.open(p, flags | os.O_NOFOLLOW, dir_fd=dir_fd),
+                ) as f:
+                    self._map = mmap.mmap(f.fileno(), 0, prot=mmap.PROT_READ)
         except FileNotFoundError:
             raise NotFound(f"manifest not found: {self.file}") from None
         except (OSError, ValueError) as e:

@@ -28,6 +28,7 @@ from kspeedfs.format.errors import (
 from kspeedfs.format.names import validate_name
 from kspeedfs.format.protocol import MsgType
 from kspeedfs.format.units import format_size
+from kspeedfs.node.fdserver import FdServer
 from kspeedfs.node.leases import LeaseTable
 from kspeedfs.node.loads import LoadTable
 from kspeedfs.node.ops import ADMIN, JOB, READ, OpRegistry, caller_role, int_field, str_field
@@ -105,6 +106,7 @@ class NodeServer:
         self.stager.register_ops(self.ops)
         self.rdma.register_ops(self.ops)
         self.cache.register_ops(self.ops)
+        self.fds = FdServer(self.store, settings.socket_path(), settings.access)
 
     def _register_ops(self) -> None:
         # Leases are the job role's: a lease can unload a dataset when it ends. A lease's id
@@ -133,9 +135,11 @@ class NodeServer:
         self.token = auth.ensure_token(self.settings.token_file)
         await trio.to_thread.run_sync(self.store.recover, self.settings.verify_on_start)
         await trio.to_thread.run_sync(self.cache.recover)
+        self.fds.start(self.token)
         try:
             await self._serve_until_stopped(task_status)
         finally:
+            self.fds.close()
             await self.peers.aclose()
 
     async def _serve_until_stopped(self, task_status: trio.TaskStatus[int]) -> None:
@@ -306,6 +310,7 @@ class NodeServer:
             "segments": segments,
             "uptime": time.time() - self.started,
             "stats": dict(self.stats),
+            "local_socket": {"path": str(self.fds.path), **self.fds.stats},
             "transport": self.rdma.label,
             "rdma": self.rdma.status(),
             "leases": self.leases.total(),

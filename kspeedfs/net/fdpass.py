@@ -1,0 +1,122 @@
+"""Segment descriptors over the node's local Unix socket (SCM_RIGHTS), after an HMAC handshake.
+
+Segments are readable by the node's uid and group only. A local reader outside that group
+asks the node instead: it proves a token (the same challenge-response as over TCP), names a
+dataset instance, and gets the manifest's and the segments' open descriptors, which it maps as
+if it had opened them. SOCK_SEQPACKET keeps each message and its descriptors together.
+
+Messages are JSON objects, one per packet:
+    node   -> {"nonce": HEX}
+    client -> {"role": ROLE, "mac": HEX, "name": NAME, "uuid": UUID}
+    node   -> {"error": KIND, "message": TEXT}  or  {"segments": N} + the manifest's fd
+    node   -> {"segs": [K, ...]} + their fds, until N segments were sent
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import struct
+from pathlib import Path
+from typing import Any
+
+from kspeedfs.format import auth
+from kspeedfs.format.errors import (
+    AuthError,
+    DataError,
+    KSpeedError,
+    NodeUnreachable,
+    ProtocolError,
+    error_from_wire,
+)
+
+MAX_MESSAGE = 64 * 1024
+FDS_PER_MESSAGE = 200  # under the kernel's SCM_MAX_FD (253)
+
+
+def send(sock: socket.socket, obj: dict[str, Any], fds: list[int] | None = None) -> None:
+    data = json.dumps(obj).encode()
+    if fds:
+        socket.send_fds(sock, [data], fds)
+    else:
+        sock.sendall(data)
+
+
+def receive(sock: socket.socket, maxfds: int = 0) -> tuple[dict[str, Any], list[int]]:
+    """One message and the descriptors that came with it (closed here if it is malformed)."""
+    data, fds, flags, _ = socket.recv_fds(sock, MAX_MESSAGE, max(maxfds, 1))
+    try:
+        if not data:
+            raise ProtocolError("the peer closed the connection")
+        if flags & (socket.MSG_TRUNC | socket.MSG_CTRUNC):
+            raise ProtocolError("message or descriptors truncated")
+        if len(fds) > maxfds:
+            raise ProtocolError("descriptors sent where none were expected")
+        msg = json.loads(data)
+        if not isinstance(msg, dict):
+            raise ProtocolError("a message must be a JSON object")
+    except (ValueError, ProtocolError) as e:
+        for fd in fds:
+            os.close(fd)
+        raise ProtocolError(f"bad message on the local socket: {e}") from None
+    return msg, list(fds)
+
+
+def peer_credentials(sock: socket.socket) -> tuple[int, int, int]:
+    """(pid, uid, gid) of the process at the other end, from the kernel."""
+    pid, uid, gid = struct.unpack("3i", sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, 12))
+    return pid, uid, gid
+
+
+def attach(
+    path: Path, token: str, name: str, uuid: str, timeout: float = 10.0
+) -> tuple[int, dict[int, int]]:
+    """(manifest fd, {segment: fd}) of a dataset instance, from the node's socket at path."""
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    sock.settimeout(timeout)
+    try:
+        try:
+            sock.connect(os.fspath(path))
+        except OSError as e:
+            raise NodeUnreachable(f"no node socket at {path} ({e.strerror or e})") from None
+        hello, _ = receive(sock)
+        nonce = bytes.fromhex(str(hello.get("nonce", "")))
+        role = auth.token_role(token)
+        send(sock, {"role": role, "mac": auth.respond(token, nonce), "name": name, "uuid": uuid})
+        head, fds = receive(sock, 1)
+        if "error" in head:
+            raise error_from_wire(str(head["error"]), str(head.get("message", "")))
+        if len(fds) != 1:
+            raise ProtocolError("the node sent no manifest descriptor")
+        manifest_fd, segments = fds[0], dict[int, int]()
+        try:
+            while len(segments) < int(head["segments"]):
+                msg, fds = receive(sock, FDS_PER_MESSAGE)
+                segs = [int(k) for k in msg.get("segs", [])]
+                if len(segs) != len(fds):
+                    for fd in fds:
+                        os.close(fd)
+                    raise ProtocolError("segment numbers and descriptors do not match")
+                segments.update(zip(segs, fds, strict=True))
+        except BaseException:
+            for fd in [manifest_fd, *segments.values()]:
+                os.close(fd)
+            raise
+        return manifest_fd, segments
+    except (TimeoutError, OSError) as e:
+        raise DataError(f"attaching to {name} over {path} failed: {e}") from None
+    finally:
+        sock.close()
+
+
+def refuse(sock: socket.socket, exc: KSpeedError) -> None:
+    send(sock, {"error": type(exc).__name__, "message": str(exc)})
+
+
+def check_auth(admin_token: str, nonce: bytes, msg: dict[str, Any]) -> str:
+    """The role the client proved; AuthError when it proved none."""
+    role = msg.get("role")
+    if not auth.verify(admin_token, nonce, role, msg.get("mac")):
+        raise AuthError("authentication refused: wrong cluster token")
+    return str(role)

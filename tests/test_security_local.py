@@ -1,0 +1,191 @@
+"""Local readers as a real unprivileged uid: no token and no group, nothing; a token, passed fds;
+the group, direct maps."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+import sys
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from conftest import NodeProcess, wait_for
+
+from kspeedfs.format import auth
+
+NOBODY = 65534
+GROUP = 4242  # the readers' group of these tests (no name needed: a gid works)
+SECRET = os.urandom(3000)
+
+CHILD = r"""
+import json, os, sys
+from pathlib import Path
+from kspeedfs.client.reader import ClusterReader
+from kspeedfs.format.config import Settings
+from kspeedfs.format.errors import KSpeedError
+from kspeedfs.format.localdata import LocalDataset
+from kspeedfs.format.units import Address
+
+port, shm, token, name = int(sys.argv[1]), Path(sys.argv[2]), sys.argv[3], sys.argv[4]
+out = {"uid": os.getuid()}
+ds_dir = shm / "datasets" / name
+for what, path in (("segment", ds_dir / "seg" / "00000000"), ("manifest", ds_dir / "manifest.ksm")):
+    try:
+        out[what] = len(open(path, "rb").read())
+    except OSError as e:
+        out[what] = e.__class__.__name__
+try:
+    local = LocalDataset(ds_dir)
+    i = next(k for k in local.manifest.iter_files() if local.manifest.path(k) == b"secret.bin")
+    out["direct"] = local.read(i, 0, 1 << 20).hex()
+except KSpeedError as e:
+    out["direct"] = type(e).__name__
+addr = Address("127.0.0.1", port)
+settings = Settings(listen=addr, nodes=[addr], token_file=Path(token), shm_dir=shm, timeout=10)
+reader = ClusterReader(settings, str(addr))
+try:
+    ds = reader.open_dataset(name)
+    out["local"] = type(ds.local).__name__
+    i = next(k for k in ds.manifest.iter_files() if ds.manifest.path(k) == b"secret.bin")
+    out["read"] = reader.read(ds, i, 0, 1 << 20).hex()
+    out["stats"] = dict(reader.stats)
+except KSpeedError as e:
+    out["read"] = type(e).__name__ + ": " + str(e)
+print(json.dumps(out))
+"""
+
+
+@pytest.fixture
+def public_dir() -> Iterator[Path]:
+    """A folder the unprivileged uid can reach (pytest's tmp_path is root's 0700)."""
+    path = Path("/tmp") / f"kspeedfs-sec-{uuid.uuid4().hex[:8]}"
+    path.mkdir(mode=0o755)
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
+
+
+def _node(shm_dir: Path, token_file: Path, tmp_path: Path, access: str) -> NodeProcess:
+    env = {**os.environ, "KSPEEDFS_GROUP": str(GROUP), "KSPEEDFS_ACCESS": access}
+    return NodeProcess(shm_dir, token_file, tmp_path, base_env=env).start()
+
+
+def _preload(node: NodeProcess, src: Path) -> None:
+    node.request("preload", name="priv", source=str(src))
+    wait_for(lambda: node.request("progress", name="priv")["state"] == "ready")
+
+
+def _source(public_dir: Path, folder_mode: int) -> Path:
+    src = public_dir / "src"
+    src.mkdir()
+    (src / "secret.bin").write_bytes(SECRET)
+    os.chmod(src / "secret.bin", 0o600)
+    os.chmod(src, folder_mode)
+    return src
+
+
+def _token(public_dir: Path, admin_file: Path, role: str | None) -> Path:
+    path = public_dir / f"{role}.token"
+    if role is None:
+        return path  # none
+    auth.write_token(path, auth.derive_token(auth.read_token(admin_file), role))
+    os.chown(path, NOBODY, NOBODY)
+    return path
+
+
+def _as_nobody(node: NodeProcess, token: Path, groups: list[int]) -> dict[str, Any]:
+    """Run CHILD in a forked child that dropped to uid 65534 (the interpreter and modules are
+    already loaded: the venv's python is not reachable by that uid)."""
+    import kspeedfs.client.reader  # noqa: F401  (loaded before the fork)
+
+    read_end, write_end = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        code = 1
+        try:
+            os.close(read_end)
+            os.setgroups(groups)
+            os.setgid(NOBODY)
+            os.setuid(NOBODY)
+            sys.argv = ["child", str(node.port), str(node.shm_dir), str(token), "priv"]
+            with os.fdopen(write_end, "w") as out, contextlib.redirect_stdout(out):
+                exec(compile(CHILD, "child", "exec"), {"__name__": "child"})
+            code = 0
+        except BaseException as e:  # reported to the parent through the exit code
+            print(f"child failed: {e!r}", file=sys.stderr)
+        finally:
+            os._exit(code)
+    os.close(write_end)
+    with os.fdopen(read_end) as f:
+        text = f.read()
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0, text
+    out: dict[str, Any] = json.loads(text)
+    assert out["uid"] == NOBODY
+    return out
+
+
+def test_without_token_or_group_nothing_is_readable(
+    shm_dir: Path, token_file: Path, tmp_path: Path, public_dir: Path
+) -> None:
+    node = _node(shm_dir, token_file, tmp_path, "source")
+    try:
+        _preload(node, _source(public_dir, 0o755))
+        out = _as_nobody(node, _token(public_dir, token_file, None), [])
+    finally:
+        node.stop()
+    assert out["segment"] == out["manifest"] == "PermissionError"
+    assert out["direct"] == "DataError"
+    assert out["read"].startswith("AuthError")
+    assert SECRET.hex() not in json.dumps(out)
+
+
+def test_a_read_token_reads_through_passed_fds(
+    shm_dir: Path, token_file: Path, tmp_path: Path, public_dir: Path
+) -> None:
+    node = _node(shm_dir, token_file, tmp_path, "source")
+    try:
+        _preload(node, _source(public_dir, 0o755))
+        out = _as_nobody(node, _token(public_dir, token_file, "read"), [])
+        attached = node.request("status")["local_socket"]["attached"]
+    finally:
+        node.stop()
+    assert out["segment"] == out["manifest"] == "PermissionError"  # still not by path
+    assert out["local"] == "PassedDataset"
+    assert out["read"] == SECRET.hex()
+    assert out["stats"] == {"local": 1}  # the fast path's local map, no TCP read
+    assert attached == 1
+
+
+def test_in_the_group_segments_are_read_directly(
+    shm_dir: Path, token_file: Path, tmp_path: Path, public_dir: Path
+) -> None:
+    node = _node(shm_dir, token_file, tmp_path, "source")
+    try:
+        _preload(node, _source(public_dir, 0o755))
+        out = _as_nobody(node, _token(public_dir, token_file, None), [GROUP])
+    finally:
+        node.stop()
+    assert isinstance(out["segment"], int) and isinstance(out["manifest"], int)
+    assert out["direct"] == SECRET.hex()
+
+
+@pytest.mark.parametrize("access", ["source", "open"])
+def test_access_source_keeps_the_source_folder_rule_for_passed_fds(
+    access: str, shm_dir: Path, token_file: Path, tmp_path: Path, public_dir: Path
+) -> None:
+    node = _node(shm_dir, token_file, tmp_path, access)
+    try:
+        _preload(node, _source(public_dir, 0o700))  # root's folder: nobody may not list it
+        out = _as_nobody(node, _token(public_dir, token_file, "read"), [])
+    finally:
+        node.stop()
+    if access == "source":
+        assert out["local"] == "NoneType"
+        assert SECRET.hex() not in json.dumps(out)
+    else:
+        assert out["local"] == "PassedDataset" and out["read"] == SECRET.hex()
