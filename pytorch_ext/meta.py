@@ -93,15 +93,19 @@ class MetaSamples:
         self._rows = rows  # line numbers of the samples; None: sample i is line i
         self._total = total
         self._last: tuple[int, tuple[int, Any]] | None = None
+        self._idx: MetaIndex | None = None  # this process's map (a forked child keeps it)
 
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()
-        state["_last"] = None
+        state["_last"] = state["_idx"] = None
         return state
 
     @property
     def index(self) -> MetaIndex:
-        return open_index(self._owner._reader, self._owner.meta)
+        idx = self._idx
+        if idx is None:
+            idx = self._idx = open_index(self._owner._reader, self._owner.meta)
+        return idx
 
     def __len__(self) -> int:
         return self._total

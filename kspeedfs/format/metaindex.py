@@ -17,6 +17,7 @@ import json
 import mmap
 import os
 import posixpath
+import stat
 import struct
 from collections.abc import Iterator
 from pathlib import Path
@@ -75,6 +76,7 @@ class _Resolver:
 
     def __init__(self, m: Manifest):
         self.m = m
+        # folder -> {name: entry or NOT_A_FILE}, or the folder's entry (binary search), or None
         self._folders: dict[bytes, dict[bytes, int] | int | None] = {}
 
     def entry(self, path: bytes) -> int:
@@ -89,7 +91,9 @@ class _Resolver:
             kids = self._folders[folder] = self._children(folder)
         if kids is None:
             return MISSING
-        i = kids.get(name) if isinstance(kids, dict) else self.m.lookup(kids, name)
+        if isinstance(kids, dict):
+            return kids.get(name, MISSING)
+        i = self.m.lookup(kids, name)
         if i is None:
             return MISSING
         return i if self.m.is_file(i) else NOT_A_FILE
@@ -104,7 +108,11 @@ class _Resolver:
         kids = self.m.children(d)
         if len(kids) > self.DICT_LIMIT:
             return d
-        return {self.m.name(i): i for i in kids}
+        files = (self.m.mode[kids.start : kids.stop] & 0o170000) == stat.S_IFREG
+        return {
+            self.m.name(i): i if is_file else NOT_A_FILE
+            for i, is_file in zip(kids, files.tolist(), strict=True)
+        }
 
 
 def line_bounds(raw: bytes | memoryview) -> tuple[np.ndarray, np.ndarray]:
@@ -162,7 +170,7 @@ def build_index(
     rows = int(starts.size)
     kind = detect_kind(raw)
     fields = _json_fields if kind == "jsonl" else _text_fields
-    resolver = _Resolver(m)
+    resolve = _Resolver(m).entry
     entry = np.empty(rows, dtype="<i4")
     target_id = np.full(rows, -1, dtype="<i8")
     ids: dict[Any, int] = {}
@@ -173,29 +181,31 @@ def build_index(
         hi = int(starts[last - 1] + lengths[last - 1])
         chunk_entries: list[int] = []
         chunk_targets: list[int] = []
+        add_entry, add_target = chunk_entries.append, chunk_targets.append
         for row, line in enumerate(raw[lo:hi].split(b"\n"), first):
-            if not line.strip():
-                chunk_entries.append(BLANK)
-                chunk_targets.append(-1)
+            if not line or line.isspace():
+                add_entry(BLANK)
+                add_target(-1)
                 continue
             got = fields(line)
-            if isinstance(got, str):
-                e, why = BAD_LINE, got
-            else:
+            if type(got) is tuple:
                 rel, token = got
-                e = resolver.entry(rel)
-                what = "no file" if e == MISSING else "not a file"
-                why = f"{what} {rel.decode(errors='replace')}" if e < 0 else ""
+                e = resolve(rel)
                 if e >= 0:
                     tid = ids.get(token)
                     if tid is None:
                         tid = ids[token] = len(ids)
-                    chunk_targets.append(tid)
-            if e < 0:
-                chunk_targets.append(-1)
-                if len(problems) < MAX_PROBLEMS:
-                    problems.append([row + 1, why])
-            chunk_entries.append(e)
+                    add_entry(e)
+                    add_target(tid)
+                    continue
+                what = "no file" if e == MISSING else "not a file"
+                why = f"{what} {rel.decode(errors='replace')}"
+            else:
+                e, why = BAD_LINE, str(got)
+            add_entry(e)
+            add_target(-1)
+            if len(problems) < MAX_PROBLEMS:
+                problems.append([row + 1, why])
         entry[first:last] = chunk_entries
         target_id[first:last] = chunk_targets
     target, strings, target_kind = _targets(list(ids), target_id)
@@ -312,6 +322,7 @@ class MetaIndex:
         self._string_off = arrays.get("string_off")
         self._strings_base = int(self.header["arrays"].get("strings", [0])[0])
         self._string_cache: list[str] | None = None
+        self.target_kind = str(self.header["target_kind"])  # "int", or "str": table indices
 
     def _parse_header(self) -> dict[str, Any]:
         if len(self._map) < _ALIGN + _TRAILER.size or self._map[: len(MAGIC)] != MAGIC:
@@ -336,10 +347,6 @@ class MetaIndex:
     @property
     def nbytes(self) -> int:
         return len(self._map)
-
-    @property
-    def target_kind(self) -> str:
-        return str(self.header["target_kind"])
 
     def line(self, row: int) -> bytes:
         """Line `row` (0-based) as in the meta file, without its newline."""
