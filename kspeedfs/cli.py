@@ -89,6 +89,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("-f", "--foreground", action="store_true", help="do not go to the background")
     p.add_argument("-o", dest="options", default="", help="FUSE options: allow_other,...")
     p.add_argument("--log-file", help="where the background mount logs")
+    p.add_argument(
+        "--workers", type=int, help="serving processes (default: one per CPU, at most 8)"
+    )
 
     p = sub.add_parser("umount", help="unmount a kspeedfs mount")
     p.add_argument("mountpoint")
@@ -328,7 +331,7 @@ def cmd_mount(args: argparse.Namespace) -> int:
     from kspeedfs.fuse.mount import run_mount
 
     options = [o for o in args.options.split(",") if o]
-    settings = _settings(args)
+    settings = _settings(args, fuse_workers=args.workers)
     dataset = args.dataset
     if args.source:
         from kspeedfs.fuse.mount import check_mountpoint

@@ -260,12 +260,13 @@ def test_unload_frees_the_memory_a_mount_had_mapped(
     wait_for(lambda: "mapped" in os.listdir(mount_all.mountpoint), what="dataset listed")
     assert walk(mount_all.mountpoint / "mapped") == walk(tree)  # maps every segment
     assert mount_all.proc is not None
-    maps = Path(f"/proc/{mount_all.proc.pid}/maps")
+    pid = mount_all.proc.pid
 
-    def segment_maps() -> int:
+    def segment_maps() -> int:  # in the mount process and its serving processes
         return sum(
             1
-            for line in maps.read_text().splitlines()
+            for p in [pid, *children(pid)]
+            for line in Path(f"/proc/{p}/maps").read_text().splitlines()
             if str(node.shm_dir) in line and "/seg/" in line
         )
 
@@ -275,3 +276,12 @@ def test_unload_frees_the_memory_a_mount_had_mapped(
     # Nobody touches the mount: its own periodic refresh notices, and lets go of the maps.
     wait_for(lambda: segment_maps() == 0, timeout=30, what="the mount to unmap the segments")
     assert os.path.ismount(mount_all.mountpoint)
+
+
+def children(pid: int) -> list[int]:
+    """The live child processes of `pid` (each thread lists those it started)."""
+    return [
+        int(c)
+        for t in Path(f"/proc/{pid}/task").iterdir()
+        for c in (t / "children").read_text().split()
+    ]

@@ -56,6 +56,10 @@ class Settings:
     tls_cert: Path | None = None
     tls_key: Path | None = None
     tls_ca: Path | None = None
+    # FUSE mounts: serving processes (0 = one per CPU, at most 8), and the read-ahead set on
+    # the mount so that a typical file is one READ (0 = the kernel's default, 128 KiB).
+    fuse_workers: int = 0
+    fuse_read_ahead: int = 256 * 1024
 
     def socket_path(self) -> Path:
         """The node's local socket: `socket`, else `SHM_DIR.sock` beside the shm folder."""
@@ -169,6 +173,8 @@ _CONVERTERS: dict[str, Any] = {
     "tls_cert": _to_optional_path,
     "tls_key": _to_optional_path,
     "tls_ca": _to_optional_path,
+    "fuse_workers": lambda v: _to_int(v, 0),
+    "fuse_read_ahead": lambda v: parse_size(v if isinstance(v, int) else str(v)),
 }
 
 ENV_PREFIX = "KSPEEDFS_"

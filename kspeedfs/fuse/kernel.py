@@ -8,17 +8,22 @@ needs the inode in READ, which the wire protocol carries. Measured on a 2-core m
 a file: ~400 us each) and 1197 on a second; this loop serves 1100-2400 and 9000-14600 files/s,
 since for immutable data the kernel then serves a second pass with no request at all.
 
-Requests are read by a few threads, each blocking in read(2) on the session fd and answering
-inline; work that may block (a read from another node) returns a callable, run in a thread
-pool that replies when done (FUSE replies may come in any order). Handlers raise FuseError
-for an errno; anything else is logged and answered with EIO, never taking the mount down.
+A RequestLoop serves one fd: its threads block in read(2) and answer inline; work that may
+block (a read from another node) returns a callable, run in a pool that replies when done
+(FUSE replies may come in any order), unless the kernel interrupts it first. Handlers raise
+FuseError for an errno; anything else is logged and answered with EIO, never taking the mount
+down. One mount may be served by several processes, each with a clone of the mount's fd
+(FUSE_DEV_IOC_CLONE): threads of one process share a GIL (each extra one cost 11-15 us of CPU
+per request), processes do not.
 """
 
 from __future__ import annotations
 
 import errno
+import fcntl
 import logging
 import os
+import re
 import shutil
 import socket
 import struct
@@ -31,6 +36,8 @@ from concurrent.futures import CancelledError, Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Protocol
 
+from kspeedfs.fuse.counters import SLOTS, SharedCounters
+
 log = logging.getLogger(__name__)
 
 ROOT_INODE = 1
@@ -42,6 +49,8 @@ READ_BUFFER = MAX_WRITE + 64 * 1024  # must hold the largest request the kernel 
 # Idle threads cost nothing (blocked in read); more than the cores so that a request waiting on
 # the node (a refresh of the dataset list) never holds up the reads of local data.
 THREADS = 4
+POOL_THREADS = 8  # per process: reads from other nodes wait here, off the serving thread
+MAX_PENDING = 256  # reads waiting on other nodes, per process; more are answered EAGAIN
 
 # opcodes (include/uapi/linux/fuse.h)
 LOOKUP, FORGET, GETATTR, SETATTR, READLINK, SYMLINK = 1, 2, 3, 4, 5, 6
@@ -64,17 +73,21 @@ WRITE_OPCODES = frozenset(
 )
 NO_REPLY = frozenset({FORGET, BATCH_FORGET, INTERRUPT})
 
-# INIT flags we ask for, where the kernel offers them
+# INIT flags we ask for, where the kernel offers them. Not ASYNC_READ: with it, read-ahead
+# READs are background requests the kernel never interrupts, and a reader waiting on one (a
+# read from a frozen node) could then be killed with SIGKILL only, not SIGINT.
 ASYNC_READ = 1 << 0
 DO_READDIRPLUS = 1 << 13
 PARALLEL_DIROPS = 1 << 18
 FLAG_MAX_PAGES = 1 << 22
 CACHE_SYMLINKS = 1 << 23
-WANTED_FLAGS = ASYNC_READ | DO_READDIRPLUS | PARALLEL_DIROPS | FLAG_MAX_PAGES | CACHE_SYMLINKS
+WANTED_FLAGS = DO_READDIRPLUS | PARALLEL_DIROPS | FLAG_MAX_PAGES | CACHE_SYMLINKS
 
 FOPEN_KEEP_CACHE = 1 << 1
 FOPEN_CACHE_DIR = 1 << 3
 NOTIFY_INVAL_ENTRY = 3
+NOTIFY_RESEND = 7  # kernel 6.9+
+FUSE_DEV_IOC_CLONE = 0x8004E500  # _IOR(229, 0, uint32_t)
 
 IN_HEADER = struct.Struct("<IIQQIIIHH")
 OUT_HEADER = struct.Struct("<IiQ")
@@ -90,6 +103,7 @@ GETXATTR_OUT = struct.Struct("<II")
 STATFS_OUT = struct.Struct("<QQQQQIIII24x")
 DIRENT = struct.Struct("<QQII")
 INVAL_ENTRY = struct.Struct("<QII")
+INTERRUPT_IN = struct.Struct("<Q")
 
 
 class FuseError(Exception):
@@ -172,133 +186,76 @@ class Filesystem(Protocol):
     def listxattr(self, ino: int) -> list[bytes]: ...
 
 
-class FuseSession:
-    """One mount: the /dev/fuse fd, the threads serving it, and per-opcode request counts."""
+class RequestLoop:
+    """Serves one /dev/fuse fd (the mount's own, or a clone) with `len(rows)` threads, each
+    counting its requests in its own row of shared counters.
+
+    Every request gets exactly one reply: inline, from the pool for a blocking read, EINTR when
+    the kernel interrupts a pending read (the reader got a signal), EIO when a read passes
+    `deadline` seconds, EAGAIN when MAX_PENDING reads already wait; a reply the kernel refuses
+    is logged and replaced by an error reply. An INTERRUPT for a request this loop does not hold
+    goes to `on_stray_interrupt` (with cloned fds it may belong to another process)."""
 
     def __init__(
-        self, fs: Filesystem, mountpoint: str, options: Iterable[str], threads: int = THREADS
+        self,
+        fs: Filesystem,
+        fd: int,
+        rows: list[memoryview],
+        on_stray_interrupt: Callable[[int], None] | None = None,
+        deadline: float | None = None,
     ):
         self.fs = fs
-        self.mountpoint = mountpoint
-        self.options = sorted(set(options))
-        self.threads = threads
-        self.fd = -1
-        self._keep: socket.socket | None = None  # auto_unmount: fusermount3 watches this end
-        self._fusermount: subprocess.Popen[str] | None = None
-        self._pool = ThreadPoolExecutor(max_workers=8, thread_name_prefix="fuse-blocking")
-        self._notify = ThreadPoolExecutor(max_workers=1, thread_name_prefix="fuse-notify")
-        self._last_invalidation: Future[None] | None = None
-        self._workers: list[threading.Thread] = []
-        self._thread_counts: list[Counter[str]] = []
+        self.fd = fd
+        self.rows = rows
+        self.on_stray_interrupt = on_stray_interrupt
+        self.deadline = deadline
+        self._pool = ThreadPoolExecutor(max_workers=POOL_THREADS, thread_name_prefix="fuse-pool")
+        self._pending: dict[int, float] = {}  # unique -> when it went to the pool
+        self._interrupted: dict[int, None] = {}  # interrupts that came before their request
+        self._lock = threading.Lock()
+        self._threads: list[threading.Thread] = []
+        self._last_overload_log = 0.0
         self.done = threading.Event()
-        self.detached = False  # the kernel said ENODEV, or we unmounted: never unmount again
-
-    # ---- lifecycle
-
-    def mount(self) -> None:
-        """Mount through fusermount3 (works as root and not), which passes back the fd."""
-        tool = fusermount()
-        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
-        env = dict(os.environ, _FUSE_COMMFD=str(theirs.fileno()))
-        args = [tool, "-o", ",".join(self.options), "--", self.mountpoint]
-        proc = subprocess.Popen(
-            args, env=env, pass_fds=(theirs.fileno(),), stderr=subprocess.PIPE, text=True
-        )
-        theirs.close()
-        try:
-            _, fds, _, _ = socket.recv_fds(ours, 1, 1)
-        except OSError:
-            fds = []
-        auto_unmount = "auto_unmount" in self.options
-        self._fusermount = proc  # with auto_unmount it stays, watching our end of the socket
-        if not fds or not auto_unmount:
-            _, err = proc.communicate()
-            if not fds:
-                ours.close()
-                message = err.strip().splitlines()[-1] if err.strip() else "fusermount3 failed"
-                raise OSError(errno.EIO, f"mount failed: {message}")
-        self.fd = fds[0]
-        os.set_inheritable(self.fd, False)
-        if auto_unmount:
-            self._keep = ours  # closed when this process exits: then fusermount3 unmounts
-        else:
-            ours.close()
+        self.detached = False  # the kernel said ENODEV: unmounted
 
     def start(self) -> None:
-        for i in range(self.threads):
-            t = threading.Thread(target=self._serve, name=f"fuse-{i}", daemon=True)
+        for i, row in enumerate(self.rows):
+            t = threading.Thread(target=self._serve, args=(row,), name=f"fuse-{i}", daemon=True)
             t.start()
-            self._workers.append(t)
+            self._threads.append(t)
+        if self.deadline is not None:
+            threading.Thread(target=self._expire_late, name="fuse-deadline", daemon=True).start()
 
-    def unmount(self) -> None:
-        """Detach the mount; the serving threads see ENODEV and end."""
-        if self.detached or self.fd < 0:
-            return  # a later mount at the same place is not ours to remove
-        self.detached = True
-        subprocess.run(
-            [fusermount(), "-u", "-z", "-q", self.mountpoint],
-            capture_output=True,
-        )
-
-    def close(self, timeout: float = 2.0) -> None:
-        """After unmount: wait a little for the threads (files still open on a lazily detached
-        mount keep them serving), then let go; the kernel aborts the connection when the fd
-        closes with this process."""
+    def join(self, timeout: float) -> bool:
+        """Wait up to `timeout` for the serving threads; True if they all ended."""
         deadline = time.monotonic() + timeout
-        for t in self._workers:
+        for t in self._threads:
             t.join(max(0.0, deadline - time.monotonic()))
+        return all(not t.is_alive() for t in self._threads)
+
+    def shutdown(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
-        self._notify.shutdown(wait=False, cancel_futures=True)
-        # A thread still blocked in read(2) would read whatever reused the fd number next.
-        if all(not t.is_alive() for t in self._workers) and self.fd >= 0:
-            os.close(self.fd)
-            self.fd = -1
-        if self._keep is not None:
-            self._keep.close()
-            self._keep = None
-            if self._fusermount is not None:
-                try:
-                    self._fusermount.wait(5)
-                except subprocess.TimeoutExpired:
-                    log.warning("fusermount3 (auto_unmount) did not exit")
+        self.done.set()
 
-    def counts(self) -> Counter[str]:
-        """Requests seen, by kind. Each thread counts in its own Counter, made with every key
-        it will ever use, so reading them while they are written needs no lock."""
-        total: Counter[str] = Counter()
-        for c in list(self._thread_counts):
-            total.update(c)
-        return +total
+    def interrupt(self, unique: int) -> bool:
+        """The kernel asks to abort request `unique`: if it is a read still pending here, the
+        reader gets EINTR now (its process can then die or handle its signal)."""
+        with self._lock:
+            found = self._pending.pop(unique, None) is not None
+            if not found:
+                self._interrupted[unique] = None
+                while len(self._interrupted) > MAX_PENDING:
+                    del self._interrupted[next(iter(self._interrupted))]
+        if found:
+            self._reply_error(unique, errno.EINTR)
+        return found
 
-    def invalidate_entry_async(self, parent: int, name: bytes) -> None:
-        """Make the kernel forget a cached name. In a thread of its own: the kernel takes the
-        folder's lock, which a request waiting on our caller may hold."""
-        self._last_invalidation = self._notify.submit(self._invalidate_entry, parent, name)
-
-    def wait_invalidations(self, timeout: float = 1.0) -> None:
-        """Wait for the invalidations asked so far (only where no folder lock is held)."""
-        last = self._last_invalidation
-        if last is None or last.done():
-            return  # the common case: nothing was dropped since
-        try:
-            last.result(timeout)  # one thread runs them in order: the last done, all done
-        except (TimeoutError, CancelledError):
-            pass  # a folder lock held elsewhere, or shutting down: the kernel catches up later
-
-    def _invalidate_entry(self, parent: int, name: bytes) -> None:
-        body = INVAL_ENTRY.pack(parent, len(name), 0) + name + b"\0"
-        header = OUT_HEADER.pack(OUT_HEADER.size + len(body), NOTIFY_INVAL_ENTRY, 0)
-        try:
-            os.writev(self.fd, [header, body])
-        except OSError as e:
-            if e.errno not in (errno.ENOENT, errno.ENOTDIR, errno.EBADF, errno.ENODEV):
-                log.warning("cannot invalidate %r: %s", name, e)
+    def pending(self) -> int:
+        return len(self._pending)
 
     # ---- the request loop
 
-    def _serve(self) -> None:
-        counts: Counter[str] = Counter(dict.fromkeys(COUNTED, 0))
-        self._thread_counts.append(counts)
+    def _serve(self, row: memoryview) -> None:
         buf = bytearray(READ_BUFFER)
         view = memoryview(buf)
         try:
@@ -316,25 +273,28 @@ class FuseSession:
                 if n == 0:
                     return
                 try:
-                    self._handle(view[:n], counts)
-                except Exception:  # a reply the kernel refused: log it, serve the next one
+                    self._handle(view[:n], row)
+                except Exception:  # a bug here must not end the loop; the log says what
                     log.exception("FUSE request failed")
         finally:
             self.done.set()
 
-    def _handle(self, req: memoryview, counts: Counter[str]) -> None:
+    def _handle(self, req: memoryview, row: memoryview) -> None:
         _length, opcode, unique, ino, _uid, _gid, _pid, _ext, _ = IN_HEADER.unpack_from(req)
-        body = req[IN_HEADER.size :]
-        counts[OPCODE_NAMES.get(opcode, "other")] += 1
+        row[opcode if opcode < SLOTS else 0] += 1
         if opcode in NO_REPLY:
+            if opcode == INTERRUPT:
+                (target,) = INTERRUPT_IN.unpack_from(req, IN_HEADER.size)
+                if not self.interrupt(target) and self.on_stray_interrupt is not None:
+                    self.on_stray_interrupt(target)
             return
         try:
             if opcode in WRITE_OPCODES:
                 raise FuseError(errno.EROFS)
-            handler = self._handlers.get(opcode)
+            handler = _HANDLERS.get(opcode)
             if handler is None:
                 raise FuseError(errno.ENOSYS)
-            reply = handler(self, ino, body)
+            reply = handler(self, ino, req[IN_HEADER.size :])
         except FuseError as e:
             self._reply_error(unique, e.errno)
             return
@@ -343,37 +303,85 @@ class FuseSession:
             self._reply_error(unique, errno.EIO)
             return
         if callable(reply):
-            self._pool.submit(self._reply_later, unique, reply)
+            self._submit(unique, reply)
         else:
             self._reply(unique, reply)
 
+    def _submit(self, unique: int, work: Callable[[], Buffer]) -> None:
+        with self._lock:
+            interrupted = self._interrupted.pop(unique, 0) is None
+            overloaded = not interrupted and len(self._pending) >= MAX_PENDING
+            if not interrupted and not overloaded:
+                self._pending[unique] = time.monotonic()
+        if interrupted:
+            self._reply_error(unique, errno.EINTR)
+            return
+        if overloaded:
+            now = time.monotonic()
+            if now - self._last_overload_log > 10:
+                self._last_overload_log = now
+                log.warning("%d reads already wait on other nodes: EAGAIN", MAX_PENDING)
+            self._reply_error(unique, errno.EAGAIN)
+            return
+        try:
+            self._pool.submit(self._reply_later, unique, work)
+        except RuntimeError:  # the pool is shut down: we are stopping
+            if self._pending.pop(unique, None) is not None:
+                self._reply_error(unique, errno.EIO)
+
     def _reply_later(self, unique: int, work: Callable[[], Buffer]) -> None:
+        if unique not in self._pending:
+            return  # interrupted or past its deadline before it ran: answered already
+        data: Buffer | None = None
+        error = 0
         try:
             data = work()
         except FuseError as e:
-            self._reply_error(unique, e.errno)
+            error = e.errno
         except Exception:
             log.exception("FUSE read failed")
-            self._reply_error(unique, errno.EIO)
+            error = errno.EIO
+        with self._lock:
+            mine = self._pending.pop(unique, None) is not None
+        if not mine:
+            return  # answered meanwhile (EINTR or the deadline)
+        if data is None:
+            self._reply_error(unique, error)
         else:
             self._reply(unique, data)
 
+    def _expire_late(self) -> None:
+        assert self.deadline is not None
+        while not self.done.wait(min(1.0, self.deadline / 4)):
+            limit = time.monotonic() - self.deadline
+            with self._lock:
+                late = [u for u, since in self._pending.items() if since < limit]
+                for u in late:
+                    del self._pending[u]
+            for u in late:
+                log.error("a read waited more than %.0fs for other nodes: EIO", self.deadline)
+                self._reply_error(u, errno.EIO)
+
     def _reply(self, unique: int, data: Buffer) -> None:
         header = OUT_HEADER.pack(OUT_HEADER.size + len(data), 0, unique)
-        self._write([header, data])
+        if not self._write(unique, [header, data]):
+            self._reply_error(unique, errno.EIO)  # the request must still get an answer
 
     def _reply_error(self, unique: int, errno_: int) -> None:
-        self._write([OUT_HEADER.pack(OUT_HEADER.size, -errno_, unique)])
+        self._write(unique, [OUT_HEADER.pack(OUT_HEADER.size, -errno_, unique)])
 
-    def _write(self, parts: list[Buffer]) -> None:
+    def _write(self, unique: int, parts: list[Buffer]) -> bool:
         try:
             os.writev(self.fd, parts)
         except OSError as e:
-            # ENOENT: the request was interrupted and is gone; ENODEV: unmounted meanwhile.
-            if e.errno not in (errno.ENOENT, errno.ENODEV, errno.EBADF):
-                raise
+            # ENOENT: the request was interrupted (or resent) and is gone; ENODEV: unmounted.
+            if e.errno in (errno.ENOENT, errno.ENODEV, errno.EBADF):
+                return True
+            log.error("the kernel refused the reply to request %d: %s", unique, e)
+            return False
+        return True
 
-    # ---- one function per opcode: (session, inode, request body) -> reply
+    # ---- one function per opcode: (loop, inode, request body) -> reply
 
     def _init(self, ino: int, body: memoryview) -> bytes:
         major, minor, max_readahead, flags = INIT_IN.unpack_from(body)
@@ -454,12 +462,188 @@ class FuseSession:
     def _destroy(self, ino: int, body: memoryview) -> bytes:
         return b""
 
-    _handlers: dict[int, Callable[[FuseSession, int, memoryview], ReadResult]] = {
-        INIT: _init, LOOKUP: _lookup, GETATTR: _getattr, READLINK: _readlink, OPEN: _open,
-        OPENDIR: _opendir, RELEASE: _release, RELEASEDIR: _release, READ: _read,
-        READDIR: _readdir, READDIRPLUS: _readdirplus, STATFS: _statfs, GETXATTR: _getxattr,
-        LISTXATTR: _listxattr, ACCESS: _access, FLUSH: _flush, IOCTL: _ioctl, DESTROY: _destroy,
-    }  # fmt: skip
+
+_HANDLERS: dict[int, Callable[[RequestLoop, int, memoryview], ReadResult]] = {
+    INIT: RequestLoop._init, LOOKUP: RequestLoop._lookup, GETATTR: RequestLoop._getattr,
+    READLINK: RequestLoop._readlink, OPEN: RequestLoop._open, OPENDIR: RequestLoop._opendir,
+    RELEASE: RequestLoop._release, RELEASEDIR: RequestLoop._release, READ: RequestLoop._read,
+    READDIR: RequestLoop._readdir, READDIRPLUS: RequestLoop._readdirplus,
+    STATFS: RequestLoop._statfs, GETXATTR: RequestLoop._getxattr,
+    LISTXATTR: RequestLoop._listxattr, ACCESS: RequestLoop._access, FLUSH: RequestLoop._flush,
+    IOCTL: RequestLoop._ioctl, DESTROY: RequestLoop._destroy,
+}  # fmt: skip
+
+
+class FuseSession:
+    """One mount: the /dev/fuse fd, notifications to the kernel, and (in-process serving, as
+    the toy tests and `--workers 0` do) a RequestLoop of `threads` threads on that fd. The
+    multi-process mount serves from clones of the fd instead (`clone_fd`)."""
+
+    def __init__(
+        self,
+        fs: Filesystem | None,
+        mountpoint: str,
+        options: Iterable[str],
+        threads: int = THREADS,
+    ):
+        self.fs = fs
+        self.mountpoint = mountpoint
+        self.options = sorted(set(options))
+        self.threads = threads
+        self.fd = -1
+        self.loop: RequestLoop | None = None
+        self.counters: SharedCounters | None = None
+        self._keep: socket.socket | None = None  # auto_unmount: fusermount3 watches this end
+        self._fusermount: subprocess.Popen[str] | None = None
+        self._notify = ThreadPoolExecutor(max_workers=1, thread_name_prefix="fuse-notify")
+        self._last_invalidation: Future[None] | None = None
+        self.done = threading.Event()
+        self.detached = False  # the kernel said ENODEV, or we unmounted: never unmount again
+
+    # ---- lifecycle
+
+    def mount(self) -> None:
+        """Mount through fusermount3 (works as root and not), which passes back the fd."""
+        tool = fusermount()
+        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+        env = dict(os.environ, _FUSE_COMMFD=str(theirs.fileno()))
+        args = [tool, "-o", ",".join(self.options), "--", self.mountpoint]
+        proc = subprocess.Popen(
+            args, env=env, pass_fds=(theirs.fileno(),), stderr=subprocess.PIPE, text=True
+        )
+        theirs.close()
+        try:
+            _, fds, _, _ = socket.recv_fds(ours, 1, 1)
+        except OSError:
+            fds = []
+        auto_unmount = "auto_unmount" in self.options
+        self._fusermount = proc  # with auto_unmount it stays, watching our end of the socket
+        if not fds or not auto_unmount:
+            _, err = proc.communicate()
+            if not fds:
+                ours.close()
+                message = err.strip().splitlines()[-1] if err.strip() else "fusermount3 failed"
+                raise OSError(errno.EIO, f"mount failed: {message}")
+        self.fd = fds[0]
+        os.set_inheritable(self.fd, False)
+        if auto_unmount:
+            self._keep = ours  # closed when this process exits: then fusermount3 unmounts
+        else:
+            ours.close()
+
+    def start(self) -> None:
+        """Serve in this process, with `threads` threads."""
+        assert self.fs is not None
+        self.counters = SharedCounters.create(self.threads)
+        rows = [self.counters.row(i) for i in range(self.threads)]
+        self.loop = RequestLoop(self.fs, self.fd, rows)
+        self.loop.done = self.done
+        self.loop.start()
+
+    def unmount(self) -> None:
+        """Detach the mount; the serving threads see ENODEV and end."""
+        if self.detached or self.fd < 0:
+            return  # a later mount at the same place is not ours to remove
+        self.detached = True
+        subprocess.run(
+            [fusermount(), "-u", "-z", "-q", self.mountpoint],
+            capture_output=True,
+        )
+
+    def close(self, timeout: float = 2.0) -> None:
+        """After unmount: wait a little for the threads (files still open on a lazily detached
+        mount keep them serving), then let go; the kernel aborts the connection when the fd
+        closes with this process."""
+        ended = True
+        if self.loop is not None:
+            ended = self.loop.join(timeout)
+            self.loop.shutdown()
+        self._notify.shutdown(wait=False, cancel_futures=True)
+        # A thread still blocked in read(2) would read whatever reused the fd number next.
+        if ended and self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
+        if self._keep is not None:
+            self._keep.close()
+            self._keep = None
+            if self._fusermount is not None:
+                try:
+                    self._fusermount.wait(5)
+                except subprocess.TimeoutExpired:
+                    log.warning("fusermount3 (auto_unmount) did not exit")
+
+    def counts(self) -> Counter[str]:
+        """Requests seen, by kind, over every serving thread (and process)."""
+        if self.counters is None:
+            return Counter()
+        return +Counter(self.counters.totals(OPCODE_NAMES))
+
+    # ---- notifications
+
+    def invalidate_entry_async(self, parent: int, name: bytes) -> None:
+        """Make the kernel forget a cached name. In a thread of its own: the kernel takes the
+        folder's lock, which a request waiting on our caller may hold."""
+        self._last_invalidation = self._notify.submit(self._invalidate_entry, parent, name)
+
+    def after_invalidations(self, callback: Callable[[], None]) -> None:
+        """Call `callback` (in the notify thread) once the invalidations asked so far are done."""
+        try:
+            self._notify.submit(callback)
+        except RuntimeError:
+            pass  # shutting down
+
+    def wait_invalidations(self, timeout: float = 1.0) -> None:
+        """Wait for the invalidations asked so far (only where no folder lock is held)."""
+        last = self._last_invalidation
+        if last is None or last.done():
+            return  # the common case: nothing was dropped since
+        try:
+            last.result(timeout)  # one thread runs them in order: the last done, all done
+        except (TimeoutError, CancelledError):
+            pass  # a folder lock held elsewhere, or shutting down: the kernel catches up later
+
+    def _invalidate_entry(self, parent: int, name: bytes) -> None:
+        body = INVAL_ENTRY.pack(parent, len(name), 0) + name + b"\0"
+        header = OUT_HEADER.pack(OUT_HEADER.size + len(body), NOTIFY_INVAL_ENTRY, 0)
+        try:
+            os.writev(self.fd, [header, body])
+        except OSError as e:
+            if e.errno not in (errno.ENOENT, errno.ENOTDIR, errno.EBADF, errno.ENODEV):
+                log.warning("cannot invalidate %r: %s", name, e)
+
+    def resend_pending(self) -> bool:
+        """Have the kernel queue again every request read but not answered (those a killed
+        worker held, kept alive by its fd that we hold); False where the kernel cannot."""
+        header = OUT_HEADER.pack(OUT_HEADER.size, NOTIFY_RESEND, 0)
+        try:
+            os.writev(self.fd, [header])
+        except OSError as e:
+            log.warning("the kernel cannot resend the requests of a dead worker: %s", e)
+            return False
+        return True
+
+    def clone_fd(self) -> int:
+        """A new /dev/fuse fd bound to this mount: requests spread over all of them."""
+        fd = os.open("/dev/fuse", os.O_RDWR | os.O_CLOEXEC)
+        try:
+            fcntl.ioctl(fd, FUSE_DEV_IOC_CLONE, struct.pack("I", self.fd))
+        except OSError:
+            os.close(fd)
+            raise
+        return fd
+
+    def set_read_ahead(self, kib: int) -> None:
+        """Raise the mount's read-ahead (INIT can only lower the kernel's 128 KiB) so that a
+        typical file is one READ; needs root, so a refusal is only logged."""
+        device = _mount_device(self.mountpoint)
+        if device is None:
+            return
+        path = f"/sys/class/bdi/{device}/read_ahead_kb"
+        try:
+            with open(path, "w") as f:
+                f.write(str(kib))
+        except OSError as e:
+            log.info("read-ahead stays as it is (%s: %s)", path, e.strerror)
 
 
 def _sized(value: bytes, size: int) -> bytes:
@@ -469,6 +653,20 @@ def _sized(value: bytes, size: int) -> bytes:
     if len(value) > size:
         raise FuseError(errno.ERANGE)
     return value
+
+
+def _mount_device(mountpoint: str) -> str | None:
+    """The "major:minor" of what is mounted at `mountpoint`, from mountinfo (a stat would be a
+    request to ourselves)."""
+    want = os.fsencode(mountpoint)
+    found = None
+    with open("/proc/self/mountinfo", "rb") as f:
+        for line in f:
+            fields = line.split(b" ")
+            where = re.sub(rb"\\([0-7]{3})", lambda m: bytes([int(m[1], 8)]), fields[4])
+            if where == want:
+                found = fields[2].decode()  # the last one: mounts stack
+    return found
 
 
 def fusermount() -> str:

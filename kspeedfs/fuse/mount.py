@@ -8,7 +8,7 @@ import shutil
 import signal
 import subprocess
 import sys
-from collections.abc import AsyncIterator, Callable, Iterable, Sequence
+from collections.abc import AsyncIterator, Callable, Iterable
 from pathlib import Path
 
 import trio
@@ -17,9 +17,10 @@ from kspeedfs.client.reader import ClusterReader, local_node_for
 from kspeedfs.format.config import Settings
 from kspeedfs.format.errors import ERROR_CLASSES, KSpeedError, MountError
 from kspeedfs.format.names import validate_name
-from kspeedfs.format.readthrough_view import ReadThroughDataset
-from kspeedfs.fuse.filesystem import KSpeedFS, require_dataset
+from kspeedfs.format.tls import client_context
+from kspeedfs.fuse.datasets import DatasetList
 from kspeedfs.fuse.kernel import FuseSession
+from kspeedfs.fuse.supervisor import Workers, default_workers
 from kspeedfs.net.aconnection import AsyncNodeClient
 from kspeedfs.system.mountinfo import is_stale, kspeedfs_mounted
 from kspeedfs.system.notify import notify
@@ -62,39 +63,49 @@ async def serve_mount(
     options: set[str],
     on_ready: Callable[[], None],
 ) -> None:
+    """Mount, then serve from settings.fuse_workers processes (0: one per CPU, at most 8)
+    while this one keeps the dataset list in step with the node and supervises them."""
     local = local_node_for(settings)
     order = sorted(settings.nodes, key=lambda a: str(a) != local)
-    clients = [AsyncNodeClient(a, settings.token_file, settings.timeout) for a in order]
+    tls = client_context(settings)
+    clients = [AsyncNodeClient(a, settings.token_file, settings.timeout, tls) for a in order]
     reader = ClusterReader(settings, local)
-    fs = KSpeedFS(clients, reader, dataset)
+    datasets = DatasetList(clients, reader, dataset)
     # A mount with no node to ask is useless: check before mounting, fail with a clear error.
     await _first_answer(clients)
-    await fs.refresh(strict=True)
+    await datasets.refresh(strict=True)
     if dataset:
-        require_dataset(fs, dataset)
-    session = FuseSession(fs, str(mountpoint), options)
-    fs.session = session
-    fs.trio_token = trio.lowlevel.current_trio_token()
+        datasets.require(dataset)
+    count = settings.fuse_workers or default_workers()
+    session = FuseSession(None, str(mountpoint), options)
+    datasets.session = session
     try:
         session.mount()
     except OSError as e:
         raise MountError(e.strerror or str(e)) from None
+    if settings.fuse_read_ahead:
+        session.set_read_ahead(settings.fuse_read_ahead // 1024)
+    pool = Workers(session, datasets, settings, dataset, count, clients)
     try:
-        session.start()
         with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT, signal.SIGHUP) as signals:
             async with trio.open_nursery() as nursery:
-                fs.nursery = nursery
-                nursery.start_soon(fs.keep_refreshed)
-                nursery.start_soon(_unmount_on_signal, signals, session)
-                nursery.start_soon(report_touches, fs, clients)
-                log.info("mounted %s at %s", dataset or "all datasets", mountpoint)
+                await nursery.start(pool.run)
+                nursery.start_soon(datasets.keep_refreshed)
+                nursery.start_soon(_unmount_on_signal, signals, session, pool)
+                log.info(
+                    "mounted %s at %s, served by %d processes",
+                    dataset or "all datasets", mountpoint, count,
+                )  # fmt: skip
                 notify("READY=1", f"STATUS=mounted at {mountpoint}")
                 on_ready()
-                await trio.to_thread.run_sync(session.done.wait, abandon_on_cancel=True)
+                await pool.finished.wait()
                 nursery.cancel_scope.cancel()
     finally:
+        with trio.CancelScope(shield=True):
+            await pool.stop()
         session.unmount()
         session.close()
+        pool.counters.close()
         reader.close()
         for client in clients:
             await client.aclose()
@@ -112,11 +123,13 @@ async def _first_answer(clients: list[AsyncNodeClient]) -> None:
     raise error
 
 
-async def _unmount_on_signal(signals: AsyncIterator[int], session: FuseSession) -> None:
+async def _unmount_on_signal(
+    signals: AsyncIterator[int], session: FuseSession, pool: Workers
+) -> None:
     async for signum in signals:
         log.info("received %s, unmounting", signal.Signals(signum).name)
         await trio.to_thread.run_sync(session.unmount)
-        session.done.set()  # files still open keep a detached mount's threads busy: stop anyway
+        pool.finished.set()  # files still open keep a detached mount's workers busy: stop anyway
         return
 
 
@@ -201,28 +214,3 @@ def unmount(mountpoint: str, lazy: bool = False) -> None:
         raise MountError(
             done.stderr.strip().splitlines()[-1] if done.stderr.strip() else "unmount failed"
         )
-
-
-TOUCH_INTERVAL = 1.0
-
-
-async def report_touches(fs: KSpeedFS, clients: Sequence[AsyncNodeClient]) -> None:
-    """Tell the node which read-through segments this mount read (its LRU cannot see mmap hits)."""
-    while True:
-        await trio.sleep(TOUCH_INTERVAL)
-        # Collected first, then sent: nothing of a dataset is held across the sleep, or an
-        # unloaded instance would stay mapped until the next round.
-        touches = [
-            (mounted.name, mounted.uuid, *mounted.data.local.drain_touches())
-            for mounted in list(fs.by_name.values())
-            if isinstance(mounted.data.local, ReadThroughDataset)
-        ]
-        for name, uuid, segments, hits in touches:
-            if not segments and not hits:
-                continue
-            try:
-                await clients[0].request(
-                    "touch", name=name, uuid=uuid, segments=segments, hits=hits
-                )
-            except KSpeedError as e:
-                log.debug("could not report reads of %s: %s", name, e)

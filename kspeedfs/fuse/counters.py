@@ -1,0 +1,68 @@
+"""Request counters shared by the processes serving one mount: a row per serving thread.
+
+One memfd, mapped by the supervisor and every worker; each row belongs to one serving thread
+(a worker process has one), which alone writes it, so increments need no lock. Any process
+reads every row: `user.kspeedfs.stats` is answered by whichever worker gets the request.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+
+SLOTS = 64  # opcodes below this count in their own slot; the rest in slot 0 ("other")
+# Slots no opcode uses, for where cluster reads were served from (ClusterReader.stats).
+SOURCE_SLOTS = {"local": 60, "remote": 61, "source": 62}
+ROW_BYTES = SLOTS * 8
+
+
+class SharedCounters:
+    """`rows` rows of SLOTS unsigned 64-bit counters in shared memory."""
+
+    def __init__(self, fd: int, rows: int):
+        self.fd = fd
+        self.rows = rows
+        self._map = mmap.mmap(fd, rows * ROW_BYTES)
+        self._view = memoryview(self._map).cast("Q")
+
+    @classmethod
+    def create(cls, rows: int) -> SharedCounters:
+        fd = os.memfd_create("kspeedfs-fuse-counters", os.MFD_CLOEXEC)
+        os.ftruncate(fd, rows * ROW_BYTES)
+        return cls(fd, rows)
+
+    def row(self, i: int) -> memoryview:
+        """The counters of row i, indexed by opcode (what its serving thread increments)."""
+        return self._view[i * SLOTS : (i + 1) * SLOTS]
+
+    def totals(self, names: dict[int, str]) -> dict[str, int]:
+        """Requests by kind over every row (`names`: opcode -> kind; others count as other)."""
+        out: dict[str, int] = {}
+        for r in range(self.rows):
+            row = self.row(r)
+            for slot in range(SLOTS):
+                n = row[slot]
+                if n and slot not in SOURCE_SLOTS.values():
+                    name = names.get(slot, "other")
+                    out[name] = out.get(name, 0) + n
+        return out
+
+    def by_row(self) -> list[int]:
+        """Requests answered by each row's thread."""
+        skip = set(SOURCE_SLOTS.values())
+        return [
+            sum(n for slot, n in enumerate(self.row(r)) if slot not in skip)
+            for r in range(self.rows)
+        ]
+
+    def sources(self) -> dict[str, int]:
+        """Where cluster reads were served from, over every row."""
+        return {
+            kind: sum(self.row(r)[slot] for r in range(self.rows))
+            for kind, slot in SOURCE_SLOTS.items()
+        }
+
+    def close(self) -> None:
+        self._view.release()
+        self._map.close()
+        os.close(self.fd)

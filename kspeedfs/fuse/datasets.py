@@ -1,0 +1,164 @@
+"""The mount's dataset list, kept in step with the node by the supervisor; slots number instances.
+
+A slot is one loaded instance of a dataset, numbered here and nowhere else, so an inode
+(slot << 32 | entry + 1) means the same in every serving process; a dataset unloaded and loaded
+again gets a new slot and never reuses the old inodes. Each refresh replaces the tables whole
+and hands what changed to `on_change` (the supervisor sends it to every worker). A refresh that
+fails in any way logs one line and is tried again: the mount serves on with what it knows.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import trio
+
+from kspeedfs.client.handle import DatasetHandle
+from kspeedfs.client.reader import ClusterReader
+from kspeedfs.format.errors import KSpeedError, NodeUnreachable, NotFound
+from kspeedfs.fuse.kernel import ROOT_INODE, FuseSession
+from kspeedfs.net.aconnection import AsyncNodeClient
+
+log = logging.getLogger(__name__)
+
+SLOT_SHIFT = 32
+INDEX_MASK = (1 << SLOT_SHIFT) - 1
+BACKGROUND_REFRESH = 5.0
+
+
+@dataclass
+class MountedDataset:
+    slot: int
+    name: str
+    uuid: str
+    data: DatasetHandle
+    info: dict[str, Any] = field(default_factory=dict)  # the node's listing entry
+
+
+@dataclass
+class Change:
+    """What one refresh changed, in the order workers apply it."""
+
+    dropped: list[MountedDataset]
+    added: list[MountedDataset]
+    node_answers: bool
+    mounted_at_ns: int
+
+
+class DatasetList:
+    """The ready datasets of the node, each opened once here (so that a dataset a worker is
+    told about is one that opens) and numbered with its slot."""
+
+    def __init__(
+        self, clients: list[AsyncNodeClient], reader: ClusterReader, single: str | None = None
+    ):
+        self.clients = clients  # the local node first: the list comes from one of them
+        self.reader = reader
+        self.single = single  # serve this dataset at the root instead of one folder each
+        self.by_slot: dict[int, MountedDataset] = {}
+        self.by_name: dict[str, MountedDataset] = {}
+        self.session: FuseSession | None = None  # where invalidations go
+        self.on_change: Callable[[Change], None] = lambda change: None
+        self.mounted_at_ns = time.time_ns()
+        self.node_answers = True
+        self._next_slot = 1
+        self._last_error = ""  # of the last failed refresh: logged once, not every second
+        self._lock = trio.Lock()
+
+    async def refresh(self, strict: bool = False) -> None:
+        """Sync with the node. Errors are logged and the known datasets kept; `strict` (the
+        first refresh) raises them. Always ends with an on_change (workers wait for it)."""
+        async with self._lock:  # two interleaved refreshes would each open a dataset
+            change = Change([], [], self.node_answers, self.mounted_at_ns)
+            try:
+                change = await self._refresh()
+            except Exception as e:
+                if strict:
+                    raise
+                self.node_answers = change.node_answers = False
+                why = str(e) if isinstance(e, KSpeedError) else f"{type(e).__name__}: {e}"
+                if why != self._last_error:
+                    log.error("cannot refresh the dataset list (serving what is known): %s", why)
+                self._last_error = why
+            else:
+                if self._last_error:
+                    log.info("the dataset list is refreshed again")
+                    self._last_error = ""
+            self.on_change(change)
+
+    async def refresh_unless_running(self) -> None:
+        """A worker asks: a refresh under way answers it too (its on_change reaches all)."""
+        if not self._lock.locked():
+            await self.refresh()
+
+    async def keep_refreshed(self) -> None:
+        """Notice unloads even when nobody looks at the root: their memory is freed only once
+        the mount's processes let go of their maps."""
+        while True:
+            await trio.sleep(BACKGROUND_REFRESH)
+            await self.refresh()
+
+    async def _refresh(self) -> Change:
+        listing = None
+        error: KSpeedError | None = None
+        for client in self.clients:
+            try:
+                listing = await client.request("list")
+                break
+            except NodeUnreachable as e:
+                error = e
+        if listing is None:
+            if self.node_answers:
+                log.warning("no node answers, serving the datasets already known: %s", error)
+            self.node_answers = False
+            return Change([], [], False, self.mounted_at_ns)
+        self.node_answers = True
+        ready = {d["name"]: d for d in listing["datasets"] if d.get("state") == "ready"}
+        by_name = dict(self.by_name)
+        by_slot = dict(self.by_slot)
+        gone = [m for n, m in by_name.items() if n not in ready or ready[n]["uuid"] != m.uuid]
+        for mounted in gone:
+            del by_name[mounted.name]
+            del by_slot[mounted.slot]
+            self._drop(mounted)
+        added = []
+        for name, d in ready.items():
+            if name in by_name or (self.single and name != self.single):
+                continue
+            try:
+                data = await trio.to_thread.run_sync(self.reader.open_dataset, name, d)
+            except KSpeedError as e:
+                log.error("cannot open dataset %s: %s", name, e)
+                continue
+            mounted = MountedDataset(self._next_slot, name, d["uuid"], data, d)
+            self._next_slot += 1
+            by_slot[mounted.slot] = mounted
+            by_name[name] = mounted
+            added.append(mounted)
+        if by_name.keys() != self.by_name.keys() or gone:
+            self.mounted_at_ns = time.time_ns()  # the root's mtime: its listing changed
+        self.by_slot, self.by_name = by_slot, by_name
+        return Change(gone, added, True, self.mounted_at_ns)
+
+    def _drop(self, mounted: MountedDataset) -> None:
+        log.info("dataset %s (instance %s) is gone from the node", mounted.name, mounted.uuid[:8])
+        if mounted.data.local is not None:
+            mounted.data.local.release()  # its memory returns to the node's machine
+        if self.session is None:
+            return
+        if not self.single:
+            self.session.invalidate_entry_async(ROOT_INODE, mounted.name.encode())
+        else:
+            # Served at the root: the kernel would keep its entries (a day) for the old
+            # instance, e.g. after a refresh; forget them so lookups reach the new one.
+            m = mounted.data.manifest
+            for child in m.children(0):
+                self.session.invalidate_entry_async(ROOT_INODE, m.name(child))
+
+    def require(self, name: str) -> None:
+        if name not in self.by_name:
+            raise NotFound(f"no dataset named {name!r} on the node")

@@ -1,0 +1,261 @@
+"""The serving processes of one mount: started with a clone of its fd, told of every dataset
+change, restarted when they die, stopped with the mount.
+
+The supervisor (the mount process) keeps each worker's fd open too, so that when a worker is
+killed the requests it had read stay queued on that fd instead of failing; the kernel is then
+asked to send them again (FUSE_NOTIFY_RESEND, kernel 6.9+), and another worker answers them.
+Interrupts a worker cannot place (the request is another worker's) are passed to all others.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import pickle
+import signal
+import socket
+import sys
+import time
+from typing import Any
+
+import trio
+
+from kspeedfs.format.config import Settings
+from kspeedfs.format.errors import KSpeedError, MountError
+from kspeedfs.fuse.counters import SharedCounters
+from kspeedfs.fuse.datasets import Change, DatasetList
+from kspeedfs.fuse.kernel import FuseSession
+from kspeedfs.fuse.worker import EXIT_DETACHED, MESSAGE_MAX
+from kspeedfs.net.aconnection import AsyncNodeClient
+
+log = logging.getLogger(__name__)
+
+STOP_WAIT = 2.0  # seconds a worker has to end on SIGTERM before SIGKILL
+QUICK_DEATH = 5.0  # a worker that dies sooner after its start is restarted after a pause
+
+
+def default_workers() -> int:
+    """The number of CPUs, at most 8."""
+    return max(1, min(8, len(os.sched_getaffinity(0))))
+
+
+class Workers:
+    """`count` worker processes serving `session`, fed from `datasets`."""
+
+    def __init__(
+        self,
+        session: FuseSession,
+        datasets: DatasetList,
+        settings: Settings,
+        dataset: str | None,
+        count: int,
+        clients: list[AsyncNodeClient],
+    ):
+        self.session = session
+        self.datasets = datasets
+        self.settings = settings
+        self.dataset = dataset
+        self.count = count
+        self.clients = clients
+        self.counters = SharedCounters.create(count)
+        session.counters = self.counters
+        self.finished = trio.Event()  # the mount is gone (a worker saw ENODEV)
+        self.stopping = False
+        self._links: dict[int, trio.MemorySendChannel[tuple[Any, ...]]] = {}
+        self._procs: dict[int, trio.Process] = {}
+        self._invalidations = 0
+        self._refresh_queued = False
+        self._nursery: trio.Nursery | None = None
+        self._token = trio.lowlevel.current_trio_token()
+        datasets.on_change = self.on_change
+
+    async def run(self, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        """Start every worker, report started once all serve, then keep them running."""
+        async with trio.open_nursery() as nursery:
+            self._nursery = nursery
+            async with trio.open_nursery() as starting:  # in parallel: each takes a while
+                for i in range(self.count):
+                    starting.start_soon(nursery.start, self._keep_running, i)
+            task_status.started()
+
+    # ---- dataset changes, to every worker
+
+    def on_change(self, change: Change) -> None:
+        for mounted in change.dropped:
+            self._invalidations += 1
+            self._broadcast(("drop", mounted.slot, self._invalidations))
+        for mounted in change.added:
+            self._broadcast(("add", mounted.slot, mounted.name, mounted.uuid, mounted.info))
+        self._broadcast(("refreshed", change.node_answers, change.mounted_at_ns))
+        if change.dropped:
+            seq = self._invalidations
+            self.session.after_invalidations(lambda: self._from_thread(("invalidated", seq)))
+
+    def _from_thread(self, message: tuple[Any, ...]) -> None:
+        try:
+            self._token.run_sync_soon(self._broadcast, message)
+        except trio.RunFinishedError:
+            pass
+
+    def _broadcast(self, message: tuple[Any, ...], but: int = -1) -> None:
+        for index, channel in list(self._links.items()):
+            if index != but:
+                try:
+                    channel.send_nowait(message)
+                except (trio.BrokenResourceError, trio.ClosedResourceError):
+                    pass  # that worker is ending
+
+    def _snapshot(self, index: int) -> list[tuple[Any, ...]]:
+        """What a new worker is told first: every dataset, then "refreshed"."""
+        d = self.datasets
+        hello = ("hello", self.settings, self.dataset, index, self.count)
+        adds = [("add", m.slot, m.name, m.uuid, m.info) for m in d.by_slot.values()]
+        return [hello, *adds, ("refreshed", d.node_answers, d.mounted_at_ns)]
+
+    # ---- one worker slot
+
+    async def _keep_running(
+        self, index: int, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED
+    ) -> None:
+        started = False
+        while not self.stopping:
+            began = time.monotonic()
+            fd = self.session.clone_fd()
+            try:
+                ready, code = await self._run_once(index, fd, None if started else task_status)
+            except BaseException:
+                os.close(fd)
+                raise
+            started = started or ready
+            if self.stopping or code == EXIT_DETACHED:
+                os.close(fd)
+                if not self.stopping:
+                    log.info("worker %d: the mount is gone", index)
+                    self.finished.set()
+                return
+            if not started:
+                os.close(fd)
+                raise MountError(f"the serving process failed to start ({_describe(code)})")
+            log.warning("worker %d %s: restarting it", index, _describe(code))
+            # Its fd is still open here: the requests it had read wait there, to be resent.
+            self.session.resend_pending()
+            os.close(fd)
+            if time.monotonic() - began < QUICK_DEATH:
+                await trio.sleep(1.0)
+
+    async def _run_once(
+        self, index: int, fd: int, task_status: trio.TaskStatus[None] | None
+    ) -> tuple[bool, int]:
+        """One worker process, from start to exit: (whether it became ready, its exit code)."""
+        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        args = [
+            sys.executable, "-m", "kspeedfs.fuse.worker", "--fuse-fd", str(fd),
+            "--control-fd", str(theirs.fileno()), "--counters-fd", str(self.counters.fd),
+        ]  # fmt: skip
+        if logging.getLogger().isEnabledFor(logging.DEBUG):
+            args.append("--verbose")
+        try:
+            proc = await trio.lowlevel.open_process(
+                args, pass_fds=(fd, theirs.fileno(), self.counters.fd)
+            )
+        finally:
+            theirs.close()
+        self._procs[index] = proc
+        send, receive = trio.open_memory_channel[tuple[Any, ...]](math.inf)
+        for message in self._snapshot(index):
+            send.send_nowait(message)
+        self._links[index] = send
+        sock = trio.socket.from_stdlib_socket(ours)
+        ready = trio.Event()
+        try:
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(self._send_loop, sock, receive)
+                nursery.start_soon(self._receive_loop, sock, index, ready)
+                nursery.start_soon(self._wait_exit, proc, nursery.cancel_scope)
+                await ready.wait()
+                if task_status is not None:
+                    task_status.started()
+        finally:
+            del self._links[index]
+            self._procs.pop(index, None)
+            send.close()
+            sock.close()
+            if proc.returncode is None:  # the mount is stopping (or a worker went silent)
+                proc.kill()
+            with trio.CancelScope(shield=True):
+                await proc.wait()  # reaped here: no zombie is left to an init that may not
+        assert proc.returncode is not None
+        return ready.is_set(), proc.returncode
+
+    async def _wait_exit(self, proc: trio.Process, scope: trio.CancelScope) -> None:
+        await proc.wait()
+        scope.cancel()
+
+    async def _send_loop(
+        self, sock: trio.socket.SocketType, receive: trio.MemoryReceiveChannel[tuple[Any, ...]]
+    ) -> None:
+        try:
+            async for message in receive:
+                await sock.send(pickle.dumps(message))
+        except OSError:
+            pass  # the worker is gone; _wait_exit ends the rest
+
+    async def _receive_loop(
+        self, sock: trio.socket.SocketType, index: int, ready: trio.Event
+    ) -> None:
+        assert self._nursery is not None
+        while True:
+            try:
+                data = await sock.recv(MESSAGE_MAX)
+            except OSError:
+                return
+            if not data:
+                return
+            message = pickle.loads(data)
+            kind = message[0]
+            if kind == "ready":
+                ready.set()
+            elif kind == "refresh":
+                if not self._refresh_queued:
+                    self._refresh_queued = True
+                    self._nursery.start_soon(self._refresh)
+            elif kind == "interrupt":
+                self._broadcast(message, but=index)
+            elif kind == "touch":
+                self._nursery.start_soon(self._report_touch, *message[1:])
+
+    async def _refresh(self) -> None:
+        self._refresh_queued = False
+        await self.datasets.refresh_unless_running()
+
+    async def _report_touch(self, name: str, uuid: str, segments: list[int], hits: int) -> None:
+        """Tell the node which read-through segments were read (its LRU cannot see mmap hits)."""
+        try:
+            await self.clients[0].request(
+                "touch", name=name, uuid=uuid, segments=segments, hits=hits
+            )
+        except KSpeedError as e:
+            log.debug("could not report reads of %s: %s", name, e)
+
+    # ---- stopping
+
+    async def stop(self) -> None:
+        """SIGTERM every worker, SIGKILL those still there after STOP_WAIT."""
+        self.stopping = True
+        procs = list(self._procs.values())
+        for proc in procs:
+            if proc.returncode is None:
+                proc.send_signal(signal.SIGTERM)
+        with trio.move_on_after(STOP_WAIT):
+            for proc in procs:
+                await proc.wait()
+        for proc in procs:
+            if proc.returncode is None:
+                proc.kill()
+
+
+def _describe(code: int) -> str:
+    if code < 0:
+        return f"was killed by {signal.Signals(-code).name}"
+    return f"exited with {code}"

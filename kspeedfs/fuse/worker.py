@@ -1,0 +1,204 @@
+"""One serving process of a mount: a cloned /dev/fuse fd, one thread answering, a control link.
+
+Started by the supervisor (`python -m kspeedfs.fuse.worker`) with three descriptors: its clone
+of the mount's fd, its end of a SOCK_SEQPACKET control socket, and the shared counters. Over
+the socket come the settings, the datasets with the slots the supervisor gave them, refresh
+results and interrupts other workers could not place; back go refresh requests, interrupts for
+requests this worker does not hold, and read-through touches. It starts serving only once it
+has opened every dataset it was told about, so a restarted worker never answers ESTALE for a
+live instance. It ends when the mount goes (exit 0), or with the supervisor (its socket closes;
+PR_SET_PDEATHSIG for the case it is killed).
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import logging
+import os
+import pickle
+import signal
+import socket
+import sys
+import threading
+import time
+from typing import Any
+
+from kspeedfs.client.reader import ClusterReader, local_node_for
+from kspeedfs.format.config import Settings
+from kspeedfs.fuse.counters import SharedCounters
+from kspeedfs.fuse.filesystem import KSpeedFS
+from kspeedfs.fuse.kernel import RequestLoop
+from kspeedfs.system.logs import setup_logging
+
+log = logging.getLogger(__name__)
+
+MESSAGE_MAX = 1 << 20
+REFRESH_INTERVAL = 1.0
+TOUCH_INTERVAL = 1.0
+DEADLINE_TIMEOUTS = 3  # a read waits at most this many node timeouts, then gets EIO
+EXIT_DETACHED = 0  # the mount is gone: not to be restarted
+PR_SET_PDEATHSIG = 1
+
+
+def send(sock: socket.socket, *message: Any) -> None:
+    sock.send(pickle.dumps(message))
+
+
+class SupervisorLink:
+    """The worker's side of the control socket (the Supervisor protocol of filesystem.py)."""
+
+    def __init__(self, sock: socket.socket):
+        self.sock = sock
+        self.fs: KSpeedFS | None = None
+        self.node_answers = True
+        self._send_lock = threading.Lock()
+        self._state = threading.Condition()
+        self._refreshes = 0  # "refreshed" messages received
+        self._asked_at = -1e9  # when this worker last asked for a refresh
+        self._asked_count = -1  # self._refreshes when it asked; None pending when equal
+        self._invalidations_wanted = 0
+        self._invalidations_done = 0
+
+    def post(self, *message: Any) -> None:
+        try:
+            with self._send_lock:
+                send(self.sock, *message)
+        except OSError:
+            pass  # the supervisor is gone: this process ends with it
+
+    # ---- Supervisor protocol (serving threads)
+
+    def ask_refresh(self, force: bool, wait: float) -> None:
+        """One request in flight per worker; a request already slower than `wait` is waited
+        for no longer, by anyone: a frozen node must not hold up walks through the root."""
+        now = time.monotonic()
+        with self._state:
+            inflight = self._asked_count == self._refreshes
+            if not inflight:
+                if not force and now - self._asked_at < REFRESH_INTERVAL:
+                    return
+                self._asked_at, self._asked_count = now, self._refreshes
+                self.post("refresh")
+            left = wait - (now - self._asked_at)
+            if self.node_answers and left > 0:
+                target = self._asked_count
+                self._state.wait_for(lambda: self._refreshes > target, left)
+
+    def wait_invalidations(self, timeout: float) -> None:
+        with self._state:
+            wanted = self._invalidations_wanted
+            self._state.wait_for(lambda: self._invalidations_done >= wanted, timeout)
+
+    def forward_interrupt(self, unique: int) -> None:
+        self.post("interrupt", unique)
+
+    # ---- messages from the supervisor (control thread)
+
+    def receive(self, timeout: float) -> tuple[Any, ...] | None:
+        """The next message; None on timeout; EOFError once the supervisor is gone."""
+        self.sock.settimeout(timeout)
+        try:
+            data = self.sock.recv(MESSAGE_MAX)
+        except TimeoutError:
+            return None
+        if not data:
+            raise EOFError
+        message: tuple[Any, ...] = pickle.loads(data)
+        return message
+
+    def apply(self, message: tuple[Any, ...], loop: RequestLoop | None) -> None:
+        kind = message[0]
+        assert self.fs is not None
+        if kind == "add":
+            _, slot, name, uuid, info = message
+            self.fs.add(slot, name, uuid, info)
+        elif kind == "drop":
+            _, slot, invalidation = message
+            with self._state:
+                self._invalidations_wanted = max(self._invalidations_wanted, invalidation)
+            self.fs.drop(slot)
+        elif kind == "refreshed":
+            _, node_answers, mounted_at_ns = message
+            self.fs.mounted_at_ns = mounted_at_ns
+            with self._state:
+                self.node_answers = node_answers
+                self._refreshes += 1
+                self._state.notify_all()
+        elif kind == "invalidated":
+            with self._state:
+                self._invalidations_done = max(self._invalidations_done, message[1])
+                self._state.notify_all()
+        elif kind == "interrupt" and loop is not None:
+            loop.interrupt(message[1])
+
+
+def serve(fuse_fd: int, control_fd: int, counters_fd: int) -> int:
+    sock = socket.socket(fileno=control_fd)
+    link = SupervisorLink(sock)
+    hello = link.receive(60.0)
+    if hello is None or hello[0] != "hello":
+        log.error("no settings from the supervisor")
+        return 1
+    _, settings, dataset, index, rows = hello
+    assert isinstance(settings, Settings)
+    counters = SharedCounters(counters_fd, rows)
+    reader = ClusterReader(settings, local_node_for(settings))
+    fs = KSpeedFS(reader, link, dataset, counters, index)
+    link.fs = fs
+    # The datasets the supervisor knows, up to its first "refreshed": then serve.
+    while True:
+        message = link.receive(60.0)
+        if message is None:
+            log.error("the supervisor sent no dataset list")
+            return 1
+        link.apply(message, None)
+        if message[0] == "refreshed":
+            break
+    loop = RequestLoop(
+        fs,
+        fuse_fd,
+        [counters.row(index)],
+        on_stray_interrupt=link.forward_interrupt,
+        deadline=DEADLINE_TIMEOUTS * settings.timeout,
+    )
+    loop.start()
+    link.post("ready")
+    last_touch = time.monotonic()
+    try:
+        while not loop.done.is_set():
+            message = link.receive(TOUCH_INTERVAL / 2)
+            if message is not None:
+                link.apply(message, loop)
+            if time.monotonic() - last_touch >= TOUCH_INTERVAL:
+                last_touch = time.monotonic()
+                for touch in fs.drain_touches():
+                    link.post("touch", *touch)
+    except (EOFError, OSError):
+        return EXIT_DETACHED  # the supervisor is gone, and with it the mount
+    loop.shutdown()
+    reader.close()
+    return EXIT_DETACHED if loop.detached else 1
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description="a serving process of a kspeedfs mount (internal)")
+    p.add_argument("--fuse-fd", type=int, required=True)
+    p.add_argument("--control-fd", type=int, required=True)
+    p.add_argument("--counters-fd", type=int, required=True)
+    p.add_argument("--verbose", action="store_true")
+    args = p.parse_args(argv)
+    setup_logging(args.verbose)
+    try:  # die with the supervisor even when it is killed
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+    except (OSError, AttributeError):
+        pass
+    if os.getppid() == 1:
+        return EXIT_DETACHED  # the supervisor died before we could ask
+    # The supervisor handles SIGINT/SIGTERM for the whole mount; it stops us itself.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    return serve(args.fuse_fd, args.control_fd, args.counters_fd)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
