@@ -6,7 +6,7 @@ BIN     := $(VENV)/bin
 STAMP   := $(VENV)/.installed
 PYTHON  ?= python3
 SUDO    := $(shell [ "$$(id -u)" -eq 0 ] || echo sudo)
-APT_PKGS := fuse3 libfuse3-dev pkg-config gcc systemd attr
+APT_PKGS := fuse3 libfuse3-dev pkg-config gcc systemd attr etcd-server etcd-client
 CHECKED := kspeedfs mountd pytorch_ext tests bench
 
 .PHONY: demo test lint deps apt bench clean

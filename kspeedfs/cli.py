@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import sys
 import time
 from collections.abc import Sequence
@@ -27,6 +28,8 @@ def _client_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--config", help="TOML config file (env KSPEEDFS_CONFIG)")
     p.add_argument("--token-file", help="cluster token file (env KSPEEDFS_TOKEN_FILE)")
     p.add_argument("--timeout", type=float, help="seconds to wait for a node")
+    p.add_argument("--etcd", help="URL[,...] of etcd for members and catalog (env KSPEEDFS_ETCD)")
+    p.add_argument("--cluster", help="the cluster's name in etcd (default 'default')")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -49,6 +52,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-verify", action="store_true", help="skip checksums of datasets at start")
     p.add_argument("--spill-dir", help="disk folder for read-through segments evicted from memory")
     p.add_argument("--spill", help="spill budget, e.g. 512GiB (with --spill-dir)")
+
+    p.add_argument("--metrics-listen", help="HOST:PORT for Prometheus /metrics (default: off)")
+
+    p = sub.add_parser(
+        "rebalance", help="with etcd: place datasets over the members live now (one, or all)"
+    )
+    _client_options(p)
+    p.add_argument("name", nargs="?", help="the dataset (default: all)")
 
     p = sub.add_parser("preload", help="load a dataset into the cache (kept until unload)")
     _client_options(p)
@@ -142,9 +153,17 @@ def _settings(args: argparse.Namespace, **extra: Any) -> Settings:
         "nodes": getattr(args, "nodes", None),
         "token_file": getattr(args, "token_file", None),
         "timeout": getattr(args, "timeout", None),
+        "etcd": getattr(args, "etcd", None),
+        "cluster": getattr(args, "cluster", None),
         **extra,
     }
-    return load_settings(cli, config_file=getattr(args, "config", None))
+    settings = load_settings(cli, config_file=getattr(args, "config", None))
+    if settings.etcd and args.command != "node":  # control plane: the live members in etcd
+        from kspeedfs.client.clusterstate import resolve_nodes
+
+        given = getattr(args, "nodes", None) is not None or "KSPEEDFS_NODES" in os.environ
+        resolve_nodes(settings, explicit=given)
+    return settings
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -172,6 +191,7 @@ def cmd_node(args: argparse.Namespace) -> int:
         verify_on_start=False if args.no_verify else None,
         spill_dir=args.spill_dir,
         spill=args.spill,
+        metrics_listen=args.metrics_listen,
     )
     logging.getLogger().setLevel(logging.DEBUG if args.verbose else settings.log_level)
     run_node(settings)
@@ -243,9 +263,12 @@ def cmd_status(args: argparse.Namespace) -> int:
                 raise
             nodes.append({"up": False, "node": str(addr), "error": str(e)})
     datasets = _residency(nodes)
+    members = _etcd_members(settings)
     if args.json:
-        print(json.dumps({"nodes": nodes, "datasets": datasets}, indent=2))
+        print(json.dumps({"nodes": nodes, "datasets": datasets, "members": members}, indent=2))
         return 0
+    if members is not None:
+        _print_members(members, nodes)
     rows = [
         ("NODE", "STATE", "MEMORY USED / BUDGET", "DATASETS", "SEGMENTS", "TRANSPORT", "SHM DIR")
     ]
@@ -302,6 +325,43 @@ def _residency(nodes: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
         }
         for name in held
     }
+
+
+def _etcd_members(settings: Settings) -> list[dict[str, Any]] | None:
+    """Control plane: every member etcd knows, up or down and since when (None: no etcd)."""
+    if not settings.etcd:
+        return None
+    from kspeedfs.client.clusterstate import ClusterState
+
+    return ClusterState.of(settings).member_table()
+
+
+def _print_members(members: list[dict[str, Any]], nodes: list[dict[str, Any]]) -> None:
+    rows = [("MEMBER (etcd)", "STATE", "SINCE", "HEAL")]
+    control = {s["node"]: s.get("control") or {} for s in nodes if s.get("up")}
+    for m in members:
+        since = "-"
+        if m["since"]:
+            since = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(m["since"]))
+        heal = control.get(m["node"], {}).get("heal")
+        under = sum((control.get(m["node"], {}).get("under_replicated") or {}).values())
+        text = "-"
+        if heal:
+            text = f"{heal['segments']} copied, {heal['pending']} pending, {under} under-replicated"
+        rows.append((m["node"], m["state"], since, text))
+    _print_table(rows)
+    print()
+
+
+def cmd_rebalance(args: argparse.Namespace) -> int:
+    settings = _settings(args)
+    if not settings.etcd:
+        raise InvalidArgument("rebalance needs the etcd control plane (--etcd or KSPEEDFS_ETCD)")
+    with admin.connect(settings) as client:
+        reply = client.request("rebalance", name=args.name or "")
+    done = ", ".join(reply["datasets"]) or "nothing"
+    print(f"rebalanced {done} over {len(reply['members'])} members")
+    return 0
 
 
 def cmd_unload(args: argparse.Namespace) -> int:
@@ -428,6 +488,7 @@ COMMANDS = {
     "ls": cmd_ls,
     "status": cmd_status,
     "unload": cmd_unload,
+    "rebalance": cmd_rebalance,
     "refresh": cmd_refresh,
     "mount": cmd_mount,
     "umount": cmd_umount,

@@ -60,6 +60,14 @@ class Settings:
     # the mount so that a typical file is one READ (0 = the kernel's default, 128 KiB).
     fuse_workers: int = 0
     fuse_read_ahead: int = 256 * 1024
+    # Control plane (README "Cluster with etcd"): etcd endpoints ([] = the static `nodes` list),
+    # the key prefix of this cluster, the membership lease's TTL, how long a member stays down
+    # before its copies are made again elsewhere, and the Prometheus endpoint ("" = off).
+    etcd: list[str] = dataclasses.field(default_factory=list)
+    cluster: str = "default"
+    member_ttl: float = 10.0
+    heal_after: float = 30.0
+    metrics_listen: str = ""
 
     def socket_path(self) -> Path:
         """The node's local socket: `socket`, else `SHM_DIR.sock` beside the shm folder."""
@@ -142,6 +150,25 @@ def _to_paths(v: Any) -> list[Path]:
     return paths
 
 
+def _to_endpoints(v: Any) -> list[str]:
+    """etcd endpoints: a list or a comma-separated string; scheme http:// when none is given."""
+    items = v if isinstance(v, list) else [x for x in str(v).split(",") if x.strip()]
+    out = []
+    for item in (str(x).strip() for x in items):
+        url = item if "://" in item else f"http://{item}"
+        if not url.startswith(("http://", "https://")):
+            raise InvalidArgument(f"etcd endpoint must be http:// or https://: {item!r}")
+        out.append(url.rstrip("/"))
+    return out
+
+
+def validate_cluster(name: str) -> str:
+    """A cluster prefix is one path-safe word: it becomes part of every etcd key."""
+    if not name or not all(c.isalnum() or c in "._-" for c in name) or len(name) > 64:
+        raise InvalidArgument(f"bad cluster name {name!r}: letters, digits, '.', '_', '-'")
+    return name
+
+
 def _to_memory(v: Any) -> str:
     s = str(v)
     if not s.strip().endswith("%"):
@@ -175,6 +202,11 @@ _CONVERTERS: dict[str, Any] = {
     "tls_ca": _to_optional_path,
     "fuse_workers": lambda v: _to_int(v, 0),
     "fuse_read_ahead": lambda v: parse_size(v if isinstance(v, int) else str(v)),
+    "etcd": _to_endpoints,
+    "cluster": lambda v: validate_cluster(str(v)),
+    "member_ttl": _to_float,
+    "heal_after": _to_float,
+    "metrics_listen": str,
 }
 
 ENV_PREFIX = "KSPEEDFS_"

@@ -28,6 +28,7 @@ from kspeedfs.format.errors import (
 from kspeedfs.format.names import validate_name
 from kspeedfs.format.protocol import MsgType
 from kspeedfs.format.units import format_size
+from kspeedfs.node.controlplane import ControlPlane, loading_record
 from kspeedfs.node.fdserver import FdServer
 from kspeedfs.node.leases import LeaseTable
 from kspeedfs.node.loads import LoadTable
@@ -107,6 +108,11 @@ class NodeServer:
         self.rdma.register_ops(self.ops)
         self.cache.register_ops(self.ops)
         self.fds = FdServer(self.store, settings.socket_path(), settings.access)
+        # Control plane (etcd): membership, catalog, healing; None with a static node list.
+        self.control: ControlPlane | None = None
+        if settings.etcd:
+            self.control = ControlPlane(settings, self.store, self.call, self.op_unload_local)
+            self.ops.add("rebalance", self.op_rebalance, ADMIN)
 
     def _register_ops(self) -> None:
         # Leases are the job role's: a lease can unload a dataset when it ends. A lease's id
@@ -153,6 +159,8 @@ class NodeServer:
                 functools.partial(trio.serve_tcp, self._handle, listen.port, host=listen.host)
             )
             self.port = listeners[0].socket.getsockname()[1]
+            if self.control is not None:  # control plane: join once the port is known
+                await nursery.start(self.control.run, self.address)
             log.info(
                 "serving on %s: %d datasets, %s of %s budget used, shm %s",
                 self.address,
@@ -316,7 +324,8 @@ class NodeServer:
             "leases": self.leases.total(),
             "cache": self.cache.status(),
             "loaded": dict(self.stager.loaded),
-            "members": self.members,
+            "members": self.control.members() if self.control is not None else self.members,
+            "control": self.control.status() if self.control is not None else None,
             "peers": self.peers.statistics(),
             "held": {
                 r.name: {"held": r.held, "segments": r.segments}
@@ -340,13 +349,20 @@ class NodeServer:
         if name in self.store.datasets:
             raise AlreadyExists(f"dataset {name!r} is already loaded")
         progress = self.loads.start(name, str(msg.get("source", "")))
+        claimed = ""  # control plane: the instance this preload claimed the name for
         try:
             live = await self.live_members()
             plan = await plan_preload(msg, self.settings.segment_size, live)
+            if self.control is not None:  # control plane: one of two racing preloads wins
+                await self.control.claim(loading_record(plan, self.address))
+                claimed = plan.uuid
             with self.stager.scanned(plan.uuid, plan.tree):
                 pushed = await start_stages(plan, self.call)
         except BaseException:
             self.loads.finish(name)
+            if claimed:
+                with trio.CancelScope(shield=True):
+                    await self._forget_claim(name, claimed)
             raise
         progress.state = "loading"
         progress.files_total, progress.bytes_total = plan.tree.file_count, plan.tree.data_bytes
@@ -384,6 +400,8 @@ class NodeServer:
     async def _coordinate(self, plan: Plan, progress: Progress, pushed: set[str]) -> None:
         try:
             await coordinate(plan, self.call, progress, self.store.staging_dir, pushed)
+            if self.control is not None:  # control plane: visible to everyone, unleased
+                await self.control.publish(plan.name, plan.uuid, {})
             progress.state = "ready"
             self.loads.finish(plan.name)
             elapsed = time.monotonic() - progress.started
@@ -396,6 +414,9 @@ class NodeServer:
             )
         except BaseException as e:
             log.error("preload of %s failed: %s", plan.name, self.loads.fail(plan.name, e))
+            if self.control is not None:
+                with trio.CancelScope(shield=True):
+                    await self._forget_claim(plan.name, plan.uuid)
             if not isinstance(e, Exception):
                 raise
 
@@ -405,9 +426,27 @@ class NodeServer:
             return await self.ops.handler(op)(dict(args, op=op))
         return await self.peers.call(member, op, args)
 
+    async def _forget_claim(self, name: str, uuid: str) -> None:
+        """Control plane: drop a failed preload's catalog record (its lease would, later)."""
+        assert self.control is not None
+        try:
+            await self.control.forget(name, uuid)
+        except KSpeedError as e:
+            log.warning("could not remove %s from the catalog: %s", name, e)
+
+    async def op_rebalance(self, msg: dict[str, Any]) -> dict[str, Any]:
+        """Control plane: place datasets over the members live now (one, or all)."""
+        assert self.control is not None
+        name = validate_name(msg["name"]) if msg.get("name") else None
+        done = await self.control.rebalance(name)
+        if name and not done:
+            raise NotFound(f"no ready dataset named {name!r} in the catalog")
+        return {"datasets": done, "members": self.control.members()}
+
     async def live_members(self) -> list[str]:
         live = []
-        for member in self.members:
+        members = self.control.members() if self.control is not None else self.members
+        for member in members:
             try:
                 await self.call(member, "ping", {})
                 live.append(member)
@@ -464,6 +503,8 @@ class NodeServer:
         record = self.store.datasets.get(name)
         if record is None:
             raise NotFound(f"no dataset named {name!r}")
+        if self.control is not None:  # control plane: gone for everyone, even nodes now down
+            await self.control.forget(name, record.uuid)
         for member in record.members:
             if member != self.address:
                 try:

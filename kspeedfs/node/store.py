@@ -289,6 +289,46 @@ class SegmentStore:
             return
         remove_beneath(self._fd["trash"], dest)
 
+    # Control plane (healing, rebalance): one more segment in a published dataset.
+    def add_segment(self, name: str, seg: int, data: bytes | bytearray) -> None:
+        """Add a segment this node did not hold to a published dataset. Written beside the
+        segment folder, then renamed into it, so a reader never sees part of one; meta.json
+        and the record learn it; the next open() maps it."""
+        with self._lock:
+            record = self.datasets.get(name)
+            if record is None:
+                raise NotFound(f"no dataset named {name!r}")
+            if self.budget - self.used() < len(data):
+                self._raise_no_space(len(data))
+        folder = os.open(name, DIR_FLAGS, dir_fd=self._fd["datasets"])
+        try:
+            try:
+                os.mkdir("seg", 0o750, dir_fd=folder)
+            except FileExistsError:
+                pass
+            tmp = f".seg-{seg}.{uuid.uuid4().hex[:12]}"
+            flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+            with os.fdopen(os.open(tmp, flags, FILE_MODE, dir_fd=folder), "wb") as f:
+                f.write(data)
+            seg_fd = os.open("seg", DIR_FLAGS, dir_fd=folder)
+            try:
+                os.rename(tmp, f"{seg:08d}", src_dir_fd=folder, dst_dir_fd=seg_fd)
+            finally:
+                os.close(seg_fd)
+            with self._lock:
+                held = sorted(set(record.held) | {seg})
+                meta = self._read_meta(name)
+                meta.update(held=held, stored=int(meta["stored"]) + len(data))
+                tmp = f".meta.{uuid.uuid4().hex[:12]}"
+                with os.fdopen(os.open(tmp, flags, FILE_MODE, dir_fd=folder), "w") as f:
+                    json.dump(meta, f)
+                os.rename(tmp, META_FILE, src_dir_fd=folder, dst_dir_fd=folder)
+                record.held = held
+                record.stored += len(data)
+                self._open.pop(name, None)
+        finally:
+            os.close(folder)
+
     def discard_staging(self, staging: Path) -> None:
         remove_beneath(self._fd["staging"], self._staged_name(staging))
 

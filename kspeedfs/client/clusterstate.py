@@ -1,0 +1,249 @@
+"""The cluster's shared state in etcd: members (keys on leases) and the dataset catalog.
+
+Keys under /kspeedfs/CLUSTER/:
+    members/ADDR   a live node; on the node's lease, so it goes when the node stops renewing
+    known/ADDR     every node that ever joined (so a node that is gone shows as down)
+    down/ADDR      when a survivor first saw ADDR gone (removed when ADDR registers again)
+    datasets/NAME  the dataset's record: instance id, state, members, replicas, source, ...
+A preload's record is created on its coordinator's lease (state "loading"), so it vanishes with
+a coordinator that dies; it is made "ready" and unleased in one transaction compared on the
+record that names the instance. Unload deletes the record the same way.
+"""
+
+from __future__ import annotations
+
+import base64
+import functools
+import json
+import logging
+import time
+from collections.abc import Callable
+from typing import Any, TypeVar
+from urllib.parse import urlsplit
+
+import etcd3gw
+from etcd3gw import exceptions as etcd_errors
+from etcd3gw.lease import Lease
+
+from kspeedfs.format.config import Settings
+from kspeedfs.format.errors import AlreadyExists, NodeUnreachable, NotFound
+from kspeedfs.format.units import Address, parse_address
+
+log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+Record = dict[str, Any]
+
+
+def _b64(text: str) -> str:
+    return base64.b64encode(text.encode()).decode()
+
+
+def _range_end(prefix: str) -> str:
+    return _b64(prefix[:-1] + chr(ord(prefix[-1]) + 1))
+
+
+class ClusterState:
+    """Blocking access to one cluster's keys; each call tries the endpoints in turn and fails
+    with one line naming etcd (NodeUnreachable) when none answers."""
+
+    def __init__(self, endpoints: list[str], cluster: str, timeout: float = 5.0):
+        if not endpoints:
+            raise NotFound("no etcd endpoints configured")
+        self.endpoints = endpoints
+        self.prefix = f"/kspeedfs/{cluster}/"
+        self._clients = []
+        for url in endpoints:
+            parts = urlsplit(url)
+            self._clients.append(
+                etcd3gw.Etcd3Client(
+                    host=parts.hostname or "127.0.0.1",
+                    port=parts.port or 2379,
+                    protocol=parts.scheme or "http",
+                    timeout=timeout,
+                    api_path="/v3/",  # etcd 3.4 and newer
+                )
+            )
+        self._first = 0
+
+    @classmethod
+    def of(cls, settings: Settings) -> ClusterState:
+        return cls(settings.etcd, settings.cluster, min(settings.timeout, 5.0))
+
+    def _call(self, fn: Callable[[etcd3gw.Etcd3Client], T]) -> T:
+        last: Exception | None = None
+        for k in range(len(self._clients)):
+            i = (self._first + k) % len(self._clients)
+            try:
+                out = fn(self._clients[i])
+                self._first = i
+                return out
+            except (etcd_errors.ConnectionFailedError, etcd_errors.ConnectionTimeoutError) as e:
+                last = e
+        raise NodeUnreachable(
+            f"etcd at {', '.join(self.endpoints)} does not answer: {str(last).splitlines()[0]}"
+        )
+
+    def _prefix(self, sub: str) -> dict[str, tuple[Record, int]]:
+        """key tail -> (value, mod_revision) of every key under PREFIX/sub/."""
+        start = self.prefix + sub + "/"
+        rows = self._call(lambda c: c.get_prefix(start))
+        out = {}
+        for value, meta in rows:
+            key = meta["key"].decode() if isinstance(meta["key"], bytes) else str(meta["key"])
+            try:
+                out[key[len(start) :]] = (json.loads(value), int(meta["mod_revision"]))
+            except ValueError:
+                log.warning("ignoring a malformed etcd value at %s", key)
+        return out
+
+    def _txn(self, txn: dict[str, Any]) -> bool:
+        return bool(self._call(lambda c: c.transaction(txn)).get("succeeded", False))
+
+    # Membership.
+
+    def register(self, address: str, ttl: float, pid: int) -> int:
+        """Join: a new lease, members/ADDR on it, known/ADDR, down/ADDR gone. Returns the lease."""
+        lease = self._call(lambda c: c.lease(max(2, round(ttl))))
+        value = json.dumps({"address": address, "since": time.time(), "pid": pid})
+        key = self.prefix + "members/" + address
+        self._txn(
+            {
+                "compare": [],
+                "success": [
+                    {"request_put": {"key": _b64(key), "value": _b64(value), "lease": lease.id}},
+                    {
+                        "request_put": {
+                            "key": _b64(self.prefix + "known/" + address),
+                            "value": _b64(json.dumps({"address": address})),
+                        }
+                    },
+                    {"request_delete_range": {"key": _b64(self.prefix + "down/" + address)}},
+                ],
+                "failure": [],
+            }
+        )
+        return int(lease.id)
+
+    def keep_alive(self, lease_id: int) -> bool:
+        """Renew a lease; False when it has expired (the node must register again)."""
+        return self._call(lambda c: Lease(lease_id, c).refresh()) > 0
+
+    def revoke(self, lease_id: int) -> None:
+        self._call(lambda c: Lease(lease_id, c).revoke())
+
+    def live_members(self) -> dict[str, Record]:
+        return {k: v for k, (v, _rev) in self._prefix("members").items()}
+
+    def note_down(self, address: str, since: float) -> None:
+        """Record when `address` was first seen gone (the first survivor to see it wins)."""
+        key = _b64(self.prefix + "down/" + address)
+        self._txn(
+            {
+                "compare": [
+                    {"key": key, "result": "EQUAL", "target": "CREATE", "create_revision": 0}
+                ],
+                "success": [
+                    {"request_put": {"key": key, "value": _b64(json.dumps({"since": since}))}}
+                ],
+                "failure": [],
+            }
+        )
+
+    def member_table(self) -> list[Record]:
+        """Every node that ever joined: {node, state up/down, since}, sorted by address."""
+        live = self.live_members()
+        known = self._prefix("known")
+        down = self._prefix("down")
+        rows = []
+        for address in sorted(set(known) | set(live)):
+            if address in live:
+                rows.append({"node": address, "state": "up", "since": live[address]["since"]})
+            else:
+                since = down.get(address, ({}, 0))[0].get("since")
+                rows.append({"node": address, "state": "down", "since": since})
+        return rows
+
+    def down_since(self) -> dict[str, float]:
+        return {k: float(v.get("since", 0)) for k, (v, _rev) in self._prefix("down").items()}
+
+    def forget(self, address: str) -> None:
+        """Remove a node for good (it shows no more as down)."""
+        for key in (self.prefix + "known/" + address, self.prefix + "down/" + address):
+            self._call(functools.partial(_delete, key=key))
+
+    # The catalog.
+
+    def datasets(self) -> dict[str, tuple[Record, int]]:
+        """name -> (record, mod_revision)."""
+        return self._prefix("datasets")
+
+    def dataset(self, name: str) -> tuple[Record, int] | None:
+        return self.datasets().get(name)
+
+    def claim(self, record: Record, lease_id: int) -> None:
+        """Create a loading record on the coordinator's lease; AlreadyExists if the name is
+        taken (one of two racing preloads wins)."""
+        key = _b64(self.prefix + "datasets/" + record["name"])
+        won = self._txn(
+            {
+                "compare": [
+                    {"key": key, "result": "EQUAL", "target": "CREATE", "create_revision": 0}
+                ],
+                "success": [
+                    {
+                        "request_put": {
+                            "key": key,
+                            "value": _b64(json.dumps(record)),
+                            "lease": lease_id,
+                        }
+                    }
+                ],
+                "failure": [],
+            }
+        )
+        if not won:
+            raise AlreadyExists(f"dataset {record['name']!r} is already loaded or loading")
+
+    def update(self, name: str, uuid: str, change: Callable[[Record], Record | None]) -> bool:
+        """Apply `change` to the record of instance `uuid` in a transaction compared on the
+        record read (retried when someone else changed it meanwhile); None from `change`
+        deletes the record. False: that instance is not in the catalog."""
+        key = _b64(self.prefix + "datasets/" + name)
+        for _attempt in range(20):
+            found = self.dataset(name)
+            if found is None or found[0].get("uuid") != uuid:
+                return False
+            record, revision = found
+            new = change(dict(record))
+            op: dict[str, Any] = (
+                {"request_delete_range": {"key": key}}
+                if new is None
+                else {"request_put": {"key": key, "value": _b64(json.dumps(new))}}
+            )
+            compare = {"key": key, "result": "EQUAL", "target": "MOD", "mod_revision": revision}
+            if self._txn({"compare": [compare], "success": [op], "failure": []}):
+                return True
+        raise NodeUnreachable(f"etcd: the record of {name} kept changing; try again")
+
+    def remove(self, name: str, uuid: str) -> bool:
+        return self.update(name, uuid, lambda _r: None)
+
+
+def _delete(client: etcd3gw.Etcd3Client, key: str) -> bool:
+    return client.delete(key)
+
+
+def etcd_nodes(settings: Settings) -> list[Address]:
+    """The live members in etcd, as node addresses (sorted: every client sees one order)."""
+    members = ClusterState.of(settings).live_members()
+    if not members:
+        raise NodeUnreachable(f"no live kspeedfs nodes in etcd cluster {settings.cluster!r}")
+    return [parse_address(a) for a in sorted(members)]
+
+
+def resolve_nodes(settings: Settings, explicit: bool = False) -> Settings:
+    """With etcd configured and no node list given (`explicit`), the node list is etcd's."""
+    if settings.etcd and not explicit:
+        settings.nodes = etcd_nodes(settings)
+    return settings

@@ -1,0 +1,404 @@
+"""The node's side of the etcd control plane: membership lease, catalog convergence, healing.
+
+Everything that talks to etcd runs in worker threads (the event loop never waits on etcd), and
+the data plane never depends on it: with etcd away, reads go on and only control ops fail.
+"""
+
+from __future__ import annotations
+
+import base64
+import logging
+import os
+import time
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import trio
+import xxhash
+
+from kspeedfs.client.clusterstate import ClusterState, Record
+from kspeedfs.format import placement
+from kspeedfs.format.config import Settings
+from kspeedfs.format.errors import KSpeedError, NodeUnreachable
+from kspeedfs.format.manifest import plan_layout
+from kspeedfs.format.units import parse_address
+from kspeedfs.net.connection import NodeClient
+from kspeedfs.node.preload import Plan
+from kspeedfs.node.store import SegmentStore
+from kspeedfs.sources.source import open_source
+
+log = logging.getLogger(__name__)
+
+SYNC_INTERVAL = 0.5  # seconds between reads of the members and the catalog
+READ_PIECE = 8 * 1024 * 1024  # a segment is copied from a peer in reads of this size
+
+Call = Callable[[str, str, dict[str, Any]], Awaitable[dict[str, Any]]]
+UnloadLocal = Callable[[dict[str, Any]], Awaitable[dict[str, Any]]]
+
+
+def placed_members(entry: Record) -> list[str]:
+    """The members a catalog record's segments are placed over: its members less the lost."""
+    lost = set(entry.get("lost", []))
+    return [m for m in entry.get("members", []) if m not in lost]
+
+
+class ControlPlane:
+    """Registers this node in etcd, keeps its lease, and converges the node to the catalog."""
+
+    def __init__(self, settings: Settings, store: SegmentStore, call: Call, unload: UnloadLocal):
+        self.settings = settings
+        self.state = ClusterState.of(settings)
+        self.store = store
+        self.call = call
+        self.unload_local = unload
+        self.address = ""
+        self.lease_id = 0
+        self.live: list[str] = []
+        self.catalog: dict[str, Record] = {}
+        self.reachable = False
+        self.heal = {"segments": 0, "bytes": 0, "failed": 0, "pending": 0, "seconds": 0.0}
+        self.under_replicated: dict[str, int] = {}
+        self._warned = False
+
+    # Membership.
+
+    async def run(
+        self, address: str, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED
+    ) -> None:
+        self.address = address
+        try:
+            await self._register()
+        except NodeUnreachable as e:
+            log.warning("%s; serving anyway, joining when it answers", e)
+        task_status.started()
+        try:
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(self._keep_alive)
+                nursery.start_soon(self._sync_forever)
+        finally:
+            with trio.move_on_after(2) as scope:
+                scope.shield = True
+                if self.lease_id:
+                    try:
+                        # Leaving on purpose: everyone sees it at once, not after the TTL.
+                        await trio.to_thread.run_sync(self.state.revoke, self.lease_id)
+                    except KSpeedError:
+                        pass
+
+    async def _register(self) -> None:
+        self.lease_id = await trio.to_thread.run_sync(
+            self.state.register, self.address, self.settings.member_ttl, os.getpid()
+        )
+        log.info("joined cluster %r in etcd as %s", self.settings.cluster, self.address)
+
+    async def _keep_alive(self) -> None:
+        while True:
+            await trio.sleep(max(0.5, self.settings.member_ttl / 3))
+            try:
+                if not self.lease_id or not await trio.to_thread.run_sync(
+                    self.state.keep_alive, self.lease_id
+                ):
+                    log.warning("membership lease lost; joining again")
+                    await self._register()
+                self._warned = False
+            except NodeUnreachable as e:
+                if not self._warned:
+                    log.warning("%s; data keeps being served", e)
+                    self._warned = True
+
+    def members(self) -> list[str]:
+        """The live members to place new data over (this node always among them)."""
+        return sorted(set(self.live) | {self.address})
+
+    # The catalog: claims and records.
+
+    async def claim(self, record: Record) -> None:
+        if not self.lease_id:
+            await self._register()
+        await trio.to_thread.run_sync(self.state.claim, record, self.lease_id)
+
+    async def publish(self, name: str, uuid: str, more: Record) -> None:
+        """The preload committed everywhere: the record becomes ready and outlives its
+        coordinator."""
+
+        def ready(r: Record) -> Record:
+            return {**r, **more, "state": "ready"}
+
+        if not await trio.to_thread.run_sync(self.state.update, name, uuid, ready):
+            raise NodeUnreachable(f"etcd: the claim on {name} is gone (lease lost?)")
+
+    async def forget(self, name: str, uuid: str) -> bool:
+        return await trio.to_thread.run_sync(self.state.remove, name, uuid)
+
+    # Converging.
+
+    async def _sync_forever(self) -> None:
+        while True:
+            try:
+                await self.sync_once()
+            except NodeUnreachable as e:
+                self.reachable = False
+                if not self._warned:
+                    log.warning("%s; data keeps being served", e)
+                    self._warned = True
+            except Exception:
+                log.exception("control plane sync failed; trying again")
+            await trio.sleep(SYNC_INTERVAL)
+
+    async def sync_once(self) -> None:
+        live, down, datasets = await trio.to_thread.run_sync(self._snapshot)
+        self.reachable = True
+        self.live = sorted(live)
+        self.catalog = {name: rec for name, (rec, _rev) in datasets.items()}
+        now = time.time()
+        for entry in self.catalog.values():
+            for m in entry.get("members", []):
+                if m not in live and m not in down:
+                    await trio.to_thread.run_sync(self.state.note_down, m, now)
+                    down[m] = now
+        await self._converge()
+        await self._heal(down, now)
+
+    def _snapshot(self) -> tuple[dict[str, Record], dict[str, float], dict[str, Any]]:
+        return self.state.live_members(), self.state.down_since(), self.state.datasets()
+
+    async def _converge(self) -> None:
+        """Drop the instances the catalog does not know (unloaded while this node was away,
+        a preload whose coordinator died) and those of which this node was declared lost."""
+        for name, record in list(self.store.datasets.items()):
+            if record.lifetime not in ("offline", "leased"):
+                continue  # read-through datasets are each mount's own
+            if self._keeps(self.catalog.get(name), record.uuid):
+                continue
+            # Read again: a preload may have claimed and published since the snapshot.
+            found = await trio.to_thread.run_sync(self.state.dataset, name)
+            entry = found[0] if found else None
+            if entry is not None and entry.get("uuid") == record.uuid:
+                if self.address not in entry.get("lost", []):
+                    continue
+                why = "its copies were made again elsewhere while this node was down"
+            else:
+                why = "the catalog does not have this instance (unloaded, or never finished)"
+            log.info("dropping %s (instance %s): %s", name, record.uuid[:8], why)
+            await self.unload_local({"name": name, "uuid": record.uuid})
+
+    def _keeps(self, entry: Record | None, uuid: str) -> bool:
+        return (
+            entry is not None
+            and entry.get("uuid") == uuid
+            and self.address not in entry.get("lost", [])
+        )
+
+    # Healing and rebalancing.
+
+    async def _heal(self, down: dict[str, float], now: float) -> None:
+        live = set(self.live)
+        pending = 0
+        for name, entry in sorted(self.catalog.items()):
+            if entry.get("state") != "ready":
+                continue
+            uuid = entry["uuid"]
+            replicas = int(entry.get("replicas", 1))
+            segments = int(entry.get("segments", 0))
+            members = entry.get("members", [])
+            lost = set(entry.get("lost", []))
+            gone = [
+                m
+                for m in members
+                if m not in live
+                and m not in lost
+                and now - down.get(m, now) >= self.settings.heal_after
+            ]
+            if gone:
+                log.warning(
+                    "%s: %s down for %.0fs or more; making its copies again on the others",
+                    name,
+                    ", ".join(gone),
+                    self.settings.heal_after,
+                )
+
+                def lose(r: Record, gone: list[str] = gone) -> Record:
+                    return {**r, "lost": sorted(set(r.get("lost", [])) | set(gone))}
+
+                await trio.to_thread.run_sync(self.state.update, name, uuid, lose)
+                continue  # the next round works from the updated record
+            placed = placed_members(entry)
+            self.under_replicated[name] = sum(
+                1
+                for seg in range(segments)
+                if any(m not in live for m in placement.owners(name, seg, placed, replicas))
+            )
+            if self.address not in placed:
+                continue
+            record = self.store.datasets.get(name)
+            if record is None:
+                await self._adopt(name, entry)
+                record = self.store.datasets.get(name)
+                if record is None:
+                    continue
+            if record.uuid != uuid:
+                continue
+            held = set(record.held)
+            missing = [
+                seg
+                for seg in range(segments)
+                if seg not in held and self.address in placement.owners(name, seg, placed, replicas)
+            ]
+            pending += len(missing)
+            self.heal["pending"] = pending
+            for seg in missing:
+                await self._copy(name, entry, seg)
+                pending -= 1
+                self.heal["pending"] = pending
+        self.heal["pending"] = pending
+
+    async def _adopt(self, name: str, entry: Record) -> None:
+        """A member that holds no part of a dataset yet (joined, then `rebalance`): fetch its
+        manifest from a member that has it and publish it holding no segment."""
+        if name in self.store.datasets:
+            return
+        for peer in entry.get("members", []):
+            if peer == self.address or peer not in self.live:
+                continue
+            try:
+                blob = await self._fetch_manifest(peer, name, entry["uuid"])
+            except KSpeedError as e:
+                log.info("manifest of %s from %s: %s", name, peer, e)
+                continue
+            meta = {
+                k: entry[k]
+                for k in ("name", "uuid", "source", "lifetime", "replicas", "files", "bytes")
+            }
+            meta.update(
+                segment_size=entry.get("segment_size", 0),
+                created=entry.get("created", time.time()),
+                members=entry["members"],
+                segments=entry["segments"],
+                stored=len(blob),
+                held=[],
+                endpoint=entry.get("endpoint", ""),
+            )
+            await trio.to_thread.run_sync(self._publish_empty, name, blob, meta)
+            log.info("%s: joined its members (manifest from %s)", name, peer)
+            return
+
+    def _publish_empty(self, name: str, blob: bytes, meta: Record) -> None:
+        staging = self.store.new_staging(name)
+        try:
+            with open(staging / "manifest.ksm", "wb") as f:
+                f.write(blob)
+            self.store.publish(staging, meta)
+        except BaseException:
+            self.store.discard_staging(staging)
+            raise
+
+    async def _fetch_manifest(self, peer: str, name: str, uuid: str) -> bytes:
+        parts: list[bytes] = []
+        offset = 0
+        while True:
+            reply = await self.call(peer, "manifest", {"name": name, "offset": offset})
+            if reply["uuid"] != uuid:
+                raise NodeUnreachable(f"{peer} holds another instance of {name}")
+            data = base64.b64decode(reply["data"])
+            parts.append(data)
+            offset += len(data)
+            if not data or offset >= int(reply["total"]):
+                return b"".join(parts)
+
+    async def _copy(self, name: str, entry: Record, seg: int) -> None:
+        """One missing copy: from the members that may hold it (best ranked first), else the
+        source; kept only when its checksum matches the manifest's."""
+        started = time.monotonic()
+        ds = self.store.open(name)
+        length = int(ds.manifest.seg_len[seg])
+        expected = int(ds.manifest.seg_checksum[seg])
+        ranked = placement.owners(name, seg, entry["members"], len(entry["members"]))
+        data: bytes | bytearray | None = None
+        for peer in ranked:
+            if peer == self.address or peer not in self.live:
+                continue
+            try:
+                data = await trio.to_thread.run_sync(
+                    self._read_peer, peer, name, entry["uuid"], seg, length
+                )
+            except KSpeedError as e:
+                log.debug("segment %d of %s not from %s: %s", seg, name, peer, e)
+                continue
+            if xxhash.xxh3_64_intdigest(data) == expected:
+                break
+            log.warning("segment %d of %s from %s fails its checksum", seg, name, peer)
+            data = None
+        if data is None:
+            try:
+                src = open_source(entry["source"], str(entry.get("endpoint", "")))
+                data = await trio.to_thread.run_sync(
+                    src.read_segment, ds.manifest, ds.manifest.layout, seg
+                )
+            except (KSpeedError, OSError) as e:
+                self.heal["failed"] += 1
+                log.error("segment %d of %s: no copy left and the source fails: %s", seg, name, e)
+                return
+            if xxhash.xxh3_64_intdigest(data) != expected:
+                self.heal["failed"] += 1
+                log.error("segment %d of %s: the source no longer matches", seg, name)
+                return
+        await trio.to_thread.run_sync(self.store.add_segment, name, seg, data)
+        self.heal["segments"] += 1
+        self.heal["bytes"] += length
+        self.heal["seconds"] += time.monotonic() - started
+
+    def _read_peer(self, peer: str, name: str, uuid: str, seg: int, length: int) -> bytearray:
+        out = bytearray()
+        with NodeClient(parse_address(peer), self.settings.token_file, self.settings.timeout) as c:
+            for pos in range(0, length, READ_PIECE):
+                out += c.read(name, uuid, [(seg, pos, min(READ_PIECE, length - pos))])
+        return out
+
+    async def rebalance(self, name: str | None) -> list[str]:
+        """Place datasets over the live members as they are now: new members get their share
+        (each node copies what it now owns and lacks), lost ones are no longer counted."""
+        live = self.members()
+        names = [name] if name else sorted(self.catalog)
+        done = []
+        for n in names:
+            entry = self.catalog.get(n)
+            if entry is None or entry.get("state") != "ready":
+                continue
+
+            def replace(r: Record) -> Record:
+                return {**r, "members": live, "lost": []}
+
+            if await trio.to_thread.run_sync(self.state.update, n, entry["uuid"], replace):
+                done.append(n)
+        return done
+
+    def status(self) -> Record:
+        return {
+            "etcd": self.state.endpoints,
+            "cluster": self.settings.cluster,
+            "reachable": self.reachable,
+            "live": self.live,
+            "heal": dict(self.heal),
+            "under_replicated": dict(self.under_replicated),
+        }
+
+
+def loading_record(plan: Plan, coordinator: str) -> Record:
+    """The catalog record a preload claims its name with (ready once committed)."""
+    _offsets, seg_len = plan_layout(plan.tree, plan.segment_size)
+    return {
+        "name": plan.name,
+        "uuid": plan.uuid,
+        "state": "loading",
+        "source": plan.source,
+        "endpoint": plan.endpoint,
+        "lifetime": plan.lifetime,
+        "replicas": plan.replicas,
+        "members": plan.members,
+        "segment_size": plan.segment_size,
+        "segments": len(seg_len),
+        "files": plan.tree.file_count,
+        "bytes": plan.tree.data_bytes,
+        "coordinator": coordinator,
+        "created": time.time(),
+    }
