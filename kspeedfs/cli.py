@@ -75,6 +75,12 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="FILE",
         help="a meta file in the source (one sample per line) to index too; repeatable",
     )
+    p.add_argument(
+        "--decoded",
+        type=int,
+        metavar="N",
+        help="also keep the images decoded, shorter side N pixels (0: as is)",
+    )
     p.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
 
     for name, help_text in (("ls", "list datasets"), ("status", "show the nodes")):
@@ -202,6 +208,8 @@ def cmd_preload(args: argparse.Namespace) -> int:
     settings = _settings(args)
     if args.replicas < 1:
         raise InvalidArgument("--replicas must be at least 1")
+    if args.decoded is not None and args.no_wait:
+        raise InvalidArgument("--decoded waits for the load: leave out --no-wait")
     result = admin.preload(
         settings,
         args.source,
@@ -216,16 +224,30 @@ def cmd_preload(args: argparse.Namespace) -> int:
     print(
         f"{args.name}: {state}, {result['files_total']} files, {format_size(result['bytes_total'])}"
     )
+    if args.decoded is not None:
+        _preload_decoded(args)
     return 0
+
+
+def _preload_decoded(args: argparse.Namespace) -> None:
+    """`preload --decoded N`: every member decodes the images it holds; waits, with progress."""
+    from kspeedfs.client import decoded
+
+    with admin.connect(_settings(args)) as client:
+        decoded.start(client, args.name, args.decoded)
+        label = None if args.quiet else f"decode {args.name}@{args.decoded}"
+        v = decoded.wait(client, args.name, args.decoded, progress_label=label)
+    print(f"{args.name}@{args.decoded}: {decoded.describe(v)}, {v['undecodable']} undecodable")
 
 
 def cmd_ls(args: argparse.Namespace) -> int:
     with admin.connect(_settings(args)) as client:
         datasets = client.request("list")["datasets"]
+        _add_decoded(client, datasets)
     if args.json:
         print(json.dumps(datasets, indent=2))
         return 0
-    rows = [("NAME", "FILES", "BYTES", "STATE", "LIFETIME", "SOURCE")]
+    rows: list[tuple[str, ...]] = [("NAME", "FILES", "BYTES", "STATE", "LIFETIME", "SOURCE")]
     for d in datasets:
         files = d.get("files", d.get("files_total", 0))
         size = d.get("bytes", d.get("bytes_total", 0))
@@ -244,8 +266,28 @@ def cmd_ls(args: argparse.Namespace) -> int:
                 d.get("source", ""),
             )
         )
+        if d.get("decoded_variants"):
+            from kspeedfs.client.decoded import describe
+
+            variants = d["decoded_variants"].values()
+            rows[-1] += (", ".join(describe(v) for v in variants),)
+    if any(len(r) > len(rows[0]) for r in rows):
+        cols = len(rows[0])
+        rows = [rows[0] + ("DECODED",)] + [r + ("-",) * (cols + 1 - len(r)) for r in rows[1:]]
     _print_table(rows)
     return 0
+
+
+def _add_decoded(client: Any, datasets: list[dict[str, Any]]) -> None:
+    """Each ready dataset with decoded variants gets their state over its members."""
+    from kspeedfs.client.decoded import status
+
+    for d in datasets:
+        if d.get("state") == "ready" and (d.get("decoded") or len(d.get("members") or []) > 1):
+            try:
+                d["decoded_variants"] = status(client, d["name"])
+            except KSpeedError:
+                pass
 
 
 def cmd_status(args: argparse.Namespace) -> int:
@@ -296,7 +338,12 @@ def cmd_status(args: argparse.Namespace) -> int:
         for name, d in sorted(datasets.items()):
             table.append((name, str(d["segments"]), f"{d['resident_pct']:.0f}%"))
         _print_table(table)
-    from kspeedfs.tables import cache_table, spill_lines
+    from kspeedfs.tables import cache_table, decoded_table, spill_lines
+
+    variants = decoded_table(nodes)
+    if variants:
+        print()
+        _print_table(variants)
 
     cache = cache_table(nodes)
     if cache:

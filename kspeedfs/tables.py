@@ -51,6 +51,27 @@ def cache_table(nodes: list[dict[str, Any]]) -> list[tuple[str, ...]]:
     return rows if len(rows) > 1 else []
 
 
+def decoded_table(nodes: list[dict[str, Any]]) -> list[tuple[str, ...]]:
+    """Rows for `kspeedfs status`: each decoded variant on each node (resident %, bytes)."""
+    rows: list[tuple[str, ...]] = [("NODE", "VARIANT", "DECODED", "UNDECODABLE", "BYTES", "STATE")]
+    for s in nodes:
+        for name, variants in sorted((s.get("decoded") or {}).items()) if s.get("up") else ():
+            for size, v in sorted(variants.items(), key=lambda kv: int(kv[0])):
+                total = v["files_total"]
+                pct = 100.0 * v["files_done"] / total if total else 100.0
+                rows.append(
+                    (
+                        s["node"],
+                        f"{name}@{size}",
+                        f"{pct:.0f}% of {total}",
+                        str(v["undecodable"]),
+                        format_size(v["bytes"]),
+                        v["state"] + (f": {v['error']}" if v["error"] else ""),
+                    )
+                )
+    return rows if len(rows) > 1 else []
+
+
 def spill_lines(nodes: list[dict[str, Any]]) -> list[str]:
     out = []
     for s in nodes:

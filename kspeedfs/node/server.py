@@ -29,6 +29,7 @@ from kspeedfs.format.names import validate_name
 from kspeedfs.format.protocol import MsgType
 from kspeedfs.format.units import format_size
 from kspeedfs.node.controlplane import ControlPlane, loading_record
+from kspeedfs.node.decoded import DecodedVariants
 from kspeedfs.node.fdserver import FdServer
 from kspeedfs.node.leases import LeaseTable
 from kspeedfs.node.loads import LoadTable
@@ -105,6 +106,8 @@ class NodeServer:
         self.ops = OpRegistry()
         self._register_ops()
         self.stager.register_ops(self.ops)
+        self.decoded = DecodedVariants(self.store, self.address)  # decoded pixel variants
+        self.decoded.register_ops(self.ops, self.call)
         self.rdma.register_ops(self.ops)
         self.cache.register_ops(self.ops)
         self.fds = FdServer(self.store, settings.socket_path(), settings.access)
@@ -324,6 +327,7 @@ class NodeServer:
             "leases": self.leases.total(),
             "cache": self.cache.status(),
             "loaded": dict(self.stager.loaded),
+            "decoded": {r: self.decoded.local_status(r) for r in self.store.datasets},
             "members": self.control.members() if self.control is not None else self.members,
             "control": self.control.status() if self.control is not None else None,
             "peers": self.peers.statistics(),
@@ -335,7 +339,11 @@ class NodeServer:
 
     async def op_list(self, msg: dict[str, Any]) -> dict[str, Any]:
         out = [
-            {**r.to_wire(), "leases": self.leases.count(r.name)}
+            {
+                **r.to_wire(),
+                "leases": self.leases.count(r.name),
+                "decoded": self.decoded.local_status(r.name),
+            }
             for r in self.store.datasets.values()
         ]
         out.extend(self.loads.to_wire())
@@ -367,7 +375,7 @@ class NodeServer:
         progress.state = "loading"
         progress.files_total, progress.bytes_total = plan.tree.file_count, plan.tree.data_bytes
         assert self._nursery is not None
-        self._nursery.start_soon(self._coordinate, plan, progress, pushed)
+        self._nursery.start_soon(self._coordinate, plan, progress, pushed, msg.get("decoded"))
         log.info(
             "preloading %s from %s over %d nodes: %d files, %s",
             name,
@@ -397,7 +405,9 @@ class NodeServer:
             raise AuthError(f"a job token may preload only under {', '.join(roots)}, not {source}")
         return {**msg, "source": real, "lifetime": "leased"}
 
-    async def _coordinate(self, plan: Plan, progress: Progress, pushed: set[str]) -> None:
+    async def _coordinate(
+        self, plan: Plan, progress: Progress, pushed: set[str], decoded: Any = None
+    ) -> None:
         try:
             await coordinate(plan, self.call, progress, self.store.staging_dir, pushed)
             if self.control is not None:  # control plane: visible to everyone, unleased
@@ -412,6 +422,8 @@ class NodeServer:
                 elapsed,
                 plan.tree.data_bytes / 1e6 / max(elapsed, 1e-9),
             )
+            if decoded is not None:  # preload --decoded N: every member decodes its part
+                await self.decoded.after_preload(plan.name, plan.uuid, decoded)
         except BaseException as e:
             log.error("preload of %s failed: %s", plan.name, self.loads.fail(plan.name, e))
             if self.control is not None:

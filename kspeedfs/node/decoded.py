@@ -1,0 +1,529 @@
+"""Decoded variants on a node: each node decodes the images it holds, in a process pool sized to
+its cores, into `decoded-N/` inside the dataset folder (unloaded with it, counted in the budget).
+
+The pool reads image headers first (sizes, so the budget is checked and the pixel segments
+allocated before any decoding), then decodes chunks straight into the mapped segments. Workers
+keep a large malloc top pad: PIL's decode is nearly twice as slow when the heap keeps growing
+and shrinking around each image.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import ctypes
+import dataclasses
+import io
+import logging
+import mmap
+import multiprocessing
+import os
+import threading
+import time
+import warnings
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import trio
+from PIL import Image
+
+from kspeedfs.format import decoded as fmt
+from kspeedfs.format.errors import InvalidArgument, KSpeedError, NoSpace, NotFound, StaleDataset
+from kspeedfs.format.localdata import LocalDataset
+from kspeedfs.format.names import validate_name
+from kspeedfs.format.units import format_size
+from kspeedfs.node.ops import ADMIN, JOB, READ, OpRegistry
+from kspeedfs.node.safedir import DIR_FLAGS, remove_beneath
+from kspeedfs.node.store import SegmentStore
+
+log = logging.getLogger(__name__)
+
+CHUNK = 32  # images per pool task
+Call = Callable[[str, str, dict[str, Any]], Any]
+
+
+def variant_key(name: str, size: int) -> str:
+    """The variant's budget reservation in the store."""
+    return f"{name}@{size}"
+
+
+# ---- the pool's side (plain functions: they run in worker processes) ----
+
+_worker_cache: dict[str, Any] = {}
+
+
+def _init_worker() -> None:
+    try:  # glibc: keep 64 MiB at the heap top, never trim (M_TRIM_THRESHOLD -1, M_TOP_PAD -2)
+        libc = ctypes.CDLL("libc.so.6")
+        libc.mallopt(-1, 256 << 20)
+        libc.mallopt(-2, 64 << 20)
+    except (OSError, AttributeError):
+        pass
+    warnings.simplefilter("ignore", Image.DecompressionBombWarning)
+
+
+def _dataset(path: str) -> LocalDataset:
+    ds = _worker_cache.get(path)
+    if ds is None:
+        ds = _worker_cache[path] = LocalDataset(path)
+    assert isinstance(ds, LocalDataset)
+    return ds
+
+
+def probe(dataset: str, entries: list[int]) -> list[tuple[int, int] | None]:
+    """(width, height) from each image's header, or None when it has none readable."""
+    ds = _dataset(dataset)
+    out: list[tuple[int, int] | None] = []
+    for e in entries:
+        try:
+            with Image.open(io.BytesIO(ds.file_view(e))) as img:
+                out.append(img.size)
+        except Exception:  # anything PIL raises on a bad file
+            out.append(None)
+    return out
+
+
+def decode_image(data: bytes | memoryview, size: int) -> Image.Image:
+    """What `Resize(size)(pil_loader(path))` gives: decode, convert to RGB, resize the shorter
+    side (size 0: as is)."""
+    with Image.open(io.BytesIO(data)) as img:
+        rgb = img.convert("RGB")
+    w, h = fmt.resized_size(rgb.width, rgb.height, size)
+    if (w, h) == rgb.size:
+        return rgb
+    return rgb.resize((w, h), Image.Resampling.BILINEAR)
+
+
+def fill_chunk(
+    dataset: str, variant: str, size: int, work: list[tuple[int, int, int, int, int]]
+) -> list[tuple[int, int]]:
+    """Decode (entry, segment, offset, width, height) into the variant's mapped segments;
+    returns (entry, READY or UNDECODABLE)."""
+    ds = _dataset(dataset)
+    out = []
+    for e, seg, off, w, h in work:
+        try:
+            img = decode_image(ds.file_view(e), size)
+            if img.size != (w, h):
+                raise ValueError(f"decoded size {img.size} differs from its header's {(w, h)}")
+            target = _segment(variant, seg)
+            n = w * h * 3
+            # Image.tobytes into the mapping: the one copy, into memory fallocate claimed.
+            target[off : off + n] = img.tobytes()
+            out.append((e, fmt.READY))
+        except Exception as ex:  # anything PIL raises on a bad file
+            log.debug("entry %d of %s does not decode: %s", e, dataset, ex)
+            out.append((e, fmt.UNDECODABLE))
+    return out
+
+
+def _segment(variant: str, seg: int) -> mmap.mmap:
+    key = f"{variant}\0{seg}"
+    m = _worker_cache.get(key)
+    if m is None:
+        fd = os.open(fmt.segment_path(Path(variant), seg), os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC)
+        try:
+            m = _worker_cache[key] = mmap.mmap(fd, 0)
+        finally:
+            os.close(fd)
+    assert isinstance(m, mmap.mmap)
+    return m
+
+
+# ---- the node's side ----
+
+
+@dataclasses.dataclass
+class Fill:
+    """One variant on this node: filling, ready, or failed."""
+
+    name: str
+    uuid: str
+    size: int
+    folder: Path
+    files_total: int = 0
+    files_done: int = 0
+    undecodable: int = 0
+    bytes_total: int = 0  # pixels + index
+    state: str = "probing"  # probing, filling, ready, failed
+    error: str = ""
+    started: float = dataclasses.field(default_factory=time.monotonic)
+    elapsed: float = 0.0
+    cancel: threading.Event = dataclasses.field(default_factory=threading.Event)
+    finished: threading.Event = dataclasses.field(default_factory=threading.Event)
+    # (entry, segment, offset, width, height) of each image to decode
+    work: list[tuple[int, int, int, int, int]] = dataclasses.field(default_factory=list)
+
+    def to_wire(self) -> dict[str, Any]:
+        return {
+            "size": self.size,
+            "state": self.state,
+            "error": self.error,
+            "files_total": self.files_total,
+            "files_done": self.files_done,
+            "undecodable": self.undecodable,
+            "bytes": self.bytes_total,
+            "elapsed": self.elapsed if self.finished.is_set() else time.monotonic() - self.started,
+        }
+
+
+class DecodedVariants:
+    """The variants this node holds: fills them, lists them, drops them with their dataset."""
+
+    def __init__(self, store: SegmentStore, address: str, workers: int | None = None):
+        self.store = store
+        self.address = address
+        self.workers = workers or os.cpu_count() or 1
+        self.fills: dict[tuple[str, int], Fill] = {}
+        self._lock = threading.Lock()
+        store.on_publish.append(self._found)
+        store.before_unload.append(self._unloading)
+
+    def register_ops(self, ops: OpRegistry, call: Call) -> None:
+        self._call = call
+        ops.add("decode", self.op_decode, JOB)
+        ops.add("decode_local", self.op_decode_local, ADMIN)
+        ops.add("decode_drop", self.op_decode_drop, ADMIN)
+        ops.add("decode_status", self.op_decode_status, READ)
+
+    def local_status(self, name: str) -> dict[str, Any]:
+        """{size: fill state} of a dataset's variants here (for `list`)."""
+        return {str(s): f.to_wire() for (n, s), f in list(self.fills.items()) if n == name}
+
+    async def after_preload(self, name: str, uuid: str, size: Any) -> None:
+        """`preload --decoded N`: start the variant once the dataset is published (a refusal
+        is logged and shown by the variant's state; the dataset stays)."""
+        try:
+            await self.op_decode({"name": name, "uuid": uuid, "size": size})
+        except KSpeedError as e:
+            log.error("decoded variant %s@%s not started: %s", name, size, e)
+
+    # -- ops --
+
+    async def op_decode(self, msg: dict[str, Any]) -> dict[str, Any]:
+        """Start the variant on every member of the dataset; a member that refuses (budget)
+        makes it be dropped everywhere."""
+        name = validate_name(msg.get("name", ""))
+        size = fmt.check_size(msg.get("size"))
+        record = self.store.datasets.get(name)
+        if record is None:
+            raise NotFound(f"no dataset named {name!r}")
+        if msg.get("uuid") and msg["uuid"] != record.uuid:
+            raise StaleDataset(f"dataset {name!r} was loaded again: the instance asked for is gone")
+        ident = {"name": name, "uuid": record.uuid, "size": size}
+        members = record.members or [self.address]
+        answers: dict[str, dict[str, Any]] = {}
+        errors: list[KSpeedError] = []
+
+        async def start(member: str) -> None:
+            try:
+                answers[member] = await self._call(member, "decode_local", ident)
+            except KSpeedError as e:
+                errors.append(e)
+
+        async with trio.open_nursery() as nursery:
+            for member in members:
+                nursery.start_soon(start, member)
+        if errors:
+            for member in members:
+                try:
+                    await self._call(member, "decode_drop", ident)
+                except KSpeedError as e:
+                    log.warning("dropping the variant %s@%d on %s: %s", name, size, member, e)
+            raise errors[0]
+        return {
+            "name": name,
+            "uuid": record.uuid,
+            "size": size,
+            "files_total": sum(a["files_total"] for a in answers.values()),
+            "bytes": sum(a["bytes"] for a in answers.values()),
+            "nodes": answers,
+        }
+
+    async def op_decode_local(self, msg: dict[str, Any]) -> dict[str, Any]:
+        name = validate_name(msg.get("name", ""))
+        size = fmt.check_size(msg.get("size"))
+        fill = await trio.to_thread.run_sync(self.start, name, str(msg.get("uuid", "")), size)
+        return fill.to_wire()
+
+    async def op_decode_drop(self, msg: dict[str, Any]) -> dict[str, Any]:
+        name = validate_name(msg.get("name", ""))
+        size = fmt.check_size(msg.get("size"))
+        await trio.to_thread.run_sync(self.drop, name, size)
+        return {"node": self.address}
+
+    async def op_decode_status(self, msg: dict[str, Any]) -> dict[str, Any]:
+        """This node's variants of a dataset (`local`), or every member's."""
+        name = validate_name(msg.get("name", ""))
+        if msg.get("local"):
+            return {"node": self.address, "variants": self.local_status(name)}
+        record = self.store.datasets.get(name)
+        if record is None:
+            raise NotFound(f"no dataset named {name!r}")
+        nodes: dict[str, Any] = {}
+        for member in record.members or [self.address]:
+            try:
+                nodes[member] = (
+                    await self._call(member, "decode_status", {"name": name, "local": True})
+                )["variants"]
+            except KSpeedError as e:
+                nodes[member] = {"error": str(e)}
+        return {"name": name, "uuid": record.uuid, "nodes": nodes, "variants": summarize(nodes)}
+
+    # -- work --
+
+    def start(self, name: str, uuid: str, size: int) -> Fill:
+        """Probe the held images, reserve the budget (NoSpace before any decoding), allocate
+        the variant, then fill it in the background. An existing variant is returned as is."""
+        record = self.store.datasets.get(name)
+        if record is None or (uuid and record.uuid != uuid):
+            raise NotFound(f"no dataset {name!r} of that instance on {self.address}")
+        with self._lock:
+            current = self.fills.get((name, size))
+            if current is not None and current.uuid == record.uuid and current.state != "failed":
+                return current
+            fill = Fill(name, record.uuid, size, record.path / fmt.variant_dir(size))
+            self.fills[(name, size)] = fill
+        try:
+            self._plan(fill)
+        except BaseException as e:
+            self._failed(fill, e)
+            self._remove(fill)
+            raise
+        threading.Thread(target=self._run, args=(fill,), daemon=True, name=f"decode {name}").start()
+        return fill
+
+    def _pool(self) -> concurrent.futures.ProcessPoolExecutor:
+        # forkserver: the node has threads (trio's, loaders'), fork would copy their locks
+        return concurrent.futures.ProcessPoolExecutor(
+            self.workers,
+            mp_context=multiprocessing.get_context("forkserver"),
+            initializer=_init_worker,
+        )
+
+    def _plan(self, fill: Fill) -> None:
+        ds = self.store.open(fill.name)
+        m = ds.manifest
+        files = [
+            i for i in m.iter_files() if fmt.is_image(m.name(i)) and m.size[i] and ds.holds_file(i)
+        ]
+        dims: list[tuple[int, int] | None] = []
+        if files:
+            with self._pool() as pool:
+                chunks = [files[k : k + 256] for k in range(0, len(files), 256)]
+                for got in pool.map(probe, [str(ds.path)] * len(chunks), chunks):
+                    dims.extend(got)
+        state = np.full(m.entries, fmt.NOT_HERE, dtype="u1")
+        height = np.zeros(m.entries, dtype="<u4")
+        width = np.zeros(m.entries, dtype="<u4")
+        planned: list[int] = []
+        for e, d in zip(files, dims, strict=True):
+            if d is None:
+                state[e] = fmt.UNDECODABLE
+                continue
+            w, h = fmt.resized_size(d[0], d[1], fill.size)
+            state[e], width[e], height[e] = fmt.ABSENT, w, h
+            planned.append(e)
+        sizes = [fmt.pixel_bytes(int(width[e]), int(height[e])) for e in planned]
+        segs, offs, seg_len = fmt.pack(sizes, m.segment_size)
+        seg = np.zeros(m.entries, dtype="<u4")
+        off = np.zeros(m.entries, dtype="<u8")
+        seg[planned], off[planned] = segs, offs
+        fill.files_total = len(files)
+        fill.undecodable = len(files) - len(planned)
+        fill.files_done = fill.undecodable  # no header: nothing to decode
+        fill.bytes_total = sum(seg_len) + fmt.index_bytes(m.entries)
+        self.store.reserve(variant_key(fill.name, fill.size), fill.bytes_total)
+        try:
+            fill.folder.mkdir(mode=0o750)
+            (fill.folder / fmt.SEGMENT_DIR).mkdir(mode=0o750)
+            for k, length in enumerate(seg_len):
+                path = fmt.segment_path(fill.folder, k)
+                fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o640)
+                try:
+                    if length:
+                        os.posix_fallocate(fd, 0, length)  # memory claimed now: ENOSPC now
+                finally:
+                    os.close(fd)
+            header = {"uuid": fill.uuid, "name": fill.name, "size": fill.size, "entries": m.entries}
+            arrays = {"state": state, "height": height, "width": width, "seg": seg, "off": off}
+            fmt.write_index(fill.folder / fmt.INDEX_FILE, arrays, header)
+        except OSError as e:
+            raise NoSpace(f"cannot allocate the decoded variant on {self.address}: {e}") from None
+        fill.work = [(e, int(seg[e]), int(off[e]), int(width[e]), int(height[e])) for e in planned]
+        fill.state = "filling"
+        log.info(
+            "decoding %d images of %s at %d on %s: %s",
+            len(planned),
+            fill.name,
+            fill.size,
+            self.address,
+            format_size(fill.bytes_total),
+        )
+
+    def _run(self, fill: Fill) -> None:
+        work = fill.work
+        try:
+            index = fmt.VariantIndex(fill.folder / fmt.INDEX_FILE, writable=True)
+            dataset = str(fill.folder.parent)
+            with self._pool() as pool:
+                pending: set[concurrent.futures.Future[list[tuple[int, int]]]] = set()
+                chunks = iter(range(0, len(work), CHUNK))
+                for k in chunks:
+                    if fill.cancel.is_set():
+                        break
+                    pending.add(
+                        pool.submit(
+                            fill_chunk, dataset, str(fill.folder), fill.size, work[k : k + CHUNK]
+                        )
+                    )
+                    if len(pending) < 4 * self.workers:
+                        continue
+                    done, pending = concurrent.futures.wait(
+                        pending, return_when=concurrent.futures.FIRST_COMPLETED
+                    )
+                    self._mark(fill, index, done)
+                while pending and not fill.cancel.is_set():
+                    done, pending = concurrent.futures.wait(
+                        pending, return_when=concurrent.futures.FIRST_COMPLETED
+                    )
+                    self._mark(fill, index, done)
+                for f in pending:
+                    f.cancel()
+            if fill.cancel.is_set():
+                raise KSpeedError("cancelled")
+            index.set_complete()
+            fill.state = "ready"
+            fill.elapsed = time.monotonic() - fill.started
+            log.info(
+                "decoded %d images of %s at %d on %s in %.1fs (%d undecodable)",
+                fill.files_done,
+                fill.name,
+                fill.size,
+                self.address,
+                fill.elapsed,
+                fill.undecodable,
+            )
+        except BaseException as e:
+            self._failed(fill, e)
+            if not fill.cancel.is_set():
+                self._remove(fill)
+        finally:
+            fill.finished.set()
+
+    def _mark(
+        self,
+        fill: Fill,
+        index: fmt.VariantIndex,
+        done: set[concurrent.futures.Future[list[tuple[int, int]]]],
+    ) -> None:
+        for f in done:
+            for e, state in f.result():
+                index.mark(e, state)
+                fill.files_done += 1
+                fill.undecodable += state == fmt.UNDECODABLE
+
+    def _failed(self, fill: Fill, e: BaseException) -> None:
+        fill.state = "failed"
+        fill.error = str(e) if isinstance(e, KSpeedError) else f"{type(e).__name__}: {e}"
+        fill.elapsed = time.monotonic() - fill.started
+        fill.finished.set()
+        if not fill.cancel.is_set():
+            log.error("decoded variant %s@%d failed: %s", fill.name, fill.size, fill.error)
+
+    def _remove(self, fill: Fill) -> None:
+        """Remove the variant's folder and release its budget."""
+        self.store.release(variant_key(fill.name, fill.size))
+        record = self.store.datasets.get(fill.name)
+        if record is None or record.uuid != fill.uuid:
+            return  # the dataset went, and the variant with it
+        try:
+            fd = os.open(record.path, DIR_FLAGS)
+        except OSError:
+            return
+        try:
+            remove_beneath(fd, fill.folder.name)
+        finally:
+            os.close(fd)
+
+    def drop(self, name: str, size: int) -> None:
+        """Stop and remove a variant (a member refused it, or an admin asked)."""
+        with self._lock:
+            fill = self.fills.pop((name, size), None)
+        if fill is None:
+            return
+        fill.cancel.set()
+        fill.finished.wait(60)
+        self._remove(fill)
+
+    def _unloading(self, name: str) -> None:
+        """Before the dataset's files go: stop its fills, release their budget."""
+        with self._lock:
+            fills = [(k, f) for k, f in self.fills.items() if k[0] == name]
+            for k, _f in fills:
+                del self.fills[k]
+        for k, f in fills:
+            f.cancel.set()
+            self.store.release(variant_key(*k))
+
+    def _found(self, name: str) -> None:
+        """A dataset became visible (published, or found at start): take its complete variants
+        back into the budget; an incomplete one (the node stopped mid-fill) is removed."""
+        record = self.store.datasets.get(name)
+        if record is None or not record.path.is_dir():
+            return
+        for folder in sorted(record.path.glob("decoded-*")):
+            try:
+                size = int(folder.name.split("-", 1)[1])
+                index = fmt.VariantIndex(folder / fmt.INDEX_FILE)
+                if index.uuid != record.uuid or not index.complete:
+                    raise InvalidArgument("incomplete")
+                counts = index.counts()
+                nbytes = sum(p.stat().st_size for p in (folder / fmt.SEGMENT_DIR).iterdir())
+                nbytes += (folder / fmt.INDEX_FILE).stat().st_size
+                fill = Fill(name, record.uuid, size, folder, state="ready")
+                fill.files_total = counts["ready"] + counts["undecodable"]
+                fill.files_done = fill.files_total
+                fill.undecodable = counts["undecodable"]
+                fill.bytes_total = nbytes
+                fill.finished.set()
+                self.store.reserve(variant_key(name, size), nbytes)
+                self.fills[(name, size)] = fill
+                log.info("found decoded variant %s@%d: %s", name, size, format_size(nbytes))
+            except (KSpeedError, OSError, ValueError) as e:
+                log.warning("removing decoded variant %s/%s: %s", name, folder.name, e)
+                fd = os.open(record.path, DIR_FLAGS)
+                try:
+                    remove_beneath(fd, folder.name)
+                finally:
+                    os.close(fd)
+
+
+def summarize(nodes: dict[str, Any]) -> dict[str, Any]:
+    """Per size, over the nodes: files done / total, bytes, the worst state."""
+    out: dict[str, dict[str, Any]] = {}
+    rank = {"ready": 0, "filling": 1, "probing": 2, "failed": 3}
+    for variants in nodes.values():
+        if not isinstance(variants, dict) or "error" in variants:
+            continue
+        for size, v in variants.items():
+            s = out.setdefault(
+                size,
+                {
+                    "size": int(size),
+                    "state": "ready",
+                    "error": "",
+                    "files_total": 0,
+                    "files_done": 0,
+                    "undecodable": 0,
+                    "bytes": 0,
+                    "nodes": 0,
+                },
+            )
+            for key in ("files_total", "files_done", "undecodable", "bytes"):
+                s[key] += int(v[key])
+            s["nodes"] += 1
+            if rank.get(v["state"], 3) > rank.get(s["state"], 3):
+                s["state"], s["error"] = v["state"], v["error"]
+    return out

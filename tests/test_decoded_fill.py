@@ -1,0 +1,107 @@
+"""Decoded variants on a node: `preload --decoded N` fills them pixel-identical to
+`Resize(N)(pil_loader(path))`, the budget refuses one that does not fit, unload removes them."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+from conftest import NodeProcess, run_cli
+from decoded_images import make_images
+from torchvision.datasets.folder import pil_loader
+from torchvision.transforms import Resize
+
+from kspeedfs.format import decoded as fmt
+from kspeedfs.format.manifest import Manifest
+
+
+@pytest.fixture
+def images(tmp_path: Path) -> tuple[Path, dict[str, str]]:
+    root = tmp_path / "images"
+    return root, make_images(root)
+
+
+def expected(path: Path, size: int) -> np.ndarray:
+    img = pil_loader(str(path))
+    if size:
+        img = Resize(size)(img)
+    return np.asarray(img)
+
+
+def check_variant(
+    node: NodeProcess, name: str, src: Path, kinds: dict[str, str], size: int
+) -> None:
+    folder = node.shm_dir / "datasets" / name
+    m = Manifest(folder / "manifest.ksm")
+    variant = fmt.DecodedVariant(folder / fmt.variant_dir(size), m.uuid)
+    assert variant.index.complete
+    for rel, kind in kinds.items():
+        e = m.resolve(rel)
+        state = variant.state(e)
+        if kind == "text":
+            assert state == fmt.NOT_HERE, rel
+        elif kind == "corrupt":
+            assert state == fmt.UNDECODABLE, rel
+        else:
+            assert state == fmt.READY, rel
+            data, h, w = variant.pixels(e)
+            got = np.frombuffer(data, dtype=np.uint8).reshape(h, w, 3)
+            want = expected(src / rel, size)
+            assert got.shape == want.shape, rel
+            assert np.array_equal(got, want), rel
+
+
+@pytest.mark.parametrize("size", [0, 64])
+def test_preload_decoded_is_pixel_identical(
+    node: NodeProcess, images: tuple[Path, dict[str, str]], size: int
+) -> None:
+    src, kinds = images
+    r = run_cli("preload", str(src), "--name", "imgs", "--decoded", str(size), "-q", env=node.env())
+    assert r.returncode == 0, r.stderr
+    assert f"imgs@{size}: {size}: 100%" in r.stdout
+    assert "1 undecodable" in r.stdout
+    check_variant(node, "imgs", src, kinds, size)
+    listing = run_cli("ls", env=node.env())
+    assert f"{size}: 100%" in listing.stdout
+    status = run_cli("status", env=node.env())
+    assert f"imgs@{size}" in status.stdout
+
+
+def test_variant_counted_kept_over_restart_and_unloaded(
+    node: NodeProcess, images: tuple[Path, dict[str, str]]
+) -> None:
+    src, kinds = images
+    assert run_cli("preload", str(src), "--name", "imgs", "-q", env=node.env()).returncode == 0
+    before = node.request("status")["used"]
+    r = run_cli("preload", str(src), "--name", "imgs2", "--decoded", "32", "-q", env=node.env())
+    assert r.returncode == 0, r.stderr
+    # the variant of a second instance: a dataset and its variant in the budget
+    variant = node.shm_dir / "datasets" / "imgs2" / fmt.variant_dir(32)
+    variant_bytes = sum(p.stat().st_size for p in variant.rglob("*") if p.is_file())
+    used = node.request("status")["used"]
+    assert used >= 2 * before - 4096 + variant_bytes - 4096
+    node.stop()
+    node.start()
+    assert node.request("status")["used"] == used  # found again, counted again
+    check_variant(node, "imgs2", src, kinds, 32)
+    assert run_cli("unload", "imgs2", env=node.env()).returncode == 0
+    assert not variant.exists()
+    assert node.request("status")["used"] == before
+
+
+def test_budget_refuses_a_variant_before_decoding(
+    shm_dir: Path, token_file: Path, tmp_path: Path, images: tuple[Path, dict[str, str]]
+) -> None:
+    src, _kinds = images
+    node = NodeProcess(shm_dir, token_file, tmp_path, memory="1MiB").start()
+    try:
+        r = run_cli("preload", str(src), "--name", "imgs", "--decoded", "0", "-q", env=node.env())
+        assert r.returncode != 0
+        err = r.stderr.strip().splitlines()
+        assert len(err) == 1 and "budget" in err[0], r.stderr
+        assert not (shm_dir / "datasets" / "imgs" / fmt.variant_dir(0)).exists()
+        assert "decoding" not in node.log()  # refused before any decoding
+        assert node.request("status")["used"] < 1 << 20
+    finally:
+        node.stop()
