@@ -12,8 +12,10 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import requests
 from clusterutil import held_on_disk
 from conftest import NodeProcess, make_tree, run_cli, wait_for
+from prometheus_client.parser import text_string_to_metric_families
 
 from kspeedfs.client.clusterstate import ClusterState
 from kspeedfs.client.reader import ClusterReader
@@ -241,7 +243,7 @@ def test_rebalance_gives_a_new_member_its_share(cluster: EtcdCluster, tmp_path: 
     members = sorted(n.address for n in (a, b, c))
     assert (cluster.state().dataset("grow") or ({}, 0))[0]["members"] == members
     wanted = [s for s in range(segments) if placement.owners("grow", s, members)[0] == c.address]
-    wait_for(lambda: sorted(held_on_disk(c, "grow")) == wanted, timeout=30, what="c's share")
+    wait_for(lambda: _copies(cluster, "grow", [c]) == dict.fromkeys(wanted, 1), 30, "c's share")
     # Only the segments whose owner changed moved: those now c's.
     old = [a.address, b.address]
     moved = [
@@ -250,3 +252,34 @@ def test_rebalance_gives_a_new_member_its_share(cluster: EtcdCluster, tmp_path: 
         if placement.owners("grow", s, members) != placement.owners("grow", s, old)
     ]
     assert moved == wanted
+
+
+def test_metrics_count_the_reads_served(cluster: EtcdCluster, tmp_path: Path) -> None:
+    from kspeedfs.localproc import free_port
+
+    port = free_port()
+    node = NodeProcess(
+        cluster.root / "metrics",
+        cluster.token_file,
+        tmp_path,
+        segment_size="64KiB",
+        base_env={**cluster.base_env(), "KSPEEDFS_METRICS_LISTEN": f"127.0.0.1:{port}"},
+    )
+    cluster.nodes.append(node)
+    node.start()
+    source = make_tree(tmp_path / "src", 64 * 1024)
+    _preload(cluster, source, "scraped")
+    info = {d["name"]: d for d in node.request("list")["datasets"]}["scraped"]
+    with node.client() as c:
+        data = c.read("scraped", info["uuid"], [(0, 0, 1000), (0, 1000, 24)])
+    assert len(data) == 1024
+    text = requests.get(f"http://127.0.0.1:{port}/metrics", timeout=5).text
+    samples = {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+    }
+    assert samples[("kspeedfs_node_reads_total", ())] == 1
+    assert samples[("kspeedfs_node_read_bytes_total", ())] == 1024
+    assert samples[("kspeedfs_dataset_resident_bytes", (("dataset", "scraped"),))] == info["stored"]
+    assert samples[("kspeedfs_members_live", ())] == 1

@@ -33,6 +33,7 @@ from kspeedfs.node.decoded import DecodedVariants
 from kspeedfs.node.fdserver import FdServer
 from kspeedfs.node.leases import LeaseTable
 from kspeedfs.node.loads import LoadTable
+from kspeedfs.node.metrics import serve_metrics
 from kspeedfs.node.ops import ADMIN, JOB, READ, OpRegistry, caller_role, int_field, str_field
 from kspeedfs.node.peers import PeerPool
 from kspeedfs.node.preload import Plan, Stager, coordinate, plan_preload, start_stages
@@ -164,6 +165,8 @@ class NodeServer:
             self.port = listeners[0].socket.getsockname()[1]
             if self.control is not None:  # control plane: join once the port is known
                 await nursery.start(self.control.run, self.address)
+            if self.settings.metrics_listen:  # metrics: Prometheus /metrics, its own thread
+                serve_metrics(self.settings.metrics_listen, self._metrics_snapshot)
             log.info(
                 "serving on %s: %d datasets, %s of %s budget used, shm %s",
                 self.address,
@@ -437,6 +440,19 @@ class NodeServer:
         if member == self.address:
             return await self.ops.handler(op)(dict(args, op=op))
         return await self.peers.call(member, op, args)
+
+    def _metrics_snapshot(self) -> dict[str, Any]:
+        """Metrics: the figures a scrape reads (from the exporter's thread)."""
+        return {
+            "stats": dict(self.stats),
+            "used": self.store.used(),
+            "budget": self.store.budget,
+            "leases": self.leases.total(),
+            "datasets": {
+                r.name: (r.stored, len(r.held)) for r in list(self.store.datasets.values())
+            },
+            "control": self.control.status() if self.control is not None else None,
+        }
 
     async def _forget_claim(self, name: str, uuid: str) -> None:
         """Control plane: drop a failed preload's catalog record (its lease would, later)."""

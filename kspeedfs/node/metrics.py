@@ -1,0 +1,93 @@
+"""Prometheus exposition of a node (`metrics_listen`): figures read from the node at scrape time."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Iterator
+from typing import Any
+
+from prometheus_client import start_http_server
+from prometheus_client.core import CollectorRegistry, CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+from kspeedfs.format.units import parse_address
+
+log = logging.getLogger(__name__)
+
+
+class NodeCollector(Collector):
+    """Reads `snapshot()` (the node's status fields) on each scrape: nothing on the data path."""
+
+    def __init__(self, snapshot: Callable[[], dict[str, Any]]):
+        self.snapshot = snapshot
+
+    def collect(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
+        s = self.snapshot()
+        stats = s["stats"]
+        yield CounterMetricFamily(
+            "kspeedfs_node_reads", "read requests served to other nodes and clients", stats["reads"]
+        )
+        yield CounterMetricFamily(
+            "kspeedfs_node_read_bytes", "bytes served by read requests", stats["read_bytes"]
+        )
+        yield CounterMetricFamily(
+            "kspeedfs_node_connections", "connections accepted", stats["connections"]
+        )
+        yield CounterMetricFamily("kspeedfs_node_refused", "requests refused", stats["refused"])
+        yield GaugeMetricFamily(
+            "kspeedfs_node_memory_used_bytes", "memory the datasets take", s["used"]
+        )
+        yield GaugeMetricFamily("kspeedfs_node_memory_budget_bytes", "memory budget", s["budget"])
+        yield GaugeMetricFamily("kspeedfs_node_leases", "dataset leases held by jobs", s["leases"])
+        resident = GaugeMetricFamily(
+            "kspeedfs_dataset_resident_bytes",
+            "memory a dataset takes on this node",
+            labels=["dataset"],
+        )
+        segments = GaugeMetricFamily(
+            "kspeedfs_dataset_segments_held", "segments of a dataset held here", labels=["dataset"]
+        )
+        for name, (stored, held) in sorted(s["datasets"].items()):
+            resident.add_metric([name], stored)
+            segments.add_metric([name], held)
+        yield resident
+        yield segments
+        control = s.get("control")
+        if control:
+            heal = control["heal"]
+            yield CounterMetricFamily(
+                "kspeedfs_heal_segments",
+                "segments copied by healing or rebalance",
+                heal["segments"],
+            )
+            yield CounterMetricFamily(
+                "kspeedfs_heal_bytes", "bytes copied by healing or rebalance", heal["bytes"]
+            )
+            yield CounterMetricFamily(
+                "kspeedfs_heal_failed", "segment copies that failed", heal["failed"]
+            )
+            yield GaugeMetricFamily(
+                "kspeedfs_heal_pending", "segments this node still has to copy", heal["pending"]
+            )
+            yield GaugeMetricFamily(
+                "kspeedfs_members_live", "live members in etcd", len(control["live"])
+            )
+            under = GaugeMetricFamily(
+                "kspeedfs_dataset_under_replicated_segments",
+                "segments with an owner that is down",
+                labels=["dataset"],
+            )
+            for name, n in sorted(control["under_replicated"].items()):
+                under.add_metric([name], n)
+            yield under
+
+
+def serve_metrics(listen: str, snapshot: Callable[[], dict[str, Any]]) -> int:
+    """Start the /metrics HTTP server in its own thread; returns its port."""
+    address = parse_address(listen)
+    registry = CollectorRegistry()
+    registry.register(NodeCollector(snapshot))
+    server, _thread = start_http_server(address.port, addr=address.host, registry=registry)
+    port = int(server.server_address[1])
+    log.info("metrics on http://%s:%d/metrics", address.host, port)
+    return port
