@@ -15,8 +15,13 @@ from torchvision.datasets import VisionDataset
 from torchvision.datasets.folder import IMG_EXTENSIONS, default_loader, pil_loader
 from torchvision.io import ImageReadMode, decode_image, decode_jpeg
 
-from kspeedfs.format.errors import InvalidArgument, NotFound
+from kspeedfs.client import admin
+from kspeedfs.client import decoded as decoded_client
+from kspeedfs.format import decoded as variants
+from kspeedfs.format.errors import DataError, InvalidArgument, NotFound
+from kspeedfs.format.localdata import LocalDataset
 
+from . import cache
 from .folder import CachedPath, PathLike
 from .index import (
     IndexBuilder,
@@ -169,6 +174,8 @@ class CachedImages(CachedPath, VisionDataset):
         return sample, target
 
     def _load(self, entry: int) -> Any:
+        if self.decoded is not None:
+            return self._load_decoded(entry, self.decoded)
         if self.decode == "tensor":
             return decode_tensor(self._bytes(entry, scratch=True))
         if self.loader in _PIL_LOADERS:
@@ -177,8 +184,52 @@ class CachedImages(CachedPath, VisionDataset):
                 return img.convert("RGB")
         return self.loader(ViewFile(self._bytes(entry)))
 
+    # The decoded variant (`decoded=N`): pixels the node decoded, handed out without a copy.
+
+    decoded: int | None = None
+
+    def _variant(self) -> variants.DecodedVariant | None:
+        """This process's view of the variant on this node (None: none here, or not mappable)."""
+        held = self.__dict__.get("_held_variant")
+        if held is not None and held[0] == cache.generation:
+            return cast("variants.DecodedVariant | None", held[1])
+        v = None
+        local = self._reader.local
+        if isinstance(local, LocalDataset) and self.decoded is not None:
+            try:
+                folder = local.path / variants.variant_dir(self.decoded)
+                v = variants.DecodedVariant(folder, self._ref.uuid)
+            except (NotFound, DataError):
+                v = None  # this node holds none of it: the workers decode
+        self._held_variant = (cache.generation, v)
+        return v
+
+    def _load_decoded(self, entry: int, size: int) -> Any:
+        v = self._variant()
+        state = v.state(entry) if v is not None else variants.ABSENT
+        if state == variants.READY:
+            assert v is not None
+            data, h, w = v.pixels(entry)
+            if self.decode == "tensor":  # uint8 CHW: a view of the stored HWC pixels
+                return torch.frombuffer(data, dtype=torch.uint8).view(h, w, 3).permute(2, 0, 1)
+            return Image.frombuffer("RGB", (w, h), cast(Any, data), "raw", "RGB", 0, 1)
+        if state == variants.UNDECODABLE:
+            # The original bytes, decoded as ImageFolder does: it fails the same way.
+            with Image.open(cast(IO[bytes], ViewFile(self._bytes(entry, scratch=True)))) as img:
+                return img.convert("RGB")
+        pic = variants.decode_image(self._bytes(entry, scratch=True), size)  # not decoded yet
+        if self.decode == "tensor":
+            return torch.from_numpy(np.asarray(pic).copy()).permute(2, 0, 1)
+        return pic
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = super().__getstate__()
+        state.pop("_held_variant", None)
+        return state
+
     def extra_repr(self) -> str:
-        return f"Cached dataset: {self._ref.name} (decode={self.decode})"
+        shown = "" if self.decoded is None else f", decoded={self.decoded}"
+        return f"Cached dataset: {self._ref.name} (decode={self.decode}{shown})"
 
 
 class KSpeedImageFolder(CachedImages):
@@ -190,6 +241,12 @@ class KSpeedImageFolder(CachedImages):
     works as with ImageFolder. `decode="tensor"` gives uint8 CHW tensors decoded by
     torchvision.io straight from the zero-copy buffer. A custom `loader` is called with a
     binary file object over the cached bytes instead of a path.
+
+    `decoded=N` serves the pixels the nodes decoded once (`preload --decoded N`, started here
+    when the dataset lacks that variant): the sample is `Resize(N)(pil_loader(path))` (N = 0:
+    the decoded size) as a PIL image over the mapped pixels (no copy), or with
+    `decode="tensor"` a uint8 CHW tensor viewing the stored HWC pixels. Samples not decoded yet
+    are decoded by the worker; files that do not decode fail as ImageFolder fails.
     """
 
     def __init__(
@@ -206,15 +263,23 @@ class KSpeedImageFolder(CachedImages):
         token: PathLike | None = None,
         decode: str = "pil",
         local: bool | None = None,
+        decoded: int | None = None,
     ):
         if decode not in ("pil", "tensor"):
             raise InvalidArgument(f"decode must be 'pil' or 'tensor', not {decode!r}")
+        if decoded is not None:
+            variants.check_size(decoded)
+            if loader not in _PIL_LOADERS:
+                raise InvalidArgument("decoded=N serves decoded pixels: it takes no custom loader")
         VisionDataset.__init__(self, root, transform=transform, target_transform=target_transform)
         m = self._attach(self.root, objname, nodes, token, local)
         if not m.is_dir(self._top):
             raise InvalidArgument(f"{self.root} is a file, not a folder")
         self.loader = loader
         self.decode = decode
+        if decoded is not None:
+            self._start_variant(decoded)
+        self.decoded = decoded
         self.extensions = IMG_EXTENSIONS if is_valid_file is None else None
         folders = class_folders(m, self._top)
         if not folders:
@@ -242,3 +307,9 @@ class KSpeedImageFolder(CachedImages):
         self._index: SampleIndex = builder.build()
         self._samples: list[tuple[str, int]] | None = None
         self._targets: list[int] | None = None
+
+    def _start_variant(self, size: int) -> None:
+        """Have every member decode its part of the dataset at `size` (nothing when the variant
+        is there or filling); the job starts at once, its workers decode what is not done yet."""
+        with admin.connect(self._ref.settings) as client:
+            decoded_client.start(client, self._ref.name, size, self._ref.uuid)

@@ -12,6 +12,7 @@ N = 0 keeps the decoded size.
 
 from __future__ import annotations
 
+import io
 import json
 import mmap
 import os
@@ -21,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+from PIL import Image
 
 from kspeedfs.format.errors import DataError, InvalidArgument, NotFound
 
@@ -70,6 +72,17 @@ def resized_size(width: int, height: int, size: int) -> tuple[int, int]:
     short, long = (width, height) if width <= height else (height, width)
     new_short, new_long = size, int(size * long / short)
     return (new_short, new_long) if width <= height else (new_long, new_short)
+
+
+def decode_image(data: bytes | memoryview, size: int) -> Image.Image:
+    """What `Resize(size)(pil_loader(path))` gives: decode, convert to RGB, resize the shorter
+    side with PIL's antialiased bilinear filter (size 0: as is)."""
+    with Image.open(io.BytesIO(data)) as img:
+        rgb = img.convert("RGB")
+    w, h = resized_size(rgb.width, rgb.height, size)
+    if (w, h) == rgb.size:
+        return rgb
+    return rgb.resize((w, h), Image.Resampling.BILINEAR)
 
 
 def pixel_bytes(width: int, height: int) -> int:

@@ -84,17 +84,6 @@ def probe(dataset: str, entries: list[int]) -> list[tuple[int, int] | None]:
     return out
 
 
-def decode_image(data: bytes | memoryview, size: int) -> Image.Image:
-    """What `Resize(size)(pil_loader(path))` gives: decode, convert to RGB, resize the shorter
-    side (size 0: as is)."""
-    with Image.open(io.BytesIO(data)) as img:
-        rgb = img.convert("RGB")
-    w, h = fmt.resized_size(rgb.width, rgb.height, size)
-    if (w, h) == rgb.size:
-        return rgb
-    return rgb.resize((w, h), Image.Resampling.BILINEAR)
-
-
 def fill_chunk(
     dataset: str, variant: str, size: int, work: list[tuple[int, int, int, int, int]]
 ) -> list[tuple[int, int]]:
@@ -104,7 +93,7 @@ def fill_chunk(
     out = []
     for e, seg, off, w, h in work:
         try:
-            img = decode_image(ds.file_view(e), size)
+            img = fmt.decode_image(ds.file_view(e), size)
             if img.size != (w, h):
                 raise ValueError(f"decoded size {img.size} differs from its header's {(w, h)}")
             target = _segment(variant, seg)
