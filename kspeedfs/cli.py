@@ -136,6 +136,22 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--output", help="where to write (default: the token file itself for admin)")
     t.add_argument("--force", action="store_true", help="replace an existing file")
 
+    p = sub.add_parser("tls", help="certificates for mutual TLS between nodes and clients")
+    tsub = p.add_subparsers(dest="tls_command", required=True, metavar="ACTION")
+    t = tsub.add_parser("new-ca", help="make the cluster's CA in DIR (ca.crt, ca.key)")
+    t.add_argument("dir")
+    t.add_argument("--days", type=int, default=3650, help="validity (default 3650)")
+    t.add_argument("--force", action="store_true", help="replace an existing CA")
+    t = tsub.add_parser(
+        "issue", help="a certificate and key for HOST (a node's address or a client's name)"
+    )
+    t.add_argument("host", help="IP address or DNS name the node is dialled by")
+    t.add_argument("--ca", required=True, help="the CA's folder (from new-ca)")
+    t.add_argument("--alt", action="append", default=[], help="another name or address")
+    t.add_argument("--out", default=".", help="folder for HOST.crt and HOST.key (default .)")
+    t.add_argument("--days", type=int, default=825, help="validity (default 825)")
+    t.add_argument("--force", action="store_true", help="replace existing files")
+
     p = sub.add_parser(
         "sample", help="generate an ImageNet-like sample dataset (class folders of JPEGs)"
     )
@@ -291,13 +307,15 @@ def _add_decoded(client: Any, datasets: list[dict[str, Any]]) -> None:
 
 
 def cmd_status(args: argparse.Namespace) -> int:
+    from kspeedfs.format.tls import client_context
     from kspeedfs.net.connection import NodeClient
 
     settings = _settings(args)
+    tls = client_context(settings)
     nodes = []
     for addr in settings.nodes:
         try:
-            with NodeClient(addr, settings.token_file, settings.timeout) as client:
+            with NodeClient(addr, settings.token_file, settings.timeout, tls) as client:
                 nodes.append({"up": True, **client.request("status")})
         except KSpeedError as e:
             # A refused token is this client's problem, not a node that is down.
@@ -505,6 +523,22 @@ def cmd_token(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_tls(args: argparse.Namespace) -> int:
+    from kspeedfs import tlsca
+
+    if args.tls_command == "new-ca":
+        cert, key = tlsca.new_ca(Path(args.dir), args.days, args.force)
+        print(f"wrote {cert} and its key {key} (0600); set tls_ca = {cert.resolve()} everywhere")
+        return 0
+    ca = Path(args.ca)
+    cert, key = tlsca.issue(args.host, ca, Path(args.out), args.alt, args.days, args.force)
+    print(
+        f"wrote {cert} and its key {key} (0600); set tls_cert = {cert.resolve()}, "
+        f"tls_key = {key.resolve()}, tls_ca = {(ca / tlsca.CA_CERT).resolve()}"
+    )
+    return 0
+
+
 def cmd_sample(args: argparse.Namespace) -> int:
     from kspeedfs.format.units import parse_size
     from kspeedfs.sample import make_sample
@@ -543,6 +577,7 @@ COMMANDS = {
     "install-systemd": cmd_install_systemd,
     "shutdown": cmd_shutdown,
     "token": cmd_token,
+    "tls": cmd_tls,
     "sample": cmd_sample,
     "demo": cmd_demo,
 }

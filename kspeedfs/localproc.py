@@ -24,6 +24,7 @@ from kspeedfs.client import admin
 from kspeedfs.format import auth
 from kspeedfs.format.config import Settings
 from kspeedfs.format.errors import KSpeedError, MountError, NodeUnreachable
+from kspeedfs.format.tls import client_context
 from kspeedfs.format.units import Address
 from kspeedfs.net.connection import NodeClient
 from kspeedfs.system.mountinfo import lazy_unmount
@@ -73,6 +74,10 @@ def private_env(config_file: Path) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("KSPEEDFS_")}
     env["KSPEEDFS_CONFIG"] = str(config_file)
     return env
+
+
+def _env_path(env: Mapping[str, str], name: str) -> Path | None:
+    return Path(env[name]) if env.get(name) else None
 
 
 def _log_tail(path: Path) -> str:
@@ -138,10 +143,17 @@ class NodeProcess:
         }
 
     def settings(self) -> Settings:
-        """Client settings for this node alone."""
+        """Client settings for this node alone (with the TLS files of its environment)."""
         address = Address("127.0.0.1", self.port)
+        env = self.env()
         return Settings(
-            listen=address, nodes=[address], token_file=self.token_file, timeout=self.client_timeout
+            listen=address,
+            nodes=[address],
+            token_file=self.token_file,
+            timeout=self.client_timeout,
+            tls_cert=_env_path(env, "KSPEEDFS_TLS_CERT"),
+            tls_key=_env_path(env, "KSPEEDFS_TLS_KEY"),
+            tls_ca=_env_path(env, "KSPEEDFS_TLS_CA"),
         )
 
     def command(self) -> list[str]:
@@ -192,8 +204,10 @@ class NodeProcess:
             return False
 
     def client(self) -> NodeClient:
-        address = Address("127.0.0.1", self.port)
-        return NodeClient(address, self.token_file, timeout=self.client_timeout)
+        settings = self.settings()
+        return NodeClient(
+            settings.listen, self.token_file, self.client_timeout, client_context(settings)
+        )
 
     def request(self, op: str, **args: Any) -> dict[str, Any]:
         with self.client() as c:

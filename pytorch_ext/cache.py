@@ -31,6 +31,7 @@ from kspeedfs.format.errors import (
 )
 from kspeedfs.format.localdata import LocalDataset
 from kspeedfs.format.manifest import Manifest
+from kspeedfs.format.tls import client_context
 from kspeedfs.format.units import parse_address
 from kspeedfs.net.connection import NodeClient
 from kspeedfs.sources.scan import check_source
@@ -206,7 +207,9 @@ def _active_preload(
 
 def _wait_ready(settings: Settings, node: str, name: str) -> None:
     """Wait for a load of `name` that `node` lists as under way."""
-    client = NodeClient(parse_address(node), settings.token_file, settings.timeout)
+    client = NodeClient(
+        parse_address(node), settings.token_file, settings.timeout, client_context(settings)
+    )
     try:
         label = f"kspeedfs load {name}" if process_rank() == 0 else None
         admin.wait_ready(client, name, progress_label=label)

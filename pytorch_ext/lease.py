@@ -9,6 +9,7 @@ import threading
 
 from kspeedfs.format.config import Settings
 from kspeedfs.format.errors import KSpeedError, NotFound
+from kspeedfs.format.tls import client_context
 from kspeedfs.format.units import parse_address
 from kspeedfs.net.connection import NodeClient
 
@@ -26,7 +27,9 @@ class LeaseKeeper:
         self.lease_id = ""
         self.ttl = settings.lease_ttl
         self.holder = f"{socket.gethostname()}:{os.getpid()}"
-        self._client = NodeClient(parse_address(home), settings.token_file, settings.timeout)
+        self._client = NodeClient(
+            parse_address(home), settings.token_file, settings.timeout, client_context(settings)
+        )
         self._lock = threading.Lock()  # the renewal thread and release share one connection
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None

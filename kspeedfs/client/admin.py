@@ -10,6 +10,7 @@ from typing import Any
 from kspeedfs.format.config import Settings
 from kspeedfs.format.errors import AlreadyExists, DataError, KSpeedError, NodeUnreachable, NotFound
 from kspeedfs.format.names import validate_name
+from kspeedfs.format.tls import client_context
 from kspeedfs.net.connection import SCAN_TIMEOUT, NodeClient
 from kspeedfs.sources.source import name_from_source, normalize_source
 from kspeedfs.system.progress import ProgressBar
@@ -23,7 +24,9 @@ def connect(settings: Settings) -> NodeClient:
     """A connection to the first node of the list that answers."""
     error: KSpeedError | None = None
     for address in settings.nodes:
-        client = NodeClient(address, settings.token_file, settings.timeout)
+        client = NodeClient(
+            address, settings.token_file, settings.timeout, client_context(settings)
+        )
         try:
             client.connect()
             return client

@@ -37,6 +37,7 @@ from kspeedfs.format.errors import (
 from kspeedfs.format.localdata import LocalDataset
 from kspeedfs.format.manifest import Manifest
 from kspeedfs.format.readthrough_view import open_local
+from kspeedfs.format.tls import client_context
 from kspeedfs.format.units import parse_address
 from kspeedfs.net.connection import NodeClient
 from kspeedfs.net.transport import Range, Transport
@@ -106,7 +107,10 @@ class ClusterReader:
             self._idle.setdefault(node, []).append(transport)
 
     def request(self, node: str, op: str, **args: Any) -> dict[str, Any]:
-        with NodeClient(parse_address(node), self.settings.token_file, self.settings.timeout) as c:
+        settings = self.settings
+        with NodeClient(
+            parse_address(node), settings.token_file, settings.timeout, client_context(settings)
+        ) as c:
             return c.request(op, **args)
 
     def live_request(self, op: str, **args: Any) -> tuple[str, dict[str, Any]]:

@@ -2,22 +2,25 @@
 
 Same codec and handshake as the blocking client. Data reads of a mount go through the cluster
 reader's transports in worker threads instead: one read path (failover, RDMA) for every
-process, and no read waits on the event loop.
+process, and no read waits on the event loop. With a TLS context the connection is mutual TLS
+(see the blocking client), the token handshake inside it.
 """
 
 from __future__ import annotations
 
 import itertools
 import logging
+import ssl
 from pathlib import Path
 from typing import Any
 
 import trio
 
 from kspeedfs.format import auth, protocol
-from kspeedfs.format.errors import NodeUnreachable, ProtocolError, error_from_wire
+from kspeedfs.format.errors import AuthError, NodeUnreachable, ProtocolError, error_from_wire
 from kspeedfs.format.protocol import Frame, MsgType
 from kspeedfs.format.units import Address
+from kspeedfs.net import secure
 from kspeedfs.net.handshake import ClientHandshake
 
 log = logging.getLogger(__name__)
@@ -34,12 +37,19 @@ class AsyncNodeClient:
     request, which is sent once more over a new connection; a timeout is never retried.
     """
 
-    def __init__(self, address: Address, token_file: Path, timeout: float = 10.0):
+    def __init__(
+        self,
+        address: Address,
+        token_file: Path,
+        timeout: float = 10.0,
+        tls: ssl.SSLContext | None = None,
+    ):
         self.address = address
         self.token_file = token_file
         self.timeout = timeout
+        self.tls = tls
         self.role = ""
-        self._stream: trio.SocketStream | None = None
+        self._stream: trio.abc.Stream | None = None
         self._decoder = protocol.FrameDecoder()
         self._ids = itertools.count(1)
         self._lock = trio.Lock()
@@ -55,15 +65,24 @@ class AsyncNodeClient:
             with trio.CancelScope(shield=True):
                 await stream.aclose()
 
-    async def _connect(self) -> trio.SocketStream:
+    async def _connect(self) -> trio.abc.Stream:
         if self._stream is not None:
             return self._stream
         handshake = ClientHandshake(auth.read_token(self.token_file), str(self.address))
+        self.role = ""
         try:
             with trio.fail_after(self.timeout):
-                stream = await trio.open_tcp_stream(self.address.host, self.address.port)
+                tcp = await trio.open_tcp_stream(self.address.host, self.address.port)
         except (OSError, trio.TooSlowError) as e:
             raise NodeUnreachable(f"no kspeedfs node at {self.address} ({e})") from None
+        stream: trio.abc.Stream = tcp
+        if self.tls is not None:
+            try:
+                with trio.fail_after(self.timeout):
+                    stream = await secure.wrap_stream(tcp, self.tls, self.address)
+            except trio.TooSlowError:
+                await tcp.aclose()
+                raise NodeUnreachable(f"node {self.address} did not finish TLS in time") from None
         self._stream = stream
         self._decoder = protocol.FrameDecoder()
         self.stats["connects"] += 1
@@ -93,6 +112,9 @@ class AsyncNodeClient:
             try:
                 data = await self._stream.receive_some(256 * 1024)
             except trio.BrokenResourceError as e:
+                error = secure.client_error(self.address, e, bool(self.role))
+                if isinstance(error, AuthError):
+                    raise error from None  # the node refused this client's certificate
                 raise _ConnectionLost(f"node {self.address} reset the connection: {e}") from None
             if not data:
                 raise _ConnectionLost(f"node {self.address} closed the connection")

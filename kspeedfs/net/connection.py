@@ -2,12 +2,15 @@
 
 Requests can be pipelined: `send_*` queue a request and return its id, `receive_*` collect the
 answers in order. Read answers land in caller-provided buffers (recv_into, no extra copy).
+With a TLS context (`format.tls.client_context`) the connection is mutual TLS, the node's
+certificate checked against the host dialled, and the token handshake runs inside it.
 """
 
 from __future__ import annotations
 
 import itertools
 import socket
+import ssl
 from pathlib import Path
 from typing import Any
 
@@ -15,6 +18,7 @@ from kspeedfs.format import auth, protocol
 from kspeedfs.format.errors import AuthError, NodeUnreachable, ProtocolError, error_from_wire
 from kspeedfs.format.protocol import MsgType
 from kspeedfs.format.units import Address
+from kspeedfs.net import secure
 from kspeedfs.net.handshake import HANDSHAKE_ID, ClientHandshake
 
 # Ops that scan a whole source before answering (1.28 M files take minutes on NFS).
@@ -22,10 +26,17 @@ SCAN_TIMEOUT = 3600.0
 
 
 class NodeClient:
-    def __init__(self, address: Address, token_file: Path, timeout: float = 10.0):
+    def __init__(
+        self,
+        address: Address,
+        token_file: Path,
+        timeout: float = 10.0,
+        tls: ssl.SSLContext | None = None,
+    ):
         self.address = address
         self.token_file = token_file
         self.timeout = timeout
+        self.tls = tls
         self.role = ""
         self.node = ""
         self._sock: socket.socket | None = None
@@ -43,6 +54,7 @@ class NodeClient:
         if self._sock is not None:
             return
         token = auth.read_token(self.token_file)
+        self.role = ""
         try:
             sock = socket.create_connection(
                 (self.address.host, self.address.port), timeout=self.timeout
@@ -52,6 +64,8 @@ class NodeClient:
                 f"no kspeedfs node at {self.address} ({e.strerror or e}): is `kspeedfs node` running?"
             ) from None
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        if self.tls is not None:
+            sock = secure.wrap_socket(sock, self.tls, self.address)
         self._sock = sock
         handshake = ClientHandshake(token, str(self.address))
         try:
@@ -121,7 +135,7 @@ class NodeClient:
             self._sock.sendall(data)
         except OSError as e:
             self.close()
-            raise NodeUnreachable(f"lost the connection to {self.address}: {e}") from None
+            raise secure.client_error(self.address, e, bool(self.role)) from None
 
     def _recv_exact(self, out: memoryview) -> None:
         assert self._sock is not None
@@ -131,7 +145,7 @@ class NodeClient:
                 n = self._sock.recv_into(out[got:])
             except OSError as e:
                 self.close()
-                raise NodeUnreachable(f"lost the connection to {self.address}: {e}") from None
+                raise secure.client_error(self.address, e, bool(self.role)) from None
             if n == 0:
                 self.close()
                 raise NodeUnreachable(f"node {self.address} closed the connection")

@@ -10,6 +10,7 @@ import logging
 from typing import Protocol
 
 from kspeedfs.format.config import Settings
+from kspeedfs.format.tls import client_context
 from kspeedfs.format.units import Address
 from kspeedfs.net.connection import NodeClient
 
@@ -30,13 +31,15 @@ class Transport(Protocol):
 
 
 class TcpTransport:
-    """Vectored reads over the node's TCP protocol: one round trip per call."""
+    """Vectored reads over the node's TCP protocol (TLS when set): one round trip per call."""
 
     name = "tcp"
 
     def __init__(self, address: Address, settings: Settings):
         self.address = address
-        self.client = NodeClient(address, settings.token_file, settings.timeout)
+        self.client = NodeClient(
+            address, settings.token_file, settings.timeout, tls=client_context(settings)
+        )
 
     def read_into(self, dataset: str, instance: str, ranges: list[Range], out: memoryview) -> None:
         self.client.receive_read(self.client.send_read(dataset, instance, ranges), out)

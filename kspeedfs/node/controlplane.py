@@ -21,6 +21,7 @@ from kspeedfs.format import placement
 from kspeedfs.format.config import Settings
 from kspeedfs.format.errors import KSpeedError, NodeUnreachable
 from kspeedfs.format.manifest import plan_layout
+from kspeedfs.format.tls import client_context
 from kspeedfs.format.units import parse_address
 from kspeedfs.net.connection import NodeClient
 from kspeedfs.node.preload import Plan
@@ -349,7 +350,8 @@ class ControlPlane:
 
     def _read_peer(self, peer: str, name: str, uuid: str, seg: int, length: int) -> bytearray:
         out = bytearray()
-        with NodeClient(parse_address(peer), self.settings.token_file, self.settings.timeout) as c:
+        s = self.settings
+        with NodeClient(parse_address(peer), s.token_file, s.timeout, client_context(s)) as c:
             for pos in range(0, length, READ_PIECE):
                 out += c.read(name, uuid, [(seg, pos, min(READ_PIECE, length - pos))])
         return out

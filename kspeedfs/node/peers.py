@@ -8,6 +8,7 @@ when all are busy: a long "stage" scan must not hold up a ping) and gives it bac
 from __future__ import annotations
 
 import logging
+import ssl
 from collections import Counter
 from pathlib import Path
 from typing import Any
@@ -24,9 +25,16 @@ SLOW_OPS = frozenset({"stage", "preload"})
 
 
 class PeerPool:
-    def __init__(self, token_file: Path, timeout: float, idle_per_member: int = IDLE_PER_MEMBER):
+    def __init__(
+        self,
+        token_file: Path,
+        timeout: float,
+        idle_per_member: int = IDLE_PER_MEMBER,
+        tls: ssl.SSLContext | None = None,
+    ):
         self.token_file = token_file
         self.timeout = timeout
+        self.tls = tls  # the node's own certificate, presented to the members it calls
         self.idle_per_member = idle_per_member
         self._idle: dict[str, list[AsyncNodeClient]] = {}
         self._closed_stats: Counter[str] = Counter()  # of clients no longer kept
@@ -49,7 +57,7 @@ class PeerPool:
                 await client.aclose()
 
     def _open(self, member: str) -> AsyncNodeClient:
-        return AsyncNodeClient(parse_address(member), self.token_file, self.timeout)
+        return AsyncNodeClient(parse_address(member), self.token_file, self.timeout, self.tls)
 
     async def aclose(self) -> None:
         for clients in self._idle.values():

@@ -27,7 +27,9 @@ from kspeedfs.format.errors import (
 )
 from kspeedfs.format.names import validate_name
 from kspeedfs.format.protocol import MsgType
+from kspeedfs.format.tls import client_context, server_context
 from kspeedfs.format.units import format_size
+from kspeedfs.net import secure
 from kspeedfs.node.controlplane import ControlPlane, loading_record
 from kspeedfs.node.decoded import DecodedVariants
 from kspeedfs.node.fdserver import FdServer
@@ -99,7 +101,8 @@ class NodeServer:
         self.members = cluster_members(settings)
         self.stager = Stager(self.store, self.address)
         self.leases = LeaseTable(settings.lease_ttl)
-        self.peers = PeerPool(settings.token_file, settings.timeout)
+        self.tls = server_context(settings)  # None: plain TCP
+        self.peers = PeerPool(settings.token_file, settings.timeout, tls=client_context(settings))
         self.rdma = rdma if rdma is not None else RdmaService.start(settings)
         self.rdma.follow(self.store)
         # read-through datasets: fill, evict, spill
@@ -168,8 +171,9 @@ class NodeServer:
             if self.settings.metrics_listen:  # metrics: Prometheus /metrics, its own thread
                 serve_metrics(self.settings.metrics_listen, self._metrics_snapshot)
             log.info(
-                "serving on %s: %d datasets, %s of %s budget used, shm %s",
+                "serving on %s%s: %d datasets, %s of %s budget used, shm %s",
                 self.address,
+                " (mutual TLS)" if self.tls else "",
                 len(self.store.datasets),
                 format_size(self.store.used()),
                 format_size(self.store.budget),
@@ -200,8 +204,19 @@ class NodeServer:
     def _cancel_loads(self) -> None:
         self.loads.cancel_all()
 
-    async def _handle(self, stream: trio.SocketStream) -> None:
+    async def _handle(self, tcp: trio.SocketStream) -> None:
         self.stats["connections"] += 1
+        stream: trio.abc.Stream = tcp
+        if self.tls is not None:
+            peer = _peer(tcp)
+            try:
+                stream = await secure.accept(tcp, self.tls, self.address, HANDSHAKE_TIMEOUT)
+            except AuthError as e:
+                self.stats["refused"] += 1
+                log.warning("refused a connection from %s: %s", peer, e)
+                with trio.CancelScope(shield=True), trio.move_on_after(1):
+                    await tcp.aclose()
+                return
         conn = Connection(stream)
         rdma_peers = self.rdma.bind_connection()  # its queue pairs live as long as it does
         try:
@@ -649,6 +664,14 @@ async def _send_direct(stream: trio.abc.Stream, data: memoryview) -> None:
         except BlockingIOError:
             await trio.lowlevel.wait_writable(sock)
     await trio.lowlevel.checkpoint()
+
+
+def _peer(stream: trio.SocketStream) -> str:
+    try:
+        host, port = stream.socket.getpeername()[:2]
+    except OSError:
+        return "a peer gone already"
+    return f"{host}:{port}"
 
 
 def _count_files(folders: list[Path]) -> int:
