@@ -1,0 +1,147 @@
+"""Decoded-sample cache benchmark: DataLoader images/s in epoch 2, stock ImageFolder vs the
+decoded variant, the fill rate and the variant's memory.
+
+    .venv/bin/python bench/bench_decoded.py [--files 20000] [--size 256] [--cache DIR]
+
+Generates ~110 KB JPEGs in class folders once (reused after), preloads them into a private
+node with a decoded variant at --size, then prints, for DataLoader(2 workers, batch 32, shuffle),
+the images/s of the second epoch beside stock `ImageFolder` on the source with the usual train
+transform (RandomResizedCrop(224), RandomHorizontalFlip, ToTensor, Normalize):
+  door 1 with the stock transform; door 1 with decode="tensor" and the same augmentation in
+  torchvision.transforms.v2 on the uint8 view (float32 normalized out); the same with uint8
+  out (pytorch_ext.transforms.train, normalisation left to the GPU);
+the fill rate of the node beside a single-process PIL decode+resize loop times the cores, and
+the variant's bytes beside the JPEG bytes. Door 2 (the mount's NAME@N folder) is not built yet.
+Targets (issue 13): door 1 stock >= 1.8x; v2 float >= 2.7x; uint8 >= 5x; fill >= 0.8 of the
+cores' decode rate.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+import tempfile
+import time
+import warnings
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from torch.utils.data import DataLoader, Dataset  # noqa: E402
+from torchvision import datasets  # noqa: E402
+
+from kspeedfs.client import admin  # noqa: E402
+from kspeedfs.client import decoded as decoded_client  # noqa: E402
+from kspeedfs.demo import ensure_sample, train_transform  # noqa: E402
+from kspeedfs.format import decoded as fmt  # noqa: E402
+from kspeedfs.format.units import format_size  # noqa: E402
+from kspeedfs.localproc import LocalCache  # noqa: E402
+from pytorch_ext import KSpeedImageFolder  # noqa: E402
+from pytorch_ext import transforms as kt  # noqa: E402
+
+
+def epoch2(ds: Dataset[Any], workers: int, batch: int) -> float:
+    """Images/s of the second of two epochs (a fresh loader each: workers started in both)."""
+    rate = 0.0
+    for _ in range(2):
+        loader = DataLoader(ds, batch_size=batch, shuffle=True, num_workers=workers)
+        started = time.perf_counter()
+        n = 0
+        for images, _targets in loader:
+            n += len(images)
+        rate = n / (time.perf_counter() - started)
+    return rate
+
+
+def single_process_decode_rate(source: Path, size: int, count: int) -> float:
+    """Images/s of one process decoding + resizing files already in the page cache."""
+    paths = sorted(p for p in source.rglob("*") if p.is_file())[:count]
+    blobs = [p.read_bytes() for p in paths]
+    started = time.perf_counter()
+    for data in blobs:
+        fmt.decode_image(data, size)
+    return len(blobs) / (time.perf_counter() - started)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--files", type=int, default=20000)
+    p.add_argument("--classes", type=int, default=100)
+    p.add_argument("--size", type=int, default=256, help="the variant's shorter side")
+    p.add_argument("--file-size", default="110KiB")
+    p.add_argument("--workers", type=int, default=2)
+    p.add_argument("--batch", type=int, default=32)
+    p.add_argument("--cache", default="/var/tmp/kspeedfs-bench-decoded")
+    args = p.parse_args()
+    logging.basicConfig(level=logging.WARNING)
+    warnings.filterwarnings("ignore", message="This DataLoader will create")
+    per_class = max(1, args.files // args.classes)
+    source = ensure_sample(
+        Path(args.cache) / f"set-{args.classes}x{per_class}-{args.file_size}",
+        args.classes,
+        per_class,
+        args.file_size,
+    )
+    files = [q for q in source.rglob("*") if q.is_file()]
+    jpeg_bytes = sum(q.stat().st_size for q in files)
+    print(f"data set: {len(files)} files, {format_size(jpeg_bytes)}, {source}")
+    print(f"machine: {os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.2f}")
+    cores = os.cpu_count() or 1
+    single = single_process_decode_rate(source, args.size, min(300, len(files)))
+
+    workdir = Path(tempfile.mkdtemp(prefix="kspeedfs-bench-decoded-"))
+    budget = 4 * jpeg_bytes + 3 * len(files) * args.size * args.size * 2 + (256 << 20)
+    with LocalCache(workdir, budget) as node:
+        node.preload(source.parent, "bench", show_progress=False)
+        with admin.connect(node.settings) as client:
+            started = time.perf_counter()
+            decoded_client.start(client, "bench", args.size)
+            v = decoded_client.wait(client, "bench", args.size)
+            fill_s = time.perf_counter() - started
+        fill_rate = v["files_total"] / fill_s
+        print(
+            f"\nfill: {v['files_total']} images in {fill_s:.1f}s = {fill_rate:.0f} img/s on "
+            f"{cores} cores; one process decoding+resizing: {single:.0f} img/s "
+            f"(x{cores} = {single * cores:.0f}); ratio {fill_rate / (single * cores):.2f} "
+            "(target >= 0.8)"
+        )
+        print(
+            f"memory: variant {format_size(v['bytes'])} vs JPEG {format_size(jpeg_bytes)} "
+            f"({v['bytes'] / jpeg_bytes:.2f}x), {v['undecodable']} undecodable"
+        )
+
+        kw: dict[str, Any] = {"nodes": str(node.address), "token": str(node.token_file)}
+        stock = epoch2(
+            datasets.ImageFolder(str(source), train_transform()), args.workers, args.batch
+        )
+        rows = [("stock ImageFolder on the source, stock transform", stock, None)]
+        configs: list[tuple[str, dict[str, Any], Any, float]] = [
+            ("door 1, stock transform (PIL over the pixels)", {}, train_transform(), 1.8),
+            (
+                "door 1, decode=tensor, v2 on the uint8 view, float out",
+                {"decode": "tensor"},
+                kt.train(224, normalize=True),
+                2.7,
+            ),
+            (
+                "door 1, decode=tensor, v2, uint8 out (transforms.train)",
+                {"decode": "tensor"},
+                kt.train(224),
+                5.0,
+            ),
+        ]
+        for label, extra, tfm, target in configs:
+            ds = KSpeedImageFolder(str(source), transform=tfm, decoded=args.size, **extra, **kw)
+            rows.append((label, epoch2(ds, args.workers, args.batch), target))
+        print(f"\nDataLoader epoch 2, {args.workers} workers, batch {args.batch}, shuffle:")
+        for label, rate, tgt in rows:
+            ratio = f"{rate / stock:5.2f}x" + (f" (target >= {tgt}x)" if tgt else "")
+            print(f"  {label:58s} {rate:7.0f} img/s  {ratio}")
+        print("  door 2 (stock ImageFolder on the mount's @N folder): not built")
+
+
+if __name__ == "__main__":
+    main()
