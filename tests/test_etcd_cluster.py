@@ -229,6 +229,41 @@ def test_healing_restores_replicas_while_reads_go_on(cluster: EtcdCluster, tmp_p
     assert failures == []
 
 
+def test_readers_find_the_healed_copies_when_the_source_is_gone(
+    cluster: EtcdCluster, tmp_path: Path
+) -> None:
+    nodes = [cluster.add() for _ in range(3)]
+    source = tmp_path / "src"
+    source.mkdir()
+    for i in range(30):
+        (source / f"x{i:02d}.bin").write_bytes(os.urandom(20_000 + 1000 * i))
+    expected = {f"x{i:02d}.bin": (source / f"x{i:02d}.bin").read_bytes() for i in range(30)}
+    _preload(cluster, source, "moved", replicas=1)
+    victim, survivors = nodes[2], nodes[:2]
+    lost_segments = held_on_disk(victim, "moved")
+    assert lost_segments  # the victim held a share: reading it needs the healed copies
+    victim.kill9()
+    segments = int((cluster.state().dataset("moved") or ({}, 0))[0]["segments"])
+    wait_for(
+        lambda: len(_copies(cluster, "moved", survivors)) == segments,
+        timeout=60,
+        what="every segment on a survivor",
+    )
+    shutil.move(source, tmp_path / "gone")  # only the cache can serve now
+
+    settings = cluster.settings()
+    settings.nodes = [parse_address(n.address) for n in nodes]
+    reader = ClusterReader(settings)  # on no node: every read crosses the network
+    try:
+        ds = reader.open_dataset("moved")
+        for i in ds.manifest.iter_files():
+            rel = os.fsdecode(ds.manifest.path(i))
+            assert reader.read(ds, i, 0, 1 << 30) == expected[rel]
+        assert reader.stats["source"] == 0
+    finally:
+        reader.close()
+
+
 def test_rebalance_gives_a_new_member_its_share(cluster: EtcdCluster, tmp_path: Path) -> None:
     a, b = cluster.add(), cluster.add()
     source = make_tree(tmp_path / "src", 64 * 1024)

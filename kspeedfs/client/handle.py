@@ -23,10 +23,13 @@ class DatasetHandle:
     _owners: dict[int, list[str]] = field(default_factory=dict)
 
     def owners(self, seg: int) -> list[str]:
+        """Where to look for a segment, best first: its `replicas` placed owners, then as many
+        nodes again in rendezvous order, which is where a cluster that healed the copies of a
+        lost owner put them (placement over the members left picks exactly those)."""
         found = self._owners.get(seg)
         if found is None:
             found = self._owners[seg] = placement.owners(
-                self.name, seg, self.members, self.replicas
+                self.name, seg, self.members, 2 * self.replicas
             )
         return found
 
