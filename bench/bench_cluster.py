@@ -7,6 +7,10 @@
 2. ~110 KB files from a remote node: one read_ranges with many ranges vs one file at a time
 3. preload rate with 1, 2 and 3 nodes loading the same source: MB/s and scaling
 4. FUSE read of a dataset spread over 3 nodes vs the same dataset on 1 node: files/s ratio
+5. mutual TLS off vs on: remote bulk read (target: on >= 0.6 of off) and ~110 KB files one by
+   one and batched, side by side with the ratio
+6. fd passing: time per worker to attach a dataset through the node's Unix socket (passed
+   descriptors) vs mapping it by path, W workers at once
 
 Every node is a separate process; so is the plain socket server. On one machine "remote" means
 another process over loopback TCP, so the figures measure the software, not a network.
@@ -29,17 +33,20 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from kspeedfs.client import admin
+from kspeedfs import tlsca
+from kspeedfs.client import admin, passed
 from kspeedfs.client.reader import ClusterReader
 from kspeedfs.format.config import Settings
-from kspeedfs.format.localdata import MANIFEST_FILE
+from kspeedfs.format.localdata import MANIFEST_FILE, LocalDataset
 from kspeedfs.format.manifest import Manifest
+from kspeedfs.format.tls import client_context
 from kspeedfs.format.units import Address, format_size, parse_address, parse_size
 from kspeedfs.localproc import LocalCluster, MountProcess, NodeProcess, ensure_token, private_env
 from kspeedfs.net.connection import NodeClient
 from kspeedfs.net.transport import TcpTransport
 
 BULK_TARGET = 0.7
+TLS_TARGET = 0.6
 BULK_RANGE = 8 << 20  # one range: a whole segment
 BULK_CALL = 64 << 20  # bytes per read call (8 ranges), and per plain-socket request
 
@@ -47,16 +54,36 @@ BULK_CALL = 64 << 20  # bytes per read call (8 ranges), and per plain-socket req
 class BenchCluster(LocalCluster):
     """`size` node daemons that know each other, with a private token and empty config."""
 
-    def __init__(self, workdir: Path, tag: str, size: int, segment_size: str, memory: str):
+    def __init__(
+        self,
+        workdir: Path,
+        tag: str,
+        size: int,
+        segment_size: str,
+        memory: str,
+        tls: tuple[Path, Path, Path] | None = None,
+    ):
         config_file = workdir / "empty.toml"
         config_file.write_text("")
+        self.tls = tls  # (cert, key, CA certificate): mutual TLS on every connection
+        tls_env = (
+            dict(
+                zip(
+                    ("KSPEEDFS_TLS_CERT", "KSPEEDFS_TLS_KEY", "KSPEEDFS_TLS_CA"),
+                    map(str, tls),
+                    strict=True,
+                )
+            )
+            if tls
+            else {}
+        )
         super().__init__(
             ensure_token(workdir / "token"),
             workdir,
             size=size,
             segment_size=segment_size,
             memory=memory,
-            base_env={**private_env(config_file), "KSPEEDFS_TRANSPORT": "tcp"},
+            base_env={**private_env(config_file), "KSPEEDFS_TRANSPORT": "tcp", **tls_env},
             own_session=True,
             tag=f"bench-{tag}",
         )
@@ -64,15 +91,20 @@ class BenchCluster(LocalCluster):
         self.mounts: list[MountProcess] = []
 
     def settings(self) -> Settings:
+        cert, key, ca = self.tls or (None, None, None)
         return Settings(
             nodes=[parse_address(a) for a in self.addresses],
             token_file=self.token_file,
             timeout=60.0,
             transport="tcp",
+            tls_cert=cert,
+            tls_key=key,
+            tls_ca=ca,
         )
 
     def request(self, address: str, op: str, **args: Any) -> dict[str, Any]:
-        with NodeClient(parse_address(address), self.token_file, 60.0) as c:
+        tls = client_context(self.settings())
+        with NodeClient(parse_address(address), self.token_file, 60.0, tls) as c:
             return c.request(op, **args)
 
     def preload(self, source: Path, name: str) -> float:
@@ -242,6 +274,49 @@ def small_file_rates(cluster: BenchCluster, name: str, batch: int) -> tuple[floa
     return one, batched, len(files)
 
 
+# 5. TLS.
+
+
+def make_pki(folder: Path) -> tuple[Path, Path, Path]:
+    """A CA and a certificate for 127.0.0.1, as `kspeedfs tls new-ca` / `tls issue` make them."""
+    ca_cert, _ = tlsca.new_ca(folder / "ca")
+    cert, key = tlsca.issue("127.0.0.1", folder / "ca", folder / "certs")
+    return cert, key, ca_cert
+
+
+# 6. fd passing.
+
+
+def _attach_passed(settings: Settings, path: Path, name: str, uuid: str) -> float:
+    started = time.perf_counter()
+    ds = passed.attach(settings, str(path), name, uuid)
+    seconds = time.perf_counter() - started
+    del ds  # closes the descriptors
+    return seconds
+
+
+def _map_by_path(path: Path) -> float:
+    started = time.perf_counter()
+    ds = LocalDataset(path)
+    seconds = time.perf_counter() - started
+    del ds
+    return seconds
+
+
+def attach_times(cluster: BenchCluster, name: str, workers: int) -> tuple[list[float], list[float]]:
+    """Seconds per worker (forked, as DataLoader workers are) to attach through the node's
+    socket, and to map the same dataset by path."""
+    path = cluster.shm_of(0) / "datasets" / name
+    uuid = Manifest(path / MANIFEST_FILE).uuid
+    settings = Settings(shm_dir=cluster.shm_of(0), token_file=cluster.token_file, timeout=60.0)
+    ctx = multiprocessing.get_context("fork")
+    with ctx.Pool(workers) as pool:
+        pool.starmap(_attach_passed, [(settings, path, name, uuid)] * workers)  # warm up
+        by_fds = pool.starmap(_attach_passed, [(settings, path, name, uuid)] * workers)
+        by_path = pool.map(_map_by_path, [path] * workers)
+    return by_fds, by_path
+
+
 # 4. FUSE reads.
 
 
@@ -269,6 +344,7 @@ def main() -> int:
     p.add_argument("--rounds", type=int, default=3, help="rounds of each figure (best kept)")
     p.add_argument("--batch", type=int, default=64, help="files per batched read (default 64)")
     p.add_argument("--segment-size", default="8MiB")
+    p.add_argument("--workers", type=int, default=8, help="workers attaching at once (6.)")
     p.add_argument("--cache", default="/var/tmp/kspeedfs-bench-cluster")
     args = p.parse_args()
     logging.basicConfig(level=logging.WARNING)
@@ -362,6 +438,57 @@ def main() -> int:
         )
         print(f"   dataset on 1 node (all local): {rate1:8.0f} files/s")
         print(f"   spread over 3 nodes:           {rate3:8.0f} files/s   ratio {rate3 / rate1:.2f}")
+        trio.close()
+
+        # 5. The same reads of a one-node cluster with mutual TLS, interleaved with TLS off.
+        secure = clusters[0] = BenchCluster(
+            workdir, "tls", 1, args.segment_size, memory, tls=make_pki(workdir / "pki")
+        ).start()
+        secure.preload(bulk, "bulk")
+        secure.preload(small, "small")
+        bulk_gbs = {"off": 0.0, "on": 0.0}
+        one_rate = {"off": 0.0, "on": 0.0}
+        batch_rate = {"off": 0.0, "on": 0.0}
+        for _ in range(args.rounds):
+            for mode, c in (("off", solo), ("on", secure)):
+                seconds = kspeedfs_bulk(c, "bulk", segments, calls)
+                bulk_gbs[mode] = max(bulk_gbs[mode], moved / seconds / 1e9)
+                r1, rb, nfiles = small_file_rates(c, "small", args.batch)
+                one_rate[mode] = max(one_rate[mode], r1)
+                batch_rate[mode] = max(batch_rate[mode], rb)
+        ratio = bulk_gbs["on"] / bulk_gbs["off"]
+        verdict = "meets" if ratio >= TLS_TARGET else "MISSES"
+        print(
+            f"\n5. mutual TLS (1.3, ECDSA P-256) off vs on, reads from a remote node, best of "
+            f"{args.rounds} interleaved rounds"
+        )
+        print("                                    TLS off      TLS on   ratio")
+        print(
+            f"   bulk read ({format_size(BULK_RANGE)} ranges):   {bulk_gbs['off']:8.2f}    "
+            f"{bulk_gbs['on']:8.2f}    {ratio:.2f} GB/s (target >= {TLS_TARGET}, {verdict})"
+        )
+        for label, rates_by_mode in (
+            (f"~{args.size} files, one per trip:", one_rate),
+            (f"~{args.size} files, {args.batch} per trip: ", batch_rate),
+        ):
+            print(
+                f"   {label} {rates_by_mode['off']:8.0f}    {rates_by_mode['on']:8.0f}    "
+                f"{rates_by_mode['on'] / rates_by_mode['off']:.2f} files/s"
+            )
+
+        # 6. fd passing.
+        by_fds, by_path = attach_times(solo, "small", args.workers)
+        segs_held = len(LocalDataset(solo.shm_of(0) / "datasets" / "small").held)
+        print(
+            f"\n6. attaching a dataset ({segs_held} segments, {args.files} files) in each of "
+            f"{args.workers} forked workers at once"
+        )
+        for label, times in (("passed fds (Unix socket)", by_fds), ("mapped by path", by_path)):
+            times = sorted(times)
+            print(
+                f"   {label:26s} median {times[len(times) // 2] * 1e3:7.2f} ms, "
+                f"max {times[-1] * 1e3:7.2f} ms per worker"
+            )
     finally:
         for c in clusters.values():
             c.close()
