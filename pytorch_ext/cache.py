@@ -60,13 +60,19 @@ class CacheRef:
 def client_settings(
     nodes: str | Sequence[str] | None, token: str | os.PathLike[str] | None
 ) -> Settings:
-    """Settings from the config file and environment, with the dataset's own arguments on top."""
+    """Settings from the config file and environment, with the dataset's own arguments on top;
+    with `etcd` set and no node list given, the nodes are the live members found there."""
     cli: dict[str, Any] = {}
     if nodes is not None:
         cli["nodes"] = nodes if isinstance(nodes, str) else ",".join(str(n) for n in nodes)
     if token is not None:
         cli["token_file"] = os.fspath(token)
-    return load_settings(cli)
+    settings = load_settings(cli)
+    if settings.etcd:  # control plane: the live members in etcd, unless `nodes` names them
+        from kspeedfs.client.clusterstate import resolve_nodes
+
+        resolve_nodes(settings, explicit=nodes is not None or "KSPEEDFS_NODES" in os.environ)
+    return settings
 
 
 def process_rank() -> int:

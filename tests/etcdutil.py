@@ -1,0 +1,97 @@
+"""Helpers for the etcd tests: a real etcd and nodes that find each other there (no node list)."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import uuid
+from pathlib import Path
+from typing import Any
+
+from clusterutil import held_on_disk
+from conftest import NodeProcess, run_cli
+
+from kspeedfs.client.clusterstate import ClusterState
+from kspeedfs.format.config import Settings
+from kspeedfs.localetcd import EtcdProcess
+from kspeedfs.localproc import wait_until
+
+
+class EtcdCluster:
+    """Nodes that find each other in one etcd (no node list anywhere)."""
+
+    def __init__(self, tmp_path: Path, token_file: Path, etcd: EtcdProcess):
+        self.tmp = tmp_path
+        self.token_file = token_file
+        self.etcd = etcd
+        self.root = Path("/dev/shm") / f"kspeedfs-etcd-{uuid.uuid4().hex[:10]}"
+        self.nodes: list[NodeProcess] = []
+        self.cluster = f"t{uuid.uuid4().hex[:8]}"
+
+    def base_env(self) -> dict[str, str]:
+        env = {k: v for k, v in os.environ.items() if not k.startswith("KSPEEDFS_")}
+        config = self.tmp / "empty.toml"
+        config.touch()
+        env.update(
+            KSPEEDFS_CONFIG=str(config),
+            KSPEEDFS_ETCD=self.etcd.endpoint,
+            KSPEEDFS_CLUSTER=self.cluster,
+            KSPEEDFS_MEMBER_TTL="2",
+            KSPEEDFS_HEAL_AFTER="2",
+            KSPEEDFS_TOKEN_FILE=str(self.token_file),
+        )
+        return env
+
+    def add(self, segment_size: str = "64KiB", **env: str) -> NodeProcess:
+        node = NodeProcess(
+            self.root / f"node{len(self.nodes)}",
+            self.token_file,
+            self.tmp,
+            segment_size=segment_size,
+            base_env={**self.base_env(), **env},
+        )
+        self.nodes.append(node)
+        node.start()
+        # It answers pings a moment before it has joined: wait, so a preload places on it.
+        wait_until(lambda: self.members().get(node.address) == "up", 20, f"{node.address} in etcd")
+        return node
+
+    def client_env(self) -> dict[str, str]:
+        return self.base_env()
+
+    def settings(self) -> Settings:
+        return Settings(etcd=[self.etcd.endpoint], cluster=self.cluster, token_file=self.token_file)
+
+    def state(self) -> ClusterState:
+        return ClusterState([self.etcd.endpoint], self.cluster)
+
+    def record(self, name: str) -> dict[str, Any]:
+        """The dataset's catalog record ({} when there is none)."""
+        return (self.state().dataset(name) or ({}, 0))[0]
+
+    def members(self) -> dict[str, str]:
+        return {m["node"]: m["state"] for m in self.state().member_table()}
+
+    def preload(self, source: Path, name: str, replicas: int = 1) -> None:
+        done = run_cli(
+            "preload", str(source), "--name", name, "--replicas", str(replicas), "-q",
+            env=self.client_env(),
+        )  # fmt: skip
+        assert done.returncode == 0, done.stderr
+
+    def stop(self) -> None:
+        for n in self.nodes:
+            n.stop()
+        shutil.rmtree(self.root, ignore_errors=True)
+
+
+def copies(name: str, nodes: list[NodeProcess]) -> dict[int, int]:
+    """Segment -> how many of `nodes` hold it in their shm folder."""
+    counts: dict[int, int] = {}
+    for n in nodes:
+        try:
+            for seg in held_on_disk(n, name):
+                counts[seg] = counts.get(seg, 0) + 1
+        except FileNotFoundError:
+            pass
+    return counts

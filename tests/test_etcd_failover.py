@@ -1,0 +1,128 @@
+"""The etcd control plane under failures, with a real etcd, real nodes, a real FUSE mount and the
+fast path: a node killed mid-epoch, nodes away during an unload or a preload, a coordinator
+killed mid-preload, etcd itself stopped."""
+
+from __future__ import annotations
+
+import os
+import shutil
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from clusterutil import held_on_disk
+from conftest import MountProcess, wait_for
+from etcdutil import EtcdCluster, copies
+
+from kspeedfs.format import placement
+from kspeedfs.localetcd import EtcdProcess
+from kspeedfs.node.controlplane import placed_members
+
+pytestmark = pytest.mark.skipif(shutil.which("etcd") is None, reason="etcd-server not installed")
+
+
+@pytest.fixture
+def etcd(tmp_path: Path) -> Iterator[EtcdProcess]:
+    server = EtcdProcess(tmp_path).start()
+    yield server
+    server.stop()
+
+
+@pytest.fixture
+def cluster(tmp_path: Path, token_file: Path, etcd: EtcdProcess) -> Iterator[EtcdCluster]:
+    c = EtcdCluster(tmp_path, token_file, etcd)
+    yield c
+    c.stop()
+
+
+def random_tree(root: Path, files: int, size: int = 20_000) -> dict[str, bytes]:
+    """`files` files of random bytes in two folders; returns relative path -> bytes."""
+    out = {}
+    for i in range(files):
+        rel = f"d{i % 2}/f{i:04d}.bin"
+        data = os.urandom(size + 997 * (i % 40))
+        (root / rel).parent.mkdir(parents=True, exist_ok=True)
+        (root / rel).write_bytes(data)
+        out[rel] = data
+    return out
+
+
+def client_env(cluster: EtcdCluster, monkeypatch: pytest.MonkeyPatch) -> None:
+    """This process as a client that knows only etcd (as a training job would)."""
+    for key in [k for k in os.environ if k.startswith("KSPEEDFS_")]:
+        monkeypatch.delenv(key)
+    for key, value in cluster.client_env().items():
+        if key.startswith("KSPEEDFS_"):
+            monkeypatch.setenv(key, value)
+
+
+def test_a_node_killed_mid_epoch_fuse_and_fast_path(
+    cluster: EtcdCluster, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from pytorch_ext import KSpeedFolder
+
+    nodes = [cluster.add() for _ in range(3)]
+    source = tmp_path / "src"
+    expected = random_tree(source, 120)
+    cluster.preload(source, "epochs", replicas=2)
+    segments = int(cluster.record("epochs")["segments"])
+    assert min(copies("epochs", nodes).values()) == 2 and len(copies("epochs", nodes)) == segments
+
+    mount = MountProcess(tmp_path / "mnt", cluster.client_env(), tmp_path)  # nodes from etcd
+    client_env(cluster, monkeypatch)
+    try:
+        mount.start()
+        fast = KSpeedFolder(str(source), local=False)  # nodes from etcd
+        files = sorted(expected)
+        assert sorted(fast.files) == files
+        failures: list[str] = []
+
+        def check(path: str, how: str, read: object) -> None:
+            try:
+                data = read() if callable(read) else b""
+            except Exception as e:  # every failure counts, of whatever kind
+                failures.append(f"{how} {path}: {type(e).__name__}: {e}")
+                return
+            if data != expected[path]:
+                failures.append(f"{how} {path}: wrong bytes")
+
+        def fuse_read(rel: str) -> None:
+            check(rel, "fuse", lambda: (tmp_path / "mnt" / "epochs" / rel).read_bytes())
+
+        def fast_read(rel: str) -> None:
+            check(rel, "fast", lambda: bytes(fast.read(rel)))
+
+        half = len(files) // 2
+        for rel in files[:half]:  # both epochs under way ...
+            fuse_read(rel)
+            fast_read(rel)
+        victim, survivors = nodes[2], nodes[:2]
+        victim.kill9()  # ... when a node holding a third of the copies dies
+        for rel in files[half:]:
+            fuse_read(rel)
+            fast_read(rel)
+        for rel in files:  # a second fast-path epoch, the victim still down
+            fast_read(rel)
+        assert failures == []
+
+        def healed() -> bool:
+            if victim.address not in cluster.record("epochs").get("lost", []):
+                return False
+            counts = copies("epochs", survivors)
+            return len(counts) == segments and min(counts.values()) == 2
+
+        wait_for(healed, timeout=60, what="two live copies of every segment")
+        placed = placed_members(cluster.record("epochs"))
+        assert victim.address not in placed
+        for seg in range(segments):
+            for owner in placement.owners("epochs", seg, placed, 2):
+                node = next(n for n in survivors if n.address == owner)
+                assert seg in held_on_disk(node, "epochs")
+        # The copies serve alone now: the source is gone, a fresh reader reads every file.
+        shutil.move(source, tmp_path / "gone")
+        again = KSpeedFolder(str(source), local=False)
+        for rel in files:
+            assert bytes(again.read(rel)) == expected[rel]
+        assert again._reader.cluster.stats["source"] == 0
+    finally:
+        mount.stop()
