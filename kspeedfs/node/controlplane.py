@@ -359,6 +359,11 @@ class ControlPlane:
     async def rebalance(self, name: str | None) -> list[str]:
         """Place datasets over the live members as they are now: new members get their share
         (each node copies what it now owns and lacks), lost ones are no longer counted."""
+        # Read now, not the last sync's view: a member that joined a moment ago counts.
+        self.live = sorted(await trio.to_thread.run_sync(self.state.live_members))
+        self.catalog = {
+            n: r for n, (r, _rev) in (await trio.to_thread.run_sync(self.state.datasets)).items()
+        }
         live = self.members()
         names = [name] if name else sorted(self.catalog)
         done = []
