@@ -196,7 +196,9 @@ def test_rebalance_gives_a_new_member_its_share(cluster: EtcdCluster, tmp_path: 
     cluster.preload(source, "grow")
     segments = int((cluster.state().dataset("grow") or ({}, 0))[0]["segments"])
     c = cluster.add()
-    assert not (c.shm_dir / "datasets" / "grow").exists()  # a new member receives nothing
+    # A new member receives no segment (the manifest alone, so that it lists the dataset).
+    wait_for(lambda: "grow" in {d["name"] for d in c.request("list")["datasets"]}, 10, "listed")
+    assert copies("grow", [c]) == {}
     done = run_cli("rebalance", "grow", env=cluster.client_env())
     assert done.returncode == 0, done.stderr
     members = sorted(n.address for n in (a, b, c))

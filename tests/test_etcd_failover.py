@@ -8,12 +8,14 @@ import os
 import shutil
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
-from clusterutil import held_on_disk
-from conftest import MountProcess, wait_for
+from clusterutil import held_on_disk, staging_left
+from conftest import MountProcess, NodeProcess, run_cli, wait_for
 from etcdutil import EtcdCluster, copies
 
+from kspeedfs.client.reader import ClusterReader
 from kspeedfs.format import placement
 from kspeedfs.localetcd import EtcdProcess
 from kspeedfs.node.controlplane import placed_members
@@ -126,3 +128,75 @@ def test_a_node_killed_mid_epoch_fuse_and_fast_path(
         assert again._reader.cluster.stats["source"] == 0
     finally:
         mount.stop()
+
+
+def listing(node: NodeProcess) -> dict[str, dict[str, Any]]:
+    return {d["name"]: d for d in node.request("list")["datasets"]}
+
+
+def read_all_through(node: NodeProcess, name: str, expected: dict[str, bytes]) -> None:
+    """Every file of `name` read by a reader that knows only `node` (remote reads)."""
+    reader = ClusterReader(node.settings())
+    try:
+        ds = reader.open_dataset(name)
+        for i in ds.manifest.iter_files():
+            rel = os.fsdecode(ds.manifest.path(i))
+            assert reader.read(ds, i, 0, 1 << 30) == expected[rel], rel
+    finally:
+        reader.close()
+
+
+def test_nodes_away_during_an_unload_and_a_preload_converge(
+    cluster: EtcdCluster, tmp_path: Path
+) -> None:
+    a, b, c = (cluster.add() for _ in range(3))
+    source = tmp_path / "src"
+    random_tree(source, 40)
+    cluster.preload(source, "again", replicas=2)
+    old = listing(c)["again"]["uuid"]
+    assert held_on_disk(c, "again")
+    c.stop()  # away during the unload and the next preload of the name
+    done = run_cli("unload", "again", env=cluster.client_env())
+    assert done.returncode == 0, done.stderr
+    expected = random_tree(source, 40)  # new contents, a new instance
+    cluster.preload(source, "again", replicas=2)
+    new = cluster.record("again")["uuid"]
+    assert new != old and cluster.record("again")["members"] == sorted([a.address, b.address])
+    c.start()
+
+    # It drops the instance unloaded while it was away and lists the new one, holding no part
+    # of it (it was not placed on), so a reader that asks it reads from the owners.
+    wait_for(lambda: listing(c).get("again", {}).get("uuid") == new, 15, "c lists the new one")
+    assert listing(c)["again"]["held"] == []
+    assert copies("again", [c]) == {}
+    assert f"dropping again (instance {old[:8]})" in c.log()
+    read_all_through(c, "again", expected)
+
+
+def test_a_coordinator_killed_mid_preload_is_rolled_back(
+    cluster: EtcdCluster, tmp_path: Path
+) -> None:
+    coordinator, *others = (cluster.add() for _ in range(3))
+    source = tmp_path / "src"
+    random_tree(source, 60, size=400_000)  # ~25 MB: loading outlasts the kill
+    reply = coordinator.request("preload", name="orphan", source=str(source), replicas=2)
+    assert sorted(reply["nodes"]) == sorted(n.address for n in cluster.nodes)
+    coordinator.kill9()  # stages under way on every member, nothing committed
+    assert cluster.record("orphan")["state"] == "loading"
+
+    def rolled_back() -> bool:
+        return all(
+            not staging_left(n) and "orphan" not in listing(n) and not copies("orphan", [n])
+            for n in others
+        )
+
+    wait_for(rolled_back, timeout=30, what="the survivors dropped every staged part")
+    assert cluster.record("orphan") == {}  # the claim went with the coordinator's lease
+    assert all(n.request("status")["used"] == 0 for n in others)
+    # The name is free again: the survivors load it.
+    expected = random_tree(source, 10)
+    for extra in source.glob("d*/f00[1-5]?.bin"):
+        extra.unlink()
+    expected = {rel: data for rel, data in expected.items() if (source / rel).exists()}
+    cluster.preload(source, "orphan", replicas=2)
+    read_all_through(others[0], "orphan", expected)

@@ -24,7 +24,7 @@ from kspeedfs.format.manifest import plan_layout
 from kspeedfs.format.tls import client_context
 from kspeedfs.format.units import parse_address
 from kspeedfs.net.connection import NodeClient
-from kspeedfs.node.preload import Plan
+from kspeedfs.node.preload import Plan, Stager
 from kspeedfs.node.store import SegmentStore
 from kspeedfs.sources.source import open_source
 
@@ -46,10 +46,18 @@ def placed_members(entry: Record) -> list[str]:
 class ControlPlane:
     """Registers this node in etcd, keeps its lease, and converges the node to the catalog."""
 
-    def __init__(self, settings: Settings, store: SegmentStore, call: Call, unload: UnloadLocal):
+    def __init__(
+        self,
+        settings: Settings,
+        store: SegmentStore,
+        call: Call,
+        unload: UnloadLocal,
+        stager: Stager | None = None,
+    ):
         self.settings = settings
         self.state = ClusterState.of(settings)
         self.store = store
+        self.stager = stager  # its staged parts are rolled back when their claim is gone
         self.call = call
         self.unload_local = unload
         self.address = ""
@@ -111,6 +119,15 @@ class ControlPlane:
         """The live members to place new data over (this node always among them)."""
         return sorted(set(self.live) | {self.address})
 
+    async def members_now(self) -> list[str]:
+        """`members` read from etcd now, not at the last sync (a node that joined a moment
+        ago counts); the last sync's view when etcd does not answer."""
+        try:
+            self.live = sorted(await trio.to_thread.run_sync(self.state.live_members))
+        except NodeUnreachable as e:
+            log.warning("%s; placing over the members seen last", e)
+        return self.members()
+
     # The catalog: claims and records.
 
     async def claim(self, record: Record) -> None:
@@ -158,6 +175,8 @@ class ControlPlane:
                     await trio.to_thread.run_sync(self.state.note_down, m, now)
                     down[m] = now
         await self._converge()
+        await self._roll_back_orphans()
+        await self._adopt_all()
         await self._heal(down, now)
 
     def _snapshot(self) -> tuple[dict[str, Record], dict[str, float], dict[str, Any]]:
@@ -169,13 +188,13 @@ class ControlPlane:
         for name, record in list(self.store.datasets.items()):
             if record.lifetime not in ("offline", "leased"):
                 continue  # read-through datasets are each mount's own
-            if self._keeps(self.catalog.get(name), record.uuid):
+            if self._keeps(self.catalog.get(name), record.uuid, record.held):
                 continue
             # Read again: a preload may have claimed and published since the snapshot.
             found = await trio.to_thread.run_sync(self.state.dataset, name)
             entry = found[0] if found else None
             if entry is not None and entry.get("uuid") == record.uuid:
-                if self.address not in entry.get("lost", []):
+                if self.address not in entry.get("lost", []) or not record.held:
                     continue
                 why = "its copies were made again elsewhere while this node was down"
             else:
@@ -183,11 +202,45 @@ class ControlPlane:
             log.info("dropping %s (instance %s): %s", name, record.uuid[:8], why)
             await self.unload_local({"name": name, "uuid": record.uuid})
 
-    def _keeps(self, entry: Record | None, uuid: str) -> bool:
+    async def _roll_back_orphans(self) -> None:
+        """Abort the parts staged here for a preload whose claim is gone from the catalog: its
+        coordinator died (the claim was on the coordinator's lease) or gave up. A claim is
+        made before any member stages, so a stage with no claim has no coordinator."""
+        if self.stager is None:
+            return
+        for name, stage in list(self.stager.stages.items()):
+            entry = self.catalog.get(name)
+            if entry is not None and entry.get("uuid") == stage.uuid:
+                continue
+            found = await trio.to_thread.run_sync(self.state.dataset, name)
+            if found is not None and found[0].get("uuid") == stage.uuid:
+                continue  # claimed since the snapshot
+            log.warning(
+                "rolling back the preload of %s (instance %s): its claim is gone from the "
+                "catalog (the coordinator died)",
+                name,
+                stage.uuid[:8],
+            )
+            await self.stager.op_abort({"name": name, "uuid": stage.uuid})
+
+    async def _adopt_all(self) -> None:
+        """Every member lists every ready dataset of the catalog: one that holds no part of it
+        (it was down during the preload, or joined later) takes its manifest, no segment, so
+        readers that ask it find the dataset and read from its owners."""
+        for name, entry in sorted(self.catalog.items()):
+            if entry.get("state") != "ready" or name in self.store.datasets:
+                continue
+            if self.stager is not None and name in self.stager.stages:
+                continue  # a preload of this name is being staged here
+            await self._adopt(name, entry)
+
+    def _keeps(self, entry: Record | None, uuid: str, held: list[int]) -> bool:
+        """A copy the catalog knows, and not one of a member declared lost (an empty copy,
+        the manifest alone, is kept: the member lists the dataset)."""
         return (
             entry is not None
             and entry.get("uuid") == uuid
-            and self.address not in entry.get("lost", [])
+            and (self.address not in entry.get("lost", []) or not held)
         )
 
     # Healing and rebalancing.
@@ -359,12 +412,9 @@ class ControlPlane:
     async def rebalance(self, name: str | None) -> list[str]:
         """Place datasets over the live members as they are now: new members get their share
         (each node copies what it now owns and lacks), lost ones are no longer counted."""
-        # Read now, not the last sync's view: a member that joined a moment ago counts.
-        self.live = sorted(await trio.to_thread.run_sync(self.state.live_members))
-        self.catalog = {
-            n: r for n, (r, _rev) in (await trio.to_thread.run_sync(self.state.datasets)).items()
-        }
-        live = self.members()
+        live = await self.members_now()
+        found = await trio.to_thread.run_sync(self.state.datasets)
+        self.catalog = {n: r for n, (r, _rev) in found.items()}
         names = [name] if name else sorted(self.catalog)
         done = []
         for n in names:

@@ -119,7 +119,9 @@ class NodeServer:
         # Control plane (etcd): membership, catalog, healing; None with a static node list.
         self.control: ControlPlane | None = None
         if settings.etcd:
-            self.control = ControlPlane(settings, self.store, self.call, self.op_unload_local)
+            self.control = ControlPlane(
+                settings, self.store, self.call, self.op_unload_local, self.stager
+            )
             self.ops.add("rebalance", self.op_rebalance, ADMIN)
 
     def _register_ops(self) -> None:
@@ -489,7 +491,7 @@ class NodeServer:
 
     async def live_members(self) -> list[str]:
         live = []
-        members = self.control.members() if self.control is not None else self.members
+        members = await self.control.members_now() if self.control is not None else self.members
         for member in members:
             try:
                 await self.call(member, "ping", {})
