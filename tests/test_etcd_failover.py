@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -200,3 +201,54 @@ def test_a_coordinator_killed_mid_preload_is_rolled_back(
     expected = {rel: data for rel, data in expected.items() if (source / rel).exists()}
     cluster.preload(source, "orphan", replicas=2)
     read_all_through(others[0], "orphan", expected)
+
+
+def test_etcd_stopped_reads_go_on_control_ops_fail_then_converge(
+    cluster: EtcdCluster, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from pytorch_ext import KSpeedFolder
+
+    nodes = [cluster.add() for _ in range(3)]
+    source = tmp_path / "src"
+    expected = random_tree(source, 60)
+    cluster.preload(source, "steady", replicas=2)
+    mount = MountProcess(tmp_path / "mnt", cluster.client_env(), tmp_path)
+    client_env(cluster, monkeypatch)
+    try:
+        mount.start()
+        fast = KSpeedFolder(str(source), local=False)
+        cluster.etcd.pause()
+        # The data plane goes on without etcd: the mount and the fast path read every file.
+        for rel, data in expected.items():
+            assert (tmp_path / "mnt" / "steady" / rel).read_bytes() == data
+            assert bytes(fast.read(rel)) == data
+        # Control ops fail with one line that names etcd, and change nothing.
+        other = tmp_path / "other"
+        random_tree(other, 5)
+        given = {**cluster.client_env(), "KSPEEDFS_NODES": nodes[0].address}
+        for args, env in (
+            (("preload", str(other), "--name", "other", "-q"), cluster.client_env()),
+            (("preload", str(other), "--name", "other", "-q"), given),
+            (("unload", "steady"), given),
+            (("status",), cluster.client_env()),
+        ):
+            done = run_cli(*args, env=env)
+            assert done.returncode != 0, (args, done.stdout)
+            lines = done.stderr.strip().splitlines()
+            assert len(lines) == 1 and "etcd" in lines[0], (args, done.stderr)
+        assert all(set(listing(n)) == {"steady"} for n in nodes)
+        time.sleep(3)  # past the members' lease TTL, with etcd away
+
+        cluster.etcd.resume()
+        # No restart: the members join again, control ops work, every node follows them.
+        wait_for(lambda: set(cluster.members().values()) == {"up"}, 20, "members up again")
+        assert len(cluster.members()) == 3
+        cluster.preload(other, "other")
+        done = run_cli("unload", "steady", env=cluster.client_env())
+        assert done.returncode == 0, done.stderr
+        wait_for(
+            lambda: all(set(listing(n)) == {"other"} for n in nodes), 20, "every node converged"
+        )
+        assert cluster.record("steady") == {} and cluster.record("other")["state"] == "ready"
+    finally:
+        mount.stop()

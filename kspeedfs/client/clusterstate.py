@@ -78,11 +78,14 @@ class ClusterState:
                 out = fn(self._clients[i])
                 self._first = i
                 return out
-            except (etcd_errors.ConnectionFailedError, etcd_errors.ConnectionTimeoutError) as e:
+            except (
+                etcd_errors.ConnectionFailedError,
+                etcd_errors.ConnectionTimeoutError,
+                etcd_errors.InternalServerError,  # a member starting again, or without quorum
+            ) as e:
                 last = e
-        raise NodeUnreachable(
-            f"etcd at {', '.join(self.endpoints)} does not answer: {str(last).splitlines()[0]}"
-        )
+        why = (str(last).splitlines() or [type(last).__name__])[0]
+        raise NodeUnreachable(f"etcd at {', '.join(self.endpoints)} does not answer: {why}")
 
     def _prefix(self, sub: str) -> dict[str, tuple[Record, int]]:
         """key tail -> (value, mod_revision) of every key under PREFIX/sub/."""
