@@ -79,11 +79,11 @@ def _preload(node: NodeProcess, src: Path) -> None:
     wait_for(lambda: node.request("progress", name="priv")["state"] == "ready")
 
 
-def _source(public_dir: Path, folder_mode: int) -> Path:
+def _source(public_dir: Path, folder_mode: int, file_mode: int = 0o600) -> Path:
     src = public_dir / "src"
     src.mkdir()
     (src / "secret.bin").write_bytes(SECRET)
-    os.chmod(src / "secret.bin", 0o600)
+    os.chmod(src / "secret.bin", file_mode)
     os.chmod(src, folder_mode)
     return src
 
@@ -149,7 +149,9 @@ def test_a_read_token_reads_through_passed_fds(
 ) -> None:
     node = _node(shm_dir, token_file, tmp_path, "source")
     try:
-        _preload(node, _source(public_dir, 0o755))
+        # 0644: passed descriptors hold only files the uid could read at the source
+        # (test_security_access.py has the 0600 case).
+        _preload(node, _source(public_dir, 0o755, 0o644))
         out = _as_nobody(node, _token(public_dir, token_file, "read"), [])
         attached = node.request("status")["local_socket"]["attached"]
     finally:

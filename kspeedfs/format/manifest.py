@@ -3,6 +3,12 @@
 Compact arrays (no Python object per file) in one file, so that every process on a node maps
 the same pages read-only. Layout: an 8-byte magic, a u32 header length, a JSON header, then
 64-byte aligned little-endian arrays whose offsets the header lists.
+
+Format 2 added each entry's owner (`uid`, `gid`, from the scan's lstat) beside its mode, so that
+the mount can answer with the source's permissions. A format 1 manifest (written before) still
+reads, its entries owned by 0/0: never more open than the source was (the modes are kept, so
+"others" keep exactly their access, and the owner's and group's bits go to root alone);
+preloading the dataset again records the real owners.
 """
 
 from __future__ import annotations
@@ -12,7 +18,7 @@ import mmap
 import os
 import stat
 import struct
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -24,13 +30,16 @@ from kspeedfs.format.layout import plan_layout as plan_layout  # where callers i
 from kspeedfs.format.tree import Tree
 
 MAGIC = b"KSPDMAN1"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
+READABLE_VERSIONS = (1, 2)
 _ALIGN = 64
 
 # name -> dtype; every per-entry array has one row per entry.
 ENTRY_ARRAYS = {
     "parent": "<u4",
     "mode": "<u4",
+    "uid": "<u4",
+    "gid": "<u4",
     "size": "<u8",
     "mtime_ns": "<i8",
     "data": "<u8",  # file: offset in the dataset's byte stream; folder: first child; link: name blob
@@ -40,6 +49,7 @@ ENTRY_ARRAYS = {
     "checksum": "<u8",  # xxh3_64 of a file's bytes
 }
 SEGMENT_ARRAYS = {"seg_len": "<u8", "seg_checksum": "<u8"}
+OWNER_ARRAYS = ("uid", "gid")  # not in format 1: read as 0 (root)
 
 
 def write_manifest(
@@ -68,6 +78,8 @@ def write_manifest(
     arrays: dict[str, np.ndarray] = {
         "parent": np.array(tree.parent, dtype="<u4"),
         "mode": np.array(tree.mode, dtype="<u4"),
+        "uid": np.array(tree.uid, dtype="<u4"),
+        "gid": np.array(tree.gid, dtype="<u4"),
         "size": np.array(tree.size, dtype="<u8"),
         "mtime_ns": np.array(tree.mtime_ns, dtype="<i8"),
         "data": data,
@@ -137,14 +149,19 @@ class Manifest:
             n, nseg = int(self.header["entries"]), int(self.header["segments"])
         except (ValueError, KeyError, TypeError, struct.error) as e:
             raise DataError(f"corrupt manifest {self.file}: {e!r}") from None
+        if self.header["format"] == 1:
+            for key in OWNER_ARRAYS:  # one shared zero, no memory per entry
+                arrays[key] = np.broadcast_to(np.zeros(1, dtype=ENTRY_ARRAYS[key]), (n,))
         for key in ENTRY_ARRAYS:
-            if arrays[key].size != n:
+            if key not in arrays or arrays[key].size != n:
                 raise DataError(f"corrupt manifest {self.file}: {key} has wrong length")
         for key in SEGMENT_ARRAYS:
             if arrays[key].size != nseg:
                 raise DataError(f"corrupt manifest {self.file}: {key} has wrong length")
         self.parent = arrays["parent"]
         self.mode = arrays["mode"]
+        self.uid = arrays["uid"]
+        self.gid = arrays["gid"]
         self.size = arrays["size"]
         self.mtime_ns = arrays["mtime_ns"]
         self.data = arrays["data"]
@@ -168,7 +185,7 @@ class Manifest:
         if start + length > len(self._map):
             raise ValueError("header runs past the end")
         header: dict[str, Any] = json.loads(self._map[start : start + length])
-        if header.get("format") != FORMAT_VERSION:
+        if header.get("format") not in READABLE_VERSIONS:
             raise ValueError(f"unsupported format {header.get('format')!r}")
         return header
 
@@ -238,6 +255,39 @@ class Manifest:
     def iter_files(self) -> Iterator[int]:
         """Indices of regular files, in manifest (breadth-first, name-sorted) order."""
         yield from np.flatnonzero((self.mode & 0o170000) == stat.S_IFREG).tolist()
+
+    def permits(self, uid: int, groups: Iterable[int], want: int) -> np.ndarray:
+        """Per entry: whether uid (in `groups`) has the `want` bits (4 read, 1 search) of its
+        class (owner, else group, else others), as the kernel decides; root has them all."""
+        if uid == 0:
+            return np.ones(self.entries, dtype=bool)
+        owner = self.uid == uid
+        group = ~owner & np.isin(self.gid, np.fromiter(groups, dtype="<u4"))
+        shift = np.where(owner, 6, np.where(group, 3, 0)).astype("<u4")
+        return ((self.mode >> shift) & want) == want
+
+    def readable_files(self, uid: int, groups: Iterable[int]) -> np.ndarray:
+        """Per entry: a regular file that uid could open for reading at the source (read on
+        the file, search on every folder above it), by the recorded modes and owners."""
+        groups = list(groups)
+        search = self.permits(uid, groups, 1)
+        reachable = np.zeros(self.entries, dtype=bool)
+        # Breadth-first order: a folder's parent comes before it.
+        for d in np.flatnonzero((self.mode & 0o170000) == stat.S_IFDIR).tolist():
+            reachable[d] = search[d] and (d == 0 or reachable[int(self.parent[d])])
+        is_file = (self.mode & 0o170000) == stat.S_IFREG
+        return is_file & self.permits(uid, groups, 4) & reachable[self.parent]
+
+    def segments_holding(self, entries: np.ndarray) -> np.ndarray:
+        """Per segment: whether it holds bytes of any entry where `entries` (a bool per entry)
+        is true."""
+        pick = entries & (self.size > 0) & ((self.mode & 0o170000) == stat.S_IFREG)
+        first = self.data[pick] // self.segment_size
+        last = (self.data[pick] + self.size[pick] - 1) // self.segment_size
+        marks = np.zeros(self.segments + 1, dtype=np.int64)
+        np.add.at(marks, first.astype(np.int64), 1)
+        np.add.at(marks, last.astype(np.int64) + 1, -1)
+        return np.cumsum(marks[:-1]) > 0
 
     def ranges(
         self, i: int, offset: int = 0, length: int | None = None

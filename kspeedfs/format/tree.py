@@ -11,7 +11,8 @@ class Tree:
     """Entries in breadth-first order; a folder's children are contiguous and sorted by name.
 
     Entry 0 is the root. For a folder, `first_child`/`child_count` locate its children;
-    for a symlink, `link_target` holds the target bytes.
+    for a symlink, `link_target` holds the target bytes. `uid`/`gid` are the owners the source
+    reported (0/0 where it has none), kept so the mount can answer with the source's permissions.
     """
 
     names: list[bytes] = dataclasses.field(default_factory=list)
@@ -19,6 +20,8 @@ class Tree:
     mode: list[int] = dataclasses.field(default_factory=list)
     size: list[int] = dataclasses.field(default_factory=list)
     mtime_ns: list[int] = dataclasses.field(default_factory=list)
+    uid: list[int] = dataclasses.field(default_factory=list)
+    gid: list[int] = dataclasses.field(default_factory=list)
     first_child: list[int] = dataclasses.field(default_factory=list)
     child_count: list[int] = dataclasses.field(default_factory=list)
     link_target: dict[int, bytes] = dataclasses.field(default_factory=dict)
@@ -26,13 +29,24 @@ class Tree:
     def __len__(self) -> int:
         return len(self.names)
 
-    def append(self, name: bytes, parent: int, mode: int, size: int, mtime_ns: int) -> None:
+    def append(
+        self,
+        name: bytes,
+        parent: int,
+        mode: int,
+        size: int,
+        mtime_ns: int,
+        uid: int = 0,
+        gid: int = 0,
+    ) -> None:
         """Add one entry; a folder's first_child/child_count are set when it is listed."""
         self.names.append(name)
         self.parent.append(parent)
         self.mode.append(mode)
         self.size.append(size)
         self.mtime_ns.append(mtime_ns)
+        self.uid.append(uid)
+        self.gid.append(gid)
         self.first_child.append(0)
         self.child_count.append(0)
 

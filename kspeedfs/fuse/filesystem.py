@@ -84,6 +84,8 @@ class KSpeedFS:
         self.by_slot: dict[int, MountedDataset] = {}
         self.by_name: dict[str, MountedDataset] = {}
         self.uid, self.gid = os.getuid(), os.getgid()
+        # "source": the source's modes and owners, checked by the kernel (default_permissions)
+        self.source_access = reader.settings.access == "source"
         self.mounted_at_ns = time.time_ns()
         self._tables_lock = threading.Lock()  # one writer at a time (the control thread)
 
@@ -152,11 +154,11 @@ class KSpeedFS:
         mode = int(m.mode[idx])
         return Attr(
             ino=self._inode(mounted, idx),
-            mode=mode & ~0o222 if not stat.S_ISLNK(mode) else mode,
+            mode=shown_mode(mode, self.source_access),
             size=int(m.size[idx]),
             nlink=2 if stat.S_ISDIR(mode) else 1,
-            uid=self.uid,
-            gid=self.gid,
+            uid=int(m.uid[idx]) if self.source_access else self.uid,
+            gid=int(m.gid[idx]) if self.source_access else self.gid,
             mtime_ns=int(m.mtime_ns[idx]),
             blksize=128 * 1024,
             timeout=TOP_TIMEOUT if idx == 0 else DATA_TIMEOUT,
@@ -304,6 +306,16 @@ class KSpeedFS:
         stats: dict[str, Any] = self.counters.totals(OPCODE_NAMES)
         stats["by_worker"] = self.counters.by_row()
         return stats
+
+
+def shown_mode(mode: int, source_access: bool) -> int:
+    """The mode the mount answers: the source's less its write bits (access "source"), or
+    0444/0555 for everyone (access "open"); a symlink's as it is."""
+    if stat.S_ISLNK(mode):
+        return mode
+    if source_access:
+        return mode & ~0o222
+    return stat.S_IFMT(mode) | (0o555 if stat.S_ISDIR(mode) or mode & 0o111 else 0o444)
 
 
 def _release(mounted: MountedDataset) -> None:

@@ -3,8 +3,13 @@
 Runs in its own threads (a blocking accept loop, one short-lived thread per reader with a
 timeout), beside the trio server: the work is a few syscalls per reader, once per process.
 Who gets a dataset's descriptors: a client that proves a token (any role) and, with
-`access = "source"`, whose uid the source's root folder lets in (r-x for it, its groups, or
-others), so that the fast path never widens what the source allows at its root.
+`access = "source"`, whose uid (with the groups the kernel reports for it) the dataset's root
+folder lets in (r-x), by the modes and owners the manifest recorded at preload. It then gets the
+segments that hold only files it could read at the source (read on the file, search on the
+folders above it): a segment packs many files, so one that also holds a file the uid could not
+read is not passed, and the reader's policy reads those files elsewhere (another node over TCP,
+where the token decides, or the source itself, where the source's own permissions do).
+`access = "open"`: every segment to every token holder.
 """
 
 from __future__ import annotations
@@ -15,6 +20,7 @@ import pwd
 import secrets
 import socket
 import stat
+import struct
 import threading
 from pathlib import Path
 
@@ -22,32 +28,35 @@ from kspeedfs.format.errors import AuthError, KSpeedError, NotFound, StaleDatase
 from kspeedfs.format.localdata import LocalDataset
 from kspeedfs.net import fdpass
 from kspeedfs.node.store import SegmentStore
-from kspeedfs.sources.source import is_url
 
 log = logging.getLogger(__name__)
 
 TIMEOUT = 10.0
 
 
-def may_read_root(source: str, uid: int, gid: int) -> bool:
-    """Whether uid (with its groups) may list and enter the source's root folder."""
-    if uid == 0 or is_url(source):
-        return True
+SO_PEERGROUPS = getattr(socket, "SO_PEERGROUPS", 59)  # Linux >= 4.13
+
+
+def peer_groups(sock: socket.socket, uid: int, gid: int) -> list[int]:
+    """The peer's groups as the kernel saw them at connect (its supplementary groups and its
+    gid); where the kernel cannot say, the groups the user database gives uid."""
     try:
-        st = os.stat(source)
+        raw = sock.getsockopt(socket.SOL_SOCKET, SO_PEERGROUPS, 4 * 1024)
+        return [gid, *struct.unpack(f"{len(raw) // 4}I", raw)]
     except OSError:
-        return False
-    try:
-        groups = set(os.getgrouplist(pwd.getpwuid(uid).pw_name, gid))
-    except KeyError:
-        groups = {gid}
-    if st.st_uid == uid:
-        need = stat.S_IRUSR | stat.S_IXUSR
-    elif st.st_gid in groups:
-        need = stat.S_IRGRP | stat.S_IXGRP
-    else:
-        need = stat.S_IROTH | stat.S_IXOTH
-    return st.st_mode & need == need
+        try:
+            return os.getgrouplist(pwd.getpwuid(uid).pw_name, gid)
+        except KeyError:
+            return [gid]
+
+
+def passable_segments(ds: LocalDataset, uid: int, groups: list[int]) -> list[int] | None:
+    """The held segments uid may have (None: the dataset's root does not let it in)."""
+    m = ds.manifest
+    if not (m.permits(uid, groups, 4)[0] and m.permits(uid, groups, 1)[0]):
+        return None
+    blocked = m.segments_holding(~m.readable_files(uid, groups))
+    return [seg for seg in sorted(ds.held) if not blocked[seg]]
 
 
 class FdServer:
@@ -117,14 +126,15 @@ class FdServer:
         msg, _ = fdpass.receive(conn)
         try:
             role = fdpass.check_auth(self.token, nonce, msg)
-            ds = self._dataset(str(msg.get("name", "")), str(msg.get("uuid", "")), uid, gid)
+            ds, segs = self._dataset(
+                str(msg.get("name", "")), str(msg.get("uuid", "")), uid, peer_groups(conn, uid, gid)
+            )
         except KSpeedError as e:
             fdpass.refuse(conn, e)
             raise
-        fds = self._open_all(ds)
+        fds = self._open_all(ds, segs)
         try:
             fdpass.send(conn, {"segments": len(fds) - 1}, fds[:1])
-            segs = sorted(ds.held)
             for k in range(0, len(segs), fdpass.FDS_PER_MESSAGE):
                 part = segs[k : k + fdpass.FDS_PER_MESSAGE]
                 fdpass.send(conn, {"segs": part}, fds[1 + k : 1 + k + len(part)])
@@ -132,9 +142,14 @@ class FdServer:
             for fd in fds:
                 os.close(fd)
         self.stats["attached"] += 1
-        log.debug("passed %s to uid %d (%s role)", ds.path.name, uid, role)
+        log.debug(
+            "passed %s to uid %d (%s role): %d of %d held segments",
+            ds.path.name, uid, role, len(segs), len(ds.held),
+        )  # fmt: skip
 
-    def _dataset(self, name: str, uuid: str, uid: int, gid: int) -> LocalDataset:
+    def _dataset(
+        self, name: str, uuid: str, uid: int, groups: list[int]
+    ) -> tuple[LocalDataset, list[int]]:
         record = self.store.datasets.get(name)
         if record is None:
             raise NotFound(f"no dataset named {name!r} on this node")
@@ -142,16 +157,20 @@ class FdServer:
             raise StaleDataset(f"dataset {name!r} is another instance than the one asked for")
         if record.lifetime == "readthrough":
             raise NotFound(f"{name!r} is read-through: its segments come and go, read over TCP")
-        if self.access == "source" and not may_read_root(record.source, uid, gid):
+        ds = self.store.open(name)
+        if self.access != "source":
+            return ds, sorted(ds.held)
+        segs = passable_segments(ds, uid, groups)
+        if segs is None:
             raise AuthError(f"uid {uid} may not read the source of {name!r} ({record.source})")
-        return self.store.open(name)
+        return ds, segs
 
-    def _open_all(self, ds: LocalDataset) -> list[int]:
-        """The manifest's fd, then each held segment's, in order."""
+    def _open_all(self, ds: LocalDataset, segs: list[int]) -> list[int]:
+        """The manifest's fd, then each of segs', in order."""
         flags = os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC
         fds = [os.open(ds.manifest.file, flags)]
         try:
-            for seg in sorted(ds.held):
+            for seg in segs:
                 fds.append(ds._open_segment(seg))
         except BaseException:
             for fd in fds:

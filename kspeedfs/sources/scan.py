@@ -43,7 +43,7 @@ def scan_tree(source: str | os.PathLike[str]) -> Tree:
 def _scan(root_fd: int) -> Tree:
     st = os.fstat(root_fd)
     tree = Tree()
-    tree.append(b"", 0, st.st_mode, 0, st.st_mtime_ns)
+    tree.append(b"", 0, st.st_mode, 0, st.st_mtime_ns, st.st_uid, st.st_gid)
     queue: list[tuple[int, bytes]] = [(0, b"")]
     head = 0
     while head < len(queue):
@@ -58,19 +58,19 @@ def _scan(root_fd: int) -> Tree:
             for name, entry in children:
                 child = rel + b"/" + name if rel else name
                 est = entry.stat(follow_symlinks=False)
-                mode = est.st_mode
+                mode, owner = est.st_mode, (est.st_uid, est.st_gid)
                 idx = len(tree)
                 if stat.S_ISDIR(mode):
-                    tree.append(name, dir_idx, mode, 0, est.st_mtime_ns)
+                    tree.append(name, dir_idx, mode, 0, est.st_mtime_ns, *owner)
                     queue.append((idx, child))
                 elif stat.S_ISREG(mode):
-                    tree.append(name, dir_idx, mode, est.st_size, est.st_mtime_ns)
+                    tree.append(name, dir_idx, mode, est.st_size, est.st_mtime_ns, *owner)
                 elif stat.S_ISLNK(mode):
                     target = os.readlink(name, dir_fd=fd)
                     if not link_stays_inside(child, target):
                         log.warning("skipping symlink %r: it points outside the source", child)
                         continue
-                    tree.append(name, dir_idx, mode, len(target), est.st_mtime_ns)
+                    tree.append(name, dir_idx, mode, len(target), est.st_mtime_ns, *owner)
                     tree.link_target[idx] = target
                 else:
                     log.warning("skipping special file %r", os.fsdecode(child))
@@ -85,7 +85,9 @@ def _scan(root_fd: int) -> Tree:
 
 def tree_from_listing(files: dict[bytes, tuple[int, int]]) -> Tree:
     """A Tree from flat object keys: folders are the key prefixes; a folder's time is the
-    newest of its files' (object stores have no folder times), so a change shows up."""
+    newest of its files' (object stores have no folder times), so a change shows up. Object
+    stores have no owners or modes either: files are 0644 and folders 0755, owned by 0/0 (on
+    the mount, readable by everyone on the machine; the bucket's credentials are the gate)."""
     children: dict[bytes, set[bytes]] = {b"": set()}
     dir_mtime: dict[bytes, int] = {b"": 0}
     for rel, (_size, mtime) in list(files.items()):
