@@ -244,3 +244,49 @@ def test_metrics_count_the_reads_served(cluster: EtcdCluster, tmp_path: Path) ->
     assert samples[("kspeedfs_node_read_bytes_total", ())] == 1024
     assert samples[("kspeedfs_dataset_resident_bytes", (("dataset", "scraped"),))] == info["stored"]
     assert samples[("kspeedfs_members_live", ())] == 1
+
+
+def test_join_and_rebalance_move_one_nth_and_old_owners_let_go(
+    cluster: EtcdCluster, tmp_path: Path
+) -> None:
+    a, b = cluster.add("16KiB"), cluster.add("16KiB")
+    source = tmp_path / "src"
+    source.mkdir()
+    expected = {}
+    for i in range(1200):  # ~1,200 segments: the share moved is measured, not guessed
+        expected[f"z{i:04d}.bin"] = data = os.urandom(16_000)
+        (source / f"z{i:04d}.bin").write_bytes(data)
+    cluster.preload(source, "spread", replicas=1)
+    segments = int(cluster.record("spread")["segments"])
+    c = cluster.add("16KiB")
+    done = run_cli("rebalance", "spread", env=cluster.client_env())
+    assert done.returncode == 0, done.stderr
+    members = sorted(n.address for n in (a, b, c))
+    moved = [
+        s
+        for s in range(segments)
+        if placement.owners("spread", s, members)
+        != placement.owners("spread", s, [a.address, b.address])
+    ]
+    assert abs(len(moved) / segments - 1 / 3) <= 0.05, (len(moved), segments)
+
+    # Each segment ends on exactly its one new owner: the old owners dropped what moved,
+    # after the new one had it.
+    def settled() -> bool:
+        on_c = copies("spread", [c])
+        return len(on_c) == len(moved) and (
+            copies("spread", [a, b, c]) == dict.fromkeys(range(segments), 1)
+        )
+
+    wait_for(settled, 60, "one copy of each segment, on its new owner")
+    assert held_on_disk(c, "spread") == moved
+    dropped = sum(n.request("status")["control"]["heal"]["dropped"] for n in (a, b))
+    assert dropped == len(moved)
+    reader = ClusterReader(c.settings())
+    try:
+        ds = reader.open_dataset("spread")
+        for i in ds.manifest.iter_files():
+            rel = os.fsdecode(ds.manifest.path(i))
+            assert reader.read(ds, i, 0, 1 << 30) == expected[rel]
+    finally:
+        reader.close()

@@ -65,7 +65,15 @@ class ControlPlane:
         self.live: list[str] = []
         self.catalog: dict[str, Record] = {}
         self.reachable = False
-        self.heal = {"segments": 0, "bytes": 0, "failed": 0, "pending": 0, "seconds": 0.0}
+        self.heal = {
+            "segments": 0,
+            "bytes": 0,
+            "failed": 0,
+            "pending": 0,
+            "seconds": 0.0,
+            "dropped": 0,  # segments given up after a rebalance moved them
+            "dropped_bytes": 0,
+        }
         self.under_replicated: dict[str, int] = {}
         self._warned = False
 
@@ -304,7 +312,44 @@ class ControlPlane:
                 await self._copy(name, entry, seg)
                 pending -= 1
                 self.heal["pending"] = pending
+            unowned = [
+                seg
+                for seg in record.held
+                if self.address not in placement.owners(name, seg, placed, replicas)
+            ]
+            if unowned and not missing:
+                await self._drop_moved(name, uuid, unowned, placed, replicas)
         self.heal["pending"] = pending
+
+    async def _drop_moved(
+        self, name: str, uuid: str, unowned: list[int], placed: list[str], replicas: int
+    ) -> None:
+        """After a rebalance: drop the segments this node no longer owns, each only once all
+        of its new owners are up and hold it (so no copy is ever the last one dropped)."""
+        held_by: dict[str, set[int]] = {}
+        for peer in sorted(
+            {o for s in unowned for o in placement.owners(name, s, placed, replicas)}
+        ):
+            if peer not in self.live:
+                continue
+            try:
+                listing = await self.call(peer, "list", {})
+            except KSpeedError as e:
+                log.debug("%s: cannot ask %s what it holds: %s", name, peer, e)
+                continue
+            for d in listing.get("datasets", []):
+                if d.get("name") == name and d.get("uuid") == uuid and d.get("state") == "ready":
+                    held_by[peer] = set(d.get("held", []))
+        dropped = 0
+        for seg in unowned:
+            owners = placement.owners(name, seg, placed, replicas)
+            if all(seg in held_by.get(o, ()) for o in owners):
+                freed = await trio.to_thread.run_sync(self.store.drop_segment, name, seg)
+                self.heal["dropped"] += 1
+                self.heal["dropped_bytes"] += freed
+                dropped += 1
+        if dropped:
+            log.info("%s: dropped %d segments now held by their new owners", name, dropped)
 
     async def _adopt(self, name: str, entry: Record) -> None:
         """A member that holds no part of a dataset yet (joined, then `rebalance`): fetch its

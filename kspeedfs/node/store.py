@@ -329,6 +329,37 @@ class SegmentStore:
         finally:
             os.close(folder)
 
+    def drop_segment(self, name: str, seg: int) -> int:
+        """Remove a segment this node no longer owns (its new owners hold it). Unlinked, so a
+        reader that mapped it keeps valid pages; meta.json and the record forget it. Returns
+        the bytes freed."""
+        flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+        folder = os.open(name, DIR_FLAGS, dir_fd=self._fd["datasets"])
+        try:
+            with self._lock:
+                record = self.datasets.get(name)
+                if record is None or seg not in record.held:
+                    return 0
+                seg_fd = os.open("seg", DIR_FLAGS, dir_fd=folder)
+                try:
+                    size = os.stat(f"{seg:08d}", dir_fd=seg_fd, follow_symlinks=False).st_size
+                    os.unlink(f"{seg:08d}", dir_fd=seg_fd)
+                finally:
+                    os.close(seg_fd)
+                held = [k for k in record.held if k != seg]
+                meta = self._read_meta(name)
+                meta.update(held=held, stored=int(meta["stored"]) - size)
+                tmp = f".meta.{uuid.uuid4().hex[:12]}"
+                with os.fdopen(os.open(tmp, flags, FILE_MODE, dir_fd=folder), "w") as f:
+                    json.dump(meta, f)
+                os.rename(tmp, META_FILE, src_dir_fd=folder, dst_dir_fd=folder)
+                record.held = held
+                record.stored -= size
+                self._open.pop(name, None)
+                return size
+        finally:
+            os.close(folder)
+
     def discard_staging(self, staging: Path) -> None:
         remove_beneath(self._fd["staging"], self._staged_name(staging))
 
