@@ -2,7 +2,10 @@
 
 A variant `decoded-N/` lives inside a dataset folder (so it is unloaded with the instance):
     index.kdi      per manifest entry: state, height, width, pixel segment, offset
-    seg/NNNNNNNN   uint8 HWC pixels, images back to back (each at most a segment, or one image)
+    seg/NNNNNNNN   images back to back (each at most a segment, or one image), each a binary
+                   PPM: a short header (`P6\nW H\n255\n`), then its uint8 HWC pixels, so that
+                   the mount serves a `.ppm` file as one view of the segment; `off` in the index
+                   is where the pixels start, the header lies just before
 The node writes the whole index before it decodes anything (sizes come from the image headers),
 then flips each entry's state byte once its pixels are in place, so a reader mapping the index
 while the fill runs sees every sample either ready or still to be decoded by itself.
@@ -27,7 +30,7 @@ from PIL import Image
 from kspeedfs.format.errors import DataError, InvalidArgument, NotFound
 
 MAGIC = b"KSPDDEC1"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: a PPM header before each image's pixels
 INDEX_FILE = "index.kdi"
 SEGMENT_DIR = "seg"
 HEADER_BYTES = 4096  # magic, complete flag, header length, JSON header; arrays follow
@@ -85,8 +88,34 @@ def decode_image(data: bytes | memoryview, size: int) -> Image.Image:
     return rgb.resize((w, h), Image.Resampling.BILINEAR)
 
 
+def decode_checked(data: bytes | bytearray | memoryview, size: int) -> Image.Image | None:
+    """`decode_image`, or None when the file does not decode. The one rule of what is
+    undecodable, for the node's fill and the mount alike: no readable header, a failing decode,
+    or a decoded size other than its header announced."""
+    try:
+        with Image.open(io.BytesIO(data)) as img:
+            announced = resized_size(img.width, img.height, size)
+            rgb = img.convert("RGB")
+        w, h = resized_size(rgb.width, rgb.height, size)
+        if (w, h) != rgb.size:
+            rgb = rgb.resize((w, h), Image.Resampling.BILINEAR)
+    except Exception:  # anything PIL raises on a bad file
+        return None
+    return rgb if rgb.size == announced else None
+
+
 def pixel_bytes(width: int, height: int) -> int:
     return width * height * 3
+
+
+def ppm_header(width: int, height: int) -> bytes:
+    """The binary PPM header stored before an image's pixels (PIL reads the pixels as raw)."""
+    return b"P6\n%d %d\n255\n" % (width, height)
+
+
+def stored_bytes(width: int, height: int) -> int:
+    """An image's bytes in a segment: the PPM header and the pixels."""
+    return len(ppm_header(width, height)) + pixel_bytes(width, height)
 
 
 def _align(n: int) -> int:
@@ -223,6 +252,26 @@ class DecodedVariant:
         ix = self.index
         seg, off = int(ix.seg[entry]), int(ix.off[entry])
         h, w = int(ix.height[entry]), int(ix.width[entry])
+        return self._segment(seg)[off : off + h * w * 3], h, w
+
+    def ppm(self, entry: int) -> memoryview:
+        """The binary PPM of a READY entry (header, then pixels): a view of the mapped segment."""
+        ix = self.index
+        seg, off = int(ix.seg[entry]), int(ix.off[entry])
+        h, w = int(ix.height[entry]), int(ix.width[entry])
+        start = off - len(ppm_header(w, h))
+        return self._segment(seg)[start : off + h * w * 3]
+
+    def stored_size(self, entry: int) -> int:
+        """Bytes of the entry's PPM (header and pixels), from the index."""
+        return stored_bytes(int(self.index.width[entry]), int(self.index.height[entry]))
+
+    def close(self) -> None:
+        """Stop using the variant (its instance was unloaded): the maps are dropped, each
+        unmapping when the last view of it goes."""
+        self._segs = {}
+
+    def _segment(self, seg: int) -> memoryview:
         mv = self._segs.get(seg)
         if mv is None:
             try:
@@ -236,7 +285,7 @@ class DecodedVariant:
             except (OSError, ValueError) as e:
                 raise DataError(f"cannot map decoded segment {seg} in {self.folder}: {e}") from None
             mv = self._segs[seg] = memoryview(m)
-        return mv[off : off + h * w * 3], h, w
+        return mv
 
 
 def _nofollow(path: str, flags: int) -> int:

@@ -20,6 +20,7 @@ import trio
 from kspeedfs.client.handle import DatasetHandle
 from kspeedfs.client.reader import ClusterReader
 from kspeedfs.format.errors import KSpeedError, NodeUnreachable, NotFound
+from kspeedfs.fuse import variants
 from kspeedfs.fuse.kernel import ROOT_INODE, FuseSession
 from kspeedfs.net.aconnection import AsyncNodeClient
 
@@ -37,6 +38,7 @@ class MountedDataset:
     uuid: str
     data: DatasetHandle
     info: dict[str, Any] = field(default_factory=dict)  # the node's listing entry
+    variant: variants.VariantFiles | None = None  # a decoded variant's files (in a worker)
 
 
 @dataclass
@@ -118,9 +120,13 @@ class DatasetList:
             return Change([], [], False, self.mounted_at_ns)
         self.node_answers = True
         ready = {d["name"]: d for d in listing["datasets"] if d.get("state") == "ready"}
+        # Decoded variants (NAME@N) are instances too: listed with their dataset's uuid.
+        offered = {} if self.single else variants.offered(ready)
+        listed = {n: d["uuid"] for n, d in ready.items()}
+        listed.update((v, ready[base]["uuid"]) for v, (base, _size) in offered.items())
         by_name = dict(self.by_name)
         by_slot = dict(self.by_slot)
-        gone = [m for n, m in by_name.items() if n not in ready or ready[n]["uuid"] != m.uuid]
+        gone = [m for n, m in by_name.items() if listed.get(n) != m.uuid]
         for mounted in gone:
             del by_name[mounted.name]
             del by_slot[mounted.slot]
@@ -139,6 +145,16 @@ class DatasetList:
             by_slot[mounted.slot] = mounted
             by_name[name] = mounted
             added.append(mounted)
+        for name, (base, size) in offered.items():  # after their datasets: workers open them so
+            if name in by_name or base not in by_name:
+                continue
+            of = by_name[base]
+            info = variants.variant_info(base, size, ready[base])
+            mounted = MountedDataset(self._next_slot, name, of.uuid, of.data, info)
+            self._next_slot += 1
+            by_slot[mounted.slot] = mounted
+            by_name[name] = mounted
+            added.append(mounted)
         if by_name.keys() != self.by_name.keys() or gone:
             self.mounted_at_ns = time.time_ns()  # the root's mtime: its listing changed
         self.by_slot, self.by_name = by_slot, by_name
@@ -146,7 +162,7 @@ class DatasetList:
 
     def _drop(self, mounted: MountedDataset) -> None:
         log.info("dataset %s (instance %s) is gone from the node", mounted.name, mounted.uuid[:8])
-        if mounted.data.local is not None:
+        if mounted.data.local is not None and not variants.is_variant(mounted.info):
             mounted.data.local.release()  # its memory returns to the node's machine
         if self.session is None:
             return

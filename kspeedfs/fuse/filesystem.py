@@ -12,7 +12,8 @@ asks the supervisor for a fresh list and waits for it briefly (TOP_WAIT), and no
 the node does not answer: a frozen node slows nothing but the lookup of names not known yet. An
 unloaded instance is forgotten at once (its slot, manifest and segment maps), so its memory
 returns to the machine while the mount stays up; a request on one of its inodes then gets
-ESTALE, never the bytes of a newer instance.
+ESTALE, never the bytes of a newer instance. A decoded variant (`NAME@N/`, variants.py) is
+such an instance too, with its own slot over its dataset's manifest, gone with the dataset.
 """
 
 from __future__ import annotations
@@ -27,8 +28,9 @@ import time
 from collections.abc import Callable, Iterator
 from typing import Any, Protocol
 
+from kspeedfs.client.handle import DatasetHandle
 from kspeedfs.client.reader import ClusterReader
-from kspeedfs.format.errors import DataError, KSpeedError
+from kspeedfs.format.errors import DataError, KSpeedError, NotFound
 from kspeedfs.format.readthrough_view import ReadThroughDataset
 from kspeedfs.fuse.counters import SOURCE_SLOTS, SharedCounters
 from kspeedfs.fuse.datasets import INDEX_MASK, SLOT_SHIFT, MountedDataset
@@ -41,6 +43,7 @@ from kspeedfs.fuse.kernel import (
     ReadResult,
     StatFs,
 )
+from kspeedfs.fuse.variants import VARIANT_OF, VARIANT_SIZE, VariantFiles, is_variant
 
 log = logging.getLogger(__name__)
 
@@ -92,9 +95,14 @@ class KSpeedFS:
     # ---- the dataset list, as the supervisor reports it (control thread)
 
     def add(self, slot: int, name: str, uuid: str, info: dict[str, Any]) -> None:
-        """Open an instance the supervisor numbered `slot` (blocking: maps its manifest)."""
+        """Open an instance the supervisor numbered `slot` (blocking: maps its manifest), or a
+        decoded variant of one already open (`NAME@N`: its manifest, its own slot)."""
+        variant = None
         try:
-            data = self.reader.open_dataset(name, info)
+            if is_variant(info):
+                data, variant = self._open_variant(name, uuid, info)
+            else:
+                data = self.reader.open_dataset(name, info)
         except KSpeedError as e:
             log.error("cannot open dataset %s: %s", name, e)
             return
@@ -104,8 +112,16 @@ class KSpeedFS:
             if old is not None:
                 del by_slot[old.slot]
                 _release(old)
-            by_slot[slot] = by_name[name] = MountedDataset(slot, name, uuid, data, info)
+            by_slot[slot] = by_name[name] = MountedDataset(slot, name, uuid, data, info, variant)
             self.by_slot, self.by_name = by_slot, by_name
+
+    def _open_variant(
+        self, name: str, uuid: str, info: dict[str, Any]
+    ) -> tuple[DatasetHandle, VariantFiles]:
+        base = self.by_name.get(info[VARIANT_OF])
+        if base is None or base.uuid != uuid or base.variant is not None:
+            raise NotFound(f"no instance {uuid[:8]} of {info[VARIANT_OF]} for {name}")
+        return base.data, VariantFiles(self.reader, base.data, int(info[VARIANT_SIZE]))
 
     def drop(self, slot: int) -> None:
         with self._tables_lock:
@@ -149,19 +165,22 @@ class KSpeedFS:
             return ROOT
         return (mounted.slot << SLOT_SHIFT) | (idx + 1)
 
-    def _attr(self, mounted: MountedDataset, idx: int) -> Attr:
+    def _attr(self, mounted: MountedDataset, idx: int, decide: bool = True) -> Attr:
         m = mounted.data.manifest
         mode = int(m.mode[idx])
+        size, final = int(m.size[idx]), True
+        if mounted.variant is not None:  # `decide`: a variant's image may be decoded now
+            size, final = mounted.variant.file_size(idx, decide)
         return Attr(
             ino=self._inode(mounted, idx),
             mode=shown_mode(mode, self.source_access),
-            size=int(m.size[idx]),
+            size=size,
             nlink=2 if stat.S_ISDIR(mode) else 1,
             uid=int(m.uid[idx]) if self.source_access else self.uid,
             gid=int(m.gid[idx]) if self.source_access else self.gid,
             mtime_ns=int(m.mtime_ns[idx]),
             blksize=128 * 1024,
-            timeout=TOP_TIMEOUT if idx == 0 else DATA_TIMEOUT,
+            timeout=(TOP_TIMEOUT if idx == 0 else DATA_TIMEOUT) if final else 0.0,
         )
 
     def _root_attr(self) -> Attr:
@@ -204,7 +223,10 @@ class KSpeedFS:
             if idx == 0:
                 return self._root_attr()
             return self._attr(mounted, int(mounted.data.manifest.parent[idx]))
-        found = mounted.data.manifest.lookup(idx, name)
+        if mounted.variant is not None:
+            found = mounted.variant.lookup(idx, name)
+        else:
+            found = mounted.data.manifest.lookup(idx, name)
         if found is None:
             raise FuseError(errno.ENOENT)
         return self._attr(mounted, found)
@@ -228,12 +250,17 @@ class KSpeedFS:
         mounted, idx = self._locate(ino)
         m = mounted.data.manifest
         kids = m.children(idx)
+        named = m.name if mounted.variant is None else mounted.variant.name
         for pos in range(start, len(kids)):
             child = int(kids[pos])
-            yield m.name(child), self._attr(mounted, child)
+            yield named(child), self._attr(mounted, child, decide=False)
 
     def read(self, ino: int, offset: int, size: int) -> ReadResult:
         mounted, idx = self._locate(ino)
+        if mounted.variant is not None:
+            shown = mounted.variant.read(idx, offset, size)
+            if shown is not None:
+                return shown
         local = mounted.data.local
         if local is not None:
             try:
@@ -273,7 +300,7 @@ class KSpeedFS:
 
     def statfs(self) -> StatFs:
         self.supervisor.ask_refresh(False, TOP_WAIT)
-        datasets = list(self.by_name.values())
+        datasets = [d for d in self.by_name.values() if d.variant is None]
         total = sum(d.data.manifest.nbytes + int(d.data.manifest.seg_len.sum()) for d in datasets)
         files = sum(d.data.manifest.entries for d in datasets) + 1
         return StatFs(blocks=(total + 4095) // 4096, files=files)
@@ -288,14 +315,14 @@ class KSpeedFS:
             return json.dumps(self.counters.sources()).encode()
         if name == CHECKSUM_XATTR and ino != ROOT:
             mounted, idx = self._locate(ino)
-            if mounted.data.manifest.is_file(idx):
+            if mounted.data.manifest.is_file(idx) and not _shown_decoded(mounted, idx):
                 return b"%016x" % int(mounted.data.manifest.checksum[idx])
         raise FuseError(ENOATTR)
 
     def listxattr(self, ino: int) -> list[bytes]:
         if ino != ROOT or self.single:
             mounted, idx = self._locate(ino)
-            if mounted.data.manifest.is_file(idx):
+            if mounted.data.manifest.is_file(idx) and not _shown_decoded(mounted, idx):
                 return [CHECKSUM_XATTR]
         return []
 
@@ -306,6 +333,11 @@ class KSpeedFS:
         stats: dict[str, Any] = self.counters.totals(OPCODE_NAMES)
         stats["by_worker"] = self.counters.by_row()
         return stats
+
+
+def _shown_decoded(mounted: MountedDataset, idx: int) -> bool:
+    """A variant's image: its bytes are not the file's (no checksum to give)."""
+    return mounted.variant is not None and mounted.variant.is_image(idx)
 
 
 def shown_mode(mode: int, source_access: bool) -> int:
@@ -319,6 +351,9 @@ def shown_mode(mode: int, source_access: bool) -> int:
 
 
 def _release(mounted: MountedDataset) -> None:
+    if mounted.variant is not None:
+        mounted.variant.close()  # the dataset's own maps are its instance's to release
+        return
     if mounted.data.local is not None:
         mounted.data.local.release()  # its memory returns to the node's machine
 

@@ -92,18 +92,17 @@ def fill_chunk(
     ds = _dataset(dataset)
     out = []
     for e, seg, off, w, h in work:
-        try:
-            img = fmt.decode_image(ds.file_view(e), size)
-            if img.size != (w, h):
-                raise ValueError(f"decoded size {img.size} differs from its header's {(w, h)}")
-            target = _segment(variant, seg)
-            n = w * h * 3
-            # Image.tobytes into the mapping: the one copy, into memory fallocate claimed.
-            target[off : off + n] = img.tobytes()
-            out.append((e, fmt.READY))
-        except Exception as ex:  # anything PIL raises on a bad file
-            log.debug("entry %d of %s does not decode: %s", e, dataset, ex)
+        img = fmt.decode_checked(ds.file_view(e), size)
+        if img is None or img.size != (w, h):
+            log.debug("entry %d of %s does not decode", e, dataset)
             out.append((e, fmt.UNDECODABLE))
+            continue
+        header = fmt.ppm_header(w, h)
+        target = _segment(variant, seg)
+        target[off - len(header) : off] = header
+        # Image.tobytes into the mapping: the one copy, into memory fallocate claimed.
+        target[off : off + w * h * 3] = img.tobytes()
+        out.append((e, fmt.READY))
     return out
 
 
@@ -314,11 +313,16 @@ class DecodedVariants:
             w, h = fmt.resized_size(d[0], d[1], fill.size)
             state[e], width[e], height[e] = fmt.ABSENT, w, h
             planned.append(e)
-        sizes = [fmt.pixel_bytes(int(width[e]), int(height[e])) for e in planned]
+        headers = [len(fmt.ppm_header(int(width[e]), int(height[e]))) for e in planned]
+        sizes = [
+            n + fmt.pixel_bytes(int(width[e]), int(height[e]))
+            for e, n in zip(planned, headers, strict=True)
+        ]
         segs, offs, seg_len = fmt.pack(sizes, m.segment_size)
         seg = np.zeros(m.entries, dtype="<u4")
         off = np.zeros(m.entries, dtype="<u8")
-        seg[planned], off[planned] = segs, offs
+        seg[planned] = segs
+        off[planned] = np.asarray(offs, dtype="<u8") + np.asarray(headers, dtype="<u8")
         fill.files_total = len(files)
         fill.undecodable = len(files) - len(planned)
         fill.files_done = fill.undecodable  # no header: nothing to decode

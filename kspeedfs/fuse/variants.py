@@ -1,0 +1,252 @@
+"""Decoded variants on the mount: `NAME@N/` shows a dataset's tree with each image a binary PPM.
+
+Each image file `stem.ext` (ImageFolder's extensions) is shown as `stem.ppm` (as `stem.ext.ppm`
+when several images of one folder share the stem), whose bytes are the PPM the node stored: a
+short header, then the uint8 HWC pixels of `Resize(N)(pil_loader(path))`, which PIL opens
+without decoding. Other files appear unchanged. A variant folder is an instance of its own in
+the mount's tables (a slot numbered by the supervisor, sharing the dataset's manifest), so its
+inodes mean the same in every worker and it is forgotten with the instance.
+
+Where a sample comes from: READY in this node's variant index, a view of the mapped segment
+(header and pixels in one piece, no copy); UNDECODABLE, the original bytes (PIL identifies a
+file by its content, not its name, so ImageFolder fails on it exactly as on the original).
+Anything else (not decoded yet while the fill runs, held by another node, no local variant) is
+decided here on demand with the node's own rule (`decoded.decode_checked`): decoded by this
+process when looked up, kept in a small cache for the reads that follow. Listings give such a
+file no lasting attributes (timeout 0), so the kernel looks it up, and so decides it, before
+it is opened: the size it then reports is final, PPM or original, as the node's fill would make
+it.
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import os
+import threading
+from collections import OrderedDict
+from collections.abc import Callable
+from typing import Any
+
+from kspeedfs.client.handle import DatasetHandle
+from kspeedfs.client.reader import ClusterReader
+from kspeedfs.format import decoded as fmt
+from kspeedfs.format.errors import DataError, KSpeedError, NotFound
+from kspeedfs.format.localdata import LocalDataset
+from kspeedfs.fuse.kernel import Buffer, FuseError, ReadResult
+
+log = logging.getLogger(__name__)
+
+PPM = b".ppm"
+DECIDED_BYTES = 64 << 20  # per process: PPMs decoded here, kept for the reads that follow
+VARIANT_OF = "variant_of"  # keys of a variant's listing info (what the supervisor sends)
+VARIANT_SIZE = "variant_size"
+SHOWN_STATES = ("filling", "ready")  # a variant whose index is written
+
+
+def folder_name(name: str, size: int) -> str:
+    return f"{name}@{size}"
+
+
+def offered(ready: dict[str, dict[str, Any]]) -> dict[str, tuple[str, int]]:
+    """The variant folders a node's listing of ready datasets offers: {NAME@N: (NAME, N)}."""
+    out: dict[str, tuple[str, int]] = {}
+    for name, d in ready.items():
+        for size, v in (d.get("decoded") or {}).items():
+            if isinstance(v, dict) and v.get("state") in SHOWN_STATES:
+                out[folder_name(name, int(size))] = (name, int(size))
+    return out
+
+
+def variant_info(base: str, size: int, info: dict[str, Any]) -> dict[str, Any]:
+    """The listing info a variant folder is added with (its dataset's, marked)."""
+    return {**info, VARIANT_OF: base, VARIANT_SIZE: size}
+
+
+def is_variant(info: dict[str, Any]) -> bool:
+    return VARIANT_OF in info
+
+
+def stem(name: bytes) -> bytes | None:
+    """`a.b` of an image named `a.b.jpg`; None for a name that is not an image's."""
+    if not fmt.is_image(name):
+        return None
+    return name[: name.rindex(b".")]
+
+
+class VariantFiles:
+    """One variant folder as a serving process shows it: names, sizes and bytes per entry of
+    the dataset's manifest."""
+
+    def __init__(self, reader: ClusterReader, data: DatasetHandle, size: int):
+        self.reader = reader
+        self.data = data
+        self.size = size
+        self.manifest = data.manifest
+        self.local = _open_local(data, size)
+        self._decided: OrderedDict[int, bytes | None] = OrderedDict()  # None: undecodable
+        self._decided_bytes = 0
+        self._lock = threading.Lock()
+
+    def close(self) -> None:
+        if self.local is not None:
+            self.local.close()
+        with self._lock:
+            self._decided.clear()
+            self._decided_bytes = 0
+
+    # ---- names
+
+    def is_image(self, idx: int) -> bool:
+        m = self.manifest
+        return m.is_file(idx) and fmt.is_image(m.name(idx))
+
+    def name(self, idx: int) -> bytes:
+        """The name entry `idx` is shown under."""
+        m = self.manifest
+        name = m.name(idx)
+        base = stem(name) if m.is_file(idx) else None
+        if base is None:
+            return name
+        if len(self._images_with_stem(int(m.parent[idx]), base)) == 1:
+            return base + PPM
+        return name + PPM
+
+    def lookup(self, parent: int, name: bytes) -> int | None:
+        """The entry shown as `name` in folder `parent`."""
+        m = self.manifest
+        if name.endswith(PPM):
+            base = name[: -len(PPM)]
+            same = self._images_with_stem(parent, base)
+            if len(same) == 1:
+                return same[0]
+            original = m.lookup(parent, base)  # `stem.ext.ppm`: a stem shared by several
+            if original is not None and self.is_image(original):
+                shared = stem(base)
+                if shared is not None and len(self._images_with_stem(parent, shared)) > 1:
+                    return original
+            return None
+        found = m.lookup(parent, name)
+        if found is not None and self.is_image(found):
+            return None  # an image is shown under its .ppm name only
+        return found
+
+    def _images_with_stem(self, parent: int, base: bytes) -> list[int]:
+        """The image files of folder `parent` named `base.EXT` (children are sorted by name,
+        so the names starting with `base.` are one run)."""
+        m = self.manifest
+        prefix = base + b"."
+        kids = m.children(parent)
+        lo, hi = kids.start, kids.stop
+        while lo < hi:
+            mid = (lo + hi) // 2
+            if m.name(mid) < prefix:
+                lo = mid + 1
+            else:
+                hi = mid
+        out = []
+        while lo < kids.stop:
+            name = m.name(lo)
+            if not name.startswith(prefix):
+                break
+            if b"." not in name[len(prefix) :] and self.is_image(lo):
+                out.append(lo)
+            lo += 1
+        return out
+
+    # ---- sizes and bytes
+
+    def file_size(self, idx: int, decide: bool) -> tuple[int, bool]:
+        """(size shown, final): final sizes are for good; a size not final (a listing's, before
+        the entry is decided) must not be kept by the kernel."""
+        m = self.manifest
+        if not self.is_image(idx):
+            return int(m.size[idx]), True
+        state = self._state(idx)
+        if state == fmt.READY:
+            assert self.local is not None
+            return self.local.stored_size(idx), True
+        if state == fmt.UNDECODABLE:
+            return int(m.size[idx]), True
+        with self._lock:
+            known = idx in self._decided
+            ppm = self._decided.get(idx)
+        if not known and decide:
+            ppm = self._decide(idx)
+            known = True
+        if known:
+            return (int(m.size[idx]) if ppm is None else len(ppm)), True
+        if state == fmt.ABSENT:
+            assert self.local is not None
+            return self.local.stored_size(idx), False  # what it will be unless it fails
+        return int(m.size[idx]), False
+
+    def read(self, idx: int, offset: int, size: int) -> ReadResult | None:
+        """The bytes shown for entry `idx`, or None: the original file's (the caller reads)."""
+        if not self.is_image(idx):
+            return None
+        state = self._state(idx)
+        if state == fmt.READY:
+            assert self.local is not None
+            return _clip(self.local.ppm(idx), offset, size)
+        if state == fmt.UNDECODABLE:
+            return None
+        with self._lock:
+            known = idx in self._decided
+            ppm = self._decided.get(idx)
+        if known:
+            return None if ppm is None else _clip(ppm, offset, size)
+        return self._deciding_read(idx, offset, size)
+
+    def _deciding_read(self, idx: int, offset: int, size: int) -> Callable[[], Buffer]:
+        def blocking_read() -> Buffer:
+            ppm = self._decide(idx)
+            if ppm is not None:
+                return _clip(ppm, offset, size)
+            return self._original(idx)[offset : offset + size]
+
+        return blocking_read
+
+    def _state(self, idx: int) -> int:
+        return self.local.state(idx) if self.local is not None else fmt.NOT_HERE
+
+    def _decide(self, idx: int) -> bytes | None:
+        """Decode entry `idx` here: its PPM, or None when it does not decode."""
+        img = fmt.decode_checked(self._original(idx), self.size)
+        ppm = None if img is None else fmt.ppm_header(*img.size) + img.tobytes()
+        with self._lock:
+            if idx not in self._decided:
+                self._decided[idx] = ppm
+                self._decided_bytes += len(ppm or b"")
+            while self._decided_bytes > DECIDED_BYTES and len(self._decided) > 1:
+                _, old = self._decided.popitem(last=False)
+                self._decided_bytes -= len(old or b"")
+        return ppm
+
+    def _original(self, idx: int) -> Buffer:
+        """The original file's bytes (a view of the local segment where it is held here)."""
+        local = self.data.local
+        try:
+            if isinstance(local, LocalDataset) and local.holds_file(idx):
+                return local.file_view(idx)
+            return self.reader.read(self.data, idx, 0, int(self.manifest.size[idx]))
+        except KSpeedError as e:
+            path = os.fsdecode(self.manifest.path(idx))
+            log.error("cannot read %s/%s to decode it: %s", self.data.name, path, e)
+            raise FuseError(errno.EIO) from None
+
+
+def _open_local(data: DatasetHandle, size: int) -> fmt.DecodedVariant | None:
+    """This node's variant index and pixels, when this process can map them."""
+    local = data.local
+    if not isinstance(local, LocalDataset):
+        return None
+    try:
+        return fmt.DecodedVariant(local.path / fmt.variant_dir(size), data.uuid)
+    except (NotFound, DataError) as e:
+        log.info("%s@%d: no local decoded pixels, decoding here (%s)", data.name, size, e)
+        return None
+
+
+def _clip(data: Buffer, offset: int, size: int) -> memoryview:
+    return memoryview(data)[offset : offset + size]
