@@ -107,6 +107,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("-o", dest="options", default="", help="FUSE options: allow_other,...")
     p.add_argument("--log-file", help="where the background mount logs")
     p.add_argument(
+        "--metrics-listen",
+        default="",
+        metavar="HOST:PORT",
+        help="serve Prometheus /metrics of this mount there (off by default)",
+    )
+    p.add_argument(
         "--workers", type=int, help="serving processes (default: one per CPU, at most 8)"
     )
 
@@ -457,6 +463,8 @@ def cmd_mount(args: argparse.Namespace) -> int:
 
     options = [o for o in args.options.split(",") if o]
     settings = _settings(args, fuse_workers=args.workers)
+    # The mount's own: `metrics_listen` in the config or environment is the node's port.
+    settings.metrics_listen = args.metrics_listen
     dataset = args.dataset
     if args.source:
         from kspeedfs.fuse.mount import check_mountpoint

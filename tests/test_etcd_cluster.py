@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 import requests
 from clusterutil import held_on_disk
-from conftest import NodeProcess, make_tree, run_cli, wait_for
+from conftest import MountProcess, NodeProcess, make_tree, run_cli, wait_for
 from etcdutil import EtcdCluster, copies
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -244,6 +244,8 @@ def test_metrics_count_the_reads_served(cluster: EtcdCluster, tmp_path: Path) ->
     assert samples[("kspeedfs_node_read_bytes_total", ())] == 1024
     assert samples[("kspeedfs_dataset_resident_bytes", (("dataset", "scraped"),))] == info["stored"]
     assert samples[("kspeedfs_members_live", ())] == 1
+    assert samples[("kspeedfs_dataset_leases", (("dataset", "scraped"),))] == 0
+    assert samples[("kspeedfs_heal_segments_total", ())] == 0
 
 
 def test_join_and_rebalance_move_one_nth_and_old_owners_let_go(
@@ -290,3 +292,51 @@ def test_join_and_rebalance_move_one_nth_and_old_owners_let_go(
             assert reader.read(ds, i, 0, 1 << 30) == expected[rel]
     finally:
         reader.close()
+
+
+def _scrape(port: int) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    text = requests.get(f"http://127.0.0.1:{port}/metrics", timeout=5).text
+    return {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+    }
+
+
+def test_mount_metrics_count_bytes_by_path(cluster: EtcdCluster, tmp_path: Path) -> None:
+    from kspeedfs.localproc import free_port
+
+    for _ in range(2):
+        cluster.add()
+    source = tmp_path / "src"
+    source.mkdir()
+    sizes = {}
+    for i in range(20):
+        (source / f"m{i:02d}.bin").write_bytes(os.urandom(10_000 + 1000 * i))
+        sizes[f"m{i:02d}.bin"] = 10_000 + 1000 * i
+    cluster.preload(source, "watched")
+    port = free_port()
+    mount = MountProcess(
+        tmp_path / "mnt",
+        cluster.client_env(),
+        tmp_path,
+        args=("--metrics-listen", f"127.0.0.1:{port}"),
+    )
+    try:
+        mount.start()
+        before = _scrape(port)
+        assert before[("kspeedfs_mount_read_bytes_total", (("path", "remote"),))] == 0
+        for rel in sizes:  # each file once: the page cache keeps it after
+            assert (tmp_path / "mnt" / "watched" / rel).read_bytes() == (source / rel).read_bytes()
+        after = _scrape(port)
+    finally:
+        mount.stop()
+    by_path = {
+        p: after[("kspeedfs_mount_read_bytes_total", (("path", p),))]
+        for p in ("local", "remote", "source")
+    }
+    # No node is this machine's "local" one and every owner is up: all bytes came remote.
+    assert by_path == {"local": 0, "remote": sum(sizes.values()), "source": 0}
+    assert after[("kspeedfs_mount_reads_total", (("path", "remote"),))] >= 1
+    assert after[("kspeedfs_mount_requests_total", (("op", "read"),))] >= len(sizes)
+    assert after[("kspeedfs_mount_requests_total", (("op", "lookup"),))] >= len(sizes)

@@ -205,6 +205,7 @@ class ClusterReader:
             try:
                 data = local.read(i, offset, n)
                 self.stats["local"] += 1
+                self.stats["local_bytes"] += n
                 return data
             except DataError as e:
                 _note_unmappable(ds, e)
@@ -248,6 +249,7 @@ class ClusterReader:
                 try:
                     self._read_node(ds, node, pieces, out)
                     self.stats["remote"] += 1
+                    self.stats["remote_bytes"] += sum(p.n for p in pieces)
                 except KSpeedError as e:
                     log.warning("%s: read from %s failed (%s); trying elsewhere", ds.name, node, e)
                     failed.add(node)
@@ -270,6 +272,7 @@ class ClusterReader:
             _note_unmappable(ds, e)
             return False
         self.stats["local"] += 1
+        self.stats["local_bytes"] += p.n
         return True
 
     def _next_owner(self, ds: DatasetHandle, seg: int, failed: set[str]) -> str | None:
@@ -415,6 +418,7 @@ class ClusterReader:
         except StaleDataset as e:
             raise StaleDataset(f"{ds.name}: no cached copy left, and {e}") from None
         self.stats["source"] += 1
+        self.stats["source_bytes"] += len(data)
         return data
 
     def close(self) -> None:

@@ -12,7 +12,14 @@ import os
 
 SLOTS = 64  # opcodes below this count in their own slot; the rest in slot 0 ("other")
 # Slots no opcode uses, for where cluster reads were served from (ClusterReader.stats).
-SOURCE_SLOTS = {"local": 60, "remote": 61, "source": 62}
+SOURCE_SLOTS = {
+    "local": 60,
+    "remote": 61,
+    "source": 62,
+    "local_bytes": 57,  # and the bytes each path served (the mount's metrics)
+    "remote_bytes": 58,
+    "source_bytes": 59,
+}
 ROW_BYTES = SLOTS * 8
 
 

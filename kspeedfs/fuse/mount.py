@@ -20,6 +20,7 @@ from kspeedfs.format.names import validate_name
 from kspeedfs.format.tls import client_context
 from kspeedfs.fuse.datasets import DatasetList
 from kspeedfs.fuse.kernel import FuseSession
+from kspeedfs.fuse.metrics import serve_mount_metrics
 from kspeedfs.fuse.supervisor import Workers, default_workers
 from kspeedfs.net.aconnection import AsyncNodeClient
 from kspeedfs.system.mountinfo import is_stale, kspeedfs_mounted
@@ -86,6 +87,8 @@ async def serve_mount(
     if settings.fuse_read_ahead:
         session.set_read_ahead(settings.fuse_read_ahead // 1024)
     pool = Workers(session, datasets, settings, dataset, count, clients)
+    if settings.metrics_listen:  # metrics: Prometheus /metrics over the shared counters
+        serve_mount_metrics(settings.metrics_listen, pool.counters)
     try:
         with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT, signal.SIGHUP) as signals:
             async with trio.open_nursery() as nursery:

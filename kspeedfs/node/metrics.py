@@ -52,6 +52,15 @@ class NodeCollector(Collector):
             segments.add_metric([name], held)
         yield resident
         yield segments
+        leases = GaugeMetricFamily(
+            "kspeedfs_dataset_leases",
+            "leases held on a dataset (on its lease home)",
+            labels=["dataset"],
+        )
+        for name, n in sorted(s.get("dataset_leases", {}).items()):
+            leases.add_metric([name], n)
+        yield leases
+        yield from _readthrough(s.get("cache") or {})
         control = s.get("control")
         if control:
             heal = control["heal"]
@@ -69,6 +78,19 @@ class NodeCollector(Collector):
             yield GaugeMetricFamily(
                 "kspeedfs_heal_pending", "segments this node still has to copy", heal["pending"]
             )
+            yield CounterMetricFamily(
+                "kspeedfs_heal_seconds", "time spent copying segments", heal["seconds"]
+            )
+            yield CounterMetricFamily(
+                "kspeedfs_rebalance_dropped_segments",
+                "segments dropped after a rebalance gave them to new owners",
+                heal.get("dropped", 0),
+            )
+            yield CounterMetricFamily(
+                "kspeedfs_rebalance_dropped_bytes",
+                "bytes freed by those drops",
+                heal.get("dropped_bytes", 0),
+            )
             yield GaugeMetricFamily(
                 "kspeedfs_members_live", "live members in etcd", len(control["live"])
             )
@@ -80,6 +102,27 @@ class NodeCollector(Collector):
             for name, n in sorted(control["under_replicated"].items()):
                 under.add_metric([name], n)
             yield under
+
+
+# Read-through datasets: (metric, the cache status field, help).
+READTHROUGH = (
+    ("kspeedfs_readthrough_hits", "hits", "segment requests found in memory"),
+    ("kspeedfs_readthrough_misses", "misses", "segment requests that needed a fill"),
+    ("kspeedfs_readthrough_fills_source", "fills_source", "segments filled from the source"),
+    ("kspeedfs_readthrough_fills_spill", "fills_spill", "segments filled from the spill folder"),
+    ("kspeedfs_readthrough_evictions", "evictions", "segments evicted from memory"),
+    ("kspeedfs_readthrough_spilled", "spilled", "segments written to the spill folder"),
+    ("kspeedfs_readthrough_source_bytes", "source_bytes", "bytes read from the source"),
+)
+
+
+def _readthrough(datasets: dict[str, Any]) -> Iterator[CounterMetricFamily]:
+    for metric, key, text in READTHROUGH:
+        family = CounterMetricFamily(metric, text, labels=["dataset"])
+        for name, d in sorted(datasets.items()):
+            if key in d:
+                family.add_metric([name], d[key])
+        yield family
 
 
 def serve_metrics(listen: str, snapshot: Callable[[], dict[str, Any]]) -> int:

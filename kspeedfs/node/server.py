@@ -470,6 +470,8 @@ class NodeServer:
                 r.name: (r.stored, len(r.held)) for r in list(self.store.datasets.values())
             },
             "control": self.control.status() if self.control is not None else None,
+            "cache": self.cache.status()["datasets"],  # read-through: hits, fills, evictions
+            "dataset_leases": {n: self.leases.count(n) for n in list(self.store.datasets)},
         }
 
     async def _forget_claim(self, name: str, uuid: str) -> None:
