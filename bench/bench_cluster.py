@@ -11,6 +11,13 @@
    one and batched, side by side with the ratio
 6. fd passing: time per worker to attach a dataset through the node's Unix socket (passed
    descriptors) vs mapping it by path, W workers at once
+7. placement over 10, 100 and 1,000 simulated members (pure computation) for a 1.28-million-file
+   dataset: max/mean segments per member (target: within 5% at 1,000), and the share moved
+   when one member joins vs the ideal 1/N
+8. etcd control plane, 3 nodes with --replicas 2: heal rate (MB/s) after a node is killed beside
+   the remote bulk read rate in the same run (target: heal >= 0.5 of it)
+9. catalog latency: a preload's ready record to every node listing it; an unload to every node
+   dropping it (`--control-plane` runs 7-9 alone)
 
 Every node is a separate process; so is the plain socket server. On one machine "remote" means
 another process over loopback TCP, so the figures measure the software, not a network.
@@ -36,6 +43,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from kspeedfs import tlsca
 from kspeedfs.client import admin, passed
 from kspeedfs.client.reader import ClusterReader
+from kspeedfs.format import placement
 from kspeedfs.format.config import Settings
 from kspeedfs.format.localdata import MANIFEST_FILE, LocalDataset
 from kspeedfs.format.manifest import Manifest
@@ -335,6 +343,169 @@ def read_tree(root: Path) -> tuple[int, float]:
     return len(paths), time.perf_counter() - started
 
 
+# 7. Placement balance and movement (pure computation).
+
+IMAGENET_FILES = 1_281_167
+IMAGENET_FILE_BYTES = 110 * 1024
+
+
+def placement_figures(members: int, segments: int) -> tuple[float, float]:
+    """(max/mean segments per member, share of segments moved when one member joins)."""
+    nodes = [f"10.{i // 250}.{i % 250}.1:7420" for i in range(members)]
+    counts = [len(v) for v in placement.assignment("imagenet", segments, nodes).values()]
+    joined = "10.255.255.1:7420"
+    moved = sum(
+        placement.owners("imagenet", s, [*nodes, joined])[0] == joined for s in range(segments)
+    )
+    return max(counts) / (segments / members), moved / segments
+
+
+# 8 and 9. The etcd control plane: healing and the catalog.
+
+
+def _etcd_env(workdir: Path, endpoint: str) -> dict[str, str]:
+    config = workdir / "empty.toml"
+    config.write_text("")
+    return {
+        **private_env(config),
+        "KSPEEDFS_ETCD": endpoint,
+        "KSPEEDFS_CLUSTER": "bench",
+        "KSPEEDFS_MEMBER_TTL": "2",
+        "KSPEEDFS_HEAL_AFTER": "2",
+        "KSPEEDFS_TOKEN_FILE": str(ensure_token(workdir / "token")),
+        "KSPEEDFS_TRANSPORT": "tcp",
+    }
+
+
+def _listed(node: NodeProcess, name: str) -> bool:
+    return any(d["name"] == name for d in node.request("list")["datasets"])
+
+
+def _wait(predicate: Any, timeout: float = 120.0) -> float:
+    """Seconds until predicate() holds (polled every 5 ms)."""
+    started = time.perf_counter()
+    while not predicate():
+        if time.perf_counter() - started > timeout:
+            raise TimeoutError("the control plane did not converge")
+        time.sleep(0.005)
+    return time.perf_counter() - started
+
+
+def control_plane(workdir: Path, bulk: Path, segment_size: str, memory: str) -> None:
+    from kspeedfs.client.clusterstate import ClusterState
+    from kspeedfs.localetcd import EtcdProcess
+
+    etcd = EtcdProcess(workdir).start()
+    env = _etcd_env(workdir, etcd.endpoint)
+    state = ClusterState([etcd.endpoint], "bench")
+    token = Path(env["KSPEEDFS_TOKEN_FILE"])
+    nodes = [
+        NodeProcess(
+            Path("/dev/shm") / f"kspeedfs-bench-etcd-{os.getpid()}-{i}",
+            token,
+            workdir,
+            memory=memory,
+            segment_size=segment_size,
+            base_env=env,
+            own_session=True,
+            client_timeout=60.0,
+        )
+        for i in range(3)
+    ]
+    try:
+        for n in nodes:
+            n.start()
+        _wait(lambda: len(state.live_members()) == 3)
+        client = Settings(
+            nodes=[parse_address(n.address) for n in nodes], token_file=token, timeout=60.0
+        )
+        with admin.connect(client) as c:
+            admin.start_preload(c, "bulk", str(bulk), "offline", replicas=2)
+            admin.wait_ready(c, "bulk", poll_s=0.01)
+        record = (state.dataset("bulk") or ({}, 0))[0]
+        victim, survivors = nodes[2], nodes[:2]
+        # The remote bulk rate, as healing reads: whole segments in 8 MiB reads from one node.
+        held = LocalDataset(survivors[1].shm_dir / "datasets" / "bulk").held
+        seg_len = Manifest(survivors[1].shm_dir / "datasets" / "bulk" / MANIFEST_FILE).seg_len
+        moved, started = 0, time.perf_counter()
+        with NodeClient(parse_address(survivors[1].address), token, 60.0) as c:
+            for seg in held:
+                length = int(seg_len[seg])
+                for pos in range(0, length, 8 << 20):
+                    piece = (seg, pos, min(8 << 20, length - pos))
+                    moved += len(c.read("bulk", record["uuid"], [piece]))
+        bulk_mbs = moved / (time.perf_counter() - started) / 1e6
+
+        victim.kill9()
+        _wait(lambda: victim.address in (state.dataset("bulk") or ({}, 0))[0].get("lost", []))
+        placed = [m for m in record["members"] if m != victim.address]
+        segments = int(record["segments"])
+
+        def healed() -> bool:
+            counts = [0] * segments
+            for n in survivors:
+                for f in os.listdir(n.shm_dir / "datasets" / "bulk" / "seg"):
+                    counts[int(f)] += 1
+            return min(counts) == len(placed)
+
+        wall = _wait(healed, timeout=600)
+        heal = [n.request("status")["control"]["heal"] for n in survivors]
+        healed_bytes = sum(h["bytes"] for h in heal)
+        heal_mbs = healed_bytes / wall / 1e6
+        per_node = [h["bytes"] / h["seconds"] / 1e6 for h in heal if h["seconds"]]
+        ratio = heal_mbs / bulk_mbs
+        print(
+            f"\n8. healing after a node is killed (3 nodes, --replicas 2, heal_after 2 s), "
+            f"{format_size(healed_bytes)} copied"
+        )
+        print(f"   remote bulk read, 8 MiB reads:  {bulk_mbs:8.0f} MB/s")
+        print(
+            f"   heal, wall clock (2 survivors): {heal_mbs:8.0f} MB/s   ratio {ratio:.2f} "
+            f"(target >= 0.5, {'meets' if ratio >= 0.5 else 'MISSES'}); per node while "
+            f"copying: {', '.join(f'{r:.0f}' for r in per_node)} MB/s"
+        )
+
+        # 9. Catalog latency over the survivors.
+        small = workdir / "catalog-src"
+        small.mkdir(exist_ok=True)
+        (small / "one.bin").write_bytes(os.urandom(100_000))
+        visible, gone = [], []
+        for k in range(5):
+            with admin.connect(client) as c:
+                admin.start_preload(c, f"cat{k}", str(small), "offline")
+            _wait(lambda k=k: (state.dataset(f"cat{k}") or ({}, 0))[0].get("state") == "ready")
+            visible.append(_wait(lambda k=k: all(_listed(n, f"cat{k}") for n in survivors)))
+            started = time.perf_counter()
+            with NodeClient(parse_address(survivors[0].address), token, 60.0) as c:
+                c.request("unload", name=f"cat{k}")
+            _wait(lambda k=k: not any(_listed(n, f"cat{k}") for n in survivors))
+            gone.append(time.perf_counter() - started)
+        print("\n9. catalog latency, median of 5 (2 live nodes)")
+        print(f"   ready record -> every node lists it:  {sorted(visible)[2] * 1e3:7.1f} ms")
+        print(f"   unload request -> no node lists it:   {sorted(gone)[2] * 1e3:7.1f} ms")
+    finally:
+        for n in nodes:
+            n.stop()
+            shutil.rmtree(n.shm_dir, ignore_errors=True)
+        etcd.stop()
+
+
+def placement_section(segment_size: int) -> None:
+    segments = -(-IMAGENET_FILES * IMAGENET_FILE_BYTES // segment_size)
+    print(
+        f"\n7. placement of a {IMAGENET_FILES:,}-file dataset (~110 KiB files) in "
+        f"{segments:,} segments of {format_size(segment_size)}, 1 replica (pure computation)"
+    )
+    print("   members   segments/member   max/mean   moved on join   ideal 1/N   moved/ideal")
+    for members in (10, 100, 1000):
+        worst, moved = placement_figures(members, segments)
+        ideal = 1 / (members + 1)
+        print(
+            f"   {members:7d}   {segments / members:15.1f}   {worst:8.3f}   {moved:13.4f}   "
+            f"{ideal:9.4f}   {moved / ideal:11.3f}"
+        )
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--files", type=int, default=3000, help="small files (default 3000)")
@@ -346,8 +517,20 @@ def main() -> int:
     p.add_argument("--segment-size", default="8MiB")
     p.add_argument("--workers", type=int, default=8, help="workers attaching at once (6.)")
     p.add_argument("--cache", default="/var/tmp/kspeedfs-bench-cluster")
+    p.add_argument("--control-plane", action="store_true", help="run sections 7-9 alone")
     args = p.parse_args()
     logging.basicConfig(level=logging.WARNING)
+    if args.control_plane:
+        placement_section(parse_size(args.segment_size))
+        cache = Path(args.cache)
+        _small, bulk = make_sources(cache, 10, 1000, parse_size(args.bulk))
+        workdir = Path(tempfile.mkdtemp(prefix="kspeedfs-bench-etcd-"))
+        try:
+            memory = str(2 * warm(bulk) + (256 << 20))
+            control_plane(workdir, bulk, args.segment_size, memory)
+        finally:
+            shutil.rmtree(workdir, ignore_errors=True)
+        return 0
 
     cache = Path(args.cache)
     small, bulk = make_sources(cache, args.files, parse_size(args.size), parse_size(args.bulk))
