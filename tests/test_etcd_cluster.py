@@ -213,6 +213,23 @@ def test_rebalance_gives_a_new_member_its_share(cluster: EtcdCluster, tmp_path: 
         if placement.owners("grow", s, members) != placement.owners("grow", s, old)
     ]
     assert moved == wanted
+    # The old owners let go of what moved, and a reader that opens the dataset now finds it
+    # on its new owner (the node lists the catalog's placement): not one byte from the source.
+    wait_for(lambda: not set(wanted) & set(copies("grow", [a, b])), 30, "the old copies dropped")
+    expected = {p.relative_to(source): p.read_bytes() for p in source.rglob("*") if p.is_file()}
+    shutil.move(source, tmp_path / "gone")
+    settings = cluster.settings()
+    settings.nodes = [parse_address(n.address) for n in (a, b, c)]
+    reader = ClusterReader(settings)
+    try:
+        ds = reader.open_dataset("grow")
+        for i in ds.manifest.iter_files():
+            rel = Path(os.fsdecode(ds.manifest.path(i)))
+            if rel in expected:
+                assert reader.read(ds, i, 0, 1 << 30) == expected[rel]
+        assert reader.stats["source"] == 0
+    finally:
+        reader.close()
 
 
 def test_metrics_count_the_reads_served(cluster: EtcdCluster, tmp_path: Path) -> None:

@@ -139,7 +139,14 @@ class ClusterReader:
                 raise NotFound(f"no dataset named {name!r} in the cache")
         local = self._open_local(info)
         manifest = local.manifest if local else self._fetch_manifest(name, info["uuid"])
-        members = list(manifest.header.get("members") or info.get("members") or self.nodes)
+        # The catalog's current placement (etcd: after a heal or a rebalance) before the one the
+        # instance was loaded over.
+        members = list(
+            info.get("placed")
+            or manifest.header.get("members")
+            or info.get("members")
+            or self.nodes
+        )
         return DatasetHandle(
             name=name,
             uuid=info["uuid"],

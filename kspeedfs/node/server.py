@@ -30,7 +30,7 @@ from kspeedfs.format.protocol import MsgType
 from kspeedfs.format.tls import client_context, server_context
 from kspeedfs.format.units import format_size
 from kspeedfs.net import secure
-from kspeedfs.node.controlplane import ControlPlane, loading_record
+from kspeedfs.node.controlplane import ControlPlane, loading_record, placed_members
 from kspeedfs.node.decoded import DecodedVariants
 from kspeedfs.node.fdserver import FdServer
 from kspeedfs.node.leases import LeaseTable
@@ -364,11 +364,20 @@ class NodeServer:
                 **r.to_wire(),
                 "leases": self.leases.count(r.name),
                 "decoded": self.decoded.local_status(r.name),
+                **self._placement(r.name, r.uuid),
             }
             for r in self.store.datasets.values()
         ]
         out.extend(self.loads.to_wire())
         return {"node": self.address, "datasets": sorted(out, key=lambda d: d["name"])}
+
+    def _placement(self, name: str, uuid: str) -> dict[str, Any]:
+        """Where an instance's segments are placed now, when the catalog says (after a heal or
+        a rebalance that differs from the members it was loaded over)."""
+        entry = self.control.catalog.get(name) if self.control is not None else None
+        if not entry or entry.get("uuid") != uuid:
+            return {}
+        return {"placed": placed_members(entry)}
 
     async def op_preload(self, msg: dict[str, Any]) -> dict[str, Any]:
         """Coordinate a preload over the live members (this node included)."""
