@@ -1,14 +1,16 @@
 """Decoded variants on a node: `preload --decoded N` fills them pixel-identical to
-`Resize(N)(pil_loader(path))`, the budget refuses one that does not fit, unload removes them."""
+`Resize(N)(pil_loader(path))`, the budget refuses one that does not fit, unload removes them, a
+node killed mid-fill leaves no variant and no process behind."""
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import NodeProcess, run_cli
-from decoded_images import make_images
+from conftest import NodeProcess, run_cli, wait_for
+from decoded_images import _noise, make_images
 from torchvision.datasets.folder import pil_loader
 from torchvision.transforms import Resize
 
@@ -105,3 +107,64 @@ def test_budget_refuses_a_variant_before_decoding(
         assert node.request("status")["used"] < 1 << 20
     finally:
         node.stop()
+
+
+def descendants(pid: int) -> set[int]:
+    """Every process under `pid` (the fill's forkserver and pool workers under a node)."""
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                stat = Path(f"/proc/{entry}/stat").read_text()
+            except OSError:
+                continue
+            ppid = int(stat.rsplit(")", 1)[1].split()[1])
+            children.setdefault(ppid, []).append(int(entry))
+    found: set[int] = set()
+    todo = [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            found.add(child)
+            todo.append(child)
+    return found
+
+
+def alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"
+
+
+def test_node_killed_mid_fill_leaves_the_variant_complete_or_absent(
+    node: NodeProcess, tmp_path: Path
+) -> None:
+    src = tmp_path / "big"
+    for i in range(60):  # full-size decodes of ~2 Mpx noise: the fill takes a while
+        folder = src / f"c{i % 2}"
+        folder.mkdir(parents=True, exist_ok=True)
+        _noise(1600, 1200, "RGB", i).save(folder / f"{i:02d}.jpg", "JPEG", quality=90)
+    assert run_cli("preload", str(src), "--name", "big", "-q", env=node.env()).returncode == 0
+    used = node.request("status")["used"]
+    variant = node.shm_dir / "datasets" / "big" / fmt.variant_dir(0)
+    node.request("decode", name="big", size=0)
+
+    def filling() -> bool:
+        v = node.request("decode_status", name="big")["variants"]["0"]
+        assert v["state"] != "ready", "the fill ended before the node could be killed"
+        return bool(v["files_done"])
+
+    wait_for(filling, what="the fill under way")
+    assert node.proc is not None
+    workers = descendants(node.proc.pid)
+    assert workers  # the forkserver and the pool's workers
+    node.proc.kill()
+    node.proc.wait()
+    assert not fmt.VariantIndex(variant / fmt.INDEX_FILE).complete  # killed mid-fill
+    wait_for(lambda: not any(alive(p) for p in workers), what="the fill's processes to end")
+    node.start()  # the incomplete variant is removed, its budget not counted
+    assert not variant.exists()
+    assert node.request("status")["used"] == used
+    assert node.request("decode_status", name="big")["variants"] == {}
+    assert "removing decoded variant big/decoded-0" in node.log()

@@ -17,6 +17,7 @@ import logging
 import mmap
 import multiprocessing
 import os
+import select
 import threading
 import time
 import warnings
@@ -40,6 +41,7 @@ from kspeedfs.node.store import SegmentStore
 log = logging.getLogger(__name__)
 
 CHUNK = 32  # images per pool task
+PROBE_CHUNK = 256  # images per header-reading task
 Call = Callable[[str, str, dict[str, Any]], Any]
 
 
@@ -53,7 +55,7 @@ def variant_key(name: str, size: int) -> str:
 _worker_cache: dict[str, Any] = {}
 
 
-def _init_worker() -> None:
+def _init_worker(node_pid: int = 0) -> None:
     try:  # glibc: keep 64 MiB at the heap top, never trim (M_TRIM_THRESHOLD -1, M_TOP_PAD -2)
         libc = ctypes.CDLL("libc.so.6")
         libc.mallopt(-1, 256 << 20)
@@ -61,6 +63,23 @@ def _init_worker() -> None:
     except (OSError, AttributeError):
         pass
     warnings.simplefilter("ignore", Image.DecompressionBombWarning)
+    if node_pid:
+        _end_with(node_pid)
+
+
+def _end_with(node_pid: int) -> None:
+    """Exit when the node does. A killed node's pool would otherwise live on: its workers are
+    the forkserver's children and hold the pipe whose end tells the forkserver to exit."""
+    try:
+        pidfd = os.pidfd_open(node_pid)
+    except OSError:
+        return  # gone already, or no pidfd: the pool ends when the node shuts it down
+
+    def watch() -> None:
+        select.select([pidfd], [], [])
+        os._exit(1)
+
+    threading.Thread(target=watch, daemon=True, name="node watch").start()
 
 
 def _dataset(path: str) -> LocalDataset:
@@ -273,24 +292,30 @@ class DecodedVariants:
                 return current
             fill = Fill(name, record.uuid, size, record.path / fmt.variant_dir(size))
             self.fills[(name, size)] = fill
+        pool = self._pool()  # one for the header pass and the fill: its workers start once
         try:
-            self._plan(fill)
+            self._plan(fill, pool)
         except BaseException as e:
+            pool.shutdown(cancel_futures=True)
             self._failed(fill, e)
             self._remove(fill)
             raise
-        threading.Thread(target=self._run, args=(fill,), daemon=True, name=f"decode {name}").start()
+        threading.Thread(
+            target=self._run, args=(fill, pool), daemon=True, name=f"decode {name}"
+        ).start()
         return fill
 
     def _pool(self) -> concurrent.futures.ProcessPoolExecutor:
-        # forkserver: the node has threads (trio's, loaders'), fork would copy their locks
+        # forkserver: the node has threads (trio's, loaders'), fork would copy their locks.
+        # The server imports this module once, so a pool's workers start in milliseconds
+        # instead of importing it each (~0.35 s of a core per worker, per pool).
+        context = multiprocessing.get_context("forkserver")
+        context.set_forkserver_preload([__name__])
         return concurrent.futures.ProcessPoolExecutor(
-            self.workers,
-            mp_context=multiprocessing.get_context("forkserver"),
-            initializer=_init_worker,
+            self.workers, mp_context=context, initializer=_init_worker, initargs=(os.getpid(),)
         )
 
-    def _plan(self, fill: Fill) -> None:
+    def _plan(self, fill: Fill, pool: concurrent.futures.ProcessPoolExecutor) -> None:
         ds = self.store.open(fill.name)
         m = ds.manifest
         files = [
@@ -298,10 +323,10 @@ class DecodedVariants:
         ]
         dims: list[tuple[int, int] | None] = []
         if files:
-            with self._pool() as pool:
-                chunks = [files[k : k + 256] for k in range(0, len(files), 256)]
-                for got in pool.map(probe, [str(ds.path)] * len(chunks), chunks):
-                    dims.extend(got)
+            step = max(1, min(PROBE_CHUNK, len(files) // (4 * self.workers)))
+            chunks = [files[k : k + step] for k in range(0, len(files), step)]
+            for got in pool.map(probe, [str(ds.path)] * len(chunks), chunks):
+                dims.extend(got)
         state = np.full(m.entries, fmt.NOT_HERE, dtype="u1")
         height = np.zeros(m.entries, dtype="<u4")
         width = np.zeros(m.entries, dtype="<u4")
@@ -355,12 +380,12 @@ class DecodedVariants:
             format_size(fill.bytes_total),
         )
 
-    def _run(self, fill: Fill) -> None:
+    def _run(self, fill: Fill, pool: concurrent.futures.ProcessPoolExecutor) -> None:
         work = fill.work
         try:
             index = fmt.VariantIndex(fill.folder / fmt.INDEX_FILE, writable=True)
             dataset = str(fill.folder.parent)
-            with self._pool() as pool:
+            with pool:
                 pending: set[concurrent.futures.Future[list[tuple[int, int]]]] = set()
                 chunks = iter(range(0, len(work), CHUNK))
                 for k in chunks:
@@ -403,6 +428,7 @@ class DecodedVariants:
             if not fill.cancel.is_set():
                 self._remove(fill)
         finally:
+            pool.shutdown(wait=False, cancel_futures=True)  # done already, unless it failed early
             fill.finished.set()
 
     def _mark(
