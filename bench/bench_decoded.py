@@ -10,16 +10,22 @@ transform (RandomResizedCrop(224), RandomHorizontalFlip, ToTensor, Normalize):
   door 1 with the stock transform; door 1 with decode="tensor" and the same augmentation in
   torchvision.transforms.v2 on the uint8 view (float32 normalized out); the same with uint8
   out (pytorch_ext.transforms.train, normalisation left to the GPU);
-the fill rate of the node beside a single-process PIL decode+resize loop times the cores, and
-the variant's bytes beside the JPEG bytes. Door 2 (the mount's NAME@N folder) is not built yet.
-Targets (issue 13): door 1 stock >= 1.8x; v2 float >= 2.7x; uint8 >= 5x; fill >= 0.8 of the
-cores' decode rate.
+  door 2: stock ImageFolder on the mount's NAME@N folder (PPM files), the same stock transform;
+  the floor: a dataset returning a ready float32 / uint8 3x224x224 tensor (what the loader
+  itself costs: collate and the samples crossing shared memory);
+the fill rate of the node (header pass + plan, then decoding) beside the rate of one process
+decoding+resizing the same way (a pool worker set up as the fill's) times the cores, and
+the variant's bytes beside the JPEG bytes.
+Targets (issue 13): door 1 and door 2 stock >= 1.8x; v2 float >= 2.7x; uint8 >= 5x; fill >=
+0.8 of the cores' decode rate.
 """
 
 from __future__ import annotations
 
 import argparse
+import concurrent.futures
 import logging
+import multiprocessing
 import os
 import sys
 import tempfile
@@ -30,6 +36,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+import torch  # noqa: E402
 from torch.utils.data import DataLoader, Dataset  # noqa: E402
 from torchvision import datasets  # noqa: E402
 
@@ -39,6 +46,7 @@ from kspeedfs.demo import ensure_sample, train_transform  # noqa: E402
 from kspeedfs.format import decoded as fmt  # noqa: E402
 from kspeedfs.format.units import format_size  # noqa: E402
 from kspeedfs.localproc import LocalCache  # noqa: E402
+from kspeedfs.node import decoded as node_decoded  # noqa: E402
 from pytorch_ext import KSpeedImageFolder  # noqa: E402
 from pytorch_ext import transforms as kt  # noqa: E402
 
@@ -56,14 +64,38 @@ def epoch2(ds: Dataset[Any], workers: int, batch: int) -> float:
     return rate
 
 
-def single_process_decode_rate(source: Path, size: int, count: int) -> float:
-    """Images/s of one process decoding + resizing files already in the page cache."""
-    paths = sorted(p for p in source.rglob("*") if p.is_file())[:count]
-    blobs = [p.read_bytes() for p in paths]
+def decode_loop(paths: list[str], size: int) -> float:
+    blobs = [Path(p).read_bytes() for p in paths]
     started = time.perf_counter()
     for data in blobs:
         fmt.decode_image(data, size)
     return len(blobs) / (time.perf_counter() - started)
+
+
+def single_process_decode_rate(source: Path, size: int, count: int) -> float:
+    """Images/s of one process decoding + resizing files already in memory, set up as the
+    fill's pool workers are (a forkserver child, the same malloc settings): without them PIL
+    decodes up to ~1.7x slower, and the ratio would flatter the fill."""
+    paths = sorted(str(p) for p in source.rglob("*") if p.is_file())[:count]
+    ctx = multiprocessing.get_context("forkserver")
+    with concurrent.futures.ProcessPoolExecutor(
+        1, mp_context=ctx, initializer=node_decoded._init_worker
+    ) as pool:
+        return pool.submit(decode_loop, paths, size).result()
+
+
+class ReadyTensors(Dataset[Any]):
+    """The floor: samples that cost nothing to make (the same 3x224x224 tensor each time)."""
+
+    def __init__(self, n: int, dtype: torch.dtype):
+        self.n = n
+        self.sample = torch.zeros(3, 224, 224, dtype=dtype)
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, index: int) -> tuple[torch.Tensor, int]:
+        return self.sample, 0
 
 
 def main() -> None:
@@ -99,14 +131,17 @@ def main() -> None:
         with admin.connect(node.settings) as client:
             started = time.perf_counter()
             decoded_client.start(client, "bench", args.size)
+            planned = time.perf_counter()
             v = decoded_client.wait(client, "bench", args.size)
             fill_s = time.perf_counter() - started
         fill_rate = v["files_total"] / fill_s
+        decode_rate = v["files_total"] / (fill_s - (planned - started))
         print(
             f"\nfill: {v['files_total']} images in {fill_s:.1f}s = {fill_rate:.0f} img/s on "
-            f"{cores} cores; one process decoding+resizing: {single:.0f} img/s "
-            f"(x{cores} = {single * cores:.0f}); ratio {fill_rate / (single * cores):.2f} "
-            "(target >= 0.8)"
+            f"{cores} cores (header pass + plan {planned - started:.2f}s, then decoding at "
+            f"{decode_rate:.0f} img/s); one process decoding+resizing: {single:.0f} img/s "
+            f"(x{cores} = {single * cores:.0f}); ratio {fill_rate / (single * cores):.2f}, "
+            f"decoding alone {decode_rate / (single * cores):.2f} (target >= 0.8)"
         )
         print(
             f"memory: variant {format_size(v['bytes'])} vs JPEG {format_size(jpeg_bytes)} "
@@ -117,7 +152,9 @@ def main() -> None:
         stock = epoch2(
             datasets.ImageFolder(str(source), train_transform()), args.workers, args.batch
         )
-        rows = [("stock ImageFolder on the source, stock transform", stock, None)]
+        rows: list[tuple[str, float, float | None]] = [
+            ("stock ImageFolder on the source, stock transform", stock, None)
+        ]
         configs: list[tuple[str, dict[str, Any], Any, float]] = [
             ("door 1, stock transform (PIL over the pixels)", {}, train_transform(), 1.8),
             (
@@ -136,11 +173,24 @@ def main() -> None:
         for label, extra, tfm, target in configs:
             ds = KSpeedImageFolder(str(source), transform=tfm, decoded=args.size, **extra, **kw)
             rows.append((label, epoch2(ds, args.workers, args.batch), target))
+        mount = node.mount(workdir / "mnt")
+        door2 = mount.mountpoint / f"bench@{args.size}" / source.name
+        ds2 = datasets.ImageFolder(str(door2), train_transform())
+        assert len(ds2) == len(files), f"{door2} shows {len(ds2)} images"
+        rows.append(
+            (
+                "door 2, stock ImageFolder on the mount's @N folder",
+                epoch2(ds2, args.workers, args.batch),
+                1.8,
+            )
+        )
+        for dtype in (torch.float32, torch.uint8):
+            floor = epoch2(ReadyTensors(len(files), dtype), args.workers, args.batch)
+            rows.append((f"floor: dataset returning a ready {dtype} tensor", floor, None))
         print(f"\nDataLoader epoch 2, {args.workers} workers, batch {args.batch}, shuffle:")
         for label, rate, tgt in rows:
             ratio = f"{rate / stock:5.2f}x" + (f" (target >= {tgt}x)" if tgt else "")
             print(f"  {label:58s} {rate:7.0f} img/s  {ratio}")
-        print("  door 2 (stock ImageFolder on the mount's @N folder): not built")
 
 
 if __name__ == "__main__":
