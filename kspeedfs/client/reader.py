@@ -75,6 +75,8 @@ class ClusterReader:
         self._idle: dict[str, list[Transport]] = {}
         self._lock = threading.Lock()
         self._pid = os.getpid()
+        # Read-through segments a remote owner said it holds: read there with no fill request.
+        self._filled: dict[tuple[str, int], str] = {}
 
     # Node health and connections.
 
@@ -261,6 +263,7 @@ class ClusterReader:
                     log.warning("%s: read from %s failed (%s); trying elsewhere", ds.name, node, e)
                     failed.add(node)
                     for p in pieces:
+                        self._filled.pop((ds.uuid, p.seg), None)  # evicted there, maybe
                         nxt = self._next_owner(ds, p.seg, failed)
                         (retry.setdefault(nxt, []) if nxt else from_source).append(p)
             by_node = retry
@@ -271,7 +274,15 @@ class ClusterReader:
 
     def _copy_local(self, ds: DatasetHandle, p: Piece, out: memoryview) -> bool:
         local = ds.local
-        if local is None or not (local.holds(p.seg) or (ds.readthrough and self._fill(ds, p.seg))):
+        if local is None:
+            return False
+        if not local.holds(p.seg) and not (
+            ds.readthrough
+            and self.local_node is not None
+            and self._fill_owner(ds, p.seg, set()) == self.local_node
+            and self._fill(ds, self.local_node, p.seg)
+            and local.holds(p.seg)
+        ):
             return False
         try:
             out[p.pos : p.pos + p.n] = local.view(p.seg, p.off, p.n)
@@ -286,21 +297,32 @@ class ClusterReader:
         """The best owner of a segment that is up and not tried yet (never this node: its copy
         is the local map)."""
         if ds.readthrough:
-            # One node holds a read-through dataset, filling segments on demand.
-            owner = ds.members[0] if ds.members else self.local_node
-            if owner is None or owner in failed or self.is_down(owner) or owner == self.local_node:
-                return None
-            return owner if self._fill(ds, seg) else None
+            # Filled on demand by the segment's owner (a down one's successor in rendezvous
+            # order, where the catalog places it once that one is lost).
+            tried = set(failed)
+            while (owner := self._fill_owner(ds, seg, tried)) not in (None, self.local_node):
+                assert owner is not None
+                if self._fill(ds, owner, seg):
+                    return owner
+                if not self.is_down(owner):
+                    return None  # it answered but cannot fill: the source, now
+                tried.add(owner)
+            return None
         for node in ds.owners(seg):
             if node != self.local_node and node not in failed and not self.is_down(node):
                 return node
         return None
 
-    def _fill(self, ds: DatasetHandle, seg: int) -> bool:
-        """Ask a read-through dataset's node to cache a segment; False: read the source now."""
-        owner = ds.members[0] if ds.members else self.local_node
-        if owner is None or self.is_down(owner):
-            return False
+    def _fill_owner(self, ds: DatasetHandle, seg: int, failed: set[str]) -> str | None:
+        """Where a read-through segment is filled: the first of its owners by placement over
+        the members (one node: that node) that is up and not in `failed`."""
+        owners = ds.owners(seg) if ds.members else [self.local_node] if self.local_node else []
+        return next((o for o in owners if o not in failed and not self.is_down(o)), None)
+
+    def _fill(self, ds: DatasetHandle, owner: str, seg: int) -> bool:
+        """Ask `owner` to cache a read-through segment; False: read the source now."""
+        if self._filled.get((ds.uuid, seg)) == owner:
+            return True
         try:
             reply = self.request(owner, "fill", name=ds.name, uuid=ds.uuid, segment=seg)
         except NodeUnreachable as e:
@@ -312,7 +334,9 @@ class ClusterReader:
         if reply.get("state") != "cached":
             _degraded(ds, str(reply.get("error") or f"segment {seg} is still being filled"))
             return False
-        return ds.local is None or ds.local.holds(seg)
+        if owner != self.local_node:  # a local one is seen in the map (and may leave it)
+            self._filled[(ds.uuid, seg)] = owner
+        return True
 
     def _read_node(
         self, ds: DatasetHandle, node: str, pieces: list[Piece], out: memoryview

@@ -2,6 +2,8 @@
 
 Everything that talks to etcd runs in worker threads (the event loop never waits on etcd), and
 the data plane never depends on it: with etcd away, reads go on and only control ops fail.
+Read-through datasets are cataloged too (their segments placed over the members, filled on
+demand), but not healed: a lost owner's segments are filled again by the next one on a miss.
 """
 
 from __future__ import annotations
@@ -19,12 +21,15 @@ import xxhash
 from kspeedfs.client.clusterstate import ClusterState, Record
 from kspeedfs.format import placement
 from kspeedfs.format.config import Settings
-from kspeedfs.format.errors import KSpeedError, NodeUnreachable
+from kspeedfs.format.errors import KSpeedError, NodeUnreachable, NotFound
 from kspeedfs.format.manifest import plan_layout
+from kspeedfs.format.names import validate_name
+from kspeedfs.format.readthrough_view import READTHROUGH
 from kspeedfs.format.tls import client_context
 from kspeedfs.format.units import parse_address
 from kspeedfs.net.connection import NodeClient
 from kspeedfs.node.preload import Plan, Stager
+from kspeedfs.node.readthrough import ReadThroughCache
 from kspeedfs.node.store import SegmentStore
 from kspeedfs.sources.source import open_source
 
@@ -53,11 +58,14 @@ class ControlPlane:
         call: Call,
         unload: UnloadLocal,
         stager: Stager | None = None,
+        readthrough: ReadThroughCache | None = None,
     ):
         self.settings = settings
         self.state = ClusterState.of(settings)
         self.store = store
         self.stager = stager  # its staged parts are rolled back when their claim is gone
+        self.readthrough = readthrough  # read-through datasets: adopted, not healed
+        self._adopt_lock = trio.Lock()  # one adoption at a time: the sync and an op may race
         self.call = call
         self.unload_local = unload
         self.address = ""
@@ -156,6 +164,39 @@ class ControlPlane:
     async def forget(self, name: str, uuid: str) -> bool:
         return await trio.to_thread.run_sync(self.state.remove, name, uuid)
 
+    async def replace(self, name: str, uuid: str, more: Record) -> bool:
+        """Change the ready record of instance `uuid` (a refresh: `more` names the new one)."""
+
+        def change(r: Record) -> Record:
+            return {**r, **more, "state": "ready"}
+
+        return await trio.to_thread.run_sync(self.state.update, name, uuid, change)
+
+    async def entry_now(self, name: str) -> Record | None:
+        """The catalog record of `name` read from etcd now."""
+        found = await trio.to_thread.run_sync(self.state.dataset, name)
+        return found[0] if found else None
+
+    async def announce(self, name: str, uuid: str) -> None:
+        """Ask the live members to adopt a ready instance now, not at their next sync."""
+        for member in self.live:
+            if member == self.address:
+                continue
+            try:
+                await self.call(member, "adopt", {"name": name, "uuid": uuid})
+            except KSpeedError as e:
+                log.info("%s: %s adopts it at its next sync (%s)", name, member, e)
+
+    async def op_adopt(self, msg: Record) -> Record:
+        """Take the catalog's ready instance of a dataset now (dropping another one held)."""
+        name = validate_name(msg.get("name", ""))
+        entry = await self.entry_now(name)
+        if entry is None or entry.get("state") != "ready" or entry.get("uuid") != msg.get("uuid"):
+            raise NotFound(f"no ready instance {str(msg.get('uuid'))[:8]} of {name!r} in etcd")
+        await self.adopt(name, entry)
+        record = self.store.datasets.get(name)
+        return {"name": name, "adopted": record is not None and record.uuid == entry["uuid"]}
+
     # Converging.
 
     async def _sync_forever(self) -> None:
@@ -194,8 +235,8 @@ class ControlPlane:
         """Drop the instances the catalog does not know (unloaded while this node was away,
         a preload whose coordinator died) and those of which this node was declared lost."""
         for name, record in list(self.store.datasets.items()):
-            if record.lifetime not in ("offline", "leased"):
-                continue  # read-through datasets are each mount's own
+            if self._busy(name):
+                continue  # being listed or refreshed here: the catalog learns it next
             if self._keeps(self.catalog.get(name), record.uuid, record.held):
                 continue
             # Read again: a preload may have claimed and published since the snapshot.
@@ -240,7 +281,12 @@ class ControlPlane:
                 continue
             if self.stager is not None and name in self.stager.stages:
                 continue  # a preload of this name is being staged here
+            if self._busy(name):
+                continue
             await self._adopt(name, entry)
+
+    def _busy(self, name: str) -> bool:
+        return self.readthrough is not None and name in self.readthrough.busy
 
     def _keeps(self, entry: Record | None, uuid: str, held: list[int]) -> bool:
         """A copy the catalog knows, and not one of a member declared lost (an empty copy,
@@ -284,6 +330,8 @@ class ControlPlane:
 
                 await trio.to_thread.run_sync(self.state.update, name, uuid, lose)
                 continue  # the next round works from the updated record
+            if entry.get("lifetime") == READTHROUGH:
+                continue  # filled on demand: a lost owner's segments refill on the next one
             placed = placed_members(entry)
             self.under_replicated[name] = sum(
                 1
@@ -351,11 +399,23 @@ class ControlPlane:
         if dropped:
             log.info("%s: dropped %d segments now held by their new owners", name, dropped)
 
+    async def adopt(self, name: str, entry: Record) -> None:
+        """`_adopt` at once, after dropping an instance the catalog no longer has (a
+        read-through dataset refreshed on another member)."""
+        held = self.store.datasets.get(name)
+        if held is not None and held.uuid != entry.get("uuid") and not self._busy(name):
+            log.info("dropping %s (instance %s): the catalog has another", name, held.uuid[:8])
+            await self.unload_local({"name": name, "uuid": held.uuid})
+        await self._adopt(name, entry)
+
     async def _adopt(self, name: str, entry: Record) -> None:
         """A member that holds no part of a dataset yet (joined, then `rebalance`): fetch its
         manifest from a member that has it and publish it holding no segment."""
-        if name in self.store.datasets:
-            return
+        async with self._adopt_lock:
+            if name not in self.store.datasets:
+                await self._adopt_unlocked(name, entry)
+
+    async def _adopt_unlocked(self, name: str, entry: Record) -> None:
         for peer in entry.get("members", []):
             if peer == self.address or peer not in self.live:
                 continue
@@ -377,7 +437,10 @@ class ControlPlane:
                 held=[],
                 endpoint=entry.get("endpoint", ""),
             )
-            await trio.to_thread.run_sync(self._publish_empty, name, blob, meta)
+            if entry.get("lifetime") == READTHROUGH and self.readthrough is not None:
+                await self.readthrough.adopt(name, blob, meta)
+            else:
+                await trio.to_thread.run_sync(self._publish_empty, name, blob, meta)
             log.info("%s: joined its members (manifest from %s)", name, peer)
             return
 

@@ -11,6 +11,10 @@ the budget is reached, read-through segments are evicted least recently used fir
 the spill folder when there is one, then unlinked (mapped pages stay valid; readers drop their
 maps when the eviction counter moves). The node also checks sources for changes: a changed
 dataset is served as it was cached and shown stale until `kspeedfs refresh NAME`.
+
+With etcd (a `ClusterCatalog`), a dataset is one cache over the cluster: the node that lists
+the source claims the name in the catalog, places the segments over the live members (readers
+ask each segment's owner to fill it), and every member adopts the manifest with no segment.
 """
 
 from __future__ import annotations
@@ -25,7 +29,7 @@ import time
 import uuid
 from collections import Counter, OrderedDict
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 import trio
@@ -62,6 +66,27 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 PRUNE_INTERVAL = 1.0
+FOLLOW_POLL_S = 0.2  # how often a member waits on a listing another member is making
+
+
+class ClusterCatalog(Protocol):
+    """What a read-through dataset needs of the etcd control plane (node.controlplane)."""
+
+    async def members_now(self) -> list[str]: ...
+
+    async def entry_now(self, name: str) -> dict[str, Any] | None: ...
+
+    async def claim(self, record: dict[str, Any]) -> None: ...
+
+    async def publish(self, name: str, uuid: str, more: dict[str, Any]) -> None: ...
+
+    async def replace(self, name: str, uuid: str, more: dict[str, Any]) -> bool: ...
+
+    async def forget(self, name: str, uuid: str) -> bool: ...
+
+    async def adopt(self, name: str, entry: dict[str, Any]) -> None: ...
+
+    async def announce(self, name: str, uuid: str) -> None: ...
 
 
 @dataclasses.dataclass
@@ -126,7 +151,13 @@ class ReadThroughCache:
         if spill_dir is not None:
             self.spill = SpillArea(Path(spill_dir), spill_budget)
         self._nursery: trio.Nursery | None = None
+        self.cluster: ClusterCatalog | None = None  # etcd: the catalog places the segments
+        self.busy: set[str] = set()  # names being listed or refreshed here (not converged)
         store.add_reclaimer(self.reclaim)
+
+    def use_cluster(self, cluster: ClusterCatalog) -> None:
+        """etcd: datasets registered here are placed over the live members and cataloged."""
+        self.cluster = cluster
 
     def register_ops(self, ops: OpRegistry) -> None:
         """Creating and refreshing a dataset needs an admin; filling what a reader misses (the
@@ -252,6 +283,10 @@ class ReadThroughCache:
         found = self._existing(name, source, endpoint)
         if found is not None:
             return found
+        if self.cluster is not None:
+            entry = await self.cluster.entry_now(name)
+            if entry is not None:
+                return await self._join(name, source, endpoint, entry)
         src = open_source(source, endpoint)
         # A missing bucket or wrong credentials: a one-line error now, and nothing created.
         await trio.to_thread.run_sync(src.check)
@@ -279,22 +314,108 @@ class ReadThroughCache:
             raise AlreadyExists(f"dataset {name!r} is already loading {progress.source}")
         return None
 
+    async def _join(
+        self, name: str, source: str, endpoint: str, entry: dict[str, Any]
+    ) -> dict[str, Any]:
+        """etcd: another member registered this name: take its manifest (ready) or wait for
+        its listing (loading)."""
+        assert self.cluster is not None and self._nursery is not None
+        if entry.get("source") != source or str(entry.get("endpoint") or "") != endpoint:
+            raise AlreadyExists(
+                f"dataset {name!r} already holds {entry.get('source')}: choose another --name"
+            )
+        if entry.get("state") == "ready":
+            await self.cluster.adopt(name, entry)
+            if name not in self.store.datasets:
+                raise NotFound(f"no member of {name!r} answers with its manifest")
+            return {"name": name, "state": "ready", "lifetime": READTHROUGH}
+        progress = self.loads.start(name, source)
+        self._nursery.start_soon(self._follow, name, str(entry["uuid"]), progress)
+        return {"name": name, "state": "scanning"}
+
+    async def _follow(self, name: str, uuid: str, progress: Progress) -> None:
+        """Wait for the listing another member claimed, then adopt it."""
+        assert self.cluster is not None
+        try:
+            while True:
+                await trio.sleep(FOLLOW_POLL_S)
+                try:
+                    entry = await self.cluster.entry_now(name)
+                except KSpeedError:
+                    continue  # etcd away a moment: the claim is still there or not
+                if entry is None or entry.get("uuid") != uuid:
+                    raise NotFound(f"the listing of {name!r} on another member was given up")
+                if entry.get("state") == "ready":
+                    await self.cluster.adopt(name, entry)
+                    if name not in self.store.datasets:
+                        raise NotFound(f"no member of {name!r} answers with its manifest")
+                    self.loads.finish(name)
+                    return
+        except BaseException as e:
+            log.error("joining %s failed: %s", name, self.loads.fail(name, e))
+            if not isinstance(e, Exception):
+                raise
+
+    async def _claim(self, name: str, src: Source, uid: str) -> list[str] | None:
+        """etcd: claim the name for instance `uid` and return the members to place over; None
+        when another member claimed it first (this one then follows that listing)."""
+        assert self.cluster is not None
+        members = await self.cluster.members_now()
+        record = {
+            "name": name,
+            "uuid": uid,
+            "state": "loading",
+            "source": src.url,
+            "endpoint": src.endpoint,
+            "lifetime": READTHROUGH,
+            "replicas": 1,
+            "members": members,
+            "segment_size": self.settings.segment_size,
+            "segments": 0,
+            "files": 0,
+            "bytes": 0,
+            "coordinator": self.address,
+            "created": time.time(),
+        }
+        try:
+            await self.cluster.claim(record)
+        except AlreadyExists:
+            entry = await self.cluster.entry_now(name)
+            if entry is None or entry.get("source") != src.url:
+                raise
+            return None
+        return members
+
     async def _register(self, name: str, src: Source, progress: Progress) -> None:
         staging: Path | None = None
+        uid = secrets.token_hex(16)
+        members = [self.address]
+        claimed = False
         try:
+            if self.cluster is not None:
+                placed = await self._claim(name, src, uid)
+                if placed is None:
+                    entry = await self.cluster.entry_now(name)
+                    await self._follow(name, str((entry or {}).get("uuid")), progress)
+                    return
+                members, claimed = placed, True
+                self.busy.add(name)
             tree = await trio.to_thread.run_sync(src.scan)
             progress.state = "loading"
             progress.files_total, progress.bytes_total = tree.file_count, tree.data_bytes
             segments = tree.data_bytes // self.settings.segment_size + len(tree) + 1
             self.store.reserve(name, manifest_size_estimate(tree) + 8 * segments)
             built, meta, _carried = await trio.to_thread.run_sync(
-                self._build, name, src, tree, None
+                self._build, name, src, tree, None, uid, members
             )
             staging = built
             record = await trio.to_thread.run_sync(self.store.publish, built, meta)
             staging = None
             ds, _ = await trio.to_thread.run_sync(self._open, record, False)
             self.datasets[name] = ds
+            if self.cluster is not None:  # etcd: ready for everyone; the members adopt it
+                await self.cluster.publish(name, uid, _catalog_fields(meta))
+                await self.cluster.announce(name, uid)
             self.loads.finish(name)
             log.info(
                 "read-through dataset %s of %s: %d files, %s in %d segments",
@@ -306,29 +427,50 @@ class ReadThroughCache:
             )
         except BaseException as e:
             self.store.release(name)
-            if staging is not None:
-                with trio.CancelScope(shield=True):
+            with trio.CancelScope(shield=True):
+                if staging is not None:
                     await trio.to_thread.run_sync(self.store.discard_staging, staging)
+                if claimed:
+                    await self._unclaim(name, uid)
             log.error("listing %s for %s failed: %s", src.url, name, self.loads.fail(name, e))
             if not isinstance(e, Exception):
                 raise
+        finally:
+            self.busy.discard(name)
+
+    async def _unclaim(self, name: str, uid: str) -> None:
+        """etcd: a listing that failed gives its name back (and its instance, if published)."""
+        assert self.cluster is not None
+        try:
+            await self.cluster.forget(name, uid)
+        except KSpeedError as e:
+            log.warning("could not remove %s from the catalog: %s", name, e)
+        record = self.store.datasets.get(name)
+        if record is not None and record.uuid == uid:
+            await trio.to_thread.run_sync(self.store.unload, name)
 
     def _build(
-        self, name: str, src: Source, tree: Tree, old: CachedDataset | None
+        self,
+        name: str,
+        src: Source,
+        tree: Tree,
+        old: CachedDataset | None,
+        uid: str = "",
+        members: list[str] | None = None,
     ) -> tuple[Path, dict[str, Any], dict[int, int]]:
-        """A staging folder for a new instance; with `old`, its segments whose contents are
-        unchanged are carried over (hard links: no copy, no memory). Returns the carried
-        segments, old -> new."""
+        """A staging folder for a new instance (`uid`, placed over `members`: this node alone
+        by default); with `old`, its segments whose contents are unchanged are carried over
+        (hard links: no copy, no memory). Returns the carried segments, old -> new."""
         segment_size = self.settings.segment_size
         offsets, seg_len = plan_layout(tree, segment_size)
         header = {
             "name": name,
-            "uuid": secrets.token_hex(16),
+            "uuid": uid or secrets.token_hex(16),
             "source": src.url,
             "endpoint": src.endpoint,
             "segment_size": segment_size,
             "created": time.time(),
-            "members": [self.address],
+            "members": members or [self.address],
             "replicas": 1,
             "readthrough": True,
             "digest": tree_digest(tree),
@@ -557,7 +699,43 @@ class ReadThroughCache:
             log.info("evicted %s of read-through data to make room", format_size(freed))
         return freed
 
+    # etcd: a dataset another member registered.
+
+    async def adopt(self, name: str, blob: bytes, meta: dict[str, Any]) -> None:
+        """Publish another member's instance here from its manifest, holding no segment: the
+        fills of the segments this node owns land here."""
+        staging = self.store.new_staging(name)
+        try:
+            segments = int(meta["segments"])
+
+            def write() -> int:
+                (staging / MANIFEST_FILE).write_bytes(blob)
+                np.zeros(segments, dtype="<u8").tofile(staging / SEGSUMS_FILE)
+                (staging / EPOCH_FILE).write_bytes(bytes(8))
+                return sum(
+                    (staging / f).stat().st_size for f in (MANIFEST_FILE, SEGSUMS_FILE, EPOCH_FILE)
+                )
+
+            base = await trio.to_thread.run_sync(write)
+            full = {**meta, "lifetime": READTHROUGH, "held": [], "stored": base}
+            record = await trio.to_thread.run_sync(self.store.publish, staging, full)
+        except BaseException:
+            with trio.CancelScope(shield=True):
+                await trio.to_thread.run_sync(self.store.discard_staging, staging)
+            raise
+        ds, _ = await trio.to_thread.run_sync(self._open, record, False)
+        self.datasets[name] = ds
+
     # Reads reported by readers.
+
+    def note_reads(self, name: str, segments: list[int]) -> None:
+        """Segments another node read from here (its reads miss this node's LRU otherwise)."""
+        ds = self.datasets.get(name)
+        if ds is None:
+            return
+        for seg in segments:
+            self._touch(ds, seg)
+        ds.stats["hits"] += 1
 
     def _touch(self, ds: CachedDataset, seg: int) -> None:
         key = (ds.name, seg)
@@ -622,40 +800,64 @@ class ReadThroughCache:
         if not changed and tree_digest(tree) == ds.manifest.header.get("digest"):
             self.changed.pop(name, None)
             return {"name": name, "state": "unchanged", "changed": 0}
+        # etcd: the new instance is placed over the members live now; the others drop the old
+        # one and adopt the new (their cached segments are filled again).
+        members = await self.cluster.members_now() if self.cluster is not None else None
         async with ds.lock:
-            staging, meta, carried = await trio.to_thread.run_sync(self._build, name, src, tree, ds)
+            self.busy.add(name)
             try:
-                await trio.to_thread.run_sync(self.store.unload, name)
-            except BaseException:
-                with trio.CancelScope(shield=True):
-                    await trio.to_thread.run_sync(self.store.discard_staging, staging)
-                raise
-            new_record = await trio.to_thread.run_sync(self.store.publish, staging, meta)
-            new, _ = await trio.to_thread.run_sync(self._open, new_record, False)
-            new.stats = ds.stats
-            if self.spill is not None:
-                await trio.to_thread.run_sync(
-                    self.spill.rename_dataset, ds.spill_key, new.spill_key, carried
-                )
-            self._forget(ds)
-            self.datasets[name] = new
-            for seg in sorted(new.resident):
-                self.lru[(name, seg)] = None
+                new, kept = await self._swap(ds, src, tree, members)
+            finally:
+                self.busy.discard(name)
+        if self.cluster is not None:
+            await self.cluster.announce(name, new.uuid)
         self.changed.pop(name, None)
         log.info(
             "refreshed %s: %d files changed, %d of %d segments kept",
             name,
             changed,
-            len(carried),
+            kept,
             new.manifest.segments,
         )
         return {
             "name": name,
             "state": "refreshed",
             "changed": changed,
-            "kept": len(carried),
+            "kept": kept,
             "segments": new.manifest.segments,
         }
+
+    async def _swap(
+        self, ds: CachedDataset, src: Source, tree: Tree, members: list[str] | None
+    ) -> tuple[CachedDataset, int]:
+        """Replace instance `ds` with one of `tree`, carrying its unchanged segments; returns
+        the new instance and how many segments it kept."""
+        name = ds.name
+        staging, meta, carried = await trio.to_thread.run_sync(
+            self._build, name, src, tree, ds, "", members
+        )
+        try:
+            if self.cluster is not None and not await self.cluster.replace(
+                name, ds.uuid, _catalog_fields(meta)
+            ):
+                raise NotFound(f"the catalog no longer has this instance of {name!r}")
+            await trio.to_thread.run_sync(self.store.unload, name)
+        except BaseException:
+            with trio.CancelScope(shield=True):
+                await trio.to_thread.run_sync(self.store.discard_staging, staging)
+            raise
+        new_record = await trio.to_thread.run_sync(self.store.publish, staging, meta)
+        new, _ = await trio.to_thread.run_sync(self._open, new_record, False)
+        new.stats = ds.stats
+        if self.spill is not None:
+            await trio.to_thread.run_sync(
+                self.spill.rename_dataset, ds.spill_key, new.spill_key, carried
+            )
+        self._forget(ds)
+        self.datasets[name] = new
+        for seg in sorted(new.resident):
+            self.lru[(name, seg)] = None
+        return new, len(carried)
 
     # Status.
 
@@ -699,6 +901,12 @@ class ReadThroughCache:
                 "budget": self.spill.budget,
             }
         return {"datasets": datasets, "spill": spill_info, "stats": dict(self.stats)}
+
+
+def _catalog_fields(meta: dict[str, Any]) -> dict[str, Any]:
+    """What the catalog record of a read-through instance says once it is listed."""
+    fields = ("uuid", "members", "segments", "files", "bytes", "segment_size", "created")
+    return {**{k: meta[k] for k in fields}, "lost": []}
 
 
 def _from_source(

@@ -120,9 +120,11 @@ class NodeServer:
         self.control: ControlPlane | None = None
         if settings.etcd:
             self.control = ControlPlane(
-                settings, self.store, self.call, self.op_unload_local, self.stager
+                settings, self.store, self.call, self.op_unload_local, self.stager, self.cache
             )
+            self.cache.use_cluster(self.control)  # read-through datasets span the members
             self.ops.add("rebalance", self.op_rebalance, ADMIN)
+            self.ops.add("adopt", self.control.op_adopt, ADMIN)
 
     def _register_ops(self) -> None:
         # Leases are the job role's: a lease can unload a dataset when it ends. A lease's id
@@ -314,6 +316,8 @@ class NodeServer:
                 " (unloaded and loaded again): not serving its bytes"
             )
         views = [ds.view(seg, off, n) for seg, off, n in ranges]
+        if name in self.cache.datasets:  # read-through: a remote hit keeps it in the LRU
+            self.cache.note_reads(name, [seg for seg, _off, _n in ranges])
         total = sum(len(v) for v in views)
         self.stats["reads"] += 1
         self.stats["read_bytes"] += total

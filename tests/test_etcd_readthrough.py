@@ -1,0 +1,132 @@
+"""Read-through datasets over an etcd cluster: the segments are placed over the members, each
+filled on its owner, and the cluster's memory is one cache (real etcd, nodes, FUSE mounts)."""
+
+from __future__ import annotations
+
+import os
+import shutil
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import requests
+from clusterutil import held_on_disk
+from conftest import MountProcess, NodeProcess, wait_for
+from etcdutil import EtcdCluster
+from prometheus_client.parser import text_string_to_metric_families
+
+from kspeedfs.format import placement
+from kspeedfs.localetcd import EtcdProcess
+from kspeedfs.localproc import free_port
+from kspeedfs.node.controlplane import placed_members
+
+pytestmark = pytest.mark.skipif(shutil.which("etcd") is None, reason="etcd-server not installed")
+
+
+@pytest.fixture
+def etcd(tmp_path: Path) -> Iterator[EtcdProcess]:
+    server = EtcdProcess(tmp_path).start()
+    yield server
+    server.stop()
+
+
+@pytest.fixture
+def cluster(tmp_path: Path, token_file: Path, etcd: EtcdProcess) -> Iterator[EtcdCluster]:
+    c = EtcdCluster(tmp_path, token_file, etcd)
+    yield c
+    c.stop()
+
+
+def _source_tree(root: Path) -> dict[str, bytes]:
+    out = {}
+    for i in range(90):  # ~2.3 MB in 64 KiB segments: ~35 of them over 3 members
+        rel = f"d{i % 3}/r{i:03d}.bin"
+        data = os.urandom(10_000 + 331 * i)
+        (root / rel).parent.mkdir(parents=True, exist_ok=True)
+        (root / rel).write_bytes(data)
+        out[rel] = data
+    return out
+
+
+def _cache(node: NodeProcess, name: str) -> dict[str, int]:
+    return node.request("status")["cache"]["datasets"][name]
+
+
+def _read_all(mountpoint: Path, expected: dict[str, bytes]) -> int:
+    """Reads every file through the mount; returns how many came back wrong."""
+    return sum((mountpoint / rel).read_bytes() != data for rel, data in expected.items())
+
+
+def _scrape(port: int) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    text = requests.get(f"http://127.0.0.1:{port}/metrics", timeout=5).text
+    return {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+    }
+
+
+def test_readthrough_fills_land_on_owners_and_a_second_epoch_reads_no_source(
+    cluster: EtcdCluster, tmp_path: Path
+) -> None:
+    nodes = [cluster.add() for _ in range(3)]
+    source = tmp_path / "src"
+    expected = _source_tree(source)
+    mounts: list[MountProcess] = []
+
+    def mount_on(node: NodeProcess, tag: str, *more: str) -> MountProcess:
+        env = {**cluster.client_env(), "KSPEEDFS_LISTEN": node.address}  # the mount's machine
+        args = ("--source", str(source), "--name", "rt", "--workers", "1", *more)
+        m = MountProcess(tmp_path / tag, env, tmp_path, args=args)
+        mounts.append(m)
+        return m.start()
+
+    try:
+        # Epoch 1 through a mount on the first node: it registers the source.
+        first = mount_on(nodes[0], "mnt0")
+        record = cluster.record("rt")
+        assert record["state"] == "ready" and record["lifetime"] == "readthrough"
+        placed = placed_members(record)
+        assert placed == sorted(n.address for n in nodes)
+        # Every member adopted it (the manifest, no segment) before the listing returned.
+        for n in nodes:
+            listed = {d["name"]: d for d in n.request("list")["datasets"]}
+            assert listed["rt"]["uuid"] == record["uuid"]
+        assert _read_all(first.mountpoint, expected) == 0
+
+        # Each segment was filled once, on its owner by placement over the members.
+        segments = int(record["segments"])
+        owned = {n.address: [] for n in nodes}  # type: dict[str, list[int]]
+        for seg in range(segments):
+            owned[placement.owners("rt", seg, placed)[0]].append(seg)
+        for n in nodes:
+            assert owned[n.address], "each member owns a share"
+            assert held_on_disk(n, "rt") == owned[n.address]
+            assert _cache(n, "rt")["fills_source"] == len(owned[n.address])
+        source_bytes = {n.address: _cache(n, "rt")["source_bytes"] for n in nodes}
+        assert sum(source_bytes.values()) == sum(len(d) for d in expected.values())
+
+        # Epoch 2 through a mount on another node (its own page cache): it joins the dataset
+        # already cataloged and reads every byte from the members, none from the source.
+        port = free_port()
+        second = mount_on(nodes[1], "mnt1", "--metrics-listen", f"127.0.0.1:{port}")
+        assert cluster.record("rt")["uuid"] == record["uuid"]
+        assert _read_all(second.mountpoint, expected) == 0
+        after = _scrape(port)
+        for n in nodes:
+            assert _cache(n, "rt")["source_bytes"] == source_bytes[n.address]
+            assert _cache(n, "rt")["fills_source"] == len(owned[n.address])
+        assert after[("kspeedfs_mount_read_bytes_total", (("path", "source"),))] == 0
+        # What the mount's node owns it maps (those reads are not the cluster path's); the rest
+        # came from the other two owners.
+        remote = after[("kspeedfs_mount_read_bytes_total", (("path", "remote"),))]
+        assert 0 < remote < sum(len(d) for d in expected.values())
+    finally:
+        for m in mounts:
+            m.stop()
+
+    # Unloading from any node takes it away everywhere.
+    nodes[2].request("unload", name="rt")
+    assert cluster.record("rt") == {}
+    for n in nodes:
+        wait_for(lambda n=n: not (n.shm_dir / "datasets" / "rt").exists(), 15, "rt unloaded")
