@@ -263,6 +263,11 @@ def test_metrics_count_the_reads_served(cluster: EtcdCluster, tmp_path: Path) ->
     assert samples[("kspeedfs_members_live", ())] == 1
     assert samples[("kspeedfs_dataset_leases", (("dataset", "scraped"),))] == 0
     assert samples[("kspeedfs_heal_segments_total", ())] == 0
+    # Latency histograms, exposed before anything was observed.
+    for origin in ("source", "spill"):
+        assert samples[("kspeedfs_readthrough_fill_seconds_count", (("origin", origin),))] == 0
+    for origin in ("peer", "source"):
+        assert samples[("kspeedfs_heal_copy_seconds_count", (("origin", origin),))] == 0
 
 
 def test_join_and_rebalance_move_one_nth_and_old_owners_let_go(
@@ -355,5 +360,15 @@ def test_mount_metrics_count_bytes_by_path(cluster: EtcdCluster, tmp_path: Path)
     # No node is this machine's "local" one and every owner is up: all bytes came remote.
     assert by_path == {"local": 0, "remote": sum(sizes.values()), "source": 0}
     assert after[("kspeedfs_mount_reads_total", (("path", "remote"),))] >= 1
+    # The latency of each remote read: one observation per read, buckets cumulative.
+    reads = after[("kspeedfs_mount_reads_total", (("path", "remote"),))]
+    assert after[("kspeedfs_mount_remote_read_seconds_count", ())] == reads
+    buckets = sorted(
+        (float(dict(labels)["le"]), v)
+        for (name, labels), v in after.items()
+        if name == "kspeedfs_mount_remote_read_seconds_bucket"
+    )
+    assert [v for _le, v in buckets] == sorted(v for _le, v in buckets)
+    assert buckets[-1] == (float("inf"), reads)
     assert after[("kspeedfs_mount_requests_total", (("op", "read"),))] >= len(sizes)
     assert after[("kspeedfs_mount_requests_total", (("op", "lookup"),))] >= len(sizes)

@@ -69,7 +69,9 @@ def _scrape(port: int) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
 def test_readthrough_fills_land_on_owners_and_a_second_epoch_reads_no_source(
     cluster: EtcdCluster, tmp_path: Path
 ) -> None:
-    nodes = [cluster.add() for _ in range(3)]
+    node_port = free_port()  # the first node's metrics: its fills' latency histogram
+    nodes = [cluster.add(KSPEEDFS_METRICS_LISTEN=f"127.0.0.1:{node_port}")]
+    nodes += [cluster.add() for _ in range(2)]
     source = tmp_path / "src"
     expected = _source_tree(source)
     mounts: list[MountProcess] = []
@@ -105,6 +107,15 @@ def test_readthrough_fills_land_on_owners_and_a_second_epoch_reads_no_source(
             assert _cache(n, "rt")["fills_source"] == len(owned[n.address])
         source_bytes = {n.address: _cache(n, "rt")["source_bytes"] for n in nodes}
         assert sum(source_bytes.values()) == sum(len(d) for d in expected.values())
+        fills = _scrape(node_port)
+        origin = (("origin", "source"),)
+        assert fills[("kspeedfs_readthrough_fill_seconds_count", origin)] == len(
+            owned[nodes[0].address]
+        )
+        assert fills[("kspeedfs_readthrough_fill_seconds_sum", origin)] > 0
+        assert fills[("kspeedfs_readthrough_fill_seconds_bucket", (("le", "+Inf"), *origin))] == (
+            len(owned[nodes[0].address])
+        )
 
         # Epoch 2 through a mount on another node (its own page cache): it joins the dataset
         # already cataloged and reads every byte from the members, none from the source.
@@ -121,6 +132,11 @@ def test_readthrough_fills_land_on_owners_and_a_second_epoch_reads_no_source(
         # came from the other two owners.
         remote = after[("kspeedfs_mount_read_bytes_total", (("path", "remote"),))]
         assert 0 < remote < sum(len(d) for d in expected.values())
+        # Every read from another node is one observation of the latency histogram.
+        reads = after[("kspeedfs_mount_reads_total", (("path", "remote"),))]
+        assert after[("kspeedfs_mount_remote_read_seconds_count", ())] == reads > 0
+        assert after[("kspeedfs_mount_remote_read_seconds_bucket", (("le", "+Inf"),))] == reads
+        assert after[("kspeedfs_mount_remote_read_seconds_sum", ())] > 0
     finally:
         for m in mounts:
             m.stop()

@@ -23,7 +23,7 @@ from typing import Any, NamedTuple
 
 import xxhash
 
-from kspeedfs.client import passed
+from kspeedfs.client import latency, passed
 from kspeedfs.client.handle import DatasetHandle
 from kspeedfs.format.config import Settings
 from kspeedfs.format.errors import (
@@ -256,7 +256,9 @@ class ClusterReader:
             retry: dict[str, list[Piece]] = {}
             for node, pieces in by_node.items():
                 try:
+                    started = time.perf_counter()
                     self._read_node(ds, node, pieces, out)
+                    latency.observe(self.stats, latency.REMOTE_READ, time.perf_counter() - started)
                     self.stats["remote"] += 1
                     self.stats["remote_bytes"] += sum(p.n for p in pieces)
                 except KSpeedError as e:

@@ -10,7 +10,10 @@ from __future__ import annotations
 import mmap
 import os
 
+from kspeedfs.client import latency
+
 SLOTS = 64  # opcodes below this count in their own slot; the rest in slot 0 ("other")
+ROW_SLOTS = 80  # and past them, the latency histogram of remote reads
 # Slots no opcode uses, for where cluster reads were served from (ClusterReader.stats).
 SOURCE_SLOTS = {
     "local": 60,
@@ -19,12 +22,14 @@ SOURCE_SLOTS = {
     "local_bytes": 57,  # and the bytes each path served (the mount's metrics)
     "remote_bytes": 58,
     "source_bytes": 59,
+    **{key: SLOTS + i for i, key in enumerate(latency.keys(latency.REMOTE_READ))},
 }
-ROW_BYTES = SLOTS * 8
+assert max(SOURCE_SLOTS.values()) < ROW_SLOTS
+ROW_BYTES = ROW_SLOTS * 8
 
 
 class SharedCounters:
-    """`rows` rows of SLOTS unsigned 64-bit counters in shared memory."""
+    """`rows` rows of ROW_SLOTS unsigned 64-bit counters in shared memory."""
 
     def __init__(self, fd: int, rows: int):
         self.fd = fd
@@ -40,7 +45,7 @@ class SharedCounters:
 
     def row(self, i: int) -> memoryview:
         """The counters of row i, indexed by opcode (what its serving thread increments)."""
-        return self._view[i * SLOTS : (i + 1) * SLOTS]
+        return self._view[i * ROW_SLOTS : (i + 1) * ROW_SLOTS]
 
     def totals(self, names: dict[int, str]) -> dict[str, int]:
         """Requests by kind over every row (`names`: opcode -> kind; others count as other)."""

@@ -1,5 +1,9 @@
 """Prometheus exposition of a mount (`kspeedfs mount --metrics-listen`): its shared counters,
-read at scrape time by the mount process (FUSE requests by kind, cluster reads by path)."""
+read at scrape time by the mount process (FUSE requests by kind, cluster reads by path, the
+latency of remote reads). The reads happen in the worker processes: a prometheus_client
+Histogram there would need its multiprocess mode (files per process); the read policy keeps
+the buckets as integers instead, each worker copies them into its row of the shared counters,
+and this collector adds them up into one histogram."""
 
 from __future__ import annotations
 
@@ -7,9 +11,10 @@ import logging
 from collections.abc import Iterator
 
 from prometheus_client import start_http_server
-from prometheus_client.core import CollectorRegistry, CounterMetricFamily
+from prometheus_client.core import CollectorRegistry, CounterMetricFamily, HistogramMetricFamily
 from prometheus_client.registry import Collector
 
+from kspeedfs.client import latency
 from kspeedfs.format.units import parse_address
 from kspeedfs.fuse.counters import SharedCounters
 from kspeedfs.fuse.kernel import OPCODE_NAMES
@@ -25,7 +30,7 @@ class MountCollector(Collector):
     def __init__(self, counters: SharedCounters):
         self.counters = counters
 
-    def collect(self) -> Iterator[CounterMetricFamily]:
+    def collect(self) -> Iterator[CounterMetricFamily | HistogramMetricFamily]:
         requests = CounterMetricFamily(
             "kspeedfs_mount_requests", "FUSE requests answered, by kind", labels=["op"]
         )
@@ -47,6 +52,13 @@ class MountCollector(Collector):
             read_bytes.add_metric([path], sources.get(f"{path}_bytes", 0))
         yield reads
         yield read_bytes
+        buckets, total = latency.cumulative(sources, latency.REMOTE_READ)
+        yield HistogramMetricFamily(
+            "kspeedfs_mount_remote_read_seconds",
+            "time of each read from another node (all the pieces one read asked of it)",
+            buckets=buckets,
+            sum_value=total,
+        )
 
 
 def serve_mount_metrics(listen: str, counters: SharedCounters) -> int | None:

@@ -17,6 +17,7 @@ from typing import Any
 
 import trio
 import xxhash
+from prometheus_client import Histogram
 
 from kspeedfs.client.clusterstate import ClusterState, Record
 from kspeedfs.format import placement
@@ -28,6 +29,7 @@ from kspeedfs.format.readthrough_view import READTHROUGH
 from kspeedfs.format.tls import client_context
 from kspeedfs.format.units import parse_address
 from kspeedfs.net.connection import NodeClient
+from kspeedfs.node.metrics import FILL_BUCKETS
 from kspeedfs.node.preload import Plan, Stager
 from kspeedfs.node.readthrough import ReadThroughCache
 from kspeedfs.node.store import SegmentStore
@@ -83,6 +85,15 @@ class ControlPlane:
             "dropped_bytes": 0,
         }
         self.under_replicated: dict[str, int] = {}
+        self.copy_seconds = Histogram(  # exposed by node.metrics (registered there)
+            "kspeedfs_heal_copy_seconds",
+            "time to copy one segment for healing or rebalance, by where it came from",
+            ["origin"],
+            buckets=FILL_BUCKETS,
+            registry=None,
+        )
+        for origin in ("peer", "source"):
+            self.copy_seconds.labels(origin)  # exposed at 0 before the first copy
         self._warned = False
 
     # Membership.
@@ -490,7 +501,9 @@ class ControlPlane:
                 break
             log.warning("segment %d of %s from %s fails its checksum", seg, name, peer)
             data = None
+        origin = "peer"
         if data is None:
+            origin = "source"
             try:
                 src = open_source(entry["source"], str(entry.get("endpoint", "")))
                 data = await trio.to_thread.run_sync(
@@ -507,7 +520,9 @@ class ControlPlane:
         await trio.to_thread.run_sync(self.store.add_segment, name, seg, data)
         self.heal["segments"] += 1
         self.heal["bytes"] += length
-        self.heal["seconds"] += time.monotonic() - started
+        elapsed = time.monotonic() - started
+        self.heal["seconds"] += elapsed
+        self.copy_seconds.labels(origin).observe(elapsed)
 
     def _read_peer(self, peer: str, name: str, uuid: str, seg: int, length: int) -> bytearray:
         out = bytearray()

@@ -1,9 +1,10 @@
-"""Prometheus exposition of a node (`metrics_listen`): figures read from the node at scrape time."""
+"""Prometheus exposition of a node (`metrics_listen`): figures read from the node at scrape time,
+and the latency histograms the node's parts keep (fills, heal copies)."""
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 from prometheus_client import start_http_server
@@ -13,6 +14,9 @@ from prometheus_client.registry import Collector
 from kspeedfs.format.units import parse_address
 
 log = logging.getLogger(__name__)
+
+# Seconds: a segment of tens of MiB filled or copied from tmpfs, a disk, NFS or S3.
+FILL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 10.0)
 
 
 class NodeCollector(Collector):
@@ -125,11 +129,15 @@ def _readthrough(datasets: dict[str, Any]) -> Iterator[CounterMetricFamily]:
         yield family
 
 
-def serve_metrics(listen: str, snapshot: Callable[[], dict[str, Any]]) -> int:
+def serve_metrics(
+    listen: str, snapshot: Callable[[], dict[str, Any]], histograms: Sequence[Collector] = ()
+) -> int:
     """Start the /metrics HTTP server in its own thread; returns its port."""
     address = parse_address(listen)
     registry = CollectorRegistry()
     registry.register(NodeCollector(snapshot))
+    for histogram in histograms:
+        registry.register(histogram)
     server, _thread = start_http_server(address.port, addr=address.host, registry=registry)
     port = int(server.server_address[1])
     log.info("metrics on http://%s:%d/metrics", address.host, port)

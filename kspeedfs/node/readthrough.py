@@ -34,6 +34,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 import numpy as np
 import trio
 import xxhash
+from prometheus_client import Histogram
 
 from kspeedfs.format.errors import (
     AlreadyExists,
@@ -51,6 +52,7 @@ from kspeedfs.format.names import validate_name
 from kspeedfs.format.readthrough_view import EPOCH_FILE, READTHROUGH, SEGSUMS_FILE
 from kspeedfs.format.tree import Tree
 from kspeedfs.format.units import format_size, parse_size
+from kspeedfs.node.metrics import FILL_BUCKETS
 from kspeedfs.node.ops import ADMIN, JOB, OpRegistry
 from kspeedfs.node.preload import tree_digest
 from kspeedfs.node.spill import SpillArea
@@ -153,6 +155,15 @@ class ReadThroughCache:
         self._nursery: trio.Nursery | None = None
         self.cluster: ClusterCatalog | None = None  # etcd: the catalog places the segments
         self.busy: set[str] = set()  # names being listed or refreshed here (not converged)
+        self.fill_seconds = Histogram(  # exposed by node.metrics (registered there)
+            "kspeedfs_readthrough_fill_seconds",
+            "time to fill a segment, from the miss to the segment in memory",
+            ["origin"],
+            buckets=FILL_BUCKETS,
+            registry=None,
+        )
+        for origin in ("source", "spill"):
+            self.fill_seconds.labels(origin)  # exposed at 0 before the first fill
         store.add_reclaimer(self.reclaim)
 
     def use_cluster(self, cluster: ClusterCatalog) -> None:
@@ -565,6 +576,8 @@ class ReadThroughCache:
         length = ds.seg_len(seg)
         reservation = f"fill:{ds.name}:{ds.uuid}:{seg}"
         tmp = self.store.staging_dir / f"fill.{ds.name}.{seg:08d}.{uuid.uuid4().hex[:8]}"
+        started = time.perf_counter()
+        origin = "source"
         try:
             await self._make_room(length, reservation)
             checksum = 0
@@ -572,6 +585,7 @@ class ReadThroughCache:
                 try:
                     checksum = await trio.to_thread.run_sync(self._from_spill, ds, seg, tmp)
                     ds.stats["fills_spill"] += 1
+                    origin = "spill"
                 except (OSError, DataError) as e:
                     log.warning(
                         "spilled segment %d of %s unusable (%s): reading the source",
@@ -601,6 +615,7 @@ class ReadThroughCache:
                 ds.record.held.append(seg)
                 ds.record.stored += length
                 self.lru[key] = None
+            self.fill_seconds.labels(origin).observe(time.perf_counter() - started)
         except SourceChanged as e:
             fill.error = str(e)
             self._mark_changed(ds)

@@ -174,7 +174,10 @@ class NodeServer:
             if self.control is not None:  # control plane: join once the port is known
                 await nursery.start(self.control.run, self.address)
             if self.settings.metrics_listen:  # metrics: Prometheus /metrics, its own thread
-                serve_metrics(self.settings.metrics_listen, self._metrics_snapshot)
+                histograms = [self.cache.fill_seconds]
+                if self.control is not None:
+                    histograms.append(self.control.copy_seconds)
+                serve_metrics(self.settings.metrics_listen, self._metrics_snapshot, histograms)
             log.info(
                 "serving on %s%s: %d datasets, %s of %s budget used, shm %s",
                 self.address,
