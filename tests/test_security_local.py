@@ -159,7 +159,8 @@ def test_a_read_token_reads_through_passed_fds(
     assert out["segment"] == out["manifest"] == "PermissionError"  # still not by path
     assert out["local"] == "PassedDataset"
     assert out["read"] == SECRET.hex()
-    assert out["stats"] == {"local": 1}  # the fast path's local map, no TCP read
+    # The fast path's local map served it (no TCP read); byte counts aside.
+    assert {k: v for k, v in out["stats"].items() if not k.endswith("_bytes")} == {"local": 1}
     assert attached == 1
 
 

@@ -20,17 +20,17 @@ class DatasetHandle:
     replicas: int
     manifest: Manifest
     local: LocalDataset | None = None
+    heals: bool = False  # a control plane re-creates lost copies (etcd): look for them too
     _owners: dict[int, list[str]] = field(default_factory=dict)
 
     def owners(self, seg: int) -> list[str]:
-        """Where to look for a segment, best first: its `replicas` placed owners, then as many
-        nodes again in rendezvous order, which is where a cluster that healed the copies of a
-        lost owner put them (placement over the members left picks exactly those)."""
+        """Where to look for a segment, best first: its `replicas` placed owners, then, in a
+        cluster that heals, as many nodes again in rendezvous order: where the copies of a lost
+        owner are re-created (placement over the members left picks exactly those)."""
         found = self._owners.get(seg)
         if found is None:
-            found = self._owners[seg] = placement.owners(
-                self.name, seg, self.members, 2 * self.replicas
-            )
+            wanted = self.replicas * (2 if self.heals else 1)
+            found = self._owners[seg] = placement.owners(self.name, seg, self.members, wanted)
         return found
 
     @property

@@ -157,6 +157,7 @@ class ClusterReader:
             replicas=int(manifest.header.get("replicas", info.get("replicas", 1))),
             manifest=manifest,
             local=local,
+            heals="placed" in info,
         )
 
     def _open_local(self, info: dict[str, Any]) -> LocalDataset | None:

@@ -622,6 +622,12 @@ class FuseSession:
             return False
         return True
 
+    def inherited_fds(self) -> tuple[int, ...]:
+        """What a serving process must hold besides its clone: the auto_unmount socket, so that
+        fusermount3 sees it close only once the last process that serves the mount is gone
+        (it does not unmount a connection a clone still keeps alive)."""
+        return (self._keep.fileno(),) if self._keep is not None else ()
+
     def clone_fd(self) -> int:
         """A new /dev/fuse fd bound to this mount: requests spread over all of them."""
         fd = os.open("/dev/fuse", os.O_RDWR | os.O_CLOEXEC)

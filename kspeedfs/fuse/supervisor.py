@@ -157,7 +157,8 @@ class Workers:
             args.append("--verbose")
         try:
             proc = await trio.lowlevel.open_process(
-                args, pass_fds=(fd, theirs.fileno(), self.counters.fd)
+                args,
+                pass_fds=(fd, theirs.fileno(), self.counters.fd, *self.session.inherited_fds()),
             )
         finally:
             theirs.close()

@@ -6,14 +6,12 @@ the socket come the settings, the datasets with the slots the supervisor gave th
 results and interrupts other workers could not place; back go refresh requests, interrupts for
 requests this worker does not hold, and read-through touches. It starts serving only once it
 has opened every dataset it was told about, so a restarted worker never answers ESTALE for a
-live instance. It ends when the mount goes (exit 0), or with the supervisor (its socket closes;
-PR_SET_PDEATHSIG for the case it is killed).
+live instance. It ends when the mount goes (exit 0), or with the supervisor (its socket closes).
 """
 
 from __future__ import annotations
 
 import argparse
-import ctypes
 import logging
 import os
 import pickle
@@ -38,7 +36,6 @@ REFRESH_INTERVAL = 1.0
 TOUCH_INTERVAL = 1.0
 DEADLINE_TIMEOUTS = 3  # a read waits at most this many node timeouts, then gets EIO
 EXIT_DETACHED = 0  # the mount is gone: not to be restarted
-PR_SET_PDEATHSIG = 1
 
 
 def send(sock: socket.socket, *message: Any) -> None:
@@ -189,10 +186,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--verbose", action="store_true")
     args = p.parse_args(argv)
     setup_logging(args.verbose)
-    try:  # die with the supervisor even when it is killed
-        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
-    except (OSError, AttributeError):
-        pass
+    # No PR_SET_PDEATHSIG: it fires when the *thread* that spawned us ends (trio spawns from
+    # worker threads it retires after a few idle seconds), which killed healthy workers. We end
+    # with the supervisor through the control socket instead: EOF once its process is gone.
     if os.getppid() == 1:
         return EXIT_DETACHED  # the supervisor died before we could ask
     # The supervisor handles SIGINT/SIGTERM for the whole mount; it stops us itself.
