@@ -136,6 +136,15 @@ class LocalDataset:
             return self.view(*pieces[0])
         return memoryview(b"".join(self.view(*p) for p in pieces))
 
+    def read_view(self, i: int, offset: int, length: int) -> memoryview | bytes:
+        """Bytes [offset, offset+length) of file i: a view of the segment where they lie in one
+        (no copy: what FUSE writes to the kernel), else a joined copy."""
+        pieces = self.manifest.ranges(i, offset, length)
+        if len(pieces) == 1:
+            seg, off, n = pieces[0]
+            return memoryview(self.segment(seg))[off : off + n]
+        return self.read(i, offset, length)
+
     def read(self, i: int, offset: int, length: int) -> bytes:
         """A copy of bytes [offset, offset+length) of file i (what FUSE hands to the kernel)."""
         pieces = self.manifest.ranges(i, offset, length)

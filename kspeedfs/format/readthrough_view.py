@@ -130,6 +130,12 @@ class ReadThroughDataset(LocalDataset):
         self.hits += 1
         return data
 
+    def read_view(self, i: int, offset: int, length: int) -> memoryview | bytes:
+        data = super().read_view(i, offset, length)
+        if isinstance(data, memoryview):
+            self.hits += 1  # a joined copy went through read(), which counted it
+        return data
+
     def drain_touches(self) -> tuple[list[int], int]:
         """Segments read and reads served since the last call (for the node's LRU and stats)."""
         touched, self.touched = self.touched, set()

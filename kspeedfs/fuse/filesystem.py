@@ -38,7 +38,6 @@ from kspeedfs.fuse.kernel import (
     OPCODE_NAMES,
     ROOT_INODE,
     Attr,
-    Buffer,
     FuseError,
     ReadResult,
     StatFs,
@@ -264,7 +263,7 @@ class KSpeedFS:
         local = mounted.data.local
         if local is not None:
             try:
-                return _read_local(local, idx, offset, size)  # inline: no thread hop
+                return local.read_view(idx, offset, size)  # inline: no thread hop, no copy
             except DataError:
                 pass  # not (all) held here: the cluster path below knows where it is
         return self._cluster_read(mounted, idx, offset, size)
@@ -356,13 +355,3 @@ def _release(mounted: MountedDataset) -> None:
         return
     if mounted.data.local is not None:
         mounted.data.local.release()  # its memory returns to the node's machine
-
-
-def _read_local(local: Any, idx: int, offset: int, size: int) -> Buffer:
-    """Bytes of file idx from the local maps: a view of the segment (no copy; writev copies it
-    into the kernel) where they lie in one segment."""
-    pieces = local.manifest.ranges(idx, offset, size)
-    if len(pieces) == 1:
-        seg, off, n = pieces[0]
-        return memoryview(local.segment(seg))[off : off + n]
-    return local.read(idx, offset, size)
