@@ -10,7 +10,6 @@ and shrinking around each image.
 from __future__ import annotations
 
 import concurrent.futures
-import ctypes
 import dataclasses
 import io
 import logging
@@ -37,6 +36,7 @@ from kspeedfs.format.units import format_size
 from kspeedfs.node.ops import ADMIN, JOB, READ, OpRegistry
 from kspeedfs.node.safedir import DIR_FLAGS, remove_beneath
 from kspeedfs.node.store import SegmentStore
+from kspeedfs.system.memory import keep_freed_memory
 
 log = logging.getLogger(__name__)
 
@@ -56,12 +56,7 @@ _worker_cache: dict[str, Any] = {}
 
 
 def _init_worker(node_pid: int = 0) -> None:
-    try:  # glibc: keep 64 MiB at the heap top, never trim (M_TRIM_THRESHOLD -1, M_TOP_PAD -2)
-        libc = ctypes.CDLL("libc.so.6")
-        libc.mallopt(-1, 256 << 20)
-        libc.mallopt(-2, 64 << 20)
-    except (OSError, AttributeError):
-        pass
+    keep_freed_memory()
     warnings.simplefilter("ignore", Image.DecompressionBombWarning)
     if node_pid:
         _end_with(node_pid)

@@ -43,6 +43,7 @@ from kspeedfs.node.readthrough import ReadThroughCache
 from kspeedfs.node.store import SegmentStore
 from kspeedfs.rdma.server import RdmaService
 from kspeedfs.sources.loader import Progress
+from kspeedfs.system.memory import return_large_buffers
 from kspeedfs.system.notify import notify, watchdog_interval
 
 log = logging.getLogger(__name__)
@@ -708,5 +709,6 @@ def _count_files(folders: list[Path]) -> int:
 
 
 def run_node(settings: Settings) -> None:
+    return_large_buffers()  # a dropped client's big frame must not stay resident
     server = NodeServer(settings)
     trio.run(server.run)
