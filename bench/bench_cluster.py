@@ -453,6 +453,7 @@ def control_plane(workdir: Path, bulk: Path, segment_size: str, memory: str) -> 
         healed_bytes = sum(h["bytes"] for h in heal)
         heal_mbs = healed_bytes / wall / 1e6
         per_node = [h["bytes"] / h["seconds"] / 1e6 for h in heal if h["seconds"]]
+        from_source = sum(h.get("from_source", 0) for h in heal)
         ratio = heal_mbs / bulk_mbs
         print(
             f"\n8. healing after a node is killed (3 nodes, --replicas 2, heal_after 2 s), "
@@ -462,7 +463,8 @@ def control_plane(workdir: Path, bulk: Path, segment_size: str, memory: str) -> 
         print(
             f"   heal, wall clock (2 survivors): {heal_mbs:8.0f} MB/s   ratio {ratio:.2f} "
             f"(target >= 0.5, {'meets' if ratio >= 0.5 else 'MISSES'}); per node while "
-            f"copying: {', '.join(f'{r:.0f}' for r in per_node)} MB/s"
+            f"copying: {', '.join(f'{r:.0f}' for r in per_node)} MB/s; "
+            f"{sum(h['segments'] for h in heal)} segments, {from_source} from the source"
         )
 
         # 9. Catalog latency over the survivors.

@@ -22,14 +22,13 @@ from prometheus_client import Histogram
 from kspeedfs.client.clusterstate import ClusterState, Record
 from kspeedfs.format import placement
 from kspeedfs.format.config import Settings
-from kspeedfs.format.errors import KSpeedError, NodeUnreachable, NotFound
-from kspeedfs.format.manifest import plan_layout
+from kspeedfs.format.errors import DataError, KSpeedError, NodeUnreachable, NotFound
+from kspeedfs.format.manifest import Manifest, plan_layout
 from kspeedfs.format.names import validate_name
 from kspeedfs.format.readthrough_view import READTHROUGH
 from kspeedfs.format.tls import client_context
-from kspeedfs.format.units import parse_address
-from kspeedfs.net.connection import NodeClient
 from kspeedfs.node.metrics import FILL_BUCKETS
+from kspeedfs.node.peers import PeerPool
 from kspeedfs.node.preload import Plan, Stager
 from kspeedfs.node.readthrough import ReadThroughCache
 from kspeedfs.node.store import SegmentStore
@@ -38,7 +37,11 @@ from kspeedfs.sources.source import open_source
 log = logging.getLogger(__name__)
 
 SYNC_INTERVAL = 0.5  # seconds between reads of the members and the catalog
-READ_PIECE = 8 * 1024 * 1024  # a segment is copied from a peer in reads of this size
+READ_PIECE = 8 * 1024 * 1024  # a segment is copied from a peer in ranges of this size,
+READ_REQUEST = 64 * 1024 * 1024  # up to this much in one request
+# Segment copies in flight per node: receiving one while hashing and storing another overlap
+# (bench_cluster.py on 2 CPUs: 2 in flight healed fastest; 1 and 4 were slower).
+HEAL_PARALLEL = 2
 
 Call = Callable[[str, str, dict[str, Any]], Awaitable[dict[str, Any]]]
 UnloadLocal = Callable[[dict[str, Any]], Awaitable[dict[str, Any]]]
@@ -83,8 +86,12 @@ class ControlPlane:
             "seconds": 0.0,
             "dropped": 0,  # segments given up after a rebalance moved them
             "dropped_bytes": 0,
+            "from_source": 0,  # copies no live member could give (read from the source)
         }
         self.under_replicated: dict[str, int] = {}
+        # Heal copies read whole segments from worker threads over kept connections.
+        self.readers = PeerPool(settings.token_file, settings.timeout, tls=client_context(settings))
+        self._heal_due = 0.0  # when a member down now is to be declared lost (time.time())
         self.copy_seconds = Histogram(  # exposed by node.metrics (registered there)
             "kspeedfs_heal_copy_seconds",
             "time to copy one segment for healing or rebalance, by where it came from",
@@ -114,6 +121,7 @@ class ControlPlane:
         finally:
             with trio.move_on_after(2) as scope:
                 scope.shield = True
+                await self.readers.aclose()
                 if self.lease_id:
                     try:
                         # Leaving on purpose: everyone sees it at once, not after the TTL.
@@ -221,7 +229,10 @@ class ControlPlane:
                     self._warned = True
             except Exception:
                 log.exception("control plane sync failed; trying again")
-            await trio.sleep(SYNC_INTERVAL)
+            # Awake when a down member is due to be declared lost: every survivor reads the same
+            # down-since time, so they all start healing then, not up to a sync later.
+            due = self._heal_due - time.time()
+            await trio.sleep(min(SYNC_INTERVAL, due) if due > 0 else SYNC_INTERVAL)
 
     async def sync_once(self) -> None:
         live, down, datasets = await trio.to_thread.run_sync(self._snapshot)
@@ -234,6 +245,9 @@ class ControlPlane:
                 if m not in live and m not in down:
                     await trio.to_thread.run_sync(self.state.note_down, m, now)
                     down[m] = now
+        after = self.settings.heal_after
+        due = [t + after for m, t in down.items() if m not in live and t + after > now]
+        self._heal_due = min(due, default=0.0)
         await self._converge()
         await self._roll_back_orphans()
         await self._adopt_all()
@@ -312,7 +326,7 @@ class ControlPlane:
 
     async def _heal(self, down: dict[str, float], now: float) -> None:
         live = set(self.live)
-        pending = 0
+        self.heal["pending"] = 0
         for name, entry in sorted(self.catalog.items()):
             if entry.get("state") != "ready":
                 continue
@@ -339,8 +353,9 @@ class ControlPlane:
                 def lose(r: Record, gone: list[str] = gone) -> Record:
                     return {**r, "lost": sorted(set(r.get("lost", [])) | set(gone))}
 
-                await trio.to_thread.run_sync(self.state.update, name, uuid, lose)
-                continue  # the next round works from the updated record
+                if not await trio.to_thread.run_sync(self.state.update, name, uuid, lose):
+                    continue  # unloaded or loaded again meanwhile
+                entry = {**entry, "lost": sorted(lost | set(gone))}  # healed from this round
             if entry.get("lifetime") == READTHROUGH:
                 continue  # filled on demand: a lost owner's segments refill on the next one
             placed = placed_members(entry)
@@ -365,12 +380,8 @@ class ControlPlane:
                 for seg in range(segments)
                 if seg not in held and self.address in placement.owners(name, seg, placed, replicas)
             ]
-            pending += len(missing)
-            self.heal["pending"] = pending
-            for seg in missing:
-                await self._copy(name, entry, seg)
-                pending -= 1
-                self.heal["pending"] = pending
+            if missing:
+                await self._copy_all(name, entry, missing)
             unowned = [
                 seg
                 for seg in record.held
@@ -378,7 +389,6 @@ class ControlPlane:
             ]
             if unowned and not missing:
                 await self._drop_moved(name, uuid, unowned, placed, replicas)
-        self.heal["pending"] = pending
 
     async def _drop_moved(
         self, name: str, uuid: str, unowned: list[int], placed: list[str], replicas: int
@@ -478,36 +488,53 @@ class ControlPlane:
             if not data or offset >= int(reply["total"]):
                 return b"".join(parts)
 
-    async def _copy(self, name: str, entry: Record, seg: int) -> None:
+    async def _copy_all(self, name: str, entry: Record, missing: list[int]) -> None:
+        """The missing copies, HEAL_PARALLEL at a time; heal["seconds"] is the time taken."""
+        started = time.monotonic()
+        self.heal["pending"] += len(missing)
+        manifest = self.store.open(name).manifest
+        todo = iter(missing)  # shared by the workers: each takes the next segment
+
+        async def worker() -> None:
+            for seg in todo:
+                try:
+                    await self._copy(name, entry, manifest, seg)
+                finally:
+                    self.heal["pending"] -= 1
+
+        async with trio.open_nursery() as nursery:
+            for _ in range(min(HEAL_PARALLEL, len(missing))):
+                nursery.start_soon(worker)
+        self.heal["seconds"] += time.monotonic() - started
+
+    async def _copy(self, name: str, entry: Record, manifest: Manifest, seg: int) -> None:
         """One missing copy: from the members that may hold it (best ranked first), else the
         source; kept only when its checksum matches the manifest's."""
         started = time.monotonic()
-        ds = self.store.open(name)
-        length = int(ds.manifest.seg_len[seg])
-        expected = int(ds.manifest.seg_checksum[seg])
+        length = int(manifest.seg_len[seg])
+        expected = int(manifest.seg_checksum[seg])
         ranked = placement.owners(name, seg, entry["members"], len(entry["members"]))
         data: bytes | bytearray | None = None
+        origin = "peer"
         for peer in ranked:
             if peer == self.address or peer not in self.live:
                 continue
             try:
                 data = await trio.to_thread.run_sync(
-                    self._read_peer, peer, name, entry["uuid"], seg, length
+                    self._read_peer, peer, name, entry["uuid"], seg, length, expected
                 )
+                break
+            except DataError as e:
+                log.warning("segment %d of %s from %s: %s", seg, name, peer, e)
             except KSpeedError as e:
                 log.debug("segment %d of %s not from %s: %s", seg, name, peer, e)
-                continue
-            if xxhash.xxh3_64_intdigest(data) == expected:
-                break
-            log.warning("segment %d of %s from %s fails its checksum", seg, name, peer)
-            data = None
-        origin = "peer"
         if data is None:
             origin = "source"
+            self.heal["from_source"] += 1
             try:
                 src = open_source(entry["source"], str(entry.get("endpoint", "")))
                 data = await trio.to_thread.run_sync(
-                    src.read_segment, ds.manifest, ds.manifest.layout, seg
+                    src.read_segment, manifest, manifest.layout, seg
                 )
             except (KSpeedError, OSError) as e:
                 self.heal["failed"] += 1
@@ -520,16 +547,24 @@ class ControlPlane:
         await trio.to_thread.run_sync(self.store.add_segment, name, seg, data)
         self.heal["segments"] += 1
         self.heal["bytes"] += length
-        elapsed = time.monotonic() - started
-        self.heal["seconds"] += elapsed
-        self.copy_seconds.labels(origin).observe(elapsed)
+        self.copy_seconds.labels(origin).observe(time.monotonic() - started)
 
-    def _read_peer(self, peer: str, name: str, uuid: str, seg: int, length: int) -> bytearray:
-        out = bytearray()
-        s = self.settings
-        with NodeClient(parse_address(peer), s.token_file, s.timeout, client_context(s)) as c:
-            for pos in range(0, length, READ_PIECE):
-                out += c.read(name, uuid, [(seg, pos, min(READ_PIECE, length - pos))])
+    def _read_peer(
+        self, peer: str, name: str, uuid: str, seg: int, length: int, expected: int
+    ) -> bytearray:
+        """A whole segment from `peer` (in a worker thread), received straight into one
+        buffer; DataError when it fails the manifest's checksum."""
+        out = bytearray(length)
+        view = memoryview(out)
+        ranges = [(seg, pos, min(READ_PIECE, length - pos)) for pos in range(0, length, READ_PIECE)]
+        per_request = max(1, READ_REQUEST // READ_PIECE)
+        with self.readers.reader(peer) as c:
+            for k in range(0, len(ranges), per_request):
+                chunk = ranges[k : k + per_request]
+                start, end = chunk[0][1], chunk[-1][1] + chunk[-1][2]
+                c.receive_read(c.send_read(name, uuid, chunk), view[start:end])
+        if xxhash.xxh3_64_intdigest(out) != expected:
+            raise DataError("it fails its checksum")
         return out
 
     async def rebalance(self, name: str | None) -> list[str]:
