@@ -55,6 +55,7 @@ ENOATTR = errno.ENODATA
 CHECKSUM_XATTR = b"user.kspeedfs.xxh3"
 STATS_XATTR = b"user.kspeedfs.stats"
 SOURCES_XATTR = b"user.kspeedfs.sources"
+SLOT_WAIT = 5.0  # how long a worker waits to hear of an instance another one serves already
 
 
 class Supervisor(Protocol):
@@ -90,6 +91,10 @@ class KSpeedFS:
         self.source_access = reader.settings.access == "source"
         self.mounted_at_ns = time.time_ns()
         self._tables_lock = threading.Lock()  # one writer at a time (the control thread)
+        # The highest slot the supervisor has told this process about (added or dropped): an
+        # inode of a higher one was handed out by a faster worker, and its "add" is on its way.
+        self._slots_heard = 0
+        self._slots_changed = threading.Condition(self._tables_lock)
 
     # ---- the dataset list, as the supervisor reports it (control thread)
 
@@ -104,6 +109,7 @@ class KSpeedFS:
                 data = self.reader.open_dataset(name, info)
         except KSpeedError as e:
             log.error("cannot open dataset %s: %s", name, e)
+            self._heard(slot)
             return
         with self._tables_lock:
             by_slot, by_name = dict(self.by_slot), dict(self.by_name)
@@ -113,6 +119,13 @@ class KSpeedFS:
                 _release(old)
             by_slot[slot] = by_name[name] = MountedDataset(slot, name, uuid, data, info, variant)
             self.by_slot, self.by_name = by_slot, by_name
+            self._slots_heard = max(self._slots_heard, slot)
+            self._slots_changed.notify_all()
+
+    def _heard(self, slot: int) -> None:
+        with self._tables_lock:
+            self._slots_heard = max(self._slots_heard, slot)
+            self._slots_changed.notify_all()
 
     def _open_variant(
         self, name: str, uuid: str, info: dict[str, Any]
@@ -132,6 +145,8 @@ class KSpeedFS:
             if by_name.get(mounted.name) is mounted:
                 del by_name[mounted.name]
             self.by_slot, self.by_name = by_slot, by_name
+            self._slots_heard = max(self._slots_heard, slot)
+            self._slots_changed.notify_all()
         _release(mounted)
 
     def drain_touches(self) -> list[tuple[str, str, list[int], int]]:
@@ -153,11 +168,21 @@ class KSpeedFS:
             if mounted is None:
                 raise FuseError(errno.EIO)
             return mounted, 0
-        mounted_or_none = self.by_slot.get(inode >> SLOT_SHIFT)
+        slot = inode >> SLOT_SHIFT
+        mounted_or_none = self.by_slot.get(slot)
+        if mounted_or_none is None and slot > self._slots_heard:
+            mounted_or_none = self._wait_for_slot(slot)
         if mounted_or_none is None:
             # An instance that was unloaded (and forgotten): its inodes mean nothing now.
             raise FuseError(errno.ESTALE)
         return mounted_or_none, (inode & INDEX_MASK) - 1
+
+    def _wait_for_slot(self, slot: int) -> MountedDataset | None:
+        """Another worker answered a lookup in an instance this one is still opening: wait for
+        the supervisor's word on it (briefly) rather than call it stale."""
+        with self._slots_changed:
+            self._slots_changed.wait_for(lambda: slot <= self._slots_heard, SLOT_WAIT)
+        return self.by_slot.get(slot)
 
     def _inode(self, mounted: MountedDataset, idx: int) -> int:
         if idx == 0 and self.single:
