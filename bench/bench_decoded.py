@@ -105,6 +105,9 @@ def main() -> None:
     p.add_argument("--size", type=int, default=256, help="the variant's shorter side")
     p.add_argument("--file-size", default="110KiB")
     p.add_argument("--workers", type=int, default=2)
+    p.add_argument(
+        "--mount-workers", default="default", help="door 2: the mount's --workers, e.g. 1,2"
+    )
     p.add_argument("--batch", type=int, default=32)
     p.add_argument("--cache", default="/var/tmp/kspeedfs-bench-decoded")
     args = p.parse_args()
@@ -173,24 +176,27 @@ def main() -> None:
         for label, extra, tfm, target in configs:
             ds = KSpeedImageFolder(str(source), transform=tfm, decoded=args.size, **extra, **kw)
             rows.append((label, epoch2(ds, args.workers, args.batch), target))
-        mount = node.mount(workdir / "mnt")
-        door2 = mount.mountpoint / f"bench@{args.size}" / source.name
-        ds2 = datasets.ImageFolder(str(door2), train_transform())
-        assert len(ds2) == len(files), f"{door2} shows {len(ds2)} images"
-        rows.append(
-            (
-                "door 2, stock ImageFolder on the mount's @N folder",
-                epoch2(ds2, args.workers, args.batch),
-                1.8,
+        for mount_workers in args.mount_workers.split(","):
+            extra_args = () if mount_workers == "default" else ("--workers", mount_workers)
+            mount = node.mount(workdir / f"mnt-{mount_workers}", *extra_args)
+            door2 = mount.mountpoint / f"bench@{args.size}" / source.name
+            ds2 = datasets.ImageFolder(str(door2), train_transform())
+            assert len(ds2) == len(files), f"{door2} shows {len(ds2)} images"
+            rows.append(
+                (
+                    f"door 2, stock ImageFolder on the mount's @N folder ({mount_workers} workers)",
+                    epoch2(ds2, args.workers, args.batch),
+                    1.8,
+                )
             )
-        )
+            node.unmount(mount.mountpoint)
         for dtype in (torch.float32, torch.uint8):
             floor = epoch2(ReadyTensors(len(files), dtype), args.workers, args.batch)
             rows.append((f"floor: dataset returning a ready {dtype} tensor", floor, None))
         print(f"\nDataLoader epoch 2, {args.workers} workers, batch {args.batch}, shuffle:")
         for label, rate, tgt in rows:
             ratio = f"{rate / stock:5.2f}x" + (f" (target >= {tgt}x)" if tgt else "")
-            print(f"  {label:58s} {rate:7.0f} img/s  {ratio}")
+            print(f"  {label:68s} {rate:7.0f} img/s  {ratio}")
 
 
 if __name__ == "__main__":
