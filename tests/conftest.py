@@ -8,6 +8,7 @@ import subprocess
 import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import pytest
 
@@ -18,6 +19,11 @@ from kspeedfs.localproc import MountProcess as MountProcess
 from kspeedfs.localproc import NodeProcess as NodeProcess
 from kspeedfs.localproc import free_port as free_port
 from kspeedfs.localproc import wait_until
+
+if TYPE_CHECKING:
+    from etcdutil import EtcdCluster
+
+    from kspeedfs.localetcd import EtcdProcess
 
 
 def wait_for(predicate: Callable[[], bool], timeout: float = 20.0, what: str = "condition") -> None:
@@ -96,3 +102,23 @@ def make_tree(root: Path, segment_size: int = 1 << 20) -> Path:
 @pytest.fixture
 def tree(tmp_path: Path) -> Path:
     return make_tree(tmp_path / "src")
+
+
+@pytest.fixture
+def etcd(tmp_path: Path) -> Iterator[EtcdProcess]:
+    """A real etcd on free loopback ports with its own data folder."""
+    from kspeedfs.localetcd import EtcdProcess
+
+    server = EtcdProcess(tmp_path).start()
+    yield server
+    server.stop()
+
+
+@pytest.fixture
+def etcd_cluster(tmp_path: Path, token_file: Path, etcd: EtcdProcess) -> Iterator[EtcdCluster]:
+    """Nodes that find each other through `etcd` (tests/etcdutil.py); stopped afterwards."""
+    from etcdutil import EtcdCluster
+
+    c = EtcdCluster(tmp_path, token_file, etcd)
+    yield c
+    c.stop()

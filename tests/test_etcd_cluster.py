@@ -6,7 +6,6 @@ from __future__ import annotations
 import os
 import shutil
 import threading
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -21,24 +20,14 @@ from kspeedfs.client.reader import ClusterReader
 from kspeedfs.format import placement
 from kspeedfs.format.errors import AlreadyExists, KSpeedError
 from kspeedfs.format.units import parse_address
-from kspeedfs.localetcd import EtcdProcess
 from kspeedfs.node.controlplane import placed_members
 
 pytestmark = pytest.mark.skipif(shutil.which("etcd") is None, reason="etcd-server not installed")
 
 
 @pytest.fixture
-def etcd(tmp_path: Path) -> Iterator[EtcdProcess]:
-    server = EtcdProcess(tmp_path).start()
-    yield server
-    server.stop()
-
-
-@pytest.fixture
-def cluster(tmp_path: Path, token_file: Path, etcd: EtcdProcess) -> Iterator[EtcdCluster]:
-    c = EtcdCluster(tmp_path, token_file, etcd)
-    yield c
-    c.stop()
+def cluster(etcd_cluster: EtcdCluster) -> EtcdCluster:
+    return etcd_cluster  # the shared fixture (conftest.py), by the name these tests use
 
 
 def test_membership_lease_expiry_marks_a_killed_node_down(cluster: EtcdCluster) -> None:

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import os
 import shutil
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -16,7 +15,6 @@ from etcdutil import EtcdCluster
 from prometheus_client.parser import text_string_to_metric_families
 
 from kspeedfs.format import placement
-from kspeedfs.localetcd import EtcdProcess
 from kspeedfs.localproc import free_port
 from kspeedfs.node.controlplane import placed_members
 
@@ -24,17 +22,8 @@ pytestmark = pytest.mark.skipif(shutil.which("etcd") is None, reason="etcd-serve
 
 
 @pytest.fixture
-def etcd(tmp_path: Path) -> Iterator[EtcdProcess]:
-    server = EtcdProcess(tmp_path).start()
-    yield server
-    server.stop()
-
-
-@pytest.fixture
-def cluster(tmp_path: Path, token_file: Path, etcd: EtcdProcess) -> Iterator[EtcdCluster]:
-    c = EtcdCluster(tmp_path, token_file, etcd)
-    yield c
-    c.stop()
+def cluster(etcd_cluster: EtcdCluster) -> EtcdCluster:
+    return etcd_cluster  # the shared fixture (conftest.py), by the name these tests use
 
 
 def _source_tree(root: Path) -> dict[str, bytes]:
