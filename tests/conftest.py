@@ -122,3 +122,12 @@ def etcd_cluster(tmp_path: Path, token_file: Path, etcd: EtcdProcess) -> Iterato
     c = EtcdCluster(tmp_path, token_file, etcd)
     yield c
     c.stop()
+
+
+@pytest.fixture
+def public_dir() -> Iterator[Path]:
+    """A folder an unprivileged uid can reach (pytest's tmp_path is root's 0700)."""
+    path = Path("/tmp") / f"kspeedfs-public-{uuid.uuid4().hex[:8]}"
+    path.mkdir(mode=0o755)
+    yield path
+    shutil.rmtree(path, ignore_errors=True)

@@ -10,16 +10,15 @@ import contextlib
 import errno
 import json
 import os
-import shutil
 import stat
 import struct
-import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 from conftest import MountProcess, NodeProcess, wait_for
+from uidutil import NOBODY, as_user
 
 import kspeedfs.client.reader  # loaded before the fork: the venv is not readable by uid 65534
 from kspeedfs.format import auth
@@ -29,7 +28,6 @@ from kspeedfs.format.manifest import MAGIC, Manifest, plan_layout, write_manifes
 from kspeedfs.format.units import Address
 from kspeedfs.sources.scan import scan_tree, tree_from_listing
 
-NOBODY = 65534
 GROUP = 4242  # a group uid 65534 is not in (unless a test adds it)
 FILES = {  # name: (mode, gid)
     "public.bin": (0o644, 0),
@@ -38,15 +36,6 @@ FILES = {  # name: (mode, gid)
     "closed/inside.bin": (0o644, 0),  # readable, but in a 0700 folder
 }
 CONTENT = {name: os.urandom(10_000 + k) for k, name in enumerate(FILES)}
-
-
-@pytest.fixture
-def public_dir() -> Iterator[Path]:
-    """A folder uid 65534 can reach (pytest's tmp_path is root's 0700)."""
-    path = Path("/tmp") / f"kspeedfs-acc-{uuid.uuid4().hex[:8]}"
-    path.mkdir(mode=0o755)
-    yield path
-    shutil.rmtree(path, ignore_errors=True)
 
 
 def _source(public_dir: Path) -> Path:
@@ -59,34 +48,6 @@ def _source(public_dir: Path) -> Path:
     os.chmod(src / "closed", 0o700)
     os.chmod(src, 0o755)
     return src
-
-
-def _as_user(uid: int, groups: list[int], work: Callable[[], Any]) -> Any:
-    """work() in a forked child that dropped to uid (gid 65534, `groups`); its JSON result."""
-    read_end, write_end = os.pipe()
-    pid = os.fork()
-    if pid == 0:
-        code = 1
-        try:
-            os.close(read_end)
-            os.setgroups(groups)
-            os.setgid(NOBODY)
-            os.setuid(uid)
-            result = work()
-            with os.fdopen(write_end, "w") as out:
-                json.dump(result, out)
-            code = 0
-        except BaseException as e:  # reported to the parent through the exit code
-            with contextlib.suppress(Exception):
-                os.write(2, f"child failed: {e!r}\n".encode())
-        finally:
-            os._exit(code)
-    os.close(write_end)
-    with os.fdopen(read_end) as f:
-        text = f.read()
-    _, status = os.waitpid(pid, 0)
-    assert os.waitstatus_to_exitcode(status) == 0, text
-    return json.loads(text)
 
 
 def _read_all(root: Path) -> dict[str, str]:
@@ -123,8 +84,8 @@ def test_source_access_nobody_reads_what_the_source_lets_it(
     public_dir: Path, shm_dir: Path, token_file: Path, tmp_path: Path
 ) -> None:
     with _mounted(public_dir, shm_dir, token_file, tmp_path, "source") as ds:
-        nobody = _as_user(NOBODY, [], lambda: _read_all(ds))
-        in_group = _as_user(NOBODY, [GROUP], lambda: _read_all(ds))
+        nobody = as_user(NOBODY, [], lambda: _read_all(ds))
+        in_group = as_user(NOBODY, [GROUP], lambda: _read_all(ds))
         as_root = _read_all(ds)
         shown = {name: os.stat(ds / name) for name in FILES}
         folder = os.stat(ds / "closed")
@@ -147,7 +108,7 @@ def test_open_access_everyone_reads_everything(
     public_dir: Path, shm_dir: Path, token_file: Path, tmp_path: Path
 ) -> None:
     with _mounted(public_dir, shm_dir, token_file, tmp_path, "open") as ds:
-        nobody = _as_user(NOBODY, [], lambda: _read_all(ds))
+        nobody = as_user(NOBODY, [], lambda: _read_all(ds))
         modes = {name: stat.S_IMODE(os.stat(ds / name).st_mode) for name in FILES}
         folder = stat.S_IMODE(os.stat(ds / "closed").st_mode)
     assert set(nobody.values()) == {"ok"}
@@ -184,7 +145,7 @@ def test_passed_fds_hold_only_files_the_uid_may_read(
     try:
         node.request("preload", name="ds", source=str(_source(public_dir)))
         wait_for(lambda: node.request("progress", name="ds")["state"] == "ready")
-        out = _as_user(NOBODY, [], lambda: _fast_path_reads(node.port, shm_dir, token))
+        out = as_user(NOBODY, [], lambda: _fast_path_reads(node.port, shm_dir, token))
     finally:
         node.stop()
     assert out["local"] == "PassedDataset"

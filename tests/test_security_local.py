@@ -4,21 +4,19 @@ the group, direct maps."""
 from __future__ import annotations
 
 import contextlib
+import io
 import json
 import os
-import shutil
 import sys
-import uuid
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 from conftest import NodeProcess, wait_for
+from uidutil import NOBODY, as_user
 
 from kspeedfs.format import auth
 
-NOBODY = 65534
 GROUP = 4242  # the readers' group of these tests (no name needed: a gid works)
 SECRET = os.urandom(3000)
 
@@ -60,15 +58,6 @@ print(json.dumps(out))
 """
 
 
-@pytest.fixture
-def public_dir() -> Iterator[Path]:
-    """A folder the unprivileged uid can reach (pytest's tmp_path is root's 0700)."""
-    path = Path("/tmp") / f"kspeedfs-sec-{uuid.uuid4().hex[:8]}"
-    path.mkdir(mode=0o755)
-    yield path
-    shutil.rmtree(path, ignore_errors=True)
-
-
 def _node(shm_dir: Path, token_file: Path, tmp_path: Path, access: str) -> NodeProcess:
     env = {**os.environ, "KSPEEDFS_GROUP": str(GROUP), "KSPEEDFS_ACCESS": access}
     return NodeProcess(shm_dir, token_file, tmp_path, base_env=env).start()
@@ -98,33 +87,17 @@ def _token(public_dir: Path, admin_file: Path, role: str | None) -> Path:
 
 
 def _as_nobody(node: NodeProcess, token: Path, groups: list[int]) -> dict[str, Any]:
-    """Run CHILD in a forked child that dropped to uid 65534 (the interpreter and modules are
-    already loaded: the venv's python is not reachable by that uid)."""
+    """Run CHILD as uid 65534; what it printed, as JSON."""
     import kspeedfs.client.reader  # noqa: F401  (loaded before the fork)
 
-    read_end, write_end = os.pipe()
-    pid = os.fork()
-    if pid == 0:
-        code = 1
-        try:
-            os.close(read_end)
-            os.setgroups(groups)
-            os.setgid(NOBODY)
-            os.setuid(NOBODY)
-            sys.argv = ["child", str(node.port), str(node.shm_dir), str(token), "priv"]
-            with os.fdopen(write_end, "w") as out, contextlib.redirect_stdout(out):
-                exec(compile(CHILD, "child", "exec"), {"__name__": "child"})
-            code = 0
-        except BaseException as e:  # reported to the parent through the exit code
-            print(f"child failed: {e!r}", file=sys.stderr)
-        finally:
-            os._exit(code)
-    os.close(write_end)
-    with os.fdopen(read_end) as f:
-        text = f.read()
-    _, status = os.waitpid(pid, 0)
-    assert os.waitstatus_to_exitcode(status) == 0, text
-    out: dict[str, Any] = json.loads(text)
+    def child() -> Any:
+        sys.argv = ["child", str(node.port), str(node.shm_dir), str(token), "priv"]
+        printed = io.StringIO()
+        with contextlib.redirect_stdout(printed):
+            exec(compile(CHILD, "child", "exec"), {"__name__": "child"})
+        return json.loads(printed.getvalue())
+
+    out: dict[str, Any] = as_user(NOBODY, groups, child)
     assert out["uid"] == NOBODY
     return out
 
