@@ -5,6 +5,8 @@ node killed mid-fill leaves no variant and no process behind."""
 from __future__ import annotations
 
 import os
+import shutil
+from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -137,14 +139,28 @@ def alive(pid: int) -> bool:
     return state != "Z"
 
 
+@pytest.fixture
+def one_decoder_node(shm_dir: Path, token_file: Path, tmp_path: Path) -> Iterator[NodeProcess]:
+    """A node that fills variants with one decode process (setting `decode_workers`)."""
+    env = {**os.environ, "KSPEEDFS_DECODE_WORKERS": "1"}
+    n = NodeProcess(shm_dir, token_file, tmp_path, base_env=env).start()
+    yield n
+    n.stop()
+
+
 def test_node_killed_mid_fill_leaves_the_variant_complete_or_absent(
-    node: NodeProcess, tmp_path: Path
+    one_decoder_node: NodeProcess, tmp_path: Path
 ) -> None:
+    # 80 full-size decodes of ~2 Mpx noise in one process: the fill takes seconds on any
+    # machine, so the kill lands mid-fill.
+    node = one_decoder_node
     src = tmp_path / "big"
-    for i in range(60):  # full-size decodes of ~2 Mpx noise: the fill takes a while
+    for i in range(8):
+        _noise(1600, 1200, "RGB", i).save(tmp_path / f"{i}.jpg", "JPEG", quality=90)
+    for i in range(80):
         folder = src / f"c{i % 2}"
         folder.mkdir(parents=True, exist_ok=True)
-        _noise(1600, 1200, "RGB", i).save(folder / f"{i:02d}.jpg", "JPEG", quality=90)
+        shutil.copyfile(tmp_path / f"{i % 8}.jpg", folder / f"{i:03d}.jpg")
     assert run_cli("preload", str(src), "--name", "big", "-q", env=node.env()).returncode == 0
     used = node.request("status")["used"]
     variant = node.shm_dir / "datasets" / "big" / fmt.variant_dir(0)

@@ -60,6 +60,9 @@ class Settings:
     # the mount so that a typical file is one READ (0 = the kernel's default, 128 KiB).
     fuse_workers: int = 0
     fuse_read_ahead: int = 256 * 1024
+    # Decoded variants: processes a fill may decode with (0 = one per CPU); fewer leaves CPUs
+    # to the training jobs on the node while a variant fills.
+    decode_workers: int = 0
     # Control plane (README "Cluster with etcd"): etcd endpoints ([] = the static `nodes` list),
     # the key prefix of this cluster, the membership lease's TTL, how long a member stays down
     # before its copies are made again elsewhere, and the Prometheus endpoint ("" = off).
@@ -202,6 +205,7 @@ _CONVERTERS: dict[str, Any] = {
     "tls_ca": _to_optional_path,
     "fuse_workers": lambda v: _to_int(v, 0),
     "fuse_read_ahead": lambda v: parse_size(v if isinstance(v, int) else str(v)),
+    "decode_workers": lambda v: _to_int(v, 0),
     "etcd": _to_endpoints,
     "cluster": lambda v: validate_cluster(str(v)),
     "member_ttl": _to_float,

@@ -112,7 +112,8 @@ class NodeServer:
         self.ops = OpRegistry()
         self._register_ops()
         self.stager.register_ops(self.ops)
-        self.decoded = DecodedVariants(self.store, self.address)  # decoded pixel variants
+        # decoded pixel variants
+        self.decoded = DecodedVariants(self.store, self.address, settings.decode_workers)
         self.decoded.register_ops(self.ops, self.call)
         self.rdma.register_ops(self.ops)
         self.cache.register_ops(self.ops)
