@@ -175,6 +175,8 @@ def test_node_killed_mid_fill_leaves_the_variant_complete_or_absent(
     assert node.proc is not None
     workers = descendants(node.proc.pid)
     assert workers  # the forkserver and the pool's workers
+    forked = [p for p in workers if b"forkserver" in Path(f"/proc/{p}/cmdline").read_bytes()]
+    assert len(forked) == 2  # the forkserver and the one worker `decode_workers` allows
     node.proc.kill()
     node.proc.wait()
     assert not fmt.VariantIndex(variant / fmt.INDEX_FILE).complete  # killed mid-fill
