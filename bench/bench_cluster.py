@@ -350,13 +350,13 @@ IMAGENET_FILE_BYTES = 110 * 1024
 
 
 def placement_figures(members: int, segments: int) -> tuple[float, float]:
-    """(max/mean segments per member, share of segments moved when one member joins)."""
+    """(max/mean segments per member, share of segments whose owner changed when one member
+    joins)."""
     nodes = [f"10.{i // 250}.{i % 250}.1:7420" for i in range(members)]
-    counts = [len(v) for v in placement.assignment("imagenet", segments, nodes).values()]
-    joined = "10.255.255.1:7420"
-    moved = sum(
-        placement.owners("imagenet", s, [*nodes, joined])[0] == joined for s in range(segments)
-    )
+    before = placement.Placement("imagenet", segments, nodes)
+    counts = [len(v) for v in before.assignment().values()]
+    after = placement.Placement("imagenet", segments, [*nodes, "10.255.255.1:7420"])
+    moved = sum(before.owners(s) != after.owners(s) for s in range(segments))
     return max(counts) / (segments / members), moved / segments
 
 

@@ -82,22 +82,19 @@ def mount_stats(mountpoint: Path) -> dict[str, int]:
 def owners_of_files(node: NodeProcess, name: str) -> dict[str, set[str]]:
     """Relative path -> the nodes that hold its segments, from the manifest and placement."""
     m = Manifest(node.shm_dir / "datasets" / name / MANIFEST_FILE)
-    members, replicas = m.header["members"], int(m.header["replicas"])
+    where = placement.Placement(name, m.segments, m.header["members"], int(m.header["replicas"]))
     out = {}
     for i in m.iter_files():
         segs = {seg for seg, _, _ in m.ranges(i)}
-        holders = {n for seg in segs for n in placement.owners(name, seg, members, replicas)}
+        holders = {n for seg in segs for n in where.owners(seg)}
         out[os.fsdecode(m.path(i))] = holders
     return out
 
 
 def best_owner_of_files(node: NodeProcess, name: str) -> dict[str, str]:
     m = Manifest(node.shm_dir / "datasets" / name / MANIFEST_FILE)
-    members, replicas = m.header["members"], int(m.header["replicas"])
-    return {
-        os.fsdecode(m.path(i)): placement.owners(name, m.ranges(i)[0][0], members, replicas)[0]
-        for i in m.iter_files()
-    }
+    where = placement.Placement(name, m.segments, m.header["members"], int(m.header["replicas"]))
+    return {os.fsdecode(m.path(i)): where.owners(m.ranges(i)[0][0])[0] for i in m.iter_files()}
 
 
 def test_imagefolder_reads_both_datasets_spread_over_three_nodes(

@@ -68,7 +68,7 @@ def test_each_node_loads_only_its_own_segments(cluster: Cluster, source: Path) -
         m = Manifest(cluster.nodes[0].shm_dir / "datasets" / name / MANIFEST_FILE)
         assert m.header["members"] == cluster.addresses
         assert m.segments >= 30
-        expected = placement.assignment(name, m.segments, cluster.addresses, replicas)
+        expected = placement.Placement(name, m.segments, cluster.addresses, replicas).assignment()
         uuids = set()
         for node in cluster.nodes:
             on_disk = held_on_disk(node, name)
@@ -230,7 +230,7 @@ def test_a_node_that_cannot_read_the_source_gets_its_segments_pushed(
         cluster.preload(src, "pushed", replicas=1)
         assert "cannot read the source" in cluster.nodes[0].log()
         m = Manifest(blind.shm_dir / "datasets" / "pushed" / MANIFEST_FILE)
-        expected = placement.assignment("pushed", m.segments, cluster.addresses, 1)
+        expected = placement.Placement("pushed", m.segments, cluster.addresses).assignment()
         assert expected[blind.address], "placement gave the blind node nothing to receive"
         for node in cluster.nodes:
             assert held_on_disk(node, "pushed") == expected[node.address]

@@ -20,7 +20,7 @@ from kspeedfs.client.reader import ClusterReader
 from kspeedfs.format import placement
 from kspeedfs.format.errors import AlreadyExists, KSpeedError
 from kspeedfs.format.units import parse_address
-from kspeedfs.node.controlplane import placed_members
+from kspeedfs.node.controlplane import placed
 
 pytestmark = pytest.mark.skipif(shutil.which("etcd") is None, reason="etcd-server not installed")
 
@@ -129,9 +129,9 @@ def test_healing_restores_replicas_while_reads_go_on(cluster: EtcdCluster, tmp_p
 
         wait_for(healed, timeout=60, what="two live copies of every segment")
         rec = (cluster.state().dataset("heal") or ({}, 0))[0]
-        placed = placed_members(rec)
+        where = placed("heal", rec)
         for seg in range(segments):
-            for owner in placement.owners("heal", seg, placed, 2):
+            for owner in where.owners(seg):
                 n = next(x for x in survivors if x.address == owner)
                 assert seg in held_on_disk(n, "heal")
     finally:
@@ -192,19 +192,18 @@ def test_rebalance_gives_a_new_member_its_share(cluster: EtcdCluster, tmp_path: 
     assert done.returncode == 0, done.stderr
     members = sorted(n.address for n in (a, b, c))
     assert (cluster.state().dataset("grow") or ({}, 0))[0]["members"] == members
-    wanted = [s for s in range(segments) if placement.owners("grow", s, members)[0] == c.address]
+    new = placement.Placement("grow", segments, members).assignment()
+    wanted = new[c.address]
     wait_for(lambda: copies("grow", [c]) == dict.fromkeys(wanted, 1), 30, "c's share")
-    # Only the segments whose owner changed moved: those now c's.
-    old = [a.address, b.address]
-    moved = [
-        s
-        for s in range(segments)
-        if placement.owners("grow", s, members) != placement.owners("grow", s, old)
-    ]
-    assert moved == wanted
-    # The old owners let go of what moved, and a reader that opens the dataset now finds it
-    # on its new owner (the node lists the catalog's placement): not one byte from the source.
-    wait_for(lambda: not set(wanted) & set(copies("grow", [a, b])), 30, "the old copies dropped")
+    # What c gains moves (and what follows the room it frees, when loads are at the cap);
+    # the old owners let go of what moved once it is in place, and a reader that opens the
+    # dataset now finds it on its new owner (the node lists the catalog's placement): not
+    # one byte from the source.
+    wait_for(
+        lambda: all(held_on_disk(n, "grow") == new[n.address] for n in (a, b, c)),
+        30,
+        "each member holding exactly its share",
+    )
     expected = {p.relative_to(source): p.read_bytes() for p in source.rglob("*") if p.is_file()}
     shutil.move(source, tmp_path / "gone")
     settings = cluster.settings()
@@ -275,24 +274,19 @@ def test_join_and_rebalance_move_one_nth_and_old_owners_let_go(
     done = run_cli("rebalance", "spread", env=cluster.client_env())
     assert done.returncode == 0, done.stderr
     members = sorted(n.address for n in (a, b, c))
-    moved = [
-        s
-        for s in range(segments)
-        if placement.owners("spread", s, members)
-        != placement.owners("spread", s, [a.address, b.address])
-    ]
+    new = placement.Placement("spread", segments, members)
+    old = placement.Placement("spread", segments, [a.address, b.address])
+    moved = [s for s in range(segments) if new.owners(s) != old.owners(s)]
     assert abs(len(moved) / segments - 1 / 3) <= 0.05, (len(moved), segments)
+    share = new.assignment()
 
     # Each segment ends on exactly its one new owner: the old owners dropped what moved,
     # after the new one had it.
     def settled() -> bool:
-        on_c = copies("spread", [c])
-        return len(on_c) == len(moved) and (
-            copies("spread", [a, b, c]) == dict.fromkeys(range(segments), 1)
-        )
+        return all(held_on_disk(n, "spread") == share[n.address] for n in (a, b, c))
 
     wait_for(settled, 60, "one copy of each segment, on its new owner")
-    assert held_on_disk(c, "spread") == moved
+    assert copies("spread", [a, b, c]) == dict.fromkeys(range(segments), 1)
     dropped = sum(n.request("status")["control"]["heal"]["dropped"] for n in (a, b))
     assert dropped == len(moved)
     reader = ClusterReader(c.settings())

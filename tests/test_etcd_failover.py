@@ -16,8 +16,7 @@ from conftest import MountProcess, NodeProcess, run_cli, wait_for
 from etcdutil import EtcdCluster, copies
 
 from kspeedfs.client.reader import ClusterReader
-from kspeedfs.format import placement
-from kspeedfs.node.controlplane import placed_members
+from kspeedfs.node.controlplane import placed
 
 pytestmark = pytest.mark.skipif(shutil.which("etcd") is None, reason="etcd-server not installed")
 
@@ -104,10 +103,10 @@ def test_a_node_killed_mid_epoch_fuse_and_fast_path(
             return len(counts) == segments and min(counts.values()) == 2
 
         wait_for(healed, timeout=60, what="two live copies of every segment")
-        placed = placed_members(cluster.record("epochs"))
-        assert victim.address not in placed
+        where = placed("epochs", cluster.record("epochs"))
+        assert victim.address in where.lost
         for seg in range(segments):
-            for owner in placement.owners("epochs", seg, placed, 2):
+            for owner in where.owners(seg):
                 node = next(n for n in survivors if n.address == owner)
                 assert seg in held_on_disk(node, "epochs")
         # The copies serve alone now: the source is gone, a fresh reader reads every file.

@@ -14,9 +14,8 @@ from conftest import MountProcess, NodeProcess, wait_for
 from etcdutil import EtcdCluster
 from prometheus_client.parser import text_string_to_metric_families
 
-from kspeedfs.format import placement
 from kspeedfs.localproc import free_port
-from kspeedfs.node.controlplane import placed_members
+from kspeedfs.node.controlplane import placed
 
 pytestmark = pytest.mark.skipif(shutil.which("etcd") is None, reason="etcd-server not installed")
 
@@ -77,8 +76,8 @@ def test_readthrough_fills_land_on_owners_and_a_second_epoch_reads_no_source(
         first = mount_on(nodes[0], "mnt0")
         record = cluster.record("rt")
         assert record["state"] == "ready" and record["lifetime"] == "readthrough"
-        placed = placed_members(record)
-        assert placed == sorted(n.address for n in nodes)
+        where = placed("rt", record)
+        assert list(where.members) == sorted(n.address for n in nodes) and not where.lost
         # Every member adopted it (the manifest, no segment) before the listing returned.
         for n in nodes:
             listed = {d["name"]: d for d in n.request("list")["datasets"]}
@@ -89,7 +88,7 @@ def test_readthrough_fills_land_on_owners_and_a_second_epoch_reads_no_source(
         segments = int(record["segments"])
         owned = {n.address: [] for n in nodes}  # type: dict[str, list[int]]
         for seg in range(segments):
-            owned[placement.owners("rt", seg, placed)[0]].append(seg)
+            owned[where.owners(seg)[0]].append(seg)
         for n in nodes:
             assert owned[n.address], "each member owns a share"
             assert held_on_disk(n, "rt") == owned[n.address]

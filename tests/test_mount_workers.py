@@ -255,12 +255,10 @@ def remote_only_files(cluster: Cluster, name: str) -> list[str]:
     """Files all of whose segments only the second node holds."""
     local, remote = cluster.nodes
     m = Manifest(local.shm_dir / "datasets" / name / MANIFEST_FILE)
-    members, replicas = m.header["members"], int(m.header["replicas"])
+    where = placement.Placement(name, m.segments, m.header["members"], int(m.header["replicas"]))
     out = []
     for i in m.iter_files():
-        owners = {
-            o for seg, _, _ in m.ranges(i) for o in placement.owners(name, seg, members, replicas)
-        }
+        owners = {o for seg, _, _ in m.ranges(i) for o in where.owners(seg)}
         if owners == {remote.address}:
             out.append(os.fsdecode(m.path(i)))
     return out

@@ -21,16 +21,22 @@ class DatasetHandle:
     manifest: Manifest
     local: LocalDataset | None = None
     heals: bool = False  # a control plane re-creates lost copies (etcd): look for them too
+    lost: list[str] = field(default_factory=list)  # members whose copies were made elsewhere
     _owners: dict[int, list[str]] = field(default_factory=dict)
+    _placement: placement.Placement | None = None
 
     def owners(self, seg: int) -> list[str]:
         """Where to look for a segment, best first: its `replicas` placed owners, then, in a
-        cluster that heals, as many nodes again in rendezvous order: where the copies of a lost
-        owner are re-created (placement over the members left picks exactly those)."""
+        cluster that heals, as many members again by weight: where the copies of an owner that
+        is lost (and not yet known here as lost) are re-created."""
         found = self._owners.get(seg)
         if found is None:
+            if self._placement is None:
+                self._placement = placement.Placement(
+                    self.name, self.manifest.segments, self.members, self.replicas, self.lost
+                )
             wanted = self.replicas * (2 if self.heals else 1)
-            found = self._owners[seg] = placement.owners(self.name, seg, self.members, wanted)
+            found = self._owners[seg] = self._placement.ranked(seg, wanted)
         return found
 
     @property

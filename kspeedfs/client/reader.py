@@ -158,6 +158,7 @@ class ClusterReader:
             manifest=manifest,
             local=local,
             heals="placed" in info,
+            lost=list(info.get("lost", [])),
         )
 
     def _open_local(self, info: dict[str, Any]) -> LocalDataset | None:

@@ -47,10 +47,16 @@ Call = Callable[[str, str, dict[str, Any]], Awaitable[dict[str, Any]]]
 UnloadLocal = Callable[[dict[str, Any]], Awaitable[dict[str, Any]]]
 
 
-def placed_members(entry: Record) -> list[str]:
-    """The members a catalog record's segments are placed over: its members less the lost."""
-    lost = set(entry.get("lost", []))
-    return [m for m in entry.get("members", []) if m not in lost]
+def placed(name: str, entry: Record) -> placement.Placement:
+    """Where a catalog record's segments are: placed over its members, the lost ones' copies
+    on the next members by weight."""
+    return placement.Placement(
+        name,
+        int(entry.get("segments", 0)),
+        entry.get("members", []),
+        int(entry.get("replicas", 1)),
+        entry.get("lost", []),
+    )
 
 
 class ControlPlane:
@@ -331,7 +337,6 @@ class ControlPlane:
             if entry.get("state") != "ready":
                 continue
             uuid = entry["uuid"]
-            replicas = int(entry.get("replicas", 1))
             segments = int(entry.get("segments", 0))
             members = entry.get("members", [])
             lost = set(entry.get("lost", []))
@@ -358,13 +363,11 @@ class ControlPlane:
                 entry = {**entry, "lost": sorted(lost | set(gone))}  # healed from this round
             if entry.get("lifetime") == READTHROUGH:
                 continue  # filled on demand: a lost owner's segments refill on the next one
-            placed = placed_members(entry)
+            where = placed(name, entry)
             self.under_replicated[name] = sum(
-                1
-                for seg in range(segments)
-                if any(m not in live for m in placement.owners(name, seg, placed, replicas))
+                1 for seg in range(segments) if any(m not in live for m in where.owners(seg))
             )
-            if self.address not in placed:
+            if self.address not in where.members or self.address in where.lost:
                 continue
             record = self.store.datasets.get(name)
             if record is None:
@@ -378,27 +381,21 @@ class ControlPlane:
             missing = [
                 seg
                 for seg in range(segments)
-                if seg not in held and self.address in placement.owners(name, seg, placed, replicas)
+                if seg not in held and self.address in where.owners(seg)
             ]
             if missing:
                 await self._copy_all(name, entry, missing)
-            unowned = [
-                seg
-                for seg in record.held
-                if self.address not in placement.owners(name, seg, placed, replicas)
-            ]
+            unowned = [seg for seg in record.held if self.address not in where.owners(seg)]
             if unowned and not missing:
-                await self._drop_moved(name, uuid, unowned, placed, replicas)
+                await self._drop_moved(name, uuid, unowned, where)
 
     async def _drop_moved(
-        self, name: str, uuid: str, unowned: list[int], placed: list[str], replicas: int
+        self, name: str, uuid: str, unowned: list[int], where: placement.Placement
     ) -> None:
         """After a rebalance: drop the segments this node no longer owns, each only once all
         of its new owners are up and hold it (so no copy is ever the last one dropped)."""
         held_by: dict[str, set[int]] = {}
-        for peer in sorted(
-            {o for s in unowned for o in placement.owners(name, s, placed, replicas)}
-        ):
+        for peer in sorted({o for s in unowned for o in where.owners(s)}):
             if peer not in self.live:
                 continue
             try:
@@ -411,7 +408,7 @@ class ControlPlane:
                     held_by[peer] = set(d.get("held", []))
         dropped = 0
         for seg in unowned:
-            owners = placement.owners(name, seg, placed, replicas)
+            owners = where.owners(seg)
             if all(seg in held_by.get(o, ()) for o in owners):
                 freed = await trio.to_thread.run_sync(self.store.drop_segment, name, seg)
                 self.heal["dropped"] += 1
@@ -513,7 +510,7 @@ class ControlPlane:
         started = time.monotonic()
         length = int(manifest.seg_len[seg])
         expected = int(manifest.seg_checksum[seg])
-        ranked = placement.owners(name, seg, entry["members"], len(entry["members"]))
+        ranked = placed(name, entry).ranked(seg, len(entry["members"]))
         data: bytes | bytearray | None = None
         origin = "peer"
         for peer in ranked:

@@ -440,7 +440,7 @@ async def plan_preload(msg: dict[str, Any], segment_size: int, live_members: lis
         tree=tree,
         digest=tree_digest(tree),
         members=list(live_members),
-        assignment=placement.assignment(name, len(seg_len), live_members, replicas),
+        assignment=placement.Placement(name, len(seg_len), live_members, replicas).assignment(),
         endpoint=str(msg.get("endpoint") or ""),
         metas=metafiles.requested(msg, tree),
     )

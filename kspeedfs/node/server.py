@@ -30,11 +30,12 @@ from kspeedfs.format.protocol import MsgType
 from kspeedfs.format.tls import client_context, server_context
 from kspeedfs.format.units import format_size
 from kspeedfs.net import secure
-from kspeedfs.node.controlplane import ControlPlane, loading_record, placed_members
+from kspeedfs.node.controlplane import ControlPlane, loading_record
 from kspeedfs.node.decoded import DecodedVariants
 from kspeedfs.node.fdserver import FdServer
 from kspeedfs.node.leases import LeaseTable
 from kspeedfs.node.loads import LoadTable
+from kspeedfs.node.meta import AddedIndexes
 from kspeedfs.node.metrics import serve_metrics
 from kspeedfs.node.ops import ADMIN, JOB, READ, OpRegistry, caller_role, int_field, str_field
 from kspeedfs.node.peers import PeerPool
@@ -115,6 +116,9 @@ class NodeServer:
         # decoded pixel variants
         self.decoded = DecodedVariants(self.store, self.address, settings.decode_workers)
         self.decoded.register_ops(self.ops, self.call)
+        # meta indexes added to published datasets (`meta add`, a job's first use)
+        self.meta_indexes = AddedIndexes(self.store, self.address)
+        self.meta_indexes.register_ops(self.ops, self.call)
         self.rdma.register_ops(self.ops)
         self.cache.register_ops(self.ops)
         self.fds = FdServer(self.store, settings.socket_path(), settings.access)
@@ -381,12 +385,13 @@ class NodeServer:
         return {"node": self.address, "datasets": sorted(out, key=lambda d: d["name"])}
 
     def _placement(self, name: str, uuid: str) -> dict[str, Any]:
-        """Where an instance's segments are placed now, when the catalog says (after a heal or
-        a rebalance that differs from the members it was loaded over)."""
+        """Where an instance's segments are placed now, when the catalog says: the members of
+        its last rebalance and the lost ones (a heal or a rebalance changes them after the
+        load)."""
         entry = self.control.catalog.get(name) if self.control is not None else None
         if not entry or entry.get("uuid") != uuid:
             return {}
-        return {"placed": placed_members(entry)}
+        return {"placed": entry.get("members", []), "lost": entry.get("lost", [])}
 
     async def op_preload(self, msg: dict[str, Any]) -> dict[str, Any]:
         """Coordinate a preload over the live members (this node included)."""
