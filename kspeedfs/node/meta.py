@@ -1,6 +1,7 @@
 """Meta-file indexes, a variant of a dataset instance: the preload's coordinator builds each one
 once, sends it to every member beside the manifest; it lives in the dataset folder (so it is
-unloaded with it and counted in its bytes) and every process on the node maps it."""
+unloaded with it and counted in its bytes) and every process on the node maps it. An index the
+preload did not build is added to the published instance later (`meta_add`) the same way."""
 
 from __future__ import annotations
 
@@ -8,6 +9,8 @@ import base64
 import bisect
 import logging
 import os
+import re
+import secrets
 import stat
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -16,13 +19,16 @@ from typing import Any, Protocol
 import trio
 
 from kspeedfs.format import metaindex
-from kspeedfs.format.errors import DataError, InvalidArgument, NotFound, StaleDataset
+from kspeedfs.format.errors import DataError, InvalidArgument, KSpeedError, NotFound, StaleDataset
+from kspeedfs.format.localdata import MANIFEST_FILE
 from kspeedfs.format.manifest import Manifest
 from kspeedfs.format.names import validate_name
+from kspeedfs.format.readthrough_view import READTHROUGH
 from kspeedfs.format.tree import Tree
-from kspeedfs.node.ops import ADMIN, READ, OpRegistry
-from kspeedfs.node.store import SegmentStore
-from kspeedfs.sources.source import Source
+from kspeedfs.format.units import format_size
+from kspeedfs.node.ops import ADMIN, JOB, READ, OpRegistry, caller_role, int_field, str_field
+from kspeedfs.node.store import DatasetRecord, SegmentStore
+from kspeedfs.sources.source import Source, open_source
 
 log = logging.getLogger(__name__)
 
@@ -125,9 +131,14 @@ async def build(
 
 
 async def send(
-    members: Sequence[str], ident: dict[str, str], built: list[tuple[str, Path]], call: Call
+    members: Sequence[str],
+    ident: dict[str, str],
+    built: list[tuple[str, Path]],
+    call: Call,
+    op: str = "stage_meta",
 ) -> None:
-    """Every member gets every index, in pieces (an index is far over one control frame)."""
+    """Every member gets every index, in pieces (an index is far over one control frame): into
+    a preload's stage (`stage_meta`) or a published instance (`meta_put`)."""
 
     async def send_to(member: str) -> None:
         for meta, path in built:
@@ -143,7 +154,7 @@ async def send(
                         "total": total,
                         "data": base64.b64encode(data).decode(),
                     }
-                    await call(member, "stage_meta", args)
+                    await call(member, op, args)
                     pos += len(data)
                     if pos >= total or not data:
                         break
@@ -212,7 +223,8 @@ class MetaIndexes:
                     return total, f.read(max(0, min(PIECE, total - offset)))
             except FileNotFoundError:
                 raise NotFound(
-                    f"dataset {name} has no index of {meta}: preload it with --meta {meta}"
+                    f"dataset {name} has no index of {meta}: add it with "
+                    f"`kspeedfs meta add {name} {meta}`"
                 ) from None
 
         total, data = await trio.to_thread.run_sync(read_piece)
@@ -229,8 +241,7 @@ class MetaIndexes:
 def _write_piece(path: Path, offset: int, total: int, data: bytes, uuid: str, meta: str) -> int:
     """Write one piece of an index; the last one is checked and put in place. Returns the bytes
     received so far."""
-    if offset < 0 or offset + len(data) > total or total > MAX_INDEX_BYTES:
-        raise InvalidArgument("meta index piece out of range")
+    _check_piece(offset, len(data), total)
     path.parent.mkdir(exist_ok=True)
     tmp = path.with_name(path.name + ".tmp")
     with open(tmp, "r+b" if offset else "wb") as f:
@@ -238,11 +249,341 @@ def _write_piece(path: Path, offset: int, total: int, data: bytes, uuid: str, me
         f.write(data)
     if offset + len(data) < total:
         return offset + len(data)
-    if tmp.stat().st_size != total:
-        raise DataError(f"meta index of {meta} arrived incomplete")
-    idx = metaindex.MetaIndex(tmp)
-    if idx.uuid != uuid or idx.meta != meta:
-        raise DataError(f"meta index of {meta} belongs to another preload")
-    del idx
+    _check_index(tmp, tmp.stat().st_size, total, uuid, meta)
     os.replace(tmp, path)
     return total
+
+
+def _check_piece(offset: int, length: int, total: int) -> None:
+    if offset < 0 or offset + length > total or total > MAX_INDEX_BYTES:
+        raise InvalidArgument("meta index piece out of range")
+
+
+def _check_index(path: Path, size: int, total: int, uuid: str, meta: str) -> None:
+    """A received index is whole and is the one of `meta` built for instance `uuid`."""
+    if size != total:
+        raise DataError(f"meta index of {meta} arrived incomplete")
+    idx = metaindex.MetaIndex(path)
+    if idx.uuid != uuid or idx.meta != meta:
+        raise DataError(f"meta index of {meta} belongs to another instance of the dataset")
+    del idx
+
+
+def in_dataset(m: Manifest, raw: str, dataset: str) -> str:
+    """A meta file named for a published dataset: it must be a regular file of its manifest."""
+    meta = metaindex.meta_name(raw)
+    try:
+        i: int | None = m.resolve(meta)
+    except NotFound:
+        i = None
+    if i is None or not m.is_file(i):
+        raise InvalidArgument(f"meta file {meta} is not a file in dataset {dataset}")
+    return meta
+
+
+def _final(meta: str) -> str:
+    """The index's file name inside the instance's INDEX_DIR."""
+    return metaindex.index_file(meta).rsplit("/", 1)[-1]
+
+
+def _tmp(meta: str, add: str) -> str:
+    """Where one add writes it before the rename (a leftover is removed at the next start)."""
+    return f"{_final(meta)}.{add}.tmp"
+
+
+def _reservation(name: str, meta: str, add: str) -> str:
+    return f"{name}#{_final(meta)}#{add}"
+
+
+class AddedIndexes:
+    """Meta indexes added to a published instance (`kspeedfs meta add`, or a job's first use of
+    a meta file its preload did not index). The dataset's first member coordinates, so two
+    requests through different nodes end in one build: it builds the index from the source's
+    checksummed bytes as a preload does; every member reserves its bytes first, receives it
+    into the instance's meta/ folder under a temporary name, checks it, and publishes it with
+    one rename that also counts it in the instance's stored bytes."""
+
+    def __init__(self, store: SegmentStore, address: str):
+        self.store = store
+        self.address = address
+        self._locks: dict[tuple[str, str, str], trio.Lock] = {}
+        self._reserved: dict[str, set[str]] = {}  # dataset -> reservations of adds in flight
+        store.on_publish.append(self._found)
+        store.before_unload.append(self._unloading)
+
+    def register_ops(self, ops: OpRegistry, call: Call) -> None:
+        self._call = call
+        ops.add("meta_add", self.op_meta_add, JOB)
+        for name, handler in (
+            ("meta_reserve", self.op_meta_reserve),
+            ("meta_put", self.op_meta_put),
+            ("meta_commit", self.op_meta_commit),
+            ("meta_abort", self.op_meta_abort),
+        ):
+            ops.add(name, handler, ADMIN)
+
+    def _record(self, name: str, uuid: str) -> DatasetRecord:
+        record = self.store.datasets.get(name)
+        if record is None and not uuid:
+            raise NotFound(f"no dataset named {name!r}")
+        if record is None or (uuid and uuid != record.uuid):
+            raise StaleDataset(
+                f"dataset {name!r} was unloaded or loaded again: the instance asked for is gone"
+            )
+        return record
+
+    # -- the coordinator --
+
+    async def op_meta_add(self, msg: dict[str, Any]) -> dict[str, Any]:
+        """Index meta files of a published dataset on every member; one already there is left as
+        it is. Every name is checked before anything is built."""
+        name = validate_name(msg.get("name", ""))
+        raw = msg.get("meta")
+        if isinstance(raw, str):
+            raw = [raw]
+        if not isinstance(raw, list) or not raw or not all(isinstance(n, str) for n in raw):
+            raise InvalidArgument("meta must be a list of paths inside the dataset")
+        record = self._record(name, str_field(msg, "uuid"))
+        if record.lifetime == READTHROUGH:
+            raise InvalidArgument(
+                f"dataset {name} is read-through: meta files are indexed for preloaded datasets"
+            )
+        members = record.members or [self.address]
+        via = str_field(msg, "via") if caller_role.get() == ADMIN else ""
+        if via and via not in members:
+            members = [*members, via]  # it holds the instance too (joined it later)
+        if members[0] != self.address and not via:
+            # Forwarded by the node asked, which gets the index too (admin: a peer).
+            args = {"name": name, "uuid": record.uuid, "meta": raw, "via": self.address}
+            reply: dict[str, Any] = await self._call(members[0], "meta_add", args)
+            return reply
+        m = self.store.open(name).manifest
+        if m.uuid != record.uuid:
+            raise StaleDataset(f"dataset {name!r} was loaded again: the instance asked for is gone")
+        metas: list[str] = []
+        for r in raw:
+            meta = in_dataset(m, r, name)
+            if meta not in metas:
+                metas.append(meta)
+        try:
+            indexes = [await self._add(record, m, meta, members) for meta in metas]
+        except OSError as e:  # the scratch folder, the source: one line, the node stays up
+            raise DataError(f"indexing meta files of {name} failed: {e}") from None
+        return {"name": name, "uuid": record.uuid, "indexes": indexes}
+
+    async def _add(
+        self, record: DatasetRecord, m: Manifest, meta: str, members: list[str]
+    ) -> dict[str, Any]:
+        """One index; a second request for it waits for the first, then finds it there."""
+        key = (record.name, record.uuid, meta)
+        lock = self._locks.setdefault(key, trio.Lock())
+        try:
+            async with lock:
+                return await self._add_locked(record, m, meta, members)
+        finally:
+            if not lock.locked() and not lock.statistics().tasks_waiting:
+                self._locks.pop(key, None)
+
+    async def _add_locked(
+        self, record: DatasetRecord, m: Manifest, meta: str, members: list[str]
+    ) -> dict[str, Any]:
+        name, uuid = record.name, record.uuid
+        self._record(name, uuid)  # it may have gone while this waited
+        add = secrets.token_hex(8)
+        ident = {"name": name, "uuid": uuid, "meta": meta, "add": add}
+        size = int(m.size[m.resolve(meta)])
+        built: list[tuple[str, Path]] = []
+        committed: list[str] = []
+        try:
+            estimate = metaindex.index_size_estimate(size)
+            present = await self._on_members(members, "meta_reserve", {**ident, "bytes": estimate})
+            need = [member for member in members if not present[member]["present"]]
+            if not need:
+                idx = metaindex.MetaIndex(record.path / metaindex.index_file(meta))
+                return _described(meta, "present", idx.header, idx.nbytes, 0)
+            source = open_source(record.source, str(m.header.get("endpoint") or ""))
+            built = await build(
+                [meta],
+                record.path / MANIFEST_FILE,
+                source,
+                self.store.staging_dir,
+                {"name": name, "uuid": uuid},  # the header a preload's index has
+            )
+            path = built[0][1]
+            header = await trio.to_thread.run_sync(_header, path)
+            nbytes = path.stat().st_size
+            # The exact size replaces the estimate (short lines make an index outgrow it).
+            await self._on_members(need, "meta_reserve", {**ident, "bytes": nbytes})
+            await send(
+                need, {"name": name, "uuid": uuid, "add": add}, built, self._call, "meta_put"
+            )
+            answers = await self._on_members(need, "meta_commit", ident, committed)
+            added = sum(1 for a in answers.values() if a["added"])
+            return _described(meta, "added", header, nbytes, added)
+        except BaseException:
+            with trio.CancelScope(shield=True):
+                for member in members:
+                    drop = {"drop": True} if member in committed else {}
+                    try:
+                        await self._call(member, "meta_abort", {**ident, **drop})
+                    except KSpeedError as e:
+                        log.warning("dropping the index of %s on %s: %s", meta, member, e)
+            raise
+        finally:
+            discard(built)
+
+    async def _on_members(
+        self,
+        members: Sequence[str],
+        op: str,
+        args: dict[str, Any],
+        done: list[str] | None = None,
+    ) -> dict[str, dict[str, Any]]:
+        """`op` on every member at once; the first refusal is raised once all have answered.
+        `done` collects the members whose index went in place (meta_commit)."""
+        answers: dict[str, dict[str, Any]] = {}
+        errors: list[KSpeedError] = []
+
+        async def one(member: str) -> None:
+            try:
+                answers[member] = await self._call(member, op, args)
+                if done is not None and answers[member].get("added"):
+                    done.append(member)
+            except KSpeedError as e:
+                errors.append(e)
+
+        async with trio.open_nursery() as nursery:
+            for member in members:
+                nursery.start_soon(one, member)
+        if errors:
+            raise errors[0]
+        return answers
+
+    # -- every member --
+
+    def _ident(self, msg: dict[str, Any]) -> tuple[str, str, str, str]:
+        name = validate_name(msg.get("name", ""))
+        meta = metaindex.meta_name(str_field(msg, "meta"))
+        add = str_field(msg, "add")
+        if not re.fullmatch(r"[0-9a-f]{16}", add):
+            raise InvalidArgument("add must be 16 hex digits")
+        return name, str_field(msg, "uuid"), meta, add
+
+    async def op_meta_reserve(self, msg: dict[str, Any]) -> dict[str, Any]:
+        """Reserve an index's bytes here (NoSpace in one line), unless it is here already."""
+        name, uuid, meta, add = self._ident(msg)
+        nbytes = int_field(msg, "bytes", 0)
+        key = _reservation(name, meta, add)
+
+        def reserve() -> bool:
+            if _final(meta) in self.store.files_in(name, uuid, metaindex.INDEX_DIR):
+                return True
+            self.store.release(key)  # a reservation of this add again: the exact size
+            self.store.reserve(key, nbytes, what=f"the index of {meta}")
+            return False
+
+        present = await trio.to_thread.run_sync(reserve)
+        if not present:
+            self._reserved.setdefault(name, set()).add(key)
+        return {"node": self.address, "present": present}
+
+    async def op_meta_put(self, msg: dict[str, Any]) -> dict[str, Any]:
+        """A piece of the index, written under the add's temporary name; the last is checked."""
+        name, uuid, meta, add = self._ident(msg)
+        offset, total = int_field(msg, "offset", 0), int_field(msg, "total", 0)
+        data = base64.b64decode(str_field(msg, "data"))
+        _check_piece(offset, len(data), total)
+        if _reservation(name, meta, add) not in self._reserved.get(name, ()):
+            raise InvalidArgument(f"no reservation here for this index of {meta}")
+        tmp = _tmp(meta, add)
+        try:
+            size = await trio.to_thread.run_sync(
+                self.store.write_into, name, uuid, metaindex.INDEX_DIR, tmp, offset, data
+            )
+            if offset + len(data) < total:
+                return {"node": self.address, "received": offset + len(data)}
+            path = self._record(name, uuid).path / metaindex.INDEX_DIR / tmp
+            await trio.to_thread.run_sync(_check_index, path, size, total, uuid, meta)
+        except OSError as e:
+            raise DataError(f"index of {meta} on {self.address}: {e}") from None
+        return {"node": self.address, "received": total}
+
+    async def op_meta_commit(self, msg: dict[str, Any]) -> dict[str, Any]:
+        """Put the received index in place (one rename) and count it instead of its reservation."""
+        name, uuid, meta, add = self._ident(msg)
+        key = _reservation(name, meta, add)
+        try:
+            added = await trio.to_thread.run_sync(
+                self.store.add_file,
+                name,
+                uuid,
+                metaindex.INDEX_DIR,
+                _tmp(meta, add),
+                _final(meta),
+                key,
+            )
+        except OSError as e:
+            raise DataError(f"index of {meta} on {self.address}: {e}") from None
+        self._reserved.get(name, set()).discard(key)
+        if added:
+            log.info("added the index of %s to %s: %s", meta, name, format_size(added))
+        return {"node": self.address, "added": added > 0, "bytes": added}
+
+    async def op_meta_abort(self, msg: dict[str, Any]) -> dict[str, Any]:
+        """Undo an add here: its temporary file and reservation; with `drop`, the index it put
+        in place too (another member failed to)."""
+        name, uuid, meta, add = self._ident(msg)
+        key = _reservation(name, meta, add)
+        self.store.release(key)
+        self._reserved.get(name, set()).discard(key)
+
+        def undo() -> None:
+            index = metaindex.INDEX_DIR
+            self.store.remove_file(name, uuid, index, _tmp(meta, add), counted=False)
+            if msg.get("drop"):
+                self.store.remove_file(name, uuid, index, _final(meta), counted=True)
+
+        try:
+            await trio.to_thread.run_sync(undo)
+        except StaleDataset:
+            pass  # the instance went, and its files with it
+        return {"node": self.address}
+
+    def _unloading(self, name: str) -> None:
+        """Before the dataset's files go: the reservations of its adds in flight end."""
+        for key in list(self._reserved.pop(name, ())):
+            self.store.release(key)
+
+    def _found(self, name: str) -> None:
+        """A dataset became visible (published, or found at start): an add the node stopped in
+        the middle of left its temporary file; it goes (it was never counted)."""
+        record = self.store.datasets.get(name)
+        if record is None:
+            return
+        try:
+            for f in self.store.files_in(name, record.uuid, metaindex.INDEX_DIR):
+                if f.endswith(".tmp"):
+                    log.info("removing an unfinished meta index %s of %s", f, name)
+                    self.store.remove_file(name, record.uuid, metaindex.INDEX_DIR, f, counted=False)
+        except (KSpeedError, OSError) as e:
+            log.warning("cannot check the meta indexes of %s: %s", name, e)
+
+
+def _header(path: Path) -> dict[str, Any]:
+    return metaindex.MetaIndex(path).header
+
+
+def _described(
+    meta: str, state: str, header: dict[str, Any], nbytes: int, nodes: int
+) -> dict[str, Any]:
+    """One index in a meta_add reply."""
+    return {
+        "meta": meta,
+        "state": state,
+        "rows": int(header["rows"]),
+        "samples": int(header["samples"]),
+        "bad": int(header["bad"]),
+        "missing": int(header["missing"]),
+        "bytes": nbytes,
+        "nodes": nodes,
+    }

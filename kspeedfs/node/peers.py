@@ -25,8 +25,8 @@ from kspeedfs.net.connection import SCAN_TIMEOUT, NodeClient
 log = logging.getLogger(__name__)
 
 IDLE_PER_MEMBER = 4
-# Ops that scan a whole source before answering.
-SLOW_OPS = frozenset({"stage", "preload"})
+# Ops that scan a whole source (or read and index a meta file) before answering.
+SLOW_OPS = frozenset({"stage", "preload", "meta_add"})
 
 
 class PeerPool:

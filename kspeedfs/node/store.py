@@ -28,6 +28,7 @@ from kspeedfs.format.errors import (
     KSpeedError,
     NoSpace,
     NotFound,
+    StaleDataset,
 )
 from kspeedfs.format.localdata import (
     MANIFEST_FILE,
@@ -194,8 +195,9 @@ class SegmentStore:
     def used(self) -> int:
         return sum(r.stored for r in self.datasets.values()) + sum(self.reserved.values())
 
-    def reserve(self, name: str, nbytes: int) -> None:
-        """Claim budget for a preload before it starts; refuse what cannot fit."""
+    def reserve(self, name: str, nbytes: int, what: str = "dataset") -> None:
+        """Claim budget for a preload before it starts; refuse what cannot fit (`what` names
+        it in the refusal)."""
         with self._lock:
             if name in self.datasets or name in self.reserved:
                 raise AlreadyExists(f"dataset {name!r} is already loaded or loading")
@@ -204,20 +206,20 @@ class SegmentStore:
                     break
                 reclaim(nbytes - (self.budget - self.used()))
             if self.budget - self.used() < nbytes:
-                self._raise_no_space(nbytes)
+                self._raise_no_space(nbytes, what)
             st = os.statvfs(self.root)
             fs_free = st.f_bavail * st.f_frsize
             if nbytes > fs_free:
                 raise NoSpace(
-                    f"dataset needs {format_size(nbytes)} but {self.root} has only "
+                    f"{what} needs {format_size(nbytes)} but {self.root} has only "
                     f"{format_size(fs_free)} free"
                 )
             self.reserved[name] = nbytes
 
-    def _raise_no_space(self, nbytes: int) -> None:
+    def _raise_no_space(self, nbytes: int, what: str = "dataset") -> None:
         free = self.budget - self.used()
         raise NoSpace(
-            f"dataset needs {format_size(nbytes)} on this node but only "
+            f"{what} needs {format_size(nbytes)} on this node but only "
             f"{format_size(max(free, 0))} of its {format_size(self.budget)} budget is free"
         )
 
@@ -289,6 +291,127 @@ class SegmentStore:
             return
         remove_beneath(self._fd["trash"], dest)
 
+    def _update_meta(self, folder: int, name: str, stored_delta: int, **changes: Any) -> None:
+        """Replace meta.json of a published dataset (its folder `folder`) in one rename: its
+        `stored` bytes moved by `stored_delta`, `changes` set. Called under _lock."""
+        meta = self._read_meta(name)
+        meta.update(changes, stored=int(meta["stored"]) + stored_delta)
+        tmp = f".meta.{uuid.uuid4().hex[:12]}"
+        flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+        with os.fdopen(os.open(tmp, flags, FILE_MODE, dir_fd=folder), "w") as f:
+            json.dump(meta, f)
+        os.rename(tmp, META_FILE, src_dir_fd=folder, dst_dir_fd=folder)
+
+    # Files added to a published instance (a meta index built after its preload): written under
+    # a temporary name in a subfolder, put in place with one rename and counted then.
+    def _instance_dir(self, name: str, instance: str) -> int:
+        """A descriptor of the folder of dataset `name`, refused (StaleDataset) when it is
+        not instance `instance` any more. Called under _lock, so the two agree."""
+        record = self.datasets.get(name)
+        if record is None or record.uuid != instance:
+            raise StaleDataset(
+                f"dataset {name!r} was unloaded or loaded again: the instance asked for is gone"
+            )
+        return os.open(name, DIR_FLAGS, dir_fd=self._fd["datasets"])
+
+    def write_into(
+        self, name: str, instance: str, sub: str, filename: str, offset: int, data: bytes
+    ) -> int:
+        """Write `data` at `offset` of file `sub/filename` in a published instance (made, with
+        its folder, when absent; emptied when offset is 0). Returns the file's size after."""
+        with self._lock:
+            folder = self._instance_dir(name, instance)
+        try:
+            try:
+                os.mkdir(sub, 0o750, dir_fd=folder)
+            except FileExistsError:
+                pass
+            sub_fd = os.open(sub, DIR_FLAGS, dir_fd=folder)
+            try:
+                flags = os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC
+                flags |= os.O_TRUNC if offset == 0 else 0
+                fd = os.open(filename, flags, FILE_MODE, dir_fd=sub_fd)
+                try:
+                    done = 0
+                    while done < len(data):
+                        done += os.pwrite(fd, data[done:], offset + done)
+                    return os.fstat(fd).st_size
+                finally:
+                    os.close(fd)
+            finally:
+                os.close(sub_fd)
+        finally:
+            os.close(folder)
+
+    def add_file(
+        self, name: str, instance: str, sub: str, tmp: str, final: str, reservation: str
+    ) -> int:
+        """Put a complete file written as `sub/tmp` in place as `sub/final` with one rename (a
+        reader sees no file or the whole one) and count it in the instance's stored bytes
+        (meta.json, then the record) in place of its `reservation`. Returns the bytes added: 0
+        when `final` is there already (tmp removed: nothing is counted twice)."""
+        with self._lock:
+            folder = self._instance_dir(name, instance)
+            try:
+                sub_fd = os.open(sub, DIR_FLAGS, dir_fd=folder)
+                try:
+                    size = os.stat(tmp, dir_fd=sub_fd, follow_symlinks=False).st_size
+                    if _exists(final, sub_fd):
+                        os.unlink(tmp, dir_fd=sub_fd)
+                        size = 0
+                    else:
+                        # Counted before the rename: a crash between leaves the budget
+                        # over-counted (safe), never a file it does not count.
+                        self._update_meta(folder, name, size)
+                        os.rename(tmp, final, src_dir_fd=sub_fd, dst_dir_fd=sub_fd)
+                finally:
+                    os.close(sub_fd)
+            finally:
+                os.close(folder)
+            self.datasets[name].stored += size
+            self.reserved.pop(reservation, None)
+        return size
+
+    def remove_file(self, name: str, instance: str, sub: str, filename: str, counted: bool) -> int:
+        """Remove file `sub/filename` of an instance (unlinked: a reader's map stays valid); a
+        `counted` one leaves its stored bytes too. Returns its size (0 when it is absent)."""
+        with self._lock:
+            folder = self._instance_dir(name, instance)
+            try:
+                try:
+                    sub_fd = os.open(sub, DIR_FLAGS, dir_fd=folder)
+                except FileNotFoundError:
+                    return 0
+                try:
+                    size = os.stat(filename, dir_fd=sub_fd, follow_symlinks=False).st_size
+                    os.unlink(filename, dir_fd=sub_fd)
+                except FileNotFoundError:
+                    return 0
+                finally:
+                    os.close(sub_fd)
+                if counted:
+                    self._update_meta(folder, name, -size)
+                    self.datasets[name].stored -= size
+            finally:
+                os.close(folder)
+        return size
+
+    def files_in(self, name: str, instance: str, sub: str) -> list[str]:
+        """The names in folder `sub` of an instance ([] when it has none)."""
+        with self._lock:
+            folder = self._instance_dir(name, instance)
+        try:
+            try:
+                sub_fd = os.open(sub, DIR_FLAGS, dir_fd=folder)
+            except FileNotFoundError:
+                return []
+            try:
+                return sorted(os.listdir(sub_fd))
+            finally:
+                os.close(sub_fd)
+        finally:
+            os.close(folder)
+
     # Control plane (healing, rebalance): one more segment in a published dataset.
     def add_segment(self, name: str, seg: int, data: bytes | bytearray) -> None:
         """Add a segment this node did not hold to a published dataset. Written beside the
@@ -317,12 +440,7 @@ class SegmentStore:
                 os.close(seg_fd)
             with self._lock:
                 held = sorted(set(record.held) | {seg})
-                meta = self._read_meta(name)
-                meta.update(held=held, stored=int(meta["stored"]) + len(data))
-                tmp = f".meta.{uuid.uuid4().hex[:12]}"
-                with os.fdopen(os.open(tmp, flags, FILE_MODE, dir_fd=folder), "w") as f:
-                    json.dump(meta, f)
-                os.rename(tmp, META_FILE, src_dir_fd=folder, dst_dir_fd=folder)
+                self._update_meta(folder, name, len(data), held=held)
                 record.held = held
                 record.stored += len(data)
                 self._open.pop(name, None)
@@ -333,7 +451,6 @@ class SegmentStore:
         """Remove a segment this node no longer owns (its new owners hold it). Unlinked, so a
         reader that mapped it keeps valid pages; meta.json and the record forget it. Returns
         the bytes freed."""
-        flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
         folder = os.open(name, DIR_FLAGS, dir_fd=self._fd["datasets"])
         try:
             with self._lock:
@@ -347,12 +464,7 @@ class SegmentStore:
                 finally:
                     os.close(seg_fd)
                 held = [k for k in record.held if k != seg]
-                meta = self._read_meta(name)
-                meta.update(held=held, stored=int(meta["stored"]) - size)
-                tmp = f".meta.{uuid.uuid4().hex[:12]}"
-                with os.fdopen(os.open(tmp, flags, FILE_MODE, dir_fd=folder), "w") as f:
-                    json.dump(meta, f)
-                os.rename(tmp, META_FILE, src_dir_fd=folder, dst_dir_fd=folder)
+                self._update_meta(folder, name, -size, held=held)
                 record.held = held
                 record.stored -= size
                 self._open.pop(name, None)
@@ -371,3 +483,11 @@ class SegmentStore:
                 raise NotFound(f"no dataset named {name!r}")
             ds = self._open[name] = open_local(record.path)
         return ds
+
+
+def _exists(name: str, dir_fd: int) -> bool:
+    try:
+        os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
+    except FileNotFoundError:
+        return False
+    return True
