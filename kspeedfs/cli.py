@@ -88,6 +88,15 @@ def build_parser() -> argparse.ArgumentParser:
         _client_options(p)
         p.add_argument("--json", action="store_true", help="machine-readable output")
 
+    p = sub.add_parser("meta", help="meta-file indexes of a cached dataset")
+    msub = p.add_subparsers(dest="meta_command", required=True, metavar="ACTION")
+    t = msub.add_parser(
+        "add", help="index meta files of a dataset cached without them (see preload --meta)"
+    )
+    _client_options(t)
+    t.add_argument("name", help="the cached dataset")
+    t.add_argument("meta", nargs="+", help="a meta file in it (path relative to its root)")
+
     p = sub.add_parser("refresh", help="re-list a read-through dataset's source, re-read changes")
     _client_options(p)
     p.add_argument("name")
@@ -442,6 +451,15 @@ def cmd_unload(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_meta(args: argparse.Namespace) -> int:
+    from kspeedfs.client import meta
+
+    with admin.connect(_settings(args)) as client:
+        for index in meta.add(client, args.name, args.meta):
+            print(meta.describe(args.name, index))
+    return 0
+
+
 def cmd_refresh(args: argparse.Namespace) -> int:
     settings = _settings(args)
     # A refresh lists the whole source: it may take longer than an ordinary request.
@@ -578,6 +596,7 @@ COMMANDS = {
     "status": cmd_status,
     "unload": cmd_unload,
     "rebalance": cmd_rebalance,
+    "meta": cmd_meta,
     "refresh": cmd_refresh,
     "mount": cmd_mount,
     "umount": cmd_umount,

@@ -1,0 +1,38 @@
+"""Client side of meta indexes added to a cached dataset: `kspeedfs meta add`."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from kspeedfs.format.units import format_size
+from kspeedfs.net.connection import SCAN_TIMEOUT, NodeClient
+
+
+def add(
+    client: NodeClient, name: str, metas: Sequence[str], uuid: str = ""
+) -> list[dict[str, Any]]:
+    """Index meta files of dataset `name` on every member (one already indexed is left as it
+    is); every name is checked before anything is built. One reply per meta file."""
+    args: dict[str, Any] = {"name": name, "meta": list(metas)}
+    if uuid:
+        args["uuid"] = uuid
+    indexes: list[dict[str, Any]] = client.request("meta_add", answer_within=SCAN_TIMEOUT, **args)[
+        "indexes"
+    ]
+    return indexes
+
+
+def describe(name: str, index: dict[str, Any]) -> str:
+    """`big: train.txt indexed, 1000 samples in 1002 lines (2 bad), 48.0 KiB` for the CLI."""
+    state = "indexed" if index["state"] == "added" else "already indexed"
+    skipped = [
+        f"{index[key]} {what}"
+        for key, what in (("bad", "bad"), ("missing", "missing files"))
+        if index[key]
+    ]
+    note = f" ({', '.join(skipped)})" if skipped else ""
+    return (
+        f"{name}: {index['meta']} {state}, {index['samples']} samples in {index['rows']} lines"
+        f"{note}, {format_size(index['bytes'])}"
+    )
