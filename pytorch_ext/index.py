@@ -215,9 +215,10 @@ class LazySamples(_BuiltOnAccess[tuple[str, int]]):
         return self._owner.source_path(self._index.entry(i)), self._index.target(i)
 
     def __iter__(self) -> Iterator[tuple[str, int]]:
-        targets = self._index.all_targets()
+        # tolist: Python ints from an int array, and a meta file's string targets as they are
+        targets = self._index.all_targets().tolist()
         for k, e in enumerate(self._index.all_entries()):
-            yield self._owner.source_path(int(e)), int(targets[k])
+            yield self._owner.source_path(int(e)), targets[k]
 
     def __repr__(self) -> str:
         return f"<{len(self)} samples of {self._owner.root!r}, built on access>"
