@@ -1,9 +1,10 @@
 """KSpeedMetaDataset: samples named by a meta file, one per line, read through the node's mapped
 meta index instead of a list parsed in every rank and worker.
 
-The node parses the meta file once (at preload, `--meta`) into an index that every process on
-the node maps: per line the manifest entry, the target and the raw line's byte range. A
-dataset object holds only config; a worker's memory does not grow with the number of lines.
+The node parses the meta file once (at preload, `--meta`, or on the first job that asks for a
+meta file the preload did not index) into an index that every process on the node maps: per
+line the manifest entry, the target and the raw line's byte range. A dataset object holds only
+config; a worker's memory does not grow with the number of lines.
 """
 
 from __future__ import annotations
@@ -21,8 +22,9 @@ from torchvision.datasets import VisionDataset
 from torchvision.datasets.folder import default_loader
 
 from kspeedfs.format import metaindex
-from kspeedfs.format.errors import DataError, InvalidArgument, KSpeedError, NotFound
+from kspeedfs.format.errors import AuthError, DataError, InvalidArgument, KSpeedError, NotFound
 from kspeedfs.format.metaindex import MetaIndex
+from kspeedfs.net.connection import SCAN_TIMEOUT
 
 from . import cache
 from .folder import PathLike
@@ -59,6 +61,22 @@ def open_index(reader: cache.Reader, meta: str) -> MetaIndex:
                 raise DataError(f"dataset {ref.name} was reloaded since this job attached to it")
             _indexes[key] = idx
     return idx
+
+
+def add_index(reader: cache.Reader, meta: str) -> MetaIndex:
+    """First use of a meta file the dataset was cached without: the node indexes it on every
+    member (as `kspeedfs meta add` does; a job token may), then this process maps it."""
+    ref = reader.ref
+    log.info("asking the cache to index %s of %s", meta, ref.name)
+    try:
+        reader.cluster.live_request(
+            "meta_add", name=ref.name, uuid=ref.uuid, meta=[meta], answer_within=SCAN_TIMEOUT
+        )
+    except AuthError as e:
+        raise AuthError(
+            f"dataset {ref.name} has no index of {meta} and indexing it needs a job token: {e}"
+        ) from None
+    return open_index(reader, meta)
 
 
 def _fetch(reader: cache.Reader, meta: str) -> MetaIndex:
@@ -184,8 +202,9 @@ class KSpeedMetaDataset(CachedImages):
     """Samples listed in a meta file (`relative/path.jpg 3`, or JSON lines), read from the cache.
 
     `root` is the cached dataset's root (the preloaded folder); `meta` a file in it, indexed at
-    preload (`kspeedfs preload ROOT --name N --meta train.txt`) or by the active load this
-    dataset starts when ROOT is not cached. Paths in the meta file are relative to `root`.
+    preload (`kspeedfs preload ROOT --name N --meta train.txt`), by the active load this
+    dataset starts when ROOT is not cached, or, when ROOT is cached without it, by the node
+    this dataset asks on first use. Paths in the meta file are relative to `root`.
 
     Items are `(image, target)` as with ImageFolder (`decode="pil"|"tensor"`, `loader`,
     `transform`, `target_transform`); `samples`/`targets` are lazy sequences; string targets
@@ -231,7 +250,10 @@ class KSpeedMetaDataset(CachedImages):
         if not m.is_dir(self._top):
             raise InvalidArgument(f"{self.root} is a file, not a folder")
         try:
-            idx = open_index(self._reader, self.meta)
+            try:
+                idx = open_index(self._reader, self.meta)
+            except NotFound:
+                idx = add_index(self._reader, self.meta)  # cached without it: first use
         except NotFound as e:
             raise NotFound(f"{self.meta} of {self.root}: {e}") from None
         self.classes: list[str] = idx.strings() if idx.target_kind == "str" else []

@@ -227,10 +227,14 @@ def test_index_lives_in_the_dataset_and_goes_with_it(node: NodeProcess, loaded: 
         )
         client.request("unload", name="big")
     assert not folder.exists()
-    with pytest.raises(NotFound):
-        # Loaded again without --meta: the index is not there, and the error says how to get it.
-        admin.preload(settings(node), str(loaded), "big", show_progress=False)
-        KSpeedMetaDataset(loaded, "train.txt", **kw(node))
+    # Loaded again without --meta: the first dataset over it has the node index it.
+    admin.preload(settings(node), str(loaded), "big", show_progress=False)
+    assert not (folder / "meta").exists()
+    again = KSpeedMetaDataset(loaded, "train.txt", **kw(node))
+    assert list(again.targets) == [
+        t for _, t in ReferenceMeta(loaded, "train.txt", parse_text).samples
+    ]
+    assert len(list((folder / "meta").iterdir())) == 1
 
 
 def test_active_load_indexes_the_meta_file(node: NodeProcess, big: Path) -> None:
