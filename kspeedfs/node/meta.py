@@ -493,6 +493,7 @@ class AddedIndexes:
         offset, total = int_field(msg, "offset", 0), int_field(msg, "total", 0)
         data = base64.b64decode(str_field(msg, "data"))
         _check_piece(offset, len(data), total)
+        folder = self._record(name, uuid).path / metaindex.INDEX_DIR
         if _reservation(name, meta, add) not in self._reserved.get(name, ()):
             raise InvalidArgument(f"no reservation here for this index of {meta}")
         tmp = _tmp(meta, add)
@@ -502,8 +503,7 @@ class AddedIndexes:
             )
             if offset + len(data) < total:
                 return {"node": self.address, "received": offset + len(data)}
-            path = self._record(name, uuid).path / metaindex.INDEX_DIR / tmp
-            await trio.to_thread.run_sync(_check_index, path, size, total, uuid, meta)
+            await trio.to_thread.run_sync(_check_index, folder / tmp, size, total, uuid, meta)
         except OSError as e:
             raise DataError(f"index of {meta} on {self.address}: {e}") from None
         return {"node": self.address, "received": total}
