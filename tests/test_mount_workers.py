@@ -48,8 +48,13 @@ def files_of(root: Path) -> dict[bytes, bytes]:
 
 def children(pid: int) -> list[int]:
     """The live child processes of `pid` (each thread lists those it started)."""
-    tasks = Path(f"/proc/{pid}/task").iterdir()
-    return [int(c) for t in tasks for c in (t / "children").read_text().split()]
+    found = []
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        try:
+            found.extend(int(c) for c in (task / "children").read_text().split())
+        except FileNotFoundError:
+            pass  # a thread that ended meanwhile
+    return found
 
 
 def stats(mountpoint: Path) -> dict[str, object]:

@@ -37,6 +37,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from kspeedfs.fuse.counters import SLOTS, SharedCounters
+from kspeedfs.system.memory import map_pages
 
 log = logging.getLogger(__name__)
 
@@ -363,6 +364,8 @@ class RequestLoop:
                 self._reply_error(u, errno.EIO)
 
     def _reply(self, unique: int, data: Buffer) -> None:
+        if isinstance(data, memoryview):  # a mapped segment: see map_pages
+            map_pages(data)
         header = OUT_HEADER.pack(OUT_HEADER.size + len(data), 0, unique)
         if not self._write(unique, [header, data]):
             self._reply_error(unique, errno.EIO)  # the request must still get an answer

@@ -1,6 +1,7 @@
-"""How a process's heap gives memory back (glibc's mallopt; a no-op elsewhere).
+"""How a process's memory meets the kernel: when the heap gives memory back (glibc's mallopt;
+a no-op elsewhere), and mapping a buffer's pages ahead of a kernel copy.
 
-Two opposite needs, one module: the node daemon buffers untrusted frames of up to 16 MiB and
+Two opposite needs for the heap: the node daemon buffers untrusted frames of up to 16 MiB and
 must return that memory once a connection drops, while a decoding pool worker allocates and
 frees image-sized buffers thousands of times a second and must not hand them back and fault
 them in again each time (PIL decode ran 1.4 vs 2.5 ms per image on this alone).
@@ -10,8 +11,11 @@ from __future__ import annotations
 
 import ctypes
 import logging
+import mmap
 
 log = logging.getLogger(__name__)
+
+_PAGE = mmap.PAGESIZE
 
 _M_TRIM_THRESHOLD = -1
 _M_TOP_PAD = -2
@@ -36,3 +40,19 @@ def keep_freed_memory() -> None:
     """Freed memory stays in the process (64 MiB kept at the heap top, never trimmed)."""
     _mallopt(_M_TRIM_THRESHOLD, 256 << 20)
     _mallopt(_M_TOP_PAD, 64 << 20)
+
+
+def map_pages(view: memoryview) -> None:
+    """Map a mapped buffer's pages into this process now, by reading a byte of each (0.7 us
+    for 300 KB already mapped; a page not mapped yet costs the fault the kernel would take).
+
+    A FUSE reply is copied from the server's memory by the kernel, which maps each page it
+    finds unmapped; when the server is being killed meanwhile (SIGKILL pending), mapping fails,
+    the kernel ends the request with EIO, and the reader gets EIO, or SIGBUS through mmap. With
+    the pages mapped first, the copy never waits on a fault, so it completes or never starts,
+    and a request that never got its reply is sent again to another serving process.
+    (madvise(MADV_POPULATE_READ) does the same in one call but costs 15 us even when mapped.)
+    """
+    if view.nbytes:
+        view[::_PAGE].tobytes()  # a byte of each page the view starts in, then every page on
+        view[-1]  # and of the last, which the stride can miss when the view is not aligned
