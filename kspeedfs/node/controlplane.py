@@ -28,7 +28,7 @@ from kspeedfs.format.names import validate_name
 from kspeedfs.format.readthrough_view import READTHROUGH
 from kspeedfs.format.tls import client_context
 from kspeedfs.node.metrics import FILL_BUCKETS
-from kspeedfs.node.peers import PeerPool
+from kspeedfs.node.peers import Call, PeerPool
 from kspeedfs.node.preload import Plan, Stager
 from kspeedfs.node.readthrough import ReadThroughCache
 from kspeedfs.node.store import SegmentStore
@@ -43,7 +43,6 @@ READ_REQUEST = 64 * 1024 * 1024  # up to this much in one request
 # (bench_cluster.py on 2 CPUs: 2 in flight healed fastest; 1 and 4 were slower).
 HEAL_PARALLEL = 2
 
-Call = Callable[[str, str, dict[str, Any]], Awaitable[dict[str, Any]]]
 UnloadLocal = Callable[[dict[str, Any]], Awaitable[dict[str, Any]]]
 
 

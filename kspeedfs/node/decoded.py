@@ -20,7 +20,6 @@ import select
 import threading
 import time
 import warnings
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -34,6 +33,7 @@ from kspeedfs.format.localdata import LocalDataset
 from kspeedfs.format.names import validate_name
 from kspeedfs.format.units import format_size
 from kspeedfs.node.ops import ADMIN, JOB, READ, OpRegistry
+from kspeedfs.node.peers import Call, call_all
 from kspeedfs.node.safedir import DIR_FLAGS, remove_beneath
 from kspeedfs.node.store import SegmentStore
 from kspeedfs.system.memory import keep_freed_memory
@@ -42,7 +42,6 @@ log = logging.getLogger(__name__)
 
 CHUNK = 32  # images per pool task
 PROBE_CHUNK = 256  # images per header-reading task
-Call = Callable[[str, str, dict[str, Any]], Any]
 
 
 def variant_key(name: str, size: int) -> str:
@@ -215,18 +214,7 @@ class DecodedVariants:
             raise StaleDataset(f"dataset {name!r} was loaded again: the instance asked for is gone")
         ident = {"name": name, "uuid": record.uuid, "size": size}
         members = record.members or [self.address]
-        answers: dict[str, dict[str, Any]] = {}
-        errors: list[KSpeedError] = []
-
-        async def start(member: str) -> None:
-            try:
-                answers[member] = await self._call(member, "decode_local", ident)
-            except KSpeedError as e:
-                errors.append(e)
-
-        async with trio.open_nursery() as nursery:
-            for member in members:
-                nursery.start_soon(start, member)
+        answers, errors = await call_all(self._call, members, "decode_local", ident)
         if errors:
             for member in members:
                 try:

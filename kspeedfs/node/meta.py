@@ -27,6 +27,7 @@ from kspeedfs.format.readthrough_view import READTHROUGH
 from kspeedfs.format.tree import Tree
 from kspeedfs.format.units import format_size
 from kspeedfs.node.ops import ADMIN, JOB, READ, OpRegistry, caller_role, int_field, str_field
+from kspeedfs.node.peers import Call, call_all
 from kspeedfs.node.store import DatasetRecord, SegmentStore
 from kspeedfs.sources.source import Source, open_source
 
@@ -34,8 +35,6 @@ log = logging.getLogger(__name__)
 
 PIECE = 4 * 1024 * 1024  # bytes of an index per control frame (before base64)
 MAX_INDEX_BYTES = 1 << 38
-
-Call = Callable[[str, str, dict[str, Any]], Any]
 
 
 class Staged(Protocol):
@@ -441,20 +440,9 @@ class AddedIndexes:
     ) -> dict[str, dict[str, Any]]:
         """`op` on every member at once; the first refusal is raised once all have answered.
         `done` collects the members whose index went in place (meta_commit)."""
-        answers: dict[str, dict[str, Any]] = {}
-        errors: list[KSpeedError] = []
-
-        async def one(member: str) -> None:
-            try:
-                answers[member] = await self._call(member, op, args)
-                if done is not None and answers[member].get("added"):
-                    done.append(member)
-            except KSpeedError as e:
-                errors.append(e)
-
-        async with trio.open_nursery() as nursery:
-            for member in members:
-                nursery.start_soon(one, member)
+        answers, errors = await call_all(self._call, members, op, args)
+        if done is not None:
+            done.extend(m for m, a in answers.items() if a.get("added"))
         if errors:
             raise errors[0]
         return answers

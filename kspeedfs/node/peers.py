@@ -14,10 +14,13 @@ import logging
 import ssl
 import threading
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Awaitable, Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
+import trio
+
+from kspeedfs.format.errors import KSpeedError
 from kspeedfs.format.units import parse_address
 from kspeedfs.net.aconnection import AsyncNodeClient
 from kspeedfs.net.connection import SCAN_TIMEOUT, NodeClient
@@ -27,6 +30,28 @@ log = logging.getLogger(__name__)
 IDLE_PER_MEMBER = 4
 # Ops that scan a whole source (or read and index a meta file) before answering.
 SLOW_OPS = frozenset({"stage", "preload", "meta_add"})
+
+# An op on a member: (member, op, arguments) -> its answer.
+Call = Callable[[str, str, dict[str, Any]], Awaitable[dict[str, Any]]]
+
+
+async def call_all(
+    call: Call, members: Sequence[str], op: str, args: dict[str, Any]
+) -> tuple[dict[str, dict[str, Any]], list[KSpeedError]]:
+    """`op` on every member at once: the answers of those that gave one, and the refusals."""
+    answers: dict[str, dict[str, Any]] = {}
+    errors: list[KSpeedError] = []
+
+    async def one(member: str) -> None:
+        try:
+            answers[member] = await call(member, op, args)
+        except KSpeedError as e:
+            errors.append(e)
+
+    async with trio.open_nursery() as nursery:
+        for member in members:
+            nursery.start_soon(one, member)
+    return answers, errors
 
 
 class PeerPool:

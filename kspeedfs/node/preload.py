@@ -18,7 +18,7 @@ import logging
 import os
 import secrets
 import time
-from collections.abc import Awaitable, Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -43,6 +43,7 @@ from kspeedfs.format.tree import Tree
 from kspeedfs.format.units import format_size
 from kspeedfs.node import meta as metafiles
 from kspeedfs.node.ops import ADMIN, OpRegistry
+from kspeedfs.node.peers import Call
 from kspeedfs.node.store import SegmentStore
 from kspeedfs.sources.loader import (
     Progress,
@@ -59,8 +60,6 @@ POLL_INTERVAL = 0.1
 PUSH_CHUNK = 4 * 1024 * 1024
 MANIFEST_CHUNK = 4 * 1024 * 1024
 MAX_MANIFEST_BYTES = 1 << 34
-
-Call = Callable[[str, str, dict[str, Any]], Awaitable[dict[str, Any]]]
 
 
 def tree_digest(tree: Tree) -> str:
