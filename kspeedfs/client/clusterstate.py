@@ -8,6 +8,9 @@ Keys under /kspeedfs/CLUSTER/:
 A preload's record is created on its coordinator's lease (state "loading"), so it vanishes with
 a coordinator that dies; it is made "ready" and unleased in one transaction compared on the
 record that names the instance. Unload deletes the record the same way.
+
+An https:// endpoint is checked against `tls_ca` (else the system's CAs) and shown `tls_cert` and
+`tls_key`, the files of kspeedfs's own TLS; a TLS failure is one line naming etcd (AuthError).
 """
 
 from __future__ import annotations
@@ -16,23 +19,34 @@ import base64
 import functools
 import json
 import logging
+import os
+import socket
+import ssl
 import time
 from collections.abc import Callable
+from http.client import RemoteDisconnected
+from pathlib import Path
 from typing import Any, TypeVar
 from urllib.parse import urlsplit
 
 import etcd3gw
+import requests
 from etcd3gw import exceptions as etcd_errors
 from etcd3gw.lease import Lease
 
 from kspeedfs.format.config import Settings
-from kspeedfs.format.errors import AlreadyExists, NodeUnreachable, NotFound
+from kspeedfs.format.errors import AlreadyExists, AuthError, NodeUnreachable, NotFound
+from kspeedfs.format.tls import client_context, reason
 from kspeedfs.format.units import Address, parse_address
 
 log = logging.getLogger(__name__)
 
 T = TypeVar("T")
+E = TypeVar("E", bound=BaseException)
 Record = dict[str, Any]
+# What a ClusterState call raises when etcd cannot be used: it does not answer, or the TLS
+# between us fails (a setup problem: no retry helps, but the data path goes on).
+UNAVAILABLE = (NodeUnreachable, AuthError)
 
 
 def _b64(text: str) -> str:
@@ -45,13 +59,24 @@ def _range_end(prefix: str) -> str:
 
 class ClusterState:
     """Blocking access to one cluster's keys; each call tries the endpoints in turn and fails
-    with one line naming etcd (NodeUnreachable) when none answers."""
+    with one line naming etcd when none answers (NodeUnreachable; AuthError when one refused
+    the TLS between us, or we refused its certificate)."""
 
-    def __init__(self, endpoints: list[str], cluster: str, timeout: float = 5.0):
+    def __init__(
+        self,
+        endpoints: list[str],
+        cluster: str,
+        timeout: float = 5.0,
+        tls: tuple[Path, Path, Path] | None = None,
+    ):
+        """`tls`: (cert, key, CA) for https:// endpoints; None: no client certificate, and
+        etcd's certificate is checked against the system's CAs."""
         if not endpoints:
             raise NotFound("no etcd endpoints configured")
         self.endpoints = endpoints
         self.prefix = f"/kspeedfs/{cluster}/"
+        self.timeout = timeout
+        self._with_cert = tls is not None
         self._clients = []
         for url in endpoints:
             parts = urlsplit(url)
@@ -62,16 +87,23 @@ class ClusterState:
                     protocol=parts.scheme or "http",
                     timeout=timeout,
                     api_path="/v3/",  # etcd 3.4 and newer
+                    session=_tls_session(tls) if parts.scheme == "https" else None,
                 )
             )
         self._first = 0
 
     @classmethod
     def of(cls, settings: Settings) -> ClusterState:
-        return cls(settings.etcd, settings.cluster, min(settings.timeout, 5.0))
+        tls = None
+        if settings.tls() and any(url.startswith("https://") for url in settings.etcd):
+            client_context(settings)  # unreadable or mismatched files: one line, before any call
+            assert settings.tls_cert and settings.tls_key and settings.tls_ca
+            tls = (settings.tls_cert, settings.tls_key, settings.tls_ca)
+        return cls(settings.etcd, settings.cluster, min(settings.timeout, 5.0), tls)
 
     def _call(self, fn: Callable[[etcd3gw.Etcd3Client], T]) -> T:
         last: Exception | None = None
+        refused: AuthError | None = None
         for k in range(len(self._clients)):
             i = (self._first + k) % len(self._clients)
             try:
@@ -84,8 +116,35 @@ class ClusterState:
                 etcd_errors.InternalServerError,  # a member starting again, or without quorum
             ) as e:
                 last = e
+                refused = self._tls_refusal(self.endpoints[i], e) or refused
+        if refused is not None:  # rather than "does not answer": the TLS setup is what to fix
+            raise refused
         why = (str(last).splitlines() or [type(last).__name__])[0]
         raise NodeUnreachable(f"etcd at {', '.join(self.endpoints)} does not answer: {why}")
+
+    def _tls_refusal(self, url: str, e: BaseException) -> AuthError | None:
+        """The one line for a call that failed on TLS: a handshake error toward an https://
+        endpoint, or an http:// endpoint that hung up on a plain request and speaks TLS."""
+        parts = urlsplit(url)
+        if parts.scheme == "https":
+            cause = _under(e, ssl.SSLError)
+            if cause is None:
+                return None
+            if not isinstance(cause, ssl.SSLEOFError):
+                why = reason(cause)
+            elif self._with_cert:  # etcd hangs up on a certificate from another CA
+                why = "etcd closed the connection in the handshake (does it trust tls_cert's CA?)"
+            else:
+                why = "etcd closed the connection in the handshake (set tls_cert, tls_key, tls_ca)"
+            return AuthError(f"TLS with etcd at {url} failed: {why}")
+        host, port = parts.hostname or "127.0.0.1", parts.port or 2379
+        # What etcd does to plain HTTP on a TLS port: it hangs up without a reply.
+        if _under(e, RemoteDisconnected) and _speaks_tls(host, port, self.timeout):
+            return AuthError(
+                f"etcd at {url} accepts TLS connections only: use https:// endpoints "
+                "(with tls_cert, tls_key and tls_ca)"
+            )
+        return None
 
     def _prefix(self, sub: str) -> dict[str, tuple[Record, int]]:
         """key tail -> (value, mod_revision) of every key under PREFIX/sub/."""
@@ -235,6 +294,63 @@ class ClusterState:
 
 def _delete(client: etcd3gw.Etcd3Client, key: str) -> bool:
     return client.delete(key)
+
+
+class _PinnedSession(requests.Session):
+    """A session that checks certificates against its own `verify`: requests lets
+    REQUESTS_CA_BUNDLE (set on many machines) replace it, which would trust another bundle
+    than tls_ca (and fail on etcd's certificate from the cluster's CA)."""
+
+    def merge_environment_settings(self, *args: Any, **kwargs: Any) -> dict[str, Any]:
+        merged: dict[str, Any] = super().merge_environment_settings(*args, **kwargs)
+        merged["verify"] = self.verify
+        return merged
+
+
+def _tls_session(tls: tuple[Path, Path, Path] | None) -> requests.Session:
+    session = _PinnedSession()
+    if tls is None:
+        # The system's CAs as OpenSSL finds them (SSL_CERT_FILE/SSL_CERT_DIR apply), not
+        # requests' own bundle.
+        paths = ssl.get_default_verify_paths()
+        session.verify = paths.cafile or paths.capath or True
+    else:
+        cert, key, ca = tls
+        session.verify = os.fspath(ca)
+        session.cert = (os.fspath(cert), os.fspath(key))
+    return session
+
+
+def _under(e: BaseException, kind: type[E]) -> E | None:
+    """The `kind` error under an etcd3gw one: requests and urllib3 keep theirs in `args` and
+    `reason`, not only as a cause."""
+    seen: set[int] = set()
+    todo: list[object] = [e]
+    while todo:
+        x = todo.pop()
+        if not isinstance(x, BaseException) or id(x) in seen:
+            continue
+        seen.add(id(x))
+        if isinstance(x, kind):
+            return x
+        todo += [x.__cause__, x.__context__, getattr(x, "reason", None), *x.args]
+    return None
+
+
+def _speaks_tls(host: str, port: int, timeout: float) -> bool:
+    """Whether host:port answers a TLS handshake (its certificate not checked: nothing is sent
+    after the handshake, it only tells a plain endpoint from a TLS one)."""
+    context = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
+    context.check_hostname = False
+    context.verify_mode = ssl.CERT_NONE
+    try:
+        with socket.create_connection((host, port), timeout) as sock:
+            with context.wrap_socket(sock):
+                return True
+    except ssl.SSLError as e:  # an alert (no client certificate): a TLS server all the same
+        return not isinstance(e, ssl.SSLEOFError)
+    except OSError:
+        return False
 
 
 def etcd_nodes(settings: Settings) -> list[Address]:

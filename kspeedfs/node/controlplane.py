@@ -19,7 +19,7 @@ import trio
 import xxhash
 from prometheus_client import Histogram
 
-from kspeedfs.client.clusterstate import ClusterState, Record
+from kspeedfs.client.clusterstate import UNAVAILABLE, ClusterState, Record
 from kspeedfs.format import placement
 from kspeedfs.format.config import Settings
 from kspeedfs.format.errors import DataError, KSpeedError, NodeUnreachable, NotFound
@@ -116,8 +116,9 @@ class ControlPlane:
         self.address = address
         try:
             await self._register()
-        except NodeUnreachable as e:
+        except UNAVAILABLE as e:
             log.warning("%s; serving anyway, joining when it answers", e)
+            self._warned = True  # said once: the loops below repeat it only after a success
         task_status.started()
         try:
             async with trio.open_nursery() as nursery:
@@ -144,13 +145,13 @@ class ControlPlane:
         while True:
             await trio.sleep(max(0.5, self.settings.member_ttl / 3))
             try:
-                if not self.lease_id or not await trio.to_thread.run_sync(
-                    self.state.keep_alive, self.lease_id
-                ):
+                if not self.lease_id:  # not joined yet: etcd did not answer at start
+                    await self._register()
+                elif not await trio.to_thread.run_sync(self.state.keep_alive, self.lease_id):
                     log.warning("membership lease lost; joining again")
                     await self._register()
                 self._warned = False
-            except NodeUnreachable as e:
+            except UNAVAILABLE as e:
                 if not self._warned:
                     log.warning("%s; data keeps being served", e)
                     self._warned = True
@@ -164,7 +165,7 @@ class ControlPlane:
         ago counts); the last sync's view when etcd does not answer."""
         try:
             self.live = sorted(await trio.to_thread.run_sync(self.state.live_members))
-        except NodeUnreachable as e:
+        except UNAVAILABLE as e:
             log.warning("%s; placing over the members seen last", e)
         return self.members()
 
@@ -227,7 +228,7 @@ class ControlPlane:
         while True:
             try:
                 await self.sync_once()
-            except NodeUnreachable as e:
+            except UNAVAILABLE as e:
                 self.reachable = False
                 if not self._warned:
                     log.warning("%s; data keeps being served", e)
