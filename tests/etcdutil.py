@@ -18,10 +18,18 @@ from kspeedfs.localproc import wait_until
 
 
 class EtcdCluster:
-    """Nodes that find each other in one etcd (no node list anywhere)."""
+    """Nodes that find each other in one etcd (no node list anywhere). `tls`: the
+    KSPEEDFS_TLS_* variables of nodes and clients (mutual TLS toward each other and etcd)."""
 
-    def __init__(self, tmp_path: Path, token_file: Path, etcd: EtcdProcess):
+    def __init__(
+        self,
+        tmp_path: Path,
+        token_file: Path,
+        etcd: EtcdProcess,
+        tls: dict[str, str] | None = None,
+    ):
         self.tmp = tmp_path
+        self.tls = tls or {}
         self.token_file = token_file
         self.etcd = etcd
         self.root = Path("/dev/shm") / f"kspeedfs-etcd-{uuid.uuid4().hex[:10]}"
@@ -39,6 +47,7 @@ class EtcdCluster:
             KSPEEDFS_MEMBER_TTL="2",
             KSPEEDFS_HEAL_AFTER="2",
             KSPEEDFS_TOKEN_FILE=str(self.token_file),
+            **self.tls,
         )
         return env
 
@@ -60,10 +69,13 @@ class EtcdCluster:
         return self.base_env()
 
     def settings(self) -> Settings:
-        return Settings(etcd=[self.etcd.endpoint], cluster=self.cluster, token_file=self.token_file)
+        tls = {k.removeprefix("KSPEEDFS_").lower(): Path(v) for k, v in self.tls.items()}
+        return Settings(
+            etcd=[self.etcd.endpoint], cluster=self.cluster, token_file=self.token_file, **tls
+        )
 
     def state(self) -> ClusterState:
-        return ClusterState([self.etcd.endpoint], self.cluster)
+        return ClusterState.of(self.settings())
 
     def record(self, name: str) -> dict[str, Any]:
         """The dataset's catalog record ({} when there is none)."""
