@@ -6,6 +6,7 @@ then SIGKILL; a mount is lazily unmounted first), so a run leaves nothing behind
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import re
@@ -214,10 +215,14 @@ class NodeProcess:
             return c.request(op, **args)
 
     def stop(self, timeout: float = STOP_TIMEOUT) -> None:
-        """SIGTERM, then SIGKILL when it has not exited within `timeout` seconds."""
+        """SIGTERM, then SIGKILL when it has not exited within `timeout` seconds; the socket
+        of a node killed earlier goes too (a node that stops removes its own)."""
         if self.proc is not None and self.proc.poll() is None:
             self.proc.send_signal(signal.SIGTERM)
             _stop(self.proc, timeout)
+        socket_file = self.env().get("KSPEEDFS_SOCKET") or f"{self.shm_dir}.sock"
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(socket_file)
 
     def kill9(self) -> None:
         assert self.proc is not None
