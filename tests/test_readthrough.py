@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import threading
@@ -230,3 +231,46 @@ def test_node_killed_mount_serves_from_the_source_then_recovers(
         stop.set()
         thread.join()
     assert errors == []
+
+
+def test_a_refresh_never_makes_the_dataset_go_missing(
+    node: NodeProcess, tmp_path: Path, mounts: list[MountProcess]
+) -> None:
+    """A `--source` mount serves the dataset at its root: while refreshes swap its instance,
+    a reader opening files there gets the old or the new bytes (ESTALE, the old instance's
+    inode before the kernel forgets it, is allowed), never EIO or ENOENT."""
+    tree = make_tree(tmp_path / "src")
+    steady = (tree / "a" / "small.txt").read_bytes()
+    m = mount_source(node, tmp_path, mounts, tree)
+    path = m.mountpoint / "a" / "small.txt"
+    assert read_uncached(path) == steady
+    problems: list[str] = []
+    reads = [0]
+    stop = threading.Event()
+
+    def read_on() -> None:
+        while not stop.is_set():
+            try:
+                got = read_uncached(path)
+            except OSError as e:
+                if e.errno != errno.ESTALE:
+                    problems.append(f"{e.strerror} ({e.errno})")
+                continue
+            if got != steady:
+                problems.append(f"wrong bytes: {got[:20]!r}")
+            reads[0] += 1
+
+    reader = threading.Thread(target=read_on)
+    reader.start()
+    try:
+        for k in range(20):
+            (tree / "b.bin").write_bytes(b"version %d\n" % k)
+            done = run_cli("refresh", "src", env=node.env())
+            assert done.returncode == 0, done.stderr
+            assert done.stdout.startswith("src: refreshed"), done.stdout
+            before = reads[0]
+            wait_for(lambda before=before: reads[0] > before + 20, what="reads after a refresh")
+    finally:
+        stop.set()
+        reader.join()
+    assert problems == []

@@ -21,7 +21,6 @@ from kspeedfs.client.handle import DatasetHandle
 from kspeedfs.client.reader import ClusterReader
 from kspeedfs.format.errors import KSpeedError, NodeUnreachable, NotFound
 from kspeedfs.fuse import variants
-from kspeedfs.fuse.kernel import ROOT_INODE, FuseSession
 from kspeedfs.net.aconnection import AsyncNodeClient
 
 log = logging.getLogger(__name__)
@@ -49,6 +48,9 @@ class Change:
     added: list[MountedDataset]
     node_answers: bool
     mounted_at_ns: int
+    # Names under the root the kernel must forget (the dropped instances' entries): only once
+    # every worker serves the change, or a lookup in between would cache the old instance.
+    forget: list[bytes] = field(default_factory=list)
 
 
 class DatasetList:
@@ -63,7 +65,6 @@ class DatasetList:
         self.single = single  # serve this dataset at the root instead of one folder each
         self.by_slot: dict[int, MountedDataset] = {}
         self.by_name: dict[str, MountedDataset] = {}
-        self.session: FuseSession | None = None  # where invalidations go
         self.on_change: Callable[[Change], None] = lambda change: None
         self.mounted_at_ns = time.time_ns()
         self.node_answers = True
@@ -127,10 +128,11 @@ class DatasetList:
         by_name = dict(self.by_name)
         by_slot = dict(self.by_slot)
         gone = [m for n, m in by_name.items() if listed.get(n) != m.uuid]
+        forget: list[bytes] = []
         for mounted in gone:
             del by_name[mounted.name]
             del by_slot[mounted.slot]
-            self._drop(mounted)
+            forget.extend(self._drop(mounted))
         added = []
         for name, d in ready.items():
             if name in by_name or (self.single and name != self.single):
@@ -158,22 +160,19 @@ class DatasetList:
         if by_name.keys() != self.by_name.keys() or gone:
             self.mounted_at_ns = time.time_ns()  # the root's mtime: its listing changed
         self.by_slot, self.by_name = by_slot, by_name
-        return Change(gone, added, True, self.mounted_at_ns)
+        return Change(gone, added, True, self.mounted_at_ns, forget)
 
-    def _drop(self, mounted: MountedDataset) -> None:
+    def _drop(self, mounted: MountedDataset) -> list[bytes]:
+        """Let go of an instance; returns the names under the root the kernel must forget."""
         log.info("dataset %s (instance %s) is gone from the node", mounted.name, mounted.uuid[:8])
         if mounted.data.local is not None and not variants.is_variant(mounted.info):
             mounted.data.local.release()  # its memory returns to the node's machine
-        if self.session is None:
-            return
         if not self.single:
-            self.session.invalidate_entry_async(ROOT_INODE, mounted.name.encode())
-        else:
-            # Served at the root: the kernel would keep its entries (a day) for the old
-            # instance, e.g. after a refresh; forget them so lookups reach the new one.
-            m = mounted.data.manifest
-            for child in m.children(0):
-                self.session.invalidate_entry_async(ROOT_INODE, m.name(child))
+            return [mounted.name.encode()]
+        # Served at the root: the kernel would keep its entries (a day) for the old instance,
+        # e.g. after a refresh; forget them so lookups reach the new one.
+        m = mounted.data.manifest
+        return [m.name(child) for child in m.children(0)]
 
     def require(self, name: str) -> None:
         if name not in self.by_name:

@@ -79,7 +79,6 @@ async def serve_mount(
         datasets.require(dataset)
     count = settings.fuse_workers or default_workers()
     session = FuseSession(None, str(mountpoint), options)
-    datasets.session = session
     try:
         session.mount()
     except OSError as e:

@@ -9,6 +9,7 @@ Interrupts a worker cannot place (the request is another worker's) are passed to
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
 import os
@@ -25,7 +26,7 @@ from kspeedfs.format.config import Settings
 from kspeedfs.format.errors import KSpeedError, MountError
 from kspeedfs.fuse.counters import SharedCounters
 from kspeedfs.fuse.datasets import Change, DatasetList
-from kspeedfs.fuse.kernel import FuseSession
+from kspeedfs.fuse.kernel import ROOT_INODE, FuseSession
 from kspeedfs.fuse.worker import EXIT_DETACHED, MESSAGE_MAX
 from kspeedfs.net.aconnection import AsyncNodeClient
 
@@ -65,6 +66,10 @@ class Workers:
         self._links: dict[int, trio.MemorySendChannel[tuple[Any, ...]]] = {}
         self._procs: dict[int, trio.Process] = {}
         self._invalidations = 0
+        self._changes = 0  # dataset changes sent to the workers
+        self._applied: dict[int, int] = {}  # worker -> the last change it applied
+        # (change, names under the root to forget, invalidation number) waiting for workers
+        self._to_forget: list[tuple[int, list[bytes], int]] = []
         self._refresh_queued = False
         self._nursery: trio.Nursery | None = None
         self._token = trio.lowlevel.current_trio_token()
@@ -82,15 +87,34 @@ class Workers:
     # ---- dataset changes, to every worker
 
     def on_change(self, change: Change) -> None:
-        for mounted in change.dropped:
+        """Tell every worker; once all of them serve the change, make the kernel forget the
+        dropped instances' names. Adds go first: a worker's add of a new instance replaces the
+        old one of that name in one step, so a dataset loaded again never goes missing in
+        between (a lookup meanwhile found no such name; at a single dataset's root, EIO). The
+        kernel forgets only after every worker has switched: a lookup answered in between
+        with the old instance would stay cached (a day), its reads failing with ESTALE."""
+        self._changes += 1
+        if change.forget:
             self._invalidations += 1
-            self._broadcast(("drop", mounted.slot, self._invalidations))
+            self._to_forget.append((self._changes, change.forget, self._invalidations))
         for mounted in change.added:
             self._broadcast(("add", mounted.slot, mounted.name, mounted.uuid, mounted.info))
-        self._broadcast(("refreshed", change.node_answers, change.mounted_at_ns))
-        if change.dropped:
-            seq = self._invalidations
-            self.session.after_invalidations(lambda: self._from_thread(("invalidated", seq)))
+        for mounted in change.dropped:
+            self._broadcast(("drop", mounted.slot, self._invalidations))
+        self._broadcast(("refreshed", change.node_answers, change.mounted_at_ns, self._changes))
+        self._forget_applied()
+
+    def _forget_applied(self) -> None:
+        """The invalidations of the changes every worker has applied."""
+        while self._to_forget and all(
+            self._applied.get(index, 0) >= self._to_forget[0][0] for index in self._links
+        ):
+            _change, names, seq = self._to_forget.pop(0)
+            for name in names:
+                self.session.invalidate_entry_async(ROOT_INODE, name)
+            self.session.after_invalidations(
+                functools.partial(self._from_thread, ("invalidated", seq))
+            )
 
     def _from_thread(self, message: tuple[Any, ...]) -> None:
         try:
@@ -111,7 +135,7 @@ class Workers:
         d = self.datasets
         hello = ("hello", self.settings, self.dataset, index, self.count)
         adds = [("add", m.slot, m.name, m.uuid, m.info) for m in d.by_slot.values()]
-        return [hello, *adds, ("refreshed", d.node_answers, d.mounted_at_ns)]
+        return [hello, *adds, ("refreshed", d.node_answers, d.mounted_at_ns, self._changes)]
 
     # ---- one worker slot
 
@@ -179,6 +203,8 @@ class Workers:
                     task_status.started()
         finally:
             del self._links[index]
+            self._applied.pop(index, None)
+            self._forget_applied()  # no longer waiting for this one
             self._procs.pop(index, None)
             send.close()
             sock.close()
@@ -221,6 +247,9 @@ class Workers:
                 if not self._refresh_queued:
                     self._refresh_queued = True
                     self._nursery.start_soon(self._refresh)
+            elif kind == "applied":
+                self._applied[index] = message[1]
+                self._forget_applied()
             elif kind == "interrupt":
                 self._broadcast(message, but=index)
             elif kind == "touch":

@@ -116,12 +116,13 @@ class SupervisorLink:
                 self._invalidations_wanted = max(self._invalidations_wanted, invalidation)
             self.fs.drop(slot)
         elif kind == "refreshed":
-            _, node_answers, mounted_at_ns = message
+            _, node_answers, mounted_at_ns, change = message
             self.fs.mounted_at_ns = mounted_at_ns
             with self._state:
                 self.node_answers = node_answers
                 self._refreshes += 1
                 self._state.notify_all()
+            self.post("applied", change)  # the kernel may forget the old names once all have
         elif kind == "invalidated":
             with self._state:
                 self._invalidations_done = max(self._invalidations_done, message[1])
