@@ -8,6 +8,7 @@ Layout under shm_dir:
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import logging
@@ -15,7 +16,7 @@ import os
 import stat
 import threading
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -321,27 +322,19 @@ class SegmentStore:
         its folder, when absent; emptied when offset is 0). Returns the file's size after."""
         with self._lock:
             folder = self._instance_dir(name, instance)
-        try:
+        with _closing(folder):
             try:
                 os.mkdir(sub, 0o750, dir_fd=folder)
             except FileExistsError:
                 pass
-            sub_fd = os.open(sub, DIR_FLAGS, dir_fd=folder)
-            try:
+            with _closing(os.open(sub, DIR_FLAGS, dir_fd=folder)) as sub_fd:
                 flags = os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC
                 flags |= os.O_TRUNC if offset == 0 else 0
-                fd = os.open(filename, flags, FILE_MODE, dir_fd=sub_fd)
-                try:
+                with _closing(os.open(filename, flags, FILE_MODE, dir_fd=sub_fd)) as fd:
                     done = 0
                     while done < len(data):
                         done += os.pwrite(fd, data[done:], offset + done)
                     return os.fstat(fd).st_size
-                finally:
-                    os.close(fd)
-            finally:
-                os.close(sub_fd)
-        finally:
-            os.close(folder)
 
     def add_file(
         self, name: str, instance: str, sub: str, tmp: str, final: str, reservation: str
@@ -352,22 +345,16 @@ class SegmentStore:
         when `final` is there already (tmp removed: nothing is counted twice)."""
         with self._lock:
             folder = self._instance_dir(name, instance)
-            try:
-                sub_fd = os.open(sub, DIR_FLAGS, dir_fd=folder)
-                try:
-                    size = os.stat(tmp, dir_fd=sub_fd, follow_symlinks=False).st_size
-                    if _exists(final, sub_fd):
-                        os.unlink(tmp, dir_fd=sub_fd)
-                        size = 0
-                    else:
-                        # Counted before the rename: a crash between leaves the budget
-                        # over-counted (safe), never a file it does not count.
-                        self._update_meta(folder, name, size)
-                        os.rename(tmp, final, src_dir_fd=sub_fd, dst_dir_fd=sub_fd)
-                finally:
-                    os.close(sub_fd)
-            finally:
-                os.close(folder)
+            with _closing(folder), _closing(os.open(sub, DIR_FLAGS, dir_fd=folder)) as sub_fd:
+                size = os.stat(tmp, dir_fd=sub_fd, follow_symlinks=False).st_size
+                if _exists(final, sub_fd):
+                    os.unlink(tmp, dir_fd=sub_fd)
+                    size = 0
+                else:
+                    # Counted before the rename: a crash between leaves the budget
+                    # over-counted (safe), never a file it does not count.
+                    self._update_meta(folder, name, size)
+                    os.rename(tmp, final, src_dir_fd=sub_fd, dst_dir_fd=sub_fd)
             self.datasets[name].stored += size
             self.reserved.pop(reservation, None)
         return size
@@ -377,40 +364,28 @@ class SegmentStore:
         `counted` one leaves its stored bytes too. Returns its size (0 when it is absent)."""
         with self._lock:
             folder = self._instance_dir(name, instance)
-            try:
+            with _closing(folder):
                 try:
-                    sub_fd = os.open(sub, DIR_FLAGS, dir_fd=folder)
+                    with _closing(os.open(sub, DIR_FLAGS, dir_fd=folder)) as sub_fd:
+                        size = os.stat(filename, dir_fd=sub_fd, follow_symlinks=False).st_size
+                        os.unlink(filename, dir_fd=sub_fd)
                 except FileNotFoundError:
-                    return 0
-                try:
-                    size = os.stat(filename, dir_fd=sub_fd, follow_symlinks=False).st_size
-                    os.unlink(filename, dir_fd=sub_fd)
-                except FileNotFoundError:
-                    return 0
-                finally:
-                    os.close(sub_fd)
+                    return 0  # no such folder, or no such file in it
                 if counted:
                     self._update_meta(folder, name, -size)
                     self.datasets[name].stored -= size
-            finally:
-                os.close(folder)
         return size
 
     def files_in(self, name: str, instance: str, sub: str) -> list[str]:
         """The names in folder `sub` of an instance ([] when it has none)."""
         with self._lock:
             folder = self._instance_dir(name, instance)
-        try:
+        with _closing(folder):
             try:
-                sub_fd = os.open(sub, DIR_FLAGS, dir_fd=folder)
+                with _closing(os.open(sub, DIR_FLAGS, dir_fd=folder)) as sub_fd:
+                    return sorted(os.listdir(sub_fd))
             except FileNotFoundError:
                 return []
-            try:
-                return sorted(os.listdir(sub_fd))
-            finally:
-                os.close(sub_fd)
-        finally:
-            os.close(folder)
 
     # Control plane (healing, rebalance): one more segment in a published dataset.
     def add_segment(self, name: str, seg: int, data: bytes | bytearray) -> None:
@@ -491,3 +466,12 @@ def _exists(name: str, dir_fd: int) -> bool:
     except FileNotFoundError:
         return False
     return True
+
+
+@contextlib.contextmanager
+def _closing(fd: int) -> Iterator[int]:
+    """A descriptor, closed when the block ends."""
+    try:
+        yield fd
+    finally:
+        os.close(fd)
