@@ -17,7 +17,6 @@ from typing import Any
 
 import trio
 import xxhash
-from prometheus_client import Histogram
 
 from kspeedfs.client.clusterstate import UNAVAILABLE, ClusterState, Record
 from kspeedfs.format import placement
@@ -27,7 +26,7 @@ from kspeedfs.format.manifest import Manifest, plan_layout
 from kspeedfs.format.names import validate_name
 from kspeedfs.format.readthrough_view import READTHROUGH
 from kspeedfs.format.tls import client_context
-from kspeedfs.node.metrics import FILL_BUCKETS
+from kspeedfs.node.metrics import segment_seconds
 from kspeedfs.node.peers import Call, PeerPool
 from kspeedfs.node.preload import Plan, Stager
 from kspeedfs.node.readthrough import ReadThroughCache
@@ -97,15 +96,11 @@ class ControlPlane:
         # Heal copies read whole segments from worker threads over kept connections.
         self.readers = PeerPool(settings.token_file, settings.timeout, tls=client_context(settings))
         self._heal_due = 0.0  # when a member down now is to be declared lost (time.time())
-        self.copy_seconds = Histogram(  # exposed by node.metrics (registered there)
+        self.copy_seconds = segment_seconds(
             "kspeedfs_heal_copy_seconds",
             "time to copy one segment for healing or rebalance, by where it came from",
-            ["origin"],
-            buckets=FILL_BUCKETS,
-            registry=None,
+            ("peer", "source"),
         )
-        for origin in ("peer", "source"):
-            self.copy_seconds.labels(origin)  # exposed at 0 before the first copy
         self._warned = False
 
     # Membership.

@@ -34,7 +34,6 @@ from typing import TYPE_CHECKING, Any, Protocol
 import numpy as np
 import trio
 import xxhash
-from prometheus_client import Histogram
 
 from kspeedfs.format.errors import (
     AlreadyExists,
@@ -52,7 +51,7 @@ from kspeedfs.format.names import validate_name
 from kspeedfs.format.readthrough_view import EPOCH_FILE, READTHROUGH, SEGSUMS_FILE
 from kspeedfs.format.tree import Tree
 from kspeedfs.format.units import format_size, parse_size
-from kspeedfs.node.metrics import FILL_BUCKETS
+from kspeedfs.node.metrics import segment_seconds
 from kspeedfs.node.ops import ADMIN, JOB, OpRegistry
 from kspeedfs.node.preload import tree_digest
 from kspeedfs.node.spill import SpillArea
@@ -155,15 +154,11 @@ class ReadThroughCache:
         self._nursery: trio.Nursery | None = None
         self.cluster: ClusterCatalog | None = None  # etcd: the catalog places the segments
         self.busy: set[str] = set()  # names being listed or refreshed here (not converged)
-        self.fill_seconds = Histogram(  # exposed by node.metrics (registered there)
+        self.fill_seconds = segment_seconds(
             "kspeedfs_readthrough_fill_seconds",
             "time to fill a segment, from the miss to the segment in memory",
-            ["origin"],
-            buckets=FILL_BUCKETS,
-            registry=None,
+            ("source", "spill"),
         )
-        for origin in ("source", "spill"):
-            self.fill_seconds.labels(origin)  # exposed at 0 before the first fill
         store.add_reclaimer(self.reclaim)
 
     def use_cluster(self, cluster: ClusterCatalog) -> None:
