@@ -8,8 +8,10 @@ import uuid
 from pathlib import Path
 from typing import Any
 
+import requests
 from clusterutil import held_on_disk
 from conftest import NodeProcess, run_cli
+from prometheus_client.parser import text_string_to_metric_families
 
 from kspeedfs.client.clusterstate import ClusterState
 from kspeedfs.format.config import Settings
@@ -107,3 +109,13 @@ def copies(name: str, nodes: list[NodeProcess]) -> dict[int, int]:
         except FileNotFoundError:
             pass
     return counts
+
+
+def scrape(port: int) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    """A /metrics page parsed by prometheus_client: (name, sorted labels) -> value."""
+    text = requests.get(f"http://127.0.0.1:{port}/metrics", timeout=5).text
+    return {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+    }

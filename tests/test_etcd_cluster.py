@@ -10,11 +10,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import requests
 from clusterutil import held_on_disk
 from conftest import MountProcess, NodeProcess, make_tree, run_cli, wait_for
-from etcdutil import EtcdCluster, copies
-from prometheus_client.parser import text_string_to_metric_families
+from etcdutil import EtcdCluster, copies, scrape
 
 from kspeedfs.client.reader import ClusterReader
 from kspeedfs.format import placement
@@ -239,12 +237,7 @@ def test_metrics_count_the_reads_served(cluster: EtcdCluster, tmp_path: Path) ->
     with node.client() as c:
         data = c.read("scraped", info["uuid"], [(0, 0, 1000), (0, 1000, 24)])
     assert len(data) == 1024
-    text = requests.get(f"http://127.0.0.1:{port}/metrics", timeout=5).text
-    samples = {
-        (s.name, tuple(sorted(s.labels.items()))): s.value
-        for family in text_string_to_metric_families(text)
-        for s in family.samples
-    }
+    samples = scrape(port)
     assert samples[("kspeedfs_node_reads_total", ())] == 1
     assert samples[("kspeedfs_node_read_bytes_total", ())] == 1024
     assert samples[("kspeedfs_dataset_resident_bytes", (("dataset", "scraped"),))] == info["stored"]
@@ -299,15 +292,6 @@ def test_join_and_rebalance_move_one_nth_and_old_owners_let_go(
         reader.close()
 
 
-def _scrape(port: int) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
-    text = requests.get(f"http://127.0.0.1:{port}/metrics", timeout=5).text
-    return {
-        (s.name, tuple(sorted(s.labels.items()))): s.value
-        for family in text_string_to_metric_families(text)
-        for s in family.samples
-    }
-
-
 def test_mount_metrics_count_bytes_by_path(cluster: EtcdCluster, tmp_path: Path) -> None:
     from kspeedfs.localproc import free_port
 
@@ -329,11 +313,11 @@ def test_mount_metrics_count_bytes_by_path(cluster: EtcdCluster, tmp_path: Path)
     )
     try:
         mount.start()
-        before = _scrape(port)
+        before = scrape(port)
         assert before[("kspeedfs_mount_read_bytes_total", (("path", "remote"),))] == 0
         for rel in sizes:  # each file once: the page cache keeps it after
             assert (tmp_path / "mnt" / "watched" / rel).read_bytes() == (source / rel).read_bytes()
-        after = _scrape(port)
+        after = scrape(port)
     finally:
         mount.stop()
     by_path = {

@@ -8,11 +8,9 @@ import shutil
 from pathlib import Path
 
 import pytest
-import requests
 from clusterutil import held_on_disk
 from conftest import MountProcess, NodeProcess, wait_for
-from etcdutil import EtcdCluster
-from prometheus_client.parser import text_string_to_metric_families
+from etcdutil import EtcdCluster, scrape
 
 from kspeedfs.localproc import free_port
 from kspeedfs.node.controlplane import placed
@@ -43,15 +41,6 @@ def _cache(node: NodeProcess, name: str) -> dict[str, int]:
 def _read_all(mountpoint: Path, expected: dict[str, bytes]) -> int:
     """Reads every file through the mount; returns how many came back wrong."""
     return sum((mountpoint / rel).read_bytes() != data for rel, data in expected.items())
-
-
-def _scrape(port: int) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
-    text = requests.get(f"http://127.0.0.1:{port}/metrics", timeout=5).text
-    return {
-        (s.name, tuple(sorted(s.labels.items()))): s.value
-        for family in text_string_to_metric_families(text)
-        for s in family.samples
-    }
 
 
 def test_readthrough_fills_land_on_owners_and_a_second_epoch_reads_no_source(
@@ -95,7 +84,7 @@ def test_readthrough_fills_land_on_owners_and_a_second_epoch_reads_no_source(
             assert _cache(n, "rt")["fills_source"] == len(owned[n.address])
         source_bytes = {n.address: _cache(n, "rt")["source_bytes"] for n in nodes}
         assert sum(source_bytes.values()) == sum(len(d) for d in expected.values())
-        fills = _scrape(node_port)
+        fills = scrape(node_port)
         origin = (("origin", "source"),)
         assert fills[("kspeedfs_readthrough_fill_seconds_count", origin)] == len(
             owned[nodes[0].address]
@@ -111,7 +100,7 @@ def test_readthrough_fills_land_on_owners_and_a_second_epoch_reads_no_source(
         second = mount_on(nodes[1], "mnt1", "--metrics-listen", f"127.0.0.1:{port}")
         assert cluster.record("rt")["uuid"] == record["uuid"]
         assert _read_all(second.mountpoint, expected) == 0
-        after = _scrape(port)
+        after = scrape(port)
         for n in nodes:
             assert _cache(n, "rt")["source_bytes"] == source_bytes[n.address]
             assert _cache(n, "rt")["fills_source"] == len(owned[n.address])
