@@ -150,6 +150,10 @@ def test_readers_never_get_a_wrong_byte(
             if fault == "sigstop" and there.proc is not None:
                 there.proc.send_signal(signal.SIGCONT)
         assert not hung, f"{len(hung)} reader(s) hung after {fault}"
+        print(  # shown with -s: the figures the issue notes quote
+            f"fault {fault}: {tally.checked} bytes checked, {tally.wrong} wrong, "
+            f"{len(tally.errors)} read errors"
+        )
         assert tally.wrong == 0, f"{tally.wrong} wrong bytes of {tally.checked} after {fault}"
         assert tally.checked > 0
         if fault in SOURCE_INTACT:
