@@ -176,6 +176,17 @@ class Manifest:
         self.entries: int = n
         self.segments: int = nseg
         self.layout = Layout(self.data, self.size, self.mode, self.seg_len, self.segment_size)
+        # Views of the columns that every FUSE lookup reads, indexed per request: a memoryview
+        # gives a Python int in ~30 ns where a numpy array gives a numpy scalar in ~95.
+        self._mode_at = self.mode.data
+        self._size_at = self.size.data
+        self._uid_at = self.uid.data
+        self._gid_at = self.gid.data
+        self._mtime_at = self.mtime_ns.data
+        self._data_at = self.data.data
+        self._count_at = self.count.data
+        self._name_off_at = self.name_off.data
+        self._name_len_at = self.name_len.data
 
     def _parse_header(self) -> dict[str, Any]:
         if self._map[: len(MAGIC)] != MAGIC:
@@ -198,32 +209,50 @@ class Manifest:
         return len(self._map)
 
     def name(self, i: int) -> bytes:
-        off = self._names_base + int(self.name_off[i])
-        return self._map[off : off + int(self.name_len[i])]
+        off = self._names_base + self._name_off_at[i]
+        return self._map[off : off + self._name_len_at[i]]
 
     def link_target(self, i: int) -> bytes:
         off = self._names_base + int(self.data[i])
         return self._map[off : off + int(self.size[i])]
 
     def is_dir(self, i: int) -> bool:
-        return stat.S_ISDIR(int(self.mode[i]))
+        return stat.S_ISDIR(self._mode_at[i])
 
     def is_file(self, i: int) -> bool:
-        return stat.S_ISREG(int(self.mode[i]))
+        return stat.S_ISREG(self._mode_at[i])
+
+    def stat_fields(self, i: int) -> tuple[int, int, int, int, int]:
+        """(mode, size, uid, gid, mtime_ns) of entry i, as Python ints."""
+        return (
+            self._mode_at[i],
+            self._size_at[i],
+            self._uid_at[i],
+            self._gid_at[i],
+            self._mtime_at[i],
+        )
 
     def children(self, i: int) -> range:
         if not self.is_dir(i):
             return range(0)
-        first = int(self.data[i])
-        return range(first, first + int(self.count[i]))
+        first = self._data_at[i]
+        return range(first, first + self._count_at[i])
 
     def lookup(self, dir_idx: int, name: bytes) -> int | None:
-        """Binary search among a folder's children (sorted by name bytes)."""
+        """Binary search among a folder's children (sorted by name bytes). Written out with
+        locals: it runs on every FUSE lookup, about log2(folder size) steps."""
         kids = self.children(dir_idx)
         lo, hi = kids.start, kids.stop
+        names, base, name_off, name_len = (
+            self._map,
+            self._names_base,
+            self._name_off_at,
+            self._name_len_at,
+        )
         while lo < hi:
             mid = (lo + hi) // 2
-            mid_name = self.name(mid)
+            off = base + name_off[mid]
+            mid_name = names[off : off + name_len[mid]]
             if mid_name < name:
                 lo = mid + 1
             elif mid_name > name:

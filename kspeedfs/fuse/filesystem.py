@@ -190,9 +190,8 @@ class KSpeedFS:
         return (mounted.slot << SLOT_SHIFT) | (idx + 1)
 
     def _attr(self, mounted: MountedDataset, idx: int, decide: bool = True) -> Attr:
-        m = mounted.data.manifest
-        mode = int(m.mode[idx])
-        size, final = int(m.size[idx]), True
+        mode, size, uid, gid, mtime_ns = mounted.data.manifest.stat_fields(idx)
+        final = True
         if mounted.variant is not None:  # `decide`: a variant's image may be decoded now
             size, final = mounted.variant.file_size(idx, decide)
         return Attr(
@@ -200,9 +199,9 @@ class KSpeedFS:
             mode=shown_mode(mode, self.source_access),
             size=size,
             nlink=2 if stat.S_ISDIR(mode) else 1,
-            uid=int(m.uid[idx]) if self.source_access else self.uid,
-            gid=int(m.gid[idx]) if self.source_access else self.gid,
-            mtime_ns=int(m.mtime_ns[idx]),
+            uid=uid if self.source_access else self.uid,
+            gid=gid if self.source_access else self.gid,
+            mtime_ns=mtime_ns,
             blksize=128 * 1024,
             timeout=(TOP_TIMEOUT if idx == 0 else DATA_TIMEOUT) if final else 0.0,
         )
