@@ -5,7 +5,8 @@ rendezvous hashing gives each segment its top-weighted members, but a member the
 Poisson(k) segments for k per member: 1.9x the mean at 1,000 members with 17 segments each.
 So the owners are a stable matching with bounded loads: pairs are taken by weight, best first,
 and a member that holds its cap, max(ceil(mean), floor(1.05 x mean)), takes no more. No
-member holds more than 1.05x the mean (where the mean allows it), and a segment goes to its
+member holds more than 1.05x the mean (where the mean allows it; when the greedy pass leaves
+a segment short, a member passes one of its segments on to make room), and a segment goes to its
 top-weighted members whenever they have room, which is nearly always on small clusters: there
 the result is plain rendezvous hashing. A join or a rebalance moves the segments the new
 member gains plus the ones that follow the room it frees (about 2x the ideal 1/N at 1,000
@@ -106,11 +107,47 @@ def _table(dataset: str, segments: int, members: tuple[str, ...], replicas: int)
         seg = np.repeat(short, n)
         member = np.tile(np.arange(n), short.size)
         _take(seg, member, w, owners, load, held, cap, replicas)
-        # Room runs out with a segment still short only in corner cases (few segments, many
-        # replicas): the cap then gives way rather than the replica count.
-        _take(seg, member, w, owners, load, held, segments, replicas)
+        for s in short.tolist():
+            while len(held[s]) < replicas:
+                _make_room(dataset, s, member_h, owners, load, held, cap)
     owners.flags.writeable = False
     return owners
+
+
+def _make_room(
+    dataset: str,
+    s: int,
+    member_h: np.ndarray,
+    owners: np.ndarray,
+    load: list[int],
+    held: list[list[int]],
+    cap: int,
+) -> None:
+    """Give segment s one more owner when every member with room holds it already (greedy
+    taking can end so when the caps leave little slack: 9 segments x 2 replicas on 3 members
+    of cap 6). A full member f that lacks s passes one of its segments t to a member r with
+    room that lacks t, then takes s: f stays at its cap and r gains one, so no cap is passed.
+    Such a t always exists: r has room, so it cannot hold all `cap` segments of f besides s."""
+    order = np.argsort(_weights(_segment_hashes(dataset, [s]), member_h)[0], kind="stable")
+    best_first = [int(m) for m in order[::-1]]
+    f = next(m for m in best_first if m not in held[s])  # full, as every member lacking s is
+    for r in best_first:
+        if load[r] >= cap:
+            continue
+        passable = [
+            t for t in np.flatnonzero((owners == f).any(axis=1)).tolist() if r not in held[t]
+        ]
+        if not passable:
+            continue
+        r_weights = _weights(_segment_hashes(dataset, passable), member_h[[r]])[:, 0]
+        t = passable[int(np.argmax(r_weights))]  # the one r is best placed for
+        i = held[t].index(f)
+        held[t][i] = owners[t, i] = r
+        load[r] += 1
+        owners[s, len(held[s])] = f
+        held[s].append(f)
+        return
+    raise AssertionError(f"no member can pass a segment on for segment {s}")  # see above
 
 
 def _take(
