@@ -175,6 +175,38 @@ def test_readers_find_the_healed_copies_when_the_source_is_gone(
         reader.close()
 
 
+def test_a_heal_refuses_a_corrupt_copy_and_leaves_no_partial_file(
+    cluster: EtcdCluster, tmp_path: Path
+) -> None:
+    """A copy received from a peer is checked before it is kept: a peer's corrupted segment
+    is thrown away (the source serves it instead), and nothing half-made is left behind."""
+    nodes = [cluster.add() for _ in range(3)]
+    source = tmp_path / "src"
+    source.mkdir()
+    for i in range(30):
+        (source / f"x{i:02d}.bin").write_bytes(os.urandom(20_000 + 1000 * i))
+    cluster.preload(source, "fix", replicas=2)
+    victim, survivors = nodes[2], nodes[:2]
+    rec = (cluster.state().dataset("fix") or ({}, 0))[0]
+    where = placed("fix", rec)
+    seg = next(s for s in range(int(rec["segments"])) if victim.address in where.owners(s))
+    holder = next(n for n in survivors if n.address in where.owners(seg))
+    healer = next(n for n in survivors if n is not holder)
+    path = holder.shm_dir / "datasets" / "fix" / "seg" / f"{seg:08d}"
+    good = path.read_bytes()
+    with open(path, "r+b") as f:  # one byte flipped behind the holder's back
+        f.write(bytes([good[0] ^ 0xFF]))
+    victim.kill9()
+    copied = healer.shm_dir / "datasets" / "fix" / "seg" / f"{seg:08d}"
+    wait_for(copied.exists, timeout=60, what="the healer's copy of the corrupted segment")
+    assert copied.read_bytes() == good
+    heal = healer.request("status")["control"]["heal"]
+    assert heal["from_source"] >= 1
+    assert heal["failed"] == 0
+    assert [f for f in os.listdir(copied.parent.parent) if f.startswith(".seg-")] == []
+    assert "fails its checksum" in healer.log()
+
+
 def test_rebalance_gives_a_new_member_its_share(cluster: EtcdCluster, tmp_path: Path) -> None:
     a, b = cluster.add(), cluster.add()
     source = make_tree(tmp_path / "src", 64 * 1024)

@@ -9,6 +9,7 @@ demand), but not healed: a lost owner's segments are filled again by the next on
 from __future__ import annotations
 
 import base64
+import functools
 import logging
 import os
 import time
@@ -21,7 +22,7 @@ import xxhash
 from kspeedfs.client.clusterstate import UNAVAILABLE, ClusterState, Record
 from kspeedfs.format import placement
 from kspeedfs.format.config import Settings
-from kspeedfs.format.errors import DataError, KSpeedError, NodeUnreachable, NotFound
+from kspeedfs.format.errors import DataError, KSpeedError, NodeUnreachable, NoSpace, NotFound
 from kspeedfs.format.manifest import Manifest, plan_layout
 from kspeedfs.format.names import validate_name
 from kspeedfs.format.readthrough_view import READTHROUGH
@@ -506,21 +507,27 @@ class ControlPlane:
         length = int(manifest.seg_len[seg])
         expected = int(manifest.seg_checksum[seg])
         ranked = placed(name, entry).ranked(seg, len(entry["members"]))
-        data: bytes | bytearray | None = None
-        origin = "peer"
+        origin = ""
         for peer in ranked:
             if peer == self.address or peer not in self.live:
                 continue
             try:
-                data = await trio.to_thread.run_sync(
-                    self._read_peer, peer, name, entry["uuid"], seg, length, expected
+                await trio.to_thread.run_sync(
+                    self.store.add_segment,
+                    name,
+                    seg,
+                    length,
+                    functools.partial(self._read_peer, peer, name, entry["uuid"], seg, expected),
                 )
+                origin = "peer"
                 break
             except DataError as e:
                 log.warning("segment %d of %s from %s: %s", seg, name, peer, e)
             except KSpeedError as e:
+                if isinstance(e, NoSpace) or name not in self.store.datasets:
+                    raise  # this node cannot take it (full, or unloaded meanwhile): no peer helps
                 log.debug("segment %d of %s not from %s: %s", seg, name, peer, e)
-        if data is None:
+        if not origin:
             origin = "source"
             self.heal["from_source"] += 1
             try:
@@ -536,28 +543,28 @@ class ControlPlane:
                 self.heal["failed"] += 1
                 log.error("segment %d of %s: the source no longer matches", seg, name)
                 return
-        await trio.to_thread.run_sync(self.store.add_segment, name, seg, data)
+            await trio.to_thread.run_sync(
+                self.store.add_segment, name, seg, length, functools.partial(_copy_in, data)
+            )
         self.heal["segments"] += 1
         self.heal["bytes"] += length
         self.copy_seconds.labels(origin).observe(time.monotonic() - started)
 
     def _read_peer(
-        self, peer: str, name: str, uuid: str, seg: int, length: int, expected: int
-    ) -> bytearray:
-        """A whole segment from `peer` (in a worker thread), received straight into one
-        buffer; DataError when it fails the manifest's checksum."""
-        out = bytearray(length)
-        view = memoryview(out)
+        self, peer: str, name: str, uuid: str, seg: int, expected: int, out: memoryview
+    ) -> None:
+        """A whole segment from `peer` (in a worker thread), received straight into `out`
+        (the new segment's mapping); DataError when it fails the manifest's checksum."""
+        length = len(out)
         ranges = [(seg, pos, min(READ_PIECE, length - pos)) for pos in range(0, length, READ_PIECE)]
         per_request = max(1, READ_REQUEST // READ_PIECE)
         with self.readers.reader(peer) as c:
             for k in range(0, len(ranges), per_request):
                 chunk = ranges[k : k + per_request]
                 start, end = chunk[0][1], chunk[-1][1] + chunk[-1][2]
-                c.receive_read(c.send_read(name, uuid, chunk), view[start:end])
+                c.receive_read(c.send_read(name, uuid, chunk), out[start:end])
         if xxhash.xxh3_64_intdigest(out) != expected:
             raise DataError("it fails its checksum")
-        return out
 
     async def rebalance(self, name: str | None) -> list[str]:
         """Place datasets over the live members as they are now: new members get their share
@@ -609,3 +616,7 @@ def loading_record(plan: Plan, coordinator: str) -> Record:
         "coordinator": coordinator,
         "created": time.time(),
     }
+
+
+def _copy_in(data: bytes | bytearray, out: memoryview) -> None:
+    out[:] = data

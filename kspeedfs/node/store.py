@@ -12,6 +12,7 @@ import contextlib
 import dataclasses
 import json
 import logging
+import mmap
 import os
 import stat
 import threading
@@ -388,36 +389,45 @@ class SegmentStore:
                 return []
 
     # Control plane (healing, rebalance): one more segment in a published dataset.
-    def add_segment(self, name: str, seg: int, data: bytes | bytearray) -> None:
-        """Add a segment this node did not hold to a published dataset. Written beside the
-        segment folder, then renamed into it, so a reader never sees part of one; meta.json
-        and the record learn it; the next open() maps it."""
+    def add_segment(
+        self, name: str, seg: int, length: int, fill: Callable[[memoryview], None]
+    ) -> None:
+        """Add a segment this node did not hold to a published dataset: `fill` writes its
+        `length` bytes straight into the new file's mapping (a heal receives from a peer into
+        it: no buffer between the socket and tmpfs) and raises to have it thrown away. Made
+        beside the segment folder, then renamed into it, so a reader never sees part of one;
+        meta.json and the record learn it; the next open() maps it."""
         with self._lock:
             record = self.datasets.get(name)
             if record is None:
                 raise NotFound(f"no dataset named {name!r}")
-            if self.budget - self.used() < len(data):
-                self._raise_no_space(len(data))
+            if self.budget - self.used() < length:
+                self._raise_no_space(length)
         folder = os.open(name, DIR_FLAGS, dir_fd=self._fd["datasets"])
         try:
-            try:
+            with contextlib.suppress(FileExistsError):
                 os.mkdir("seg", 0o750, dir_fd=folder)
-            except FileExistsError:
-                pass
             tmp = f".seg-{seg}.{uuid.uuid4().hex[:12]}"
-            flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
-            with os.fdopen(os.open(tmp, flags, FILE_MODE, dir_fd=folder), "wb") as f:
-                f.write(data)
-            seg_fd = os.open("seg", DIR_FLAGS, dir_fd=folder)
+            flags = os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+            fd = os.open(tmp, flags, FILE_MODE, dir_fd=folder)
             try:
-                os.rename(tmp, f"{seg:08d}", src_dir_fd=folder, dst_dir_fd=seg_fd)
+                _fill_file(fd, length, fill)
+                seg_fd = os.open("seg", DIR_FLAGS, dir_fd=folder)
+                try:
+                    os.rename(tmp, f"{seg:08d}", src_dir_fd=folder, dst_dir_fd=seg_fd)
+                finally:
+                    os.close(seg_fd)
+            except BaseException:
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(tmp, dir_fd=folder)
+                raise
             finally:
-                os.close(seg_fd)
+                os.close(fd)
             with self._lock:
                 held = sorted(set(record.held) | {seg})
-                self._update_meta(folder, name, len(data), held=held)
+                self._update_meta(folder, name, length, held=held)
                 record.held = held
-                record.stored += len(data)
+                record.stored += length
                 self._open.pop(name, None)
         finally:
             os.close(folder)
@@ -475,3 +485,22 @@ def _closing(fd: int) -> Iterator[int]:
         yield fd
     finally:
         os.close(fd)
+
+
+def _fill_file(fd: int, length: int, fill: Callable[[memoryview], None]) -> None:
+    """Give the file `fd` its `length` bytes of tmpfs pages (ENOSPC now, not on a page fault)
+    and have `fill` write them through a mapping populated up front."""
+    if length == 0:
+        fill(memoryview(b""))
+        return
+    try:
+        os.posix_fallocate(fd, 0, length)
+    except OSError as e:
+        raise NoSpace(f"cannot allocate a segment of {format_size(length)}: {e.strerror}") from None
+    mapped = mmap.mmap(fd, length, flags=mmap.MAP_SHARED | mmap.MAP_POPULATE)
+    try:
+        with memoryview(mapped) as view:
+            fill(view)
+    finally:
+        with contextlib.suppress(BufferError):  # a view kept by a traceback: unmapped with it
+            mapped.close()
