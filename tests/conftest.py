@@ -41,6 +41,18 @@ def run_cli(
     )
 
 
+def new_cas(root: Path, *names: str) -> None:
+    """CAs made the way a user makes them (`kspeedfs tls new-ca`), in root/NAME, each with a
+    certificate for 127.0.0.1 (`tls issue`) beside it."""
+    for ca in names:
+        for args in (
+            ("tls", "new-ca", str(root / ca)),
+            ("tls", "issue", "127.0.0.1", "--ca", str(root / ca), "--out", str(root / ca)),
+        ):
+            done = run_cli(*args, env=dict(os.environ))
+            assert done.returncode == 0, done.stderr
+
+
 @pytest.fixture
 def shm_dir() -> Iterator[Path]:
     path = Path("/dev/shm") / f"kspeedfs-test-{uuid.uuid4().hex[:10]}"

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-from conftest import MountProcess, NodeProcess, run_cli, wait_for
+from conftest import MountProcess, NodeProcess, new_cas, run_cli, wait_for
 from etcdutil import EtcdCluster
 
 from kspeedfs.format import auth
@@ -51,18 +51,11 @@ class TlsEtcd:
     files: dict[str, bytes]
 
 
-def _cli_ok(*args: str) -> None:
-    done = run_cli(*args, env=dict(os.environ))
-    assert done.returncode == 0, done.stderr
-
-
 @pytest.fixture(scope="module")
 def pki(tmp_path_factory: pytest.TempPathFactory) -> Pki:
     """Certificates made the way a user makes them; etcd uses the cluster's 127.0.0.1 pair."""
     tmp = tmp_path_factory.mktemp("pki")
-    for ca in ("ca", "other"):
-        _cli_ok("tls", "new-ca", str(tmp / ca))
-        _cli_ok("tls", "issue", "127.0.0.1", "--ca", str(tmp / ca), "--out", str(tmp / ca))
+    new_cas(tmp, "ca", "other")
     return Pki(tmp / "ca", tmp / "other")
 
 

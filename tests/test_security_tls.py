@@ -20,7 +20,7 @@ from typing import TypeVar
 import psutil
 import pytest
 from clusterutil import Cluster
-from conftest import MountProcess, NodeProcess, run_cli, wait_for
+from conftest import MountProcess, NodeProcess, new_cas, run_cli, wait_for
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -58,19 +58,11 @@ class Pki:
         }
 
 
-def _cli_ok(*args: str) -> str:
-    done = run_cli(*args, env=dict(os.environ))
-    assert done.returncode == 0, done.stderr
-    return done.stdout
-
-
 @pytest.fixture(scope="module")
 def pki(tmp_path_factory: pytest.TempPathFactory) -> Pki:
     """Certificates made the way a user makes them: `kspeedfs tls new-ca` and `tls issue`."""
     tmp = tmp_path_factory.mktemp("pki")
-    for ca in ("ca", "other-ca"):
-        _cli_ok("tls", "new-ca", str(tmp / ca))
-        _cli_ok("tls", "issue", "127.0.0.1", "--ca", str(tmp / ca), "--out", str(tmp / ca))
+    new_cas(tmp, "ca", "other-ca")
     return Pki(
         tmp / "ca",
         tmp / "ca" / "127.0.0.1.crt",
