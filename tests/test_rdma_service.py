@@ -8,13 +8,12 @@ from __future__ import annotations
 
 import contextvars
 import gc
-import json
 import logging
 import os
 import shutil
 import uuid
 import weakref
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -22,6 +21,7 @@ import pytest
 import trio
 from conftest import NodeProcess, make_tree, run_cli
 from rdmafakes import FakeChannel, FakeDevice, FakeRegion, FakeRegistrar
+from uidutil import in_child
 
 from kspeedfs.format import auth
 from kspeedfs.format.config import Settings
@@ -355,28 +355,6 @@ def test_a_dataset_the_node_cannot_register_is_read_over_tcp(
     assert bytes(out) == expected
     assert t.name == "rdma" and controls[0].reads == 1
     assert "reading ds over TCP" in caplog.text
-
-
-def in_child(fn: Callable[[], dict[str, Any]]) -> dict[str, Any]:
-    """Run fn in a forked child (as a DataLoader worker is made) and return what it reports."""
-    r, w = os.pipe()
-    pid = os.fork()
-    if pid == 0:
-        code = 0
-        try:
-            os.close(r)
-            os.write(w, json.dumps(fn()).encode())
-        except BaseException as e:
-            os.write(w, json.dumps({"error": repr(e)}).encode())
-            code = 1
-        finally:
-            os._exit(code)
-    os.close(w)
-    with os.fdopen(r, "rb") as f:
-        report: dict[str, Any] = json.loads(f.read() or b"{}")
-    _, status = os.waitpid(pid, 0)
-    assert os.waitstatus_to_exitcode(status) == 0, report
-    return report
 
 
 def test_a_forked_child_makes_its_own_queue_pair_and_leaves_the_parents_alone(

@@ -6,7 +6,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 NOBODY = 65534
@@ -14,15 +14,22 @@ NOBODY = 65534
 
 def as_user(uid: int, groups: list[int], work: Callable[[], Any]) -> Any:
     """work() in a forked child that dropped to uid (gid 65534, `groups`); its JSON result."""
+    return in_child(work, uid, groups)
+
+
+def in_child(work: Callable[[], Any], uid: int | None = None, groups: Sequence[int] = ()) -> Any:
+    """work() in a forked child (as a DataLoader worker is made), dropped to `uid` (gid 65534,
+    `groups`) when one is given; its JSON result. The test fails when the child does."""
     read_end, write_end = os.pipe()
     pid = os.fork()
     if pid == 0:
         code = 1
         try:
             os.close(read_end)
-            os.setgroups(groups)
-            os.setgid(NOBODY)
-            os.setuid(uid)
+            if uid is not None:
+                os.setgroups(list(groups))
+                os.setgid(NOBODY)
+                os.setuid(uid)
             result = work()
             with os.fdopen(write_end, "w") as out:
                 json.dump(result, out)
