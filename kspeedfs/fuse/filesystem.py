@@ -166,6 +166,12 @@ class KSpeedFS:
         if inode == ROOT and self.single:
             mounted = self.by_name.get(self.single)
             if mounted is None:
+                # Between two instances (the new one changed again while this worker opened
+                # it, so the add failed and the old one went): ask now, as a lookup at the root
+                # of a multi-dataset mount does, rather than fail until the next refresh.
+                self.supervisor.ask_refresh(True, LOOKUP_WAIT)
+                mounted = self.by_name.get(self.single)
+            if mounted is None:
                 raise FuseError(errno.EIO)
             return mounted, 0
         slot = inode >> SLOT_SHIFT
