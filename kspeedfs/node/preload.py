@@ -42,6 +42,7 @@ from kspeedfs.format.names import validate_name
 from kspeedfs.format.tree import Tree
 from kspeedfs.format.units import format_size
 from kspeedfs.node import meta as metafiles
+from kspeedfs.node import sourceio
 from kspeedfs.node.ops import ADMIN, OpRegistry
 from kspeedfs.node.peers import Call
 from kspeedfs.node.store import SegmentStore
@@ -159,7 +160,7 @@ class Stager:
         segment_size = int(msg["segment_size"])
         try:
             src = open_source(source, str(msg.get("endpoint") or ""))
-            await trio.to_thread.run_sync(src.check)
+            await sourceio.run_sync(src.check)
         except KSpeedError as e:
             raise SourceNotVisible(f"node {self.address} cannot read the source: {e}") from None
         progress = Progress(state="scanning", source=source)
@@ -168,7 +169,7 @@ class Stager:
         try:
             tree = self._planned.pop(stage.uuid, None)
             if tree is None:
-                tree = await trio.to_thread.run_sync(src.scan)
+                tree = await sourceio.run_sync(src.scan)
             if tree_digest(tree) != msg.get("digest"):
                 raise SourceNotVisible(
                     f"node {self.address} sees a different source tree at {source}"
@@ -251,7 +252,7 @@ class Stager:
         assert stage.staging is not None
         try:
             seg_sums: dict[int, int] = {}
-            stage.checksums = await trio.to_thread.run_sync(
+            stage.checksums = await sourceio.run_sync(
                 load_segments,
                 src,
                 tree,
@@ -427,7 +428,7 @@ async def plan_preload(msg: dict[str, Any], segment_size: int, live_members: lis
             f"replicas must be between 1 and the {len(live_members)} live nodes, not {replicas}"
         )
     src = open_source(source, str(msg.get("endpoint") or ""))
-    tree = await trio.to_thread.run_sync(src.scan)
+    tree = await sourceio.run_sync(src.scan)
     _offsets, seg_len = plan_layout(tree, segment_size)
     return Plan(
         name=name,
@@ -543,7 +544,7 @@ async def coordinate(
         results[member] = await call(member, "stage_result", ident)
 
     async def push_segment(member: str, seg: int) -> None:
-        data = await trio.to_thread.run_sync(source.read_segment, tree, layout, seg)
+        data = await sourceio.run_sync(source.read_segment, tree, layout, seg)
         for pos in range(0, len(data), PUSH_CHUNK):
             chunk = base64.b64encode(data[pos : pos + PUSH_CHUNK]).decode()
             await call(member, "stage_put", {**ident, "segment": seg, "offset": pos, "data": chunk})
@@ -563,7 +564,7 @@ async def coordinate(
         for i, (mode, size) in enumerate(zip(tree.mode, tree.size, strict=True)):
             if size and i not in covered and (mode & 0o170000) == 0o100000:
                 # Its segments sit on different nodes: checksum it from the source.
-                checksums[i] = await trio.to_thread.run_sync(source.checksum, tree.path(i), size)
+                checksums[i] = await sourceio.run_sync(source.checksum, tree, i)
         header = {
             "name": plan.name,
             "uuid": plan.uuid,

@@ -30,6 +30,7 @@ from kspeedfs.format.protocol import MsgType
 from kspeedfs.format.tls import client_context, server_context
 from kspeedfs.format.units import format_size
 from kspeedfs.net import secure
+from kspeedfs.node import sourceio
 from kspeedfs.node.controlplane import ControlPlane, loading_record
 from kspeedfs.node.decoded import DecodedVariants
 from kspeedfs.node.fdserver import FdServer
@@ -207,6 +208,7 @@ class NodeServer:
             async for signum in signals:
                 log.info("received %s, shutting down", signal.Signals(signum).name)
                 notify("STOPPING=1")
+                sourceio.bound_the_stop()
                 self._cancel_loads()
                 nursery.cancel_scope.cancel()
 

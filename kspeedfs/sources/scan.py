@@ -9,6 +9,7 @@ from pathlib import Path
 
 from kspeedfs.format.errors import InvalidArgument, NotFound
 from kspeedfs.format.tree import Tree
+from kspeedfs.sources import version
 from kspeedfs.sources.beneath import link_stays_inside, open_beneath, open_root
 
 log = logging.getLogger(__name__)
@@ -64,7 +65,8 @@ def _scan(root_fd: int) -> Tree:
                     tree.append(name, dir_idx, mode, 0, est.st_mtime_ns, *owner)
                     queue.append((idx, child))
                 elif stat.S_ISREG(mode):
-                    tree.append(name, dir_idx, mode, est.st_size, est.st_mtime_ns, *owner)
+                    size, mtime, ctime, ino, dev = version.of_stat(est, st.st_dev)
+                    tree.append(name, dir_idx, mode, size, mtime, *owner, ctime, ino, dev)
                 elif stat.S_ISLNK(mode):
                     target = os.readlink(name, dir_fd=fd)
                     if not link_stays_inside(child, target):
@@ -83,14 +85,15 @@ def _scan(root_fd: int) -> Tree:
     return tree
 
 
-def tree_from_listing(files: dict[bytes, tuple[int, int]]) -> Tree:
+def tree_from_listing(files: dict[bytes, tuple[int, int, int]]) -> Tree:
     """A Tree from flat object keys: folders are the key prefixes; a folder's time is the
     newest of its files' (object stores have no folder times), so a change shows up. Object
     stores have no owners or modes either: files are 0644 and folders 0755, owned by 0/0 (on
-    the mount, readable by everyone on the machine; the bucket's credentials are the gate)."""
+    the mount, readable by everyone on the machine; the bucket's credentials are the gate).
+    `files` maps a key to (size, mtime_ns, ident: its ETag's hash, 0 for none)."""
     children: dict[bytes, set[bytes]] = {b"": set()}
     dir_mtime: dict[bytes, int] = {b"": 0}
-    for rel, (_size, mtime) in list(files.items()):
+    for rel, (_size, mtime, _ident) in list(files.items()):
         parts = rel.split(b"/")
         if any(part in (b"", b".", b"..") for part in parts):
             log.warning("skipping object %r: not a usable path", rel)
@@ -123,6 +126,6 @@ def tree_from_listing(files: dict[bytes, tuple[int, int]]) -> Tree:
                 queue.append((len(tree), child))
                 tree.append(name, idx, DIR_MODE, 0, dir_mtime[child])
             else:
-                size, mtime = files[child]
-                tree.append(name, idx, FILE_MODE, size, mtime)
+                size, mtime, ident = files[child]
+                tree.append(name, idx, FILE_MODE, size, mtime, ident=ident)
     return tree

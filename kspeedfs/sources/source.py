@@ -11,6 +11,7 @@ from __future__ import annotations
 import abc
 import datetime
 import errno
+import fcntl
 import logging
 import os
 import re
@@ -33,6 +34,7 @@ from kspeedfs.format.errors import (
 from kspeedfs.format.layout import FilePiece, FileTable, Layout
 from kspeedfs.format.manifest import Manifest
 from kspeedfs.format.tree import Tree
+from kspeedfs.sources import version
 from kspeedfs.sources.beneath import open_beneath, open_root
 from kspeedfs.sources.scan import check_source, scan_tree, tree_from_listing
 
@@ -44,8 +46,12 @@ CHECKSUM_CHUNK = 8 << 20
 FETCH_CHUNK = 8 << 20
 # sendfile errors that mean "this source cannot be spliced": read into the mapping instead.
 _NO_SENDFILE = frozenset({errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP})
-# open() errors that mean the listed file is gone or is no longer a plain file.
-_GONE = frozenset({errno.ENOENT, errno.ENOTDIR, errno.ELOOP, errno.EXDEV})
+# open() errors that mean the listed file is gone or is no longer a plain file (ENXIO: a socket).
+_GONE = frozenset({errno.ENOENT, errno.ENOTDIR, errno.ELOOP, errno.EXDEV, errno.ENXIO})
+# O_NONBLOCK: a FIFO swapped in after the listing would block open() until a writer came; it
+# opens at once instead and is refused by the S_ISREG check on the descriptor. O_NOCTTY: a
+# terminal swapped in never becomes the node's.
+_FILE_OPEN = os.O_RDONLY | os.O_NONBLOCK | os.O_NOCTTY
 
 PieceDone = Callable[[FilePiece, memoryview], None]
 
@@ -100,19 +106,21 @@ class Source(abc.ABC):
     ) -> int:
         """Copy segment seg's file pieces into out (= the segment file `fd` when given, which
         a local source writes with sendfile); done(piece, bytes) after each piece. Raises
-        SourceChanged when a file is no longer as listed. Returns the number of source reads."""
+        SourceChanged when a file is not at its listed version (`kspeedfs.sources.version`)
+        before and after its copy: the bytes in out are then not to be used. Returns the
+        number of source reads."""
 
     @abc.abstractmethod
-    def checksum(self, relpath: bytes, size: int) -> int:
-        """xxh3_64 of a whole file, which must be `size` bytes long."""
+    def checksum(self, files: FileTable, i: int) -> int:
+        """xxh3_64 of file i, read whole at its listed version (else SourceChanged)."""
 
     @abc.abstractmethod
     def read_verified(
-        self, relpath: bytes, offset: int, length: int, size: int, mtime_ns: int, checksum: int = 0
+        self, files: FileTable, i: int, offset: int, length: int, checksum: int = 0
     ) -> bytes:
-        """Bytes [offset, offset+length) of a file (fewer only past its end), only while the file
-        is still `size` bytes with mtime `mtime_ns`, and, for a whole file, hashes to
-        `checksum` (when non-zero); else StaleDataset. Never returns a short read."""
+        """Bytes [offset, offset+length) of file i (fewer only past its end), only while the
+        file is still at its listed version and, for a whole file, hashes to `checksum` (when
+        non-zero); else StaleDataset. Never returns a short read."""
 
     def display(self, relpath: bytes) -> str:
         return f"{self.url}/{os.fsdecode(relpath)}"
@@ -141,6 +149,7 @@ class LocalSource(Source):
     def __init__(self, url: str):
         super().__init__(url)
         self.root = os.fsencode(url)
+        self._root_dev: int | None = None  # the root's device, which versions record as 0
 
     def scan(self) -> Tree:
         return scan_tree(self.url)
@@ -148,16 +157,19 @@ class LocalSource(Source):
     def check(self) -> None:
         check_source(self.url)
 
-    def _open(self, relpath: bytes) -> int:
-        """An fd of the file, resolved beneath the root: no component is followed when it is
-        a symlink (a folder swapped for a link to elsewhere reads as a changed source)."""
+    def _open(self, relpath: bytes) -> tuple[int, version.Version]:
+        """An fd of the regular file relpath and its version now, resolved beneath the root:
+        no component is followed when it is a symlink (a folder swapped for a link to
+        elsewhere reads as a changed source), and opening never waits (see _FILE_OPEN)."""
         path = self.root + b"/" + relpath
         try:
             root_fd = open_root(self.root)
         except OSError as e:
             raise DataError(f"cannot open the source {self.url}: {e.strerror}") from None
         try:
-            return open_beneath(root_fd, relpath)
+            if self._root_dev is None:
+                self._root_dev = os.fstat(root_fd).st_dev
+            fd = open_beneath(root_fd, relpath, _FILE_OPEN)
         except OSError as e:
             if e.errno in _GONE:
                 raise SourceChanged(
@@ -166,6 +178,25 @@ class LocalSource(Source):
             raise DataError(f"cannot read {os.fsdecode(path)}: {e.strerror}") from None
         finally:
             os.close(root_fd)
+        try:
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode):
+                raise SourceChanged(
+                    f"source file replaced by a non-regular file: {os.fsdecode(path)}"
+                )
+            # Reads block again as usual: a network or FUSE filesystem may honour O_NONBLOCK.
+            fcntl.fcntl(fd, fcntl.F_SETFL, 0)
+        except OSError as e:
+            os.close(fd)
+            raise DataError(f"cannot read {os.fsdecode(path)}: {e.strerror}") from None
+        except BaseException:
+            os.close(fd)
+            raise
+        return fd, version.of_stat(st, self._root_dev)
+
+    def _version(self, fd: int) -> version.Version:
+        assert self._root_dev is not None  # set by the _open that gave fd
+        return version.of_stat(os.fstat(fd), self._root_dev)
 
     def fill(
         self,
@@ -180,22 +211,12 @@ class LocalSource(Source):
         splice = fd is not None
         for p in pieces:
             relpath = files.path(p.entry)
-            size, mtime = int(files.size[p.entry]), int(files.mtime_ns[p.entry])
-            src = self._open(relpath)
+            want = version.listed(files, p.entry)
+            size = want[0]
+            src, now = self._open(relpath)
             dest = out[p.seg_offset : p.seg_offset + p.length]
             try:
-                st = os.fstat(src)
-                if st.st_size != size or st.st_mtime_ns != mtime or not stat.S_ISREG(st.st_mode):
-                    how = (
-                        "shorter"
-                        if st.st_size < size
-                        else "longer"
-                        if st.st_size > size
-                        else "modified"
-                    )
-                    raise SourceChanged(
-                        f"source changed since it was listed ({how}): {self.display(relpath)}"
-                    )
+                version.check(want, now, self.display(relpath), "since it was listed")
                 if splice:
                     assert fd is not None
                     splice = _sendfile(src, p.file_offset, fd, p.seg_offset, p.length)
@@ -205,6 +226,8 @@ class LocalSource(Source):
                     raise SourceChanged(
                         f"source changed while loading (longer): {self.display(relpath)}"
                     )
+                # One version or nothing: a write during the copy moved ctime (and mtime).
+                version.check(want, self._version(src), self.display(relpath), "while loading")
                 if done is not None:
                     done(p, dest)
             except EOFError:
@@ -218,33 +241,38 @@ class LocalSource(Source):
                 os.close(src)
         return len(pieces)
 
-    def checksum(self, relpath: bytes, size: int) -> int:
-        fd = self._open(relpath)
+    def checksum(self, files: FileTable, i: int) -> int:
+        relpath = files.path(i)
+        want = version.listed(files, i)
+        fd, now = self._open(relpath)
         hasher = xxhash.xxh3_64()
         total = 0
         try:
+            version.check(want, now, self.display(relpath), "since it was listed")
             while chunk := os.read(fd, CHECKSUM_CHUNK):
                 hasher.update(chunk)
                 total += len(chunk)
+            if total != want[0]:
+                raise SourceChanged(f"source changed while loading: {self.display(relpath)}")
+            version.check(want, self._version(fd), self.display(relpath), "while loading")
         except OSError as e:
             raise DataError(f"cannot read {self.display(relpath)}: {e.strerror}") from None
         finally:
             os.close(fd)
-        if total != size:
-            raise SourceChanged(f"source changed while loading: {self.display(relpath)}")
         return hasher.intdigest()
 
     def read_verified(
-        self, relpath: bytes, offset: int, length: int, size: int, mtime_ns: int, checksum: int = 0
+        self, files: FileTable, i: int, offset: int, length: int, checksum: int = 0
     ) -> bytes:
-        n = _span(offset, length, size)
+        relpath = files.path(i)
+        want = version.listed(files, i)
+        n = _span(offset, length, want[0])
         try:
-            fd = self._open(relpath)
+            fd, now = self._open(relpath)
         except SourceChanged as e:
             raise StaleDataset(str(e)) from None
         try:
-            st = os.fstat(fd)
-            if not stat.S_ISREG(st.st_mode) or st.st_size != size or st.st_mtime_ns != mtime_ns:
+            if version.difference(want, now):
                 raise self._stale(relpath)
             data = os.pread(fd, n, offset) if n else b""
             if len(data) < n:  # shrank after the fstat: never a short read
@@ -254,11 +282,13 @@ class LocalSource(Source):
                 except EOFError:
                     raise self._stale(relpath, "shrank") from None
                 data += rest
+            if version.difference(want, self._version(fd)):
+                raise self._stale(relpath, "changed while reading")
         except OSError as e:
             raise DataError(f"cannot read {self.display(relpath)}: {e.strerror}") from None
         finally:
             os.close(fd)
-        if checksum and n == size and xxhash.xxh3_64_intdigest(data) != checksum:
+        if checksum and n == want[0] and xxhash.xxh3_64_intdigest(data) != checksum:
             raise self._stale(relpath, "checksum")
         return data
 
@@ -370,12 +400,16 @@ class FsspecSource(Source):
         except Exception as e:
             raise self._error(e, self.url) from None
         prefix = self.root + "/"
-        files: dict[bytes, tuple[int, int]] = {}
+        files: dict[bytes, tuple[int, int, int]] = {}
         for path, info in listing.items():
             if not path.startswith(prefix) or path.endswith("/"):
                 continue  # folder markers ("dir/" objects) are not files
             rel = path[len(prefix) :].encode("utf-8", "surrogateescape")
-            files[rel] = (int(info.get("size") or 0), _mtime_ns(info))
+            if info.get("type", "file") != "file":  # a link or a FIFO of a file:// source
+                log.warning("skipping %r: not a plain file", self.display(rel))
+                continue
+            size, mtime, _ctime, ident, _dev = _object_version(info)
+            files[rel] = (size, mtime, ident)
         if not files:
             raise NotFound(f"source not found: {self.url} (no objects under it)")
         return tree_from_listing(files)
@@ -411,8 +445,8 @@ class FsspecSource(Source):
         fd: int | None = None,
         done: PieceDone | None = None,
     ) -> int:
-        # Object listings and ranged GETs carry no snapshot check: a changed object is caught
-        # by its length here, or by the checksums taken while filling.
+        # Ranged GETs carry no snapshot: every object is asked for its version after its bytes
+        # arrived (one HEAD per file), and one replaced meanwhile fails the copy.
         pieces = layout.segment_files(seg)
         ranges, places = [], []
         for p in pieces:
@@ -423,13 +457,31 @@ class FsspecSource(Source):
                 places.append(p.seg_offset + pos)
         for at, data in zip(places, self._fetch(ranges), strict=True):
             out[at : at + len(data)] = data
+        for entry in dict.fromkeys(p.entry for p in pieces):
+            self._check(files, entry, "while loading")
         if done is not None:
             for p in pieces:
                 with out[p.seg_offset : p.seg_offset + p.length] as view:
                     done(p, view)
         return len(ranges)
 
-    def checksum(self, relpath: bytes, size: int) -> int:
+    def _check(self, files: FileTable, i: int, when: str) -> None:
+        """SourceChanged unless object i is at its listed version now."""
+        relpath = files.path(i)
+        key = self._key(relpath)
+        try:
+            self.fs.invalidate_cache(key)
+            info = self.fs.info(key)
+        except FileNotFoundError:
+            raise SourceChanged(f"source object removed: {self.display(relpath)}") from None
+        except Exception as e:
+            raise self._error(e, self.display(relpath)) from None
+        if info.get("type") != "file":
+            raise SourceChanged(f"source object replaced by a folder: {self.display(relpath)}")
+        version.check(version.listed(files, i), _object_version(info), self.display(relpath), when)
+
+    def checksum(self, files: FileTable, i: int) -> int:
+        relpath, size = files.path(i), int(files.size[i])
         hasher = xxhash.xxh3_64()
         batch = 8 * FETCH_CHUNK  # fetched in parallel, hashed in order
         for pos in range(0, size, batch):
@@ -437,33 +489,33 @@ class FsspecSource(Source):
             ranges = [(relpath, a, min(end, a + FETCH_CHUNK)) for a in range(pos, end, FETCH_CHUNK)]
             for data in self._fetch(ranges):
                 hasher.update(data)
+        self._check(files, i, "while loading")
         return hasher.intdigest()
 
     def read_verified(
-        self, relpath: bytes, offset: int, length: int, size: int, mtime_ns: int, checksum: int = 0
+        self, files: FileTable, i: int, offset: int, length: int, checksum: int = 0
     ) -> bytes:
+        relpath, size = files.path(i), int(files.size[i])
         n = _span(offset, length, size)
-        key = self._key(relpath)
         try:
-            self.fs.invalidate_cache(key)
-            info = self.fs.info(key)
-        except FileNotFoundError:
-            raise self._stale(relpath, "removed") from None
-        except Exception as e:
-            raise self._error(e, self.display(relpath)) from None
-        if (
-            info.get("type") != "file"
-            or int(info.get("size") or 0) != size
-            or _mtime_ns(info) != mtime_ns
-        ):
-            raise self._stale(relpath)
-        try:
+            self._check(files, i, "since preload")
             data = self._fetch([(relpath, offset, offset + n)])[0] if n else b""
+            self._check(files, i, "while reading")
         except SourceChanged:
-            raise self._stale(relpath, "shrank") from None
+            raise self._stale(relpath) from None
         if checksum and n == size and xxhash.xxh3_64_intdigest(data) != checksum:
             raise self._stale(relpath, "checksum")
         return data
+
+
+def _object_version(info: dict[str, Any]) -> version.Version:
+    """An object's version from its listing or HEAD: size, time and its ETag (or version id)."""
+    tag = next((info[k] for k in _TAG_KEYS if info.get(k)), "")
+    return int(info.get("size") or 0), _mtime_ns(info), 0, version.tag_ident(tag), 0
+
+
+# Where fsspec filesystems put an object's version: S3 ETag or VersionId, GCS generation.
+_TAG_KEYS = ("ETag", "etag", "VersionId", "generation", "version_id")
 
 
 def _one_line(e: BaseException) -> str:
