@@ -146,30 +146,54 @@ def test_a_file_rewritten_during_its_copy_is_published_whole_or_not_at_all(
     print(f"20 preloads under a rewriting writer: {outcomes}")
 
 
+def _with_a_late_file(src: Path) -> Path:
+    """src with a large (sparse) first file and a small last one: the copy reaches the last
+    file well after the preload op has answered, so a change made to it right after that
+    answer lands after the scan and before the file is opened."""
+    src.mkdir()
+    with open(src / "a.bin", "wb") as f:
+        f.truncate(512 * MiB)
+    late = src / "z.bin"
+    late.write_bytes(os.urandom(4096))
+    return late
+
+
+def _wait_ended(node: NodeProcess, name: str, timeout: float) -> dict[str, Any]:
+    def ended() -> bool:
+        entry = _entry(node, name)
+        return entry is not None and entry["state"] in ("ready", "failed")
+
+    wait_for(ended, timeout=timeout, what=f"the preload of {name} to end")
+    entry = _entry(node, name)
+    assert entry is not None
+    return entry
+
+
 def test_a_fifo_swapped_in_after_the_scan_fails_the_preload_in_one_line(
     node: NodeProcess, tmp_path: Path
 ) -> None:
-    src = tmp_path / "src"
-    src.mkdir()
-    # The seam: a large (sparse) first file, so the copy reaches z.bin well after the preload
-    # op has answered, and the swap below lands after the scan, before z.bin is opened.
-    with open(src / "a.bin", "wb") as f:
-        f.truncate(512 * MiB)
-    (src / "z.bin").write_bytes(os.urandom(4096))
-    admin.preload(node.settings(), str(src), "fifo", wait=False)
-    _swap_for_fifo(src / "z.bin")
-
-    def ended() -> bool:
-        entry = _entry(node, "fifo")
-        return entry is not None and entry["state"] in ("ready", "failed")
-
-    wait_for(ended, timeout=node.client_timeout, what="the preload to end")
-    entry = _entry(node, "fifo")
-    assert entry is not None and entry["state"] == "failed", entry
+    late = _with_a_late_file(tmp_path / "src")
+    admin.preload(node.settings(), str(tmp_path / "src"), "fifo", wait=False)
+    _swap_for_fifo(late)
+    entry = _wait_ended(node, "fifo", node.client_timeout)
+    assert entry["state"] == "failed", entry
     assert "non-regular file" in entry["error"] and "z.bin" in entry["error"]
     assert "\n" not in entry["error"]
     _assert_nothing_left(node, "fifo")
     _assert_stops_within_bound(node)
+
+
+def test_a_file_changed_once_after_the_scan_is_loaded_again_from_a_new_scan(
+    node: NodeProcess, tmp_path: Path
+) -> None:
+    late = _with_a_late_file(tmp_path / "src")
+    admin.preload(node.settings(), str(tmp_path / "src"), "again", wait=False)
+    new = os.urandom(4096)
+    late.write_bytes(new)
+    entry = _wait_ended(node, "again", 120)
+    assert entry["state"] == "ready", entry
+    assert _published(node, "again", "z.bin") == new
+    assert "attempt 1 of 3" in node.log()
 
 
 def test_a_read_through_file_turned_fifo_is_an_eio_and_the_node_still_stops(

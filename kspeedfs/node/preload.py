@@ -33,7 +33,9 @@ from kspeedfs.format.errors import (
     InvalidArgument,
     KSpeedError,
     NotFound,
+    SourceModified,
     SourceNotVisible,
+    error_from_wire,
 )
 from kspeedfs.format.layout import Layout
 from kspeedfs.format.localdata import MANIFEST_FILE, segment_path
@@ -57,6 +59,9 @@ from kspeedfs.sources.source import Source, is_url, open_source
 log = logging.getLogger(__name__)
 
 STAGE_IDLE_TIMEOUT = 300.0
+# A source file of another version than listed, at or after its copy: the preload is scanned,
+# planned and loaded again, this many attempts in all, before it fails with that line.
+LOAD_ATTEMPTS = 3
 POLL_INTERVAL = 0.1
 PUSH_CHUNK = 4 * 1024 * 1024
 MANIFEST_CHUNK = 4 * 1024 * 1024
@@ -71,6 +76,14 @@ def tree_digest(tree: Tree) -> str:
     ):
         h.update(b"%d\0%d\0%d\0%d\0" % (parent, mode, size, mtime) + name + b"\0")
     return h.hexdigest()
+
+
+def source_modified(e: BaseException) -> bool:
+    """Whether a load failed because a source file changed its version (alone, or among a
+    group). One gone or turned into a FIFO or a folder fails the load as it is."""
+    if isinstance(e, BaseExceptionGroup):
+        return any(source_modified(x) for x in e.exceptions)
+    return isinstance(e, SourceModified)
 
 
 def _b64(arr: np.ndarray) -> str:
@@ -280,6 +293,7 @@ class Stager:
         self.store.release(stage.name)
         stage.progress.state = "failed"
         stage.progress.error = str(e) if isinstance(e, KSpeedError) else f"{type(e).__name__}: {e}"
+        stage.progress.error_kind = type(e).__name__ if isinstance(e, KSpeedError) else ""
         log.error("staging %s failed: %s", stage.name, stage.progress.error)
 
     async def op_stage_status(self, msg: dict[str, Any]) -> dict[str, Any]:
@@ -539,7 +553,8 @@ async def coordinate(
             if p["state"] == "staged":
                 break
             if p["state"] == "failed":
-                raise DataError(f"node {member}: {p['error']}")
+                kind = p.get("error_kind") or "DataError"
+                raise error_from_wire(kind, f"node {member}: {p['error']}")
             await trio.sleep(POLL_INTERVAL)
         results[member] = await call(member, "stage_result", ident)
 

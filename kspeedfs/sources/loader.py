@@ -36,6 +36,7 @@ class Progress:
     state: str = "loading"
     source: str = ""
     error: str = ""
+    error_kind: str = ""  # the error's class, so a coordinator re-raises the same one
     cancel: threading.Event = dataclasses.field(default_factory=threading.Event)
 
     def to_wire(self) -> dict[str, Any]:
@@ -49,6 +50,7 @@ class Progress:
             "bytes_done": self.bytes_done,
             "elapsed": elapsed,
             "error": self.error,
+            "error_kind": self.error_kind,
         }
 
 

@@ -29,6 +29,7 @@ from kspeedfs.format.errors import (
     KSpeedError,
     NotFound,
     SourceChanged,
+    SourceModified,
     StaleDataset,
 )
 from kspeedfs.format.layout import FilePiece, FileTable, Layout
@@ -223,7 +224,7 @@ class LocalSource(Source):
                 if not splice:
                     _pread_into(src, p.file_offset, dest)
                 if p.file_offset + p.length == size and os.pread(src, 1, size):
-                    raise SourceChanged(
+                    raise SourceModified(
                         f"source changed while loading (longer): {self.display(relpath)}"
                     )
                 # One version or nothing: a write during the copy moved ctime (and mtime).
@@ -231,7 +232,7 @@ class LocalSource(Source):
                 if done is not None:
                     done(p, dest)
             except EOFError:
-                raise SourceChanged(
+                raise SourceModified(
                     f"source changed while loading (shorter): {self.display(relpath)}"
                 ) from None
             except OSError as e:
@@ -253,7 +254,7 @@ class LocalSource(Source):
                 hasher.update(chunk)
                 total += len(chunk)
             if total != want[0]:
-                raise SourceChanged(f"source changed while loading: {self.display(relpath)}")
+                raise SourceModified(f"source changed while loading: {self.display(relpath)}")
             version.check(want, self._version(fd), self.display(relpath), "while loading")
         except OSError as e:
             raise DataError(f"cannot read {self.display(relpath)}: {e.strerror}") from None
@@ -433,7 +434,7 @@ class FsspecSource(Source):
                 err = self._error(data, self.display(relpath))
                 raise SourceChanged(str(err)) if isinstance(err, NotFound) else err
             if len(data) != end - start:
-                raise SourceChanged(f"source object shrank: {self.display(relpath)}")
+                raise SourceModified(f"source object shrank: {self.display(relpath)}")
         return list(results)
 
     def fill(

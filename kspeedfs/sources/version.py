@@ -15,7 +15,7 @@ import os
 
 import xxhash
 
-from kspeedfs.format.errors import SourceChanged
+from kspeedfs.format.errors import SourceModified
 from kspeedfs.format.layout import FileTable
 
 Version = tuple[int, int, int, int, int]
@@ -56,7 +56,7 @@ def difference(want: Version, got: Version) -> str:
 
 
 def check(want: Version, got: Version, display: str, when: str) -> None:
-    """SourceChanged ("source changed WHEN (how): FILE") unless got is the listed version."""
+    """SourceModified ("source changed WHEN (how): FILE") unless got is the listed version."""
     how = difference(want, got)
     if how:
-        raise SourceChanged(f"source changed {when} ({how}): {display}")
+        raise SourceModified(f"source changed {when} ({how}): {display}")
