@@ -9,15 +9,15 @@ verified failover reads: bytes of a file only while it is still the file the man
 from __future__ import annotations
 
 import abc
+import contextlib
 import datetime
 import errno
-import fcntl
 import logging
 import os
 import re
 import stat
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import xxhash
@@ -51,8 +51,11 @@ _NO_SENDFILE = frozenset({errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP})
 _GONE = frozenset({errno.ENOENT, errno.ENOTDIR, errno.ELOOP, errno.EXDEV, errno.ENXIO})
 # O_NONBLOCK: a FIFO swapped in after the listing would block open() until a writer came; it
 # opens at once instead and is refused by the S_ISREG check on the descriptor. O_NOCTTY: a
-# terminal swapped in never becomes the node's.
+# terminal swapped in never becomes the node's. The flag stays set on a regular file (Linux's
+# page cache reads and sendfile ignore it; clearing it would cost a syscall per file): a source
+# filesystem that answers EAGAIN because of it gets it cleared and the read again.
 _FILE_OPEN = os.O_RDONLY | os.O_NONBLOCK | os.O_NOCTTY
+_DURING = "while loading"
 
 PieceDone = Callable[[FilePiece, memoryview], None]
 
@@ -150,7 +153,6 @@ class LocalSource(Source):
     def __init__(self, url: str):
         super().__init__(url)
         self.root = os.fsencode(url)
-        self._root_dev: int | None = None  # the root's device, which versions record as 0
 
     def scan(self) -> Tree:
         return scan_tree(self.url)
@@ -158,18 +160,26 @@ class LocalSource(Source):
     def check(self) -> None:
         check_source(self.url)
 
-    def _open(self, relpath: bytes) -> tuple[int, version.Version]:
-        """An fd of the regular file relpath and its version now, resolved beneath the root:
-        no component is followed when it is a symlink (a folder swapped for a link to
-        elsewhere reads as a changed source), and opening never waits (see _FILE_OPEN)."""
-        path = self.root + b"/" + relpath
+    @contextlib.contextmanager
+    def _rooted(self) -> Iterator[tuple[int, int]]:
+        """The root's fd and device, opened once for the files one call reads (the root is
+        configured: a symlink there is followed)."""
         try:
             root_fd = open_root(self.root)
         except OSError as e:
             raise DataError(f"cannot open the source {self.url}: {e.strerror}") from None
         try:
-            if self._root_dev is None:
-                self._root_dev = os.fstat(root_fd).st_dev
+            yield root_fd, os.fstat(root_fd).st_dev
+        finally:
+            os.close(root_fd)
+
+    def _open(self, rooted: tuple[int, int], relpath: bytes) -> tuple[int, version.Version]:
+        """An fd of the regular file relpath and its version now, resolved beneath the root:
+        no component is followed when it is a symlink (a folder swapped for a link to
+        elsewhere reads as a changed source), and opening never waits (see _FILE_OPEN)."""
+        root_fd, root_dev = rooted
+        path = self.root + b"/" + relpath
+        try:
             fd = open_beneath(root_fd, relpath, _FILE_OPEN)
         except OSError as e:
             if e.errno in _GONE:
@@ -177,27 +187,21 @@ class LocalSource(Source):
                     f"source file gone or replaced: {os.fsdecode(path)} ({e.strerror})"
                 ) from None
             raise DataError(f"cannot read {os.fsdecode(path)}: {e.strerror}") from None
-        finally:
-            os.close(root_fd)
         try:
             st = os.fstat(fd)
-            if not stat.S_ISREG(st.st_mode):
-                raise SourceChanged(
-                    f"source file replaced by a non-regular file: {os.fsdecode(path)}"
-                )
-            # Reads block again as usual: a network or FUSE filesystem may honour O_NONBLOCK.
-            fcntl.fcntl(fd, fcntl.F_SETFL, 0)
         except OSError as e:
             os.close(fd)
             raise DataError(f"cannot read {os.fsdecode(path)}: {e.strerror}") from None
-        except BaseException:
+        if not stat.S_ISREG(st.st_mode):
             os.close(fd)
-            raise
-        return fd, version.of_stat(st, self._root_dev)
+            raise SourceChanged(f"source file replaced by a non-regular file: {os.fsdecode(path)}")
+        return fd, version.of_stat(st, root_dev)
 
-    def _version(self, fd: int) -> version.Version:
-        assert self._root_dev is not None  # set by the _open that gave fd
-        return version.of_stat(os.fstat(fd), self._root_dev)
+    def _check(
+        self, want: version.Version, got: version.Version, relpath: bytes, when: str
+    ) -> None:
+        if got != want:  # equal: the common case, one tuple compare
+            version.check(want, got, self.display(relpath), when)
 
     def fill(
         self,
@@ -210,27 +214,49 @@ class LocalSource(Source):
     ) -> int:
         pieces = layout.segment_files(seg)
         splice = fd is not None
-        for p in pieces:
-            relpath = files.path(p.entry)
-            want = version.listed(files, p.entry)
-            size = want[0]
-            src, now = self._open(relpath)
-            dest = out[p.seg_offset : p.seg_offset + p.length]
-            try:
-                version.check(want, now, self.display(relpath), "since it was listed")
-                if splice:
-                    assert fd is not None
-                    splice = _sendfile(src, p.file_offset, fd, p.seg_offset, p.length)
-                if not splice:
-                    _pread_into(src, p.file_offset, dest)
-                if p.file_offset + p.length == size and os.pread(src, 1, size):
+        with self._rooted() as rooted:
+            for p in pieces:
+                relpath = files.path(p.entry)
+                want = version.listed(files, p.entry)
+                src, now = self._open(rooted, relpath)
+                dest = out[p.seg_offset : p.seg_offset + p.length]
+                try:
+                    self._check(want, now, relpath, "since it was listed")
+                    if splice:
+                        assert fd is not None
+                        splice = _sendfile(src, p.file_offset, fd, p.seg_offset, p.length)
+                    if not splice:
+                        _pread_into(src, p.file_offset, dest)
+                    # One version or nothing: a write during the copy moved ctime and mtime, a
+                    # growth the size (one fstat a piece).
+                    self._check(want, version.of_stat(os.fstat(src), rooted[1]), relpath, _DURING)
+                    if done is not None:
+                        done(p, dest)
+                except EOFError:
                     raise SourceModified(
-                        f"source changed while loading (longer): {self.display(relpath)}"
-                    )
-                # One version or nothing: a write during the copy moved ctime (and mtime).
-                version.check(want, self._version(src), self.display(relpath), "while loading")
-                if done is not None:
-                    done(p, dest)
+                        f"source changed while loading (shorter): {self.display(relpath)}"
+                    ) from None
+                except OSError as e:
+                    raise DataError(f"cannot read {self.display(relpath)}: {e.strerror}") from None
+                finally:
+                    dest.release()
+                    os.close(src)
+        return len(pieces)
+
+    def checksum(self, files: FileTable, i: int) -> int:
+        relpath = files.path(i)
+        want = version.listed(files, i)
+        hasher = xxhash.xxh3_64()
+        with self._rooted() as rooted:
+            fd, now = self._open(rooted, relpath)
+            try:
+                self._check(want, now, relpath, "since it was listed")
+                buf = bytearray(CHECKSUM_CHUNK)
+                for pos in range(0, want[0], CHECKSUM_CHUNK):
+                    with memoryview(buf)[: min(CHECKSUM_CHUNK, want[0] - pos)] as chunk:
+                        _pread_into(fd, pos, chunk)
+                        hasher.update(chunk)
+                self._check(want, version.of_stat(os.fstat(fd), rooted[1]), relpath, _DURING)
             except EOFError:
                 raise SourceModified(
                     f"source changed while loading (shorter): {self.display(relpath)}"
@@ -238,28 +264,7 @@ class LocalSource(Source):
             except OSError as e:
                 raise DataError(f"cannot read {self.display(relpath)}: {e.strerror}") from None
             finally:
-                dest.release()
-                os.close(src)
-        return len(pieces)
-
-    def checksum(self, files: FileTable, i: int) -> int:
-        relpath = files.path(i)
-        want = version.listed(files, i)
-        fd, now = self._open(relpath)
-        hasher = xxhash.xxh3_64()
-        total = 0
-        try:
-            version.check(want, now, self.display(relpath), "since it was listed")
-            while chunk := os.read(fd, CHECKSUM_CHUNK):
-                hasher.update(chunk)
-                total += len(chunk)
-            if total != want[0]:
-                raise SourceModified(f"source changed while loading: {self.display(relpath)}")
-            version.check(want, self._version(fd), self.display(relpath), "while loading")
-        except OSError as e:
-            raise DataError(f"cannot read {self.display(relpath)}: {e.strerror}") from None
-        finally:
-            os.close(fd)
+                os.close(fd)
         return hasher.intdigest()
 
     def read_verified(
@@ -268,27 +273,28 @@ class LocalSource(Source):
         relpath = files.path(i)
         want = version.listed(files, i)
         n = _span(offset, length, want[0])
-        try:
-            fd, now = self._open(relpath)
-        except SourceChanged as e:
-            raise StaleDataset(str(e)) from None
-        try:
-            if version.difference(want, now):
-                raise self._stale(relpath)
-            data = os.pread(fd, n, offset) if n else b""
-            if len(data) < n:  # shrank after the fstat: never a short read
-                rest = bytearray(n - len(data))
-                try:
-                    _pread_into(fd, offset + len(data), memoryview(rest))
-                except EOFError:
-                    raise self._stale(relpath, "shrank") from None
-                data += rest
-            if version.difference(want, self._version(fd)):
-                raise self._stale(relpath, "changed while reading")
-        except OSError as e:
-            raise DataError(f"cannot read {self.display(relpath)}: {e.strerror}") from None
-        finally:
-            os.close(fd)
+        with self._rooted() as rooted:
+            try:
+                fd, now = self._open(rooted, relpath)
+            except SourceChanged as e:
+                raise StaleDataset(str(e)) from None
+            try:
+                if version.difference(want, now):
+                    raise self._stale(relpath)
+                data = _pread(fd, n, offset) if n else b""
+                if len(data) < n:  # shrank after the fstat: never a short read
+                    rest = bytearray(n - len(data))
+                    try:
+                        _pread_into(fd, offset + len(data), memoryview(rest))
+                    except EOFError:
+                        raise self._stale(relpath, "shrank") from None
+                    data += rest
+                if version.difference(want, version.of_stat(os.fstat(fd), rooted[1])):
+                    raise self._stale(relpath, "changed while reading")
+            except OSError as e:
+                raise DataError(f"cannot read {self.display(relpath)}: {e.strerror}") from None
+            finally:
+                os.close(fd)
         if checksum and n == want[0] and xxhash.xxh3_64_intdigest(data) != checksum:
             raise self._stale(relpath, "checksum")
         return data
@@ -302,6 +308,9 @@ def _sendfile(src: int, src_off: int, dest: int, dest_off: int, n: int) -> bool:
     while got < n:
         try:
             r = os.sendfile(dest, src, src_off + got, n - got)
+        except BlockingIOError:
+            os.set_blocking(src, True)  # see _FILE_OPEN
+            continue
         except OSError as e:
             if got == 0 and e.errno in _NO_SENDFILE:
                 return False
@@ -312,11 +321,23 @@ def _sendfile(src: int, src_off: int, dest: int, dest_off: int, n: int) -> bool:
     return True
 
 
+def _pread(fd: int, n: int, offset: int) -> bytes:
+    try:
+        return os.pread(fd, n, offset)
+    except BlockingIOError:
+        os.set_blocking(fd, True)  # see _FILE_OPEN
+        return os.pread(fd, n, offset)
+
+
 def _pread_into(fd: int, offset: int, out: memoryview) -> None:
     """Fill out from fd at offset; EOFError when the file ends first."""
     got = 0
     while got < len(out):
-        r = os.preadv(fd, [out[got:]], offset + got)
+        try:
+            r = os.preadv(fd, [out[got:]], offset + got)
+        except BlockingIOError:
+            os.set_blocking(fd, True)  # see _FILE_OPEN
+            continue
         if not r:
             raise EOFError
         got += r
