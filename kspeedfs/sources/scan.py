@@ -45,6 +45,7 @@ def _scan(root_fd: int) -> Tree:
     st = os.fstat(root_fd)
     tree = Tree()
     tree.append(b"", 0, st.st_mode, 0, st.st_mtime_ns, st.st_uid, st.st_gid)
+    root_dev = st.st_dev
     queue: list[tuple[int, bytes]] = [(0, b"")]
     head = 0
     while head < len(queue):
@@ -57,22 +58,28 @@ def _scan(root_fd: int) -> Tree:
             tree.first_child[dir_idx] = len(tree)
             count = 0
             for name, entry in children:
-                child = rel + b"/" + name if rel else name
                 est = entry.stat(follow_symlinks=False)
-                mode, owner = est.st_mode, (est.st_uid, est.st_gid)
+                mode = est.st_mode
                 idx = len(tree)
+                if stat.S_ISREG(mode):  # the common case first: 1.28 M times for ImageNet
+                    size, mtime, ctime, ino, dev = version.of_stat(est, root_dev)
+                    tree.append(
+                        name, dir_idx, mode, size, mtime, est.st_uid, est.st_gid, ctime, ino, dev
+                    )
+                    count += 1
+                    continue
+                child = rel + b"/" + name if rel else name
                 if stat.S_ISDIR(mode):
-                    tree.append(name, dir_idx, mode, 0, est.st_mtime_ns, *owner)
+                    tree.append(name, dir_idx, mode, 0, est.st_mtime_ns, est.st_uid, est.st_gid)
                     queue.append((idx, child))
-                elif stat.S_ISREG(mode):
-                    size, mtime, ctime, ino, dev = version.of_stat(est, st.st_dev)
-                    tree.append(name, dir_idx, mode, size, mtime, *owner, ctime, ino, dev)
                 elif stat.S_ISLNK(mode):
                     target = os.readlink(name, dir_fd=fd)
                     if not link_stays_inside(child, target):
                         log.warning("skipping symlink %r: it points outside the source", child)
                         continue
-                    tree.append(name, dir_idx, mode, len(target), est.st_mtime_ns, *owner)
+                    tree.append(
+                        name, dir_idx, mode, len(target), est.st_mtime_ns, est.st_uid, est.st_gid
+                    )
                     tree.link_target[idx] = target
                 else:
                     log.warning("skipping special file %r", os.fsdecode(child))
