@@ -55,12 +55,9 @@ def new_cas(root: Path, *names: str) -> None:
 
 @pytest.fixture
 def shm_dir() -> Iterator[Path]:
-    from kspeedfs.format.config import Settings
-
     path = Path("/dev/shm") / f"kspeedfs-test-{uuid.uuid4().hex[:10]}"
     yield path
     shutil.rmtree(path, ignore_errors=True)
-    shutil.rmtree(Settings(shm_dir=path).socket_path().parent, ignore_errors=True)
 
 
 @pytest.fixture

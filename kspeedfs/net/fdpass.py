@@ -109,6 +109,8 @@ def attach(
             raise NodeUnreachable(f"no node socket at {path} ({e.strerror or e})") from None
         check_server(sock, path, node_user)  # before any answer: a squatter learns nothing
         hello, _ = receive(sock)
+        if "error" in hello:  # the node's socket is busy
+            raise error_from_wire(str(hello["error"]), str(hello.get("message", "")))
         node_nonce = auth.parse_nonce(hello.get("nonce"))
         answer, nonce = auth.client_answer(token, auth.FD_SOCKET, node_nonce)
         send(sock, {**answer, "name": name, "uuid": uuid})
