@@ -20,6 +20,7 @@ import os
 import pwd
 import socket
 import struct
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -65,6 +66,7 @@ class FdServer:
         self.timeout = timeout
         self.token = ""
         self._served = {"attached": 0, "refused": 0}
+        self._count = threading.Lock()  # the pool's threads count alike
         self._listener: fdsocket.LocalListener | None = None
         self._bound: tuple[int, int] | None = None  # (st_dev, st_ino) of the socket we bound
 
@@ -72,10 +74,6 @@ class FdServer:
     def stats(self) -> dict[str, int]:
         listener = self._listener.stats if self._listener is not None else {}
         return {**self._served, **listener}
-
-    def check(self) -> None:
-        """Refuse (InvalidArgument, one line) a socket path another uid holds or could bind."""
-        fdsocket.check_path(self.path)
 
     def start(self, token: str) -> None:
         """Bind the socket and serve it; InvalidArgument (one line) when its path is held by
@@ -103,7 +101,8 @@ class FdServer:
         try:
             self._answer(peer, msg)
         except (OSError, KSpeedError) as e:
-            self._served["refused"] += 1
+            with self._count:
+                self._served["refused"] += 1
             log.info("local reader refused: %s", e)
 
     def _answer(self, peer: fdsocket.Peer, msg: dict[str, Any]) -> None:
@@ -128,7 +127,8 @@ class FdServer:
         finally:
             for fd in fds:
                 os.close(fd)
-        self._served["attached"] += 1
+        with self._count:
+            self._served["attached"] += 1
         log.debug(
             "passed %s to uid %d (%s role): %d of %d held segments",
             ds.path.name, uid, role, len(segs), len(ds.held),

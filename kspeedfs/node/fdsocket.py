@@ -153,6 +153,7 @@ class LocalListener:
             except OSError as e:  # out of descriptors: the ones waiting still get served
                 log.warning("cannot accept on the local socket: %s", e)
                 return
+            conn.setblocking(False)  # nothing a peer does may stop this loop
             _pid, uid, gid = fdpass.peer_credentials(conn)
             with self._lock:
                 busy = self._per_uid[uid] >= MAX_PER_UID or self.stats["connections"] >= (

@@ -156,7 +156,6 @@ class NodeServer:
 
     async def run(self, task_status: trio.TaskStatus[int] = trio.TASK_STATUS_IGNORED) -> None:
         self.token = auth.ensure_token(self.settings.token_file)
-        self.fds.check()  # a squatted socket path stops the node before a long recovery
         await trio.to_thread.run_sync(self.store.recover, self.settings.verify_on_start)
         await trio.to_thread.run_sync(self.cache.recover)
         self.fds.start(self.token)
