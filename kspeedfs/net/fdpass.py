@@ -1,4 +1,4 @@
-"""Segment descriptors over the node's local Unix socket (SCM_RIGHTS), after a mutual HMAC handshake.
+"""Segment descriptors over the node's local Unix socket (SCM_RIGHTS), after a mutual handshake.
 
 Segments are readable by the node's uid and group only. A local reader outside that group
 asks the node instead: it checks that the socket is served by the node's uid (SO_PEERCRED:

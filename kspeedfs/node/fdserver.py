@@ -1,15 +1,15 @@
 """The node's fd passing: hands segment descriptors to authenticated local readers.
 
 The socket and its connections are fdsocket's (bound where only the node's uid can, a selector
-thread and a small pool, bounded per uid); this decides what a reader gets. The work is a few
-syscalls per reader, once per process. Who gets a dataset's descriptors: a client that proves a
-token (any role) and, with
-`access = "source"`, whose uid (with the groups the kernel reports for it) the dataset's root
-folder lets in (r-x), by the modes and owners the manifest recorded at preload. It then gets the
-segments that hold only files it could read at the source (read on the file, search on the
-folders above it): a segment packs many files, so one that also holds a file the uid could not
-read is not passed, and the reader's policy reads those files elsewhere (another node over TCP,
-where the token decides, or the source itself, where the source's own permissions do).
+thread and a small pool, bounded per uid); this decides what a reader gets, a few syscalls per
+reader, once per process. Who gets a dataset's descriptors: a client that proves a token (any
+role) and, with `access = "source"`, whose uid (with the groups the kernel reports for it) the
+dataset's root folder lets in (r-x), by the modes and owners the manifest recorded at preload.
+It then gets the segments that hold only files it could read at the source (read on the file,
+search on the folders above it): a segment packs many files, so one that also holds a file the
+uid could not read is not passed, and the reader's policy reads those files elsewhere (another
+node over TCP, where the token decides, or the source itself, where the source's own
+permissions do).
 `access = "open"`: every segment to every token holder.
 """
 
