@@ -310,6 +310,34 @@ def test_a_client_refuses_a_node_that_cannot_prove_the_token(loaded: Loaded) -> 
     )
 
 
+def test_a_client_wants_the_fd_socket_to_prove_the_token(loaded: Loaded) -> None:
+    """With `node_user` naming uid 65534, a socket it serves passes the uid check, but it is
+    still no node: it cannot prove the token, and the descriptor it sends is not taken."""
+    path = loaded.drop / "fake.sock"
+
+    def fake_node() -> dict[str, Any]:
+        with _serve_unix(path) as server:
+            conn, _ = server.accept()
+        with conn, open(os.devnull, "rb") as devnull:
+            conn.settimeout(10)
+            conn.send(json.dumps({"nonce": "cd" * 32}).encode())
+            answer = json.loads(conn.recv(1 << 16))
+            head = json.dumps({"segments": 0, "mac": answer["mac"]}).encode()  # its own MAC
+            socket.send_fds(conn, [head], [devnull.fileno()])
+            conn.recv(1)
+        return {"answered": True}
+
+    result = _in_background(fake_node)
+    wait_for(path.exists, what="the fake node's socket")
+    settings = Settings(socket=path, token_file=loaded.read_token, node_user=str(NOBODY))
+    with pytest.raises(AuthError) as refused:
+        passed.attach(settings, "", NAME, loaded.uuid)
+    assert _one_line_error(refused.value) == (
+        f"the node socket {path} did not prove that it holds the token"
+    )
+    assert result() == {"answered": True}
+
+
 def test_idle_connections_to_the_fd_socket_cost_no_thread(loaded: Loaded) -> None:
     """uid 65534 holds 300 idle connections: the node's threads stay as they were, the uid
     gets at most MAX_PER_UID of them (the rest a one-line refusal), another reader is served."""
