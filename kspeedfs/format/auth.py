@@ -1,8 +1,9 @@
-"""Cluster tokens and the HMAC challenge-response that proves a client holds one.
+"""Cluster tokens and the mutual HMAC challenge-response that proves each side holds one.
 
 The token file holds the admin secret. The job and read secrets are derived from it, so a
 token with less power can be handed out (`kspeedfs token new --role job|read`) without
-revealing the admin one. Roles, from most to least: admin (everything), job (preloads under
+revealing the admin one; the node derives them too, and so proves to a client that it holds
+the client's token. Roles, from most to least: admin (everything), job (preloads under
 `source_roots` with a lease, its own leases, reads), read (reads, listing).
 """
 
@@ -12,7 +13,9 @@ import hashlib
 import hmac
 import os
 import secrets
+import struct
 from pathlib import Path
+from typing import Any
 
 from kspeedfs.format.errors import AuthError, InvalidArgument
 
@@ -20,6 +23,14 @@ ROLES = ("admin", "job", "read")
 _PREFIX = {"admin": "ksa1-", "job": "ksj1-", "read": "ksr1-"}
 # What each role may do includes what the roles ranked below it may.
 RANK = {"read": 0, "job": 1, "admin": 2}
+
+# Challenge-response: each side sends a nonce, and each MAC covers both nonces, the role and the
+# channel it is given on (so an answer relayed to another channel is refused), and which side
+# made it (so the node's proof is never a client's answer reflected back).
+NONCE_BYTES = 32
+_LABEL = b"kspeedfs auth v2"
+FD_SOCKET = "fd-socket"  # the node's local Unix socket
+TCP = "tcp"  # plain TCP (TLS connections use tls_channel)
 
 
 def new_admin_token() -> str:
@@ -93,15 +104,70 @@ def ensure_token(path: Path) -> str:
     return token
 
 
-def respond(token: str, nonce: bytes) -> str:
-    return hmac.new(token.encode(), b"kspeedfs auth v1" + nonce, hashlib.sha256).hexdigest()
+def new_nonce() -> bytes:
+    return secrets.token_bytes(NONCE_BYTES)
 
 
-def verify(admin_token: str, nonce: bytes, role: object, mac: object) -> bool:
-    """Whether mac proves the token of `role`; False for any malformed field (never raises:
-    compare_digest refuses a str that is not ASCII)."""
-    if role not in ROLES or not isinstance(role, str) or not isinstance(mac, str):
+def tls_channel(binding: bytes) -> str:
+    """The label of a TLS connection: its tls-unique binding, which both ends see alike and a
+    relay that runs TLS with each end separately cannot make equal."""
+    return "tls-unique:" + binding.hex()
+
+
+def _mac(token: str, side: bytes, channel: str, role: str, node_nonce: bytes, nonce: bytes) -> str:
+    # Length-prefixed parts: no two different transcripts give the same bytes.
+    parts = (_LABEL, side, channel.encode(), role.encode(), node_nonce, nonce)
+    data = b"".join(struct.pack(">I", len(p)) + p for p in parts)
+    return hmac.new(token.encode(), data, hashlib.sha256).hexdigest()
+
+
+def client_answer(token: str, channel: str, node_nonce: bytes) -> tuple[dict[str, str], bytes]:
+    """The fields that prove `token` to the node on `channel` (role, the client's own nonce,
+    MAC), and that nonce, which the node's proof must then cover."""
+    role = token_role(token)
+    nonce = new_nonce()
+    mac = _mac(token, b"client", channel, role, node_nonce, nonce)
+    return {"role": role, "nonce": nonce.hex(), "mac": mac}, nonce
+
+
+def verify_client(
+    admin_token: str, channel: str, node_nonce: bytes, msg: dict[str, Any]
+) -> tuple[str, str] | None:
+    """(role, the node's proof for the client) when msg proves the token of its role on this
+    channel for this node nonce; None for anything else, malformed fields included (never
+    raises: compare_digest refuses a str that is not ASCII)."""
+    role, mac, nonce = msg.get("role"), msg.get("mac"), _nonce(msg.get("nonce"))
+    if not isinstance(role, str) or role not in ROLES or nonce is None:
+        return None
+    if not isinstance(mac, str) or not mac.isascii():
+        return None
+    token = derive_token(admin_token, role)
+    if not hmac.compare_digest(_mac(token, b"client", channel, role, node_nonce, nonce), mac):
+        return None
+    return role, _mac(token, b"node", channel, role, node_nonce, nonce)
+
+
+def verify_node(token: str, channel: str, node_nonce: bytes, nonce: bytes, mac: object) -> bool:
+    """Whether the node's mac proves that it holds the token too (the side label keeps a
+    client's own answer from passing for it)."""
+    if not isinstance(mac, str) or not mac.isascii():
         return False
-    if not mac.isascii():
-        return False
-    return hmac.compare_digest(respond(derive_token(admin_token, role), nonce), mac)
+    expected = _mac(token, b"node", channel, token_role(token), node_nonce, nonce)
+    return hmac.compare_digest(expected, mac)
+
+
+def parse_nonce(value: object) -> bytes:
+    """A nonce sent as hex; AuthError when it is not one."""
+    nonce = _nonce(value)
+    if nonce is None:
+        raise AuthError("the peer sent no valid nonce")
+    return nonce
+
+
+def _nonce(value: object) -> bytes | None:
+    if not isinstance(value, str) or len(value) != 2 * NONCE_BYTES:
+        return None
+    try:
+        return bytes.fromhex(value)
+    except ValueError:
+        return None

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import pwd
 import tomllib
 from collections.abc import Mapping
 from pathlib import Path
@@ -47,12 +48,15 @@ class Settings:
     # Who may read what (README "Security"): the group that may map segments directly ("" =
     # the node's own group), the mount's permissions ("source": the source's modes and owners,
     # checked by the kernel; "open": everyone on the machine), the folders a job token may
-    # preload from, the node's Unix socket for fd passing ("" = next to shm_dir), and mutual
-    # TLS on every TCP connection when all three files are set.
+    # preload from, the node's Unix socket for fd passing ("" = in a folder of the node's next
+    # to shm_dir), the user a node runs as when not root (clients trust only root, their own
+    # uid and it to serve the socket), and mutual TLS on every TCP connection when all three
+    # files are set.
     group: str = ""
     access: str = "source"
     source_roots: list[Path] = dataclasses.field(default_factory=list)
     socket: Path | None = None
+    node_user: str = ""
     tls_cert: Path | None = None
     tls_key: Path | None = None
     tls_ca: Path | None = None
@@ -73,8 +77,10 @@ class Settings:
     metrics_listen: str = ""
 
     def socket_path(self) -> Path:
-        """The node's local socket: `socket`, else `SHM_DIR.sock` beside the shm folder."""
-        return self.socket or self.shm_dir.with_name(self.shm_dir.name + ".sock")
+        """The node's local socket: `socket`, else `SHM_DIR.run/fd.sock`, in a folder of the
+        node's beside the shm folder (the shm folder itself is closed to the readers who need
+        the socket; /dev/shm is open to everyone to bind in)."""
+        return self.socket or self.shm_dir.with_name(self.shm_dir.name + ".run") / "fd.sock"
 
     def tls(self) -> bool:
         """Mutual TLS is on: all three of cert, key and CA are set (some but not all: refused)."""
@@ -144,6 +150,17 @@ def _to_optional_path(v: Any) -> Path | None:
     return Path(os.path.expanduser(str(v))) if str(v) else None
 
 
+def _to_user(v: Any) -> str:
+    """A user name or uid, checked now (a name is resolved where it is used)."""
+    s = str(v).strip()
+    if s and not s.isdigit():
+        try:
+            pwd.getpwnam(s)
+        except KeyError:
+            raise InvalidArgument(f"no user named {s!r} on this machine") from None
+    return s
+
+
 def _to_paths(v: Any) -> list[Path]:
     items = v if isinstance(v, list) else [x for x in str(v).split(",") if x.strip()]
     paths = [Path(os.path.expanduser(str(x).strip())) for x in items]
@@ -200,6 +217,7 @@ _CONVERTERS: dict[str, Any] = {
     "access": lambda v: _to_choice(v, ("source", "open")),
     "source_roots": _to_paths,
     "socket": _to_optional_path,
+    "node_user": _to_user,
     "tls_cert": _to_optional_path,
     "tls_key": _to_optional_path,
     "tls_ca": _to_optional_path,

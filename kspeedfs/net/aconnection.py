@@ -68,7 +68,7 @@ class AsyncNodeClient:
     async def _connect(self) -> trio.abc.Stream:
         if self._stream is not None:
             return self._stream
-        handshake = ClientHandshake(auth.read_token(self.token_file), str(self.address))
+        token = auth.read_token(self.token_file)
         self.role = ""
         try:
             with trio.fail_after(self.timeout):
@@ -87,6 +87,7 @@ class AsyncNodeClient:
         self._decoder = protocol.FrameDecoder()
         self.stats["connects"] += 1
         try:
+            handshake = ClientHandshake(token, str(self.address), secure.channel(stream))
             with trio.fail_after(self.timeout):
                 hello = self._check(await self._receive(), MsgType.HELLO).json()
                 await stream.send_all(handshake.answer(hello))

@@ -67,8 +67,8 @@ class NodeClient:
         if self.tls is not None:
             sock = secure.wrap_socket(sock, self.tls, self.address)
         self._sock = sock
-        handshake = ClientHandshake(token, str(self.address))
         try:
+            handshake = ClientHandshake(token, str(self.address), secure.channel(sock))
             self._send(handshake.answer(self._receive_json(HANDSHAKE_ID, MsgType.HELLO)))
             self.role = handshake.check(self._receive_json(HANDSHAKE_ID, MsgType.RESPONSE))
             self.node = handshake.node

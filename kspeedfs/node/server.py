@@ -6,7 +6,6 @@ import base64
 import functools
 import logging
 import os
-import secrets
 import signal
 import time
 from pathlib import Path
@@ -121,7 +120,7 @@ class NodeServer:
         self.meta_indexes.register_ops(self.ops, self.call)
         self.rdma.register_ops(self.ops)
         self.cache.register_ops(self.ops)
-        self.fds = FdServer(self.store, settings.socket_path(), settings.access)
+        self.fds = FdServer(self.store, settings.socket_path(), settings.access, settings.timeout)
         # Control plane (etcd): membership, catalog, healing; None with a static node list.
         self.control: ControlPlane | None = None
         if settings.etcd:
@@ -251,7 +250,8 @@ class NodeServer:
                 await stream.aclose()
 
     async def _handshake(self, conn: Connection) -> str | None:
-        nonce = secrets.token_bytes(32)
+        nonce = auth.new_nonce()
+        channel = secure.channel(conn.stream)
         await conn.send_json(
             MsgType.HELLO,
             0,
@@ -269,19 +269,21 @@ class NodeServer:
                 msg = frame.json()
             except (ValueError, ProtocolError):
                 msg = None
-            if not isinstance(msg, dict):
-                msg = {}
-            role = msg.get("role")
-            if not auth.verify(self.token, nonce, role, msg.get("mac", "")):
+            proved = auth.verify_client(
+                self.token, channel, nonce, msg if isinstance(msg, dict) else {}
+            )
+            if proved is None:
                 self.stats["refused"] += 1
+                role = msg.get("role") if isinstance(msg, dict) else None
                 log.warning("refused a client with a wrong token (role %r)", str(role)[:16])
                 await conn.send_error(
                     frame.request_id, AuthError("authentication refused: wrong cluster token")
                 )
                 return None
-            await conn.send_json(MsgType.RESPONSE, frame.request_id, {"role": role})
+            role, proof = proved
+            await conn.send_json(MsgType.RESPONSE, frame.request_id, {"role": role, "mac": proof})
             conn.decoder.max_payload = protocol.MAX_CONTROL_PAYLOAD
-            return str(role)
+            return role
         return None
 
     async def _serve(self, conn: Connection, role: str) -> None:
