@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 from conftest import wait_for
-from nspawnutil import Container, missing
+from nspawnutil import REPO, Container, missing
 
 pytestmark = [pytest.mark.slow, pytest.mark.fuse]
 
@@ -32,13 +32,18 @@ dataset = "imagenet"
 source = "{SOURCE}"
 options = ["allow_other"]
 """
+
+
+def readme_fstab_options() -> str:
+    """The options of the README's fstab line: what is tested is what users copy."""
+    lines = (REPO / "README.md").read_text().splitlines()
+    return next(line.split()[3] for line in lines if line.startswith("imagenet  /mnt/imagenet "))
+
+
 # The README's line, and the same with x-systemd.automount (mounted at its first access).
-README_OPTIONS = (
-    "_netdev,allow_other,x-systemd.after=kspeedfs-mountd.service,token_file=/etc/kspeedfs/token"
-)
 FSTAB_LINES = f"""\
-imagenet  {FSTAB}  fuse.kspeedfs  {README_OPTIONS}  0 0
-imagenet  {AUTO}  fuse.kspeedfs  {README_OPTIONS},x-systemd.automount  0 0
+imagenet  {FSTAB}  fuse.kspeedfs  {readme_fstab_options()}  0 0
+imagenet  {AUTO}  fuse.kspeedfs  {readme_fstab_options()},x-systemd.automount  0 0
 """
 SERVED = {DECLARED, FSTAB, AUTO}
 
@@ -108,6 +113,19 @@ def test_install_systemd_then_enable_now_starts_the_node_and_mountd(box: Contain
     assert_started_and_notified(box)
     assert box.mounts()[DECLARED] == "fuse.kspeedfs"
     assert_serves(box, DECLARED)
+
+
+def test_reload_starts_and_stops_declared_mounts(box: Container) -> None:
+    added = box.root / "etc/kspeedfs/mounts.d/every.toml"
+    (box.root / "mnt/every").mkdir()
+    added.write_text('mountpoint = "/mnt/every"\n')
+    box.run("systemctl", "reload", "kspeedfs-mountd")
+    wait_for(lambda: box.mounts().get("/mnt/every") == "fuse.kspeedfs", 60, "the new mount")
+    assert_serves(box, "/mnt/every/imagenet")
+    added.unlink()
+    box.run("systemctl", "reload", "kspeedfs-mountd")
+    wait_for(lambda: "/mnt/every" not in box.mounts(), 60, "the removed mount to go")
+    assert box.mounts()[DECLARED] == "fuse.kspeedfs"
 
 
 def test_mount_a_mounts_the_fstab_lines(box: Container) -> None:
