@@ -33,8 +33,9 @@ def missing() -> str:
     for tool in ("debootstrap", "systemd-nspawn", "nsenter"):
         if shutil.which(tool) is None:
             return f"{tool} is not installed (apt-get install debootstrap systemd-container)"
-    if not os.path.exists("/dev/fuse"):
-        return "/dev/fuse is missing"
+    for device in ("/dev/fuse", "/dev/autofs"):  # FUSE mounts; x-systemd.automount
+        if not os.path.exists(device):
+            return f"{device} is missing"
     return ""
 
 
@@ -111,9 +112,6 @@ class Container:
         )
 
     def boot(self) -> None:
-        binds = ["--bind=/dev/fuse"]
-        if os.path.exists("/dev/autofs"):  # x-systemd.automount needs it
-            binds.append("--bind=/dev/autofs")
         command = [
             "systemd-nspawn",
             "--directory",
@@ -127,7 +125,8 @@ class Container:
             "--private-network",
             "--console=pipe",
             "--capability=CAP_SYS_ADMIN",
-            *binds,
+            "--bind=/dev/fuse",
+            "--bind=/dev/autofs",
             *python_binds(),
         ]
         with open(self.log_path, "ab") as out:

@@ -158,7 +158,7 @@ def test_helper_waits_for_a_node_that_is_still_starting(
         assert proc.stderr is not None
         # The node comes back (same port and shm folder) only once the helper found none.
         for line in proc.stderr:
-            if "trying again" in line:
+            if "waiting for a node" in line:
                 break
         node.start()
         _, err = proc.communicate(timeout=120)

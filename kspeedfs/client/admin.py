@@ -48,7 +48,7 @@ def connect_within(settings: Settings, seconds: float) -> NodeClient:
         except NodeUnreachable as e:
             if time.monotonic() + RETRY_S > deadline:
                 raise
-            log.debug("%s; trying again", e)
+            log.debug("waiting for a node: %s", e)
         time.sleep(RETRY_S)
 
 
