@@ -68,7 +68,7 @@ def cached_root() -> Path:
             + [debian_mirror()],
             capture_output=True,
             text=True,
-            timeout=900,
+            timeout=480,  # within the test timeout (600 s) that counts the fixture
         )
         if made.returncode != 0:
             raise RuntimeError(f"debootstrap failed: {made.stdout[-2000:]}{made.stderr[-2000:]}")

@@ -150,7 +150,7 @@ def _mount(args: argparse.Namespace) -> int:
         return 0
     _clear_stale(args.mountpoint)
     # mount(8) may run while the node is still starting (`mount -a` at boot, an fstab line
-    # without x-systemd.after=kspeedfs-node.service): give it the timeout to answer.
+    # without x-systemd.after=): give it the timeout to answer.
     connect_within(settings, settings.timeout).close()
     # Returns once the kernel serves the mount from a background process; fails before
     # mounting anything when the node, the token or the dataset is not right.
