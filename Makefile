@@ -6,7 +6,8 @@ BIN     := $(VENV)/bin
 STAMP   := $(VENV)/.installed
 PYTHON  ?= python3
 SUDO    := $(shell [ "$$(id -u)" -eq 0 ] || echo sudo)
-APT_PKGS := fuse3 libfuse3-dev pkg-config gcc systemd attr etcd-server etcd-client
+APT_PKGS := fuse3 libfuse3-dev pkg-config gcc systemd attr etcd-server etcd-client debootstrap \
+	systemd-container
 CHECKED := kspeedfs mountd pytorch_ext tests bench
 
 .PHONY: demo test lint deps apt bench clean

@@ -23,7 +23,7 @@ from kspeedfs.fuse.kernel import FuseSession
 from kspeedfs.fuse.metrics import serve_mount_metrics
 from kspeedfs.fuse.supervisor import Workers, default_workers
 from kspeedfs.net.aconnection import AsyncNodeClient
-from kspeedfs.system.mountinfo import is_stale, kspeedfs_mounted
+from kspeedfs.system.mountinfo import is_stale, kspeedfs_mounted, mount_at
 from kspeedfs.system.notify import notify
 
 log = logging.getLogger(__name__)
@@ -43,9 +43,15 @@ def check_mountpoint(mountpoint: str | os.PathLike[str]) -> Path:
         raise MountError(f"mountpoint does not exist: {path}")
     if not path.is_dir():
         raise MountError(f"mountpoint is not a folder: {path}")
-    if os.path.ismount(path):
+    # x-systemd.automount: systemd's autofs mount waits there for this mount to go on top.
+    if os.path.ismount(path) and not _automount_point(path):
         raise MountError(f"mountpoint is busy (something is mounted there): {path}")
     return path.resolve()
+
+
+def _automount_point(path: Path) -> bool:
+    entry = mount_at(path)
+    return entry is not None and entry.fstype == "autofs"
 
 
 def fuse_options(extra: Iterable[str] = ()) -> set[str]:
@@ -63,9 +69,11 @@ async def serve_mount(
     dataset: str | None,
     options: set[str],
     on_ready: Callable[[], None],
+    on_mounted: Callable[[], None] = lambda: None,
 ) -> None:
     """Mount, then serve from settings.fuse_workers processes (0: one per CPU, at most 8)
-    while this one keeps the dataset list in step with the node and supervises them."""
+    while this one keeps the dataset list in step with the node and supervises them.
+    `on_mounted` runs once the kernel has the mount, before any worker starts."""
     local = local_node_for(settings)
     order = sorted(settings.nodes, key=lambda a: str(a) != local)
     tls = client_context(settings)
@@ -83,6 +91,7 @@ async def serve_mount(
         session.mount()
     except OSError as e:
         raise MountError(e.strerror or str(e)) from None
+    on_mounted()
     if settings.fuse_read_ahead:
         session.set_read_ahead(settings.fuse_read_ahead // 1024)
     pool = Workers(session, datasets, settings, dataset, count, clients)
@@ -164,7 +173,6 @@ def run_mount(
         error = ERRORS_BY_EXIT_CODE.get(int(code) if code.isdigit() else 0, MountError)
         raise error(message.strip() or "the mount process died before the mount was ready")
     os.close(read_fd)
-    os.setsid()
     _redirect_stdio(log_file)
 
     def ready() -> None:
@@ -173,7 +181,10 @@ def run_mount(
 
     status = 0
     try:
-        trio.run(serve_mount, path, settings, dataset, opts, ready)
+        # A session of its own only once mounted, as libfuse daemonizes after fuse_mount: an
+        # automounter (systemd for x-systemd.automount) runs mount(8) in its own process
+        # group, the one autofs lets through the mountpoint while the mount it awaits is made.
+        trio.run(serve_mount, path, settings, dataset, opts, ready, os.setsid)
     except KSpeedError as e:
         _report(write_fd, f"{e.exit_code} {e}")
         status = e.exit_code

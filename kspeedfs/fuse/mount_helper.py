@@ -7,6 +7,7 @@ import logging
 import sys
 from typing import Any
 
+from kspeedfs.client.admin import connect_within
 from kspeedfs.format.config import load_settings
 from kspeedfs.format.errors import InvalidArgument, KSpeedError
 from kspeedfs.format.names import validate_name
@@ -148,6 +149,9 @@ def _mount(args: argparse.Namespace) -> int:
         fuse_options(fuse)
         return 0
     _clear_stale(args.mountpoint)
+    # mount(8) may run while the node is still starting (`mount -a` at boot, an fstab line
+    # without x-systemd.after=): give it the timeout to answer.
+    connect_within(settings, settings.timeout).close()
     # Returns once the kernel serves the mount from a background process; fails before
     # mounting anything when the node, the token or the dataset is not right.
     run_mount(
