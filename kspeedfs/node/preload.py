@@ -195,6 +195,8 @@ class Stager:
 
     async def _stage_for_push(self, name: str, msg: dict[str, Any]) -> dict[str, Any]:
         """Allocate the held segments; the coordinator then writes them with stage_put."""
+        if not isinstance(msg.get("seg_len"), dict):
+            raise InvalidArgument("seg_len must be an object of segment -> length")
         seg_len = {int(k): int(v) for k, v in msg["seg_len"].items()}
         if any(k < 0 or v < 0 for k, v in seg_len.items()):
             raise InvalidArgument("negative segment number or length")
