@@ -93,6 +93,11 @@ class Stage:
     stored: int = 0
     last_contact: float = dataclasses.field(default_factory=time.monotonic)
 
+    def written(self) -> int:
+        """Bytes of its reservation on the filesystem already (at least: a segment is
+        allocated before it is filled)."""
+        return self.progress.bytes_done
+
 
 class Stager:
     """A member's side: stage its segments, then take the manifest, then commit or abort."""
@@ -178,7 +183,7 @@ class Stager:
                 raise InvalidArgument("segment number out of range")
             held_bytes = sum(seg_len[k] for k in stage.held)
             stage.stored = held_bytes + manifest_size_estimate(tree) + int(msg.get("meta_bytes", 0))
-            self.store.reserve(name, stage.stored)
+            self.store.reserve(name, stage.stored, written=stage.written)
         except BaseException:
             self.stages.pop(name, None)
             raise
@@ -205,7 +210,7 @@ class Stager:
         stage = Stage(name, str(msg["uuid"]), progress.source, sorted(seg_len), progress)
         stage.stored = progress.bytes_total + int(msg.get("manifest_estimate", 0))
         stage.stored += int(msg.get("meta_bytes", 0))
-        self.store.reserve(name, stage.stored)
+        self.store.reserve(name, stage.stored, written=stage.written)
         self.stages[name] = stage
         try:
             stage.staging = await trio.to_thread.run_sync(self.store.new_staging, name)
