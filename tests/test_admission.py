@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from clusterutil import Cluster, running
 from conftest import NodeProcess, wait_for
 
 from kspeedfs.format.errors import KSpeedError, NoSpace
@@ -50,10 +51,10 @@ def sources(root: Path) -> list[Path]:
     return made
 
 
-def race(node: NodeProcess, srcs: list[Path]) -> dict[str, Any]:
-    """Both preloads sent at the same moment, each on its own open connection: name -> the
-    answer, or the error it got."""
-    clients = [node.client() for _ in srcs]
+def race(nodes: list[NodeProcess], srcs: list[Path]) -> dict[str, Any]:
+    """The preloads sent at the same moment, each on its own open connection (to the nodes in
+    turn): name -> the answer, or the error it got."""
+    clients = [nodes[i % len(nodes)].client() for i in range(len(srcs))]
     for c in clients:
         c.connect()
     start = threading.Barrier(len(srcs))
@@ -78,6 +79,25 @@ def race(node: NodeProcess, srcs: list[Path]) -> dict[str, Any]:
     return outcome
 
 
+def check_round(round_: int, nodes: list[NodeProcess], srcs: list[Path]) -> None:
+    """Two preloads raced: exactly one refused with NoSpace (exit 7), the other loads, nothing
+    else is listed anywhere, failed or not; then it is unloaded for the next round."""
+    outcome = race(nodes, srcs)
+    refused = [n for n, got in outcome.items() if isinstance(got, KSpeedError)]
+    assert len(refused) == 1, (round_, outcome)
+    loser = outcome[refused[0]]
+    assert isinstance(loser, NoSpace) and loser.exit_code == 7, (round_, loser)
+    (winner,) = set(outcome) - set(refused)
+    coordinator = nodes[[src.name for src in srcs].index(winner) % len(nodes)]
+    wait_for(functools.partial(ready, coordinator, winner), what=f"{winner} ready")
+    for node in nodes:
+        listed = {d["name"]: d["state"] for d in node.request("list")["datasets"]}
+        assert listed == {winner: "ready"}, (round_, node.address, listed)
+    nodes[0].request("unload", name=winner)
+    for node in nodes:
+        wait_for(lambda n=node: n.request("list")["datasets"] == [], what="the unload")
+
+
 def ready(node: NodeProcess, name: str) -> bool:
     progress = node.request("progress", name=name)
     assert progress["state"] != "failed", progress  # the winner never fails mid-load
@@ -91,16 +111,19 @@ def test_of_two_racing_preloads_exactly_the_one_that_fits_loads(
     node = NodeProcess(small_shm / "kspeedfs", token_file, tmp_path).start()
     try:
         for round_ in range(ROUNDS):
-            outcome = race(node, srcs)
-            refused = [n for n, got in outcome.items() if isinstance(got, KSpeedError)]
-            assert len(refused) == 1, (round_, outcome)
-            loser = outcome[refused[0]]
-            assert isinstance(loser, NoSpace) and loser.exit_code == 7, (round_, loser)
-            (winner,) = set(outcome) - set(refused)
-            wait_for(functools.partial(ready, node, winner), what=f"{winner} ready")
-            listed = {d["name"]: d["state"] for d in node.request("list")["datasets"]}
-            assert listed == {winner: "ready"}, (round_, listed)
-            node.request("unload", name=winner)
-            wait_for(lambda: node.request("list")["datasets"] == [], what="the unload")
+            check_round(round_, [node], srcs)
     finally:
         node.stop()
+
+
+def test_of_two_preloads_racing_over_a_cluster_exactly_one_loads(
+    token_file: Path, tmp_path: Path
+) -> None:
+    """Two coordinators, each placing its dataset over both members: each member's budget
+    holds its part of one dataset, not of both. Claimed in parallel, each coordinator got its
+    own member and lost the other: both refused."""
+    srcs = sources(tmp_path)
+    cluster = Cluster(token_file, tmp_path, size=2, segment_size="1MiB", memory="8MiB")
+    with running(cluster):
+        for round_ in range(ROUNDS):
+            check_round(round_, cluster.nodes, srcs)

@@ -217,32 +217,46 @@ class SegmentStore:
         nbytes: int,
         what: str = "dataset",
         written: Callable[[], int] | None = None,
+        instead_of: str = "",
     ) -> None:
         """Claim budget for work before it starts; refuse what cannot fit (`what` names it in
         the refusal). One check and claim under the lock: of two claims that do not both fit,
         the second is refused. `written` says how much of the claim is on the filesystem
-        already (default: nothing until it is published or released)."""
+        already (default: nothing until it is published or released). `instead_of` names an
+        earlier claim for the same work (a preload's admission) that this one replaces: its
+        bytes count as free here, and it stays when this one is refused."""
         with self._lock:
             if name in self.datasets or name in self.reserved:
                 raise AlreadyExists(f"dataset {name!r} is already loaded or loading")
-            for reclaim in self._reclaimers:
-                if self.budget - self.used() >= nbytes:
-                    break
-                reclaim(nbytes - (self.budget - self.used()))
-            if self.budget - self.used() < nbytes:
-                self._raise_no_space(nbytes, what)
-            # The filesystem may hold less than the budget (other users of /dev/shm, a small
-            # tmpfs): its free space, less what earlier claims are still to write.
-            st = os.statvfs(self.root)
-            fs_free = st.f_bavail * st.f_frsize
-            promised = sum(r.unwritten() for r in self.reserved.values())
-            if nbytes > fs_free - promised:
-                also = f", {format_size(promised)} of it promised to work in progress"
-                raise NoSpace(
-                    f"{what} needs {format_size(nbytes)} but {self.root} has only "
-                    f"{format_size(fs_free)} free{also if promised else ''}"
-                )
+            earlier = self.reserved.pop(instead_of, None)
+            try:
+                self._check_fits(nbytes, what)
+            except BaseException:
+                if earlier is not None:
+                    self.reserved[instead_of] = earlier
+                raise
             self.reserved[name] = Reservation(nbytes, written)
+
+    def _check_fits(self, nbytes: int, what: str) -> None:
+        """Refuse (NoSpace) a claim of nbytes that the budget or the filesystem cannot hold
+        beside the claims made. Called under _lock."""
+        for reclaim in self._reclaimers:
+            if self.budget - self.used() >= nbytes:
+                break
+            reclaim(nbytes - (self.budget - self.used()))
+        if self.budget - self.used() < nbytes:
+            self._raise_no_space(nbytes, what)
+        # The filesystem may hold less than the budget (other users of /dev/shm, a small
+        # tmpfs): its free space, less what earlier claims are still to write.
+        st = os.statvfs(self.root)
+        fs_free = st.f_bavail * st.f_frsize
+        promised = sum(r.unwritten() for r in self.reserved.values())
+        if nbytes > fs_free - promised:
+            also = f", {format_size(promised)} of it promised to work in progress"
+            raise NoSpace(
+                f"{what} needs {format_size(nbytes)} but {self.root} has only "
+                f"{format_size(fs_free)} free{also if promised else ''}"
+            )
 
     def _raise_no_space(self, nbytes: int, what: str = "dataset") -> None:
         free = self.budget - self.used()
