@@ -53,14 +53,15 @@ def one_line(text: str) -> str:
     return flat if len(flat) <= MESSAGE_LIMIT else flat[: MESSAGE_LIMIT - 3] + "..."
 
 
-def _kspeed_leaf(exc: BaseException) -> KSpeedError | None:
-    """The first KSpeedError of an exception group whose every leaf is one (a nursery's
-    failure that was a refusal keeps its class and exit code); None otherwise."""
+def refusal(exc: BaseException) -> KSpeedError | None:
+    """`exc` when it is a KSpeedError, the first one of an exception group whose every leaf
+    is one (a nursery's failure that was a refusal keeps its class and exit code); None for
+    anything unplanned."""
     if isinstance(exc, KSpeedError):
         return exc
     if not isinstance(exc, BaseExceptionGroup):
         return None
-    leaves = [_kspeed_leaf(e) for e in exc.exceptions]
+    leaves = [refusal(e) for e in exc.exceptions]
     return leaves[0] if leaves and all(leaves) else None
 
 
@@ -74,7 +75,7 @@ def answering(what: str) -> Iterator[None]:
     except KSpeedError:
         raise
     except Exception as e:
-        leaf = _kspeed_leaf(e)
+        leaf = refusal(e)
         if leaf is not None:
             raise leaf from None
         if isinstance(e, (KeyError, TypeError, ValueError)):

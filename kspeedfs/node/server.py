@@ -47,6 +47,7 @@ from kspeedfs.node.ops import (
     caller_role,
     int_field,
     one_line,
+    refusal,
     str_field,
 )
 from kspeedfs.node.peers import PeerPool
@@ -473,7 +474,9 @@ class NodeServer:
             if decoded is not None:  # preload --decoded N: every member decodes its part
                 await self.decoded.after_preload(plan.name, plan.uuid, decoded)
         except BaseException as e:
-            log.error("preload of %s failed: %s", plan.name, self.loads.fail(plan.name, e))
+            unplanned = isinstance(e, Exception) and refusal(e) is None  # a bug: its traceback
+            reason = self.loads.fail(plan.name, e)
+            log.error("preload of %s failed: %s", plan.name, reason, exc_info=unplanned)
             if self.control is not None:
                 with trio.CancelScope(shield=True):
                     await self._forget_claim(plan.name, plan.uuid)
