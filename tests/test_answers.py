@@ -15,12 +15,14 @@ from typing import Any
 import pytest
 import trio
 from conftest import NodeProcess, make_tree, run_cli
+from uidutil import NOBODY, as_user
 
 from kspeedfs.format import auth
 from kspeedfs.format.config import Settings
 from kspeedfs.format.errors import InternalError, KSpeedError, NoSpace
 from kspeedfs.node.ops import READ, OpRegistry
 from kspeedfs.node.server import NodeServer
+from kspeedfs.sources.scan import scan_tree
 
 DATASET = "held"
 
@@ -89,6 +91,27 @@ def test_a_source_deeper_than_path_max_is_a_one_line_error(world: World) -> None
     done = run_cli("preload", str(src), "--name", "deep", env=world.node.env())
     assert_one_line_error(done, 5, "longer than 4096 bytes")
     assert_serves_without_traceback(world)
+
+
+def test_a_folder_the_scanner_cannot_read_is_a_one_line_error(public_dir: Path) -> None:
+    """Scanned as an unprivileged uid (root reads every folder): a subfolder it may not list
+    is refused in one line naming it, exit 5, not an OSError."""
+    src = public_dir / "src"
+    (src / "open").mkdir(parents=True)
+    (src / "open" / "a.bin").write_bytes(b"a")
+    (src / "closed").mkdir(mode=0o700)
+    src.chmod(0o755)
+
+    def scan() -> list[Any]:
+        try:
+            scan_tree(src)
+        except KSpeedError as e:
+            return [type(e).__name__, e.exit_code, str(e)]
+        return []
+
+    kind, code, message = as_user(NOBODY, [], scan)
+    assert (kind, code) == ("InvalidArgument", 5), message
+    assert message == f"source is not readable: {src}/closed: Permission denied"
 
 
 def registered_ops() -> list[str]:
