@@ -17,8 +17,8 @@ log = logging.getLogger(__name__)
 FILE_MODE = stat.S_IFREG | 0o644
 DIR_MODE = stat.S_IFDIR | 0o755
 # The longest relative path a file of the tree may have: the copies and the mount open every
-# file by its path beneath the root, and the kernel refuses a longer one. A folder loop (a bind
-# mount of a parent inside the tree) ends here too instead of walking forever.
+# file by its path beneath the root, and the kernel refuses a longer one. A filesystem that
+# shows a folder inside itself (a loop) ends here too instead of being walked forever.
 PATH_MAX = 4096
 
 
@@ -56,7 +56,9 @@ def _shown(path: str) -> str:
 
 def _scan_error(root: Path, e: OSError) -> KSpeedError:
     """What a scan that the filesystem stopped tells the user, in one line."""
-    where = f"{root}/{_shown(os.fsdecode(e.filename))}" if e.filename else str(root)
+    # The path it failed on, relative to the root (a descriptor's number says nothing).
+    named = isinstance(e.filename, (str, bytes)) and e.filename
+    where = f"{root}/{_shown(os.fsdecode(e.filename))}" if named else str(root)
     if e.errno == errno.ENAMETOOLONG:
         return InvalidArgument(f"cannot scan {root}: a path in it is too long: {where}")
     if e.errno in (errno.ENOENT, errno.ENOTDIR, errno.ELOOP, errno.EINVAL, errno.EXDEV):
