@@ -127,3 +127,24 @@ def test_of_two_preloads_racing_over_a_cluster_exactly_one_loads(
     with running(cluster):
         for round_ in range(ROUNDS):
             check_round(round_, cluster.nodes, srcs)
+
+
+def test_a_preload_evicts_read_through_data_to_find_room_on_the_filesystem(
+    small_shm: Path, token_file: Path, tmp_path: Path
+) -> None:
+    """The filesystem, not the budget, is full of read-through segments: they give way to a
+    preload as they do when the budget is short."""
+    cached, pinned = sources(tmp_path)
+    node = NodeProcess(small_shm / "kspeedfs", token_file, tmp_path).start()
+    try:
+        node.request("register_source", name="cached", source=str(cached))
+        wait_for(functools.partial(ready, node, "cached"), what="the listing")
+        segments = node.request("status")["cache"]["datasets"]["cached"]["segments"]
+        for seg in range(segments):
+            assert node.request("fill", name="cached", segment=seg)["state"] == "cached"
+        node.request("preload", name=pinned.name, source=str(pinned))
+        wait_for(functools.partial(ready, node, pinned.name), what="the preload")
+        status = node.request("status")["cache"]["datasets"]["cached"]
+        assert status["evictions"] > 0, status
+    finally:
+        node.stop()

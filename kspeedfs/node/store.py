@@ -247,16 +247,25 @@ class SegmentStore:
         if self.budget - self.used() < nbytes:
             self._raise_no_space(nbytes, what)
         # The filesystem may hold less than the budget (other users of /dev/shm, a small
-        # tmpfs): its free space, less what earlier claims are still to write.
-        st = os.statvfs(self.root)
-        fs_free = st.f_bavail * st.f_frsize
-        promised = sum(r.unwritten() for r in self.reserved.values())
+        # tmpfs): its free space, less what earlier claims are still to write; evictable
+        # memory gives way to it as it does to the budget.
+        fs_free, promised = self._fs_room()
+        for reclaim in self._reclaimers:
+            if nbytes <= fs_free - promised:
+                break
+            reclaim(nbytes - (fs_free - promised))
+            fs_free, promised = self._fs_room()
         if nbytes > fs_free - promised:
             also = f", {format_size(promised)} of it promised to work in progress"
             raise NoSpace(
                 f"{what} needs {format_size(nbytes)} but {self.root} has only "
                 f"{format_size(fs_free)} free{also if promised else ''}"
             )
+
+    def _fs_room(self) -> tuple[int, int]:
+        """The shm filesystem's free bytes, and how many of them claims have yet to write."""
+        st = os.statvfs(self.root)
+        return st.f_bavail * st.f_frsize, sum(r.unwritten() for r in self.reserved.values())
 
     def _raise_no_space(self, nbytes: int, what: str = "dataset") -> None:
         free = self.budget - self.used()
