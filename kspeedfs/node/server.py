@@ -66,6 +66,7 @@ MANIFEST_PIECE = 4 * 1024 * 1024
 # Small pieces are joined before sending: one copy is cheaper than one syscall each.
 COALESCE_BELOW = 256 * 1024
 TLS_PIECE = 256 * 1024
+Range = tuple[int, int, int]  # segment, offset, length
 
 
 def cluster_members(settings: Settings) -> list[str]:
@@ -302,26 +303,33 @@ class NodeServer:
             frame = await conn.receive()
             if frame is None:
                 return
-            # Every frame gets an answer: a handler's failure, whatever it was, is an error
-            # reply (ops.answering); only a broken frame (ProtocolError) ends the connection.
+            # Every frame gets an answer. Only a frame that cannot be read (ProtocolError
+            # here) ends the connection; a handler's failure of any kind, a ProtocolError of
+            # its own calls to other members included, is an error reply (ops.answering).
             try:
                 if frame.type == MsgType.REQUEST:
-                    result = await self.ops.dispatch(frame.json(), role)
-                    await conn.stream.send_all(_response(frame.request_id, result))
+                    request: Any = frame.json()
                 elif frame.type == MsgType.READ:
-                    await self._read(conn, frame)
+                    request = protocol.decode_read(frame.payload)
                 else:
                     raise ProtocolError(f"unexpected message type {frame.type.name}")
             except ProtocolError as e:
                 await conn.send_error(frame.request_id, e)
                 raise
+            try:
+                if frame.type == MsgType.REQUEST:
+                    result = await self.ops.dispatch(request, role)
+                    await conn.stream.send_all(_response(frame.request_id, result))
+                else:
+                    await self._read(conn, frame.request_id, *request)
             except KSpeedError as e:
                 if isinstance(e, (AuthError, InvalidArgument)):
                     self.stats["refused"] += 1
                 await conn.send_error(frame.request_id, e)
 
-    async def _read(self, conn: Connection, frame: protocol.Frame) -> None:
-        name, instance, ranges = protocol.decode_read(frame.payload)
+    async def _read(
+        self, conn: Connection, request_id: int, name: str, instance: str, ranges: list[Range]
+    ) -> None:
         with answering(f"a read of {name}"):  # the sending below is the connection's
             ds = self.store.open(name)
             if ds.uuid != instance:
@@ -335,7 +343,7 @@ class NodeServer:
         total = sum(len(v) for v in views)
         self.stats["reads"] += 1
         self.stats["read_bytes"] += total
-        header = protocol.encode_header(MsgType.DATA, frame.request_id, total)
+        header = protocol.encode_header(MsgType.DATA, request_id, total)
         if total < COALESCE_BELOW:
             await conn.stream.send_all(b"".join([header, *views]))
         else:
