@@ -218,29 +218,31 @@ class SegmentStore:
         what: str = "dataset",
         written: Callable[[], int] | None = None,
         instead_of: str = "",
+        evict: bool = True,
     ) -> None:
         """Claim budget for work before it starts; refuse what cannot fit (`what` names it in
         the refusal). One check and claim under the lock: of two claims that do not both fit,
         the second is refused. `written` says how much of the claim is on the filesystem
         already (default: nothing until it is published or released). `instead_of` names an
         earlier claim for the same work (a preload's admission) that this one replaces: its
-        bytes count as free here, and it stays when this one is refused."""
+        bytes count as free here, and it stays when this one is refused. `evict` lets the
+        reclaimers (read-through eviction, which lives on the event loop) make room."""
         with self._lock:
             if name in self.datasets or name in self.reserved:
                 raise AlreadyExists(f"dataset {name!r} is already loaded or loading")
             earlier = self.reserved.pop(instead_of, None)
             try:
-                self._check_fits(nbytes, what)
+                self._check_fits(nbytes, what, self._reclaimers if evict else [])
             except BaseException:
                 if earlier is not None:
                     self.reserved[instead_of] = earlier
                 raise
             self.reserved[name] = Reservation(nbytes, written)
 
-    def _check_fits(self, nbytes: int, what: str) -> None:
+    def _check_fits(self, nbytes: int, what: str, reclaimers: list[Callable[[int], int]]) -> None:
         """Refuse (NoSpace) a claim of nbytes that the budget or the filesystem cannot hold
-        beside the claims made. Called under _lock."""
-        for reclaim in self._reclaimers:
+        beside the claims made, once `reclaimers` freed what they could. Called under _lock."""
+        for reclaim in reclaimers:
             if self.budget - self.used() >= nbytes:
                 break
             reclaim(nbytes - (self.budget - self.used()))
@@ -250,7 +252,7 @@ class SegmentStore:
         # tmpfs): its free space, less what earlier claims are still to write; evictable
         # memory gives way to it as it does to the budget.
         fs_free, promised = self._fs_room()
-        for reclaim in self._reclaimers:
+        for reclaim in reclaimers:
             if nbytes <= fs_free - promised:
                 break
             reclaim(nbytes - (fs_free - promised))
@@ -452,7 +454,8 @@ class SegmentStore:
         # Reserved while it arrives, so that a preload admitted meanwhile does not count on
         # the same bytes; counted in the dataset's bytes once it is in place.
         reservation = f"segment:{name}:{seg}:{uuid.uuid4().hex[:12]}"
-        self.reserve(reservation, length, what=f"segment {seg} of {name}")
+        # Called in a thread: no eviction (the read-through cache is the event loop's).
+        self.reserve(reservation, length, what=f"segment {seg} of {name}", evict=False)
         try:
             self._add_segment(record, seg, length, fill, reservation)
         finally:
