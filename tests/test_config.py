@@ -13,7 +13,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kspeedfs.format import config
+from kspeedfs.format import config, setting_rules
 from kspeedfs.format.config import Settings, load_settings
 from kspeedfs.format.errors import InvalidArgument, NotFound
 from kspeedfs.format.units import MAX_SIZE, Address
@@ -180,7 +180,7 @@ BAD = {
 def test_every_setting_has_one_rule_and_a_bad_value_here() -> None:
     """A setting added to Settings without a row in the table (or a bad value here) fails."""
     fields = {f.name for f in dataclasses.fields(Settings)}
-    assert set(config._CONVERTERS) == fields
+    assert set(setting_rules.RULES) == fields
     assert set(BAD) == fields
 
 
@@ -297,7 +297,7 @@ def _usable(s: Settings) -> None:
     for f in dataclasses.fields(Settings):
         value = getattr(s, f.name)
         if isinstance(value, float):
-            assert math.isfinite(value) and 0 <= value <= config.MAX_SECONDS, f.name
+            assert math.isfinite(value) and 0 <= value <= setting_rules.MAX_SECONDS, f.name
     assert s.timeout > 0 and s.lease_ttl > 0 and s.member_ttl > 0
     assert 0 <= s.memory_budget() <= MAX_SIZE
     assert 4096 <= s.segment_size <= MAX_SIZE and 0 <= int(s.spill) <= MAX_SIZE
