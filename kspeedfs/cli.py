@@ -27,7 +27,7 @@ def _client_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--nodes", help="HOST:PORT[,...] of the cache nodes (env KSPEEDFS_NODES)")
     p.add_argument("--config", help="TOML config file (env KSPEEDFS_CONFIG)")
     p.add_argument("--token-file", help="cluster token file (env KSPEEDFS_TOKEN_FILE)")
-    p.add_argument("--timeout", type=float, help="seconds to wait for a node")
+    p.add_argument("--timeout", help="seconds to wait for a node")
     p.add_argument("--etcd", help="URL[,...] of etcd for members and catalog (env KSPEEDFS_ETCD)")
     p.add_argument("--cluster", help="the cluster's name in etcd (default 'default')")
 
@@ -121,9 +121,7 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="HOST:PORT",
         help="serve Prometheus /metrics of this mount there (off by default)",
     )
-    p.add_argument(
-        "--workers", type=int, help="serving processes (default: one per CPU, at most 8)"
-    )
+    p.add_argument("--workers", help="serving processes (default: one per CPU, at most 8)")
 
     p = sub.add_parser("umount", help="unmount a kspeedfs mount")
     p.add_argument("mountpoint")
@@ -185,6 +183,10 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+# Settings whose flag is not --the-setting, for the error that names the flag.
+_FLAGS = {"fuse_workers": "--workers", "verify_on_start": "--no-verify"}
+
+
 def _settings(args: argparse.Namespace, **extra: Any) -> Settings:
     cli = {
         "nodes": getattr(args, "nodes", None),
@@ -194,7 +196,7 @@ def _settings(args: argparse.Namespace, **extra: Any) -> Settings:
         "cluster": getattr(args, "cluster", None),
         **extra,
     }
-    settings = load_settings(cli, config_file=getattr(args, "config", None))
+    settings = load_settings(cli, config_file=getattr(args, "config", None), cli_names=_FLAGS)
     if settings.etcd and args.command != "node":  # control plane: the live members in etcd
         from kspeedfs.client.clusterstate import resolve_nodes
 
@@ -209,7 +211,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return COMMANDS[args.command](args) or 0
     except KSpeedError as e:
-        print(f"kspeedfs: {e}", file=sys.stderr)
+        print("kspeedfs:", " ".join(str(e).split()), file=sys.stderr)  # one line, always
         return e.exit_code
     except KeyboardInterrupt:
         print("kspeedfs: interrupted", file=sys.stderr)
@@ -217,8 +219,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def cmd_node(args: argparse.Namespace) -> int:
-    from kspeedfs.node.server import run_node
-
     settings = _settings(
         args,
         listen=args.listen,
@@ -231,6 +231,8 @@ def cmd_node(args: argparse.Namespace) -> int:
         metrics_listen=args.metrics_listen,
     )
     logging.getLogger().setLevel(logging.DEBUG if args.verbose else settings.log_level)
+    from kspeedfs.node.server import run_node  # after the settings: a bad one fails fast
+
     run_node(settings)
     return 0
 
@@ -480,9 +482,9 @@ def cmd_mount(args: argparse.Namespace) -> int:
     from kspeedfs.fuse.mount import run_mount
 
     options = [o for o in args.options.split(",") if o]
-    settings = _settings(args, fuse_workers=args.workers)
-    # The mount's own: `metrics_listen` in the config or environment is the node's port.
-    settings.metrics_listen = args.metrics_listen
+    # The mount's own metrics_listen (default off): in the config or environment it is the
+    # node's port.
+    settings = _settings(args, fuse_workers=args.workers, metrics_listen=args.metrics_listen)
     dataset = args.dataset
     if args.source:
         from kspeedfs.fuse.mount import check_mountpoint

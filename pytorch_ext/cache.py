@@ -67,7 +67,9 @@ def client_settings(
         cli["nodes"] = nodes if isinstance(nodes, str) else ",".join(str(n) for n in nodes)
     if token is not None:
         cli["token_file"] = os.fspath(token)
-    settings = load_settings(cli)
+    settings = load_settings(
+        cli, cli_origin="dataset's arguments", cli_names={"nodes": "nodes=", "token_file": "token="}
+    )
     if settings.etcd:  # control plane: the live members in etcd, unless `nodes` names them
         from kspeedfs.client.clusterstate import resolve_nodes
 

@@ -104,6 +104,7 @@ def test_no_token_file_is_refused_with_a_clear_error(cluster: Cluster, tmp_path:
     assert not missing.exists(), "a client must not invent a token"
     garbage = tmp_path / "garbage"
     garbage.write_text("not a token\n")
+    garbage.chmod(0o600)  # its mode is not what is refused here
     code, out = cli(cluster, garbage, "ls")
     assert code == 9 and "does not hold a kspeedfs token" in out
     assert "not a token" not in out

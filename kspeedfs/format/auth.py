@@ -13,16 +13,19 @@ import hashlib
 import hmac
 import os
 import secrets
+import stat
 import struct
 from pathlib import Path
 from typing import Any
 
 from kspeedfs.format.errors import AuthError, InvalidArgument
+from kspeedfs.format.private import make_private_folder
 
 ROLES = ("admin", "job", "read")
 _PREFIX = {"admin": "ksa1-", "job": "ksj1-", "read": "ksr1-"}
 # What each role may do includes what the roles ranked below it may.
 RANK = {"read": 0, "job": 1, "admin": 2}
+_MAX_TOKEN_BYTES = 4096  # a token is 69 characters
 
 # Challenge-response: each side sends a nonce, and each MAC covers both nonces, the role and the
 # channel it is given on (so an answer relayed to another channel is refused), and which side
@@ -64,8 +67,9 @@ def token_role(token: str) -> str:
 
 
 def write_token(path: Path, token: str, overwrite: bool = False) -> None:
-    """Create the token file with mode 0600 from the start (never world-readable, even briefly)."""
-    path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+    """Create the token file with mode 0600 from the start (never world-readable, even briefly),
+    in a folder made 0700 when it is missing."""
+    make_private_folder(path.parent)
     flags = os.O_WRONLY | os.O_CREAT | (os.O_TRUNC if overwrite else os.O_EXCL)
     try:
         fd = os.open(path, flags, 0o600)
@@ -79,14 +83,36 @@ def write_token(path: Path, token: str, overwrite: bool = False) -> None:
 
 
 def read_token(path: Path) -> str:
+    """The token in `path`, the one way every client and the node read one: a regular file
+    that only its owner may read or write (as ssh wants of keys), holding one UTF-8 token."""
     try:
-        token = path.read_text().strip()
+        # O_NONBLOCK: a FIFO put where the token was must not hang the reader.
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
     except FileNotFoundError:
         raise AuthError(
             f"no cluster token at {path}: copy the cluster's token there or set --token-file"
         ) from None
     except OSError as e:
         raise AuthError(f"cannot read the token file {path}: {e.strerror}") from None
+    with os.fdopen(fd, "rb") as f:
+        try:
+            st = os.fstat(f.fileno())
+            if not stat.S_ISREG(st.st_mode):
+                raise AuthError(f"the token file {path} is not a regular file")
+            if st.st_mode & 0o077:
+                raise AuthError(
+                    f"the token file {path} is open to group or others "
+                    f"(mode {stat.S_IMODE(st.st_mode):04o}): chmod 600 {path}"
+                )
+            data = f.read(_MAX_TOKEN_BYTES + 1)
+        except OSError as e:
+            raise AuthError(f"cannot read the token file {path}: {e.strerror}") from None
+    if len(data) > _MAX_TOKEN_BYTES:
+        raise AuthError(f"the token file {path} is too large for a token")
+    try:
+        token = data.decode("utf-8").strip()
+    except UnicodeDecodeError as e:
+        raise AuthError(f"the token file {path} is not UTF-8 text (byte {e.start})") from None
     token_role(token)
     return token
 
@@ -97,7 +123,8 @@ def ensure_token(path: Path) -> str:
         try:
             write_token(path, new_admin_token())
         except InvalidArgument:
-            pass  # another process created it first
+            if not path.exists():
+                raise  # not made by another process first: its folder could not be made
     token = read_token(path)
     if token_role(token) != "admin":
         raise AuthError(f"a node needs the admin token, but {path} holds a read token")

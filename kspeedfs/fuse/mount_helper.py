@@ -143,6 +143,8 @@ def _mount(args: argparse.Namespace) -> int:
             "timeout": values.get("timeout"),
         },
         config_file=values.get("config"),
+        cli_origin="mount options",
+        cli_names={key: f"{key}=" for key in VALUE_OPTIONS},
     )
     if args.fake:
         check_mountpoint(args.mountpoint)

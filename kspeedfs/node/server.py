@@ -106,10 +106,11 @@ class Connection:
 class NodeServer:
     def __init__(self, settings: Settings, rdma: RdmaService | None = None):
         self.settings = settings
+        # First: a token file that is refused (open to others, not UTF-8) starts nothing.
+        self.token = auth.ensure_token(settings.token_file)
         self.store = SegmentStore(settings.shm_dir, settings.memory_budget(), settings.group)
         self.loads = LoadTable()
         self.started = time.time()
-        self.token = ""
         self.port = settings.listen.port
         self.stats = {"connections": 0, "reads": 0, "read_bytes": 0, "refused": 0}
         self._nursery: trio.Nursery | None = None
@@ -168,7 +169,6 @@ class NodeServer:
         return f"{self.settings.listen.host}:{self.port}"
 
     async def run(self, task_status: trio.TaskStatus[int] = trio.TASK_STATUS_IGNORED) -> None:
-        self.token = auth.ensure_token(self.settings.token_file)
         await trio.to_thread.run_sync(self.store.recover, self.settings.verify_on_start)
         await trio.to_thread.run_sync(self.cache.recover)
         self.fds.start(self.token)
