@@ -27,7 +27,7 @@ def connect(settings: Settings) -> NodeClient:
     error: KSpeedError | None = None
     for address in settings.nodes:
         client = NodeClient(
-            address, settings.token_file, settings.timeout, client_context(settings)
+            address, settings.credential(), settings.timeout, client_context(settings)
         )
         try:
             client.connect()

@@ -9,12 +9,14 @@ the client's token. Roles, from most to least: admin (everything), job (preloads
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import hmac
 import os
 import secrets
 import stat
 import struct
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -198,3 +200,65 @@ def _nonce(value: object) -> bytes | None:
         return bytes.fromhex(value)
     except ValueError:
         return None
+
+
+# Users with passwords (format/users.py): the user's scrypt key stands where a token stands,
+# and the MAC names the user instead of a role; the node grants the user's role.
+WRONG_LOGIN = "authentication refused: wrong user or password"
+
+
+@dataclasses.dataclass(frozen=True)
+class UserLogin:
+    """A client's user and password (in place of a token file)."""
+
+    user: str
+    password: str = dataclasses.field(repr=False)
+
+
+def secret(credential: Path | UserLogin) -> str | UserLogin:
+    """What a client proves: the token in a token file, or a user's login as it is."""
+    return credential if isinstance(credential, UserLogin) else read_token(credential)
+
+
+def _user_label(user: str) -> str:
+    return "user:" + user
+
+
+def user_answer(
+    key: str, user: str, channel: str, node_nonce: bytes
+) -> tuple[dict[str, str], bytes]:
+    """The fields that prove user's key (hex) to the node on `channel`, and the client's nonce."""
+    nonce = new_nonce()
+    mac = _mac(key, b"client", channel, _user_label(user), node_nonce, nonce)
+    return {"user": user, "nonce": nonce.hex(), "mac": mac}, nonce
+
+
+def verify_user(
+    key_of: Callable[[str], tuple[str, str] | None],
+    channel: str,
+    node_nonce: bytes,
+    msg: dict[str, Any],
+) -> tuple[str, str] | None:
+    """(role, the node's proof) when msg proves the key of its user; `key_of(user)` gives that
+    user's (role, key hex), or None for no such user. None for anything else."""
+    user, mac, nonce = msg.get("user"), msg.get("mac"), _nonce(msg.get("nonce"))
+    if not isinstance(user, str) or nonce is None or not isinstance(mac, str) or not mac.isascii():
+        return None
+    known = key_of(user)
+    if known is None:
+        return None
+    role, key = known
+    label = _user_label(user)
+    if not hmac.compare_digest(_mac(key, b"client", channel, label, node_nonce, nonce), mac):
+        return None
+    return role, _mac(key, b"node", channel, label, node_nonce, nonce)
+
+
+def verify_node_user(
+    key: str, user: str, channel: str, node_nonce: bytes, nonce: bytes, mac: object
+) -> bool:
+    """Whether the node's mac proves that it holds the user's key too."""
+    if not isinstance(mac, str) or not mac.isascii():
+        return False
+    expected = _mac(key, b"node", channel, _user_label(user), node_nonce, nonce)
+    return hmac.compare_digest(expected, mac)

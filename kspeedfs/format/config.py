@@ -15,6 +15,7 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
+from kspeedfs.format.auth import UserLogin
 from kspeedfs.format.errors import InvalidArgument, NotFound
 from kspeedfs.format.setting_rules import RULES, TOGETHER, memory_share
 from kspeedfs.format.units import Address, parse_size
@@ -39,6 +40,11 @@ class Settings:
     memory: str = "50%"
     segment_size: int = 64 * 1024 * 1024
     token_file: Path = dataclasses.field(default_factory=default_token_file)
+    # Users with passwords (`kspeedfs user add`): the node's file of scrypt keys (None: `users`
+    # beside the token file), and a client's user and password, used instead of the token.
+    users_file: Path | None = None
+    user: str = ""
+    password: str = dataclasses.field(default="", repr=False)
     verify_on_start: bool = True
     lease_ttl: float = 30.0
     timeout: float = 10.0
@@ -81,6 +87,16 @@ class Settings:
     member_ttl: float = 10.0
     heal_after: float = 30.0
     metrics_listen: str = ""
+
+    def users_path(self) -> Path:
+        return self.users_file or self.token_file.with_name("users")
+
+    def credential(self) -> Path | UserLogin:
+        """What a client proves to nodes: its user and password when `user` is set, else the
+        token in `token_file`."""
+        if self.user:
+            return UserLogin(self.user, self.password)
+        return self.token_file
 
     def socket_path(self) -> Path:
         """The node's local socket: `socket`, else `SHM_DIR.run/fd.sock`, in a folder of the

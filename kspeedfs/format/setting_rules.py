@@ -188,6 +188,17 @@ def _to_user(v: Any) -> str:
     return s
 
 
+USER_RE = re.compile(r"[A-Za-z0-9_][A-Za-z0-9._-]{0,63}")  # `kspeedfs user` names
+
+
+def _to_login_name(v: Any) -> str:
+    """A user of the cluster ('' = none: the token), with the name rule of `kspeedfs user`."""
+    s = _text(v)
+    if s and not USER_RE.fullmatch(s):
+        raise InvalidArgument(f"bad user name {s!r}: use 1-64 of A-Z a-z 0-9 . _ -")
+    return s
+
+
 def memory_share(memory: str) -> float | None:
     """'50%' -> 0.5 of the shm filesystem; None for a size."""
     if not memory.strip().endswith("%"):
@@ -214,6 +225,9 @@ RULES: dict[str, Callable[[Any], Any]] = {
     "memory": _to_memory,
     "segment_size": lambda v: _to_size(v, minimum=4096),
     "token_file": _to_path,
+    "users_file": lambda v: _to_optional_path(v, absolute=True),
+    "user": _to_login_name,
+    "password": _text,
     "verify_on_start": _to_bool,
     "lease_ttl": lambda v: _to_float(v, above=True),
     "timeout": lambda v: _to_float(v, above=True),

@@ -85,7 +85,7 @@ async def serve_mount(
     local = local_node_for(settings)
     order = sorted(settings.nodes, key=lambda a: str(a) != local)
     tls = client_context(settings)
-    clients = [AsyncNodeClient(a, settings.token_file, settings.timeout, tls) for a in order]
+    clients = [AsyncNodeClient(a, settings.credential(), settings.timeout, tls) for a in order]
     reader = ClusterReader(settings, local)
     datasets = DatasetList(clients, reader, dataset)
     # A mount with no node to ask is useless: check before mounting, fail with a clear error.

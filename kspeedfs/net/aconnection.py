@@ -40,12 +40,12 @@ class AsyncNodeClient:
     def __init__(
         self,
         address: Address,
-        token_file: Path,
+        credential: Path | auth.UserLogin,  # a token file, or a user and password
         timeout: float = 10.0,
         tls: ssl.SSLContext | None = None,
     ):
         self.address = address
-        self.token_file = token_file
+        self.credential = credential
         self.timeout = timeout
         self.tls = tls
         self.role = ""
@@ -68,7 +68,7 @@ class AsyncNodeClient:
     async def _connect(self) -> trio.abc.Stream:
         if self._stream is not None:
             return self._stream
-        token = auth.read_token(self.token_file)
+        token = auth.secret(self.credential)
         self.role = ""
         try:
             with trio.fail_after(self.timeout):

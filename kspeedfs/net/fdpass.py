@@ -25,7 +25,7 @@ import struct
 from pathlib import Path
 from typing import Any
 
-from kspeedfs.format import auth
+from kspeedfs.format import auth, users
 from kspeedfs.format.errors import (
     AuthError,
     DataError,
@@ -97,7 +97,12 @@ def check_server(sock: socket.socket, path: Path, node_user: str) -> None:
 
 
 def attach(
-    path: Path, token: str, name: str, uuid: str, timeout: float = 10.0, node_user: str = ""
+    path: Path,
+    token: str | auth.UserLogin,
+    name: str,
+    uuid: str,
+    timeout: float = 10.0,
+    node_user: str = "",
 ) -> tuple[int, dict[int, int]]:
     """(manifest fd, {segment: fd}) of a dataset instance, from the node's socket at path."""
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
@@ -112,12 +117,25 @@ def attach(
         if "error" in hello:  # the node's socket is busy
             raise error_from_wire(str(hello["error"]), str(hello.get("message", "")))
         node_nonce = auth.parse_nonce(hello.get("nonce"))
-        answer, nonce = auth.client_answer(token, auth.FD_SOCKET, node_nonce)
+        if isinstance(token, auth.UserLogin):
+            key = users.login_key(token, hello.get("realm"))
+            answer, nonce = auth.user_answer(key, token.user, auth.FD_SOCKET, node_nonce)
+
+            def proved(mac: object) -> bool:
+                return auth.verify_node_user(
+                    key, token.user, auth.FD_SOCKET, node_nonce, nonce, mac
+                )
+        else:
+            answer, nonce = auth.client_answer(token, auth.FD_SOCKET, node_nonce)
+
+            def proved(mac: object) -> bool:
+                return auth.verify_node(token, auth.FD_SOCKET, node_nonce, nonce, mac)
+
         send(sock, {**answer, "name": name, "uuid": uuid})
         head, fds = receive(sock, 1)
         if "error" in head:
             raise error_from_wire(str(head["error"]), str(head.get("message", "")))
-        if not auth.verify_node(token, auth.FD_SOCKET, node_nonce, nonce, head.get("mac")):
+        if not proved(head.get("mac")):
             for fd in fds:
                 os.close(fd)
             raise AuthError(f"the node socket {path} did not prove that it holds the token")
@@ -146,11 +164,3 @@ def attach(
 
 def refuse(sock: socket.socket, exc: KSpeedError) -> None:
     send(sock, {"error": type(exc).__name__, "message": str(exc)})
-
-
-def check_auth(admin_token: str, nonce: bytes, msg: dict[str, Any]) -> tuple[str, str]:
-    """The role the client proved and the node's proof for it; AuthError when it proved none."""
-    proved = auth.verify_client(admin_token, auth.FD_SOCKET, nonce, msg)
-    if proved is None:
-        raise AuthError("authentication refused: wrong cluster token")
-    return proved

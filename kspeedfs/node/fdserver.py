@@ -24,6 +24,7 @@ import threading
 from pathlib import Path
 from typing import Any
 
+from kspeedfs.format import auth, users
 from kspeedfs.format.errors import AuthError, KSpeedError, NotFound, StaleDataset
 from kspeedfs.format.localdata import LocalDataset
 from kspeedfs.net import fdpass
@@ -59,8 +60,16 @@ def passable_segments(ds: LocalDataset, uid: int, groups: list[int]) -> list[int
 
 
 class FdServer:
-    def __init__(self, store: SegmentStore, path: Path, access: str, timeout: float):
+    def __init__(
+        self,
+        store: SegmentStore,
+        path: Path,
+        access: str,
+        timeout: float,
+        known: users.UsersFile,
+    ):
         self.store = store
+        self.users = known
         self.path = path
         self.access = access
         self.timeout = timeout
@@ -82,7 +91,7 @@ class FdServer:
         sock = fdsocket.bind(self.path)
         st = os.stat(self.path)
         self._bound = (st.st_dev, st.st_ino)
-        self._listener = fdsocket.LocalListener(sock, self._serve, self.timeout)
+        self._listener = fdsocket.LocalListener(sock, self._serve, self.timeout, self.greeting)
         log.info("passing segment descriptors on %s (access %s)", self.path, self.access)
 
     def close(self) -> None:
@@ -97,6 +106,14 @@ class FdServer:
         except OSError:
             pass
 
+    def greeting(self) -> dict[str, Any]:
+        try:
+            realm = self.users.realm()
+        except KSpeedError as e:  # a damaged users file: token holders are still served
+            log.warning("%s", e)
+            realm = None
+        return {"realm": realm} if realm else {}
+
     def _serve(self, peer: fdsocket.Peer, msg: dict[str, Any]) -> None:
         try:
             self._answer(peer, msg)
@@ -108,7 +125,9 @@ class FdServer:
     def _answer(self, peer: fdsocket.Peer, msg: dict[str, Any]) -> None:
         conn, uid = peer.sock, peer.uid
         try:
-            role, proof = fdpass.check_auth(self.token, peer.nonce, msg)
+            role, proof = users.authenticate(
+                self.token, self.users, auth.FD_SOCKET, peer.nonce, msg
+            )
             ds, segs = self._dataset(
                 str(msg.get("name", "")),
                 str(msg.get("uuid", "")),

@@ -93,10 +93,18 @@ def _served(path: Path) -> bool:
 
 
 class LocalListener:
-    """Serves a bound socket: `answer` is called for each peer that sent its first message."""
+    """Serves a bound socket: `answer` is called for each peer that sent its first message;
+    `greeting()` gives what the first message to a peer carries beside its nonce."""
 
-    def __init__(self, sock: socket.socket, answer: Answer, timeout: float):
+    def __init__(
+        self,
+        sock: socket.socket,
+        answer: Answer,
+        timeout: float,
+        greeting: Callable[[], dict[str, Any]] = dict,
+    ):
         self.sock = sock
+        self._greeting = greeting
         self.timeout = timeout
         self.stats = {"connections": 0, "busy": 0, "idle_closed": 0}
         self._answer = answer
@@ -169,7 +177,7 @@ class LocalListener:
                 continue
             peer = Peer(conn, uid, gid, auth.new_nonce(), time.monotonic() + self.timeout)
             try:
-                fdpass.send(conn, {"nonce": peer.nonce.hex()})
+                fdpass.send(conn, {**self._greeting(), "nonce": peer.nonce.hex()})
             except OSError:
                 self._end(peer)
                 continue

@@ -13,7 +13,7 @@ from typing import Any
 
 import trio
 
-from kspeedfs.format import auth, protocol
+from kspeedfs.format import auth, protocol, users
 from kspeedfs.format.config import Settings
 from kspeedfs.format.errors import (
     AlreadyExists,
@@ -134,7 +134,10 @@ class NodeServer:
         self.meta_indexes.register_ops(self.ops, self.call)
         self.rdma.register_ops(self.ops)
         self.cache.register_ops(self.ops)
-        self.fds = FdServer(self.store, settings.socket_path(), settings.access, settings.timeout)
+        self.users = users.UsersFile(settings.users_path())
+        self.fds = FdServer(
+            self.store, settings.socket_path(), settings.access, settings.timeout, self.users
+        )
         # Control plane (etcd): membership, catalog, healing; None with a static node list.
         self.control: ControlPlane | None = None
         if settings.etcd:
@@ -265,11 +268,8 @@ class NodeServer:
     async def _handshake(self, conn: Connection) -> str | None:
         nonce = auth.new_nonce()
         channel = secure.channel(conn.stream)
-        await conn.send_json(
-            MsgType.HELLO,
-            0,
-            {"version": protocol.VERSION, "node": self.address, "nonce": nonce.hex()},
-        )
+        hello = {"version": protocol.VERSION, "node": self.address, "nonce": nonce.hex()}
+        await conn.send_json(MsgType.HELLO, 0, {**hello, **self.fds.greeting()})
         with trio.move_on_after(HANDSHAKE_TIMEOUT):
             frame = await conn.receive()
             if frame is None:
@@ -282,18 +282,16 @@ class NodeServer:
                 msg = frame.json()
             except (ValueError, ProtocolError):
                 msg = None
-            proved = auth.verify_client(
-                self.token, channel, nonce, msg if isinstance(msg, dict) else {}
-            )
-            if proved is None:
-                self.stats["refused"] += 1
-                role = msg.get("role") if isinstance(msg, dict) else None
-                log.warning("refused a client with a wrong token (role %r)", str(role)[:16])
-                await conn.send_error(
-                    frame.request_id, AuthError("authentication refused: wrong cluster token")
+            try:
+                role, proof = users.authenticate(
+                    self.token, self.users, channel, nonce, msg if isinstance(msg, dict) else {}
                 )
+            except AuthError as e:
+                self.stats["refused"] += 1
+                who = msg.get("user", msg.get("role")) if isinstance(msg, dict) else None
+                log.warning("refused a client (%s; it named %r)", e, str(who)[:64])
+                await conn.send_error(frame.request_id, e)
                 return None
-            role, proof = proved
             await conn.send_json(MsgType.RESPONSE, frame.request_id, {"role": role, "mac": proof})
             conn.decoder.max_payload = protocol.MAX_CONTROL_PAYLOAD
             return role
