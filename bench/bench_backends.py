@@ -38,6 +38,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+import numpy as np  # noqa: E402
 import psutil  # noqa: E402
 import torch  # noqa: E402
 from torch import nn  # noqa: E402
@@ -63,6 +64,22 @@ Batch = tuple[torch.Tensor, torch.Tensor, bool]
 Batches = Generator[Batch, None, None]
 # A backend's figures: best images/s, least CPU ms per image, best steps/s (None: no model).
 Row = tuple[float, float, float | None]
+
+
+class ArraySource:
+    """Not kspeedfs: DALI's per-sample source at its cheapest, slices of one array in memory of
+    the sample's sizes (the ceiling of DALI's parallel external source itself)."""
+
+    def __init__(self, sizes: list[int], batch: int):
+        self.sizes = sizes
+        self.batch = batch
+        self.data = np.frombuffer(os.urandom(max(sizes)), dtype=np.uint8)
+
+    def __call__(self, sample_info: Any) -> tuple[np.ndarray, np.ndarray]:
+        if sample_info.iteration >= len(self.sizes) // self.batch:
+            raise StopIteration
+        size = self.sizes[sample_info.idx_in_epoch]
+        return self.data[:size], np.array([0], dtype=np.int32)
 
 
 def kspeed_image_folder(source: Path, transform: Any, kw: dict[str, Any]) -> Dataset[Any]:
@@ -117,6 +134,8 @@ def dali_pipeline(args: argparse.Namespace, source: Path | None, callable_: Any)
             jpegs, labels = fn.external_source(
                 source=callable_, num_outputs=2, batch=False, parallel=True
             )
+        if args.input_only:
+            return jpegs, labels
         images = fn.decoders.image_random_crop(
             jpegs,
             device="mixed" if cuda else "cpu",
@@ -157,6 +176,18 @@ def dali_epochs(p: Any, reader: bool) -> Batches:
     while True:
         for out in it:
             yield out[0]["images"], out[0]["labels"].view(-1).long(), False
+
+
+def dali_input_epochs(p: Any) -> Batches:
+    """Batches of a pipeline that ends at its reader (encoded files of any length, which the
+    torch iterator cannot stack): the labels only."""
+    while True:
+        try:
+            _jpegs, labels = p.run()
+        except StopIteration:
+            p.reset()
+            continue
+        yield torch.empty(0), torch.from_numpy(np.array(labels.as_tensor())).view(-1), False
 
 
 def cpu_seconds() -> float:
@@ -259,11 +290,21 @@ def main() -> int:
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     p.add_argument("--backends", default=",".join(BACKENDS), help="comma-separated subset")
     p.add_argument("--warm", type=int, default=512, help="MiB touched and freed before each")
+    p.add_argument(
+        "--input-only",
+        action="store_true",
+        help="only the DALI rows, ending at the reader (no decoding, no model): the part that\n"
+        "stays on the CPU when a GPU decodes; with dali-array, the external source fed\n"
+        "from one array in memory (DALI's own ceiling, no kspeedfs)",
+    )
     args = p.parse_args()
+    if args.input_only:
+        args.model = "none"
+        args.backends = "dali,dali-kspeed,dali-array"
     logging.basicConfig(level=logging.WARNING)
     warnings.filterwarnings("ignore", message="The given buffer is not writable")
     chosen = [b.strip() for b in args.backends.split(",") if b.strip()]
-    unknown = sorted(set(chosen) - set(BACKENDS))
+    unknown = sorted(set(chosen) - set(BACKENDS) - ({"dali-array"} if args.input_only else set()))
     if unknown:
         p.error(f"unknown backends: {', '.join(unknown)} (known: {', '.join(BACKENDS)})")
     if args.device == "cuda" and not torch.cuda.is_available():
@@ -331,6 +372,15 @@ def main() -> int:
                 reader=False,
             ),
         }
+        if args.input_only:
+            sizes = [p.stat().st_size for p in sorted(source.rglob("*.JPEG"))]
+            makers["dali"] = lambda: dali_input_epochs(dali_pipeline(args, source, None))
+            makers["dali-kspeed"] = lambda: dali_input_epochs(
+                dali_pipeline(args, None, KSpeedCallable(str(source), args.batch, **kw))
+            )
+            makers["dali-array"] = lambda: dali_input_epochs(
+                dali_pipeline(args, None, ArraySource(sizes, args.batch))
+            )
         rows: dict[str, Row] = {}
         for r in range(args.rounds):
             # A different order each round: load from elsewhere on the machine hits all sides.
@@ -342,7 +392,7 @@ def main() -> int:
                 batches.close()  # its workers and pipeline end before the next backend runs
                 shown = "" if steps is None else f", {steps:.2f} steps/s"
                 print(
-                    f"  round {r + 1}, {name}: {rate:.0f} images/s, {cpu_ms:.1f} CPU ms/image"
+                    f"  round {r + 1}, {name}: {rate:.0f} images/s, {cpu_ms:.2f} CPU ms/image"
                     f"{shown}",
                     flush=True,
                 )
@@ -369,7 +419,7 @@ def print_table(rows: dict[str, Row], args: argparse.Namespace) -> None:
     print(f"  {model:>18s} {'ratio':>6s}" if model else "")
     for name, (rate, cpu_ms, steps) in rows.items():
         line = f"  {name:16s} {rate:9.0f} {_ratio(rate, base and base[0]):>6s}"
-        line += f"  {cpu_ms:12.1f} {_ratio(base and base[1], cpu_ms):>6s}"
+        line += f"  {cpu_ms:12.2f} {_ratio(base and base[1], cpu_ms):>6s}"
         if steps is not None:
             line += f"  {steps:18.2f} {_ratio(steps, base and base[2]):>6s}"
         print(line)
