@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 import weakref
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import numpy as np
@@ -202,6 +202,13 @@ class KSpeedFolder(CachedPath, Dataset[Any]):
 
     def __len__(self) -> int:
         return len(self._index)
+
+    def __iter__(self) -> Iterator[Any]:
+        # DALI's external_source asks iter() before callable(), and __getitem__ alone would make
+        # this iterable: a subclass with a per-sample __call__ (KSpeed's recipe) must not be.
+        if callable(self):
+            raise TypeError(f"{type(self).__name__} object is not iterable: it is a callable")
+        return (self[i] for i in range(len(self)))
 
     def read(self, relpath: PathLike) -> memoryview:
         """The bytes of a file under root; zero-copy where local (a read-only view)."""
