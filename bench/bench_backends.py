@@ -7,7 +7,7 @@ The data pipelines of NVIDIA DeepLearningExamples' ConvNets (image_classificatio
 generated sample of ~110 KB JPEGs preloaded into a private one-node cache:
   pytorch         stock torchvision ImageFolder on the source folder, the recipe's transform
                   (RandomResizedCrop(224), RandomHorizontalFlip, ToTensor, Normalize);
-  kspeed          the same over the fast path (KSpeedImageFolder);
+  kspeed          the same through KSpeed's API (pytorch_ext.kspeed.KSpeedImageFolder);
   kspeed-decoded  KSpeedImageFolder(decoded=256, decode="tensor") with transforms.train(224):
                   the node's decoded pixels, uint8 out, normalised per batch on the device;
   mount           stock ImageFolder over a FUSE mount of the cache;
@@ -48,9 +48,10 @@ from torchvision import datasets, models  # noqa: E402
 from kspeedfs.client import admin  # noqa: E402
 from kspeedfs.client import decoded as decoded_client  # noqa: E402
 from kspeedfs.demo import ensure_sample, train_transform  # noqa: E402
+from kspeedfs.format import users  # noqa: E402
 from kspeedfs.format.units import format_size  # noqa: E402
 from kspeedfs.localproc import LocalCache  # noqa: E402
-from pytorch_ext import KSpeedCallable, KSpeedImageFolder  # noqa: E402
+from pytorch_ext import KSpeedCallable, KSpeedImageFolder, kspeed  # noqa: E402
 from pytorch_ext import transforms as kt  # noqa: E402
 
 BACKENDS = ("pytorch", "kspeed", "kspeed-decoded", "mount", "dali", "dali-kspeed")
@@ -83,8 +84,11 @@ class ArraySource:
 
 
 def kspeed_image_folder(source: Path, transform: Any, kw: dict[str, Any]) -> Dataset[Any]:
-    """The `kspeed` backend's dataset (the one place it is built)."""
-    return KSpeedImageFolder(str(source), transform, **kw)
+    """The `kspeed` backend's dataset, as the recipe builds it (pytorch_ext.kspeed, KSpeed's
+    positional arguments, a user made for the bench)."""
+    return kspeed.KSpeedImageFolder(
+        str(source), None, 2, [kw["nodes"]], "bench", "bench", transform
+    )
 
 
 def warm_memory(nbytes: int) -> None:
@@ -339,6 +343,7 @@ def main() -> int:
     with LocalCache(workdir, budget) as cache:
         cache.preload(source.parent, "bench", show_progress=False)
         kw: dict[str, Any] = {"nodes": str(cache.address), "token": str(cache.token_file)}
+        users.add_user(cache.token_file.with_name("users"), "bench", "read", "bench")
         if "kspeed-decoded" in chosen:
             with admin.connect(cache.settings) as client:
                 decoded_client.start(client, "bench", DECODED)

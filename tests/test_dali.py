@@ -11,8 +11,9 @@ import torch
 from conftest import MountProcess, NodeProcess, kw, preload
 from torchvision import datasets
 
+from kspeedfs.format import users
 from kspeedfs.sample import make_sample
-from pytorch_ext import KSpeedCallable, KSpeedFolder
+from pytorch_ext import KSpeedCallable, KSpeedFolder, kspeed
 
 dali = pytest.importorskip("nvidia.dali", reason="needs NVIDIA DALI (pip install '.[dali]')")
 fn = dali.fn
@@ -104,6 +105,39 @@ def test_a_folder_subclass_with_call_is_a_per_sample_source(
 ) -> None:
     source = RecipeCallable(str(loaded), BATCH, **kw(node))
     assert source.dataset_name == "imgs"
+    ref = datasets.ImageFolder(str(loaded))
+    want = [(Path(path).read_bytes(), target) for path, target in ref.samples[:16]]
+    p = external_source_pipeline(source, start_method)
+    for _ in range(EPOCHS):
+        assert run_epoch(p) == want
+
+
+class KSpeedRecipeCallable(kspeed.KSpeedDataset):
+    """The recipe's KSpeedCallable on `pytorch_ext.kspeed`: KSpeed's base call, `files`,
+    `labels`, `dataset` attached in each DALI worker by `load()`."""
+
+    def __init__(self, root: str, batch_size: int, kspeed_iplist: list[str]):
+        super().__init__(root, None, 2, "CPU", 1, kspeed_iplist, "admin", "admin")
+        self.full_iterations = len(self.files) // batch_size
+
+    def __call__(self, sample_info: Any) -> tuple[np.ndarray, np.ndarray]:
+        if sample_info.iteration >= self.full_iterations:
+            raise StopIteration
+        if self.dataset is None:
+            self.load()
+        assert self.dataset is not None
+        idx = sample_info.idx_in_epoch
+        encoded = np.frombuffer(self.dataset.getBIN(self.files[idx]), dtype=np.uint8)
+        return encoded, np.array([self.labels[idx]], dtype=np.int32)
+
+
+@pytest.mark.parametrize("start_method", ["fork", "spawn"])
+def test_the_recipes_kspeed_callable_on_pytorch_ext_kspeed(
+    node: NodeProcess, loaded: Path, start_method: str
+) -> None:
+    users.add_user(node.token_file.with_name("users"), "admin", "admin", "admin")
+    source = KSpeedRecipeCallable(str(loaded), BATCH, [node.address])
+    assert source.dataset is None  # attached in each worker, not pickled
     ref = datasets.ImageFolder(str(loaded))
     want = [(Path(path).read_bytes(), target) for path, target in ref.samples[:16]]
     p = external_source_pipeline(source, start_method)
