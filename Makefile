@@ -6,7 +6,8 @@ BIN     := $(VENV)/bin
 STAMP   := $(VENV)/.installed
 PYTHON  ?= python3
 SUDO    := $(shell [ "$$(id -u)" -eq 0 ] || echo sudo)
-APT_PKGS := fuse3 libfuse3-dev pkg-config gcc systemd attr etcd-server etcd-client
+APT_PKGS := fuse3 libfuse3-dev pkg-config gcc systemd attr etcd-server etcd-client debootstrap \
+	systemd-container
 CHECKED := kspeedfs mountd pytorch_ext tests bench
 
 .PHONY: demo test lint deps apt bench clean
@@ -44,7 +45,7 @@ $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/pip install -q torch==2.14.1 torchvision==0.29.1
-	$(BIN)/pip install -q -e '.[torch,dev,s3]'
+	$(BIN)/pip install -q -e '.[torch,dev,s3,dali]'
 	touch $(STAMP)
 
 clean:

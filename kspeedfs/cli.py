@@ -18,6 +18,7 @@ from kspeedfs.format import auth
 from kspeedfs.format.config import Settings, load_settings
 from kspeedfs.format.errors import EXIT_CODES_DOC, AuthError, InvalidArgument, KSpeedError
 from kspeedfs.format.units import format_size
+from kspeedfs.sources.source import name_from_source
 from kspeedfs.system.logs import setup_logging
 
 log = logging.getLogger("kspeedfs")
@@ -27,7 +28,11 @@ def _client_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--nodes", help="HOST:PORT[,...] of the cache nodes (env KSPEEDFS_NODES)")
     p.add_argument("--config", help="TOML config file (env KSPEEDFS_CONFIG)")
     p.add_argument("--token-file", help="cluster token file (env KSPEEDFS_TOKEN_FILE)")
-    p.add_argument("--timeout", type=float, help="seconds to wait for a node")
+    p.add_argument(
+        "--user",
+        help="log in as this user instead of the token (password: KSPEEDFS_PASSWORD, else asked)",
+    )
+    p.add_argument("--timeout", help="seconds to wait for a node")
     p.add_argument("--etcd", help="URL[,...] of etcd for members and catalog (env KSPEEDFS_ETCD)")
     p.add_argument("--cluster", help="the cluster's name in etcd (default 'default')")
 
@@ -64,7 +69,10 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("preload", help="load a dataset into the cache (kept until unload)")
     _client_options(p)
     p.add_argument("source", help="source folder, or s3://bucket/prefix")
-    p.add_argument("--name", required=True, help="dataset name: [a-z0-9][a-z0-9._-]{0,63}")
+    p.add_argument(
+        "--name",
+        help="dataset name: [a-z0-9][a-z0-9._-]{0,63} (default: the source folder's own name)",
+    )
     p.add_argument("--endpoint", help="object store endpoint URL of an s3:// source")
     p.add_argument("--no-wait", action="store_true", help="return once the node accepted it")
     p.add_argument("--replicas", type=int, default=1, help="copies of each segment (default 1)")
@@ -121,9 +129,7 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="HOST:PORT",
         help="serve Prometheus /metrics of this mount there (off by default)",
     )
-    p.add_argument(
-        "--workers", type=int, help="serving processes (default: one per CPU, at most 8)"
-    )
+    p.add_argument("--workers", help="serving processes (default: one per CPU, at most 8)")
 
     p = sub.add_parser("umount", help="unmount a kspeedfs mount")
     p.add_argument("mountpoint")
@@ -150,6 +156,18 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--token-file", help="the admin token file (default ~/.config/kspeedfs/token)")
     t.add_argument("--output", help="where to write (default: the token file itself for admin)")
     t.add_argument("--force", action="store_true", help="replace an existing file")
+
+    p = sub.add_parser("user", help="users with passwords (kept by the node, scrypt-hashed)")
+    usub = p.add_subparsers(dest="user_command", required=True, metavar="ACTION")
+    u = usub.add_parser("add", help="add a user, or set an existing user's role and password")
+    u.add_argument("name")
+    u.add_argument("--role", choices=auth.ROLES, required=True)
+    u.add_argument("--password-stdin", action="store_true", help="read the password from stdin")
+    u = usub.add_parser("list", help="the users and their roles")
+    u = usub.add_parser("del", help="delete a user")
+    u.add_argument("name")
+    for u in usub.choices.values():
+        u.add_argument("--users-file", help="default: users beside the token file")
 
     p = sub.add_parser("tls", help="certificates for mutual TLS between nodes and clients")
     tsub = p.add_subparsers(dest="tls_command", required=True, metavar="ACTION")
@@ -179,10 +197,18 @@ def build_parser() -> argparse.ArgumentParser:
         "demo", help="the built-in end-to-end run: node, sample, preload, mount, epoch"
     )
     p.add_argument("--workdir", default="/tmp/kspeedfs-demo")
-    p.add_argument("--classes", type=int, default=20)
-    p.add_argument("--per-class", type=int, default=100)
+    # 400 images: four epochs in well under a minute on two cores.
+    p.add_argument("--classes", type=int, default=10)
+    p.add_argument("--per-class", type=int, default=40)
     p.add_argument("--workers", type=int, default=2)
     return parser
+
+
+# Settings whose flag is not --the-setting, for the error that names the flag.
+_FLAGS = {"fuse_workers": "--workers", "verify_on_start": "--no-verify"}
+
+# Commands that talk to no node: a KSPEEDFS_USER in the environment asks for no password there.
+LOCAL_COMMANDS = frozenset({"node", "user", "token", "tls", "sample", "install-systemd"})
 
 
 def _settings(args: argparse.Namespace, **extra: Any) -> Settings:
@@ -192,9 +218,14 @@ def _settings(args: argparse.Namespace, **extra: Any) -> Settings:
         "timeout": getattr(args, "timeout", None),
         "etcd": getattr(args, "etcd", None),
         "cluster": getattr(args, "cluster", None),
+        "user": getattr(args, "user", None),
         **extra,
     }
-    settings = load_settings(cli, config_file=getattr(args, "config", None))
+    settings = load_settings(cli, config_file=getattr(args, "config", None), cli_names=_FLAGS)
+    if settings.user and not settings.password and args.command not in LOCAL_COMMANDS:
+        import getpass
+
+        settings.password = getpass.getpass(f"password for {settings.user}: ")
     if settings.etcd and args.command != "node":  # control plane: the live members in etcd
         from kspeedfs.client.clusterstate import resolve_nodes
 
@@ -209,7 +240,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return COMMANDS[args.command](args) or 0
     except KSpeedError as e:
-        print(f"kspeedfs: {e}", file=sys.stderr)
+        print("kspeedfs:", " ".join(str(e).split()), file=sys.stderr)  # one line, always
         return e.exit_code
     except KeyboardInterrupt:
         print("kspeedfs: interrupted", file=sys.stderr)
@@ -217,8 +248,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def cmd_node(args: argparse.Namespace) -> int:
-    from kspeedfs.node.server import run_node
-
     settings = _settings(
         args,
         listen=args.listen,
@@ -231,6 +260,8 @@ def cmd_node(args: argparse.Namespace) -> int:
         metrics_listen=args.metrics_listen,
     )
     logging.getLogger().setLevel(logging.DEBUG if args.verbose else settings.log_level)
+    from kspeedfs.node.server import run_node  # after the settings: a bad one fails fast
+
     run_node(settings)
     return 0
 
@@ -241,6 +272,8 @@ def cmd_preload(args: argparse.Namespace) -> int:
         raise InvalidArgument("--replicas must be at least 1")
     if args.decoded is not None and args.no_wait:
         raise InvalidArgument("--decoded waits for the load: leave out --no-wait")
+    if args.name is None:  # KSpeed's offline preload: the source folder's own name
+        args.name = name_from_source(args.source)
     result = admin.preload(
         settings,
         args.source,
@@ -330,7 +363,7 @@ def cmd_status(args: argparse.Namespace) -> int:
     nodes = []
     for addr in settings.nodes:
         try:
-            with NodeClient(addr, settings.token_file, settings.timeout, tls) as client:
+            with NodeClient(addr, settings.credential(), settings.timeout, tls) as client:
                 nodes.append({"up": True, **client.request("status")})
         except KSpeedError as e:
             # A refused token is this client's problem, not a node that is down.
@@ -480,9 +513,9 @@ def cmd_mount(args: argparse.Namespace) -> int:
     from kspeedfs.fuse.mount import run_mount
 
     options = [o for o in args.options.split(",") if o]
-    settings = _settings(args, fuse_workers=args.workers)
-    # The mount's own: `metrics_listen` in the config or environment is the node's port.
-    settings.metrics_listen = args.metrics_listen
+    # The mount's own metrics_listen (default off): in the config or environment it is the
+    # node's port.
+    settings = _settings(args, fuse_workers=args.workers, metrics_listen=args.metrics_listen)
     dataset = args.dataset
     if args.source:
         from kspeedfs.fuse.mount import check_mountpoint
@@ -549,6 +582,38 @@ def cmd_token(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_user(args: argparse.Namespace) -> int:
+    from kspeedfs.format import users
+
+    settings = _settings(args, users_file=args.users_file)
+    path = settings.users_path()
+    if args.user_command == "list":
+        known = users.load_users(path)
+        for u in sorted((known.users if known else {}).values(), key=lambda u: u.name):
+            print(f"{u.name}  {u.role}")
+        return 0
+    if args.user_command == "del":
+        users.delete_user(path, args.name)
+        print(f"deleted user {args.name} from {path}")
+        return 0
+    users.validate_user(args.name)
+    password = _new_password(args.password_stdin)
+    users.add_user(path, args.name, args.role, password)
+    print(f"user {args.name} ({args.role}) in {path} (mode 0600)")
+    return 0
+
+
+def _new_password(from_stdin: bool) -> str:
+    import getpass
+
+    if from_stdin:
+        return sys.stdin.readline().rstrip("\n")
+    first = getpass.getpass("password: ")
+    if getpass.getpass("again: ") != first:
+        raise InvalidArgument("the two passwords differ")
+    return first
+
+
 def cmd_tls(args: argparse.Namespace) -> int:
     from kspeedfs import tlsca
 
@@ -604,6 +669,7 @@ COMMANDS = {
     "install-systemd": cmd_install_systemd,
     "shutdown": cmd_shutdown,
     "token": cmd_token,
+    "user": cmd_user,
     "tls": cmd_tls,
     "sample": cmd_sample,
     "demo": cmd_demo,

@@ -216,13 +216,18 @@ class NodeProcess:
 
     def stop(self, timeout: float = STOP_TIMEOUT) -> None:
         """SIGTERM, then SIGKILL when it has not exited within `timeout` seconds; the socket
-        of a node killed earlier goes too (a node that stops removes its own)."""
+        of a node killed earlier goes too (a node that stops removes its own), and its
+        folder when it is the default one and empty."""
         if self.proc is not None and self.proc.poll() is None:
             self.proc.send_signal(signal.SIGTERM)
             _stop(self.proc, timeout)
-        socket_file = self.env().get("KSPEEDFS_SOCKET") or f"{self.shm_dir}.sock"
+        configured = self.env().get("KSPEEDFS_SOCKET")
+        socket_file = Path(configured or Settings(shm_dir=self.shm_dir).socket_path())
         with contextlib.suppress(FileNotFoundError):
             os.unlink(socket_file)
+        if not configured:
+            with contextlib.suppress(OSError):
+                os.rmdir(socket_file.parent)
 
     def kill9(self) -> None:
         assert self.proc is not None

@@ -3,6 +3,7 @@
 `kspeedfs tls new-ca DIR` writes ca.crt and ca.key (0600); `kspeedfs tls issue HOST --ca DIR`
 writes HOST.crt and HOST.key (0600), valid for both ends of a connection (server and client
 auth), naming HOST as an IP address or DNS name so that clients dialling it can check it.
+A folder either command makes is 0700 whatever the umask.
 ECDSA P-256 keys: every handshake signs with them, and they are small and quick to sign with.
 """
 
@@ -21,6 +22,7 @@ from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
 from kspeedfs.format.errors import AlreadyExists, InvalidArgument, NotFound
+from kspeedfs.format.private import make_private_folder
 
 CA_CERT = "ca.crt"
 CA_KEY = "ca.key"
@@ -33,7 +35,7 @@ _CLOCK_SKEW = datetime.timedelta(minutes=5)  # a peer whose clock is a little be
 def new_ca(folder: Path, days: int = CA_DAYS, overwrite: bool = False) -> tuple[Path, Path]:
     """Make a CA in `folder` (created 0700): (its certificate, its key)."""
     _check_days(days)
-    folder.mkdir(mode=0o700, parents=True, exist_ok=True)
+    make_private_folder(folder)
     cert_path, key_path = folder / CA_CERT, folder / CA_KEY
     key = ec.generate_private_key(ec.SECP256R1())
     name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "kspeedfs cluster CA")])
@@ -110,7 +112,7 @@ def issue(
         )
         .sign(ca_key, hashes.SHA256())
     )
-    out.mkdir(parents=True, exist_ok=True)
+    make_private_folder(out)
     cert_path, key_path = out / f"{host}.crt", out / f"{host}.key"
     _write_pair(cert_path, cert, key_path, key, overwrite)
     return cert_path, key_path

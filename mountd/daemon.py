@@ -15,7 +15,7 @@ import trio
 
 from kspeedfs.format.errors import EXIT_CODES_DOC, InvalidArgument, KSpeedError
 from kspeedfs.system.logs import setup_logging
-from kspeedfs.system.mountinfo import lazy_unmount
+from kspeedfs.system.mountinfo import clear_stale
 from kspeedfs.system.notify import notify, watchdog_interval
 
 from .declarations import (
@@ -221,7 +221,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub.add_parser("check", help="check the declarations, mount nothing")
     p = sub.add_parser("exec", help="become the mount of one declaration (kspeedfs-mount@.service)")
     p.add_argument("name")
-    p = sub.add_parser("cleanup", help="lazily unmount what is left at a declaration's mountpoint")
+    p = sub.add_parser("cleanup", help="clear a stale mount left at a declaration's mountpoint")
     p.add_argument("name")
     return parser
 
@@ -301,8 +301,10 @@ def cmd_exec(args: argparse.Namespace) -> int:
 
 
 def cmd_cleanup(args: argparse.Namespace) -> int:
+    """After the unit's mount process ended: clear its mount if it died with it (stale); a
+    live mount at that path is another process's."""
     decl = find_declaration(args.mounts_dir, args.name)
-    lazy_unmount(decl.mountpoint)
+    clear_stale(decl.mountpoint)
     return 0
 
 

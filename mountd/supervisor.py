@@ -18,7 +18,8 @@ import trio
 from kspeedfs.client import admin
 from kspeedfs.format.config import Settings, load_settings
 from kspeedfs.format.errors import KSpeedError, MountError
-from kspeedfs.system.mountinfo import kspeedfs_mounted, lazy_unmount, require_free_mountpoint
+from kspeedfs.fuse.mount import check_answers
+from kspeedfs.system.mountinfo import clear_stale, kspeedfs_mounted, require_free_mountpoint
 
 from .declarations import Declaration
 
@@ -49,7 +50,8 @@ def child_env() -> dict[str, str]:
 def prepare_mountpoint(decl: Declaration) -> Settings:
     """Blocking checks before a mount: settings, the mountpoint folder, leftovers of a crash."""
     settings = load_settings(decl.settings_cli(), config_file=decl.config)
-    # First, from mountinfo: any access to a stale leftover would fail with ENOTCONN.
+    # First, from mountinfo: any access to a stale leftover would fail with ENOTCONN. A live
+    # mount there is refused (and retried): it is some other process's to end.
     require_free_mountpoint(decl.mountpoint)
     try:
         os.makedirs(decl.mountpoint, exist_ok=True)
@@ -212,7 +214,7 @@ class MountSupervisor:
             if trio.current_time() > deadline:
                 return f"not mounted {self.timing.mount_timeout:.0f}s after start"
             await trio.sleep(0.05)
-        problem = await self._check_health(proc)
+        problem = await self._check_health(proc) or await self._check_answers(proc)
         if problem:
             return problem
         self.mounted_since = time.time()
@@ -246,6 +248,19 @@ class MountSupervisor:
             if e.errno == errno.ENOTCONN:
                 return "the mount is stale (Transport endpoint is not connected)"
             return f"the mount fails: {e.strerror}"
+        return None
+
+    async def _check_answers(self, proc: trio.Process) -> str | None:
+        """Mounted means what the mount process itself waits for: its root lists."""
+        try:
+            with trio.fail_after(self.timing.mount_timeout):
+                await trio.to_thread.run_sync(
+                    check_answers, self.decl.mountpoint, None, abandon_on_cancel=True
+                )
+        except trio.TooSlowError:
+            return f"the mount did not answer for {self.timing.mount_timeout:.0f}s"
+        except MountError as e:
+            return "exited" if proc.poll() is not None else str(e)
         return None
 
     def _exit_reason(self, proc: trio.Process) -> str:
@@ -282,21 +297,27 @@ class MountSupervisor:
             self._last_error_line = line.removeprefix("kspeedfs: ")
 
     async def _stop_process(self, proc: trio.Process) -> None:
-        if proc.poll() is not None:
-            return
-        # The mount unmounts itself on SIGTERM; SIGKILL only when it does not end in time.
-        proc.send_signal(signal.SIGTERM)
-        with trio.move_on_after(self.timing.stop_timeout):
-            await proc.wait()
         if proc.poll() is None:
-            log.warning(
-                "%s: mount process %d ignored SIGTERM, killing it", self.decl.name, proc.pid
-            )
-            proc.kill()
-            await proc.wait()
+            # The mount unmounts itself on SIGTERM; SIGKILL only when it does not end in time.
+            proc.send_signal(signal.SIGTERM)
+            with trio.move_on_after(self.timing.stop_timeout):
+                await proc.wait()
+            if proc.poll() is None:
+                log.warning(
+                    "%s: mount process %d ignored SIGTERM, killing it", self.decl.name, proc.pid
+                )
+        # What is left of its session (it has one of its own): the serving processes of a mount
+        # process that was killed. Then its mount is stale, and ours to clear.
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass  # none left
+        await proc.wait()
 
     async def _unmount_leftover(self) -> None:
+        """What a mount process that died leaves (a stale mount); never a live one: that is
+        either gone with our process or belongs to another."""
         try:
-            await trio.to_thread.run_sync(lazy_unmount, self.decl.mountpoint)
+            await trio.to_thread.run_sync(clear_stale, self.decl.mountpoint)
         except MountError as e:
             log.error("%s: cannot unmount %s: %s", self.decl.name, self.decl.mountpoint, e)

@@ -8,6 +8,7 @@ from .lease import release_all as release_leases
 from .meta import KSpeedMetaDataset
 from .mini_epoch import MiniEpochSampler
 from .prefetch import ClairvoyantSampler
+from .priority import PrioritySampler
 
 __all__ = [
     "ClairvoyantSampler",
@@ -17,6 +18,7 @@ __all__ = [
     "KSpeedImageFolder",
     "KSpeedMetaDataset",
     "MiniEpochSampler",
+    "PrioritySampler",
     "SampleInfo",
     "release_leases",
 ]

@@ -66,13 +66,22 @@ class KSpeedDataset(CachedPath, Dataset[Any]):
         nodes: str | Sequence[str] | None = None,
         token: PathLike | None = None,
         local: bool | None = None,
+        user: str | None = None,
+        password: str | None = None,
     ):
         if batch_size is not None and batch_size < 1:
             raise InvalidArgument(f"batch_size must be at least 1, not {batch_size}")
         self.root = os.path.expanduser(path) if isinstance(path, str) else path
         self.batch_size = batch_size
         m = self._attach(
-            self.root, objname, nodes, token, local, preload=os.path.dirname(os.fspath(self.root))
+            self.root,
+            objname,
+            nodes,
+            token,
+            local,
+            preload=os.path.dirname(os.fspath(self.root)),
+            user=user,
+            password=password,
         )
         if not m.is_file(self._top):
             raise InvalidArgument(f"{self.root} is not a regular file")

@@ -14,7 +14,7 @@ import logging
 import os
 import re
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from kspeedfs.client import admin
@@ -35,6 +35,7 @@ from kspeedfs.format.tls import client_context
 from kspeedfs.format.units import parse_address
 from kspeedfs.net.connection import NodeClient
 from kspeedfs.sources.scan import check_source
+from kspeedfs.sources.source import name_from_source
 
 from . import lease
 
@@ -58,16 +59,28 @@ class CacheRef:
 
 
 def client_settings(
-    nodes: str | Sequence[str] | None, token: str | os.PathLike[str] | None
+    nodes: str | Sequence[str] | None,
+    token: str | os.PathLike[str] | None,
+    user: str | None = None,
+    password: str | None = None,
 ) -> Settings:
-    """Settings from the config file and environment, with the dataset's own arguments on top;
-    with `etcd` set and no node list given, the nodes are the live members found there."""
+    """Settings from the config file and environment, with the dataset's own arguments on top
+    (a user and password replace the token); with `etcd` set and no node list given, the nodes
+    are the live members found there."""
     cli: dict[str, Any] = {}
     if nodes is not None:
         cli["nodes"] = nodes if isinstance(nodes, str) else ",".join(str(n) for n in nodes)
     if token is not None:
         cli["token_file"] = os.fspath(token)
-    settings = load_settings(cli)
+    if user is not None:
+        if password is None:
+            raise InvalidArgument(f"user {user!r} needs a password")
+        cli["user"], cli["password"] = user, password
+    settings = load_settings(
+        cli,
+        cli_origin="dataset's arguments",
+        cli_names={"nodes": "nodes=", "token_file": "token=", "user": "user="},
+    )
     if settings.etcd:  # control plane: the live members in etcd, unless `nodes` names them
         from kspeedfs.client.clusterstate import resolve_nodes
 
@@ -89,6 +102,12 @@ def process_rank() -> int:
         if value.isdigit():
             return int(value)
     return 0
+
+
+def kspeed_name(source: str) -> str:
+    """KSpeed's name for a dataset: its root folder's own name (`/data/imagenet/train` ->
+    `train`), as `kspeedfs preload SRC` names it when no --name is given."""
+    return name_from_source(os.path.abspath(source))
 
 
 def derived_name(source: str) -> str:
@@ -149,9 +168,10 @@ def attach(
     local: bool | None,
     source_for_preload: str | None = None,
     meta: Sequence[str] = (),
+    name_rule: Callable[[str], str] = derived_name,
 ) -> tuple[CacheRef, str, tuple[str, str, str] | None]:
     """Find or actively load the dataset holding `path` (an active load indexes the `meta`
-    files too).
+    files too, and is named `objname`, else `name_rule(source)`).
 
     Returns the ref, `path` relative to the dataset root, and the lease key when this process
     took a lease (release it with `lease.unhold`).
@@ -164,7 +184,8 @@ def attach(
         if found is None:
             if preloaded:
                 raise DataError(f"dataset for {path} vanished right after loading it")
-            _active_preload(settings, source_for_preload or path, objname, meta)
+            source = source_for_preload or path
+            _active_preload(settings, source, objname, meta, name_rule, listing["datasets"])
             preloaded = True
             continue
         info, rel = found
@@ -191,15 +212,27 @@ def attach(
 
 
 def _active_preload(
-    settings: Settings, source: str, objname: str | None, meta: Sequence[str] = ()
+    settings: Settings,
+    source: str,
+    objname: str | None,
+    meta: Sequence[str],
+    name_rule: Callable[[str], str],
+    datasets: list[dict[str, Any]],
 ) -> None:
     """Preload `source` with a leased lifetime, or join its load already under way (another job
-    or rank started it); waits for it (progress shown on rank 0)."""
+    or rank started it); waits for it (progress shown on rank 0). A name of its own choosing
+    that a dataset of another source holds is refused: it would wait for that one."""
     try:
         src = os.path.abspath(check_source(source))
     except KSpeedError as e:
         raise type(e)(f"{source} is not in the cache and cannot be loaded: {e}") from None
-    name = objname or derived_name(src)
+    name = objname or name_rule(src)
+    taken = [d for d in datasets if d["name"] == name and d.get("state") != "failed"]
+    if objname is None and taken:
+        raise InvalidArgument(
+            f"dataset {name} is already loaded from {taken[0].get('source')}; pass objname= to"
+            f" load {source} under another name"
+        )
     try:
         label = f"kspeedfs load {name}" if process_rank() == 0 else None
         admin.ensure_loaded(settings, src, name, lifetime="leased", progress_label=label, meta=meta)
@@ -214,7 +247,7 @@ def _active_preload(
 def _wait_ready(settings: Settings, node: str, name: str) -> None:
     """Wait for a load of `name` that `node` lists as under way."""
     client = NodeClient(
-        parse_address(node), settings.token_file, settings.timeout, client_context(settings)
+        parse_address(node), settings.credential(), settings.timeout, client_context(settings)
     )
     try:
         label = f"kspeedfs load {name}" if process_rank() == 0 else None

@@ -32,6 +32,9 @@ class KSpeedCallable:
     (only config) for DALI's worker processes.
     """
 
+    # DALI's external_source asks iter() before callable(): this is a per-sample callable only.
+    __iter__ = None
+
     def __init__(
         self,
         root: PathLike,

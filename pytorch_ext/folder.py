@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 import weakref
-from collections.abc import Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import numpy as np
@@ -35,6 +35,8 @@ class CachedPath(PrefetchMixin):
     _top: int
     _prefix: bytes
     _index: SampleList  # set by datasets over a folder or a meta file; KSpeedDataset has none
+    # The name an active load of a source gets when no objname is given.
+    _name_for_load: Callable[[str], str] = staticmethod(cache.derived_name)
 
     def _attach(
         self,
@@ -45,13 +47,16 @@ class CachedPath(PrefetchMixin):
         local: bool | None,
         preload: PathLike | None = None,
         meta: Sequence[str] = (),
+        user: str | None = None,
+        password: str | None = None,
     ) -> Manifest:
         """Find (or actively load) the dataset holding `path`; errors surface here, in the
         process that builds the dataset, never in a worker."""
-        settings = cache.client_settings(nodes, token)
+        settings = cache.client_settings(nodes, token, user, password)
         ref, rel, key = cache.attach(
             os.fspath(path),
             objname=objname,
+            name_rule=type(self)._name_for_load,
             settings=settings,
             local=local,
             source_for_preload=os.fspath(preload) if preload is not None else None,
@@ -179,9 +184,11 @@ class KSpeedFolder(CachedPath, Dataset[Any]):
         token: PathLike | None = None,
         local: bool | None = None,
         extensions: tuple[str, ...] | None = None,
+        user: str | None = None,
+        password: str | None = None,
     ):
         self.root = os.path.expanduser(root) if isinstance(root, str) else root
-        m = self._attach(self.root, objname, nodes, token, local)
+        m = self._attach(self.root, objname, nodes, token, local, user=user, password=password)
         if not m.is_dir(self._top):
             raise InvalidArgument(f"{self.root} is a file, not a folder")
         builder = IndexBuilder()
@@ -195,6 +202,13 @@ class KSpeedFolder(CachedPath, Dataset[Any]):
 
     def __len__(self) -> int:
         return len(self._index)
+
+    def __iter__(self) -> Iterator[Any]:
+        # DALI's external_source asks iter() before callable(), and __getitem__ alone would make
+        # this iterable: a subclass with a per-sample __call__ (KSpeed's recipe) must not be.
+        if callable(self):
+            raise TypeError(f"{type(self).__name__} object is not iterable: it is a callable")
+        return (self[i] for i in range(len(self)))
 
     def read(self, relpath: PathLike) -> memoryview:
         """The bytes of a file under root; zero-copy where local (a read-only view)."""

@@ -264,6 +264,8 @@ class KSpeedImageFolder(CachedImages):
         decode: str = "pil",
         local: bool | None = None,
         decoded: int | None = None,
+        user: str | None = None,
+        password: str | None = None,
     ):
         if decode not in ("pil", "tensor"):
             raise InvalidArgument(f"decode must be 'pil' or 'tensor', not {decode!r}")
@@ -272,7 +274,7 @@ class KSpeedImageFolder(CachedImages):
             if loader not in _PIL_LOADERS:
                 raise InvalidArgument("decoded=N serves decoded pixels: it takes no custom loader")
         VisionDataset.__init__(self, root, transform=transform, target_transform=target_transform)
-        m = self._attach(self.root, objname, nodes, token, local)
+        m = self._attach(self.root, objname, nodes, token, local, user=user, password=password)
         if not m.is_dir(self._top):
             raise InvalidArgument(f"{self.root} is a file, not a folder")
         self.loader = loader

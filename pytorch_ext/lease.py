@@ -28,7 +28,7 @@ class LeaseKeeper:
         self.ttl = settings.lease_ttl
         self.holder = f"{socket.gethostname()}:{os.getpid()}"
         self._client = NodeClient(
-            parse_address(home), settings.token_file, settings.timeout, client_context(settings)
+            parse_address(home), settings.credential(), settings.timeout, client_context(settings)
         )
         self._lock = threading.Lock()  # the renewal thread and release share one connection
         self._stop = threading.Event()

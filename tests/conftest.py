@@ -12,6 +12,9 @@ from typing import TYPE_CHECKING
 
 import pytest
 
+from kspeedfs.client import admin
+from kspeedfs.format.config import load_settings
+
 # The process helpers live in the package (the demo and the benches use them too); tests import
 # them from here.
 from kspeedfs.localproc import KSPEEDFS as KSPEEDFS
@@ -90,6 +93,17 @@ def mount_all(node: NodeProcess, tmp_path: Path, mounts: list[MountProcess]) -> 
     m = MountProcess(tmp_path / "mnt", node.env(), tmp_path)
     mounts.append(m)
     return m.start()
+
+
+def preload(node: NodeProcess, source: Path, name: str) -> None:
+    """An offline preload of `source` as `name` on `node`."""
+    settings = load_settings({"nodes": node.address, "token_file": str(node.token_file)})
+    admin.preload(settings, str(source), name, show_progress=False)
+
+
+def kw(node: NodeProcess) -> dict[str, str]:
+    """The fast-path datasets' arguments that point them at `node`."""
+    return {"nodes": node.address, "token": str(node.token_file)}
 
 
 def make_tree(root: Path, segment_size: int = 1 << 20) -> Path:

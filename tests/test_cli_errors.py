@@ -180,8 +180,8 @@ def test_node_checks_names_and_sources_itself(world: World) -> None:
 
 def test_bad_command_line_is_exit_2(world: World) -> None:
     node = world.node
-    done = run_cli("preload", str(world.src), env=node.env())  # --name missing
+    done = run_cli("preload", env=node.env())  # the source missing
     assert done.returncode == 2
-    assert "--name" in done.stderr
+    assert "source" in done.stderr
     done = run_cli("node", "--memory", "lots", env=node.env())
     check_error(done, 5, "not a size")

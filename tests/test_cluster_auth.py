@@ -104,6 +104,7 @@ def test_no_token_file_is_refused_with_a_clear_error(cluster: Cluster, tmp_path:
     assert not missing.exists(), "a client must not invent a token"
     garbage = tmp_path / "garbage"
     garbage.write_text("not a token\n")
+    garbage.chmod(0o600)  # its mode is not what is refused here
     code, out = cli(cluster, garbage, "ls")
     assert code == 9 and "does not hold a kspeedfs token" in out
     assert "not a token" not in out
@@ -164,11 +165,8 @@ def test_unauthenticated_requests_are_refused(cluster: Cluster) -> None:
     read = auth.derive_read_token(auth.read_token(cluster.token_file))
     sock, nonce = raw_connect(port)
     with sock:
-        sock.sendall(
-            protocol.encode_json(
-                MsgType.AUTH, 0, {"role": "admin", "mac": auth.respond(read, nonce)}
-            )
-        )
+        claim, _ = auth.client_answer(read, auth.TCP, nonce)
+        sock.sendall(protocol.encode_json(MsgType.AUTH, 0, {**claim, "role": "admin"}))
         kind, err = answer(sock)
         assert kind == MsgType.ERROR and "wrong cluster token" in str(err["message"])
         assert_closed(sock)
@@ -178,11 +176,8 @@ def test_unauthenticated_requests_are_refused(cluster: Cluster) -> None:
     sock2, nonce2 = raw_connect(port)
     with sock1, sock2:
         assert nonce1 != nonce2
-        sock2.sendall(
-            protocol.encode_json(
-                MsgType.AUTH, 0, {"role": "admin", "mac": auth.respond(admin, nonce1)}
-            )
-        )
+        replayed, _ = auth.client_answer(admin, auth.TCP, nonce1)
+        sock2.sendall(protocol.encode_json(MsgType.AUTH, 0, replayed))
         kind, _err = answer(sock2)
         assert kind == MsgType.ERROR
     assert "kept" in cluster.listing(cluster.nodes[1])

@@ -91,13 +91,9 @@ class Raw:
         assert kind == MsgType.HELLO
         if token is not None:
             nonce = bytes.fromhex(str(hello["nonce"]))
-            self.send(
-                protocol.encode_json(
-                    MsgType.AUTH,
-                    0,
-                    {"role": role or auth.token_role(token), "mac": auth.respond(token, nonce)},
-                )
-            )
+            answer, _ = auth.client_answer(token, auth.TCP, nonce)
+            answer["role"] = role or answer["role"]
+            self.send(protocol.encode_json(MsgType.AUTH, 0, answer))
             kind, _ = self.reply_json()
             assert kind == MsgType.RESPONSE
 

@@ -19,9 +19,15 @@ def test_demo_runs_and_cleans_up(tmp_path: Path) -> None:
     done = run_cli(*args, env=env, timeout=300)
     assert done.returncode == 0, done.stdout + done.stderr
     out = done.stdout
-    rates = re.findall(r"^\s+(source|mount)\s.*: 12 images in .* = \d+ images/s$", out, re.M)
-    assert rates == ["source", "mount"], out
-    assert re.search(r"mount/source: \d+\.\d\d", out)
+    assert "decoded 12 images at 256" in out, out
+    rows = re.findall(r"^  (\S.*\S)\s+12\s+\d+\s+(\d+\.\d\d)x$", out, re.M)
+    assert [label for label, _ in rows] == [
+        "stock ImageFolder, source folder",
+        "stock ImageFolder, over the mount",
+        "stock ImageFolder, the mount's sample@256 (decoded once)",
+        "fast path, decoded=256 + transforms.train (uint8)",
+    ], out
+    assert rows[0][1] == "1.00"  # the ratios are to the first row
     node = re.search(r"node on 127\.0\.0\.1:(\d+), shm (\S+),", out)
     assert node, out
     port, shm = int(node.group(1)), Path(node.group(2))

@@ -133,6 +133,45 @@ def test_helper_without_a_node_fails_before_mounting(tmp_path: Path, token_file:
     assert kspeedfs_mounts_under(tmp_path) == []
 
 
+@pytest.mark.fuse
+def test_helper_waits_for_a_node_that_is_still_starting(
+    shm_dir: Path, token_file: Path, tree: Path, tmp_path: Path
+) -> None:
+    """At boot mount(8) may run before the node listens: the helper waits within its timeout."""
+    node = NodeProcess(shm_dir, token_file, tmp_path).start()
+    try:
+        done = run_cli("preload", str(tree), "--name", "ds", "-q", env=node.env())
+        assert done.returncode == 0, done.stderr
+    finally:
+        node.stop()
+    mp = tmp_path / "mnt"
+    mp.mkdir()
+    opts = f"nodes={node.address},token_file={token_file},timeout=60"
+    proc = subprocess.Popen(
+        [HELPER, "ds", str(mp), "-o", opts, "-v"],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=plain_env(),
+    )
+    try:
+        assert proc.stderr is not None
+        # The node comes back (same port and shm folder) only once the helper found none.
+        for line in proc.stderr:
+            if "waiting for a node" in line:
+                break
+        node.start()
+        _, err = proc.communicate(timeout=120)
+        assert proc.returncode == 0, err
+        assert (mp / "a" / "small.txt").read_bytes() == (tree / "a" / "small.txt").read_bytes()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        unmount_all_under(tmp_path)
+        node.stop()
+
+
 def test_helper_fake_and_usage_errors(tmp_path: Path) -> None:
     mp = tmp_path / "mnt"
     mp.mkdir()

@@ -8,12 +8,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from conftest import NodeProcess
+from conftest import NodeProcess, kw, preload
 from torchvision import datasets, transforms
 from torchvision.io import ImageReadMode, decode_image, read_file
 
-from kspeedfs.client import admin
-from kspeedfs.format.config import load_settings
 from kspeedfs.format.errors import InvalidArgument, KSpeedError, NotFound
 from kspeedfs.sample import make_sample
 from pytorch_ext import (
@@ -54,15 +52,6 @@ def _png() -> bytes:
     buf = io.BytesIO()
     Image.new("RGB", (30, 20), (10, 200, 30)).save(buf, "PNG")
     return buf.getvalue()
-
-
-def preload(node: NodeProcess, source: Path, name: str) -> None:
-    settings = load_settings({"nodes": node.address, "token_file": str(node.token_file)})
-    admin.preload(settings, str(source), name, show_progress=False)
-
-
-def kw(node: NodeProcess) -> dict[str, str]:
-    return {"nodes": node.address, "token": str(node.token_file)}
 
 
 @pytest.fixture

@@ -44,7 +44,10 @@ def test_transport_settings() -> None:
     assert (
         load_settings({"transport": "tcp"}, env={"KSPEEDFS_TRANSPORT": "rdma"}).transport == "tcp"
     )
-    with pytest.raises(InvalidArgument, match="transport from environment: 'infiniband' is not"):
+    with pytest.raises(
+        InvalidArgument,
+        match=r"transport from the environment \(KSPEEDFS_TRANSPORT\): 'infiniband'",
+    ):
         load_settings(env={"KSPEEDFS_TRANSPORT": "infiniband"})
     with pytest.raises(InvalidArgument, match="rdma_gid_index"):
         load_settings(env={"KSPEEDFS_RDMA_GID_INDEX": "-2"})

@@ -43,6 +43,7 @@ NEEDS = {
     "unload": "admin",
     "unload_local": "admin",
     "stage": "admin",
+    "stage_claim": "admin",
     "stage_status": "admin",
     "stage_result": "admin",
     "stage_manifest": "admin",

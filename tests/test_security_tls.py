@@ -416,7 +416,9 @@ def test_random_frames_inside_tls(
         if authenticated:  # the read role: a random but valid admin op would be no finding
             token = auth.derive_read_token(auth.read_token(node.token_file))
             nonce = bytes.fromhex(protocol.decode_json(hello[1])["nonce"])
-            answer = {"role": "read", "mac": auth.respond(token, nonce)}
+            binding = raw.tls.get_channel_binding("tls-unique")
+            assert binding is not None
+            answer, _ = auth.client_answer(token, auth.tls_channel(binding), nonce)
             raw.send(protocol.encode_json(MsgType.AUTH, 0, answer))
             got = raw.reply()
             assert got is not None and got[0] == MsgType.RESPONSE
@@ -478,8 +480,8 @@ def test_random_packets_on_the_fd_socket(
         if answer:  # a right MAC for the nonce, then the random rest
             token = auth.derive_read_token(auth.read_token(node.token_file))
             nonce = bytes.fromhex(json.loads(hello)["nonce"])
-            mac = auth.respond(token, nonce)
-            packets = [(json.dumps({"role": "read", "mac": mac}).encode(), 0), *packets]
+            answer, _ = auth.client_answer(token, auth.FD_SOCKET, nonce)
+            packets = [(json.dumps(answer).encode(), 0), *packets]
         devnull = os.open(os.devnull, os.O_RDONLY)
         try:
             for data, nfds in packets:

@@ -6,6 +6,7 @@ import configparser
 import os
 import shutil
 import signal
+import stat
 import subprocess
 import sys
 import tempfile
@@ -16,6 +17,7 @@ from conftest import NodeProcess, run_cli
 from mountdutil import NotifyListener
 
 from kspeedfs.format.errors import KSpeedError
+from kspeedfs.node.safedir import DIR_MODE
 from kspeedfs.systemd_units import (
     EXAMPLES,
     MOUNT_HELPERS,
@@ -156,6 +158,9 @@ def test_node_unit_fits_a_cache_in_dev_shm(installed: Path) -> None:
     assert service.get("PrivateDevices", "no") == "no"  # RDMA devices, /dev/shm
     assert service["RemoveIPC"] == "no"
     assert service["LimitMEMLOCK"] == "infinity"
+    # RestrictSUIDSGID=yes would make the fchmod that sets it EPERM: the node would not start.
+    if DIR_MODE & stat.S_ISGID:
+        assert service.get("RestrictSUIDSGID", "no") == "no"
 
 
 def test_templates_are_found_next_to_the_package() -> None:

@@ -9,6 +9,7 @@ from hypothesis import strategies as st
 from kspeedfs.format.errors import InvalidArgument
 from kspeedfs.format.names import validate_name
 from kspeedfs.format.units import (
+    MAX_SIZE,
     Address,
     format_size,
     parse_address,
@@ -44,9 +45,28 @@ def test_parse_size_rejects(text: str | int) -> None:
         parse_size(text)
 
 
-@given(st.integers(min_value=0, max_value=1 << 50))
+@given(st.integers(min_value=0, max_value=MAX_SIZE))
 def test_parse_size_of_plain_bytes_round_trips(n: int) -> None:
     assert parse_size(str(n)) == n
+
+
+@pytest.mark.parametrize(
+    "text", [str(MAX_SIZE + 1), "9" * 400, "1" * 5000, "8EiB", "9000000PiB", 1 << 63, "\u0661"]
+)
+def test_parse_size_refuses_what_no_budget_can_be(text: str | int) -> None:
+    """Past 2**63 - 1 bytes (a float made 400 digits inf, and int() refuses 5000), and
+    digits other than 0-9."""
+    with pytest.raises(InvalidArgument):
+        parse_size(text)
+
+
+@given(st.text(max_size=40) | st.from_regex(r"\A\d{1,40}(\.\d{1,40})?[KMGTP]?(iB)?\Z"))
+def test_parse_size_is_a_size_or_one_error(text: str) -> None:
+    try:
+        n = parse_size(text)
+    except InvalidArgument:
+        return
+    assert 0 <= n <= MAX_SIZE
 
 
 def test_format_size() -> None:
@@ -77,7 +97,9 @@ def test_address_prints_back_to_what_parses() -> None:
     assert str(Address("::1", 9000)) == "[::1]:9000"
 
 
-@pytest.mark.parametrize("text", ["", " ", "h:x", "h:70000", "h:-1", ":80", "[::1]:x"])
+@pytest.mark.parametrize(
+    "text", ["", " ", "h:x", "h:70000", "h:-1", ":80", "[::1]:x", "a b:80", "h\x00:1", "[a\tb]:1"]
+)
 def test_parse_address_rejects(text: str) -> None:
     with pytest.raises(InvalidArgument):
         parse_address(text)

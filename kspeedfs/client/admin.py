@@ -18,6 +18,8 @@ from kspeedfs.system.progress import ProgressBar
 log = logging.getLogger(__name__)
 
 POLL_S = 0.1
+# How often a client waiting for a starting node tries again.
+RETRY_S = 0.5
 
 
 def connect(settings: Settings) -> NodeClient:
@@ -25,7 +27,7 @@ def connect(settings: Settings) -> NodeClient:
     error: KSpeedError | None = None
     for address in settings.nodes:
         client = NodeClient(
-            address, settings.token_file, settings.timeout, client_context(settings)
+            address, settings.credential(), settings.timeout, client_context(settings)
         )
         try:
             client.connect()
@@ -34,6 +36,20 @@ def connect(settings: Settings) -> NodeClient:
             error = e
     assert error is not None
     raise error
+
+
+def connect_within(settings: Settings, seconds: float) -> NodeClient:
+    """connect(), tried again while no node listens, for up to `seconds`: a node that is still
+    starting (at boot, or restarting) answers within them; else the last NodeUnreachable."""
+    deadline = time.monotonic() + seconds
+    while True:
+        try:
+            return connect(settings)
+        except NodeUnreachable as e:
+            if time.monotonic() + RETRY_S > deadline:
+                raise
+            log.debug("waiting for a node: %s", e)
+        time.sleep(RETRY_S)
 
 
 def preload_done(progress: dict[str, Any], what: str) -> bool:

@@ -51,9 +51,9 @@ class PassedDataset(LocalDataset):
 
 def attach(settings: Settings, path: str, name: str, uuid: str) -> PassedDataset:
     """The local node's copy of an instance, through its socket (KSpeedError when refused)."""
-    token = auth.read_token(settings.token_file)
+    token = auth.secret(settings.credential())
     manifest_fd, segments = fdpass.attach(
-        settings.socket_path(), token, name, uuid, settings.timeout
+        settings.socket_path(), token, name, uuid, settings.timeout, settings.node_user
     )
     try:
         return PassedDataset(path, manifest_fd, segments)

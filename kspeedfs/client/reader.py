@@ -111,7 +111,7 @@ class ClusterReader:
     def request(self, node: str, op: str, **args: Any) -> dict[str, Any]:
         settings = self.settings
         with NodeClient(
-            parse_address(node), settings.token_file, settings.timeout, client_context(settings)
+            parse_address(node), settings.credential(), settings.timeout, client_context(settings)
         ) as c:
             return c.request(op, **args)
 

@@ -1,16 +1,24 @@
-"""The one typed settings object; precedence CLI > environment > TOML file > default."""
+"""The one typed settings object, and the one place that loads and checks every setting.
+
+Precedence CLI > environment > TOML file > default. Every value is checked once, at load, by
+its setting's rule (kspeedfs/format/setting_rules.py); a bad one is a one-line InvalidArgument
+naming the setting and where it came from.
+"""
 
 from __future__ import annotations
 
 import dataclasses
 import os
+import stat
 import tomllib
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
+from kspeedfs.format.auth import UserLogin
 from kspeedfs.format.errors import InvalidArgument, NotFound
-from kspeedfs.format.units import Address, parse_address, parse_address_list, parse_size
+from kspeedfs.format.setting_rules import RULES, TOGETHER, memory_share
+from kspeedfs.format.units import Address, parse_size
 
 DEFAULT_PORT = 7420
 DEFAULT_CONFIG_FILE = Path("/etc/kspeedfs/kspeedfs.toml")
@@ -32,6 +40,11 @@ class Settings:
     memory: str = "50%"
     segment_size: int = 64 * 1024 * 1024
     token_file: Path = dataclasses.field(default_factory=default_token_file)
+    # Users with passwords (`kspeedfs user add`): the node's file of scrypt keys (None: `users`
+    # beside the token file), and a client's user and password, used instead of the token.
+    users_file: Path | None = None
+    user: str = ""
+    password: str = dataclasses.field(default="", repr=False)
     verify_on_start: bool = True
     lease_ttl: float = 30.0
     timeout: float = 10.0
@@ -47,12 +60,15 @@ class Settings:
     # Who may read what (README "Security"): the group that may map segments directly ("" =
     # the node's own group), the mount's permissions ("source": the source's modes and owners,
     # checked by the kernel; "open": everyone on the machine), the folders a job token may
-    # preload from, the node's Unix socket for fd passing ("" = next to shm_dir), and mutual
-    # TLS on every TCP connection when all three files are set.
+    # preload from, the node's Unix socket for fd passing ("" = in a folder of the node's next
+    # to shm_dir), the user a node runs as when not root (clients trust only root, their own
+    # uid and it to serve the socket), and mutual TLS on every TCP connection when all three
+    # files are set.
     group: str = ""
     access: str = "source"
     source_roots: list[Path] = dataclasses.field(default_factory=list)
     socket: Path | None = None
+    node_user: str = ""
     tls_cert: Path | None = None
     tls_key: Path | None = None
     tls_ca: Path | None = None
@@ -72,205 +88,140 @@ class Settings:
     heal_after: float = 30.0
     metrics_listen: str = ""
 
+    def users_path(self) -> Path:
+        return self.users_file or self.token_file.with_name("users")
+
+    def credential(self) -> Path | UserLogin:
+        """What a client proves to nodes: its user and password when `user` is set, else the
+        token in `token_file`."""
+        if self.user:
+            return UserLogin(self.user, self.password)
+        return self.token_file
+
     def socket_path(self) -> Path:
-        """The node's local socket: `socket`, else `SHM_DIR.sock` beside the shm folder."""
-        return self.socket or self.shm_dir.with_name(self.shm_dir.name + ".sock")
+        """The node's local socket: `socket`, else `SHM_DIR.run/fd.sock`, in a folder of the
+        node's beside the shm folder (the shm folder itself is closed to the readers who need
+        the socket; /dev/shm is open to everyone to bind in)."""
+        return self.socket or self.shm_dir.with_name(self.shm_dir.name + ".run") / "fd.sock"
 
     def tls(self) -> bool:
-        """Mutual TLS is on: all three of cert, key and CA are set (some but not all: refused)."""
+        """Mutual TLS is on: all three of cert, key and CA are set (some but not all: refused
+        at load; here too, for Settings built in code)."""
         given = [p is not None for p in (self.tls_cert, self.tls_key, self.tls_ca)]
         if any(given) and not all(given):
             raise InvalidArgument("tls_cert, tls_key and tls_ca go together")
         return all(given)
 
     def memory_budget(self) -> int:
-        """The budget in bytes; a percentage is taken of the filesystem that holds shm_dir."""
-        if self.memory.strip().endswith("%"):
-            try:
-                pct = float(self.memory.strip()[:-1])
-            except ValueError:
-                raise InvalidArgument(f"bad memory budget {self.memory!r}") from None
-            probe = self.shm_dir
-            while not probe.exists():
-                probe = probe.parent
-            st = os.statvfs(probe)
-            return int(st.f_blocks * st.f_frsize * pct / 100)
-        return parse_size(self.memory)
+        """The budget in bytes; a share is taken of the filesystem that holds shm_dir."""
+        share = memory_share(self.memory)
+        if share is None:
+            return parse_size(self.memory)
+        probe = self.shm_dir
+        while not probe.exists():
+            probe = probe.parent
+        st = os.statvfs(probe)
+        return int(st.f_blocks * st.f_frsize * share)
 
-
-# Each setting: how to convert a string (env/CLI) or a TOML value to its type.
-def _to_bool(v: Any) -> bool:
-    if isinstance(v, bool):
-        return v
-    s = str(v).strip().lower()
-    if s in ("1", "true", "yes", "on"):
-        return True
-    if s in ("0", "false", "no", "off"):
-        return False
-    raise InvalidArgument(f"not a boolean: {v!r}")
-
-
-def _to_nodes(v: Any) -> list[Address]:
-    if isinstance(v, list):
-        return [parse_address(str(x)) for x in v]
-    return parse_address_list(str(v))
-
-
-def _to_float(v: Any) -> float:
-    try:
-        return float(v)
-    except (TypeError, ValueError):
-        raise InvalidArgument(f"not a number: {v!r}") from None
-
-
-def _to_choice(v: Any, choices: tuple[str, ...]) -> str:
-    s = str(v).strip().lower()
-    if s not in choices:
-        raise InvalidArgument(f"{v!r} is not one of {', '.join(choices)}")
-    return s
-
-
-def _to_int(v: Any, minimum: int) -> int:
-    try:
-        n = int(v)
-    except (TypeError, ValueError):
-        raise InvalidArgument(f"not an integer: {v!r}") from None
-    if n < minimum:
-        raise InvalidArgument(f"{n} is below the minimum {minimum}")
-    return n
-
-
-def _to_optional_path(v: Any) -> Path | None:
-    return Path(os.path.expanduser(str(v))) if str(v) else None
-
-
-def _to_paths(v: Any) -> list[Path]:
-    items = v if isinstance(v, list) else [x for x in str(v).split(",") if x.strip()]
-    paths = [Path(os.path.expanduser(str(x).strip())) for x in items]
-    for p in paths:
-        if not p.is_absolute():
-            raise InvalidArgument(f"source root must be an absolute path: {p}")
-    return paths
-
-
-def _to_endpoints(v: Any) -> list[str]:
-    """etcd endpoints: a list or a comma-separated string; scheme http:// when none is given."""
-    items = v if isinstance(v, list) else [x for x in str(v).split(",") if x.strip()]
-    out = []
-    for item in (str(x).strip() for x in items):
-        url = item if "://" in item else f"http://{item}"
-        if not url.startswith(("http://", "https://")):
-            raise InvalidArgument(f"etcd endpoint must be http:// or https://: {item!r}")
-        out.append(url.rstrip("/"))
-    return out
-
-
-def validate_cluster(name: str) -> str:
-    """A cluster prefix is one path-safe word: it becomes part of every etcd key."""
-    if not name or not all(c.isalnum() or c in "._-" for c in name) or len(name) > 64:
-        raise InvalidArgument(f"bad cluster name {name!r}: letters, digits, '.', '_', '-'")
-    return name
-
-
-def _to_memory(v: Any) -> str:
-    s = str(v)
-    if not s.strip().endswith("%"):
-        parse_size(s)  # validate now, not at first use
-    return s
-
-
-_CONVERTERS: dict[str, Any] = {
-    "listen": lambda v: parse_address(str(v)),
-    "nodes": _to_nodes,
-    "shm_dir": lambda v: Path(str(v)),
-    "memory": _to_memory,
-    "segment_size": lambda v: parse_size(v if isinstance(v, int) else str(v)),
-    "token_file": lambda v: Path(os.path.expanduser(str(v))),
-    "verify_on_start": _to_bool,
-    "lease_ttl": _to_float,
-    "timeout": _to_float,
-    "log_level": lambda v: str(v).upper(),
-    "transport": lambda v: _to_choice(v, ("auto", "tcp", "rdma")),
-    "rdma_device": str,
-    "rdma_gid_index": lambda v: _to_int(v, -1),
-    "spill_dir": lambda v: Path(os.path.expanduser(str(v))) if str(v) else None,
-    "spill": lambda v: str(parse_size(v if isinstance(v, int) else str(v))),
-    "source_check_interval": _to_float,
-    "group": str,
-    "access": lambda v: _to_choice(v, ("source", "open")),
-    "source_roots": _to_paths,
-    "socket": _to_optional_path,
-    "tls_cert": _to_optional_path,
-    "tls_key": _to_optional_path,
-    "tls_ca": _to_optional_path,
-    "fuse_workers": lambda v: _to_int(v, 0),
-    "fuse_read_ahead": lambda v: parse_size(v if isinstance(v, int) else str(v)),
-    "decode_workers": lambda v: _to_int(v, 0),
-    "etcd": _to_endpoints,
-    "cluster": lambda v: validate_cluster(str(v)),
-    "member_ttl": _to_float,
-    "heal_after": _to_float,
-    "metrics_listen": str,
-}
 
 ENV_PREFIX = "KSPEEDFS_"
+_MAX_CONFIG_BYTES = 1 << 20
 
 
 def load_settings(
     cli: Mapping[str, Any] | None = None,
     env: Mapping[str, str] | None = None,
     config_file: str | os.PathLike[str] | None = None,
+    *,
+    cli_origin: str = "command line",
+    cli_names: Mapping[str, str] | None = None,
 ) -> Settings:
-    """Build Settings from the TOML file, then the environment, then CLI values (not None)."""
+    """Build Settings from the TOML file, then the environment, then CLI values (not None),
+    checking each value once. A bad one is an InvalidArgument naming the setting and where it
+    came from: the file, the variable, or the caller's own name for it (`cli_names`, default
+    --the-setting; "config" names where `config_file` came from)."""
     env = os.environ if env is None else env
     cli = {k: v for k, v in (cli or {}).items() if v is not None}
+    names = cli_names or {}
     settings = Settings()
 
-    path = config_file or env.get(ENV_PREFIX + "CONFIG")
-    if path:
-        file_values = _read_toml(Path(path), required=True)
+    if config_file:
+        path, named_by = Path(config_file), names.get("config", "--config")
+    elif env.get(ENV_PREFIX + "CONFIG"):
+        path, named_by = Path(env[ENV_PREFIX + "CONFIG"]), ENV_PREFIX + "CONFIG"
     else:
-        file_values = _read_toml(DEFAULT_CONFIG_FILE, required=False)
-    layers = [
-        ("config file", file_values),
+        path, named_by = DEFAULT_CONFIG_FILE, ""
+    file_values = _read_toml(path, named_by)
+    layers: list[tuple[Callable[[str], str], Mapping[str, Any]]] = [
+        (lambda key: f"config file {path}", file_values),
         (
-            "environment",
+            lambda key: f"environment ({ENV_PREFIX}{key.upper()})",
             {
                 key: env[ENV_PREFIX + key.upper()]
-                for key in _CONVERTERS
+                for key in RULES
                 if ENV_PREFIX + key.upper() in env
             },
         ),
-        ("command line", cli),
+        (
+            lambda key: f"{cli_origin} ({names.get(key) or '--' + key.replace('_', '-')})",
+            cli,
+        ),
     ]
-    for origin, values in layers:
+    origins: dict[str, str] = {}
+    for where, values in layers:
         for key, value in values.items():
-            if key not in _CONVERTERS:
-                raise InvalidArgument(f"unknown setting {key!r} in {origin}")
+            if key not in RULES:
+                raise InvalidArgument(f"unknown setting {key!r} in the {where(key)}")
             try:
-                setattr(settings, key, _CONVERTERS[key](value))
+                setattr(settings, key, RULES[key](value))
             except InvalidArgument as e:
-                raise InvalidArgument(f"{key} from {origin}: {e}") from None
-    if settings.segment_size < 4096:
-        raise InvalidArgument("segment_size must be at least 4096 bytes")
+                raise InvalidArgument(f"{key} from the {where(key)}: {e}") from None
+            origins[key] = where(key)
+    for group in TOGETHER:
+        given = [key for key in group if getattr(settings, key) not in (None, "0")]
+        if given and len(given) < len(group):
+            which = ", ".join(f"{key} from the {origins[key]}" for key in given)
+            raise InvalidArgument(f"{', '.join(group)} go together; given only {which}")
     return settings
 
 
-def _read_toml(path: Path, required: bool) -> dict[str, Any]:
+def _read_toml(path: Path, named_by: str) -> dict[str, Any]:
+    """The file's settings, sections flattened. `named_by`: who named the file ("" for the
+    default file, which may be missing)."""
+    where = f"config file {path}" + (f" (from {named_by})" if named_by else "")
     try:
-        with open(path, "rb") as f:
-            data = tomllib.load(f)
+        # O_NONBLOCK: a FIFO named as the config file must not hang the command.
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
     except FileNotFoundError:
-        if required:
-            raise NotFound(f"config file not found: {path}") from None
-        return {}
+        if not named_by:
+            return {}
+        raise NotFound(f"{where} not found") from None
+    except (OSError, ValueError) as e:  # ValueError: a NUL in the path
+        raise InvalidArgument(f"cannot open the {where}: {getattr(e, 'strerror', e)}") from None
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise InvalidArgument(f"the {where} is not a regular file")
+        with os.fdopen(os.dup(fd), "rb") as f:
+            data = f.read(_MAX_CONFIG_BYTES + 1)
+    except OSError as e:
+        raise InvalidArgument(f"cannot read the {where}: {e.strerror}") from None
+    finally:
+        os.close(fd)
+    if len(data) > _MAX_CONFIG_BYTES:
+        raise InvalidArgument(f"the {where} is larger than {_MAX_CONFIG_BYTES} bytes")
+    try:
+        values = tomllib.loads(data.decode("utf-8"))
+    except UnicodeDecodeError as e:
+        raise InvalidArgument(f"the {where} is not UTF-8 (byte {e.start})") from None
     except tomllib.TOMLDecodeError as e:
-        raise InvalidArgument(f"config file {path}: {e}") from None
+        raise InvalidArgument(f"the {where}: {e}") from None
     # Sections group settings for readers; keys are unique across them.
     flat: dict[str, Any] = {}
-    for key, value in data.items():
-        if isinstance(value, dict):
-            flat.update({k.replace("-", "_"): v for k, v in value.items()})
-        else:
-            flat[key.replace("-", "_")] = value
+    for section, value in values.items():
+        items = value.items() if isinstance(value, dict) else [(section, value)]
+        for key, item in items:
+            key = key.replace("-", "_")
+            if key in flat:
+                raise InvalidArgument(f"setting {key!r} is given twice in the {where}")
+            flat[key] = item
     return flat

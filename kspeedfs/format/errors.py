@@ -79,6 +79,10 @@ class ReadOnly(KSpeedError):
     exit_code = 12
 
 
+class InternalError(KSpeedError):
+    """A handler failed in a way nobody planned for: answered in one line, logged in full."""
+
+
 # Errors cross the wire by class name; the client re-raises the same class.
 def _with_subclasses(cls: type[KSpeedError]) -> list[type[KSpeedError]]:
     return [cls] + [c for sub in cls.__subclasses__() for c in _with_subclasses(sub)]

@@ -16,7 +16,7 @@ from typing import Any
 from kspeedfs.format.errors import ProtocolError
 
 MAGIC = b"KS"
-VERSION = 2  # 2: READ frames name the dataset instance
+VERSION = 3  # 2: READ frames name the dataset instance; 3: the mutual, channel-bound handshake
 HEADER = struct.Struct("!2sBBII")
 HEADER_SIZE = HEADER.size
 MAX_PAYLOAD = 128 * 1024 * 1024

@@ -174,6 +174,18 @@ class DatasetList:
         m = mounted.data.manifest
         return [m.name(child) for child in m.children(0)]
 
+    def root_names(self) -> set[bytes]:
+        """What the mount's root lists now: a folder per dataset (and variant), or the top
+        level of the one dataset served at the root. Safe from a thread: a refresh replaces
+        the tables whole."""
+        if not self.single:
+            return {name.encode() for name in self.by_name}
+        mounted = self.by_name.get(self.single)
+        if mounted is None:
+            return set()
+        m = mounted.data.manifest
+        return {m.name(child) for child in m.children(0)}
+
     def require(self, name: str) -> None:
         if name not in self.by_name:
             raise NotFound(f"no dataset named {name!r} on the node")

@@ -23,7 +23,7 @@ import errno
 import fcntl
 import logging
 import os
-import re
+import select
 import shutil
 import socket
 import struct
@@ -38,6 +38,7 @@ from typing import Protocol
 
 from kspeedfs.fuse.counters import SLOTS, SharedCounters
 from kspeedfs.system.memory import map_pages
+from kspeedfs.system.mountinfo import mount_at
 
 log = logging.getLogger(__name__)
 
@@ -502,6 +503,7 @@ class FuseSession:
         self._last_invalidation: Future[None] | None = None
         self.done = threading.Event()
         self.detached = False  # the kernel said ENODEV, or we unmounted: never unmount again
+        self.device: str | None = None  # our superblock's "major:minor", from mountinfo
 
     # ---- lifecycle
 
@@ -529,6 +531,9 @@ class FuseSession:
                 raise OSError(errno.EIO, f"mount failed: {message}")
         self.fd = fds[0]
         os.set_inheritable(self.fd, False)
+        # Just mounted over a free folder (the caller checked): the topmost mount there is ours.
+        entry = mount_at(self.mountpoint)
+        self.device = entry.device if entry is not None else None
         if auto_unmount:
             self._keep = ours  # closed when this process exits: then fusermount3 unmounts
         else:
@@ -543,11 +548,40 @@ class FuseSession:
         self.loop.done = self.done
         self.loop.start()
 
+    def connected(self) -> bool:
+        """Whether the kernel still serves this mount: it ends the connection once our
+        superblock is gone (unmounted; a lazily detached mount lives while files are open),
+        and from then on poll reports POLLERR on the fd."""
+        events = select.poll()
+        events.register(self.fd, select.POLLIN)
+        return not any(
+            ev & (select.POLLERR | select.POLLHUP | select.POLLNVAL) for _, ev in events.poll(0)
+        )
+
+    def mounted_here(self) -> bool:
+        """Whether the mount at our mountpoint now is this session's own."""
+        entry = mount_at(self.mountpoint)
+        # mountinfo first, the connection after: a device number is free for another mount
+        # only once our superblock is gone, and that ends the connection for good.
+        return (
+            entry is not None
+            and self.device is not None
+            and entry.device == self.device
+            and self.connected()
+        )
+
     def unmount(self) -> None:
-        """Detach the mount; the serving threads see ENODEV and end."""
+        """Detach the mount, if what is mounted at our path is still ours; the serving threads
+        see ENODEV and end. A mount made there since (an unmount, then a new mount at once, as
+        scripts and service restarts do) belongs to another process and is left alone."""
         if self.detached or self.fd < 0:
-            return  # a later mount at the same place is not ours to remove
+            return
         self.detached = True
+        if not self.mounted_here():
+            log.info("%s is no longer this process's mount: leaving it alone", self.mountpoint)
+            return
+        # By path, as fusermount3 needs: our mount would have to go and another come in the
+        # microseconds since the check to be mistaken for ours.
         subprocess.run(
             [fusermount(), "-u", "-z", "-q", self.mountpoint],
             capture_output=True,
@@ -644,10 +678,9 @@ class FuseSession:
     def set_read_ahead(self, kib: int) -> None:
         """Raise the mount's read-ahead (INIT can only lower the kernel's 128 KiB) so that a
         typical file is one READ; needs root, so a refusal is only logged."""
-        device = _mount_device(self.mountpoint)
-        if device is None:
+        if self.device is None:
             return
-        path = f"/sys/class/bdi/{device}/read_ahead_kb"
+        path = f"/sys/class/bdi/{self.device}/read_ahead_kb"
         try:
             with open(path, "w") as f:
                 f.write(str(kib))
@@ -662,20 +695,6 @@ def _sized(value: bytes, size: int) -> bytes:
     if len(value) > size:
         raise FuseError(errno.ERANGE)
     return value
-
-
-def _mount_device(mountpoint: str) -> str | None:
-    """The "major:minor" of what is mounted at `mountpoint`, from mountinfo (a stat would be a
-    request to ourselves)."""
-    want = os.fsencode(mountpoint)
-    found = None
-    with open("/proc/self/mountinfo", "rb") as f:
-        for line in f:
-            fields = line.split(b" ")
-            where = re.sub(rb"\\([0-7]{3})", lambda m: bytes([int(m[1], 8)]), fields[4])
-            if where == want:
-                found = fields[2].decode()  # the last one: mounts stack
-    return found
 
 
 def fusermount() -> str:

@@ -1,4 +1,9 @@
-"""Mount lifecycle: checks, daemonizing, the FUSE session and its trio side, signals, unmount."""
+"""Mount lifecycle: checks, daemonizing, the FUSE session and its trio side, signals, unmount.
+
+A mount's life is one thing: `mount` reports success only once the datasets answer through
+the kernel at the mountpoint, the process unmounts only a mount that is still its own, and
+`umount` returns only once that process has ended (mountlock). The CLI, mountd (whose children
+are `kspeedfs mount --foreground`) and mount.kspeedfs all run this module's serve_mount."""
 
 from __future__ import annotations
 
@@ -8,7 +13,7 @@ import shutil
 import signal
 import subprocess
 import sys
-from collections.abc import AsyncIterator, Callable, Iterable
+from collections.abc import AsyncIterator, Callable, Collection, Iterable
 from pathlib import Path
 
 import trio
@@ -23,7 +28,8 @@ from kspeedfs.fuse.kernel import FuseSession
 from kspeedfs.fuse.metrics import serve_mount_metrics
 from kspeedfs.fuse.supervisor import Workers, default_workers
 from kspeedfs.net.aconnection import AsyncNodeClient
-from kspeedfs.system.mountinfo import is_stale, kspeedfs_mounted
+from kspeedfs.system import mountlock
+from kspeedfs.system.mountinfo import is_stale, kspeedfs_mounted, mount_at
 from kspeedfs.system.notify import notify
 
 log = logging.getLogger(__name__)
@@ -31,6 +37,8 @@ log = logging.getLogger(__name__)
 FUSE_OPTIONS = ("fsname=kspeedfs", "subtype=kspeedfs", "ro", "default_permissions")
 ALLOWED_OPTIONS = frozenset({"allow_other", "allow_root", "auto_unmount"})
 ERRORS_BY_EXIT_CODE = {cls.exit_code: cls for cls in ERROR_CLASSES.values() if cls.exit_code > 1}
+READY_WAIT = 10.0  # seconds the first listing may take besides a node's timeout
+UMOUNT_WAIT = 30.0  # seconds `umount` waits for the mount process to end (it stops in ~2-5 s)
 
 
 def check_mountpoint(mountpoint: str | os.PathLike[str]) -> Path:
@@ -43,9 +51,15 @@ def check_mountpoint(mountpoint: str | os.PathLike[str]) -> Path:
         raise MountError(f"mountpoint does not exist: {path}")
     if not path.is_dir():
         raise MountError(f"mountpoint is not a folder: {path}")
-    if os.path.ismount(path):
+    # x-systemd.automount: systemd's autofs mount waits there for this mount to go on top.
+    if os.path.ismount(path) and not _automount_point(path):
         raise MountError(f"mountpoint is busy (something is mounted there): {path}")
     return path.resolve()
+
+
+def _automount_point(path: Path) -> bool:
+    entry = mount_at(path)
+    return entry is not None and entry.fstype == "autofs"
 
 
 def fuse_options(extra: Iterable[str] = ()) -> set[str]:
@@ -63,13 +77,15 @@ async def serve_mount(
     dataset: str | None,
     options: set[str],
     on_ready: Callable[[], None],
+    on_mounted: Callable[[], None] = lambda: None,
 ) -> None:
     """Mount, then serve from settings.fuse_workers processes (0: one per CPU, at most 8)
-    while this one keeps the dataset list in step with the node and supervises them."""
+    while this one keeps the dataset list in step with the node and supervises them.
+    `on_mounted` runs once the kernel has the mount, before any worker starts."""
     local = local_node_for(settings)
     order = sorted(settings.nodes, key=lambda a: str(a) != local)
     tls = client_context(settings)
-    clients = [AsyncNodeClient(a, settings.token_file, settings.timeout, tls) for a in order]
+    clients = [AsyncNodeClient(a, settings.credential(), settings.timeout, tls) for a in order]
     reader = ClusterReader(settings, local)
     datasets = DatasetList(clients, reader, dataset)
     # A mount with no node to ask is useless: check before mounting, fail with a clear error.
@@ -78,29 +94,35 @@ async def serve_mount(
     if dataset:
         datasets.require(dataset)
     count = settings.fuse_workers or default_workers()
+    # Held until this process exits, however it ends: `umount` waits for that.
+    mountlock.hold(mountpoint)
     session = FuseSession(None, str(mountpoint), options)
     try:
         session.mount()
     except OSError as e:
         raise MountError(e.strerror or str(e)) from None
+    on_mounted()
     if settings.fuse_read_ahead:
         session.set_read_ahead(settings.fuse_read_ahead // 1024)
     pool = Workers(session, datasets, settings, dataset, count, clients)
     if settings.metrics_listen:  # metrics: Prometheus /metrics over the shared counters
         serve_mount_metrics(settings.metrics_listen, pool.counters)
+    error: MountError | None = None
     try:
         with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT, signal.SIGHUP) as signals:
             async with trio.open_nursery() as nursery:
                 await nursery.start(pool.run)
                 nursery.start_soon(datasets.keep_refreshed)
                 nursery.start_soon(_unmount_on_signal, signals, session, pool)
-                log.info(
-                    "mounted %s at %s, served by %d processes",
-                    dataset or "all datasets", mountpoint, count,
-                )  # fmt: skip
-                notify("READY=1", f"STATUS=mounted at {mountpoint}")
-                on_ready()
-                await pool.finished.wait()
+                error = await _answering(session, datasets, settings.timeout + READY_WAIT)
+                if error is None:
+                    log.info(
+                        "mounted %s at %s, served by %d processes",
+                        dataset or "all datasets", mountpoint, count,
+                    )  # fmt: skip
+                    notify("READY=1", f"STATUS=mounted at {mountpoint}")
+                    on_ready()
+                    await pool.finished.wait()
                 nursery.cancel_scope.cancel()
     finally:
         with trio.CancelScope(shield=True):
@@ -111,6 +133,48 @@ async def serve_mount(
         reader.close()
         for client in clients:
             await client.aclose()
+    if error is not None:
+        raise error
+
+
+async def _answering(
+    session: FuseSession, datasets: DatasetList, timeout: float
+) -> MountError | None:
+    """None once the new mount answers at its mountpoint, else why it does not."""
+    try:
+        with trio.fail_after(timeout):
+            await trio.to_thread.run_sync(
+                check_answers, session.mountpoint, session.device, datasets.root_names,
+                abandon_on_cancel=True,  # a stat stuck in our own mount ends with its unmount
+            )  # fmt: skip
+    except MountError as e:
+        return e
+    except trio.TooSlowError:
+        return MountError(f"the mount at {session.mountpoint} did not answer in {timeout:.0f}s")
+    return None
+
+
+def check_answers(
+    mountpoint: str | os.PathLike[str],
+    device: str | None,
+    expected: Callable[[], Collection[bytes]] = frozenset,
+) -> None:
+    """The one readiness rule, for the mount process and mountd alike: through the kernel, the
+    mount at `mountpoint` is the one of `device` (None: any) and its root lists every name
+    `expected()` gives before and after the listing (a dataset loaded or unloaded meanwhile
+    is not awaited). Blocking: run it in a thread with a timeout."""
+    before = set(expected())
+    try:
+        st = os.stat(mountpoint)
+        listed = set(os.listdir(os.fsencode(mountpoint)))
+    except OSError as e:
+        raise MountError(f"the mount at {mountpoint} does not answer: {e.strerror}") from None
+    if device is not None and f"{os.major(st.st_dev)}:{os.minor(st.st_dev)}" != device:
+        raise MountError(f"another mount took {mountpoint} over while it was starting")
+    missing = sorted((before & set(expected())) - listed)
+    if missing:
+        shown = ", ".join(os.fsdecode(name) for name in missing[:3])
+        raise MountError(f"the mount at {mountpoint} does not list {shown}")
 
 
 async def _first_answer(clients: list[AsyncNodeClient]) -> None:
@@ -164,7 +228,6 @@ def run_mount(
         error = ERRORS_BY_EXIT_CODE.get(int(code) if code.isdigit() else 0, MountError)
         raise error(message.strip() or "the mount process died before the mount was ready")
     os.close(read_fd)
-    os.setsid()
     _redirect_stdio(log_file)
 
     def ready() -> None:
@@ -173,7 +236,10 @@ def run_mount(
 
     status = 0
     try:
-        trio.run(serve_mount, path, settings, dataset, opts, ready)
+        # A session of its own only once mounted, as libfuse daemonizes after fuse_mount: an
+        # automounter (systemd for x-systemd.automount) runs mount(8) in its own process
+        # group, the one autofs lets through the mountpoint while the mount it awaits is made.
+        trio.run(serve_mount, path, settings, dataset, opts, ready, os.setsid)
     except KSpeedError as e:
         _report(write_fd, f"{e.exit_code} {e}")
         status = e.exit_code
@@ -204,6 +270,8 @@ def _redirect_stdio(log_file: str | None) -> None:
 
 
 def unmount(mountpoint: str, lazy: bool = False) -> None:
+    """Unmount; unless `lazy`, return only once the mount's process has ended, so that a mount
+    made right after never meets the old process's teardown."""
     path = Path(mountpoint)
     if not kspeedfs_mounted(path):  # mountinfo, not stat: a stale mount fails every stat
         raise MountError(f"not a kspeedfs mount: {path}")
@@ -216,3 +284,5 @@ def unmount(mountpoint: str, lazy: bool = False) -> None:
         raise MountError(
             done.stderr.strip().splitlines()[-1] if done.stderr.strip() else "unmount failed"
         )
+    if not lazy:  # a lazily detached mount serves its open files on: its process may stay
+        mountlock.wait_released(path, UMOUNT_WAIT)

@@ -7,12 +7,13 @@ import logging
 import sys
 from typing import Any
 
+from kspeedfs.client.admin import connect_within
 from kspeedfs.format.config import load_settings
 from kspeedfs.format.errors import InvalidArgument, KSpeedError
 from kspeedfs.format.names import validate_name
 from kspeedfs.fuse.mount import ALLOWED_OPTIONS, check_mountpoint, fuse_options, run_mount
 from kspeedfs.system.logs import setup_logging
-from kspeedfs.system.mountinfo import is_stale, lazy_unmount, mount_at
+from kspeedfs.system.mountinfo import clear_stale
 
 # mount(8)'s exit codes, which it passes on from its helpers.
 EXIT_USAGE = 1
@@ -142,14 +143,21 @@ def _mount(args: argparse.Namespace) -> int:
             "timeout": values.get("timeout"),
         },
         config_file=values.get("config"),
+        cli_origin="mount options",
+        cli_names={key: f"{key}=" for key in VALUE_OPTIONS},
     )
     if args.fake:
         check_mountpoint(args.mountpoint)
         fuse_options(fuse)
         return 0
-    _clear_stale(args.mountpoint)
-    # Returns once the kernel serves the mount from a background process; fails before
-    # mounting anything when the node, the token or the dataset is not right.
+    # After a crash, `mount DIR` should just work; a live mount there is refused, not replaced.
+    if clear_stale(args.mountpoint):
+        log.info("cleared the stale kspeedfs mount at %s", args.mountpoint)
+    # mount(8) may run while the node is still starting (`mount -a` at boot, an fstab line
+    # without x-systemd.after=): give it the timeout to answer.
+    connect_within(settings, settings.timeout).close()
+    # Returns once the datasets answer at the mountpoint, served by a background process;
+    # fails before mounting anything when the node, the token or the dataset is not right.
     run_mount(
         args.mountpoint,
         settings,
@@ -159,14 +167,6 @@ def _mount(args: argparse.Namespace) -> int:
         log_file=values.get("log_file"),
     )
     return 0
-
-
-def _clear_stale(mountpoint: str) -> None:
-    """After a crash, `mount DIR` should just work: drop the dead kspeedfs mount left there."""
-    entry = mount_at(mountpoint)
-    if entry is not None and entry.is_kspeedfs and is_stale(mountpoint):
-        log.info("clearing the stale kspeedfs mount at %s", mountpoint)
-        lazy_unmount(mountpoint)
 
 
 if __name__ == "__main__":

@@ -40,12 +40,12 @@ class AsyncNodeClient:
     def __init__(
         self,
         address: Address,
-        token_file: Path,
+        credential: Path | auth.UserLogin,  # a token file, or a user and password
         timeout: float = 10.0,
         tls: ssl.SSLContext | None = None,
     ):
         self.address = address
-        self.token_file = token_file
+        self.credential = credential
         self.timeout = timeout
         self.tls = tls
         self.role = ""
@@ -68,7 +68,7 @@ class AsyncNodeClient:
     async def _connect(self) -> trio.abc.Stream:
         if self._stream is not None:
             return self._stream
-        handshake = ClientHandshake(auth.read_token(self.token_file), str(self.address))
+        token = auth.secret(self.credential)
         self.role = ""
         try:
             with trio.fail_after(self.timeout):
@@ -87,6 +87,7 @@ class AsyncNodeClient:
         self._decoder = protocol.FrameDecoder()
         self.stats["connects"] += 1
         try:
+            handshake = ClientHandshake(token, str(self.address), secure.channel(stream))
             with trio.fail_after(self.timeout):
                 hello = self._check(await self._receive(), MsgType.HELLO).json()
                 await stream.send_all(handshake.answer(hello))

@@ -29,12 +29,12 @@ class NodeClient:
     def __init__(
         self,
         address: Address,
-        token_file: Path,
+        credential: Path | auth.UserLogin,  # a token file, or a user and password
         timeout: float = 10.0,
         tls: ssl.SSLContext | None = None,
     ):
         self.address = address
-        self.token_file = token_file
+        self.credential = credential
         self.timeout = timeout
         self.tls = tls
         self.role = ""
@@ -53,7 +53,7 @@ class NodeClient:
     def connect(self) -> None:
         if self._sock is not None:
             return
-        token = auth.read_token(self.token_file)
+        token = auth.secret(self.credential)
         self.role = ""
         try:
             sock = socket.create_connection(
@@ -67,8 +67,8 @@ class NodeClient:
         if self.tls is not None:
             sock = secure.wrap_socket(sock, self.tls, self.address)
         self._sock = sock
-        handshake = ClientHandshake(token, str(self.address))
         try:
+            handshake = ClientHandshake(token, str(self.address), secure.channel(sock))
             self._send(handshake.answer(self._receive_json(HANDSHAKE_ID, MsgType.HELLO)))
             self.role = handshake.check(self._receive_json(HANDSHAKE_ID, MsgType.RESPONSE))
             self.node = handshake.node

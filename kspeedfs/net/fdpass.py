@@ -1,14 +1,17 @@
-"""Segment descriptors over the node's local Unix socket (SCM_RIGHTS), after an HMAC handshake.
+"""Segment descriptors over the node's local Unix socket (SCM_RIGHTS), after a mutual handshake.
 
 Segments are readable by the node's uid and group only. A local reader outside that group
-asks the node instead: it proves a token (the same challenge-response as over TCP), names a
-dataset instance, and gets the manifest's and the segments' open descriptors, which it maps as
-if it had opened them. SOCK_SEQPACKET keeps each message and its descriptors together.
+asks the node instead: it checks that the socket is served by the node's uid (SO_PEERCRED:
+root, its own uid or `node_user`), proves a token (the challenge-response of TCP, bound to this
+channel), names a dataset instance, and gets the manifest's and the segments' open descriptors,
+which it maps as if it had opened them, once the node has proved that it holds the token too.
+SOCK_SEQPACKET keeps each message and its descriptors together.
 
 Messages are JSON objects, one per packet:
     node   -> {"nonce": HEX}
-    client -> {"role": ROLE, "mac": HEX, "name": NAME, "uuid": UUID}
-    node   -> {"error": KIND, "message": TEXT}  or  {"segments": N} + the manifest's fd
+    client -> {"role": ROLE, "nonce": HEX, "mac": HEX, "name": NAME, "uuid": UUID}
+    node   -> {"error": KIND, "message": TEXT}
+              or {"segments": N, "mac": HEX} + the manifest's fd
     node   -> {"segs": [K, ...]} + their fds, until N segments were sent
 """
 
@@ -16,12 +19,13 @@ from __future__ import annotations
 
 import json
 import os
+import pwd
 import socket
 import struct
 from pathlib import Path
 from typing import Any
 
-from kspeedfs.format import auth
+from kspeedfs.format import auth, users
 from kspeedfs.format.errors import (
     AuthError,
     DataError,
@@ -69,8 +73,36 @@ def peer_credentials(sock: socket.socket) -> tuple[int, int, int]:
     return pid, uid, gid
 
 
+def node_uids(node_user: str) -> set[int]:
+    """The uids a client trusts to serve the node's socket: root, its own, and `node_user`'s."""
+    uids = {0, os.geteuid()}
+    if node_user.isdigit():
+        uids.add(int(node_user))
+    elif node_user:
+        try:
+            uids.add(pwd.getpwnam(node_user).pw_uid)
+        except KeyError:
+            raise AuthError(f"node_user {node_user!r} is no user on this machine") from None
+    return uids
+
+
+def check_server(sock: socket.socket, path: Path, node_user: str) -> None:
+    """Refuse a socket that is not served by the node's uid: anyone could have bound it."""
+    _pid, uid, _gid = peer_credentials(sock)
+    if uid not in node_uids(node_user):
+        raise AuthError(
+            f"refusing the node socket {path}: it is served by uid {uid}, not by the node's"
+            " (root, this uid or node_user)"
+        )
+
+
 def attach(
-    path: Path, token: str, name: str, uuid: str, timeout: float = 10.0
+    path: Path,
+    token: str | auth.UserLogin,
+    name: str,
+    uuid: str,
+    timeout: float = 10.0,
+    node_user: str = "",
 ) -> tuple[int, dict[int, int]]:
     """(manifest fd, {segment: fd}) of a dataset instance, from the node's socket at path."""
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
@@ -80,13 +112,33 @@ def attach(
             sock.connect(os.fspath(path))
         except OSError as e:
             raise NodeUnreachable(f"no node socket at {path} ({e.strerror or e})") from None
+        check_server(sock, path, node_user)  # before any answer: a squatter learns nothing
         hello, _ = receive(sock)
-        nonce = bytes.fromhex(str(hello.get("nonce", "")))
-        role = auth.token_role(token)
-        send(sock, {"role": role, "mac": auth.respond(token, nonce), "name": name, "uuid": uuid})
+        if "error" in hello:  # the node's socket is busy
+            raise error_from_wire(str(hello["error"]), str(hello.get("message", "")))
+        node_nonce = auth.parse_nonce(hello.get("nonce"))
+        if isinstance(token, auth.UserLogin):
+            key = users.login_key(token, hello.get("realm"))
+            answer, nonce = auth.user_answer(key, token.user, auth.FD_SOCKET, node_nonce)
+
+            def proved(mac: object) -> bool:
+                return auth.verify_node_user(
+                    key, token.user, auth.FD_SOCKET, node_nonce, nonce, mac
+                )
+        else:
+            answer, nonce = auth.client_answer(token, auth.FD_SOCKET, node_nonce)
+
+            def proved(mac: object) -> bool:
+                return auth.verify_node(token, auth.FD_SOCKET, node_nonce, nonce, mac)
+
+        send(sock, {**answer, "name": name, "uuid": uuid})
         head, fds = receive(sock, 1)
         if "error" in head:
             raise error_from_wire(str(head["error"]), str(head.get("message", "")))
+        if not proved(head.get("mac")):
+            for fd in fds:
+                os.close(fd)
+            raise AuthError(f"the node socket {path} did not prove that it holds the token")
         if len(fds) != 1:
             raise ProtocolError("the node sent no manifest descriptor")
         manifest_fd, segments = fds[0], dict[int, int]()
@@ -112,11 +164,3 @@ def attach(
 
 def refuse(sock: socket.socket, exc: KSpeedError) -> None:
     send(sock, {"error": type(exc).__name__, "message": str(exc)})
-
-
-def check_auth(admin_token: str, nonce: bytes, msg: dict[str, Any]) -> str:
-    """The role the client proved; AuthError when it proved none."""
-    role = msg.get("role")
-    if not auth.verify(admin_token, nonce, role, msg.get("mac")):
-        raise AuthError("authentication refused: wrong cluster token")
-    return str(role)

@@ -3,7 +3,11 @@
 The node accepts plain TCP and starts TLS itself, so that a client without TLS gets a one-line
 answer in the plain framing it speaks ("this node accepts TLS connections only") instead of a
 silent wait: a TLS client speaks first (its ClientHello, a handshake record, byte 0x16) while a
-plain kspeedfs client waits for the node's HELLO. The HMAC token handshake runs inside TLS.
+plain kspeedfs client waits for the node's HELLO. The HMAC token handshake runs inside TLS and
+is bound to it by the connection's tls-unique value: Python's ssl offers no other channel
+binding (no RFC 9266 exporter), and under TLS 1.3 it is the client's Finished message, an HMAC
+over the whole handshake transcript, so it differs on every connection and a relay that runs
+TLS with each end separately gets two different ones.
 """
 
 from __future__ import annotations
@@ -13,7 +17,7 @@ import ssl
 
 import trio
 
-from kspeedfs.format import protocol
+from kspeedfs.format import auth, protocol
 from kspeedfs.format.errors import AuthError, KSpeedError, NodeUnreachable
 from kspeedfs.format.protocol import MsgType
 from kspeedfs.format.tls import reason
@@ -24,6 +28,16 @@ TLS_HANDSHAKE_RECORD = 0x16
 # client sends it right after connecting.
 CLIENT_HELLO_WAIT = 3.0
 PLAIN_REFUSAL = "accepts TLS connections only: set tls_cert, tls_key and tls_ca"
+
+
+def channel(conn: object) -> str:
+    """The label a token handshake on this connection is bound to: its TLS binding, or TCP."""
+    if not isinstance(conn, (ssl.SSLSocket, trio.SSLStream)):
+        return auth.TCP
+    binding = conn.get_channel_binding("tls-unique")
+    if not binding:
+        raise AuthError("TLS gave no channel binding to authenticate over")
+    return auth.tls_channel(binding)
 
 
 def client_error(address: Address, e: BaseException, authenticated: bool) -> KSpeedError:

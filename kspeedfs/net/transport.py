@@ -38,7 +38,7 @@ class TcpTransport:
     def __init__(self, address: Address, settings: Settings):
         self.address = address
         self.client = NodeClient(
-            address, settings.token_file, settings.timeout, tls=client_context(settings)
+            address, settings.credential(), settings.timeout, tls=client_context(settings)
         )
 
     def read_into(self, dataset: str, instance: str, ranges: list[Range], out: memoryview) -> None:

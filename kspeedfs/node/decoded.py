@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import dataclasses
+import functools
 import io
 import logging
 import mmap
@@ -335,7 +336,10 @@ class DecodedVariants:
         fill.undecodable = len(files) - len(planned)
         fill.files_done = fill.undecodable  # no header: nothing to decode
         fill.bytes_total = sum(seg_len) + fmt.index_bytes(m.entries)
-        self.store.reserve(variant_key(fill.name, fill.size), fill.bytes_total)
+        allocated = [0]  # the variant's files are allocated here, before any decoding
+        self.store.reserve(
+            variant_key(fill.name, fill.size), fill.bytes_total, written=lambda: allocated[0]
+        )
         try:
             fill.folder.mkdir(mode=0o750)
             (fill.folder / fmt.SEGMENT_DIR).mkdir(mode=0o750)
@@ -345,6 +349,7 @@ class DecodedVariants:
                 try:
                     if length:
                         os.posix_fallocate(fd, 0, length)  # memory claimed now: ENOSPC now
+                        allocated[0] += length
                 finally:
                     os.close(fd)
             header = {"uuid": fill.uuid, "name": fill.name, "size": fill.size, "entries": m.entries}
@@ -490,7 +495,9 @@ class DecodedVariants:
                 fill.undecodable = counts["undecodable"]
                 fill.bytes_total = nbytes
                 fill.finished.set()
-                self.store.reserve(variant_key(name, size), nbytes)
+                # Found complete: all of it is on the filesystem.
+                on_disk = functools.partial(int, nbytes)
+                self.store.reserve(variant_key(name, size), nbytes, written=on_disk)
                 self.fills[(name, size)] = fill
                 log.info("found decoded variant %s@%d: %s", name, size, format_size(nbytes))
             except (KSpeedError, OSError, ValueError) as e:

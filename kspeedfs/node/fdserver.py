@@ -1,14 +1,15 @@
-"""The node's local Unix socket: hands segment descriptors to authenticated local readers.
+"""The node's fd passing: hands segment descriptors to authenticated local readers.
 
-Runs in its own threads (a blocking accept loop, one short-lived thread per reader with a
-timeout), beside the trio server: the work is a few syscalls per reader, once per process.
-Who gets a dataset's descriptors: a client that proves a token (any role) and, with
-`access = "source"`, whose uid (with the groups the kernel reports for it) the dataset's root
-folder lets in (r-x), by the modes and owners the manifest recorded at preload. It then gets the
-segments that hold only files it could read at the source (read on the file, search on the
-folders above it): a segment packs many files, so one that also holds a file the uid could not
-read is not passed, and the reader's policy reads those files elsewhere (another node over TCP,
-where the token decides, or the source itself, where the source's own permissions do).
+The socket and its connections are fdsocket's (bound where only the node's uid can, a selector
+thread and a small pool, bounded per uid); this decides what a reader gets, a few syscalls per
+reader, once per process. Who gets a dataset's descriptors: a client that proves a token (any
+role) and, with `access = "source"`, whose uid (with the groups the kernel reports for it) the
+dataset's root folder lets in (r-x), by the modes and owners the manifest recorded at preload.
+It then gets the segments that hold only files it could read at the source (read on the file,
+search on the folders above it): a segment packs many files, so one that also holds a file the
+uid could not read is not passed, and the reader's policy reads those files elsewhere (another
+node over TCP, where the token decides, or the source itself, where the source's own
+permissions do).
 `access = "open"`: every segment to every token holder.
 """
 
@@ -17,21 +18,20 @@ from __future__ import annotations
 import logging
 import os
 import pwd
-import secrets
 import socket
-import stat
 import struct
 import threading
 from pathlib import Path
+from typing import Any
 
+from kspeedfs.format import auth, users
 from kspeedfs.format.errors import AuthError, KSpeedError, NotFound, StaleDataset
 from kspeedfs.format.localdata import LocalDataset
 from kspeedfs.net import fdpass
+from kspeedfs.node import fdsocket
 from kspeedfs.node.store import SegmentStore
 
 log = logging.getLogger(__name__)
-
-TIMEOUT = 10.0
 
 
 SO_PEERGROUPS = getattr(socket, "SO_PEERGROUPS", 59)  # Linux >= 4.13
@@ -60,88 +60,94 @@ def passable_segments(ds: LocalDataset, uid: int, groups: list[int]) -> list[int
 
 
 class FdServer:
-    def __init__(self, store: SegmentStore, path: Path, access: str):
+    def __init__(
+        self,
+        store: SegmentStore,
+        path: Path,
+        access: str,
+        timeout: float,
+        known: users.UsersFile,
+    ):
         self.store = store
+        self.users = known
         self.path = path
         self.access = access
+        self.timeout = timeout
         self.token = ""
-        self.stats = {"attached": 0, "refused": 0}
-        self._sock: socket.socket | None = None
+        self._served = {"attached": 0, "refused": 0}
+        self._count = threading.Lock()  # the pool's threads count alike
+        self._listener: fdsocket.LocalListener | None = None
+        self._bound: tuple[int, int] | None = None  # (st_dev, st_ino) of the socket we bound
+
+    @property
+    def stats(self) -> dict[str, int]:
+        listener = self._listener.stats if self._listener is not None else {}
+        return {**self._served, **listener}
 
     def start(self, token: str) -> None:
-        """Bind the socket (replacing a stale one of ours) and serve in a daemon thread; a path
-        held by someone else is logged and fd passing stays off."""
+        """Bind the socket and serve it; InvalidArgument (one line) when its path is held by
+        another uid or lies where others could bind it first."""
         self.token = token
-        try:
-            st = os.lstat(self.path)
-            if stat.S_ISSOCK(st.st_mode) and st.st_uid == os.geteuid():
-                os.unlink(self.path)
-        except FileNotFoundError:
-            pass
-        sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-        try:
-            sock.bind(os.fspath(self.path))
-            os.chmod(self.path, 0o666)  # anyone may ask; only a token gets an answer
-            sock.listen(64)
-        except OSError as e:
-            sock.close()
-            log.error("no local fd passing: cannot listen on %s: %s", self.path, e)
-            return
-        self._sock = sock
-        threading.Thread(target=self._accept, name="fdserver", daemon=True).start()
+        sock = fdsocket.bind(self.path)
+        st = os.stat(self.path)
+        self._bound = (st.st_dev, st.st_ino)
+        self._listener = fdsocket.LocalListener(sock, self._serve, self.timeout, self.greeting)
         log.info("passing segment descriptors on %s (access %s)", self.path, self.access)
 
     def close(self) -> None:
-        if self._sock is not None:
-            self._sock.close()
-            self._sock = None
-            try:
+        if self._listener is None:
+            return
+        self._listener.close()
+        self._listener = None
+        try:
+            st = os.lstat(self.path)
+            if (st.st_dev, st.st_ino) == self._bound:
                 os.unlink(self.path)
-            except OSError:
-                pass
+        except OSError:
+            pass
 
-    def _accept(self) -> None:
-        while self._sock is not None:
-            try:
-                conn, _ = self._sock.accept()
-            except OSError:
-                return  # closed
-            threading.Thread(target=self._serve, args=(conn,), daemon=True).start()
-
-    def _serve(self, conn: socket.socket) -> None:
-        conn.settimeout(TIMEOUT)
+    def greeting(self) -> dict[str, Any]:
         try:
-            with conn:
-                self._answer(conn)
+            realm = self.users.realm()
+        except KSpeedError as e:  # a damaged users file: token holders are still served
+            log.warning("%s", e)
+            realm = None
+        return {"realm": realm} if realm else {}
+
+    def _serve(self, peer: fdsocket.Peer, msg: dict[str, Any]) -> None:
+        try:
+            self._answer(peer, msg)
         except (OSError, KSpeedError) as e:
-            self.stats["refused"] += 1
+            with self._count:
+                self._served["refused"] += 1
             log.info("local reader refused: %s", e)
-        except Exception:
-            log.exception("unexpected error on the local socket")
 
-    def _answer(self, conn: socket.socket) -> None:
-        _pid, uid, gid = fdpass.peer_credentials(conn)
-        nonce = secrets.token_bytes(32)
-        fdpass.send(conn, {"nonce": nonce.hex()})
-        msg, _ = fdpass.receive(conn)
+    def _answer(self, peer: fdsocket.Peer, msg: dict[str, Any]) -> None:
+        conn, uid = peer.sock, peer.uid
         try:
-            role = fdpass.check_auth(self.token, nonce, msg)
+            role, proof = users.authenticate(
+                self.token, self.users, auth.FD_SOCKET, peer.nonce, msg
+            )
             ds, segs = self._dataset(
-                str(msg.get("name", "")), str(msg.get("uuid", "")), uid, peer_groups(conn, uid, gid)
+                str(msg.get("name", "")),
+                str(msg.get("uuid", "")),
+                uid,
+                peer_groups(conn, uid, peer.gid),
             )
         except KSpeedError as e:
             fdpass.refuse(conn, e)
             raise
         fds = self._open_all(ds, segs)
         try:
-            fdpass.send(conn, {"segments": len(fds) - 1}, fds[:1])
+            fdpass.send(conn, {"segments": len(fds) - 1, "mac": proof}, fds[:1])
             for k in range(0, len(segs), fdpass.FDS_PER_MESSAGE):
                 part = segs[k : k + fdpass.FDS_PER_MESSAGE]
                 fdpass.send(conn, {"segs": part}, fds[1 + k : 1 + k + len(part)])
         finally:
             for fd in fds:
                 os.close(fd)
-        self.stats["attached"] += 1
+        with self._count:
+            self._served["attached"] += 1
         log.debug(
             "passed %s to uid %d (%s role): %d of %d held segments",
             ds.path.name, uid, role, len(segs), len(ds.held),

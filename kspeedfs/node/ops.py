@@ -1,14 +1,22 @@
-"""The node's operations, each registered by its owner together with the role it needs."""
+"""The node's operations, each registered by its owner together with the role it needs, and
+the one dispatcher that makes whatever a handler raises an answer."""
 
 from __future__ import annotations
 
+import contextlib
 import contextvars
 import dataclasses
-from collections.abc import Awaitable, Callable
+import logging
+from collections.abc import Awaitable, Callable, Iterator
 from typing import Any
 
 from kspeedfs.format.auth import ROLES, allows
-from kspeedfs.format.errors import AuthError, InvalidArgument
+from kspeedfs.format.errors import AuthError, InternalError, InvalidArgument, KSpeedError
+
+log = logging.getLogger(__name__)
+
+# An answer's message is one line of at most this many characters.
+MESSAGE_LIMIT = 500
 
 Handler = Callable[[dict[str, Any]], Awaitable[dict[str, Any]]]
 
@@ -37,6 +45,46 @@ def str_field(msg: dict[str, Any], key: str, default: str = "") -> str:
     if not isinstance(value, str):
         raise InvalidArgument(f"{key} must be a string, not {type(value).__name__}")
     return value
+
+
+def one_line(text: str) -> str:
+    """`text` as one line of at most MESSAGE_LIMIT characters (an error reply's message)."""
+    flat = " ".join(text.split())
+    return flat if len(flat) <= MESSAGE_LIMIT else flat[: MESSAGE_LIMIT - 3] + "..."
+
+
+def refusal(exc: BaseException) -> KSpeedError | None:
+    """`exc` when it is a KSpeedError, the first one of an exception group whose every leaf
+    is one (a nursery's failure that was a refusal keeps its class and exit code); None for
+    anything unplanned."""
+    if isinstance(exc, KSpeedError):
+        return exc
+    if not isinstance(exc, BaseExceptionGroup):
+        return None
+    leaves = [refusal(e) for e in exc.exceptions]
+    return leaves[0] if leaves and all(leaves) else None
+
+
+@contextlib.contextmanager
+def answering(what: str) -> Iterator[None]:
+    """Only a KSpeedError leaves the block: a request with a field missing or of the wrong
+    type is refused as InvalidArgument; anything else unexpected is an InternalError in one
+    line, logged here once with its traceback. `what` names the op in both."""
+    try:
+        yield
+    except KSpeedError:
+        raise
+    except Exception as e:
+        leaf = refusal(e)
+        if leaf is not None:
+            raise leaf from None
+        if isinstance(e, (KeyError, TypeError, ValueError)):
+            log.info("refused a malformed request to %s: %r", what, e)
+            raise InvalidArgument(one_line(f"malformed request to {what}: {e!r}")) from None
+        log.exception("internal error in %s", what)
+        raise InternalError(
+            one_line(f"internal error in {what}: {type(e).__name__}: {e}")
+        ) from None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -74,6 +122,21 @@ class OpRegistry:
         if not allows(role, op.role):
             raise AuthError(f"{op.name} needs the {op.role} role; this client has {role}")
         return op.handler
+
+    async def dispatch(self, msg: object, role: str) -> dict[str, Any]:
+        """A client's request answered: its op's result, or a KSpeedError (nothing else)."""
+        if not isinstance(msg, dict):
+            raise InvalidArgument("a request must be a JSON object")
+        name = msg.get("op")
+        handler = self.authorize(name, role)
+        with answering(f"op {name}"):
+            return await handler(msg)
+
+    async def call(self, name: str, msg: dict[str, Any]) -> dict[str, Any]:
+        """A call from inside the node, answered as a client's would be (no role to check)."""
+        handler = self.handler(name)
+        with answering(f"op {name}"):
+            return await handler(msg)
 
     def names(self, role: str | None = None) -> list[str]:
         """Every op, or those registered with `role`."""

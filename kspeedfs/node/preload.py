@@ -45,7 +45,7 @@ from kspeedfs.format.tree import Tree
 from kspeedfs.format.units import format_size
 from kspeedfs.node import meta as metafiles
 from kspeedfs.node import sourceio
-from kspeedfs.node.ops import ADMIN, OpRegistry
+from kspeedfs.node.ops import ADMIN, OpRegistry, int_field, str_field
 from kspeedfs.node.peers import Call
 from kspeedfs.node.store import SegmentStore
 from kspeedfs.sources.loader import (
@@ -107,6 +107,11 @@ class Stage:
     stored: int = 0
     last_contact: float = dataclasses.field(default_factory=time.monotonic)
 
+    def written(self) -> int:
+        """Bytes of its reservation on the filesystem already (at least: a segment is
+        allocated before it is filled)."""
+        return self.progress.bytes_done
+
 
 class Stager:
     """A member's side: stage its segments, then take the manifest, then commit or abort."""
@@ -119,11 +124,14 @@ class Stager:
         self._planned: dict[str, Tree] = {}
         self._nursery: trio.Nursery | None = None
         self.loaded = {"segments": 0, "bytes": 0}  # what this node loaded from sources
+        # Admission: preload uuid -> when its part was claimed here (its stage takes it over).
+        self.claims: dict[str, float] = {}
         self.metafiles = metafiles.MetaIndexes(store, self._get)
 
     def register_ops(self, ops: OpRegistry) -> None:
         """The member's side of a preload: only a coordinator (an admin) drives it."""
         for name, handler in (
+            ("stage_claim", self.op_stage_claim),
             ("stage", self.op_stage),
             ("stage_status", self.op_stage_status),
             ("stage_result", self.op_stage_result),
@@ -160,14 +168,32 @@ class Stager:
         stage.last_contact = time.monotonic()
         return stage
 
-    async def op_stage(self, msg: dict[str, Any]) -> dict[str, Any]:
-        name = validate_name(msg.get("name", ""))
-        source = str(msg.get("source", ""))
+    def _check_absent(self, name: str) -> None:
         if name in self.store.datasets:
             raise AlreadyExists(f"dataset {name!r} is already loaded on {self.address}")
         current = self.stages.get(name)
         if current is not None and current.progress.state != "failed":
             raise AlreadyExists(f"dataset {name!r} is already loading on {self.address}")
+
+    async def op_stage_claim(self, msg: dict[str, Any]) -> dict[str, Any]:
+        """Admission: claim this member's part of a preload (NoSpace when it cannot fit)
+        before any member loads; its stage takes the claim over, an abort gives it back."""
+        name = validate_name(msg.get("name", ""))
+        uuid = str_field(msg, "uuid")
+        self._check_absent(name)
+        if uuid not in self.claims:
+            self.store.reserve(_claim(uuid), int_field(msg, "bytes", 0))
+        self.claims[uuid] = time.monotonic()
+        return {"node": self.address}
+
+    def _drop_claim(self, uuid: str) -> None:
+        if self.claims.pop(uuid, None) is not None:
+            self.store.release(_claim(uuid))
+
+    async def op_stage(self, msg: dict[str, Any]) -> dict[str, Any]:
+        name = validate_name(msg.get("name", ""))
+        source = str(msg.get("source", ""))
+        self._check_absent(name)
         if msg.get("push"):
             return await self._stage_for_push(name, msg)
         segment_size = int(msg["segment_size"])
@@ -192,7 +218,7 @@ class Stager:
                 raise InvalidArgument("segment number out of range")
             held_bytes = sum(seg_len[k] for k in stage.held)
             stage.stored = held_bytes + manifest_size_estimate(tree) + int(msg.get("meta_bytes", 0))
-            self.store.reserve(name, stage.stored)
+            self._take_claim(stage)
         except BaseException:
             self.stages.pop(name, None)
             raise
@@ -209,6 +235,8 @@ class Stager:
 
     async def _stage_for_push(self, name: str, msg: dict[str, Any]) -> dict[str, Any]:
         """Allocate the held segments; the coordinator then writes them with stage_put."""
+        if not isinstance(msg.get("seg_len"), dict):
+            raise InvalidArgument("seg_len must be an object of segment -> length")
         seg_len = {int(k): int(v) for k, v in msg["seg_len"].items()}
         if any(k < 0 or v < 0 for k, v in seg_len.items()):
             raise InvalidArgument("negative segment number or length")
@@ -217,7 +245,7 @@ class Stager:
         stage = Stage(name, str(msg["uuid"]), progress.source, sorted(seg_len), progress)
         stage.stored = progress.bytes_total + int(msg.get("manifest_estimate", 0))
         stage.stored += int(msg.get("meta_bytes", 0))
-        self.store.reserve(name, stage.stored)
+        self._take_claim(stage)
         self.stages[name] = stage
         try:
             stage.staging = await trio.to_thread.run_sync(self.store.new_staging, name)
@@ -229,6 +257,14 @@ class Stager:
                 raise DataError(f"cannot allocate staging on {self.address}: {e}") from None
             raise
         return {"node": self.address, "segments": len(seg_len), "bytes": progress.bytes_total}
+
+    def _take_claim(self, stage: Stage) -> None:
+        """Reserve the stage's bytes in place of its preload's admission claim (none when the
+        coordinator made none): they were claimed already, so this fits."""
+        self.store.reserve(
+            stage.name, stage.stored, written=stage.written, instead_of=_claim(stage.uuid)
+        )
+        self.claims.pop(stage.uuid, None)
 
     async def op_stage_put(self, msg: dict[str, Any]) -> dict[str, Any]:
         stage = self._get(msg)
@@ -345,6 +381,7 @@ class Stager:
 
     async def op_abort(self, msg: dict[str, Any]) -> dict[str, Any]:
         name = validate_name(msg.get("name", ""))
+        self._drop_claim(str(msg.get("uuid")))
         stage = self.stages.get(name)
         if stage is not None and stage.uuid == msg.get("uuid"):
             # A loading thread sees the cancel and cleans up after itself; otherwise we do.
@@ -359,10 +396,19 @@ class Stager:
         while True:
             await trio.sleep(STAGE_IDLE_TIMEOUT / 10)
             now = time.monotonic()
+            for uuid, claimed in list(self.claims.items()):
+                if now - claimed > STAGE_IDLE_TIMEOUT:
+                    log.warning("giving back the claim of preload %s: it never started", uuid)
+                    self._drop_claim(uuid)
             for stage in list(self.stages.values()):
                 if now - stage.last_contact > STAGE_IDLE_TIMEOUT:
                     log.warning("dropping %s: its coordinator stopped calling", stage.name)
                     await self.op_abort({"name": stage.name, "uuid": stage.uuid})
+
+
+def _claim(uuid: str) -> str:
+    """The store's name of a preload's admission claim (no dataset name has a colon)."""
+    return f"claim:{uuid}"
 
 
 def _allocate(staging: Path, seg_len: dict[int, int]) -> None:
@@ -505,6 +551,18 @@ async def start_stages(plan: Plan, call: Call) -> set[str]:
         except KSpeedError as e:
             errors.append(e)
 
+    # Admission: each member's part claimed one member at a time, in the one order every
+    # coordinator uses. Claimed all at once, two preloads that do not both fit could each get
+    # one member and lose the other (both refused); in one order, the first to claim a member
+    # is ahead of the other on every member after it.
+    try:
+        for member in sorted(plan.members):
+            held = sum(seg_len[k] for k in plan.assignment[member])
+            part = held + manifest_size_estimate(plan.tree) + meta_bytes
+            await call(member, "stage_claim", {**ident, "bytes": part})
+    except KSpeedError:
+        await rollback(plan, call)
+        raise
     async with trio.open_nursery() as nursery:
         for member in plan.members:
             nursery.start_soon(start, member)

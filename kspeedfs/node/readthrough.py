@@ -148,9 +148,7 @@ class ReadThroughCache:
         self.fill_wait = max(1.0, self.settings.timeout / 2)
         self.spill: SpillArea | None = None
         spill_dir, spill_budget = self.settings.spill_dir, parse_size(self.settings.spill)
-        if (spill_dir is None) != (spill_budget == 0):
-            raise InvalidArgument("--spill-dir and --spill SIZE go together")
-        if spill_dir is not None:
+        if spill_dir is not None:  # with its budget: load_settings checks that they go together
             self.spill = SpillArea(Path(spill_dir), spill_budget)
         self._nursery: trio.Nursery | None = None
         self.cluster: ClusterCatalog | None = None  # etcd: the catalog places the segments

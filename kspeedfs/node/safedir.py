@@ -62,15 +62,7 @@ def open_owned_dir(path: Path, gid: int) -> int:
             os.mkdir(folder, 0o750 if folder != path else 0o700)
         except FileExistsError:
             pass  # made meanwhile: checked below like any other
-    # Folders above: a shared sticky one owned by root (/dev/shm, /tmp) is fine; a symlink
-    # among them must be root's or ours, and so must what it points to.
-    for above in path.parents:
-        link = os.lstat(above)
-        why = _unsafe(above, os.stat(above), uid, sticky_ok=True)
-        if not why and stat.S_ISLNK(link.st_mode) and link.st_uid not in (uid, 0):
-            why = f"is a symlink owned by uid {link.st_uid}"
-        if why:
-            raise InvalidArgument(f"refusing shm folder {path}: {above} {why}")
+    _check_above(path, uid, "shm folder")
     fd = _open_dir(path, path)
     try:
         st = os.fstat(fd)
@@ -88,6 +80,41 @@ def open_owned_dir(path: Path, gid: int) -> int:
         os.close(fd)
         raise
     return fd
+
+
+def _check_above(path: Path, uid: int, what: str) -> None:
+    """Refuse `path` when a folder above it could be changed by someone else: a shared sticky
+    one owned by root (/dev/shm, /tmp) is fine; a symlink among them must be root's or ours,
+    and so must what it points to."""
+    for above in path.parents:
+        link = os.lstat(above)
+        why = _unsafe(above, os.stat(above), uid, sticky_ok=True)
+        if not why and stat.S_ISLNK(link.st_mode) and link.st_uid not in (uid, 0):
+            why = f"is a symlink owned by uid {link.st_uid}"
+        if why:
+            raise InvalidArgument(f"refusing {what} {path}: {above} {why}")
+
+
+def check_socket_dir(path: Path) -> None:
+    """Make sure only the node's uid (or root) can create names in `path`, the folder of the
+    node's socket, so that nobody can bind the socket's path first: created 0755 when absent
+    (readers outside the group must reach the socket), refused in one line when it or a
+    folder above it could be changed by someone else."""
+    uid = os.geteuid()
+    path = Path(os.path.abspath(path))
+    missing = [p for p in [path, *path.parents] if not os.path.lexists(p)]
+    for folder in reversed(missing):
+        try:
+            os.mkdir(folder, 0o755)
+            os.chmod(folder, 0o755)  # whatever the umask
+        except FileExistsError:
+            pass  # made meanwhile: checked below like any other
+        except OSError as e:
+            raise InvalidArgument(f"cannot make socket folder {folder}: {e.strerror}") from None
+    _check_above(path, uid, "socket folder")
+    why = _unsafe(path, os.lstat(path), uid, sticky_ok=False)
+    if why:
+        raise InvalidArgument(f"refusing socket folder {path}: it {why}")
 
 
 def _open_dir(path: Path, shown: Path, dir_fd: int | None = None) -> int:

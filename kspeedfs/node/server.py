@@ -6,7 +6,6 @@ import base64
 import functools
 import logging
 import os
-import secrets
 import signal
 import time
 from pathlib import Path
@@ -14,11 +13,12 @@ from typing import Any
 
 import trio
 
-from kspeedfs.format import auth, protocol
+from kspeedfs.format import auth, protocol, users
 from kspeedfs.format.config import Settings
 from kspeedfs.format.errors import (
     AlreadyExists,
     AuthError,
+    InternalError,
     InvalidArgument,
     KSpeedError,
     NotFound,
@@ -38,7 +38,18 @@ from kspeedfs.node.leases import LeaseTable
 from kspeedfs.node.loads import LoadTable, failure_reason
 from kspeedfs.node.meta import AddedIndexes
 from kspeedfs.node.metrics import serve_metrics
-from kspeedfs.node.ops import ADMIN, JOB, READ, OpRegistry, caller_role, int_field, str_field
+from kspeedfs.node.ops import (
+    ADMIN,
+    JOB,
+    READ,
+    OpRegistry,
+    answering,
+    caller_role,
+    int_field,
+    one_line,
+    refusal,
+    str_field,
+)
 from kspeedfs.node.peers import PeerPool
 from kspeedfs.node.preload import (
     LOAD_ATTEMPTS,
@@ -63,6 +74,7 @@ MANIFEST_PIECE = 4 * 1024 * 1024
 # Small pieces are joined before sending: one copy is cheaper than one syscall each.
 COALESCE_BELOW = 256 * 1024
 TLS_PIECE = 256 * 1024
+Range = tuple[int, int, int]  # segment, offset, length
 
 
 def cluster_members(settings: Settings) -> list[str]:
@@ -103,10 +115,11 @@ class Connection:
 class NodeServer:
     def __init__(self, settings: Settings, rdma: RdmaService | None = None):
         self.settings = settings
+        # First: a token file that is refused (open to others, not UTF-8) starts nothing.
+        self.token = auth.ensure_token(settings.token_file)
         self.store = SegmentStore(settings.shm_dir, settings.memory_budget(), settings.group)
         self.loads = LoadTable()
         self.started = time.time()
-        self.token = ""
         self.port = settings.listen.port
         self.stats = {"connections": 0, "reads": 0, "read_bytes": 0, "refused": 0}
         self._nursery: trio.Nursery | None = None
@@ -130,7 +143,10 @@ class NodeServer:
         self.meta_indexes.register_ops(self.ops, self.call)
         self.rdma.register_ops(self.ops)
         self.cache.register_ops(self.ops)
-        self.fds = FdServer(self.store, settings.socket_path(), settings.access)
+        self.users = users.UsersFile(settings.users_path())
+        self.fds = FdServer(
+            self.store, settings.socket_path(), settings.access, settings.timeout, self.users
+        )
         # Control plane (etcd): membership, catalog, healing; None with a static node list.
         self.control: ControlPlane | None = None
         if settings.etcd:
@@ -165,7 +181,6 @@ class NodeServer:
         return f"{self.settings.listen.host}:{self.port}"
 
     async def run(self, task_status: trio.TaskStatus[int] = trio.TASK_STATUS_IGNORED) -> None:
-        self.token = auth.ensure_token(self.settings.token_file)
         await trio.to_thread.run_sync(self.store.recover, self.settings.verify_on_start)
         await trio.to_thread.run_sync(self.cache.recover)
         self.fds.start(self.token)
@@ -261,12 +276,10 @@ class NodeServer:
                 await stream.aclose()
 
     async def _handshake(self, conn: Connection) -> str | None:
-        nonce = secrets.token_bytes(32)
-        await conn.send_json(
-            MsgType.HELLO,
-            0,
-            {"version": protocol.VERSION, "node": self.address, "nonce": nonce.hex()},
-        )
+        nonce = auth.new_nonce()
+        channel = secure.channel(conn.stream)
+        hello = {"version": protocol.VERSION, "node": self.address, "nonce": nonce.hex()}
+        await conn.send_json(MsgType.HELLO, 0, {**hello, **self.fds.greeting()})
         with trio.move_on_after(HANDSHAKE_TIMEOUT):
             frame = await conn.receive()
             if frame is None:
@@ -279,19 +292,19 @@ class NodeServer:
                 msg = frame.json()
             except (ValueError, ProtocolError):
                 msg = None
-            if not isinstance(msg, dict):
-                msg = {}
-            role = msg.get("role")
-            if not auth.verify(self.token, nonce, role, msg.get("mac", "")):
-                self.stats["refused"] += 1
-                log.warning("refused a client with a wrong token (role %r)", str(role)[:16])
-                await conn.send_error(
-                    frame.request_id, AuthError("authentication refused: wrong cluster token")
+            try:
+                role, proof = users.authenticate(
+                    self.token, self.users, channel, nonce, msg if isinstance(msg, dict) else {}
                 )
+            except AuthError as e:
+                self.stats["refused"] += 1
+                who = msg.get("user", msg.get("role")) if isinstance(msg, dict) else None
+                log.warning("refused a client (%s; it named %r)", e, str(who)[:64])
+                await conn.send_error(frame.request_id, e)
                 return None
-            await conn.send_json(MsgType.RESPONSE, frame.request_id, {"role": role})
+            await conn.send_json(MsgType.RESPONSE, frame.request_id, {"role": role, "mac": proof})
             conn.decoder.max_payload = protocol.MAX_CONTROL_PAYLOAD
-            return str(role)
+            return role
         return None
 
     async def _serve(self, conn: Connection, role: str) -> None:
@@ -300,47 +313,47 @@ class NodeServer:
             frame = await conn.receive()
             if frame is None:
                 return
+            # Every frame gets an answer. Only a frame that cannot be read (ProtocolError
+            # here) ends the connection; a handler's failure of any kind, a ProtocolError of
+            # its own calls to other members included, is an error reply (ops.answering).
             try:
                 if frame.type == MsgType.REQUEST:
-                    msg = frame.json()
-                    if not isinstance(msg, dict):
-                        raise InvalidArgument("a request must be a JSON object")
-                    result = await self.ops.authorize(msg.get("op"), role)(msg)
-                    await conn.send_json(MsgType.RESPONSE, frame.request_id, result)
+                    request: Any = frame.json()
                 elif frame.type == MsgType.READ:
-                    await self._read(conn, frame)
+                    request = protocol.decode_read(frame.payload)
                 else:
                     raise ProtocolError(f"unexpected message type {frame.type.name}")
             except ProtocolError as e:
                 await conn.send_error(frame.request_id, e)
                 raise
+            try:
+                if frame.type == MsgType.REQUEST:
+                    result = await self.ops.dispatch(request, role)
+                    await conn.stream.send_all(_response(frame.request_id, result))
+                else:
+                    await self._read(conn, frame.request_id, *request)
             except KSpeedError as e:
                 if isinstance(e, (AuthError, InvalidArgument)):
                     self.stats["refused"] += 1
                 await conn.send_error(frame.request_id, e)
-            except (KeyError, TypeError, ValueError) as e:
-                # A request missing a field or with one of the wrong type: refuse it, stay up.
-                self.stats["refused"] += 1
-                log.info("refused a malformed request: %r", e)
-                await conn.send_error(
-                    frame.request_id, InvalidArgument(f"malformed request: {e!r}")
-                )
 
-    async def _read(self, conn: Connection, frame: protocol.Frame) -> None:
-        name, instance, ranges = protocol.decode_read(frame.payload)
-        ds = self.store.open(name)
-        if ds.uuid != instance:
-            raise StaleDataset(
-                f"dataset {name} on {self.address} is another instance than the one asked for"
-                " (unloaded and loaded again): not serving its bytes"
-            )
-        views = [ds.view(seg, off, n) for seg, off, n in ranges]
-        if name in self.cache.datasets:  # read-through: a remote hit keeps it in the LRU
-            self.cache.note_reads(name, [seg for seg, _off, _n in ranges])
+    async def _read(
+        self, conn: Connection, request_id: int, name: str, instance: str, ranges: list[Range]
+    ) -> None:
+        with answering(f"a read of {name}"):  # the sending below is the connection's
+            ds = self.store.open(name)
+            if ds.uuid != instance:
+                raise StaleDataset(
+                    f"dataset {name} on {self.address} is another instance than the one asked"
+                    " for (unloaded and loaded again): not serving its bytes"
+                )
+            views = [ds.view(seg, off, n) for seg, off, n in ranges]
+            if name in self.cache.datasets:  # read-through: a remote hit keeps it in the LRU
+                self.cache.note_reads(name, [seg for seg, _off, _n in ranges])
         total = sum(len(v) for v in views)
         self.stats["reads"] += 1
         self.stats["read_bytes"] += total
-        header = protocol.encode_header(MsgType.DATA, frame.request_id, total)
+        header = protocol.encode_header(MsgType.DATA, request_id, total)
         if total < COALESCE_BELOW:
             await conn.stream.send_all(b"".join([header, *views]))
         else:
@@ -506,7 +519,9 @@ class NodeServer:
             if decoded is not None:  # preload --decoded N: every member decodes its part
                 await self.decoded.after_preload(plan.name, plan.uuid, decoded)
         except BaseException as e:
-            log.error("preload of %s failed: %s", plan.name, self.loads.fail(plan.name, e))
+            unplanned = isinstance(e, Exception) and refusal(e) is None  # a bug: its traceback
+            reason = self.loads.fail(plan.name, e)
+            log.error("preload of %s failed: %s", plan.name, reason, exc_info=unplanned)
             if self.control is not None:
                 with trio.CancelScope(shield=True):
                     await self._forget_claim(plan.name, plan.uuid)
@@ -515,8 +530,8 @@ class NodeServer:
 
     async def call(self, member: str, op: str, args: dict[str, Any]) -> dict[str, Any]:
         """Run an op on a member: directly when it is this node, else over a kept connection."""
-        if member == self.address:
-            return await self.ops.handler(op)(dict(args, op=op))
+        if member == self.address:  # answered as a remote member would answer it
+            return await self.ops.call(op, dict(args, op=op))
         return await self.peers.call(member, op, args)
 
     def _metrics_snapshot(self) -> dict[str, Any]:
@@ -579,7 +594,10 @@ class NodeServer:
                 f.seek(offset)
                 return total, f.read(max(0, min(asked, MANIFEST_PIECE, total - offset)))
 
-        total, data = await trio.to_thread.run_sync(read_piece)
+        try:
+            total, data = await trio.to_thread.run_sync(read_piece)
+        except FileNotFoundError:  # unloaded since it was looked up
+            raise NotFound(f"dataset {name!r} was unloaded while its manifest was read") from None
         return {
             "name": name,
             "uuid": record.uuid,
@@ -731,6 +749,20 @@ async def _send_direct(stream: trio.abc.Stream, data: memoryview) -> None:
         except BlockingIOError:
             await trio.lowlevel.wait_writable(sock)
     await trio.lowlevel.checkpoint()
+
+
+def _response(request_id: int, result: dict[str, Any]) -> bytes:
+    """The frame of an op's result; one the client could not take (not JSON, over a control
+    frame) is an InternalError, answered in its place."""
+    try:
+        frame = protocol.encode_json(MsgType.RESPONSE, request_id, result)
+    except (TypeError, ValueError) as e:  # the handler's fault, not the request's
+        log.exception("an answer that is not JSON")
+        raise InternalError(one_line(f"internal error: an answer that is not JSON: {e}")) from None
+    if len(frame) - protocol.HEADER_SIZE > protocol.MAX_CONTROL_PAYLOAD:
+        log.error("an answer of %d bytes is over a control frame", len(frame))
+        raise InternalError(f"internal error: an answer of {len(frame)} bytes is over a frame")
+    return frame
 
 
 def _peer(stream: trio.SocketStream) -> str:

@@ -87,6 +87,19 @@ class DatasetRecord:
         return d
 
 
+@dataclasses.dataclass
+class Reservation:
+    """Budget claimed by work in progress (a load, a fill, a variant, an index), before it
+    writes: counted in the budget at once, and against the free space of the shm filesystem
+    for the part it has not written yet, so that two claims never count on the same bytes."""
+
+    nbytes: int
+    written: Callable[[], int] | None = None  # how much of it is on the filesystem already
+
+    def unwritten(self) -> int:
+        return max(0, self.nbytes - (self.written() if self.written is not None else 0))
+
+
 class SegmentStore:
     """The shm folder. Owned by the node (checked at start), readable by its uid and `group`;
     everything in it is reached through descriptors of its three folders, never a symlink."""
@@ -100,7 +113,7 @@ class SegmentStore:
         self.staging_dir = root / "staging"
         self.trash_dir = root / "trash"
         self.datasets: dict[str, DatasetRecord] = {}
-        self.reserved: dict[str, int] = {}  # name -> bytes reserved by a preload in progress
+        self.reserved: dict[str, Reservation] = {}  # by name: work that has not published
         self._lock = threading.Lock()
         self._open: dict[str, LocalDataset] = {}
         # Followers of the datasets (the RDMA registration): called with a dataset's name once
@@ -195,28 +208,66 @@ class SegmentStore:
         )
 
     def used(self) -> int:
-        return sum(r.stored for r in self.datasets.values()) + sum(self.reserved.values())
+        reserved = sum(r.nbytes for r in self.reserved.values())
+        return sum(r.stored for r in self.datasets.values()) + reserved
 
-    def reserve(self, name: str, nbytes: int, what: str = "dataset") -> None:
-        """Claim budget for a preload before it starts; refuse what cannot fit (`what` names
-        it in the refusal)."""
+    def reserve(
+        self,
+        name: str,
+        nbytes: int,
+        what: str = "dataset",
+        written: Callable[[], int] | None = None,
+        instead_of: str = "",
+        evict: bool = True,
+    ) -> None:
+        """Claim budget for work before it starts; refuse what cannot fit (`what` names it in
+        the refusal). One check and claim under the lock: of two claims that do not both fit,
+        the second is refused. `written` says how much of the claim is on the filesystem
+        already (default: nothing until it is published or released). `instead_of` names an
+        earlier claim for the same work (a preload's admission) that this one replaces: its
+        bytes count as free here, and it stays when this one is refused. `evict` lets the
+        reclaimers (read-through eviction, which lives on the event loop) make room."""
         with self._lock:
             if name in self.datasets or name in self.reserved:
                 raise AlreadyExists(f"dataset {name!r} is already loaded or loading")
-            for reclaim in self._reclaimers:
-                if self.budget - self.used() >= nbytes:
-                    break
-                reclaim(nbytes - (self.budget - self.used()))
-            if self.budget - self.used() < nbytes:
-                self._raise_no_space(nbytes, what)
-            st = os.statvfs(self.root)
-            fs_free = st.f_bavail * st.f_frsize
-            if nbytes > fs_free:
-                raise NoSpace(
-                    f"{what} needs {format_size(nbytes)} but {self.root} has only "
-                    f"{format_size(fs_free)} free"
-                )
-            self.reserved[name] = nbytes
+            earlier = self.reserved.pop(instead_of, None)
+            try:
+                self._check_fits(nbytes, what, self._reclaimers if evict else [])
+            except BaseException:
+                if earlier is not None:
+                    self.reserved[instead_of] = earlier
+                raise
+            self.reserved[name] = Reservation(nbytes, written)
+
+    def _check_fits(self, nbytes: int, what: str, reclaimers: list[Callable[[int], int]]) -> None:
+        """Refuse (NoSpace) a claim of nbytes that the budget or the filesystem cannot hold
+        beside the claims made, once `reclaimers` freed what they could. Called under _lock."""
+        for reclaim in reclaimers:
+            if self.budget - self.used() >= nbytes:
+                break
+            reclaim(nbytes - (self.budget - self.used()))
+        if self.budget - self.used() < nbytes:
+            self._raise_no_space(nbytes, what)
+        # The filesystem may hold less than the budget (other users of /dev/shm, a small
+        # tmpfs): its free space, less what earlier claims are still to write; evictable
+        # memory gives way to it as it does to the budget.
+        fs_free, promised = self._fs_room()
+        for reclaim in reclaimers:
+            if nbytes <= fs_free - promised:
+                break
+            reclaim(nbytes - (fs_free - promised))
+            fs_free, promised = self._fs_room()
+        if nbytes > fs_free - promised:
+            also = f", {format_size(promised)} of it promised to work in progress"
+            raise NoSpace(
+                f"{what} needs {format_size(nbytes)} but {self.root} has only "
+                f"{format_size(fs_free)} free{also if promised else ''}"
+            )
+
+    def _fs_room(self) -> tuple[int, int]:
+        """The shm filesystem's free bytes, and how many of them claims have yet to write."""
+        st = os.statvfs(self.root)
+        return st.f_bavail * st.f_frsize, sum(r.unwritten() for r in self.reserved.values())
 
     def _raise_no_space(self, nbytes: int, what: str = "dataset") -> None:
         free = self.budget - self.used()
@@ -397,12 +448,28 @@ class SegmentStore:
         it: no buffer between the socket and tmpfs) and raises to have it thrown away. Made
         beside the segment folder, then renamed into it, so a reader never sees part of one;
         meta.json and the record learn it; the next open() maps it."""
-        with self._lock:
-            record = self.datasets.get(name)
-            if record is None:
-                raise NotFound(f"no dataset named {name!r}")
-            if self.budget - self.used() < length:
-                self._raise_no_space(length)
+        record = self.datasets.get(name)
+        if record is None:
+            raise NotFound(f"no dataset named {name!r}")
+        # Reserved while it arrives, so that a preload admitted meanwhile does not count on
+        # the same bytes; counted in the dataset's bytes once it is in place.
+        reservation = f"segment:{name}:{seg}:{uuid.uuid4().hex[:12]}"
+        # Called in a thread: no eviction (the read-through cache is the event loop's).
+        self.reserve(reservation, length, what=f"segment {seg} of {name}", evict=False)
+        try:
+            self._add_segment(record, seg, length, fill, reservation)
+        finally:
+            self.release(reservation)
+
+    def _add_segment(
+        self,
+        record: DatasetRecord,
+        seg: int,
+        length: int,
+        fill: Callable[[memoryview], None],
+        reservation: str,
+    ) -> None:
+        name = record.name
         folder = os.open(name, DIR_FLAGS, dir_fd=self._fd["datasets"])
         try:
             with contextlib.suppress(FileExistsError):
@@ -428,6 +495,7 @@ class SegmentStore:
                 self._update_meta(folder, name, length, held=held)
                 record.held = held
                 record.stored += length
+                self.reserved.pop(reservation, None)
                 self._open.pop(name, None)
         finally:
             os.close(folder)

@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import errno
 import logging
 import os
 import stat
 from pathlib import Path
 
-from kspeedfs.format.errors import InvalidArgument, NotFound
+from kspeedfs.format.errors import DataError, InvalidArgument, KSpeedError, NotFound, SourceChanged
 from kspeedfs.format.tree import Tree
 from kspeedfs.sources import version
 from kspeedfs.sources.beneath import link_stays_inside, open_beneath, open_root
@@ -16,6 +17,10 @@ log = logging.getLogger(__name__)
 
 FILE_MODE = stat.S_IFREG | 0o644
 DIR_MODE = stat.S_IFDIR | 0o755
+# The longest relative path a file of the tree may have: the copies and the mount open every
+# file by its path beneath the root, and the kernel refuses a longer one. A filesystem that
+# shows a folder inside itself (a loop) ends here too instead of being walked forever.
+PATH_MAX = 4096
 
 
 def check_source(source: str | os.PathLike[str]) -> Path:
@@ -34,11 +39,34 @@ def scan_tree(source: str | os.PathLike[str]) -> Tree:
     (a folder swapped for one is not walked); symlinks are kept as links only when they point
     inside the tree, special files skipped with a warning."""
     root = check_source(source)
-    root_fd = open_root(os.fsencode(root))
+    try:
+        root_fd = open_root(os.fsencode(root))
+    except OSError as e:
+        raise _scan_error(root, e) from None
     try:
         return _scan(root_fd)
+    except OSError as e:
+        raise _scan_error(root, e) from None
     finally:
         os.close(root_fd)
+
+
+def _shown(path: str) -> str:
+    return path if len(path) <= 120 else f"{path[:60]}...{path[-50:]}"
+
+
+def _scan_error(root: Path, e: OSError) -> KSpeedError:
+    """What a scan that the filesystem stopped tells the user, in one line."""
+    # The path it failed on, relative to the root (a descriptor's number says nothing).
+    named = isinstance(e.filename, (str, bytes)) and e.filename
+    where = f"{root}/{_shown(os.fsdecode(e.filename))}" if named else str(root)
+    if e.errno == errno.ENAMETOOLONG:
+        return InvalidArgument(f"cannot scan {root}: a path in it is too long: {where}")
+    if e.errno in (errno.ENOENT, errno.ENOTDIR, errno.ELOOP, errno.EINVAL, errno.EXDEV):
+        return SourceChanged(f"source changed while it was scanned: {where}: {e.strerror}")
+    if e.errno in (errno.EACCES, errno.EPERM):
+        return InvalidArgument(f"source is not readable: {where}: {e.strerror}")
+    return DataError(f"cannot scan {root}: {where}: {e.strerror}")
 
 
 def _scan(root_fd: int) -> Tree:
@@ -61,6 +89,12 @@ def _scan(root_fd: int) -> Tree:
                 est = entry.stat(follow_symlinks=False)
                 mode = est.st_mode
                 idx = len(tree)
+                if len(rel) + len(name) + (1 if rel else 0) >= PATH_MAX:
+                    child = rel + b"/" + name if rel else name
+                    raise InvalidArgument(
+                        f"cannot scan the source: a path in it is longer than {PATH_MAX} bytes"
+                        f" (a folder loop, or a tree too deep): {_shown(os.fsdecode(child))}"
+                    )
                 if stat.S_ISREG(mode):  # the common case first: 1.28 M times for ImageNet
                     size, mtime, ctime, ino, dev = version.of_stat(est, root_dev)
                     tree.append(

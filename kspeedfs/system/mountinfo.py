@@ -1,4 +1,8 @@
-"""What is mounted where: /proc/self/mountinfo, stale FUSE mounts and their lazy unmount."""
+"""What is mounted where: /proc/self/mountinfo, stale FUSE mounts and their lazy unmount.
+
+A mount process, mountd and the fstab helper remove only what is theirs: their own mount (see
+FuseSession.unmount) or a stale one, whose process is gone. A live mount of someone else at
+their path is refused, never unmounted."""
 
 from __future__ import annotations
 
@@ -20,6 +24,7 @@ class MountEntry:
     mountpoint: str
     fstype: str
     source: str
+    device: str  # "major:minor" of its superblock: the st_dev of the files in it
 
     @property
     def is_kspeedfs(self) -> bool:
@@ -46,6 +51,7 @@ def mount_entries() -> list[MountEntry]:
                     _unescape(fields[4]),
                     fields[sep + 1].decode(errors="replace"),
                     _unescape(fields[sep + 2]),
+                    fields[2].decode(),
                 )
             )
         except (ValueError, IndexError):
@@ -98,11 +104,20 @@ def lazy_unmount(path: str | os.PathLike[str]) -> None:
         raise MountError(lines[-1] if lines else f"cannot unmount {entry.mountpoint}")
 
 
+def clear_stale(path: str | os.PathLike[str]) -> bool:
+    """After a crash, a mount at `path` should just work: detach the dead kspeedfs mount left
+    there (True), and leave anything else alone (False)."""
+    entry = mount_at(path)
+    if entry is None or not entry.is_kspeedfs or not is_stale(path):
+        return False
+    lazy_unmount(path)
+    return True
+
+
 def require_free_mountpoint(path: str | os.PathLike[str]) -> Path:
-    """Clear a leftover kspeedfs mount at `path`; refuse one of another filesystem."""
+    """Clear a stale kspeedfs mount at `path`; refuse any live mount there (not ours to end)."""
+    clear_stale(path)
     entry = mount_at(path)
     if entry is not None:
-        if not entry.is_kspeedfs:
-            raise MountError(f"mountpoint is busy ({entry.fstype} is mounted there): {path}")
-        lazy_unmount(path)
+        raise MountError(f"mountpoint is busy ({entry.fstype} is mounted there): {path}")
     return Path(normalize(path))
