@@ -188,6 +188,6 @@ def test_manifest_records_owners_and_reads_format_1(public_dir: Path, tmp_path: 
 
 
 def test_object_store_listing_is_owned_by_root_and_world_readable() -> None:
-    tree = tree_from_listing({b"a/b.bin": (3, 0), b"c.bin": (4, 0)})
+    tree = tree_from_listing({b"a/b.bin": (3, 0, 0), b"c.bin": (4, 0, 0)})
     assert set(tree.uid) == set(tree.gid) == {0}
     assert all(m & 0o004 for m in tree.mode)

@@ -46,15 +46,15 @@ def test_swapped_component_is_not_followed(tmp_path: Path, depth: int, component
     src = LocalSource(str(src_dir))
     tree = scan_tree(src_dir)
     i = next(k for k in range(len(tree)) if tree.path(k) == rel)
-    size, mtime = tree.size[i], tree.mtime_ns[i]
+    size = tree.size[i]
     offsets, seg_len = plan_layout(tree, 1 << 20)
     layout = Layout.of_tree(tree, offsets, seg_len, 1 << 20)
     _swap(src_dir, private, component)
 
     with pytest.raises(StaleDataset):
-        src.read_verified(rel, 0, size, size, mtime)
+        src.read_verified(tree, i, 0, size)
     with pytest.raises(SourceChanged):
-        src.checksum(rel, size)
+        src.checksum(tree, i)
     out = bytearray(int(seg_len[0]))
     with pytest.raises(SourceChanged):
         src.fill(tree, layout, 0, memoryview(out))

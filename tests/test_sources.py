@@ -16,7 +16,6 @@ from hypothesis import strategies as st
 from kspeedfs.format.errors import StaleDataset
 from kspeedfs.format.layout import Layout, plan_layout
 from kspeedfs.format.tree import Tree
-from kspeedfs.sources.scan import scan_tree
 from kspeedfs.sources.source import FsspecSource, LocalSource, Source, open_source
 
 SIZE = 300_000
@@ -40,11 +39,10 @@ def one_file(tmp_path: Path) -> tuple[Path, bytes]:
     return root, data
 
 
-def _listed(src: Source, relpath: bytes) -> tuple[int, int]:
-    """Size and mtime of a file as the source's scan lists them (what a manifest records)."""
+def _listed(src: Source, relpath: bytes) -> tuple[Tree, int]:
+    """The source's scan and the file's entry in it (what a manifest records)."""
     tree = src.scan()
-    i = next(i for i in range(len(tree)) if tree.path(i) == relpath)
-    return tree.size[i], tree.mtime_ns[i]
+    return tree, next(i for i in range(len(tree)) if tree.path(i) == relpath)
 
 
 def test_partial_read_of_an_unchanged_file_is_exact(
@@ -52,68 +50,68 @@ def test_partial_read_of_an_unchanged_file_is_exact(
 ) -> None:
     root, data = one_file
     src = _source(kind, root)
-    size, mtime = _listed(src, b"f.bin")
-    assert src.read_verified(b"f.bin", 1000, 131072, size, mtime) == data[1000:132072]
+    tree, i = _listed(src, b"f.bin")
+    assert src.read_verified(tree, i, 1000, 131072) == data[1000:132072]
     # Past the end: only the bytes the file has, never an error.
-    assert src.read_verified(b"f.bin", SIZE - 10, 4096, size, mtime) == data[-10:]
-    assert src.read_verified(b"f.bin", SIZE, 4096, size, mtime) == b""
+    assert src.read_verified(tree, i, SIZE - 10, 4096) == data[-10:]
+    assert src.read_verified(tree, i, SIZE, 4096) == b""
     whole = xxhash.xxh3_64_intdigest(data)
-    assert src.read_verified(b"f.bin", 0, SIZE, size, mtime, whole) == data
+    assert src.read_verified(tree, i, 0, SIZE, whole) == data
 
 
 def test_same_size_other_mtime_is_stale(kind: str, one_file: tuple[Path, bytes]) -> None:
     root, data = one_file
     src = _source(kind, root)
-    size, mtime = _listed(src, b"f.bin")
+    tree, i = _listed(src, b"f.bin")
     before = (root / "f.bin").stat().st_mtime_ns
     (root / "f.bin").write_bytes(bytes(reversed(data)))
     os.utime(root / "f.bin", ns=(before, before + 1_000_000_000))
     with pytest.raises(StaleDataset, match="source file changed since preload"):
-        src.read_verified(b"f.bin", 0, 4096, size, mtime)
+        src.read_verified(tree, i, 0, 4096)
 
 
 def test_shrunk_file_is_stale_not_short(kind: str, one_file: tuple[Path, bytes]) -> None:
     root, data = one_file
     src = _source(kind, root)
-    size, mtime = _listed(src, b"f.bin")
+    tree, i = _listed(src, b"f.bin")
     before = (root / "f.bin").stat().st_mtime_ns
     with open(root / "f.bin", "r+b") as f:
         f.truncate(68_928)
     os.utime(root / "f.bin", ns=(before, before))  # even with the old time put back
     with pytest.raises(StaleDataset):
-        src.read_verified(b"f.bin", 0, 131072, size, mtime)
+        src.read_verified(tree, i, 0, 131072)
 
 
 def test_removed_file_is_stale(kind: str, one_file: tuple[Path, bytes]) -> None:
     root, _data = one_file
     src = _source(kind, root)
-    size, mtime = _listed(src, b"f.bin")
+    tree, i = _listed(src, b"f.bin")
     (root / "f.bin").unlink()
     with pytest.raises(StaleDataset):
-        src.read_verified(b"f.bin", 0, 10, size, mtime)
+        src.read_verified(tree, i, 0, 10)
 
 
 def test_whole_file_with_a_wrong_checksum_is_stale(kind: str, one_file: tuple[Path, bytes]) -> None:
     root, data = one_file
     src = _source(kind, root)
-    size, mtime = _listed(src, b"f.bin")
+    tree, i = _listed(src, b"f.bin")
     wrong = xxhash.xxh3_64_intdigest(data) ^ 1
     with pytest.raises(StaleDataset, match="checksum"):
-        src.read_verified(b"f.bin", 0, SIZE, size, mtime, wrong)
+        src.read_verified(tree, i, 0, SIZE, wrong)
     # A part of the file cannot be checked against a whole-file checksum: it is served.
-    assert src.read_verified(b"f.bin", 0, SIZE - 1, size, mtime, wrong) == data[:-1]
+    assert src.read_verified(tree, i, 0, SIZE - 1, wrong) == data[:-1]
 
 
 def test_a_last_component_replaced_by_a_symlink_is_refused(one_file: tuple[Path, bytes]) -> None:
     root, data = one_file
     src = LocalSource(str(root))
-    size, mtime = _listed(src, b"f.bin")
+    tree, i = _listed(src, b"f.bin")
     # The link points at a file with the very same bytes and times: only the link is wrong.
     elsewhere = root.parent / "elsewhere.bin"
     os.rename(root / "f.bin", elsewhere)
     os.symlink(elsewhere, root / "f.bin")
     with pytest.raises(StaleDataset):
-        src.read_verified(b"f.bin", 0, SIZE, size, mtime)
+        src.read_verified(tree, i, 0, SIZE)
 
 
 def test_open_source_picks_the_kind(tmp_path: Path) -> None:
@@ -139,11 +137,11 @@ def test_fill_puts_every_byte_in_place(
     kind: str, with_fd: bool, tree: Path, tmp_path: Path
 ) -> None:
     seg_size = 4096
-    scanned = scan_tree(tree)
+    src = _source(kind, tree)
+    scanned = src.scan()  # its own listing: the versions each fill is checked against
     offsets, seg_len = plan_layout(scanned, seg_size)
     layout = Layout.of_tree(scanned, offsets, seg_len, seg_size)
     stream = _stream(tree, scanned, offsets)
-    src = _source(kind, tree)
     for seg, length in enumerate(seg_len):
         if with_fd:
             path = tmp_path / f"seg{seg}"

@@ -48,20 +48,20 @@ def test_read_verified_from_s3(s3: localproc.S3Server, bucket: tuple[Any, str]) 
     client.put_object(Bucket=BUCKET, Key=key, Body=data)
     src = FsspecSource(f"s3://{BUCKET}/{prefix}", s3.endpoint)
     tree = src.scan()
-    size, mtime = tree.size[1], tree.mtime_ns[1]
-    assert src.read_verified(b"f.bin", 5, 70_000, size, mtime) == data[5:70_005]
+    size = tree.size[1]
+    assert src.read_verified(tree, 1, 5, 70_000) == data[5:70_005]
     whole = xxhash.xxh3_64_intdigest(data)
-    assert src.read_verified(b"f.bin", 0, size, size, mtime, whole) == data
+    assert src.read_verified(tree, 1, 0, size, whole) == data
     with pytest.raises(StaleDataset, match="checksum"):
-        src.read_verified(b"f.bin", 0, size, size, mtime, whole ^ 1)
+        src.read_verified(tree, 1, 0, size, whole ^ 1)
 
     time.sleep(1.1)  # S3 times have one-second steps: the rewrite must get a later one
     client.put_object(Bucket=BUCKET, Key=key, Body=data[::-1])
     with pytest.raises(StaleDataset):
-        src.read_verified(b"f.bin", 5, 70_000, size, mtime)
+        src.read_verified(tree, 1, 5, 70_000)
     client.put_object(Bucket=BUCKET, Key=key, Body=data[:1000])
     with pytest.raises(StaleDataset):
-        src.read_verified(b"f.bin", 5, 70_000, size, mtime)
+        src.read_verified(tree, 1, 5, 70_000)
     client.delete_object(Bucket=BUCKET, Key=key)
     with pytest.raises(StaleDataset):
-        src.read_verified(b"f.bin", 5, 70_000, size, mtime)
+        src.read_verified(tree, 1, 5, 70_000)

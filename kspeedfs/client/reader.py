@@ -447,9 +447,7 @@ class ClusterReader:
             raise StaleDataset(f"{ds.name}: no copy reachable and no source recorded")
         source = open_source(ds.source, str(m.header.get("endpoint") or ""))
         try:
-            data = source.read_verified(
-                m.path(i), offset, length, int(m.size[i]), int(m.mtime_ns[i]), int(m.checksum[i])
-            )
+            data = source.read_verified(m, i, offset, length, int(m.checksum[i]))
         except StaleDataset as e:
             raise StaleDataset(f"{ds.name}: no cached copy left, and {e}") from None
         self.stats["source"] += 1

@@ -64,6 +64,11 @@ class SourceChanged(DataError):
     """A source file is no longer as listed: a snapshot cannot be served from it."""
 
 
+class SourceModified(SourceChanged):
+    """A source file is still a file but of another version (rewritten, resized, replaced):
+    a load from a new scan may copy it whole."""
+
+
 class ProtocolError(KSpeedError):
     errno = errno.EPROTO
     exit_code = 11

@@ -9,6 +9,10 @@ the mount can answer with the source's permissions. A format 1 manifest (written
 reads, its entries owned by 0/0: never more open than the source was (the modes are kept, so
 "others" keep exactly their access, and the owner's and group's bits go to root alone);
 preloading the dataset again records the real owners.
+
+Format 3 added the rest of each file's version (`ctime_ns`, `ident`, `dev`: see
+`kspeedfs.sources.version`), which every copy from the source is checked against; in older
+manifests they read as 0 ("not recorded": size, mtime and the root's device are checked).
 """
 
 from __future__ import annotations
@@ -30,8 +34,8 @@ from kspeedfs.format.layout import plan_layout as plan_layout  # where callers i
 from kspeedfs.format.tree import Tree
 
 MAGIC = b"KSPDMAN1"
-FORMAT_VERSION = 2
-READABLE_VERSIONS = (1, 2)
+FORMAT_VERSION = 3
+READABLE_VERSIONS = (1, 2, 3)
 _ALIGN = 64
 
 # name -> dtype; every per-entry array has one row per entry.
@@ -47,9 +51,13 @@ ENTRY_ARRAYS = {
     "name_off": "<u8",
     "name_len": "<u4",
     "checksum": "<u8",  # xxh3_64 of a file's bytes
+    "ctime_ns": "<i8",
+    "ident": "<u8",  # inode, or an object's ETag hash
+    "dev": "<u8",  # 0: the source root's device
 }
 SEGMENT_ARRAYS = {"seg_len": "<u8", "seg_checksum": "<u8"}
-OWNER_ARRAYS = ("uid", "gid")  # not in format 1: read as 0 (root)
+# Arrays added by a format, read as 0 from manifests written before it.
+ADDED_IN = {2: ("uid", "gid"), 3: ("ctime_ns", "ident", "dev")}
 
 
 def write_manifest(
@@ -87,6 +95,9 @@ def write_manifest(
         "name_off": name_off,
         "name_len": name_len,
         "checksum": np.array(checksums, dtype="<u8"),
+        "ctime_ns": np.array(tree.ctime_ns, dtype="<i8"),
+        "ident": np.array(tree.ident, dtype="<u8"),
+        "dev": np.array(tree.dev, dtype="<u8"),
         "seg_len": np.array(seg_len, dtype="<u8"),
         "seg_checksum": np.array(seg_checksums, dtype="<u8"),
         "names": np.frombuffer(bytes(names), dtype="u1"),
@@ -149,9 +160,10 @@ class Manifest:
             n, nseg = int(self.header["entries"]), int(self.header["segments"])
         except (ValueError, KeyError, TypeError, struct.error) as e:
             raise DataError(f"corrupt manifest {self.file}: {e!r}") from None
-        if self.header["format"] == 1:
-            for key in OWNER_ARRAYS:  # one shared zero, no memory per entry
-                arrays[key] = np.broadcast_to(np.zeros(1, dtype=ENTRY_ARRAYS[key]), (n,))
+        for version, keys in ADDED_IN.items():
+            if self.header["format"] < version:
+                for key in keys:  # one shared zero, no memory per entry
+                    arrays[key] = np.broadcast_to(np.zeros(1, dtype=ENTRY_ARRAYS[key]), (n,))
         for key in ENTRY_ARRAYS:
             if key not in arrays or arrays[key].size != n:
                 raise DataError(f"corrupt manifest {self.file}: {key} has wrong length")
@@ -169,6 +181,9 @@ class Manifest:
         self.name_off = arrays["name_off"]
         self.name_len = arrays["name_len"]
         self.checksum = arrays["checksum"]
+        self.ctime_ns = arrays["ctime_ns"]
+        self.ident = arrays["ident"]
+        self.dev = arrays["dev"]
         self.seg_len = arrays["seg_len"]
         self.seg_checksum = arrays["seg_checksum"]
         self._names_base = int(self.header["arrays"]["names"][0])

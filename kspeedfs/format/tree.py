@@ -13,6 +13,8 @@ class Tree:
     Entry 0 is the root. For a folder, `first_child`/`child_count` locate its children;
     for a symlink, `link_target` holds the target bytes. `uid`/`gid` are the owners the source
     reported (0/0 where it has none), kept so the mount can answer with the source's permissions.
+    `ctime_ns`/`ident`/`dev` complete a file's version (see `kspeedfs.sources.version`): what a
+    copy of it is checked against.
     """
 
     names: list[bytes] = dataclasses.field(default_factory=list)
@@ -22,6 +24,9 @@ class Tree:
     mtime_ns: list[int] = dataclasses.field(default_factory=list)
     uid: list[int] = dataclasses.field(default_factory=list)
     gid: list[int] = dataclasses.field(default_factory=list)
+    ctime_ns: list[int] = dataclasses.field(default_factory=list)
+    ident: list[int] = dataclasses.field(default_factory=list)
+    dev: list[int] = dataclasses.field(default_factory=list)
     first_child: list[int] = dataclasses.field(default_factory=list)
     child_count: list[int] = dataclasses.field(default_factory=list)
     link_target: dict[int, bytes] = dataclasses.field(default_factory=dict)
@@ -38,6 +43,9 @@ class Tree:
         mtime_ns: int,
         uid: int = 0,
         gid: int = 0,
+        ctime_ns: int = 0,
+        ident: int = 0,
+        dev: int = 0,
     ) -> None:
         """Add one entry; a folder's first_child/child_count are set when it is listed."""
         self.names.append(name)
@@ -47,6 +55,9 @@ class Tree:
         self.mtime_ns.append(mtime_ns)
         self.uid.append(uid)
         self.gid.append(gid)
+        self.ctime_ns.append(ctime_ns)
+        self.ident.append(ident)
+        self.dev.append(dev)
         self.first_child.append(0)
         self.child_count.append(0)
 

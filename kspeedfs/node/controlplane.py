@@ -27,6 +27,7 @@ from kspeedfs.format.manifest import Manifest, plan_layout
 from kspeedfs.format.names import validate_name
 from kspeedfs.format.readthrough_view import READTHROUGH
 from kspeedfs.format.tls import client_context
+from kspeedfs.node import sourceio
 from kspeedfs.node.metrics import segment_seconds
 from kspeedfs.node.peers import Call, PeerPool
 from kspeedfs.node.preload import Plan, Stager
@@ -532,9 +533,7 @@ class ControlPlane:
             self.heal["from_source"] += 1
             try:
                 src = open_source(entry["source"], str(entry.get("endpoint", "")))
-                data = await trio.to_thread.run_sync(
-                    src.read_segment, manifest, manifest.layout, seg
-                )
+                data = await sourceio.run_sync(src.read_segment, manifest, manifest.layout, seg)
             except (KSpeedError, OSError) as e:
                 self.heal["failed"] += 1
                 log.error("segment %d of %s: no copy left and the source fails: %s", seg, name, e)

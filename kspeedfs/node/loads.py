@@ -43,12 +43,7 @@ class LoadTable:
     def fail(self, name: str, error: BaseException) -> str:
         """Record why a load failed; returns the one-line reason."""
         progress = self._loads.get(name)
-        if isinstance(error, BaseExceptionGroup):
-            reason = "; ".join(str(x) for x in error.exceptions)
-        elif isinstance(error, KSpeedError):
-            reason = str(error)
-        else:
-            reason = f"{type(error).__name__}: {error}"
+        reason = failure_reason(error)
         if progress is not None:
             progress.state = "failed"
             progress.error = reason
@@ -72,3 +67,12 @@ class LoadTable:
         for name, when in list(self._failed_at.items()):
             if now - when > FAILED_KEPT_S:
                 self.finish(name)
+
+
+def failure_reason(error: BaseException) -> str:
+    """The one-line reason a load failed with `error`."""
+    if isinstance(error, BaseExceptionGroup):
+        return "; ".join(str(x) for x in error.exceptions)
+    if isinstance(error, KSpeedError):
+        return str(error)
+    return f"{type(error).__name__}: {error}"

@@ -26,6 +26,7 @@ from kspeedfs.format.names import validate_name
 from kspeedfs.format.readthrough_view import READTHROUGH
 from kspeedfs.format.tree import Tree
 from kspeedfs.format.units import format_size
+from kspeedfs.node import sourceio
 from kspeedfs.node.ops import ADMIN, JOB, READ, OpRegistry, caller_role, int_field, str_field
 from kspeedfs.node.peers import Call, call_all
 from kspeedfs.node.store import DatasetRecord, SegmentStore
@@ -89,7 +90,7 @@ def _build_one(
 ) -> dict[str, Any]:
     i = m.resolve(meta)
     size = int(m.size[i])
-    raw = source.read_verified(m.path(i), 0, size, size, int(m.mtime_ns[i]), int(m.checksum[i]))
+    raw = source.read_verified(m, i, 0, size, int(m.checksum[i]))
     header = metaindex.build_index(
         raw, m, out, {**ident, "meta": meta, "meta_entry": i, "meta_size": size}
     )
@@ -122,7 +123,7 @@ async def build(
             digest = metaindex.index_file(meta).rsplit("/", 1)[-1]
             out = scratch / f"{ident['name']}.{ident['uuid']}.{digest}"
             built.append((meta, out))
-            await trio.to_thread.run_sync(_build_one, source, m, meta, out, ident)
+            await sourceio.run_sync(_build_one, source, m, meta, out, ident)
     except BaseException:
         discard(built)
         raise

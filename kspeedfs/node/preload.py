@@ -33,7 +33,9 @@ from kspeedfs.format.errors import (
     InvalidArgument,
     KSpeedError,
     NotFound,
+    SourceModified,
     SourceNotVisible,
+    error_from_wire,
 )
 from kspeedfs.format.layout import Layout
 from kspeedfs.format.localdata import MANIFEST_FILE, segment_path
@@ -42,6 +44,7 @@ from kspeedfs.format.names import validate_name
 from kspeedfs.format.tree import Tree
 from kspeedfs.format.units import format_size
 from kspeedfs.node import meta as metafiles
+from kspeedfs.node import sourceio
 from kspeedfs.node.ops import ADMIN, OpRegistry, int_field, str_field
 from kspeedfs.node.peers import Call
 from kspeedfs.node.store import SegmentStore
@@ -56,6 +59,9 @@ from kspeedfs.sources.source import Source, is_url, open_source
 log = logging.getLogger(__name__)
 
 STAGE_IDLE_TIMEOUT = 300.0
+# A source file of another version than listed, at or after its copy: the preload is scanned,
+# planned and loaded again, this many attempts in all, before it fails with that line.
+LOAD_ATTEMPTS = 3
 POLL_INTERVAL = 0.1
 PUSH_CHUNK = 4 * 1024 * 1024
 MANIFEST_CHUNK = 4 * 1024 * 1024
@@ -70,6 +76,14 @@ def tree_digest(tree: Tree) -> str:
     ):
         h.update(b"%d\0%d\0%d\0%d\0" % (parent, mode, size, mtime) + name + b"\0")
     return h.hexdigest()
+
+
+def source_modified(e: BaseException) -> bool:
+    """Whether a load failed because a source file changed its version (alone, or among a
+    group). One gone or turned into a FIFO or a folder fails the load as it is."""
+    if isinstance(e, BaseExceptionGroup):
+        return any(source_modified(x) for x in e.exceptions)
+    return isinstance(e, SourceModified)
 
 
 def _b64(arr: np.ndarray) -> str:
@@ -185,7 +199,7 @@ class Stager:
         segment_size = int(msg["segment_size"])
         try:
             src = open_source(source, str(msg.get("endpoint") or ""))
-            await trio.to_thread.run_sync(src.check)
+            await sourceio.run_sync(src.check)
         except KSpeedError as e:
             raise SourceNotVisible(f"node {self.address} cannot read the source: {e}") from None
         progress = Progress(state="scanning", source=source)
@@ -194,7 +208,7 @@ class Stager:
         try:
             tree = self._planned.pop(stage.uuid, None)
             if tree is None:
-                tree = await trio.to_thread.run_sync(src.scan)
+                tree = await sourceio.run_sync(src.scan)
             if tree_digest(tree) != msg.get("digest"):
                 raise SourceNotVisible(
                     f"node {self.address} sees a different source tree at {source}"
@@ -287,7 +301,7 @@ class Stager:
         assert stage.staging is not None
         try:
             seg_sums: dict[int, int] = {}
-            stage.checksums = await trio.to_thread.run_sync(
+            stage.checksums = await sourceio.run_sync(
                 load_segments,
                 src,
                 tree,
@@ -315,6 +329,7 @@ class Stager:
         self.store.release(stage.name)
         stage.progress.state = "failed"
         stage.progress.error = str(e) if isinstance(e, KSpeedError) else f"{type(e).__name__}: {e}"
+        stage.progress.error_kind = type(e).__name__ if isinstance(e, KSpeedError) else ""
         log.error("staging %s failed: %s", stage.name, stage.progress.error)
 
     async def op_stage_status(self, msg: dict[str, Any]) -> dict[str, Any]:
@@ -473,7 +488,7 @@ async def plan_preload(msg: dict[str, Any], segment_size: int, live_members: lis
             f"replicas must be between 1 and the {len(live_members)} live nodes, not {replicas}"
         )
     src = open_source(source, str(msg.get("endpoint") or ""))
-    tree = await trio.to_thread.run_sync(src.scan)
+    tree = await sourceio.run_sync(src.scan)
     _offsets, seg_len = plan_layout(tree, segment_size)
     return Plan(
         name=name,
@@ -596,12 +611,13 @@ async def coordinate(
             if p["state"] == "staged":
                 break
             if p["state"] == "failed":
-                raise DataError(f"node {member}: {p['error']}")
+                kind = p.get("error_kind") or "DataError"
+                raise error_from_wire(kind, f"node {member}: {p['error']}")
             await trio.sleep(POLL_INTERVAL)
         results[member] = await call(member, "stage_result", ident)
 
     async def push_segment(member: str, seg: int) -> None:
-        data = await trio.to_thread.run_sync(source.read_segment, tree, layout, seg)
+        data = await sourceio.run_sync(source.read_segment, tree, layout, seg)
         for pos in range(0, len(data), PUSH_CHUNK):
             chunk = base64.b64encode(data[pos : pos + PUSH_CHUNK]).decode()
             await call(member, "stage_put", {**ident, "segment": seg, "offset": pos, "data": chunk})
@@ -621,7 +637,7 @@ async def coordinate(
         for i, (mode, size) in enumerate(zip(tree.mode, tree.size, strict=True)):
             if size and i not in covered and (mode & 0o170000) == 0o100000:
                 # Its segments sit on different nodes: checksum it from the source.
-                checksums[i] = await trio.to_thread.run_sync(source.checksum, tree.path(i), size)
+                checksums[i] = await sourceio.run_sync(source.checksum, tree, i)
         header = {
             "name": plan.name,
             "uuid": plan.uuid,

@@ -51,6 +51,7 @@ from kspeedfs.format.names import validate_name
 from kspeedfs.format.readthrough_view import EPOCH_FILE, READTHROUGH, SEGSUMS_FILE
 from kspeedfs.format.tree import Tree
 from kspeedfs.format.units import format_size, parse_size
+from kspeedfs.node import sourceio
 from kspeedfs.node.metrics import segment_seconds
 from kspeedfs.node.ops import ADMIN, JOB, OpRegistry
 from kspeedfs.node.preload import tree_digest
@@ -293,7 +294,7 @@ class ReadThroughCache:
                 return await self._join(name, source, endpoint, entry)
         src = open_source(source, endpoint)
         # A missing bucket or wrong credentials: a one-line error now, and nothing created.
-        await trio.to_thread.run_sync(src.check)
+        await sourceio.run_sync(src.check)
         found = self._existing(name, source, endpoint)
         if found is not None:
             return found
@@ -404,7 +405,7 @@ class ReadThroughCache:
                     return
                 members, claimed = placed, True
                 self.busy.add(name)
-            tree = await trio.to_thread.run_sync(src.scan)
+            tree = await sourceio.run_sync(src.scan)
             progress.state = "loading"
             progress.files_total, progress.bytes_total = tree.file_count, tree.data_bytes
             segments = tree.data_bytes // self.settings.segment_size + len(tree) + 1
@@ -591,7 +592,7 @@ class ReadThroughCache:
                     tmp.unlink(missing_ok=True)
             if not checksum:
                 source = open_source(ds.record.source, ds.endpoint)
-                checksum, reads = await trio.to_thread.run_sync(
+                checksum, reads = await sourceio.run_sync(
                     _from_source, source, ds.manifest, seg, length, tmp
                 )
                 ds.stats["fills_source"] += 1
@@ -770,7 +771,7 @@ class ReadThroughCache:
             try:
                 manifest = self.store.open(record.name).manifest
                 src = open_source(record.source, str(manifest.header.get("endpoint") or ""))
-                tree = await trio.to_thread.run_sync(src.scan)
+                tree = await sourceio.run_sync(src.scan)
                 changed = 0
                 if tree_digest(tree) != manifest.header.get("digest"):
                     changed = await trio.to_thread.run_sync(diff_counts, manifest, tree)
@@ -803,7 +804,7 @@ class ReadThroughCache:
             )
         ds = self._dataset({"name": name})
         src = open_source(record.source, ds.endpoint)
-        tree = await trio.to_thread.run_sync(src.scan)
+        tree = await sourceio.run_sync(src.scan)
         changed = await trio.to_thread.run_sync(diff_counts, ds.manifest, tree)
         if not changed and tree_digest(tree) == ds.manifest.header.get("digest"):
             self.changed.pop(name, None)

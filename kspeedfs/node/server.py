@@ -30,11 +30,12 @@ from kspeedfs.format.protocol import MsgType
 from kspeedfs.format.tls import client_context, server_context
 from kspeedfs.format.units import format_size
 from kspeedfs.net import secure
+from kspeedfs.node import sourceio
 from kspeedfs.node.controlplane import ControlPlane, loading_record
 from kspeedfs.node.decoded import DecodedVariants
 from kspeedfs.node.fdserver import FdServer
 from kspeedfs.node.leases import LeaseTable
-from kspeedfs.node.loads import LoadTable
+from kspeedfs.node.loads import LoadTable, failure_reason
 from kspeedfs.node.meta import AddedIndexes
 from kspeedfs.node.metrics import serve_metrics
 from kspeedfs.node.ops import (
@@ -50,7 +51,15 @@ from kspeedfs.node.ops import (
     str_field,
 )
 from kspeedfs.node.peers import PeerPool
-from kspeedfs.node.preload import Plan, Stager, coordinate, plan_preload, start_stages
+from kspeedfs.node.preload import (
+    LOAD_ATTEMPTS,
+    Plan,
+    Stager,
+    coordinate,
+    plan_preload,
+    source_modified,
+    start_stages,
+)
 from kspeedfs.node.readthrough import ReadThroughCache
 from kspeedfs.node.store import SegmentStore
 from kspeedfs.rdma.server import RdmaService
@@ -222,6 +231,7 @@ class NodeServer:
             async for signum in signals:
                 log.info("received %s, shutting down", signal.Signals(signum).name)
                 notify("STOPPING=1")
+                sourceio.bound_the_stop()
                 self._cancel_loads()
                 nursery.cancel_scope.cancel()
 
@@ -414,25 +424,15 @@ class NodeServer:
         if name in self.store.datasets:
             raise AlreadyExists(f"dataset {name!r} is already loaded")
         progress = self.loads.start(name, str(msg.get("source", "")))
-        claimed = ""  # control plane: the instance this preload claimed the name for
         try:
-            live = await self.live_members()
-            plan = await plan_preload(msg, self.settings.segment_size, live)
-            if self.control is not None:  # control plane: one of two racing preloads wins
-                await self.control.claim(loading_record(plan, self.address))
-                claimed = plan.uuid
-            with self.stager.scanned(plan.uuid, plan.tree):
-                pushed = await start_stages(plan, self.call)
+            plan, pushed = await self._start_preload(msg)
         except BaseException:
             self.loads.finish(name)
-            if claimed:
-                with trio.CancelScope(shield=True):
-                    await self._forget_claim(name, claimed)
             raise
         progress.state = "loading"
         progress.files_total, progress.bytes_total = plan.tree.file_count, plan.tree.data_bytes
         assert self._nursery is not None
-        self._nursery.start_soon(self._coordinate, plan, progress, pushed, msg.get("decoded"))
+        self._nursery.start_soon(self._coordinate, plan, progress, pushed, msg)
         log.info(
             "preloading %s from %s over %d nodes: %d files, %s",
             name,
@@ -447,6 +447,24 @@ class NodeServer:
             "bytes_total": plan.tree.data_bytes,
             "nodes": plan.members,
         }
+
+    async def _start_preload(self, msg: dict[str, Any]) -> tuple[Plan, set[str]]:
+        """Scan and plan a preload, claim its name, start every member's stage."""
+        claimed = ""  # control plane: the instance this preload claimed the name for
+        try:
+            live = await self.live_members()
+            plan = await plan_preload(msg, self.settings.segment_size, live)
+            if self.control is not None:  # control plane: one of two racing preloads wins
+                await self.control.claim(loading_record(plan, self.address))
+                claimed = plan.uuid
+            with self.stager.scanned(plan.uuid, plan.tree):
+                pushed = await start_stages(plan, self.call)
+        except BaseException:
+            if claimed:
+                with trio.CancelScope(shield=True):
+                    await self._forget_claim(plan.name, claimed)
+            raise
+        return plan, pushed
 
     def _job_preload(self, msg: dict[str, Any]) -> dict[str, Any]:
         """A job's preload: its source must lie under one of `source_roots` (after resolving
@@ -463,10 +481,29 @@ class NodeServer:
         return {**msg, "source": real, "lifetime": "leased"}
 
     async def _coordinate(
-        self, plan: Plan, progress: Progress, pushed: set[str], decoded: Any = None
+        self, plan: Plan, progress: Progress, pushed: set[str], msg: dict[str, Any]
     ) -> None:
+        decoded = msg.get("decoded")
         try:
-            await coordinate(plan, self.call, progress, self.store.staging_dir, pushed)
+            for attempt in range(1, LOAD_ATTEMPTS + 1):
+                try:
+                    await coordinate(plan, self.call, progress, self.store.staging_dir, pushed)
+                    break
+                except Exception as e:
+                    if attempt == LOAD_ATTEMPTS or not source_modified(e):
+                        raise
+                    log.warning(
+                        "preload of %s, attempt %d of %d: %s; loading it again",
+                        plan.name,
+                        attempt,
+                        LOAD_ATTEMPTS,
+                        failure_reason(e),
+                    )
+                if self.control is not None:
+                    await self._forget_claim(plan.name, plan.uuid)
+                plan, pushed = await self._start_preload(msg)
+                progress.files_total = plan.tree.file_count
+                progress.bytes_total = plan.tree.data_bytes
             if self.control is not None:  # control plane: visible to everyone, unleased
                 await self.control.publish(plan.name, plan.uuid, {})
             progress.state = "ready"

@@ -8,13 +8,12 @@ gives it; a file lying wholly in those segments gets its checksum here.
 
 from __future__ import annotations
 
-import concurrent.futures
 import dataclasses
 import mmap
 import os
 import threading
 import time
-from collections.abc import Collection
+from collections.abc import Callable, Collection
 from pathlib import Path
 from typing import Any
 
@@ -37,6 +36,7 @@ class Progress:
     state: str = "loading"
     source: str = ""
     error: str = ""
+    error_kind: str = ""  # the error's class, so a coordinator re-raises the same one
     cancel: threading.Event = dataclasses.field(default_factory=threading.Event)
 
     def to_wire(self) -> dict[str, Any]:
@@ -50,13 +50,14 @@ class Progress:
             "bytes_done": self.bytes_done,
             "elapsed": elapsed,
             "error": self.error,
+            "error_kind": self.error_kind,
         }
 
 
 def manifest_size_estimate(tree: Tree) -> int:
-    """Bytes of the manifest: about 60 bytes an entry plus the names."""
+    """Bytes of the manifest: 88 bytes of arrays an entry plus the names."""
     names = sum(len(n) for n in tree.names) + sum(len(t) for t in tree.link_target.values())
-    return 64 * len(tree) + names + 65536
+    return 88 * len(tree) + names + 65536
 
 
 def create_segment(staging: Path, seg: int, length: int) -> int:
@@ -127,9 +128,7 @@ def load_segments(
         for r in runs:
             run(r)
     else:
-        with concurrent.futures.ThreadPoolExecutor(len(runs)) as pool:
-            for fut in [pool.submit(run, r) for r in runs]:
-                fut.result()
+        _run_all(run, runs, progress.cancel)
     if seg_checksums is not None:
         seg_checksums.update(sums)
     return checksums
@@ -182,6 +181,30 @@ class _Hashing:
         if self.covered != len(m):  # pieces always tile a segment; if not, hash what is there
             return xxhash.xxh3_64_intdigest(m)
         return int(self.segment.intdigest())
+
+
+def _run_all(
+    run: Callable[[list[int]], None], runs: list[list[int]], stop: threading.Event
+) -> None:
+    """run(r) for every run in its own daemon thread; the first failure sets stop (the other
+    runs end at their next piece) and is re-raised. Daemon threads: one blocked in a source
+    read (a hung NFS server) never holds the node's exit."""
+    errors: list[BaseException] = []
+
+    def target(r: list[int]) -> None:
+        try:
+            run(r)
+        except BaseException as e:
+            errors.append(e)
+            stop.set()
+
+    threads = [threading.Thread(target=target, args=(r,), daemon=True) for r in runs]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    if errors:
+        raise errors[0]
 
 
 def _contiguous_runs(

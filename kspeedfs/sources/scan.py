@@ -10,6 +10,7 @@ from pathlib import Path
 
 from kspeedfs.format.errors import DataError, InvalidArgument, KSpeedError, NotFound, SourceChanged
 from kspeedfs.format.tree import Tree
+from kspeedfs.sources import version
 from kspeedfs.sources.beneath import link_stays_inside, open_beneath, open_root
 
 log = logging.getLogger(__name__)
@@ -72,6 +73,7 @@ def _scan(root_fd: int) -> Tree:
     st = os.fstat(root_fd)
     tree = Tree()
     tree.append(b"", 0, st.st_mode, 0, st.st_mtime_ns, st.st_uid, st.st_gid)
+    root_dev = st.st_dev
     queue: list[tuple[int, bytes]] = [(0, b"")]
     head = 0
     while head < len(queue):
@@ -84,26 +86,34 @@ def _scan(root_fd: int) -> Tree:
             tree.first_child[dir_idx] = len(tree)
             count = 0
             for name, entry in children:
-                child = rel + b"/" + name if rel else name
                 est = entry.stat(follow_symlinks=False)
-                mode, owner = est.st_mode, (est.st_uid, est.st_gid)
+                mode = est.st_mode
                 idx = len(tree)
-                if len(child) >= PATH_MAX:
+                if len(rel) + len(name) + (1 if rel else 0) >= PATH_MAX:
+                    child = rel + b"/" + name if rel else name
                     raise InvalidArgument(
                         f"cannot scan the source: a path in it is longer than {PATH_MAX} bytes"
                         f" (a folder loop, or a tree too deep): {_shown(os.fsdecode(child))}"
                     )
+                if stat.S_ISREG(mode):  # the common case first: 1.28 M times for ImageNet
+                    size, mtime, ctime, ino, dev = version.of_stat(est, root_dev)
+                    tree.append(
+                        name, dir_idx, mode, size, mtime, est.st_uid, est.st_gid, ctime, ino, dev
+                    )
+                    count += 1
+                    continue
+                child = rel + b"/" + name if rel else name
                 if stat.S_ISDIR(mode):
-                    tree.append(name, dir_idx, mode, 0, est.st_mtime_ns, *owner)
+                    tree.append(name, dir_idx, mode, 0, est.st_mtime_ns, est.st_uid, est.st_gid)
                     queue.append((idx, child))
-                elif stat.S_ISREG(mode):
-                    tree.append(name, dir_idx, mode, est.st_size, est.st_mtime_ns, *owner)
                 elif stat.S_ISLNK(mode):
                     target = os.readlink(name, dir_fd=fd)
                     if not link_stays_inside(child, target):
                         log.warning("skipping symlink %r: it points outside the source", child)
                         continue
-                    tree.append(name, dir_idx, mode, len(target), est.st_mtime_ns, *owner)
+                    tree.append(
+                        name, dir_idx, mode, len(target), est.st_mtime_ns, est.st_uid, est.st_gid
+                    )
                     tree.link_target[idx] = target
                 else:
                     log.warning("skipping special file %r", os.fsdecode(child))
@@ -116,14 +126,15 @@ def _scan(root_fd: int) -> Tree:
     return tree
 
 
-def tree_from_listing(files: dict[bytes, tuple[int, int]]) -> Tree:
+def tree_from_listing(files: dict[bytes, tuple[int, int, int]]) -> Tree:
     """A Tree from flat object keys: folders are the key prefixes; a folder's time is the
     newest of its files' (object stores have no folder times), so a change shows up. Object
     stores have no owners or modes either: files are 0644 and folders 0755, owned by 0/0 (on
-    the mount, readable by everyone on the machine; the bucket's credentials are the gate)."""
+    the mount, readable by everyone on the machine; the bucket's credentials are the gate).
+    `files` maps a key to (size, mtime_ns, ident: its ETag's hash, 0 for none)."""
     children: dict[bytes, set[bytes]] = {b"": set()}
     dir_mtime: dict[bytes, int] = {b"": 0}
-    for rel, (_size, mtime) in list(files.items()):
+    for rel, (_size, mtime, _ident) in list(files.items()):
         parts = rel.split(b"/")
         if any(part in (b"", b".", b"..") for part in parts):
             log.warning("skipping object %r: not a usable path", rel)
@@ -156,6 +167,6 @@ def tree_from_listing(files: dict[bytes, tuple[int, int]]) -> Tree:
                 queue.append((len(tree), child))
                 tree.append(name, idx, DIR_MODE, 0, dir_mtime[child])
             else:
-                size, mtime = files[child]
-                tree.append(name, idx, FILE_MODE, size, mtime)
+                size, mtime, ident = files[child]
+                tree.append(name, idx, FILE_MODE, size, mtime, ident=ident)
     return tree

@@ -9,6 +9,7 @@ verified failover reads: bytes of a file only while it is still the file the man
 from __future__ import annotations
 
 import abc
+import contextlib
 import datetime
 import errno
 import logging
@@ -16,7 +17,7 @@ import os
 import re
 import stat
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import xxhash
@@ -28,11 +29,13 @@ from kspeedfs.format.errors import (
     KSpeedError,
     NotFound,
     SourceChanged,
+    SourceModified,
     StaleDataset,
 )
 from kspeedfs.format.layout import FilePiece, FileTable, Layout
 from kspeedfs.format.manifest import Manifest
 from kspeedfs.format.tree import Tree
+from kspeedfs.sources import version
 from kspeedfs.sources.beneath import open_beneath, open_root
 from kspeedfs.sources.scan import check_source, scan_tree, tree_from_listing
 
@@ -44,8 +47,15 @@ CHECKSUM_CHUNK = 8 << 20
 FETCH_CHUNK = 8 << 20
 # sendfile errors that mean "this source cannot be spliced": read into the mapping instead.
 _NO_SENDFILE = frozenset({errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP})
-# open() errors that mean the listed file is gone or is no longer a plain file.
-_GONE = frozenset({errno.ENOENT, errno.ENOTDIR, errno.ELOOP, errno.EXDEV})
+# open() errors that mean the listed file is gone or is no longer a plain file (ENXIO: a socket).
+_GONE = frozenset({errno.ENOENT, errno.ENOTDIR, errno.ELOOP, errno.EXDEV, errno.ENXIO})
+# O_NONBLOCK: a FIFO swapped in after the listing would block open() until a writer came; it
+# opens at once instead and is refused by the S_ISREG check on the descriptor. O_NOCTTY: a
+# terminal swapped in never becomes the node's. The flag stays set on a regular file (Linux's
+# page cache reads and sendfile ignore it; clearing it would cost a syscall per file): a source
+# filesystem that answers EAGAIN because of it gets it cleared and the read again.
+_FILE_OPEN = os.O_RDONLY | os.O_NONBLOCK | os.O_NOCTTY
+_DURING = "while loading"
 
 PieceDone = Callable[[FilePiece, memoryview], None]
 
@@ -100,19 +110,21 @@ class Source(abc.ABC):
     ) -> int:
         """Copy segment seg's file pieces into out (= the segment file `fd` when given, which
         a local source writes with sendfile); done(piece, bytes) after each piece. Raises
-        SourceChanged when a file is no longer as listed. Returns the number of source reads."""
+        SourceChanged when a file is not at its listed version (`kspeedfs.sources.version`)
+        before and after its copy: the bytes in out are then not to be used. Returns the
+        number of source reads."""
 
     @abc.abstractmethod
-    def checksum(self, relpath: bytes, size: int) -> int:
-        """xxh3_64 of a whole file, which must be `size` bytes long."""
+    def checksum(self, files: FileTable, i: int) -> int:
+        """xxh3_64 of file i, read whole at its listed version (else SourceChanged)."""
 
     @abc.abstractmethod
     def read_verified(
-        self, relpath: bytes, offset: int, length: int, size: int, mtime_ns: int, checksum: int = 0
+        self, files: FileTable, i: int, offset: int, length: int, checksum: int = 0
     ) -> bytes:
-        """Bytes [offset, offset+length) of a file (fewer only past its end), only while the file
-        is still `size` bytes with mtime `mtime_ns`, and, for a whole file, hashes to
-        `checksum` (when non-zero); else StaleDataset. Never returns a short read."""
+        """Bytes [offset, offset+length) of file i (fewer only past its end), only while the
+        file is still at its listed version and, for a whole file, hashes to `checksum` (when
+        non-zero); else StaleDataset. Never returns a short read."""
 
     def display(self, relpath: bytes) -> str:
         return f"{self.url}/{os.fsdecode(relpath)}"
@@ -148,24 +160,48 @@ class LocalSource(Source):
     def check(self) -> None:
         check_source(self.url)
 
-    def _open(self, relpath: bytes) -> int:
-        """An fd of the file, resolved beneath the root: no component is followed when it is
-        a symlink (a folder swapped for a link to elsewhere reads as a changed source)."""
-        path = self.root + b"/" + relpath
+    @contextlib.contextmanager
+    def _rooted(self) -> Iterator[tuple[int, int]]:
+        """The root's fd and device, opened once for the files one call reads (the root is
+        configured: a symlink there is followed)."""
         try:
             root_fd = open_root(self.root)
         except OSError as e:
             raise DataError(f"cannot open the source {self.url}: {e.strerror}") from None
         try:
-            return open_beneath(root_fd, relpath)
+            yield root_fd, os.fstat(root_fd).st_dev
+        finally:
+            os.close(root_fd)
+
+    def _open(self, rooted: tuple[int, int], relpath: bytes) -> tuple[int, version.Version]:
+        """An fd of the regular file relpath and its version now, resolved beneath the root:
+        no component is followed when it is a symlink (a folder swapped for a link to
+        elsewhere reads as a changed source), and opening never waits (see _FILE_OPEN)."""
+        root_fd, root_dev = rooted
+        path = self.root + b"/" + relpath
+        try:
+            fd = open_beneath(root_fd, relpath, _FILE_OPEN)
         except OSError as e:
             if e.errno in _GONE:
                 raise SourceChanged(
                     f"source file gone or replaced: {os.fsdecode(path)} ({e.strerror})"
                 ) from None
             raise DataError(f"cannot read {os.fsdecode(path)}: {e.strerror}") from None
-        finally:
-            os.close(root_fd)
+        try:
+            st = os.fstat(fd)
+        except OSError as e:
+            os.close(fd)
+            raise DataError(f"cannot read {os.fsdecode(path)}: {e.strerror}") from None
+        if not stat.S_ISREG(st.st_mode):
+            os.close(fd)
+            raise SourceChanged(f"source file replaced by a non-regular file: {os.fsdecode(path)}")
+        return fd, version.of_stat(st, root_dev)
+
+    def _check(
+        self, want: version.Version, got: version.Version, relpath: bytes, when: str
+    ) -> None:
+        if got != want:  # equal: the common case, one tuple compare
+            version.check(want, got, self.display(relpath), when)
 
     def fill(
         self,
@@ -178,87 +214,88 @@ class LocalSource(Source):
     ) -> int:
         pieces = layout.segment_files(seg)
         splice = fd is not None
-        for p in pieces:
-            relpath = files.path(p.entry)
-            size, mtime = int(files.size[p.entry]), int(files.mtime_ns[p.entry])
-            src = self._open(relpath)
-            dest = out[p.seg_offset : p.seg_offset + p.length]
+        with self._rooted() as rooted:
+            for p in pieces:
+                relpath = files.path(p.entry)
+                want = version.listed(files, p.entry)
+                src, now = self._open(rooted, relpath)
+                dest = out[p.seg_offset : p.seg_offset + p.length]
+                try:
+                    self._check(want, now, relpath, "since it was listed")
+                    if splice:
+                        assert fd is not None
+                        splice = _sendfile(src, p.file_offset, fd, p.seg_offset, p.length)
+                    if not splice:
+                        _pread_into(src, p.file_offset, dest)
+                    # One version or nothing: a write during the copy moved ctime and mtime, a
+                    # growth the size (one fstat a piece).
+                    self._check(want, version.of_stat(os.fstat(src), rooted[1]), relpath, _DURING)
+                    if done is not None:
+                        done(p, dest)
+                except EOFError:
+                    raise SourceModified(
+                        f"source changed while loading (shorter): {self.display(relpath)}"
+                    ) from None
+                except OSError as e:
+                    raise DataError(f"cannot read {self.display(relpath)}: {e.strerror}") from None
+                finally:
+                    dest.release()
+                    os.close(src)
+        return len(pieces)
+
+    def checksum(self, files: FileTable, i: int) -> int:
+        relpath = files.path(i)
+        want = version.listed(files, i)
+        hasher = xxhash.xxh3_64()
+        with self._rooted() as rooted:
+            fd, now = self._open(rooted, relpath)
             try:
-                st = os.fstat(src)
-                if st.st_size != size or st.st_mtime_ns != mtime or not stat.S_ISREG(st.st_mode):
-                    how = (
-                        "shorter"
-                        if st.st_size < size
-                        else "longer"
-                        if st.st_size > size
-                        else "modified"
-                    )
-                    raise SourceChanged(
-                        f"source changed since it was listed ({how}): {self.display(relpath)}"
-                    )
-                if splice:
-                    assert fd is not None
-                    splice = _sendfile(src, p.file_offset, fd, p.seg_offset, p.length)
-                if not splice:
-                    _pread_into(src, p.file_offset, dest)
-                if p.file_offset + p.length == size and os.pread(src, 1, size):
-                    raise SourceChanged(
-                        f"source changed while loading (longer): {self.display(relpath)}"
-                    )
-                if done is not None:
-                    done(p, dest)
+                self._check(want, now, relpath, "since it was listed")
+                buf = bytearray(CHECKSUM_CHUNK)
+                for pos in range(0, want[0], CHECKSUM_CHUNK):
+                    with memoryview(buf)[: min(CHECKSUM_CHUNK, want[0] - pos)] as chunk:
+                        _pread_into(fd, pos, chunk)
+                        hasher.update(chunk)
+                self._check(want, version.of_stat(os.fstat(fd), rooted[1]), relpath, _DURING)
             except EOFError:
-                raise SourceChanged(
+                raise SourceModified(
                     f"source changed while loading (shorter): {self.display(relpath)}"
                 ) from None
             except OSError as e:
                 raise DataError(f"cannot read {self.display(relpath)}: {e.strerror}") from None
             finally:
-                dest.release()
-                os.close(src)
-        return len(pieces)
-
-    def checksum(self, relpath: bytes, size: int) -> int:
-        fd = self._open(relpath)
-        hasher = xxhash.xxh3_64()
-        total = 0
-        try:
-            while chunk := os.read(fd, CHECKSUM_CHUNK):
-                hasher.update(chunk)
-                total += len(chunk)
-        except OSError as e:
-            raise DataError(f"cannot read {self.display(relpath)}: {e.strerror}") from None
-        finally:
-            os.close(fd)
-        if total != size:
-            raise SourceChanged(f"source changed while loading: {self.display(relpath)}")
+                os.close(fd)
         return hasher.intdigest()
 
     def read_verified(
-        self, relpath: bytes, offset: int, length: int, size: int, mtime_ns: int, checksum: int = 0
+        self, files: FileTable, i: int, offset: int, length: int, checksum: int = 0
     ) -> bytes:
-        n = _span(offset, length, size)
-        try:
-            fd = self._open(relpath)
-        except SourceChanged as e:
-            raise StaleDataset(str(e)) from None
-        try:
-            st = os.fstat(fd)
-            if not stat.S_ISREG(st.st_mode) or st.st_size != size or st.st_mtime_ns != mtime_ns:
-                raise self._stale(relpath)
-            data = os.pread(fd, n, offset) if n else b""
-            if len(data) < n:  # shrank after the fstat: never a short read
-                rest = bytearray(n - len(data))
-                try:
-                    _pread_into(fd, offset + len(data), memoryview(rest))
-                except EOFError:
-                    raise self._stale(relpath, "shrank") from None
-                data += rest
-        except OSError as e:
-            raise DataError(f"cannot read {self.display(relpath)}: {e.strerror}") from None
-        finally:
-            os.close(fd)
-        if checksum and n == size and xxhash.xxh3_64_intdigest(data) != checksum:
+        relpath = files.path(i)
+        want = version.listed(files, i)
+        n = _span(offset, length, want[0])
+        with self._rooted() as rooted:
+            try:
+                fd, now = self._open(rooted, relpath)
+            except SourceChanged as e:
+                raise StaleDataset(str(e)) from None
+            try:
+                if version.difference(want, now):
+                    raise self._stale(relpath)
+                data = _pread(fd, n, offset) if n else b""
+                if len(data) < n:  # shrank after the fstat: never a short read
+                    rest = bytearray(n - len(data))
+                    try:
+                        _pread_into(fd, offset + len(data), memoryview(rest))
+                    except EOFError:
+                        raise self._stale(relpath, "shrank") from None
+                    data += rest
+                if version.difference(want, version.of_stat(os.fstat(fd), rooted[1])):
+                    raise self._stale(relpath, "changed while reading")
+            except OSError as e:
+                raise DataError(f"cannot read {self.display(relpath)}: {e.strerror}") from None
+            finally:
+                os.close(fd)
+        if checksum and n == want[0] and xxhash.xxh3_64_intdigest(data) != checksum:
             raise self._stale(relpath, "checksum")
         return data
 
@@ -271,6 +308,9 @@ def _sendfile(src: int, src_off: int, dest: int, dest_off: int, n: int) -> bool:
     while got < n:
         try:
             r = os.sendfile(dest, src, src_off + got, n - got)
+        except BlockingIOError:
+            os.set_blocking(src, True)  # see _FILE_OPEN
+            continue
         except OSError as e:
             if got == 0 and e.errno in _NO_SENDFILE:
                 return False
@@ -281,11 +321,23 @@ def _sendfile(src: int, src_off: int, dest: int, dest_off: int, n: int) -> bool:
     return True
 
 
+def _pread(fd: int, n: int, offset: int) -> bytes:
+    try:
+        return os.pread(fd, n, offset)
+    except BlockingIOError:
+        os.set_blocking(fd, True)  # see _FILE_OPEN
+        return os.pread(fd, n, offset)
+
+
 def _pread_into(fd: int, offset: int, out: memoryview) -> None:
     """Fill out from fd at offset; EOFError when the file ends first."""
     got = 0
     while got < len(out):
-        r = os.preadv(fd, [out[got:]], offset + got)
+        try:
+            r = os.preadv(fd, [out[got:]], offset + got)
+        except BlockingIOError:
+            os.set_blocking(fd, True)  # see _FILE_OPEN
+            continue
         if not r:
             raise EOFError
         got += r
@@ -370,12 +422,16 @@ class FsspecSource(Source):
         except Exception as e:
             raise self._error(e, self.url) from None
         prefix = self.root + "/"
-        files: dict[bytes, tuple[int, int]] = {}
+        files: dict[bytes, tuple[int, int, int]] = {}
         for path, info in listing.items():
             if not path.startswith(prefix) or path.endswith("/"):
                 continue  # folder markers ("dir/" objects) are not files
             rel = path[len(prefix) :].encode("utf-8", "surrogateescape")
-            files[rel] = (int(info.get("size") or 0), _mtime_ns(info))
+            if info.get("type", "file") != "file":  # a link or a FIFO of a file:// source
+                log.warning("skipping %r: not a plain file", self.display(rel))
+                continue
+            size, mtime, _ctime, ident, _dev = _object_version(info)
+            files[rel] = (size, mtime, ident)
         if not files:
             raise NotFound(f"source not found: {self.url} (no objects under it)")
         return tree_from_listing(files)
@@ -399,7 +455,7 @@ class FsspecSource(Source):
                 err = self._error(data, self.display(relpath))
                 raise SourceChanged(str(err)) if isinstance(err, NotFound) else err
             if len(data) != end - start:
-                raise SourceChanged(f"source object shrank: {self.display(relpath)}")
+                raise SourceModified(f"source object shrank: {self.display(relpath)}")
         return list(results)
 
     def fill(
@@ -411,8 +467,8 @@ class FsspecSource(Source):
         fd: int | None = None,
         done: PieceDone | None = None,
     ) -> int:
-        # Object listings and ranged GETs carry no snapshot check: a changed object is caught
-        # by its length here, or by the checksums taken while filling.
+        # Ranged GETs carry no snapshot: every object is asked for its version after its bytes
+        # arrived (one HEAD per file), and one replaced meanwhile fails the copy.
         pieces = layout.segment_files(seg)
         ranges, places = [], []
         for p in pieces:
@@ -423,13 +479,31 @@ class FsspecSource(Source):
                 places.append(p.seg_offset + pos)
         for at, data in zip(places, self._fetch(ranges), strict=True):
             out[at : at + len(data)] = data
+        for entry in dict.fromkeys(p.entry for p in pieces):
+            self._check(files, entry, "while loading")
         if done is not None:
             for p in pieces:
                 with out[p.seg_offset : p.seg_offset + p.length] as view:
                     done(p, view)
         return len(ranges)
 
-    def checksum(self, relpath: bytes, size: int) -> int:
+    def _check(self, files: FileTable, i: int, when: str) -> None:
+        """SourceChanged unless object i is at its listed version now."""
+        relpath = files.path(i)
+        key = self._key(relpath)
+        try:
+            self.fs.invalidate_cache(key)
+            info = self.fs.info(key)
+        except FileNotFoundError:
+            raise SourceChanged(f"source object removed: {self.display(relpath)}") from None
+        except Exception as e:
+            raise self._error(e, self.display(relpath)) from None
+        if info.get("type") != "file":
+            raise SourceChanged(f"source object replaced by a folder: {self.display(relpath)}")
+        version.check(version.listed(files, i), _object_version(info), self.display(relpath), when)
+
+    def checksum(self, files: FileTable, i: int) -> int:
+        relpath, size = files.path(i), int(files.size[i])
         hasher = xxhash.xxh3_64()
         batch = 8 * FETCH_CHUNK  # fetched in parallel, hashed in order
         for pos in range(0, size, batch):
@@ -437,33 +511,33 @@ class FsspecSource(Source):
             ranges = [(relpath, a, min(end, a + FETCH_CHUNK)) for a in range(pos, end, FETCH_CHUNK)]
             for data in self._fetch(ranges):
                 hasher.update(data)
+        self._check(files, i, "while loading")
         return hasher.intdigest()
 
     def read_verified(
-        self, relpath: bytes, offset: int, length: int, size: int, mtime_ns: int, checksum: int = 0
+        self, files: FileTable, i: int, offset: int, length: int, checksum: int = 0
     ) -> bytes:
+        relpath, size = files.path(i), int(files.size[i])
         n = _span(offset, length, size)
-        key = self._key(relpath)
         try:
-            self.fs.invalidate_cache(key)
-            info = self.fs.info(key)
-        except FileNotFoundError:
-            raise self._stale(relpath, "removed") from None
-        except Exception as e:
-            raise self._error(e, self.display(relpath)) from None
-        if (
-            info.get("type") != "file"
-            or int(info.get("size") or 0) != size
-            or _mtime_ns(info) != mtime_ns
-        ):
-            raise self._stale(relpath)
-        try:
+            self._check(files, i, "since preload")
             data = self._fetch([(relpath, offset, offset + n)])[0] if n else b""
+            self._check(files, i, "while reading")
         except SourceChanged:
-            raise self._stale(relpath, "shrank") from None
+            raise self._stale(relpath) from None
         if checksum and n == size and xxhash.xxh3_64_intdigest(data) != checksum:
             raise self._stale(relpath, "checksum")
         return data
+
+
+def _object_version(info: dict[str, Any]) -> version.Version:
+    """An object's version from its listing or HEAD: size, time and its ETag (or version id)."""
+    tag = next((info[k] for k in _TAG_KEYS if info.get(k)), "")
+    return int(info.get("size") or 0), _mtime_ns(info), 0, version.tag_ident(tag), 0
+
+
+# Where fsspec filesystems put an object's version: S3 ETag or VersionId, GCS generation.
+_TAG_KEYS = ("ETag", "etag", "VersionId", "generation", "version_id")
 
 
 def _one_line(e: BaseException) -> str:
