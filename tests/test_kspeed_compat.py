@@ -177,7 +177,9 @@ def test_objname_follows_kspeeds_rule(
 ) -> None:
     other = tmp_path / "elsewhere" / "train"
     make_sample(other, classes=2, per_class=2, file_size=3000, bases=2)
-    KSpeedFolder(str(imagenet / "train"), None, 2, kspeed_iplist, "admin", "admin")
+    # Held: a job's dataset is unloaded when its last dataset object goes.
+    held = KSpeedFolder(str(imagenet / "train"), None, 2, kspeed_iplist, "admin", "admin")
+    assert held.objname == "train"
     with pytest.raises(InvalidArgument, match="pass objname"):
         KSpeedFolder(str(other), None, 2, kspeed_iplist, "admin", "admin")
     ds = KSpeedFolder(str(other), "train2", 2, kspeed_iplist, "admin", "admin")

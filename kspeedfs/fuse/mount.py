@@ -94,6 +94,10 @@ async def serve_mount(
     if dataset:
         datasets.require(dataset)
     count = settings.fuse_workers or default_workers()
+    # Under x-systemd.automount, a look at the mountpoint from here (out of PID 1's process
+    # group once on_mounted has run) waits for autofs, which waits for this mount to be
+    # reported done: the first access through autofs is the check there.
+    check_here = not _automount_point(Path(mountpoint))
     # Held until this process exits, however it ends: `umount` waits for that.
     mountlock.hold(mountpoint)
     session = FuseSession(None, str(mountpoint), options)
@@ -114,7 +118,8 @@ async def serve_mount(
                 await nursery.start(pool.run)
                 nursery.start_soon(datasets.keep_refreshed)
                 nursery.start_soon(_unmount_on_signal, signals, session, pool)
-                error = await _answering(session, datasets, settings.timeout + READY_WAIT)
+                if check_here:
+                    error = await _answering(session, datasets, settings.timeout + READY_WAIT)
                 if error is None:
                     log.info(
                         "mounted %s at %s, served by %d processes",
