@@ -193,15 +193,21 @@ def test_unload_while_a_file_is_open_and_being_read(
         reads, count = daemon_reads(), len(outcomes)
         # Listing the top makes the mount notice the unload while the file stays open.
         wait_for(lambda: "victim" not in os.listdir(mount_all.mountpoint), what="victim unlisted")
+        # Passes the page cache served (its pages not dropped yet) do not count: wait for
+        # reads that reached the daemon.
         wait_for(
-            lambda: len(outcomes) > count + 2 or "error" in outcomes, what="reads after unload"
+            lambda: (len(outcomes) > count + 2 and daemon_reads() > reads) or "error" in outcomes,
+            what="reads after unload",
         )
     finally:
         stop.set()
         t.join(30)
     assert not t.is_alive()
     assert set(outcomes) <= {"ok", "error"}
-    assert daemon_reads() > reads, "the reads after unload never reached the daemon"
+    if "error" not in outcomes:
+        # An EIO or ESTALE may come from the kernel itself (an inode it marked bad after the
+        # unload) without a READ; passes that succeeded must have been served, not cached.
+        assert daemon_reads() > reads, "the reads after unload never reached the daemon"
     # The mount is still up and answers.
     assert os.path.ismount(mount_all.mountpoint)
     assert mount_all.proc is not None and mount_all.proc.poll() is None
