@@ -203,7 +203,14 @@ def test_a_heal_refuses_a_corrupt_copy_and_leaves_no_partial_file(
     heal = healer.request("status")["control"]["heal"]
     assert heal["from_source"] >= 1
     assert heal["failed"] == 0
-    assert [f for f in os.listdir(copied.parent.parent) if f.startswith(".seg-")] == []
+    # Other segments may still be healing (their .seg- file in the making); a refused copy's
+    # file would stay forever.
+    folder = copied.parent.parent
+    wait_for(
+        lambda: not [f for f in os.listdir(folder) if f.startswith(".seg-")],
+        timeout=30,
+        what="no partial segment file left",
+    )
     assert "fails its checksum" in healer.log()
 
 
