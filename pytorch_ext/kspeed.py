@@ -72,7 +72,10 @@ class Fileset:
 
     def getBIN(self, path: PathLike) -> memoryview:  # noqa: N802 (KSpeed's name)
         """The file's bytes: a read-only view of shared memory where local (no copy)."""
-        return self._images.read(self._images.relative(path))
+        images = self._images
+        if type(path) is str and path[:1] != "/":  # the common case: a name from `files`
+            return images._bytes(images._entry_of(path))
+        return images._bytes(images._entry_of(images.relative(path)))
 
     def get(self, path: PathLike) -> np.ndarray:
         """The file's bytes as a uint8 array (a view where local)."""
