@@ -232,16 +232,20 @@ class LocalSource(Source):
                     self._check(want, version.of_stat(os.fstat(src), rooted[1]), relpath, _DURING)
                     if done is not None:
                         done(p, dest)
-                except EOFError:
-                    raise SourceModified(
-                        f"source changed while loading (shorter): {self.display(relpath)}"
-                    ) from None
-                except OSError as e:
-                    raise DataError(f"cannot read {self.display(relpath)}: {e.strerror}") from None
+                except (EOFError, OSError) as e:
+                    raise self._copy_error(relpath, e) from None
                 finally:
                     dest.release()
                     os.close(src)
         return len(pieces)
+
+    def _copy_error(self, relpath: bytes, e: EOFError | OSError) -> KSpeedError:
+        """The one-line error of a copy that read short (the file shrank) or failed."""
+        if isinstance(e, EOFError):
+            return SourceModified(
+                f"source changed while loading (shorter): {self.display(relpath)}"
+            )
+        return DataError(f"cannot read {self.display(relpath)}: {e.strerror}")
 
     def checksum(self, files: FileTable, i: int) -> int:
         relpath = files.path(i)
@@ -257,12 +261,8 @@ class LocalSource(Source):
                         _pread_into(fd, pos, chunk)
                         hasher.update(chunk)
                 self._check(want, version.of_stat(os.fstat(fd), rooted[1]), relpath, _DURING)
-            except EOFError:
-                raise SourceModified(
-                    f"source changed while loading (shorter): {self.display(relpath)}"
-                ) from None
-            except OSError as e:
-                raise DataError(f"cannot read {self.display(relpath)}: {e.strerror}") from None
+            except (EOFError, OSError) as e:
+                raise self._copy_error(relpath, e) from None
             finally:
                 os.close(fd)
         return hasher.intdigest()
