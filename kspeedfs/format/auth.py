@@ -84,33 +84,44 @@ def write_token(path: Path, token: str, overwrite: bool = False) -> None:
     os.chmod(path, 0o600)
 
 
-def read_token(path: Path) -> str:
-    """The token in `path`, the one way every client and the node read one: a regular file
-    that only its owner may read or write (as ssh wants of keys), holding one UTF-8 token."""
+def read_private_file(path: Path, what: str, limit: int) -> bytes:
+    """The bytes of a secret file (a token, the users file): a regular file that only its owner
+    may read or write (as ssh wants of keys), at most `limit` bytes; AuthError (one line)
+    otherwise. FileNotFoundError passes through: what a missing file means is the caller's."""
+    # O_NONBLOCK: a FIFO put where the file was must not hang the reader.
     try:
-        # O_NONBLOCK: a FIFO put where the token was must not hang the reader.
         fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
     except FileNotFoundError:
-        raise AuthError(
-            f"no cluster token at {path}: copy the cluster's token there or set --token-file"
-        ) from None
+        raise
     except OSError as e:
-        raise AuthError(f"cannot read the token file {path}: {e.strerror}") from None
+        raise AuthError(f"cannot read the {what} {path}: {e.strerror}") from None
     with os.fdopen(fd, "rb") as f:
         try:
             st = os.fstat(f.fileno())
             if not stat.S_ISREG(st.st_mode):
-                raise AuthError(f"the token file {path} is not a regular file")
+                raise AuthError(f"the {what} {path} is not a regular file")
             if st.st_mode & 0o077:
                 raise AuthError(
-                    f"the token file {path} is open to group or others "
+                    f"the {what} {path} is open to group or others "
                     f"(mode {stat.S_IMODE(st.st_mode):04o}): chmod 600 {path}"
                 )
-            data = f.read(_MAX_TOKEN_BYTES + 1)
+            data = f.read(limit + 1)
         except OSError as e:
-            raise AuthError(f"cannot read the token file {path}: {e.strerror}") from None
-    if len(data) > _MAX_TOKEN_BYTES:
-        raise AuthError(f"the token file {path} is too large for a token")
+            raise AuthError(f"cannot read the {what} {path}: {e.strerror}") from None
+    if len(data) > limit:
+        raise AuthError(f"the {what} {path} is too large")
+    return data
+
+
+def read_token(path: Path) -> str:
+    """The token in `path`, the one way every client and the node read one: a private file
+    (read_private_file) holding one UTF-8 token."""
+    try:
+        data = read_private_file(path, "token file", _MAX_TOKEN_BYTES)
+    except FileNotFoundError:
+        raise AuthError(
+            f"no cluster token at {path}: copy the cluster's token there or set --token-file"
+        ) from None
     try:
         token = data.decode("utf-8").strip()
     except UnicodeDecodeError as e:

@@ -16,16 +16,23 @@ import hashlib
 import json
 import os
 import secrets
-import stat
 from pathlib import Path
 from typing import Any
 
-from kspeedfs.format.auth import ROLES, WRONG_LOGIN, UserLogin, verify_client, verify_user
+from kspeedfs.format.auth import (
+    ROLES,
+    WRONG_LOGIN,
+    UserLogin,
+    read_private_file,
+    verify_client,
+    verify_user,
+)
 from kspeedfs.format.errors import AuthError, InvalidArgument, NotFound
 from kspeedfs.format.setting_rules import USER_RE
 
 # scrypt's cost: 16 MiB and about 50 ms a derivation here; a guess at a stolen file costs that.
 SCRYPT_N, SCRYPT_R, SCRYPT_P = 2**14, 8, 1
+MAX_USERS_BYTES = 1 << 20
 
 
 def validate_user(name: str) -> str:
@@ -67,18 +74,9 @@ def new_users() -> Users:
 def load_users(path: Path) -> Users | None:
     """The users file, or None when there is none (no user exists)."""
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+        raw = read_private_file(path, "users file", MAX_USERS_BYTES)
     except FileNotFoundError:
         return None
-    except OSError as e:
-        raise AuthError(f"cannot read the users file {path}: {e.strerror}") from None
-    with os.fdopen(fd, "rb") as f:
-        st = os.fstat(f.fileno())
-        if not stat.S_ISREG(st.st_mode):
-            raise AuthError(f"the users file {path} is not a regular file")
-        if st.st_mode & 0o077:
-            raise AuthError(f"the users file {path} is readable by others: chmod 600 {path}")
-        raw = f.read()
     try:
         doc = json.loads(raw.decode())
         users = {
