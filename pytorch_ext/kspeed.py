@@ -35,6 +35,7 @@ from . import cache
 from .array import KSpeedDataset as _ArrayDataset
 from .image_folder import KSpeedImageFolder as _ImageFolder
 from .image_folder import ViewFile
+from .index import LazyFiles, LazyTargets
 
 PathLike = str | os.PathLike[str]
 IpList = str | Sequence[str] | None
@@ -157,8 +158,9 @@ class KSpeedFolder(torch.utils.data.Dataset[Any]):
         self.objname = self._images.dataset_name
         self.classes = self._images.classes
         self.class_to_idx = self._images.class_to_idx
-        self.files = [os.path.relpath(p, os.fspath(root)) for p, _ in self._images.samples]
-        self.labels = list(self._images.targets)
+        # Built on access from the node's mapped manifest: no per-file objects per process.
+        self.files: Sequence[str] = LazyFiles(self._images)
+        self.labels: Sequence[int] = LazyTargets(self._images._index)
         self.dataset: Fileset | None = None
 
     def set_plan(self, plan: Any) -> None:
