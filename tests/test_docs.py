@@ -1,0 +1,63 @@
+"""The docs: the generated references equal what the code gives now, and every relative link
+of README.md and docs/*.md names a file that exists."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+
+from kspeedfs import docgen
+
+ROOT = Path(__file__).resolve().parent.parent
+PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+# [text](target) and [text]: target; the target up to a space, ')' or '#'.
+LINK = re.compile(r"\]\(([^)\s#]*)[^)]*\)|^\[[^\]]+\]:\s*(\S+)", re.MULTILINE)
+
+
+@pytest.mark.parametrize("name", sorted(docgen.REFERENCES))
+def test_generated_reference_is_up_to_date(name: str) -> None:
+    committed = (ROOT / "docs" / name).read_text()
+    assert committed == docgen.REFERENCES[name](), (
+        f"docs/{name} is out of date with the code: run `{docgen.REGENERATE}` and commit it"
+    )
+
+
+def relative_links(page: Path) -> list[str]:
+    targets = [a or b for a, b in LINK.findall(page.read_text())]
+    return [t for t in targets if t and not re.match(r"[a-z][a-z0-9+.-]*:", t)]
+
+
+@pytest.mark.parametrize("page", PAGES, ids=lambda p: p.name)
+def test_relative_links_name_files_that_exist(page: Path) -> None:
+    missing = [t for t in relative_links(page) if not (page.parent / t).exists()]
+    assert not missing, f"{page.relative_to(ROOT)} links to missing files: {missing}"
+
+
+def test_link_check_sees_links() -> None:
+    # The check above passes trivially if the pattern finds nothing: it must see these.
+    assert "docs/index.md" in relative_links(ROOT / "README.md")
+    assert {"concepts.md", "cli.md", "settings.md"} <= set(relative_links(ROOT / "docs/index.md"))
+
+
+def test_every_docs_page_is_in_the_index() -> None:
+    listed = set(relative_links(ROOT / "docs" / "index.md"))
+    pages = {p.name for p in PAGES if p.parent == ROOT / "docs" and p.name != "index.md"}
+    assert pages <= listed, f"pages missing from docs/index.md: {sorted(pages - listed)}"
+
+
+def test_generator_names_an_undocumented_setting(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A new setting without its docstring line fails generation, naming it and the fix."""
+    import dataclasses
+
+    from kspeedfs.format import config
+
+    @dataclasses.dataclass
+    class More(config.Settings):
+        brand_new: int = 0
+
+    More.__doc__ = config.Settings.__doc__
+    monkeypatch.setattr(config, "Settings", More)
+    with pytest.raises(docgen.UndocumentedError, match="'brand_new' has no line"):
+        docgen.settings_reference()
