@@ -377,8 +377,10 @@ def settings_reference() -> str:
         "```",
         "",
         "Every value is checked when the settings are loaded, by its rule below: its type (a",
-        "TOML `timeout = true` is not a number), a finite number in range, absolute paths where",
-        "a daemon needs one, and a config file that is a regular UTF-8 file of at most 1 MiB.",
+        "TOML `timeout = true` is not a number), a finite number in range (durations above 0,",
+        "or from 0 where 0 means off, and at most a year), ports up to 65535, absolute paths",
+        "where a daemon needs one, and a config file that is a regular UTF-8 file of at most",
+        f"{format_size(config._MAX_CONFIG_BYTES)}.",
         "A bad one stops the command before it starts anything, exit code 5, in one line",
         "naming the setting and where it came from:",
         "",
@@ -506,8 +508,9 @@ def metrics_reference() -> str:
     ]
     lines += _table(head, _metric_rows(node)) + ["", "## Mount", ""]
     lines += [
-        "Summed over every serving process of the mount. `path` is `local` (mapped),",
-        "`remote` (one per vectored request to a node) or `source`.",
+        "Summed over every serving process of the mount. `op` is the FUSE request kind in",
+        "lower case (lookup, read, getattr, ...); `path` is `local` (mapped), `remote` (one per",
+        "vectored request to a node) or `source`.",
         "",
     ]
     lines += _table(head, _metric_rows(mount))

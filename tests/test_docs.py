@@ -1,5 +1,5 @@
 """The docs: the generated references equal what the code gives now, and every relative link
-of README.md and docs/*.md names a file that exists."""
+of README.md and docs/*.md names a file that exists (and a heading of it, for an anchor)."""
 
 from __future__ import annotations
 
@@ -12,8 +12,8 @@ from kspeedfs import docgen
 
 ROOT = Path(__file__).resolve().parent.parent
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
-# [text](target) and [text]: target; the target up to a space, ')' or '#'.
-LINK = re.compile(r"\]\(([^)\s#]*)[^)]*\)|^\[[^\]]+\]:\s*(\S+)", re.MULTILINE)
+# [text](target) and [text]: target, the target up to a space or ')'.
+LINK = re.compile(r"\]\(([^)\s]+)[^)]*\)|^\[[^\]]+\]:\s*(\S+)", re.MULTILINE)
 
 
 @pytest.mark.parametrize("name", sorted(docgen.REFERENCES))
@@ -25,14 +25,47 @@ def test_generated_reference_is_up_to_date(name: str) -> None:
 
 
 def relative_links(page: Path) -> list[str]:
-    targets = [a or b for a, b in LINK.findall(page.read_text())]
-    return [t for t in targets if t and not re.match(r"[a-z][a-z0-9+.-]*:", t)]
+    """The page's links to files of the repository (their anchors dropped)."""
+    return [path for path, _anchor in relative_targets(page) if path]
+
+
+def relative_targets(page: Path) -> list[tuple[str, str]]:
+    """(path, anchor) of every link that is not a URL; path "" for a link within the page."""
+    out = []
+    for target in (a or b for a, b in LINK.findall(page.read_text())):
+        if not re.match(r"[a-z][a-z0-9+.-]*:", target):  # a URL
+            path, _, anchor = target.partition("#")
+            out.append((path, anchor))
+    return out
+
+
+def anchors(page: Path) -> set[str]:
+    """The anchors GitHub makes of the page's headings (outside code blocks)."""
+    out, fenced = set(), False
+    for line in page.read_text().splitlines():
+        if line.startswith("```"):
+            fenced = not fenced
+        elif not fenced and (m := re.match(r"#{1,6} (.*)", line)):
+            out.add(re.sub(r"[^\w\- ]", "", m.group(1).lower()).replace(" ", "-"))
+    return out
 
 
 @pytest.mark.parametrize("page", PAGES, ids=lambda p: p.name)
 def test_relative_links_name_files_that_exist(page: Path) -> None:
     missing = [t for t in relative_links(page) if not (page.parent / t).exists()]
     assert not missing, f"{page.relative_to(ROOT)} links to missing files: {missing}"
+
+
+@pytest.mark.parametrize("page", PAGES, ids=lambda p: p.name)
+def test_link_anchors_name_headings(page: Path) -> None:
+    broken = [
+        f"{path}#{anchor}"
+        for path, anchor in relative_targets(page)
+        if anchor
+        and (page.parent / (path or page.name)).suffix == ".md"
+        and anchor not in anchors(page.parent / (path or page.name))
+    ]
+    assert not broken, f"{page.relative_to(ROOT)} links to missing headings: {broken}"
 
 
 def test_link_check_sees_links() -> None:
