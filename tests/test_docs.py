@@ -94,3 +94,14 @@ def test_generator_names_an_undocumented_setting(monkeypatch: pytest.MonkeyPatch
     monkeypatch.setattr(config, "Settings", More)
     with pytest.raises(docgen.UndocumentedError, match="'brand_new' has no line"):
         docgen.settings_reference()
+
+
+def test_internals_lists_the_layers_of_pyproject() -> None:
+    """docs/internals.md writes out the layers contract; a changed contract fails here."""
+    import tomllib
+
+    contracts = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["importlinter"]
+    layers = next(c["layers"] for c in contracts["contracts"] if c["type"] == "layers")
+    page = (ROOT / "docs" / "internals.md").read_text()
+    block = "```\n" + "\n".join(layers) + "\n```"
+    assert block in page, f"docs/internals.md: write the layers of pyproject.toml as\n{block}"
