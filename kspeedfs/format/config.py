@@ -41,7 +41,8 @@ class Settings:
         memory: the budget for cached data: a size, or a share of the filesystem that holds
             `shm_dir`; a preload that does not fit is refused before anything is copied.
         segment_size: the unit of placement, replication, transfer and eviction.
-        verify_on_start: checksum every segment when a node starts again.
+        verify_on_start: checksum every segment when a node starts again (off: `kspeedfs node
+            --no-verify`).
         lease_ttl: seconds before the lease of a job that stopped renewing it (a crash)
             expires; a dataset the job loaded is unloaded with its last lease.
         log_level: the node's log level (`kspeedfs -v node`: debug).
@@ -65,7 +66,8 @@ class Settings:
         tls_key: its private key.
         tls_ca: the cluster's CA certificate, which the other end's certificate must come from.
     Mounts (mounts.md):
-        fuse_workers: processes serving a mount (0: one per CPU, at most 8).
+        fuse_workers: processes serving a mount (0: one per CPU, at most 8; `kspeedfs mount
+            --workers`).
         fuse_read_ahead: the read-ahead set on a mount, so that a typical file is one READ
             (0: the kernel's default, 128 KiB; needs root).
     Read-through datasets (readthrough.md):
@@ -84,7 +86,8 @@ class Settings:
         cluster: this cluster's key prefix in etcd.
         member_ttl: seconds of the membership lease a node renews.
         heal_after: seconds a member stays down before its copies are made elsewhere.
-        metrics_listen: HOST:PORT of the node's Prometheus `/metrics` ("": off; metrics.md).
+        metrics_listen: HOST:PORT of the node's Prometheus `/metrics` ("": off); a mount serves
+            its own only with `kspeedfs mount --metrics-listen`, whatever this setting says.
     """
 
     listen: Address = Address("127.0.0.1", DEFAULT_PORT)
