@@ -105,3 +105,16 @@ def test_internals_lists_the_layers_of_pyproject() -> None:
     page = (ROOT / "docs" / "internals.md").read_text()
     block = "```\n" + "\n".join(layers) + "\n```"
     assert block in page, f"docs/internals.md: write the layers of pyproject.toml as\n{block}"
+
+
+def test_check_names_a_stale_file_and_the_command(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert docgen.main(["--write", "--docs", str(tmp_path)]) == 0
+    assert docgen.main(["--check", "--docs", str(tmp_path)]) == 0
+    (tmp_path / "settings.md").write_text("old\n")
+    capsys.readouterr()
+    assert docgen.main(["--check", "--docs", str(tmp_path)]) == 1
+    err = capsys.readouterr().err
+    assert "settings.md is out of date" in err and docgen.REGENERATE in err
+    assert "cli.md" not in err
