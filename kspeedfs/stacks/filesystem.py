@@ -72,6 +72,9 @@ class KSpeedFileSystem(AbstractFileSystem):
         self._ready: dict[str, dict[str, Any]] = {}
         self._listed_at = -float("inf")
         self._readers: dict[str, Reader] = {}
+        # Folder path -> (reader, entry) of folders looked up since the last listing: a file's
+        # lookup is then one search among its folder's children, not one per path component.
+        self._folders: dict[str, tuple[Reader, int]] = {}
 
     # Paths.
 
@@ -101,10 +104,13 @@ class KSpeedFileSystem(AbstractFileSystem):
     # Datasets and instances.
 
     def _datasets(self, force: bool = False) -> dict[str, dict[str, Any]]:
+        if not force and time.monotonic() - self._listed_at < self.refresh:
+            return self._ready
         with self._lock:
             if force or time.monotonic() - self._listed_at >= self.refresh:
                 self._ready = self._cluster.list_datasets()
                 self._listed_at = time.monotonic()
+                self._folders = {}
                 for gone in set(self._readers) - set(self._ready):
                     del self._readers[gone]  # open files keep theirs
             return self._ready
@@ -143,15 +149,26 @@ class KSpeedFileSystem(AbstractFileSystem):
     def _entry(self, path: str, follow: bool = True) -> tuple[Reader, int, str]:
         """(reader, manifest entry, dataset name) of a path; its symlinks inside the dataset
         followed when `follow` (a link out of it is not found)."""
+        path = self._strip_protocol(path)
+        folder, _, leaf = path.rpartition("/")
+        known = self._folders.get(folder)
+        if known is not None and time.monotonic() - self._listed_at < self.refresh:
+            reader, at = known
+            m = reader.manifest
+            entry = m.lookup(at, os.fsencode(leaf))
+            if entry is not None and not (follow and m.is_link(entry)):
+                return reader, entry, reader.ref.name
         name, rel = self._split(path)
         reader = self._reader(name)
         m = reader.manifest
-        for _ in range(MAX_LINKS):
+        for hop in range(MAX_LINKS):
             try:
                 entry = m.resolve(rel)
             except NotFound:
                 raise NoSuchPath(f"no such file: kspeedfs://{name}/{rel}") from None
-            if not follow or not stat.S_ISLNK(int(m.mode[entry])):
+            if hop == 0 and rel:
+                self._folders[folder] = (reader, int(m.parent[entry]))
+            if not follow or not m.is_link(entry):
                 return reader, entry, name
             target = os.fsdecode(m.link_target(entry))
             joined = posixpath.normpath(posixpath.join(posixpath.dirname(rel), target))
