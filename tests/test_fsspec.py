@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import json
 import mmap
+import multiprocessing
 import os
+import pickle
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -155,9 +157,8 @@ def test_datasets_loads_parquet_and_json_as_from_the_source(
     monkeypatch.setenv("KSPEEDFS_TOKEN_FILE", str(node.token_file))
     for kind, name in (("parquet", "t.parquet"), ("json", "d.jsonl")):
         local = datasets.load_dataset(kind, data_files=str(src / name), split="train")
-        streamed = datasets.load_dataset(
-            kind, data_files=f"kspeedfs://ds/{name}", split="train", streaming=True
-        )
+        pattern = f"kspeedfs://ds/*{os.path.splitext(name)[1]}"  # a glob, resolved by the fs
+        streamed = datasets.load_dataset(kind, data_files=pattern, split="train", streaming=True)
         assert list(streamed) == local.to_list()
     # A non-streaming load "downloads" into the HF cache first, a step datasets' offline mode
     # refuses for any URL that is not a local path (its fsspec_head); nothing reaches the hub.
@@ -290,6 +291,25 @@ def test_an_open_file_keeps_its_instance_across_unload_and_reload(
     f.close()
 
 
+def read_whole(fs: KSpeedFileSystem, path: str) -> bytes:
+    return fs.cat_file(path)
+
+
+def test_a_pickled_or_forked_filesystem_reads_the_same(
+    served: tuple[KSpeedFileSystem, Path, pa.Table],
+) -> None:
+    """What DataLoader and datasets workers get: the filesystem pickled (storage options
+    only), or inherited by fork with its maps and without its connections."""
+    fs, src, _table = served
+    data = (src / "big.bin").read_bytes()
+    assert fs.cat_file("ds/big.bin") == data  # mapped and connected before the fork
+    clone = pickle.loads(pickle.dumps(fs))
+    assert clone.cat_file("ds/big.bin") == data
+    with multiprocessing.get_context("fork").Pool(2) as pool:
+        got = pool.starmap(read_whole, [(fs, "ds/big.bin"), (fs, "ds/sub/small.txt")])
+    assert got == [data, b"hello kspeedfs\n"]
+
+
 def test_writes_are_refused_and_change_nothing(
     served: tuple[KSpeedFileSystem, Path, pa.Table],
 ) -> None:
@@ -344,6 +364,13 @@ def test_a_cluster_serves_the_table_with_nodes_killed(token_file: Path, tmp_path
         cluster.preload(src, "ds", replicas=2)
         fs = kspeed(",".join(cluster.addresses), token_file)
         assert pq.read_table("ds/t.parquet", filesystem=fs).equals(table)
+        data = (src / "big.bin").read_bytes()
+        starts = list(range(0, BIG - 3000, BIG // 200))
+        stats = fs._reader("ds").cluster.stats
+        before = stats["remote"]
+        got = fs.cat_ranges(["ds/big.bin"] * len(starts), starts, [s + 3000 for s in starts])
+        assert got == [data[s : s + 3000] for s in starts]
+        assert stats["remote"] - before <= 3  # 200 ranges over 13 segments: a read per node
         cluster.nodes[0].kill9()
         assert pq.read_table("ds/t.parquet", filesystem=fs).equals(table)
         assert fs.cat_file("ds/big.bin") == (src / "big.bin").read_bytes()

@@ -118,26 +118,26 @@ class KSpeedFileSystem(AbstractFileSystem):
     def _reader(self, name: str) -> Reader:
         """This filesystem's reader of the current instance of `name`."""
         info = self._datasets().get(name) or self._datasets(force=True).get(name)
-        if info is None:
-            raise NoSuchPath(f"no dataset named {name!r} in the cache")
-        with self._lock:
-            reader = self._readers.get(name)
-            if reader is not None and reader.ref.uuid == info["uuid"]:
+        for _attempt in range(3):
+            if info is None:
+                raise NoSuchPath(f"no dataset named {name!r} in the cache")
+            uuid = str(info["uuid"])
+            with self._lock:
+                reader = self._readers.get(name)
+            if reader is not None and reader.ref.uuid == uuid:
                 return reader
-        ref = CacheRef(
-            self.settings, name, str(info["uuid"]), str(info["source"]), info, self.local
-        )
-        try:
-            reader = Reader(ref)
-        except NotFound:
-            raise NoSuchPath(f"dataset {name!r} was unloaded just now") from None
-        except DataError as e:
-            if str(info["uuid"]) == str(self._datasets(force=True).get(name, {}).get("uuid")):
-                raise
-            raise NoSuchPath(f"dataset {name!r} was reloaded just now; try again ({e})") from None
-        with self._lock:
-            self._readers[name] = reader
-        return reader
+            ref = CacheRef(self.settings, name, uuid, str(info["source"]), info, self.local)
+            try:
+                reader = Reader(ref)
+            except (NotFound, DataError):
+                info = self._datasets(force=True).get(name)
+                if info is not None and str(info["uuid"]) == uuid:
+                    raise  # not a reload under way: a real failure to open it
+                continue  # unloaded or loaded again meanwhile: look again
+            with self._lock:
+                self._readers[name] = reader
+            return reader
+        raise NoSuchPath(f"dataset {name!r} kept changing while opening it")
 
     def invalidate_cache(self, path: str | None = None) -> None:
         """Look at the dataset list again on the next call (a dataset loaded, unloaded or
