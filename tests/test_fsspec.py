@@ -357,7 +357,8 @@ def test_bad_names_and_missing_paths_are_clear_errors(
 
 def test_a_cluster_serves_the_table_with_nodes_killed(token_file: Path, tmp_path: Path) -> None:
     """Three nodes, replicas 2, a reader on none of them: every read is remote; one node
-    killed, the replicas serve; two killed, the source serves what has no copy left."""
+    killed, the replicas serve; two killed, the source serves what has no copy left; all
+    three, the source serves it all."""
     src = tmp_path / "src"
     table = make_source(src)
     with running(Cluster(token_file, tmp_path, segment_size="256KiB")) as cluster:
@@ -371,10 +372,20 @@ def test_a_cluster_serves_the_table_with_nodes_killed(token_file: Path, tmp_path
         got = fs.cat_ranges(["ds/big.bin"] * len(starts), starts, [s + 3000 for s in starts])
         assert got == [data[s : s + 3000] for s in starts]
         assert stats["remote"] - before <= 3  # 200 ranges over 13 segments: a read per node
-        cluster.nodes[0].kill9()
+        # Kill first the two holders of the table's first segment: it has no copy left then.
+        reader = fs._reader("ds")
+        m = reader.manifest
+        seg = m.ranges(m.resolve("t.parquet"))[0][0]
+        holders = reader.handle.owners(seg)
+        first, second, third = sorted(cluster.nodes, key=lambda n: n.address not in holders)
+        first.kill9()
         assert pq.read_table("ds/t.parquet", filesystem=fs).equals(table)
-        assert fs.cat_file("ds/big.bin") == (src / "big.bin").read_bytes()
-        cluster.nodes[1].kill9()
+        assert fs.cat_file("ds/big.bin") == data
+        second.kill9()
         fresh = kspeed(",".join(cluster.addresses), token_file)
         assert pq.read_table("ds/t.parquet", filesystem=fresh).equals(table)
         assert fresh._reader("ds").cluster.stats["source"] > 0
+        third.kill9()  # no node left: what is known is served from the source
+        fresh.invalidate_cache()
+        assert pq.read_table("ds/t.parquet", filesystem=fresh).equals(table)
+        assert fresh.cat_file("ds/big.bin") == data

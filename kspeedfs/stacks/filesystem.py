@@ -15,6 +15,7 @@ Reader, while files opened before keep the old one (the old instance's bytes or 
 from __future__ import annotations
 
 import datetime
+import logging
 import os
 import posixpath
 import stat
@@ -32,12 +33,15 @@ from kspeedfs.format.errors import (
     DataError,
     InvalidArgument,
     KSpeedError,
+    NodeUnreachable,
     NoSuchPath,
     NotFound,
     ReadOnlyFileSystem,
 )
 from kspeedfs.format.names import validate_name
 from kspeedfs.stacks.file import KSpeedFile
+
+log = logging.getLogger(__name__)
 
 REFRESH_S = 5.0
 MAX_LINKS = 16  # symlinks followed for one open, as a kernel would stop a loop
@@ -71,6 +75,7 @@ class KSpeedFileSystem(AbstractFileSystem):
         self._lock = threading.Lock()
         self._ready: dict[str, dict[str, Any]] = {}
         self._listed_at = -float("inf")
+        self._ever_listed = False
         self._readers: dict[str, Reader] = {}
         # Folder path -> (reader, entry) of folders looked up since the last listing: a file's
         # lookup is then one search among its folder's children, not one per path component.
@@ -108,7 +113,16 @@ class KSpeedFileSystem(AbstractFileSystem):
             return self._ready
         with self._lock:
             if force or time.monotonic() - self._listed_at >= self.refresh:
-                self._ready = self._cluster.list_datasets()
+                try:
+                    ready = self._cluster.list_datasets()
+                except NodeUnreachable as e:
+                    if not self._ever_listed:
+                        raise
+                    # As the mount does: serve on with what is known (the instances' readers
+                    # still fail over to the source), and look again in `refresh` seconds.
+                    log.warning("no node answers (%s): serving the datasets already known", e)
+                    ready = self._ready
+                self._ready, self._ever_listed = ready, True
                 self._listed_at = time.monotonic()
                 self._folders = {}
                 for gone in set(self._readers) - set(self._ready):
