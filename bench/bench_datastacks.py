@@ -9,6 +9,8 @@ function per section; each returns rows of the table printed at the end:
   parquet_section: a full scan (pyarrow.parquet.read_table) and a random-row workload
       (pyarrow.dataset take() of random rows, in batches) through kspeedfs://, the mount and
       the source folder (page cache warm);
+  datasets_section: Hugging Face datasets over the table, a streaming pass and a whole
+      load_dataset (into a fresh HF cache each time), from the same three;
   objects_section: every 110 KB file once in random order, files/s: kspeedfs:// cat_file, the
       mount (a fresh mount each round: each file crosses FUSE once, as in an epoch) and the
       fast path (pytorch_ext.KSpeedFolder.read by path, copied out: one copy, as cat_file).
@@ -25,6 +27,7 @@ import logging
 import mmap
 import os
 import random
+import shutil
 import sys
 import tempfile
 import time
@@ -158,6 +161,67 @@ def parquet_section(
     return [
         Row(f"Parquet scan, {format_size(nbytes)}", "MB/s", dict(scans)),
         Row(f"Parquet random rows, take() x{args.batch_rows}", "rows/s", dict(takes)),
+    ]
+
+
+def datasets_section(
+    node: LocalCache, mounted: Path, source: Path, workdir: Path, args: argparse.Namespace
+) -> list[Row]:
+    """Hugging Face datasets over the Parquet table: a streaming pass (rows/s, read as it
+    goes) and a full load_dataset (rows/s, which copies the file into the HF cache and
+    converts it to Arrow there), each from the source, the mount and kspeedfs://."""
+    os.environ["HF_HOME"] = str(workdir / "hf")  # read by datasets at import: set first
+    os.environ["HF_UPDATE_DOWNLOAD_COUNTS"] = "0"
+    os.environ["KSPEEDFS_NODES"] = str(node.address)  # kspeedfs:// URLs, no storage options
+    os.environ["KSPEEDFS_TOKEN_FILE"] = str(node.token_file)
+    import datasets
+
+    datasets.disable_progress_bars()
+    datasets.logging.set_verbosity_error()
+    rel = "table/t.parquet"
+    files = {
+        "source": str(source / rel),
+        "mount": str(mounted / rel),
+        "kspeedfs://": f"kspeedfs://{NAME}/{rel}",
+    }
+    rows = pq.ParquetFile(source / rel).metadata.num_rows
+    runs = iter(range(1 << 30))
+
+    def stream(side: str) -> Callable[[], float]:
+        def run() -> float:
+            ds = datasets.load_dataset(
+                "parquet", data_files=files[side], split="train", streaming=True
+            )
+            started = time.perf_counter()
+            seen = sum(len(batch["id"]) for batch in ds.iter(batch_size=8192))
+            if seen != rows:
+                raise SystemExit(f"{side}: streamed {seen} rows, not {rows}")
+            return rows / (time.perf_counter() - started)
+
+        return run
+
+    def load(side: str) -> Callable[[], float]:
+        def run() -> float:
+            cache = workdir / f"hf-load-{next(runs)}"  # a fresh cache: the whole load each time
+            started = time.perf_counter()
+            ds = datasets.load_dataset(
+                "parquet", data_files=files[side], split="train", cache_dir=str(cache)
+            )
+            elapsed = time.perf_counter() - started
+            if ds.num_rows != rows:
+                raise SystemExit(f"{side}: loaded {ds.num_rows} rows, not {rows}")
+            del ds
+            shutil.rmtree(cache, ignore_errors=True)
+            return rows / elapsed
+
+        return run
+
+    warm = args.warm << 20
+    streamed = best_of({side: stream(side) for side in files}, args.rounds, warm)
+    loaded = best_of({side: load(side) for side in files}, args.rounds, warm)
+    return [
+        Row("datasets streaming, Parquet", "rows/s", dict(streamed)),
+        Row("datasets load_dataset, Parquet", "rows/s", dict(loaded)),
     ]
 
 
@@ -332,6 +396,7 @@ def main() -> int:
         )
         assert isinstance(fs, KSpeedFileSystem)
         rows = parquet_section(fs, mounted, root, table, args)
+        rows += datasets_section(node, mounted, root, workdir, args)
         rows += objects_section(fs, node, mnt, images, files, args)
     print_table(rows)
     verdicts(rows)
