@@ -162,10 +162,16 @@ def test_datasets_loads_parquet_and_json_as_from_the_source(
         assert list(streamed) == local.to_list()
     # A non-streaming load "downloads" into the HF cache first, a step datasets' offline mode
     # refuses for any URL that is not a local path (its fsspec_head); nothing reaches the hub.
+    # Here the settings are storage options, the environment names no node.
     monkeypatch.setattr(datasets.config, "HF_HUB_OFFLINE", False)
+    monkeypatch.delenv("KSPEEDFS_NODES")
+    monkeypatch.delenv("KSPEEDFS_TOKEN_FILE")
+    options = {"nodes": node.address, "token": str(node.token_file)}
     for kind, name in (("parquet", "t.parquet"), ("json", "d.jsonl")):
         local = datasets.load_dataset(kind, data_files=str(src / name), split="train")
-        ours = datasets.load_dataset(kind, data_files=f"kspeedfs://ds/{name}", split="train")
+        ours = datasets.load_dataset(
+            kind, data_files=f"kspeedfs://ds/{name}", split="train", storage_options=options
+        )
         assert ours.data.table.equals(local.data.table)
 
 
