@@ -8,6 +8,7 @@ import mmap
 import multiprocessing
 import os
 import pickle
+import subprocess
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -19,14 +20,29 @@ import pyarrow.dataset as pds
 import pyarrow.parquet as pq
 import pytest
 from clusterutil import Cluster, running
-from conftest import NodeProcess, preload, run_cli
+from conftest import KSPEEDFS, NodeProcess, preload, run_cli
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from pyarrow.fs import FSSpecHandler, PyFileSystem
 
-from kspeedfs.format.errors import InvalidArgument, ReadOnlyFileSystem, StaleDataset
+from kspeedfs.format.errors import AuthError, InvalidArgument, ReadOnlyFileSystem, StaleDataset
 from kspeedfs.stacks.filesystem import KSpeedFileSystem
 
+# Pieces of hostile paths: separators, dots, NUL, lone surrogates (not encodable), real names.
+PATH_PARTS = [
+    "ds",
+    "/",
+    ".",
+    "..",
+    "sub",
+    "small.txt",
+    "link",
+    "\x00",
+    "\ud800",
+    "\udcff",
+    "é",
+    "kspeedfs://",
+]
 BIG = 3 * (1 << 20) + 4321  # over three of the node's 1 MiB segments
 ROWS = 60_000
 
@@ -359,6 +375,60 @@ def test_bad_names_and_missing_paths_are_clear_errors(
     for bad in ("Bad Name/x", "ds/../ds/t.parquet", "a" * 80):
         with pytest.raises(InvalidArgument):
             fs.info(bad)
+
+
+@settings(
+    max_examples=200, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+@given(path=st.one_of(st.text(), st.lists(st.sampled_from(PATH_PARTS), max_size=8).map("".join)))
+def test_any_path_is_found_or_a_clear_error(
+    served: tuple[KSpeedFileSystem, Path, pa.Table], path: str
+) -> None:
+    fs, _src, _table = served
+    is_found_or_a_clear_error(fs, path)
+
+
+def test_unencodable_paths_are_not_found(
+    served: tuple[KSpeedFileSystem, Path, pa.Table],
+) -> None:
+    fs, _src, _table = served
+    fs.info("ds/sub/small.txt")  # its folder known: the next lookups in it take the short way
+    for path in ("ds/\ud800", "ds/sub/\ud800x", "ds/\udcff/\ud800"):
+        with pytest.raises(FileNotFoundError):
+            fs.info(path)
+        is_found_or_a_clear_error(fs, path)
+
+
+def is_found_or_a_clear_error(fs: KSpeedFileSystem, path: str) -> None:
+    try:
+        info = fs.info(path)
+    except (FileNotFoundError, InvalidArgument):
+        with pytest.raises((FileNotFoundError, InvalidArgument, IsADirectoryError)):
+            fs.cat_file(path)
+    else:
+        assert info["name"] == fs._strip_protocol(path)
+
+
+def test_a_user_and_password_replace_the_token(
+    served: tuple[KSpeedFileSystem, Path, pa.Table], node: NodeProcess
+) -> None:
+    _fs, src, _table = served
+    argv = [*KSPEEDFS, "user", "add", "reader", "--role", "read", "--password-stdin"]
+    done = subprocess.run(
+        argv, env=node.env(), input="s3cret\n", capture_output=True, text=True, timeout=60
+    )
+    assert done.returncode == 0, done.stderr
+    fs = fsspec.filesystem(
+        "kspeedfs", nodes=node.address, user="reader", password="s3cret", skip_instance_cache=True
+    )
+    assert fs.cat_file("ds/sub/small.txt") == (src / "sub" / "small.txt").read_bytes()
+    wrong = fsspec.filesystem(
+        "kspeedfs", nodes=node.address, user="reader", password="nope", skip_instance_cache=True
+    )
+    with pytest.raises(AuthError):
+        wrong.ls("ds")
+    with pytest.raises(InvalidArgument, match="needs a password"):
+        fsspec.filesystem("kspeedfs", nodes=node.address, user="reader", skip_instance_cache=True)
 
 
 def test_a_cluster_serves_the_table_with_nodes_killed(token_file: Path, tmp_path: Path) -> None:

@@ -101,6 +101,10 @@ class KSpeedFileSystem(AbstractFileSystem):
         path = self._strip_protocol(path)
         name, _, rel = path.partition("/")
         validate_name(name)
+        try:
+            os.fsencode(rel)
+        except UnicodeEncodeError:  # a lone surrogate: no name in any manifest is spelled so
+            raise NoSuchPath(f"no such file: kspeedfs://{path!r} (not encodable)") from None
         parts = [p for p in rel.split("/") if p not in ("", ".")]
         if ".." in parts:
             raise InvalidArgument(f"'..' in kspeedfs://{path}: paths are from the dataset root")
@@ -169,7 +173,10 @@ class KSpeedFileSystem(AbstractFileSystem):
         if known is not None and time.monotonic() - self._listed_at < self.refresh:
             reader, at = known
             m = reader.manifest
-            entry = m.lookup(at, os.fsencode(leaf))
+            try:
+                entry = m.lookup(at, os.fsencode(leaf))
+            except UnicodeEncodeError:
+                entry = None  # the slow path says why
             if entry is not None and not (follow and m.is_link(entry)):
                 return reader, entry, reader.ref.name
         name, rel = self._split(path)
