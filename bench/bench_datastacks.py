@@ -398,6 +398,8 @@ def main() -> int:
         rows = parquet_section(fs, mounted, root, table, args)
         rows += datasets_section(node, mounted, root, workdir, args)
         rows += objects_section(fs, node, mnt, images, files, args)
+    if not os.path.ismount(mnt):  # never descend into a mount left behind
+        shutil.rmtree(workdir, ignore_errors=True)
     print_table(rows)
     verdicts(rows)
     return 0
