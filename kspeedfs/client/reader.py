@@ -18,7 +18,7 @@ import tempfile
 import threading
 import time
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
 import xxhash
@@ -26,6 +26,7 @@ import xxhash
 from kspeedfs.client import latency, passed
 from kspeedfs.client.handle import DatasetHandle
 from kspeedfs.format.config import Settings
+from kspeedfs.format.contract import Request
 from kspeedfs.format.errors import (
     DataError,
     InvalidArgument,
@@ -115,13 +116,32 @@ class ClusterReader:
         ) as c:
             return c.request(op, **args)
 
+    def call(
+        self, node: str, request: Request, answer_within: float | None = None
+    ) -> dict[str, Any]:
+        """A typed request (kspeedfs.format.contract) to `node` and its answer."""
+        settings = self.settings
+        with NodeClient(
+            parse_address(node), settings.credential(), settings.timeout, client_context(settings)
+        ) as c:
+            return c.call(request, answer_within=answer_within)
+
     def live_request(self, op: str, **args: Any) -> tuple[str, dict[str, Any]]:
         """Ask the first node that answers (the local one first)."""
+        return self._first_live(lambda node: self.request(node, op, **args))
+
+    def live_call(
+        self, request: Request, answer_within: float | None = None
+    ) -> tuple[str, dict[str, Any]]:
+        """A typed request to the first node that answers (the local one first)."""
+        return self._first_live(lambda node: self.call(node, request, answer_within))
+
+    def _first_live(self, ask: Callable[[str], dict[str, Any]]) -> tuple[str, dict[str, Any]]:
         order = sorted(self.nodes, key=lambda n: (n != self.local_node, self.is_down(n)))
         last: KSpeedError | None = None
         for node in order:
             try:
-                return node, self.request(node, op, **args)
+                return node, ask(node)
             except NodeUnreachable as e:
                 self.mark_down(node, str(e))
                 last = e

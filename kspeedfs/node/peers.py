@@ -20,6 +20,7 @@ from typing import Any
 
 import trio
 
+from kspeedfs.format.contract import Request
 from kspeedfs.format.errors import KSpeedError
 from kspeedfs.format.units import parse_address
 from kspeedfs.net.aconnection import AsyncNodeClient
@@ -52,6 +53,20 @@ async def call_all(
         for member in members:
             nursery.start_soon(one, member)
     return answers, errors
+
+
+async def ask(call: Call, member: str, request: Request) -> dict[str, Any]:
+    """A typed request (kspeedfs.format.contract) on `member` through `call`."""
+    fields = request.to_wire()
+    return await call(member, fields.pop("op"), fields)
+
+
+async def ask_all(
+    call: Call, members: Sequence[str], request: Request
+) -> tuple[dict[str, dict[str, Any]], list[KSpeedError]]:
+    """`call_all` of a typed request."""
+    fields = request.to_wire()
+    return await call_all(call, members, fields.pop("op"), fields)
 
 
 class PeerPool:
