@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import base64
 import functools
 import logging
 import os
@@ -15,7 +14,7 @@ import trio
 
 from kspeedfs.format import auth, protocol, users
 from kspeedfs.format.config import Settings
-from kspeedfs.format.contract.node import Ping, Pong
+from kspeedfs.format.contract.node import Manifest, ManifestPiece, Ping, Pong
 from kspeedfs.format.errors import (
     AlreadyExists,
     AuthError,
@@ -27,6 +26,7 @@ from kspeedfs.format.errors import (
     StaleDataset,
 )
 from kspeedfs.format.names import validate_name
+from kspeedfs.format.pieces import read_piece
 from kspeedfs.format.protocol import MsgType
 from kspeedfs.format.tls import client_context, server_context
 from kspeedfs.format.units import format_size
@@ -46,7 +46,6 @@ from kspeedfs.node.ops import (
     OpRegistry,
     answering,
     caller_role,
-    int_field,
     one_line,
     refusal,
     str_field,
@@ -71,7 +70,6 @@ from kspeedfs.system.notify import notify, watchdog_interval
 log = logging.getLogger(__name__)
 
 HANDSHAKE_TIMEOUT = 10.0
-MANIFEST_PIECE = 4 * 1024 * 1024
 # Small pieces are joined before sending: one copy is cheaper than one syscall each.
 COALESCE_BELOW = 256 * 1024
 TLS_PIECE = 256 * 1024
@@ -166,7 +164,7 @@ class NodeServer:
             ("status", self.op_status, READ),
             ("list", self.op_list, READ),
             ("progress", self.op_progress, READ),
-            ("manifest", self.op_manifest, READ),
+            (Manifest, self.op_manifest, READ),
             ("lease_acquire", self.op_lease_acquire, JOB),
             ("lease_renew", self.op_lease_renew, JOB),
             ("lease_release", self.op_lease_release, JOB),
@@ -578,34 +576,18 @@ class NodeServer:
                 log.warning("node %s is down, placing data on the others: %s", member, e)
         return live
 
-    async def op_manifest(self, msg: dict[str, Any]) -> dict[str, Any]:
-        """The manifest's bytes, for a client on a machine that holds no part of the dataset."""
-        name = validate_name(msg.get("name", ""))
-        record = self.store.datasets.get(name)
-        if record is None:
-            raise NotFound(f"no dataset named {name!r}")
-        offset = int_field(msg, "offset", 0)
+    async def op_manifest(self, request: Manifest) -> ManifestPiece:
+        """A piece of the manifest, for a client on a machine that holds no part of the
+        dataset (a large manifest is far over one control frame)."""
+        record = self.store.instance(request.name, request.uuid)
         path = record.path / "manifest.ksm"
-        # In pieces of MANIFEST_PIECE: a large manifest is far over one control frame.
-        asked = int_field(msg, "length", MANIFEST_PIECE)
-
-        def read_piece() -> tuple[int, bytes]:
-            with open(path, "rb") as f:
-                total = os.fstat(f.fileno()).st_size
-                f.seek(offset)
-                return total, f.read(max(0, min(asked, MANIFEST_PIECE, total - offset)))
-
         try:
-            total, data = await trio.to_thread.run_sync(read_piece)
+            piece = await trio.to_thread.run_sync(read_piece, path, request.offset, request.length)
         except FileNotFoundError:  # unloaded since it was looked up
-            raise NotFound(f"dataset {name!r} was unloaded while its manifest was read") from None
-        return {
-            "name": name,
-            "uuid": record.uuid,
-            "offset": offset,
-            "total": total,
-            "data": base64.b64encode(data).decode(),
-        }
+            raise NotFound(
+                f"dataset {record.name!r} was unloaded while its manifest was read"
+            ) from None
+        return ManifestPiece(record.name, record.uuid, piece)
 
     async def op_progress(self, msg: dict[str, Any]) -> dict[str, Any]:
         name = validate_name(msg.get("name", ""))
