@@ -18,7 +18,7 @@ from kspeedfs.client.reader import ClusterReader
 from kspeedfs.format import placement
 from kspeedfs.format.errors import AlreadyExists, KSpeedError
 from kspeedfs.format.units import parse_address
-from kspeedfs.node.controlplane import placed
+from kspeedfs.node.control import placed
 
 pytestmark = pytest.mark.skipif(shutil.which("etcd") is None, reason="etcd-server not installed")
 

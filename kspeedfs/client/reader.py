@@ -11,7 +11,6 @@ error, never another version's bytes. A node that does not answer is marked down
 
 from __future__ import annotations
 
-import base64
 import logging
 import os
 import tempfile
@@ -27,6 +26,8 @@ from kspeedfs.client import latency, passed
 from kspeedfs.client.handle import DatasetHandle
 from kspeedfs.format.config import Settings
 from kspeedfs.format.contract import Request
+from kspeedfs.format.contract.node import Manifest as ManifestRequest
+from kspeedfs.format.contract.node import ManifestPiece
 from kspeedfs.format.errors import (
     DataError,
     InvalidArgument,
@@ -37,6 +38,8 @@ from kspeedfs.format.errors import (
 )
 from kspeedfs.format.localdata import LocalDataset
 from kspeedfs.format.manifest import Manifest
+from kspeedfs.format.pieces import Piece as BlobPiece
+from kspeedfs.format.pieces import fetch_all
 from kspeedfs.format.readthrough_view import open_local
 from kspeedfs.format.tls import client_context
 from kspeedfs.format.units import parse_address
@@ -204,21 +207,20 @@ class ClusterReader:
         return None
 
     def _fetch_manifest(self, name: str, uuid: str) -> Manifest:
-        node, reply = self.live_request("manifest", name=name)
+        """The manifest of instance `uuid`, in pieces from the first node that answers (a node
+        that holds another instance refuses with StaleDataset)."""
+        node, reply = self.live_call(ManifestRequest(name=name, uuid=uuid))
+
+        def ask(offset: int) -> BlobPiece:
+            nonlocal reply
+            if offset:
+                reply = self.call(node, ManifestRequest(name=name, uuid=uuid, offset=offset))
+            return ManifestPiece.from_wire(reply).piece
+
         fd, path = tempfile.mkstemp(prefix=f"kspeedfs-{name}-", suffix=".ksm")
-        with os.fdopen(fd, "wb") as f:
-            while True:
-                if reply["uuid"] != uuid:
-                    os.unlink(path)
-                    raise DataError(f"dataset {name} changed while opening it")
-                data = base64.b64decode(reply["data"])
-                f.write(data)
-                if not data or reply["offset"] + len(data) >= reply["total"]:
-                    break
-                reply = self.request(
-                    node, "manifest", name=name, offset=reply["offset"] + len(data)
-                )
         try:
+            with os.fdopen(fd, "wb") as f:
+                fetch_all(ask, f.write)
             return Manifest(path)
         finally:
             os.unlink(path)  # the mapping keeps it alive; nothing to clean up later

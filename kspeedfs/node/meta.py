@@ -43,8 +43,6 @@ from kspeedfs.sources.source import Source, open_source
 
 log = logging.getLogger(__name__)
 
-MAX_INDEX_BYTES = 1 << 38
-
 # The request that carries one piece of the index of a meta file to a member.
 PieceRequest = Callable[[str, Piece], Request]
 
@@ -213,7 +211,7 @@ class MetaIndexes:
     async def op_meta_index(self, request: FetchMetaIndex) -> MetaIndexPiece:
         """A piece of a published index's bytes (the client maps the whole file)."""
         name, meta = request.name, request.meta
-        record = instance(self.store, name, request.uuid)
+        record = self.store.instance(name, request.uuid)
         path = record.path / metaindex.index_file(meta)
         try:
             piece = await trio.to_thread.run_sync(read_piece, path, request.offset)
@@ -225,23 +223,9 @@ class MetaIndexes:
         return MetaIndexPiece(name=name, uuid=record.uuid, meta=meta, piece=piece)
 
 
-def instance(store: SegmentStore, name: str, uuid: str) -> DatasetRecord:
-    """The record of dataset `name`, of instance `uuid` unless that is ""; NotFound or
-    StaleDataset in one line."""
-    record = store.datasets.get(name)
-    if record is None and not uuid:
-        raise NotFound(f"no dataset named {name!r}")
-    if record is None or (uuid and uuid != record.uuid):
-        raise StaleDataset(
-            f"dataset {name!r} was unloaded or loaded again: the instance asked for is gone"
-        )
-    return record
-
-
 def _write_piece(path: Path, piece: Piece, uuid: str, meta: str) -> int:
     """Write one piece of an index; the last one is checked and put in place. Returns the bytes
     received so far."""
-    _check_total(piece.total)
     data = piece.raw
     path.parent.mkdir(exist_ok=True)
     tmp = path.with_name(path.name + ".tmp")
@@ -253,11 +237,6 @@ def _write_piece(path: Path, piece: Piece, uuid: str, meta: str) -> int:
     _check_index(tmp, tmp.stat().st_size, piece.total, uuid, meta)
     os.replace(tmp, path)
     return piece.total
-
-
-def _check_total(total: int) -> None:
-    if total > MAX_INDEX_BYTES:
-        raise InvalidArgument(f"a meta index of {total} bytes is over the {MAX_INDEX_BYTES} limit")
 
 
 def _check_index(path: Path, size: int, total: int, uuid: str, meta: str) -> None:
@@ -320,16 +299,13 @@ class AddedIndexes:
         ops.add(MetaCommit, self.op_meta_commit, ADMIN)
         ops.add(MetaAbort, self.op_meta_abort, ADMIN)
 
-    def _record(self, name: str, uuid: str) -> DatasetRecord:
-        return instance(self.store, name, uuid)
-
     # -- the coordinator --
 
     async def op_meta_add(self, request: MetaAdd) -> dict[str, Any]:
         """Index meta files of a published dataset on every member; one already there is left as
         it is. Every name is checked before anything is built."""
         name, raw = request.name, request.meta
-        record = self._record(name, request.uuid)
+        record = self.store.instance(name, request.uuid)
         if record.lifetime == READTHROUGH:
             raise InvalidArgument(
                 f"dataset {name} is read-through: meta files are indexed for preloaded datasets"
@@ -373,7 +349,7 @@ class AddedIndexes:
         self, record: DatasetRecord, m: Manifest, meta: str, members: list[str]
     ) -> dict[str, Any]:
         name, uuid = record.name, record.uuid
-        self._record(name, uuid)  # it may have gone while this waited
+        self.store.instance(name, uuid)  # it may have gone while this waited
         add = secrets.token_hex(8)
         ident = {"name": name, "uuid": uuid, "meta": meta, "add": add}
         size = int(m.size[m.resolve(meta)])
@@ -455,8 +431,7 @@ class AddedIndexes:
         """A piece of the index, written under the add's temporary name; the last is checked."""
         name, uuid, meta, add = request.name, request.uuid, request.meta, request.add
         offset, total, data = request.piece.offset, request.piece.total, request.piece.raw
-        _check_total(total)
-        folder = self._record(name, uuid).path / metaindex.INDEX_DIR
+        folder = self.store.instance(name, uuid).path / metaindex.INDEX_DIR
         if _reservation(name, meta, add) not in self._reserved.get(name, ()):
             raise InvalidArgument(f"no reservation here for this index of {meta}")
         tmp = _tmp(meta, add)

@@ -32,7 +32,7 @@ from kspeedfs.format.tls import client_context, server_context
 from kspeedfs.format.units import format_size
 from kspeedfs.net import secure
 from kspeedfs.node import sourceio
-from kspeedfs.node.controlplane import ControlPlane, loading_record
+from kspeedfs.node.control import ControlPlane, loading_record
 from kspeedfs.node.decoded import DecodedVariants
 from kspeedfs.node.fdserver import FdServer
 from kspeedfs.node.leases import LeaseTable
@@ -154,7 +154,7 @@ class NodeServer:
             )
             self.cache.use_cluster(self.control)  # read-through datasets span the members
             self.ops.add("rebalance", self.op_rebalance, ADMIN)
-            self.ops.add("adopt", self.control.op_adopt, ADMIN)
+            self.control.register_ops(self.ops)
 
     def _register_ops(self) -> None:
         # Leases are the job role's: a lease can unload a dataset when it ends. A lease's id

@@ -13,6 +13,20 @@ from kspeedfs.format.errors import InvalidArgument
 from kspeedfs.format.metaindex import meta_name
 from kspeedfs.format.pieces import Piece
 
+# An index's size, at most (a receiver refuses a larger total before writing a byte).
+MAX_INDEX_BYTES = 1 << 38
+
+
+def _index_piece(piece: Piece) -> Piece:
+    if piece.total > MAX_INDEX_BYTES:
+        raise InvalidArgument(f"a meta index of {piece.total} bytes is over the limit")
+    return piece
+
+
+def index_piece() -> Any:
+    """A field holding a piece of a meta index (its total bounded by MAX_INDEX_BYTES)."""
+    return checked(_index_piece)
+
 
 def _metas(names: list[str]) -> list[str]:
     if not names:
@@ -39,7 +53,7 @@ class StageMeta(Request):
     name: str = dataset_name()
     uuid: str
     meta: str = meta_file()
-    piece: Piece
+    piece: Piece = index_piece()
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -98,7 +112,7 @@ class MetaPut(_OneAdd):
     """A piece of the index, written under the add's temporary name."""
 
     OP = "meta_put"
-    piece: Piece
+    piece: Piece = index_piece()
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
