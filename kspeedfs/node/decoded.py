@@ -34,7 +34,7 @@ from kspeedfs.format.errors import InvalidArgument, KSpeedError, NoSpace, NotFou
 from kspeedfs.format.localdata import LocalDataset
 from kspeedfs.format.units import format_size
 from kspeedfs.node.ops import ADMIN, JOB, READ, OpRegistry
-from kspeedfs.node.peers import Call, ask, ask_all
+from kspeedfs.node.peers import Ask, ask_all
 from kspeedfs.node.safedir import DIR_FLAGS, remove_beneath
 from kspeedfs.node.store import SegmentStore
 from kspeedfs.system.memory import keep_freed_memory
@@ -182,8 +182,8 @@ class DecodedVariants:
         store.on_publish.append(self._found)
         store.before_unload.append(self._unloading)
 
-    def register_ops(self, ops: OpRegistry, call: Call) -> None:
-        self._call = call
+    def register_ops(self, ops: OpRegistry, ask: Ask) -> None:
+        self._ask = ask
         ops.add(Decode, self.op_decode, JOB)
         ops.add(DecodeLocal, self.op_decode_local, ADMIN)
         ops.add(DecodeDrop, self.op_decode_drop, ADMIN)
@@ -214,11 +214,11 @@ class DecodedVariants:
             raise StaleDataset(f"dataset {name!r} was loaded again: the instance asked for is gone")
         members = record.members or [self.address]
         fill = DecodeLocal(name=name, uuid=record.uuid, size=size)
-        answers, errors = await ask_all(self._call, members, fill)
+        answers, errors = await ask_all(self._ask, members, fill)
         if errors:
             for member in members:
                 try:
-                    await ask(self._call, member, DecodeDrop(name=name, size=size))
+                    await self._ask(member, DecodeDrop(name=name, size=size))
                 except KSpeedError as e:
                     log.warning("dropping the variant %s@%d on %s: %s", name, size, member, e)
             raise errors[0]
@@ -251,7 +251,7 @@ class DecodedVariants:
         nodes: dict[str, Any] = {}
         for member in record.members or [self.address]:
             try:
-                nodes[member] = (await ask(self._call, member, here))["variants"]
+                nodes[member] = (await self._ask(member, here))["variants"]
             except KSpeedError as e:
                 nodes[member] = {"error": str(e)}
         return {"name": name, "uuid": record.uuid, "nodes": nodes, "variants": summarize(nodes)}

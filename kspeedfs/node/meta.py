@@ -37,7 +37,7 @@ from kspeedfs.format.tree import Tree
 from kspeedfs.format.units import format_size
 from kspeedfs.node import sourceio
 from kspeedfs.node.ops import ADMIN, JOB, READ, OpRegistry, caller_role
-from kspeedfs.node.peers import Call, ask, ask_all
+from kspeedfs.node.peers import Ask, ask_all
 from kspeedfs.node.store import DatasetRecord, SegmentStore
 from kspeedfs.sources.source import Source, open_source
 
@@ -145,7 +145,7 @@ async def send(
     members: Sequence[str],
     ident: dict[str, str],
     built: list[tuple[str, Path]],
-    call: Call,
+    ask: Ask,
     carry: PieceRequest | None = None,
 ) -> None:
     """Every member gets every index, in pieces (an index is far over one control frame): into
@@ -162,7 +162,7 @@ async def send(
             offset = 0
             while True:
                 piece = await trio.to_thread.run_sync(read_piece, path, offset)
-                await ask(call, member, request(meta, piece))
+                await ask(member, request(meta, piece))
                 if piece.end >= piece.total or piece.end == offset:
                     break
                 offset = piece.end
@@ -291,8 +291,8 @@ class AddedIndexes:
         store.on_publish.append(self._found)
         store.before_unload.append(self._unloading)
 
-    def register_ops(self, ops: OpRegistry, call: Call) -> None:
-        self._call = call
+    def register_ops(self, ops: OpRegistry, ask: Ask) -> None:
+        self._ask = ask
         ops.add(MetaAdd, self.op_meta_add, JOB)
         ops.add(MetaReserve, self.op_meta_reserve, ADMIN)
         ops.add(MetaPut, self.op_meta_put, ADMIN)
@@ -317,7 +317,7 @@ class AddedIndexes:
         if members[0] != self.address and not via:
             # Forwarded by the node asked, which gets the index too (admin: a peer).
             forward = MetaAdd(name=name, uuid=record.uuid, meta=raw, via=self.address)
-            return await ask(self._call, members[0], forward)
+            return await self._ask(members[0], forward)
         m = self.store.open(name).manifest
         if m.uuid != record.uuid:
             raise StaleDataset(f"dataset {name!r} was loaded again: the instance asked for is gone")
@@ -379,7 +379,7 @@ class AddedIndexes:
             nbytes = path.stat().st_size
             # The exact size replaces the estimate (short lines make an index outgrow it).
             await self._on_members(need, MetaReserve(**ident, bytes=nbytes))
-            await send(need, ident, built, self._call, put)
+            await send(need, ident, built, self._ask, put)
             answers = await self._on_members(need, MetaCommit(**ident), committed)
             added = sum(1 for a in answers.values() if a["added"])
             return _described(meta, "added", header, nbytes, added)
@@ -388,7 +388,7 @@ class AddedIndexes:
                 for member in members:
                     abort = MetaAbort(**ident, drop=member in committed)
                     try:
-                        await ask(self._call, member, abort)
+                        await self._ask(member, abort)
                     except KSpeedError as e:
                         log.warning("dropping the index of %s on %s: %s", meta, member, e)
             raise
@@ -400,7 +400,7 @@ class AddedIndexes:
     ) -> dict[str, dict[str, Any]]:
         """`request` on every member at once; the first refusal is raised once all have
         answered. `done` collects the members whose index went in place (MetaCommit)."""
-        answers, errors = await ask_all(self._call, members, request)
+        answers, errors = await ask_all(self._ask, members, request)
         if done is not None:
             done.extend(m for m, a in answers.items() if a.get("added"))
         if errors:

@@ -1,7 +1,7 @@
 """Connections from this node to the other members, kept and reused across calls.
 
-A preload polls every member ten times a second; a connection (and a handshake) per call cost
-more than the calls. Each member gets a few idle connections; a call takes one (or opens one
+A preload asks every member for its state (long-polled) while it loads; a connection (and a
+handshake) per call cost more than the calls. Each member gets a few idle connections; a call takes one (or opens one
 when all are busy: a long "stage" scan must not hold up a ping) and gives it back after.
 Bulk reads from worker threads (healing copies whole segments) take blocking connections kept
 the same way: a new one per segment cost its handshake and TCP's ramp-up, ~4x the copy time.
@@ -34,18 +34,21 @@ SLOW_OPS = frozenset({"stage", "preload", "meta_add"})
 
 # An op on a member: (member, op, arguments) -> its answer.
 Call = Callable[[str, str, dict[str, Any]], Awaitable[dict[str, Any]]]
+# A typed request (kspeedfs.format.contract) to a member -> its answer.
+Ask = Callable[[str, Request], Awaitable[dict[str, Any]]]
 
 
-async def call_all(
-    call: Call, members: Sequence[str], op: str, args: dict[str, Any]
+async def ask_all(
+    ask: Ask, members: Sequence[str], request: Request
 ) -> tuple[dict[str, dict[str, Any]], list[KSpeedError]]:
-    """`op` on every member at once: the answers of those that gave one, and the refusals."""
+    """`request` on every member at once: the answers of those that gave one, and the
+    refusals."""
     answers: dict[str, dict[str, Any]] = {}
     errors: list[KSpeedError] = []
 
     async def one(member: str) -> None:
         try:
-            answers[member] = await call(member, op, args)
+            answers[member] = await ask(member, request)
         except KSpeedError as e:
             errors.append(e)
 
@@ -53,20 +56,6 @@ async def call_all(
         for member in members:
             nursery.start_soon(one, member)
     return answers, errors
-
-
-async def ask(call: Call, member: str, request: Request) -> dict[str, Any]:
-    """A typed request (kspeedfs.format.contract) on `member` through `call`."""
-    fields = request.to_wire()
-    return await call(member, fields.pop("op"), fields)
-
-
-async def ask_all(
-    call: Call, members: Sequence[str], request: Request
-) -> tuple[dict[str, dict[str, Any]], list[KSpeedError]]:
-    """`call_all` of a typed request."""
-    fields = request.to_wire()
-    return await call_all(call, members, fields.pop("op"), fields)
 
 
 class PeerPool:
@@ -102,6 +91,12 @@ class PeerPool:
             else:
                 self._closed_stats.update(client.stats)
                 await client.aclose()
+
+    async def ask(self, member: str, request: Request) -> dict[str, Any]:
+        """The typed request `request` on `member`; NodeUnreachable when it cannot be reached."""
+        fields = request.to_wire()
+        del fields["op"]
+        return await self.call(member, request.OP, fields)
 
     @contextlib.contextmanager
     def reader(self, member: str) -> Iterator[NodeClient]:

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import dataclasses
 
-from kspeedfs.format.contract import Request, Wire, at_least, dataset_name
+from kspeedfs.format.contract import Request, Wire, at_least, checked, dataset_name
+from kspeedfs.format.names import validate_name
 from kspeedfs.format.pieces import PIECE, Piece
 
 
@@ -36,3 +37,51 @@ class ManifestPiece(Wire):
     name: str
     uuid: str
     piece: Piece
+
+
+@dataclasses.dataclass(frozen=True)
+class Status(Request):
+    """What the node holds and does: budget, datasets, connections, subsystems."""
+
+    OP = "status"
+
+
+@dataclasses.dataclass(frozen=True)
+class List(Request):
+    """Every dataset the node holds or is loading."""
+
+    OP = "list"
+
+
+@dataclasses.dataclass(frozen=True)
+class Unload(Request):
+    """Unload a dataset on every member (or cancel its load, or forget its failure)."""
+
+    OP = "unload"
+    name: str = dataset_name()
+
+
+@dataclasses.dataclass(frozen=True)
+class UnloadLocal(Request):
+    """Unload this member's part of a dataset (of instance `uuid` only, when given)."""
+
+    OP = "unload_local"
+    name: str = dataset_name()
+    uuid: str = ""
+
+
+@dataclasses.dataclass(frozen=True)
+class Shutdown(Request):
+    OP = "shutdown"
+
+
+def _name_or_all(value: str) -> str:
+    return validate_name(value) if value else value
+
+
+@dataclasses.dataclass(frozen=True)
+class Rebalance(Request):
+    """Control plane: place one dataset (or every one, with no name) over the live members."""
+
+    OP = "rebalance"
+    name: str = checked(_name_or_all, default="")

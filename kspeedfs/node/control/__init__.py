@@ -26,7 +26,7 @@ from kspeedfs.node.control.converge import Converger
 from kspeedfs.node.control.heal import Healer, placed
 from kspeedfs.node.control.membership import Membership
 from kspeedfs.node.ops import ADMIN, OpRegistry
-from kspeedfs.node.peers import Call
+from kspeedfs.node.peers import Ask
 from kspeedfs.node.preload import Plan, Stager
 from kspeedfs.node.readthrough import ReadThroughCache
 from kspeedfs.node.store import SegmentStore
@@ -48,7 +48,7 @@ class ControlPlane:
         self,
         settings: Settings,
         store: SegmentStore,
-        call: Call,
+        ask: Ask,
         unload: UnloadLocal,
         stager: Stager | None = None,
         readthrough: ReadThroughCache | None = None,
@@ -59,11 +59,9 @@ class ControlPlane:
         self.stager = stager
         self._unload_local = unload
         self.membership = Membership(settings, self.state)
-        self.adoption = Adoption(store, call, self.membership, self._unload, readthrough)
-        self.converger = Converger(
-            store, self.state, self.adoption, self._unload, stager, self._abort_stage
-        )
-        self.healer = Healer(settings, store, self.state, call, self.membership, self.adoption)
+        self.adoption = Adoption(store, ask, self.membership, self._unload, readthrough)
+        self.converger = Converger(store, self.state, self.adoption, self._unload, stager)
+        self.healer = Healer(settings, store, self.state, ask, self.membership, self.adoption)
         self.copy_seconds = self.healer.copy_seconds
         self.catalog: dict[str, Record] = {}  # as read at the last sync
         self.reachable = False
@@ -74,10 +72,6 @@ class ControlPlane:
 
     async def _unload(self, name: str, uuid: str) -> None:
         await self._unload_local({"name": name, "uuid": uuid})
-
-    async def _abort_stage(self, name: str, uuid: str) -> None:
-        assert self.stager is not None  # the converger rolls back stages only with a stager
-        await self.stager.op_abort({"name": name, "uuid": uuid})
 
     async def run(
         self, address: str, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED

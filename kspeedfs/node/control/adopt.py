@@ -18,7 +18,7 @@ from kspeedfs.format.errors import DataError, KSpeedError, NotFound
 from kspeedfs.format.pieces import Assembly
 from kspeedfs.format.readthrough_view import READTHROUGH
 from kspeedfs.node.control.membership import Membership
-from kspeedfs.node.peers import Call, ask
+from kspeedfs.node.peers import Ask
 from kspeedfs.node.readthrough import ReadThroughCache
 from kspeedfs.node.store import SegmentStore
 
@@ -36,13 +36,13 @@ class Adoption:
     def __init__(
         self,
         store: SegmentStore,
-        call: Call,
+        ask: Ask,
         membership: Membership,
         unload: Unload,
         readthrough: ReadThroughCache | None,
     ):
         self.store = store
-        self.call = call
+        self.ask = ask
         self.membership = membership
         self.unload = unload
         self.readthrough = readthrough  # read-through datasets: adopted by the cache
@@ -58,7 +58,7 @@ class Adoption:
             if member == self.membership.address:
                 continue
             try:
-                await ask(self.call, member, Adopt(name=name, uuid=uuid))
+                await self.ask(member, Adopt(name=name, uuid=uuid))
             except KSpeedError as e:
                 log.info("%s: %s adopts it at its next sync (%s)", name, member, e)
 
@@ -132,7 +132,7 @@ class Adoption:
         whole = Assembly(MAX_MANIFEST_BYTES)
         while not whole.done:
             asked = ManifestRequest(name=name, uuid=uuid, offset=whole.received)
-            piece = ManifestPiece.from_wire(await ask(self.call, peer, asked)).piece
+            piece = ManifestPiece.from_wire(await self.ask(peer, asked)).piece
             if not piece.size and piece.total:
                 raise DataError(f"{peer} sent an empty piece of the manifest of {name}")
             whole.add(piece)

@@ -4,7 +4,6 @@ no longer has dropped, orphaned stages rolled back, ready datasets listed)."""
 from __future__ import annotations
 
 import logging
-from collections.abc import Awaitable, Callable
 
 import trio
 
@@ -14,9 +13,6 @@ from kspeedfs.node.preload import Stager
 from kspeedfs.node.store import SegmentStore
 
 log = logging.getLogger(__name__)
-
-# Abort this node's stage of the preload of instance (name, uuid).
-Abort = Callable[[str, str], Awaitable[None]]
 
 
 class Converger:
@@ -29,14 +25,12 @@ class Converger:
         adoption: Adoption,
         unload: Unload,
         stager: Stager | None,
-        abort: Abort,
     ):
         self.store = store
         self.state = state
         self.adoption = adoption
         self.unload = unload
         self.stager = stager  # its staged parts are rolled back when their claim is gone
-        self.abort = abort
 
     async def run_once(self, catalog: dict[str, Record], address: str) -> None:
         await self._drop_unknown(catalog, address)
@@ -85,7 +79,7 @@ class Converger:
                 name,
                 stage.uuid[:8],
             )
-            await self.abort(name, stage.uuid)
+            await self.stager.abort(name, stage.uuid)
 
     async def _adopt_all(self, catalog: dict[str, Record]) -> None:
         """Every member lists every ready dataset of the catalog: one that holds no part of it

@@ -14,6 +14,7 @@ import xxhash
 from kspeedfs.client.clusterstate import ClusterState, Record
 from kspeedfs.format import placement
 from kspeedfs.format.config import Settings
+from kspeedfs.format.contract.node import List
 from kspeedfs.format.errors import DataError, KSpeedError, NoSpace
 from kspeedfs.format.manifest import Manifest
 from kspeedfs.format.readthrough_view import READTHROUGH
@@ -22,7 +23,7 @@ from kspeedfs.node import sourceio
 from kspeedfs.node.control.adopt import Adoption
 from kspeedfs.node.control.membership import Membership
 from kspeedfs.node.metrics import segment_seconds
-from kspeedfs.node.peers import Call, PeerPool
+from kspeedfs.node.peers import Ask, PeerPool
 from kspeedfs.node.store import SegmentStore
 from kspeedfs.sources.source import open_source
 
@@ -55,14 +56,14 @@ class Healer:
         settings: Settings,
         store: SegmentStore,
         state: ClusterState,
-        call: Call,
+        ask: Ask,
         membership: Membership,
         adoption: Adoption,
     ):
         self.settings = settings
         self.store = store
         self.state = state
-        self.call = call
+        self.ask = ask
         self.membership = membership
         self.adoption = adoption
         self.stats = {
@@ -170,7 +171,7 @@ class Healer:
             if peer not in self.membership.live:
                 continue
             try:
-                listing = await self.call(peer, "list", {})
+                listing = await self.ask(peer, List())
             except KSpeedError as e:
                 log.debug("%s: cannot ask %s what it holds: %s", name, peer, e)
                 continue
