@@ -54,14 +54,9 @@ class Staged(Protocol):
     staging: Path | None
 
 
-def requested(names: Any, tree: Tree) -> list[str]:
+def requested(names: Sequence[str], tree: Tree) -> list[str]:
     """The meta files a preload asks to index, checked against the scanned source: each must be
     a regular file in it (a one-line error before anything loads)."""
-    if isinstance(names, dict):  # the preload's whole request, until node/preload is typed
-        names = names.get("meta")
-    names = names or []
-    if not isinstance(names, list) or not all(isinstance(n, str) for n in names):
-        raise InvalidArgument("meta must be a list of paths inside the source")
     out: list[str] = []
     for raw in names:
         name = metaindex.meta_name(raw)

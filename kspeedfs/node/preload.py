@@ -532,7 +532,7 @@ async def plan_preload(request: Preload, segment_size: int, live_members: list[s
         members=list(live_members),
         assignment=placed.assignment(),
         endpoint=request.endpoint,
-        metas=metafiles.requested({"meta": list(request.meta)}, tree),
+        metas=metafiles.requested(request.meta, tree),
     )
 
 

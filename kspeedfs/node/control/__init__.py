@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Awaitable, Callable
 from typing import Any
 
 import trio
@@ -21,7 +20,7 @@ from kspeedfs.client.clusterstate import UNAVAILABLE, ClusterState, Record
 from kspeedfs.format.config import Settings
 from kspeedfs.format.contract.control import Adopt, Adopted
 from kspeedfs.format.manifest import plan_layout
-from kspeedfs.node.control.adopt import Adoption
+from kspeedfs.node.control.adopt import Adoption, Unload
 from kspeedfs.node.control.converge import Converger
 from kspeedfs.node.control.heal import Healer, placed
 from kspeedfs.node.control.membership import Membership
@@ -37,9 +36,6 @@ log = logging.getLogger(__name__)
 
 SYNC_INTERVAL = 0.5  # seconds between reads of the members and the catalog
 
-# The node's own unload_local op handler (node.server), given the request as a dict.
-UnloadLocal = Callable[[dict[str, Any]], Awaitable[dict[str, Any]]]
-
 
 class ControlPlane:
     """Registers this node in etcd, keeps its lease, and converges the node to the catalog."""
@@ -49,7 +45,7 @@ class ControlPlane:
         settings: Settings,
         store: SegmentStore,
         ask: Ask,
-        unload: UnloadLocal,
+        unload: Unload,
         stager: Stager | None = None,
         readthrough: ReadThroughCache | None = None,
     ):
@@ -57,10 +53,9 @@ class ControlPlane:
         self.state = ClusterState.of(settings)
         self.store = store
         self.stager = stager
-        self._unload_local = unload
         self.membership = Membership(settings, self.state)
-        self.adoption = Adoption(store, ask, self.membership, self._unload, readthrough)
-        self.converger = Converger(store, self.state, self.adoption, self._unload, stager)
+        self.adoption = Adoption(store, ask, self.membership, unload, readthrough)
+        self.converger = Converger(store, self.state, self.adoption, unload, stager)
         self.healer = Healer(settings, store, self.state, ask, self.membership, self.adoption)
         self.copy_seconds = self.healer.copy_seconds
         self.catalog: dict[str, Record] = {}  # as read at the last sync
@@ -69,9 +64,6 @@ class ControlPlane:
 
     def register_ops(self, ops: OpRegistry) -> None:
         ops.add(Adopt, self.op_adopt, ADMIN)
-
-    async def _unload(self, name: str, uuid: str) -> None:
-        await self._unload_local({"name": name, "uuid": uuid})
 
     async def run(
         self, address: str, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED

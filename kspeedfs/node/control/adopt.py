@@ -26,8 +26,8 @@ log = logging.getLogger(__name__)
 
 MAX_MANIFEST_BYTES = 1 << 34  # what a preload's member takes (node.preload)
 
-# Unload this node's copy of instance (name, uuid).
-Unload = Callable[[str, str], Awaitable[None]]
+# Unload this node's copy of instance (name, uuid) (node.unload.Unloader.unload_local).
+Unload = Callable[[str, str], Awaitable[object]]
 
 
 class Adoption:
