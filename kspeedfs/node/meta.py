@@ -158,9 +158,10 @@ async def send(
             while True:
                 piece = await trio.to_thread.run_sync(read_piece, path, offset)
                 await ask(member, request(meta, piece))
-                if piece.end >= piece.total or piece.end == offset:
+                end = piece.end  # decodes the piece's base64: once
+                if end >= piece.total or end == offset:
                     break
-                offset = piece.end
+                offset = end
 
     async with trio.open_nursery() as nursery:
         for member in members:
