@@ -186,16 +186,16 @@ class MetaIndexes:
     """A member's side: receive a preload's indexes into its stage, and serve published ones to
     clients that cannot map them (a machine that holds no part of the dataset)."""
 
-    def __init__(self, store: SegmentStore, stage_of: Callable[[dict[str, Any]], Staged]):
+    def __init__(self, store: SegmentStore, stage_of: Callable[[str, str], Staged]):
         self.store = store
-        self.stage_of = stage_of  # the stage of {"name", "uuid"} (node/preload's lookup)
+        self.stage_of = stage_of  # the stage of preload (name, uuid), or NotFound
 
     def register_ops(self, ops: OpRegistry) -> None:
         ops.add(StageMeta, self.op_stage_meta, ADMIN)
         ops.add(FetchMetaIndex, self.op_meta_index, READ)
 
     async def op_stage_meta(self, request: StageMeta) -> dict[str, Any]:
-        stage = self.stage_of({"name": request.name, "uuid": request.uuid})
+        stage = self.stage_of(request.name, request.uuid)
         if stage.staging is None:
             raise InvalidArgument("no staging folder for this preload")
         path = stage.staging / metaindex.index_file(request.meta)
