@@ -58,7 +58,7 @@ from kspeedfs.format.units import format_size
 from kspeedfs.node import meta as metafiles
 from kspeedfs.node import sourceio
 from kspeedfs.node.loads import answer_on_change
-from kspeedfs.node.ops import ADMIN, OpRegistry
+from kspeedfs.node.ops import ADMIN, OpRegistry, answering
 from kspeedfs.node.peers import Ask, Call
 from kspeedfs.node.store import SegmentStore
 from kspeedfs.node.tasks import Tasks
@@ -546,7 +546,8 @@ async def start_stages(plan: Plan, ask: Ask, own: Stager) -> set[str]:
         held = plan.assignment[member]
         try:
             if member == own.address:
-                await own.stage_planned(plan, meta_bytes)
+                with answering(f"op {StageRequest.OP}"):  # refused as the op would be
+                    await own.stage_planned(plan, meta_bytes)
                 return
             try:
                 stage = StageRequest(

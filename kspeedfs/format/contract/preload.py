@@ -12,11 +12,17 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Literal
 
-from kspeedfs.format.contract import Request, Wire, at_least, dataset_name
+from kspeedfs.format.contract import Request, Wire, at_least, checked, dataset_name
 from kspeedfs.format.pieces import Piece
 
 # The longest a long-polled answer is held back: well inside a client's timeout.
 MAX_WAIT_S = 5.0
+
+
+def _size_or_none(value: int | None) -> int | None:
+    if value is not None and value < 0:
+        raise ValueError(f"must be at least 0, not {value}")
+    return value
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -28,7 +34,7 @@ class Preload(Request):
     replicas: int = at_least(1, default=1)
     endpoint: str = ""  # object store endpoint of a URL source
     meta: list[str] = dataclasses.field(default_factory=list)  # meta files to index
-    decoded: int | None = at_least(0, default=None)  # also decode its images, shorter side N
+    decoded: int | None = checked(_size_or_none, default=None)  # decode its images too: N px
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
