@@ -68,6 +68,9 @@ class Adoption:
         entry = await self.membership.entry_now(name)
         if entry is None or entry.get("state") != "ready" or entry.get("uuid") != request.uuid:
             raise NotFound(f"no ready instance {request.uuid[:8]} of {name!r} in etcd")
+        # The members live now: a node asked right after it joined has not synced yet, and
+        # adopts only from members it sees live.
+        await self.membership.members_now()
         await self.adopt(name, entry)
         record = self.store.datasets.get(name)
         return Adopted(name=name, adopted=record is not None and record.uuid == entry["uuid"])
