@@ -28,6 +28,8 @@ from kspeedfs.format.config import Settings
 from kspeedfs.format.contract import Request
 from kspeedfs.format.contract.node import Manifest as ManifestRequest
 from kspeedfs.format.contract.node import ManifestPiece
+from kspeedfs.format.contract.pieces import Piece as BlobPiece
+from kspeedfs.format.contract.pieces import fetch_all
 from kspeedfs.format.errors import (
     DataError,
     InvalidArgument,
@@ -38,8 +40,6 @@ from kspeedfs.format.errors import (
 )
 from kspeedfs.format.localdata import LocalDataset
 from kspeedfs.format.manifest import Manifest
-from kspeedfs.format.pieces import Piece as BlobPiece
-from kspeedfs.format.pieces import fetch_all
 from kspeedfs.format.readthrough_view import open_local
 from kspeedfs.format.tls import client_context
 from kspeedfs.format.units import parse_address

@@ -13,9 +13,9 @@ import trio
 
 from kspeedfs.format.config import Settings
 from kspeedfs.format.contract.node import List, Manifest, ManifestPiece, Status
+from kspeedfs.format.contract.pieces import read_piece
 from kspeedfs.format.errors import NotFound
 from kspeedfs.format.localdata import MANIFEST_FILE
-from kspeedfs.format.pieces import read_piece
 from kspeedfs.node.control import ControlPlane
 from kspeedfs.node.decoded import DecodedVariants
 from kspeedfs.node.fdserver import FdServer

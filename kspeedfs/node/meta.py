@@ -28,10 +28,10 @@ from kspeedfs.format.contract.meta import (
     MetaReserve,
     StageMeta,
 )
+from kspeedfs.format.contract.pieces import Piece, read_piece
 from kspeedfs.format.errors import DataError, InvalidArgument, KSpeedError, NotFound, StaleDataset
 from kspeedfs.format.localdata import MANIFEST_FILE
 from kspeedfs.format.manifest import Manifest
-from kspeedfs.format.pieces import Piece, read_piece
 from kspeedfs.format.readthrough_view import READTHROUGH
 from kspeedfs.format.tree import Tree
 from kspeedfs.format.units import format_size

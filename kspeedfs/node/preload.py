@@ -26,6 +26,7 @@ import xxhash
 
 from kspeedfs.format import placement
 from kspeedfs.format.contract.node import UnloadLocal
+from kspeedfs.format.contract.pieces import Assembly, Piece, pieces_of
 from kspeedfs.format.contract.preload import (
     Abort,
     Commit,
@@ -52,7 +53,6 @@ from kspeedfs.format.errors import (
 from kspeedfs.format.layout import Layout
 from kspeedfs.format.localdata import MANIFEST_FILE, segment_path
 from kspeedfs.format.manifest import Manifest, plan_layout, write_manifest
-from kspeedfs.format.pieces import Assembly, Piece, pieces_of
 from kspeedfs.format.tree import Tree
 from kspeedfs.format.units import format_size
 from kspeedfs.node import meta as metafiles

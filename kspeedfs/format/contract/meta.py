@@ -9,9 +9,9 @@ import re
 from typing import Any
 
 from kspeedfs.format.contract import Request, Wire, at_least, checked, dataset_name
+from kspeedfs.format.contract.pieces import Piece
 from kspeedfs.format.errors import InvalidArgument
 from kspeedfs.format.metaindex import meta_name
-from kspeedfs.format.pieces import Piece
 
 # An index's size, at most (a receiver refuses a larger total before writing a byte).
 MAX_INDEX_BYTES = 1 << 38

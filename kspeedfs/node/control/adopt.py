@@ -14,8 +14,8 @@ from kspeedfs.client.clusterstate import Record
 from kspeedfs.format.contract.control import Adopt, Adopted
 from kspeedfs.format.contract.node import Manifest as ManifestRequest
 from kspeedfs.format.contract.node import ManifestPiece
+from kspeedfs.format.contract.pieces import Assembly
 from kspeedfs.format.errors import DataError, KSpeedError, NotFound
-from kspeedfs.format.pieces import Assembly
 from kspeedfs.format.readthrough_view import READTHROUGH
 from kspeedfs.node.control.membership import Membership
 from kspeedfs.node.peers import Ask
