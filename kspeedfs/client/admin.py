@@ -8,6 +8,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from kspeedfs.format.config import Settings
+from kspeedfs.format.contract.readthrough import RegisterSource
 from kspeedfs.format.errors import AlreadyExists, DataError, KSpeedError, NodeUnreachable, NotFound
 from kspeedfs.format.names import validate_name
 from kspeedfs.format.tls import client_context
@@ -174,6 +175,6 @@ def register_source(
     source = normalize_source(source)
     name = validate_name(name) if name else validate_name(name_from_source(source))
     with connect(settings) as client:
-        reply = client.request("register_source", name=name, source=source, endpoint=endpoint)
+        reply = client.call(RegisterSource(name=name, source=source, endpoint=endpoint))
         wait_ready(client, name, what=f"listing {source}", first=reply)
     return name

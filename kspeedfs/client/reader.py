@@ -26,6 +26,8 @@ import xxhash
 from kspeedfs.client import latency, passed
 from kspeedfs.client.handle import DatasetHandle
 from kspeedfs.format.config import Settings
+from kspeedfs.format.contract import Request
+from kspeedfs.format.contract.readthrough import FillSegment
 from kspeedfs.format.errors import (
     DataError,
     InvalidArgument,
@@ -109,11 +111,19 @@ class ClusterReader:
             self._idle.setdefault(node, []).append(transport)
 
     def request(self, node: str, op: str, **args: Any) -> dict[str, Any]:
-        settings = self.settings
-        with NodeClient(
-            parse_address(node), settings.credential(), settings.timeout, client_context(settings)
-        ) as c:
+        with self._connect(node) as c:
             return c.request(op, **args)
+
+    def call(self, node: str, request: Request) -> dict[str, Any]:
+        """A typed request (kspeedfs.format.contract) to `node` and its answer."""
+        with self._connect(node) as c:
+            return c.call(request)
+
+    def _connect(self, node: str) -> NodeClient:
+        settings = self.settings
+        return NodeClient(
+            parse_address(node), settings.credential(), settings.timeout, client_context(settings)
+        )
 
     def live_request(self, op: str, **args: Any) -> tuple[str, dict[str, Any]]:
         """Ask the first node that answers (the local one first)."""
@@ -328,7 +338,7 @@ class ClusterReader:
         if self._filled.get((ds.uuid, seg)) == owner:
             return True
         try:
-            reply = self.request(owner, "fill", name=ds.name, uuid=ds.uuid, segment=seg)
+            reply = self.call(owner, FillSegment(name=ds.name, uuid=ds.uuid, segment=seg))
         except NodeUnreachable as e:
             self.mark_down(owner, str(e))
             return False
