@@ -1,5 +1,6 @@
 """Making room in the store's one memory budget: read-through segments leave in the order the
-eviction policy gives, spilled to disk first when the node has a spill folder."""
+eviction policy gives, spilled to disk first when the node has a spill folder. The reads that
+order them come here too (fills, mounts' `touch` reports, other nodes' reads)."""
 
 from __future__ import annotations
 
@@ -8,7 +9,8 @@ import logging
 
 import trio
 
-from kspeedfs.format.errors import NoSpace
+from kspeedfs.format.contract.readthrough import Touch, Touched
+from kspeedfs.format.errors import NoSpace, NotFound
 from kspeedfs.format.localdata import segment_path
 from kspeedfs.format.units import format_size
 from kspeedfs.node.readthrough.dataset import CachedDataset, Instances, spilled
@@ -44,6 +46,15 @@ class Evictor:
         for seg in segments:
             self.used(ds, seg)
         ds.stats["hits"] += hits
+
+    async def op_touch(self, request: Touch) -> Touched:
+        """A mount's report of the segments its processes read through their maps."""
+        try:
+            self.instances.find(request.name, request.uuid)
+        except NotFound:
+            return Touched(False)
+        self.note_reads(request.name, request.segments, request.hits)
+        return Touched(True)
 
     async def make_room(self, length: int, reservation: str) -> None:
         """Evict until `length` more bytes fit the budget, then reserve them."""
