@@ -10,6 +10,7 @@ from typing import Any
 from kspeedfs.format.config import Settings
 from kspeedfs.format.contract.node import Unload
 from kspeedfs.format.contract.preload import LoadProgress, Preload
+from kspeedfs.format.contract.readthrough import RegisterSource
 from kspeedfs.format.errors import (
     AlreadyExists,
     DataError,
@@ -178,6 +179,6 @@ def register_source(
     source = normalize_source(source)
     name = validate_name(name) if name else validate_name(name_from_source(source))
     with connect(settings) as client:
-        reply = client.request("register_source", name=name, source=source, endpoint=endpoint)
+        reply = client.call(RegisterSource(name=name, source=source, endpoint=endpoint))
         wait_ready(client, name, what=f"listing {source}", first=reply)
     return name

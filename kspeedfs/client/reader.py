@@ -30,6 +30,7 @@ from kspeedfs.format.contract.node import Manifest as ManifestRequest
 from kspeedfs.format.contract.node import ManifestPiece
 from kspeedfs.format.contract.pieces import Piece as BlobPiece
 from kspeedfs.format.contract.pieces import fetch_all
+from kspeedfs.format.contract.readthrough import FillSegment
 from kspeedfs.format.errors import (
     DataError,
     InvalidArgument,
@@ -113,21 +114,21 @@ class ClusterReader:
             self._idle.setdefault(node, []).append(transport)
 
     def request(self, node: str, op: str, **args: Any) -> dict[str, Any]:
-        settings = self.settings
-        with NodeClient(
-            parse_address(node), settings.credential(), settings.timeout, client_context(settings)
-        ) as c:
+        with self._connect(node) as c:
             return c.request(op, **args)
 
     def call(
         self, node: str, request: Request, answer_within: float | None = None
     ) -> dict[str, Any]:
         """A typed request (kspeedfs.format.contract) to `node` and its answer."""
-        settings = self.settings
-        with NodeClient(
-            parse_address(node), settings.credential(), settings.timeout, client_context(settings)
-        ) as c:
+        with self._connect(node) as c:
             return c.call(request, answer_within=answer_within)
+
+    def _connect(self, node: str) -> NodeClient:
+        settings = self.settings
+        return NodeClient(
+            parse_address(node), settings.credential(), settings.timeout, client_context(settings)
+        )
 
     def live_request(self, op: str, **args: Any) -> tuple[str, dict[str, Any]]:
         """Ask the first node that answers (the local one first)."""
@@ -350,7 +351,7 @@ class ClusterReader:
         if self._filled.get((ds.uuid, seg)) == owner:
             return True
         try:
-            reply = self.request(owner, "fill", name=ds.name, uuid=ds.uuid, segment=seg)
+            reply = self.call(owner, FillSegment(name=ds.name, uuid=ds.uuid, segment=seg))
         except NodeUnreachable as e:
             self.mark_down(owner, str(e))
             return False

@@ -23,6 +23,7 @@ from typing import Any
 import trio
 
 from kspeedfs.format.config import Settings
+from kspeedfs.format.contract.readthrough import Touch
 from kspeedfs.format.errors import KSpeedError, MountError
 from kspeedfs.fuse.counters import SharedCounters
 from kspeedfs.fuse.datasets import Change, DatasetList
@@ -262,9 +263,7 @@ class Workers:
     async def _report_touch(self, name: str, uuid: str, segments: list[int], hits: int) -> None:
         """Tell the node which read-through segments were read (its LRU cannot see mmap hits)."""
         try:
-            await self.clients[0].request(
-                "touch", name=name, uuid=uuid, segments=segments, hits=hits
-            )
+            await self.clients[0].call(Touch(name=name, uuid=uuid, segments=segments, hits=hits))
         except KSpeedError as e:
             log.debug("could not report reads of %s: %s", name, e)
 

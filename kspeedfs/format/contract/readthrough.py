@@ -1,0 +1,81 @@
+"""The read-through cache's ops (kspeedfs.node.readthrough): registering a source, filling
+the segments readers miss, reads reported by readers, and refreshing from the source."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Literal
+
+from kspeedfs.format.contract import Request, Wire, at_least, dataset_name
+
+
+@dataclasses.dataclass(frozen=True)
+class RegisterSource(Request):
+    """Create (or find) the read-through dataset `name` of `source` (an absolute folder or a
+    URL; the node checks which, it knows the source schemes)."""
+
+    OP = "register_source"
+    source: str
+    name: str = dataset_name()
+    endpoint: str = ""
+
+
+@dataclasses.dataclass(frozen=True)
+class Registered(Wire):
+    """Where the dataset stands: "scanning" while it is listed, then as `progress` says."""
+
+    name: str
+    state: str
+    lifetime: str | None = None  # once it is ready
+
+
+@dataclasses.dataclass(frozen=True)
+class FillSegment(Request):
+    """Make segment `segment` of `name` resident on the node (of instance `uuid` when given)."""
+
+    OP = "fill"
+    name: str = dataset_name()
+    segment: int = at_least(0)
+    uuid: str = ""
+
+
+@dataclasses.dataclass(frozen=True)
+class Filled(Wire):
+    """ "cached": resident now; "filling": not yet, ask again; "failed": read it yourself."""
+
+    state: Literal["cached", "filling", "failed"]
+    error: str = ""
+
+
+@dataclasses.dataclass(frozen=True)
+class Touch(Request):
+    """A reader's report: these segments of `name` were read, `hits` times in all (the node's
+    eviction policy cannot see reads through a map)."""
+
+    OP = "touch"
+    name: str = dataset_name()
+    segments: list[int] = at_least(0)
+    uuid: str = ""
+    hits: int = at_least(0, default=0)
+
+
+@dataclasses.dataclass(frozen=True)
+class Touched(Wire):
+    known: bool  # False: the node no longer has this instance
+
+
+@dataclasses.dataclass(frozen=True)
+class Refresh(Request):
+    """List the source of `name` again; a new instance when it changed."""
+
+    OP = "refresh"
+    name: str = dataset_name()
+
+
+@dataclasses.dataclass(frozen=True)
+class Refreshed(Wire):
+    name: str
+    state: Literal["unchanged", "refreshed"]
+    changed: int  # files changed at the source
+    kept: int  # segments carried over to the new instance (unchanged: all)
+    segments: int  # of the instance served now

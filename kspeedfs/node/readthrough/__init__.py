@@ -1,0 +1,156 @@
+"""Read-through datasets on a node: segments filled from the source on a miss, evicted by one
+store-wide policy, spilled to disk.
+
+A read-through dataset is published like a preloaded one (a manifest, from a listing of the
+source; lifetime "readthrough") but holds no segment at first. A reader that misses asks the
+node to `fill` the segment: the node reads it once (concurrent misses wait for the same fill)
+from the spill folder or the source, writes it under a temporary name and renames it into the
+dataset's seg/ folder, where every local reader maps it.
+
+Memory is one budget for all datasets. Preloaded (offline) and leased datasets are pinned; when
+the budget is reached, read-through segments are evicted in the eviction policy's order (least
+recently used first): copied to the spill folder when there is one, then unlinked (mapped pages
+stay valid; readers drop their maps when the eviction counter moves). The node also checks
+sources for changes: a changed dataset is served as it was cached and shown stale until
+`kspeedfs refresh NAME`.
+
+With etcd (a `ClusterCatalog`), a dataset is one cache over the cluster: the node that lists
+the source claims the name in the catalog, places the segments over the live members (readers
+ask each segment's owner to fill it), and every member adopts the manifest with no segment.
+
+One module a job: `register` (listing a source, etcd claims, adoption), `fill` (misses),
+`evict` (the budget) with `policy` (the order), `watch` (source checks, refresh, pruning),
+`build` (staging an instance), `dataset` (the instances), `status`. `ReadThroughCache` only
+composes them, registers their ops and runs their tasks.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Any
+
+import trio
+
+from kspeedfs.format.config import Settings
+from kspeedfs.format.contract.readthrough import (
+    FillSegment,
+    Refresh,
+    RegisterSource,
+    Touch,
+)
+from kspeedfs.format.errors import KSpeedError
+from kspeedfs.format.readthrough_view import READTHROUGH
+from kspeedfs.format.units import format_size, parse_size
+from kspeedfs.node.loads import LoadTable
+from kspeedfs.node.ops import ADMIN, JOB, OpRegistry
+from kspeedfs.node.readthrough.build import InstanceBuilder
+from kspeedfs.node.readthrough.catalog import ClusterCatalog
+from kspeedfs.node.readthrough.dataset import CachedDataset, Instances, open_instance
+from kspeedfs.node.readthrough.evict import Evictor
+from kspeedfs.node.readthrough.fill import Filler
+from kspeedfs.node.readthrough.policy import EvictionPolicy, LeastRecentlyUsed
+from kspeedfs.node.readthrough.register import Registrar
+from kspeedfs.node.readthrough.status import cache_status
+from kspeedfs.node.readthrough.watch import SourceWatch
+from kspeedfs.node.spill import SpillArea
+from kspeedfs.node.store import SegmentStore
+
+__all__ = ["CachedDataset", "ClusterCatalog", "EvictionPolicy", "ReadThroughCache"]
+
+log = logging.getLogger(__name__)
+
+
+class ReadThroughCache:
+    """Owned by the node; runs in its event loop, with file work in worker threads."""
+
+    def __init__(
+        self,
+        store: SegmentStore,
+        settings: Settings,
+        address: str,
+        loads: LoadTable,
+        policy: EvictionPolicy | None = None,
+    ):
+        self.store = store
+        self.settings = settings
+        self.spill: SpillArea | None = None
+        spill_dir, spill_budget = settings.spill_dir, parse_size(settings.spill)
+        if spill_dir is not None:  # with its budget: load_settings checks that they go together
+            self.spill = SpillArea(Path(spill_dir), spill_budget)
+        self.instances = Instances(store, address, policy or LeastRecentlyUsed())
+        self.evictor = Evictor(store, self.instances, self.spill)
+        builder = InstanceBuilder(store, settings.segment_size, address, self.spill)
+        self.filler = Filler(
+            store, self.instances, self.evictor, self.spill, max(1.0, settings.timeout / 2)
+        )
+        self.registrar = Registrar(store, self.instances, builder, loads, address)
+        self.watch = SourceWatch(
+            store, self.instances, builder, self.spill, settings.source_check_interval
+        )
+        self.fill_seconds = self.filler.seconds
+
+    @property
+    def datasets(self) -> dict[str, CachedDataset]:
+        return self.instances.by_name
+
+    @property
+    def busy(self) -> set[str]:
+        """Names being listed or refreshed here (not converged yet)."""
+        return self.instances.busy
+
+    def use_cluster(self, cluster: ClusterCatalog) -> None:
+        """etcd: datasets registered here are placed over the live members and cataloged."""
+        self.registrar.cluster = self.watch.cluster = cluster
+
+    def register_ops(self, ops: OpRegistry) -> None:
+        """Creating and refreshing a dataset needs an admin; filling what a reader misses (the
+        node reads the source for it) and reporting what it read need the job role."""
+        ops.add(RegisterSource, self.registrar.op_register_source, ADMIN)
+        ops.add(Refresh, self.watch.op_refresh, ADMIN)
+        ops.add(FillSegment, self.filler.op_fill, JOB)
+        ops.add(Touch, self.evictor.op_touch, JOB)
+
+    def recover(self) -> None:
+        """Pick up the read-through datasets the store found; their segments are what is here,
+        entering the eviction policy oldest first."""
+        verify = self.settings.verify_on_start
+        found: list[tuple[float, str, int]] = []
+        for record in list(self.store.datasets.values()):
+            if record.lifetime != READTHROUGH:
+                continue
+            try:
+                ds, mtimes = open_instance(record, verify)
+            except (KSpeedError, OSError, ValueError) as e:
+                log.error("dropping broken read-through dataset %s: %s", record.name, e)
+                self.store.unload(record.name)
+                continue
+            self.instances.add(ds, admit=False)
+            found.extend((t, record.name, seg) for seg, t in mtimes.items())
+        for _t, name, seg in sorted(found):
+            self.instances.policy.admitted((name, seg))
+        if self.spill is not None:
+            self.spill.recover(self.instances.spill_keys())
+        over = self.store.used() - self.store.budget
+        if over > 0:
+            log.warning("%s over the memory budget after restart: evicting", format_size(over))
+            self.evictor.reclaim(over)
+
+    async def run(self, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        """Fills and listings that ops start, pruning, periodic checks of the sources."""
+        async with trio.open_nursery() as nursery:
+            await nursery.start(self.filler.run)
+            await nursery.start(self.registrar.run)
+            await nursery.start(self.watch.run)
+            task_status.started()
+
+    async def adopt(self, name: str, blob: bytes, meta: dict[str, Any]) -> None:
+        """etcd: publish another member's instance here, holding no segment."""
+        await self.registrar.adopt(name, blob, meta)
+
+    def note_reads(self, name: str, segments: list[int]) -> None:
+        """Segments another node read from here (its reads miss this node's policy otherwise)."""
+        self.evictor.note_reads(name, segments)
+
+    def status(self) -> dict[str, Any]:
+        return cache_status(self.store, self.instances, self.spill)

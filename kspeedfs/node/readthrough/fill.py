@@ -1,0 +1,183 @@
+"""Filling the segments readers miss: once per segment however many readers wait, from the
+spill folder when it holds the segment, else from the source, written under a temporary name
+and renamed into the instance's seg/ folder where every local reader maps it."""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import logging
+import mmap
+import os
+import time
+import uuid
+from pathlib import Path
+
+import trio
+import xxhash
+
+from kspeedfs.format.contract.readthrough import Filled, FillSegment
+from kspeedfs.format.errors import DataError, InvalidArgument, KSpeedError, NoSpace, SourceChanged
+from kspeedfs.format.localdata import segment_path
+from kspeedfs.format.manifest import Manifest
+from kspeedfs.node import sourceio
+from kspeedfs.node.metrics import segment_seconds
+from kspeedfs.node.readthrough.dataset import CachedDataset, Instances, file_checksum, spilled
+from kspeedfs.node.readthrough.evict import Evictor
+from kspeedfs.node.spill import SpillArea
+from kspeedfs.node.store import SegmentStore
+from kspeedfs.node.tasks import Tasks
+from kspeedfs.sources.source import Source, open_source
+
+log = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass
+class Fill:
+    """One fill in progress, which every reader of its segment waits for."""
+
+    uuid: str
+    done: trio.Event = dataclasses.field(default_factory=trio.Event)
+    error: str = ""
+
+
+class Filler:
+    """Owns the fills: `op_fill` starts one (or joins the one running), `run` runs them."""
+
+    def __init__(
+        self,
+        store: SegmentStore,
+        instances: Instances,
+        evictor: Evictor,
+        spill: SpillArea | None,
+        fill_wait: float,
+    ):
+        self.store = store
+        self.instances = instances
+        self.evictor = evictor
+        self.spill = spill
+        self.fill_wait = fill_wait  # how long a fill op waits before it answers "filling"
+        self.fills: dict[tuple[str, int], Fill] = {}
+        self.tasks = Tasks()
+        self.seconds = segment_seconds(
+            "kspeedfs_readthrough_fill_seconds",
+            "time to fill a segment, from the miss to the segment in memory",
+            ("source", "spill"),
+        )
+
+    async def run(self, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        await self.tasks.run(task_status=task_status)
+
+    async def op_fill(self, request: FillSegment) -> Filled:
+        """Make a segment resident; answers once it is, or after fill_wait with "filling"."""
+        ds = self.instances.find(request.name, request.uuid)
+        seg = request.segment
+        if seg >= ds.manifest.segments:
+            raise InvalidArgument(f"segment {seg} out of range for {ds.name}")
+        if seg not in ds.resident:
+            key = (ds.name, seg)
+            fill = self.fills.get(key)
+            if fill is None or fill.uuid != ds.uuid:
+                fill = self.fills[key] = Fill(ds.uuid)
+                self.tasks.start_soon(self._fill, ds, seg, fill)
+            with trio.move_on_after(self.fill_wait):
+                await fill.done.wait()
+            if seg not in ds.resident or not self.instances.current(ds):
+                if fill.error:
+                    return Filled("failed", fill.error)
+                return Filled("filling")
+        self.evictor.used(ds, seg)
+        return Filled("cached")
+
+    async def _fill(self, ds: CachedDataset, seg: int, fill: Fill) -> None:
+        key = (ds.name, seg)
+        length = ds.seg_len(seg)
+        reservation = f"fill:{ds.name}:{ds.uuid}:{seg}"
+        tmp = self.store.staging_dir / f"fill.{ds.name}.{seg:08d}.{uuid.uuid4().hex[:8]}"
+        started = time.perf_counter()
+        origin = "source"
+        try:
+            await self.evictor.make_room(length, reservation)
+            checksum = 0
+            if spilled(self.spill, ds, seg):
+                try:
+                    checksum = await trio.to_thread.run_sync(self._from_spill, ds, seg, tmp)
+                    ds.stats["fills_spill"] += 1
+                    origin = "spill"
+                except (OSError, DataError) as e:
+                    log.warning(
+                        "spilled segment %d of %s unusable (%s): reading the source",
+                        seg,
+                        ds.name,
+                        e,
+                    )
+                    assert self.spill is not None
+                    self.spill.drop(ds.spill_key, seg)
+                    tmp.unlink(missing_ok=True)
+            if not checksum:
+                source = open_source(ds.record.source, ds.endpoint)
+                checksum, reads = await sourceio.run_sync(
+                    _from_source, source, ds.manifest, seg, length, tmp
+                )
+                ds.stats["fills_source"] += 1
+                for counters in (ds.stats, self.instances.stats):
+                    counters["source_reads"] += reads
+                    counters["source_bytes"] += length
+            ds.stats["misses"] += 1
+            async with ds.lock:
+                if not self.instances.current(ds):
+                    return  # unloaded or refreshed meanwhile
+                ds.sums[seg] = checksum
+                await trio.to_thread.run_sync(os.rename, tmp, segment_path(ds.record.path, seg))
+                ds.resident.add(seg)
+                ds.record.held.append(seg)
+                ds.record.stored += length
+                self.evictor.admitted(ds, seg)
+            self.seconds.labels(origin).observe(time.perf_counter() - started)
+        except SourceChanged as e:
+            fill.error = str(e)
+            self.instances.mark_changed(ds)
+            log.warning("cannot fill segment %d of %s: %s", seg, ds.name, e)
+        except KSpeedError as e:
+            fill.error = str(e)
+            log.warning("cannot fill segment %d of %s: %s", seg, ds.name, e)
+        except Exception as e:
+            fill.error = f"{type(e).__name__}: {e}"
+            log.exception("filling segment %d of %s failed", seg, ds.name)
+        finally:
+            self.store.release(reservation)
+            with trio.CancelScope(shield=True):
+                await trio.to_thread.run_sync(functools.partial(tmp.unlink, missing_ok=True))
+            if self.fills.get(key) is fill:
+                del self.fills[key]
+            fill.done.set()
+
+    def _from_spill(self, ds: CachedDataset, seg: int, tmp: Path) -> int:
+        assert self.spill is not None
+        self.spill.copy_out(ds.spill_key, seg, tmp)
+        checksum = file_checksum(tmp)
+        if checksum != int(ds.sums[seg]):
+            raise DataError("it fails its checksum")
+        return checksum
+
+
+def _from_source(
+    source: Source, manifest: Manifest, seg: int, length: int, tmp: Path
+) -> tuple[int, int]:
+    """Write one segment from the source to tmp; returns (checksum, source reads)."""
+    fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o640)
+    try:
+        try:
+            os.posix_fallocate(fd, 0, length)  # claim the tmpfs pages now: ENOSPC up front
+        except OSError as e:
+            raise NoSpace(f"cannot allocate a segment in shared memory: {e.strerror}") from None
+        with mmap.mmap(fd, length) as m:
+            view = memoryview(m)
+            try:
+                reads = source.fill(manifest, manifest.layout, seg, view, fd=fd)
+                checksum = xxhash.xxh3_64_intdigest(view)
+            finally:
+                view.release()
+    finally:
+        os.close(fd)
+    return checksum or 1, reads  # 0 means "never filled"

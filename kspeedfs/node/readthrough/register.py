@@ -1,0 +1,243 @@
+"""Registering a source: its read-through dataset is listed in the background and published
+holding no segment. With etcd the node that lists it claims the name in the catalog and
+places the segments over the live members; the others follow that listing and adopt it."""
+
+from __future__ import annotations
+
+import logging
+import os
+import secrets
+import time
+from pathlib import Path
+from typing import Any
+
+import trio
+
+from kspeedfs.format.contract.readthrough import Registered, RegisterSource
+from kspeedfs.format.errors import AlreadyExists, InvalidArgument, KSpeedError, NotFound
+from kspeedfs.format.readthrough_view import READTHROUGH
+from kspeedfs.format.units import format_size
+from kspeedfs.node import sourceio
+from kspeedfs.node.loads import LoadTable
+from kspeedfs.node.readthrough.build import InstanceBuilder, catalog_fields
+from kspeedfs.node.readthrough.catalog import ClusterCatalog
+from kspeedfs.node.readthrough.dataset import Instances, open_instance
+from kspeedfs.node.store import SegmentStore
+from kspeedfs.node.tasks import Tasks
+from kspeedfs.sources.loader import Progress, manifest_size_estimate
+from kspeedfs.sources.source import Source, is_url, open_source
+
+log = logging.getLogger(__name__)
+
+FOLLOW_POLL_S = 0.2  # how often a member waits on a listing another member is making
+
+
+class Registrar:
+    """Owns the listings: `op_register_source` starts one (or follows another member's),
+    `run` runs them."""
+
+    def __init__(
+        self,
+        store: SegmentStore,
+        instances: Instances,
+        builder: InstanceBuilder,
+        loads: LoadTable,
+        address: str,
+    ):
+        self.store = store
+        self.instances = instances
+        self.builder = builder
+        self.loads = loads
+        self.address = address  # this node's: it coordinates the datasets it registers
+        self.cluster: ClusterCatalog | None = None  # etcd: the catalog places the segments
+        self.tasks = Tasks()
+
+    async def run(self, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        await self.tasks.run(task_status=task_status)
+
+    async def op_register_source(self, request: RegisterSource) -> Registered:
+        """Create the read-through dataset of a source (listing it in the background)."""
+        name, source, endpoint = request.name, request.source, request.endpoint
+        if not (is_url(source) or os.path.isabs(source)):
+            raise InvalidArgument(f"source must be an absolute path or a URL: {source!r}")
+        found = self._existing(name, source, endpoint)
+        if found is not None:
+            return found
+        if self.cluster is not None:
+            entry = await self.cluster.entry_now(name)
+            if entry is not None:
+                return await self._join(self.cluster, name, source, endpoint, entry)
+        src = open_source(source, endpoint)
+        # A missing bucket or wrong credentials: a one-line error now, and nothing created.
+        await sourceio.run_sync(src.check)
+        found = self._existing(name, source, endpoint)
+        if found is not None:
+            return found
+        progress = self.loads.start(name, source)
+        self.tasks.start_soon(self._register, name, src, progress)
+        return Registered(name, "scanning")
+
+    def _existing(self, name: str, source: str, endpoint: str) -> Registered | None:
+        record = self.store.datasets.get(name)
+        if record is not None:
+            header = self.store.open(name).manifest.header
+            if record.source == source and str(header.get("endpoint") or "") == endpoint:
+                return Registered(name, "ready", record.lifetime)
+            raise AlreadyExists(
+                f"dataset {name!r} already holds {record.source}: choose another --name"
+            )
+        progress = self.loads.get(name)
+        if progress is not None and progress.state != "failed":
+            if progress.source == source:
+                return Registered(name, progress.state)
+            raise AlreadyExists(f"dataset {name!r} is already loading {progress.source}")
+        return None
+
+    async def _join(
+        self, cluster: ClusterCatalog, name: str, source: str, endpoint: str, entry: dict[str, Any]
+    ) -> Registered:
+        """etcd: another member registered this name: take its manifest (ready) or wait for
+        its listing (loading)."""
+        if entry.get("source") != source or str(entry.get("endpoint") or "") != endpoint:
+            raise AlreadyExists(
+                f"dataset {name!r} already holds {entry.get('source')}: choose another --name"
+            )
+        if entry.get("state") == "ready":
+            await cluster.adopt(name, entry)
+            if name not in self.store.datasets:
+                raise NotFound(f"no member of {name!r} answers with its manifest")
+            return Registered(name, "ready", READTHROUGH)
+        progress = self.loads.start(name, source)
+        self.tasks.start_soon(self._follow, cluster, name, str(entry["uuid"]), progress)
+        return Registered(name, "scanning")
+
+    async def _follow(
+        self, cluster: ClusterCatalog, name: str, uuid: str, progress: Progress
+    ) -> None:
+        """Wait for the listing another member claimed, then adopt it."""
+        try:
+            while True:
+                await trio.sleep(FOLLOW_POLL_S)
+                try:
+                    entry = await cluster.entry_now(name)
+                except KSpeedError:
+                    continue  # etcd away a moment: the claim is still there or not
+                if entry is None or entry.get("uuid") != uuid:
+                    raise NotFound(f"the listing of {name!r} on another member was given up")
+                if entry.get("state") == "ready":
+                    await cluster.adopt(name, entry)
+                    if name not in self.store.datasets:
+                        raise NotFound(f"no member of {name!r} answers with its manifest")
+                    self.loads.finish(name)
+                    return
+        except BaseException as e:
+            log.error("joining %s failed: %s", name, self.loads.fail(name, e))
+            if not isinstance(e, Exception):
+                raise
+
+    async def _claim(
+        self, cluster: ClusterCatalog, name: str, src: Source, uid: str
+    ) -> list[str] | None:
+        """etcd: claim the name for instance `uid` and return the members to place over; None
+        when another member claimed it first (this one then follows that listing)."""
+        members = await cluster.members_now()
+        record = {
+            "name": name,
+            "uuid": uid,
+            "state": "loading",
+            "source": src.url,
+            "endpoint": src.endpoint,
+            "lifetime": READTHROUGH,
+            "replicas": 1,
+            "members": members,
+            "segment_size": self.builder.segment_size,
+            "segments": 0,
+            "files": 0,
+            "bytes": 0,
+            "coordinator": self.address,
+            "created": time.time(),
+        }
+        try:
+            await cluster.claim(record)
+        except AlreadyExists:
+            entry = await cluster.entry_now(name)
+            if entry is None or entry.get("source") != src.url:
+                raise
+            return None
+        return members
+
+    async def _register(self, name: str, src: Source, progress: Progress) -> None:
+        staging: Path | None = None
+        uid = secrets.token_hex(16)
+        members = [self.address]
+        cluster = self.cluster
+        claimed = False
+        try:
+            if cluster is not None:
+                placed = await self._claim(cluster, name, src, uid)
+                if placed is None:
+                    entry = await cluster.entry_now(name)
+                    await self._follow(cluster, name, str((entry or {}).get("uuid")), progress)
+                    return
+                members, claimed = placed, True
+                self.instances.busy.add(name)
+            tree = await sourceio.run_sync(src.scan)
+            progress.state = "loading"
+            progress.files_total, progress.bytes_total = tree.file_count, tree.data_bytes
+            segments = tree.data_bytes // self.builder.segment_size + len(tree) + 1
+            self.store.reserve(name, manifest_size_estimate(tree) + 8 * segments)
+            built, meta, _carried = await trio.to_thread.run_sync(
+                self.builder.build, name, src, tree, None, uid, members
+            )
+            staging = built
+            record = await trio.to_thread.run_sync(self.store.publish, built, meta)
+            staging = None
+            ds, _ = await trio.to_thread.run_sync(open_instance, record, False)
+            self.instances.add(ds)
+            if cluster is not None:  # etcd: ready for everyone; the members adopt it
+                await cluster.publish(name, uid, catalog_fields(meta))
+                await cluster.announce(name, uid)
+            self.loads.finish(name)
+            log.info(
+                "read-through dataset %s of %s: %d files, %s in %d segments",
+                name,
+                src.url,
+                tree.file_count,
+                format_size(tree.data_bytes),
+                ds.manifest.segments,
+            )
+        except BaseException as e:
+            self.store.release(name)
+            with trio.CancelScope(shield=True):
+                if staging is not None:
+                    await trio.to_thread.run_sync(self.store.discard_staging, staging)
+                if claimed and cluster is not None:
+                    await self._unclaim(cluster, name, uid)
+            log.error("listing %s for %s failed: %s", src.url, name, self.loads.fail(name, e))
+            if not isinstance(e, Exception):
+                raise
+        finally:
+            self.instances.busy.discard(name)
+
+    async def _unclaim(self, cluster: ClusterCatalog, name: str, uid: str) -> None:
+        """etcd: a listing that failed gives its name back (and its instance, if published)."""
+        try:
+            await cluster.forget(name, uid)
+        except KSpeedError as e:
+            log.warning("could not remove %s from the catalog: %s", name, e)
+        record = self.store.datasets.get(name)
+        if record is not None and record.uuid == uid:
+            await trio.to_thread.run_sync(self.store.unload, name)
+
+    async def adopt(self, name: str, blob: bytes, meta: dict[str, Any]) -> None:
+        """etcd: publish another member's instance here from its manifest, holding no
+        segment: the fills of the segments this node owns land here."""
+        staging, full = await trio.to_thread.run_sync(self.builder.adopted, name, blob, meta)
+        try:
+            record = await trio.to_thread.run_sync(self.store.publish, staging, full)
+        except BaseException:
+            with trio.CancelScope(shield=True):
+                await trio.to_thread.run_sync(self.store.discard_staging, staging)
+            raise
+        ds, _ = await trio.to_thread.run_sync(open_instance, record, False)
+        self.instances.add(ds)

@@ -1,0 +1,172 @@
+"""Watching the sources and the store: a changed source is served as cached and shown stale
+until a refresh makes a new instance from a new listing (keeping the segments whose contents
+did not change); instances the store unloaded are forgotten, with their spilled segments."""
+
+from __future__ import annotations
+
+import logging
+
+import trio
+
+from kspeedfs.format.contract.readthrough import Refresh, Refreshed
+from kspeedfs.format.errors import InvalidArgument, KSpeedError, NotFound
+from kspeedfs.format.readthrough_view import READTHROUGH
+from kspeedfs.format.tree import Tree
+from kspeedfs.node import sourceio
+from kspeedfs.node.preload import tree_digest
+from kspeedfs.node.readthrough.build import InstanceBuilder, catalog_fields
+from kspeedfs.node.readthrough.catalog import ClusterCatalog
+from kspeedfs.node.readthrough.dataset import CachedDataset, Instances, open_instance
+from kspeedfs.node.spill import SpillArea
+from kspeedfs.node.store import SegmentStore
+from kspeedfs.sources.source import Source, diff_counts, open_source
+
+log = logging.getLogger(__name__)
+
+PRUNE_INTERVAL = 1.0
+
+
+class SourceWatch:
+    """Owns the periodic work (`run`) and the refresh op."""
+
+    def __init__(
+        self,
+        store: SegmentStore,
+        instances: Instances,
+        builder: InstanceBuilder,
+        spill: SpillArea | None,
+        check_interval: float,
+    ):
+        self.store = store
+        self.instances = instances
+        self.builder = builder
+        self.spill = spill
+        self.check_interval = check_interval  # seconds between checks of the sources; 0: never
+        self.cluster: ClusterCatalog | None = None
+
+    async def run(self, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        """Prune unloaded instances every PRUNE_INTERVAL, check the sources every interval."""
+        interval = self.check_interval
+        task_status.started()
+        next_check = trio.current_time() + interval
+        while True:
+            await trio.sleep(min(PRUNE_INTERVAL, interval) if interval > 0 else PRUNE_INTERVAL)
+            await self.prune()
+            if interval > 0 and trio.current_time() >= next_check:
+                await self.check_sources()
+                next_check = trio.current_time() + interval
+
+    async def prune(self) -> None:
+        """Forget instances that were unloaded (their files are gone already)."""
+        for name, ds in list(self.instances.by_name.items()):
+            record = self.store.datasets.get(name)
+            if record is None or record.uuid != ds.uuid:
+                self.instances.forget(ds)
+        changed = self.instances.changed
+        for name, (uid, _n) in list(changed.items()):
+            record = self.store.datasets.get(name)
+            if record is None or record.uuid != uid:
+                changed.pop(name, None)
+        if self.spill is not None:
+            for key in self.spill.keys() - self.instances.spill_keys():
+                await trio.to_thread.run_sync(self.spill.drop_dataset, key)
+
+    async def check_sources(self) -> None:
+        """Compare each dataset this node coordinates with its source; remember what changed."""
+        changed_now = self.instances.changed
+        for record in list(self.store.datasets.values()):
+            if record.members and record.members[0] != self.instances.address:
+                continue
+            try:
+                manifest = self.store.open(record.name).manifest
+                src = open_source(record.source, str(manifest.header.get("endpoint") or ""))
+                tree = await sourceio.run_sync(src.scan)
+                changed = 0
+                if tree_digest(tree) != manifest.header.get("digest"):
+                    changed = await trio.to_thread.run_sync(diff_counts, manifest, tree)
+            except KSpeedError as e:
+                log.warning("cannot check the source of %s: %s", record.name, e)
+                continue
+            before = changed_now.get(record.name, ("", 0))
+            if changed and before != (record.uuid, changed):
+                log.warning(
+                    "the source of %s changed: %d files; served as cached until "
+                    "`kspeedfs refresh %s`",
+                    record.name,
+                    changed,
+                    record.name,
+                )
+            if changed:
+                changed_now[record.name] = (record.uuid, changed)
+            else:
+                changed_now.pop(record.name, None)
+
+    async def op_refresh(self, request: Refresh) -> Refreshed:
+        """A new instance from a new listing; segments whose contents did not change are kept."""
+        name = request.name
+        record = self.store.datasets.get(name)
+        if record is None:
+            raise NotFound(f"no dataset named {name!r}")
+        if record.lifetime != READTHROUGH:
+            raise InvalidArgument(
+                f"{name} is a preloaded dataset: unload it and preload it again to refresh it"
+            )
+        ds = self.instances.find(name)
+        src = open_source(record.source, ds.endpoint)
+        tree = await sourceio.run_sync(src.scan)
+        changed = await trio.to_thread.run_sync(diff_counts, ds.manifest, tree)
+        if not changed and tree_digest(tree) == ds.manifest.header.get("digest"):
+            self.instances.changed.pop(name, None)
+            segments = ds.manifest.segments
+            return Refreshed(name, "unchanged", 0, kept=segments, segments=segments)
+        # etcd: the new instance is placed over the members live now; the others drop the old
+        # one and adopt the new (their cached segments are filled again).
+        cluster = self.cluster
+        members = await cluster.members_now() if cluster is not None else None
+        async with ds.lock:
+            self.instances.busy.add(name)
+            try:
+                new, kept = await self._swap(ds, src, tree, members)
+            finally:
+                self.instances.busy.discard(name)
+        if cluster is not None:
+            await cluster.announce(name, new.uuid)
+        self.instances.changed.pop(name, None)
+        log.info(
+            "refreshed %s: %d files changed, %d of %d segments kept",
+            name,
+            changed,
+            kept,
+            new.manifest.segments,
+        )
+        return Refreshed(name, "refreshed", changed, kept, new.manifest.segments)
+
+    async def _swap(
+        self, ds: CachedDataset, src: Source, tree: Tree, members: list[str] | None
+    ) -> tuple[CachedDataset, int]:
+        """Replace instance `ds` with one of `tree`, carrying its unchanged segments; returns
+        the new instance and how many segments it kept."""
+        name = ds.name
+        staging, meta, carried = await trio.to_thread.run_sync(
+            self.builder.build, name, src, tree, ds, "", members
+        )
+        try:
+            if self.cluster is not None and not await self.cluster.replace(
+                name, ds.uuid, catalog_fields(meta)
+            ):
+                raise NotFound(f"the catalog no longer has this instance of {name!r}")
+            await trio.to_thread.run_sync(self.store.unload, name)
+        except BaseException:
+            with trio.CancelScope(shield=True):
+                await trio.to_thread.run_sync(self.store.discard_staging, staging)
+            raise
+        new_record = await trio.to_thread.run_sync(self.store.publish, staging, meta)
+        new, _ = await trio.to_thread.run_sync(open_instance, new_record, False)
+        new.stats = ds.stats
+        if self.spill is not None:
+            await trio.to_thread.run_sync(
+                self.spill.rename_dataset, ds.spill_key, new.spill_key, carried
+            )
+        self.instances.forget(ds)
+        self.instances.add(new)
+        return new, len(carried)
