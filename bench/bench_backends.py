@@ -18,8 +18,8 @@ generated sample of ~110 KB JPEGs preloaded into a private one-node cache:
                   process, the recommended way (docs/dali.md);
   dali-kspeed-sample  the same fed per sample, as the recipe does: fn.external_source(
                   KSpeedCallable(...), batch=False, parallel=True), DALI's Python workers.
-Torch loaders: DataLoader(--workers); DALI: num_threads = --workers, and the external source
-as many Python workers. Each round builds every backend in turn (memory warmed before each: a
+Torch loaders: DataLoader(--workers); DALI: num_threads = --workers, and the per-sample
+external source as many Python workers. Each round builds every backend in turn (memory warmed before each: a
 buffer touched and freed), times one epoch from its first batch, then with --model times
 --steps SGD steps of that model on --device fed by it (after one warm-up step); the best of
 --rounds is kept. The table gives the ratios to `pytorch`, and the CPU time per image of the

@@ -64,7 +64,7 @@ class KSpeedCallable:
     (only config) for DALI's worker processes.
     """
 
-    # DALI's external_source asks iter() before callable(): this is a per-sample callable only.
+    # DALI's external_source asks iter() before callable(): this is a callable, never iterated.
     __iter__ = None
 
     def __init__(

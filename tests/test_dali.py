@@ -1,4 +1,4 @@
-"""Real NVIDIA DALI over kspeedfs: the parallel external source and DALI's own file reader."""
+"""Real NVIDIA DALI over kspeedfs: the external source (per batch, per sample), DALI's file reader."""
 
 from __future__ import annotations
 
@@ -252,7 +252,10 @@ def test_dali_file_reader_over_a_mount(loaded: Path, mount_all: MountProcess) ->
         assert len(set(seen)) == 18  # each file once per epoch
 
 
-def test_external_source_decodes_on_the_gpu(node: NodeProcess, loaded: Path) -> None:
+@pytest.mark.parametrize("per_batch", [False, True], ids=["per-sample", "per-batch"])
+def test_external_source_decodes_on_the_gpu(
+    node: NodeProcess, loaded: Path, per_batch: bool
+) -> None:
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA GPU (DALI's mixed decoder)")
     source = KSpeedCallable(str(loaded), batch_size=BATCH, shuffle=False, **kw(node))
@@ -262,7 +265,14 @@ def test_external_source_decodes_on_the_gpu(node: NodeProcess, loaded: Path) -> 
         batch_size=BATCH, num_threads=1, device_id=0, py_num_workers=2, py_start_method="spawn"
     )
     def pipeline() -> Any:
-        data, label = fn.external_source(source=source, num_outputs=2, batch=False, parallel=True)
+        if per_batch:
+            data, label = fn.external_source(
+                source=source.batch, num_outputs=2, batch=True, batch_info=True
+            )
+        else:
+            data, label = fn.external_source(
+                source=source, num_outputs=2, batch=False, parallel=True
+            )
         return fn.decoders.image(data, device="mixed"), label
 
     p = pipeline()
