@@ -17,7 +17,8 @@ generated sample of ~110 KB JPEGs preloaded into a private one-node cache:
                   batch=True, batch_info=True): one call per batch in the pipeline's own
                   process, the recommended way (docs/dali.md);
   dali-kspeed-sample  the same fed per sample, as the recipe does: fn.external_source(
-                  KSpeedCallable(...), batch=False, parallel=True), DALI's Python workers.
+                  KSpeedCallable(...), batch=False, parallel=True), DALI's Python workers;
+  dali-mount      DALI's fn.readers.file on a FUSE mount of the cache.
 Torch loaders: DataLoader(--workers); DALI: num_threads = --workers, and the per-sample
 external source as many Python workers. Each round builds every backend in turn (memory warmed before each: a
 buffer touched and freed), times one epoch from its first batch, then with --model times
@@ -66,8 +67,9 @@ BACKENDS = (
     "dali",
     "dali-kspeed",
     "dali-kspeed-sample",
+    "dali-mount",
 )
-INPUT_ONLY = ("dali", "dali-kspeed", "dali-kspeed-sample", "dali-array")
+INPUT_ONLY = ("dali", "dali-kspeed", "dali-kspeed-sample", "dali-mount", "dali-array")
 CROP = 224
 DECODED = 256
 MEAN = [0.485 * 255, 0.456 * 255, 0.406 * 255]
@@ -324,7 +326,9 @@ def main() -> int:
     p.add_argument("--model", choices=("none", "tiny", "resnet18", "resnet50"), default="tiny")
     p.add_argument("--steps", type=int, default=20, help="training steps measured per backend")
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
-    p.add_argument("--backends", default=",".join(BACKENDS), help="comma-separated subset")
+    p.add_argument(
+        "--backends", help="comma-separated subset (default: all, or with --input-only its own)"
+    )
     p.add_argument("--warm", type=int, default=512, help="MiB touched and freed before each")
     p.add_argument(
         "--input-only",
@@ -336,10 +340,10 @@ def main() -> int:
     args = p.parse_args()
     if args.input_only:
         args.model = "none"
-        args.backends = ",".join(INPUT_ONLY)
+        args.backends = args.backends or ",".join(INPUT_ONLY)
     logging.basicConfig(level=logging.WARNING)
     warnings.filterwarnings("ignore", message="The given buffer is not writable")
-    chosen = [b.strip() for b in args.backends.split(",") if b.strip()]
+    chosen = [b.strip() for b in (args.backends or ",".join(BACKENDS)).split(",") if b.strip()]
     unknown = sorted(set(chosen) - set(BACKENDS) - (set(INPUT_ONLY) if args.input_only else set()))
     if unknown:
         p.error(f"unknown backends: {', '.join(unknown)} (known: {', '.join(BACKENDS)})")
@@ -380,7 +384,7 @@ def main() -> int:
             with admin.connect(cache.settings) as client:
                 decoded_client.start(client, "bench", DECODED)
                 decoded_client.wait(client, "bench", DECODED)
-        if "mount" in chosen:
+        if "mount" in chosen or "dali-mount" in chosen:
             cache.mount(workdir / "mnt")
         makers: dict[str, Callable[[], Batches]] = {
             "pytorch": lambda: torch_epochs(
@@ -413,6 +417,9 @@ def main() -> int:
             "dali": lambda: dali_pipeline(args, source=source),
             "dali-kspeed": lambda: dali_pipeline(args, batches=ks_callable().batch),
             "dali-kspeed-sample": lambda: dali_pipeline(args, per_sample=ks_callable()),
+            "dali-mount": lambda: dali_pipeline(
+                args, source=workdir / "mnt" / "bench" / source.name
+            ),
         }
         if args.input_only:
             sizes = [p.stat().st_size for p in sorted(source.rglob("*.JPEG"))]
@@ -420,7 +427,8 @@ def main() -> int:
                 args, per_sample=ArraySource(sizes, args.batch)
             )
         for name, make in pipelines.items():
-            makers[name] = dali_maker(make, reader=name == "dali", input_only=args.input_only)
+            reader = name in ("dali", "dali-mount")
+            makers[name] = dali_maker(make, reader=reader, input_only=args.input_only)
         rows: dict[str, Row] = {}
         for r in range(args.rounds):
             # A different order each round: load from elsewhere on the machine hits all sides.
