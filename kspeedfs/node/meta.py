@@ -130,7 +130,7 @@ async def build(
             except DataError as e:
                 if not (skip_bad_shards and metaindex.is_tar_shard(meta)):
                     raise
-                log.warning("not indexing the shard %s of %s: %s", meta, ident["name"], e)
+                log.warning("not indexing a shard of %s: %s", ident["name"], e)
                 tarindexes.discard_failed(out)
                 continue
             built.append((meta, out))

@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from kspeedfs.format import metaindex, tarindex
+from kspeedfs.format.errors import DataError
 from kspeedfs.format.tree import Tree
 
 log = logging.getLogger(__name__)
@@ -46,7 +47,10 @@ def open_index(path: Path, meta: str) -> metaindex.MetaIndex | tarindex.TarIndex
 
 
 def build_shard(raw: bytes, out: Path, header: dict[str, Any]) -> dict[str, Any]:
-    built = tarindex.build_index(raw, out, header)
+    try:
+        built = tarindex.build_index(raw, out, header)
+    except DataError as e:
+        raise DataError(f"shard {header['meta']}: {e}") from None
     log.info(
         "indexed the shard %s of %s: %d samples in %d members",
         header["meta"],
