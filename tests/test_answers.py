@@ -17,9 +17,10 @@ import trio
 from conftest import NodeProcess, make_tree, run_cli
 from uidutil import NOBODY, as_user
 
-from kspeedfs.format import auth
+from kspeedfs.format import auth, contract
 from kspeedfs.format.config import Settings
-from kspeedfs.format.errors import InternalError, KSpeedError, NoSpace
+from kspeedfs.format.contract import Request
+from kspeedfs.format.errors import InternalError, InvalidArgument, KSpeedError, NoSpace
 from kspeedfs.node.ops import READ, OpRegistry
 from kspeedfs.node.server import NodeServer
 from kspeedfs.sources.scan import scan_tree
@@ -114,10 +115,32 @@ def test_a_folder_the_scanner_cannot_read_is_a_one_line_error(public_dir: Path) 
     assert message == f"source is not readable: {src}/closed: Permission denied"
 
 
+def node_registry() -> OpRegistry:
+    settings = Settings(shm_dir=Path("/nonexistent/shm"), token_file=Path("/nonexistent/t"))
+    return NodeServer(dataclasses.replace(settings, transport="tcp")).ops
+
+
 def registered_ops() -> list[str]:
     """The ops a node registers (read off the registry, so a new op is covered here)."""
-    settings = Settings(shm_dir=Path("/nonexistent/shm"), token_file=Path("/nonexistent/t"))
-    return NodeServer(dataclasses.replace(settings, transport="tcp")).ops.names()
+    return node_registry().names()
+
+
+def typed_ops() -> list[tuple[str, type[Request]]]:
+    ops = node_registry()
+    typed = [(name, ops.request_type(name)) for name in ops.names()]
+    return [(name, request) for name, request in typed if request is not None]
+
+
+# A value of another type than each field's, by the field's type.
+WRONG = {"int": "1", "str": 1, "bool": 1, "float": "1.0", "list": {"0": 0}, "dict": [0]}
+
+
+def wrong_value(hint: Any) -> Any:
+    text = str(hint)
+    for kind, value in WRONG.items():
+        if text.startswith((kind, f"<class '{kind}'")):
+            return value
+    return object  # not JSON at all: the node never sees it; skipped below
 
 
 # Values of the wrong type or out of range for any field an op might read, and values that
@@ -185,6 +208,29 @@ def test_a_malformed_request_to_any_op_gets_a_one_line_answer(world: World, op: 
         done = run_cli("preload", str(world.src), "--name", DATASET, "-q", env=node.env())
         assert done.returncode == 0, done.stderr
         world.uuid = node.request("progress", name=DATASET)["uuid"]
+
+
+@pytest.mark.parametrize(("op", "request_type"), typed_ops())
+def test_a_typed_op_refuses_each_wrong_or_missing_field_in_one_line_naming_it(
+    world: World, op: str, request_type: type[Request]
+) -> None:
+    """From the op's request type: each required field left out, each field of another
+    type, and an unknown field are InvalidArgument (exit 5) in one line naming the op, and
+    the node goes on serving on the same connection."""
+    bad: list[dict[str, Any]] = [{"surprise": 1}]
+    bad += [{"__omit__": name} for name in contract.required(request_type)]
+    for name, hint in contract.field_types(request_type).items():
+        value = wrong_value(hint)
+        if value is not object:
+            bad.append({name: value})
+    with world.node.client() as c:
+        for change in bad:
+            args = {k: v for k, v in change.items() if k != "__omit__"}
+            with pytest.raises(InvalidArgument) as refused:
+                c.request(op, **args)
+            message = str(refused.value)
+            assert message.startswith(f"op {op}: ") and "\n" not in message, (change, message)
+        assert c.request("ping")["node"] == world.node.address
 
 
 def test_the_dispatcher_answers_an_unexpected_exception_in_one_line(

@@ -102,9 +102,7 @@ class InProcessControl:
 
     def request(self, op: str, **args: Any) -> dict[str, Any]:
         self.ops.append(op)
-        result: dict[str, Any] = self.context.run(
-            trio.run, self.server.ops.handler(op), {"op": op, **args}
-        )
+        result: dict[str, Any] = self.context.run(trio.run, self.server.ops.call, op, args)
         return result
 
 

@@ -17,6 +17,7 @@ from typing import Any
 import trio
 
 from kspeedfs.format import auth, protocol
+from kspeedfs.format.contract import Request
 from kspeedfs.format.errors import AuthError, NodeUnreachable, ProtocolError, error_from_wire
 from kspeedfs.format.protocol import Frame, MsgType
 from kspeedfs.format.units import Address
@@ -169,6 +170,12 @@ class AsyncNodeClient:
                 if not isinstance(e, Exception):
                     await self.aclose()
                 raise
+
+    async def call(self, request: Request, *, answer_within: float | None = None) -> dict[str, Any]:
+        """A typed request (kspeedfs.format.contract) and its answer."""
+        fields = request.to_wire()
+        del fields["op"]
+        return await self.request(request.OP, answer_within=answer_within, **fields)
 
     async def request(
         self, op: str, *, answer_within: float | None = None, **args: Any

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from kspeedfs.format import auth, protocol
+from kspeedfs.format.contract import Request
 from kspeedfs.format.errors import AuthError, NodeUnreachable, ProtocolError, error_from_wire
 from kspeedfs.format.protocol import MsgType
 from kspeedfs.format.units import Address
@@ -80,6 +81,12 @@ class NodeClient:
         if self._sock is not None:
             self._sock.close()
             self._sock = None
+
+    def call(self, request: Request, *, answer_within: float | None = None) -> dict[str, Any]:
+        """A typed request (kspeedfs.format.contract) and its answer."""
+        fields = request.to_wire()
+        del fields["op"]
+        return self.request(request.OP, answer_within=answer_within, **fields)
 
     def request(
         self, op: str, *, answer_within: float | None = None, **args: Any

@@ -1,5 +1,6 @@
-"""The node's operations, each registered by its owner together with the role it needs, and
-the one dispatcher that makes whatever a handler raises an answer."""
+"""The node's operations, each registered by its owner together with the role it needs and
+its request type (kspeedfs.format.contract), and the one dispatcher that checks a request
+once off the wire and makes whatever a handler raises an answer."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ from collections.abc import Awaitable, Callable, Iterator
 from typing import Any
 
 from kspeedfs.format.auth import ROLES, allows
+from kspeedfs.format.contract import Request, Wire
 from kspeedfs.format.errors import AuthError, InternalError, InvalidArgument, KSpeedError
 
 log = logging.getLogger(__name__)
@@ -18,7 +20,8 @@ log = logging.getLogger(__name__)
 # An answer's message is one line of at most this many characters.
 MESSAGE_LIMIT = 500
 
-Handler = Callable[[dict[str, Any]], Awaitable[dict[str, Any]]]
+# A handler takes its op's checked request; it answers a dict or a Wire type.
+Handler = Callable[[Any], Awaitable[dict[str, Any] | Wire]]
 
 ADMIN = "admin"
 JOB = "job"
@@ -92,6 +95,14 @@ class Op:
     name: str
     handler: Handler
     role: str  # the least role that may call it: admin > job > read
+    request: type[Request] | None  # None: a handler still taking the raw dict
+
+    def decode(self, msg: dict[str, Any]) -> Any:
+        return msg if self.request is None else self.request.from_wire(msg)
+
+
+def _answer(result: dict[str, Any] | Wire) -> dict[str, Any]:
+    return result.to_wire() if isinstance(result, Wire) else result
 
 
 class OpRegistry:
@@ -100,43 +111,60 @@ class OpRegistry:
     def __init__(self) -> None:
         self._ops: dict[str, Op] = {}
 
-    def add(self, name: str, handler: Handler, role: str) -> None:
+    def add(self, op: type[Request] | str, handler: Handler, role: str) -> None:
+        """Registers `handler` for the op of request type `op` (a bare name only for a
+        handler that still takes the raw dict)."""
+        request = None if isinstance(op, str) else op
+        name = op if isinstance(op, str) else op.OP
         if role not in ROLES:
             raise ValueError(f"unknown role {role!r} for op {name!r}")
         if name in self._ops:
             raise ValueError(f"op {name!r} is registered twice")
-        self._ops[name] = Op(name, handler, role)
+        self._ops[name] = Op(name, handler, role, request)
 
-    def handler(self, name: str) -> Handler:
-        """The op's handler, for a call from inside the node (no role to check)."""
+    def get(self, name: str) -> Op:
+        """The op, for a call from inside the node (no role to check)."""
         op = self._ops.get(name)
         if op is None:
             raise InvalidArgument(f"unknown operation {name!r}")
-        return op.handler
+        return op
 
-    def authorize(self, name: object, role: str) -> Handler:
+    def request_type(self, name: str) -> type[Request] | None:
+        return self.get(name).request
+
+    def authorize(self, name: object, role: str) -> Op:
         """The handler of an op a client with `role` asked for; refused when it may not."""
         op = self._ops.get(name) if isinstance(name, str) else None
         if op is None:
             raise InvalidArgument(f"unknown operation {name!r}")
         if not allows(role, op.role):
             raise AuthError(f"{op.name} needs the {op.role} role; this client has {role}")
-        return op.handler
+        return op
 
     async def dispatch(self, msg: object, role: str) -> dict[str, Any]:
-        """A client's request answered: its op's result, or a KSpeedError (nothing else)."""
+        """A client's request answered: its op's result, or a KSpeedError (nothing else).
+        The request is checked against its op's type before the handler sees it."""
         if not isinstance(msg, dict):
             raise InvalidArgument("a request must be a JSON object")
-        name = msg.get("op")
-        handler = self.authorize(name, role)
-        with answering(f"op {name}"):
-            return await handler(msg)
+        op = self.authorize(msg.get("op"), role)
+        request = op.decode(msg)
+        with answering(f"op {op.name}"):
+            return _answer(await op.handler(request))
 
-    async def call(self, name: str, msg: dict[str, Any]) -> dict[str, Any]:
-        """A call from inside the node, answered as a client's would be (no role to check)."""
-        handler = self.handler(name)
-        with answering(f"op {name}"):
-            return await handler(msg)
+    async def call(
+        self, request: Request | str, msg: dict[str, Any] | None = None
+    ) -> dict[str, Any]:
+        """A call from inside the node, answered as a client's would be (no role to check):
+        a typed request as it is, or a raw one (an op name and its dict) checked as a
+        client's would be."""
+        if isinstance(request, Request):
+            op = self.get(request.OP)
+            decoded: Any = request if op.request is not None else request.to_wire()
+        else:
+            op = self.get(request)
+            decoded = op.decode({"op": request, **(msg or {})})
+        with answering(f"op {op.name}"):
+            return _answer(await op.handler(decoded))
 
     def names(self, role: str | None = None) -> list[str]:
         """Every op, or those registered with `role`."""

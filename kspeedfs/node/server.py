@@ -15,6 +15,7 @@ import trio
 
 from kspeedfs.format import auth, protocol, users
 from kspeedfs.format.config import Settings
+from kspeedfs.format.contract.node import Ping, Pong
 from kspeedfs.format.errors import (
     AlreadyExists,
     AuthError,
@@ -161,7 +162,7 @@ class NodeServer:
         # Leases are the job role's: a lease can unload a dataset when it ends. A lease's id
         # is a secret handed to the job that took it, so a job renews or ends only its own.
         for name, handler, role in (
-            ("ping", self.op_ping, READ),
+            (Ping, self.op_ping, READ),
             ("status", self.op_status, READ),
             ("list", self.op_list, READ),
             ("progress", self.op_progress, READ),
@@ -361,8 +362,8 @@ class NodeServer:
             for v in views:
                 await _send_direct(conn.stream, v)
 
-    async def op_ping(self, msg: dict[str, Any]) -> dict[str, Any]:
-        return {"node": self.address, "version": protocol.VERSION}
+    async def op_ping(self, request: Ping) -> Pong:
+        return Pong(self.address, protocol.VERSION)
 
     async def op_status(self, msg: dict[str, Any]) -> dict[str, Any]:
         folders = [r.path / "seg" for r in self.store.datasets.values()]
