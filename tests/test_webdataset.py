@@ -58,6 +58,20 @@ def reference(
     return [{k: v for k, v in s.items() if k != "__local_path__"} for s in ds]
 
 
+def on_disk(node: NodeProcess, name: str) -> int:
+    """What the dataset's folder holds: segments, manifest and indexes."""
+    top = node.shm_dir / "datasets" / name
+    files = [*(top / "seg").iterdir(), top / "manifest.ksm"]
+    if (top / metaindex.INDEX_DIR).is_dir():
+        files += (top / metaindex.INDEX_DIR).iterdir()
+    return sum(p.stat().st_size for p in files)
+
+
+def stored(node: NodeProcess, name: str) -> tuple[str, int]:
+    (found,) = [d for d in node.request("list")["datasets"] if d["name"] == name]
+    return str(found["uuid"]), int(found["stored"])
+
+
 def index_files(node: NodeProcess, name: str) -> list[str]:
     folder = node.shm_dir / "datasets" / name / metaindex.INDEX_DIR
     return sorted(os.listdir(folder)) if folder.is_dir() else []
@@ -130,18 +144,18 @@ def test_a_dataset_cached_without_tar_indexes_gets_them_on_first_use(
     small_node: NodeProcess, shards: Path
 ) -> None:
     preload(small_node, shards.parent, "wds")
-    listed = {d["name"]: d for d in small_node.request("list")["datasets"]}["wds"]
-    uuid_, stored = listed["uuid"], listed.get("stored")
+    uuid_, before = stored(small_node, "wds")
+    assert before == on_disk(small_node, "wds")  # the tar indexes counted in the instance
     for shard in sorted(shards.glob("*.tar")):
         # As if the preload came before tar indexes: each one dropped from the instance.
         meta = f"train/{shard.name}"
         small_node.request("meta_abort", name="wds", uuid=uuid_, meta=meta, add="0" * 16, drop=True)
     assert not [f for f in index_files(small_node, "wds") if f.endswith(".kti")]
+    assert stored(small_node, "wds") == (uuid_, on_disk(small_node, "wds")) != (uuid_, before)
     ds = KSpeedWebDataset(str(shards), **kw(small_node))
     assert [ds[i] for i in range(len(ds))] == reference(shards)
     assert len([f for f in index_files(small_node, "wds") if f.endswith(".kti")]) == 3
-    again = {d["name"]: d for d in small_node.request("list")["datasets"]}["wds"]
-    assert again["uuid"] == uuid_ and again.get("stored") == stored  # counted as before
+    assert stored(small_node, "wds") == (uuid_, before) == (uuid_, on_disk(small_node, "wds"))
 
 
 def test_a_damaged_shard_is_left_out_at_preload_and_refused_in_one_line(
