@@ -19,7 +19,7 @@ import torch
 import webdataset as wds
 from clusterutil import Cluster, running
 from conftest import NodeProcess, kw, preload
-from torch.utils.data import DataLoader
+from torch.utils.data import DataLoader, DistributedSampler
 
 from kspeedfs.format import metaindex
 from kspeedfs.format.errors import DataError, InvalidArgument, NotFound
@@ -117,6 +117,10 @@ def test_a_dataloader_with_workers_gives_every_sample_of_a_shuffled_epoch(
     loader = DataLoader(ds, batch_size=4, sampler=sampler, num_workers=2, collate_fn=list)
     got = [s for batch in loader for s in batch]
     assert got == [ref[i] for i in sampler]
+    # Any sampler: a rank's share of DistributedSampler's shuffle, read on demand.
+    share = DistributedSampler(ds, num_replicas=2, rank=1, seed=7)
+    loader = DataLoader(ds, batch_size=5, sampler=share, num_workers=2, collate_fn=list)
+    assert [s for batch in loader for s in batch] == [ref[i] for i in share]
 
 
 @pytest.mark.parametrize("spec", ["pil", "tensor"])
