@@ -17,16 +17,16 @@ from kspeedfs.format.config import load_settings
 
 # The process helpers live in the package (the demo and the benches use them too); tests import
 # them from here.
-from kspeedfs.localproc import KSPEEDFS as KSPEEDFS
-from kspeedfs.localproc import MountProcess as MountProcess
-from kspeedfs.localproc import NodeProcess as NodeProcess
-from kspeedfs.localproc import free_port as free_port
-from kspeedfs.localproc import wait_until
+from kspeedfs.testing.localproc import KSPEEDFS as KSPEEDFS
+from kspeedfs.testing.localproc import MountProcess as MountProcess
+from kspeedfs.testing.localproc import NodeProcess as NodeProcess
+from kspeedfs.testing.localproc import free_port as free_port
+from kspeedfs.testing.localproc import wait_until
 
 if TYPE_CHECKING:
     from etcdutil import EtcdCluster
 
-    from kspeedfs.localetcd import EtcdProcess
+    from kspeedfs.testing.etcd import EtcdProcess
 
 
 def wait_for(predicate: Callable[[], bool], timeout: float = 20.0, what: str = "condition") -> None:
@@ -133,7 +133,7 @@ def tree(tmp_path: Path) -> Path:
 @pytest.fixture
 def etcd(tmp_path: Path) -> Iterator[EtcdProcess]:
     """A real etcd on free loopback ports with its own data folder."""
-    from kspeedfs.localetcd import EtcdProcess
+    from kspeedfs.testing.etcd import EtcdProcess
 
     server = EtcdProcess(tmp_path).start()
     yield server

@@ -15,7 +15,7 @@ from conftest import MountProcess, NodeProcess, run_cli
 from rt_util import EnvNode, cache_status, mount_source
 from test_fuse_files import walk
 
-from kspeedfs import localproc
+from kspeedfs.testing import localproc
 
 pytestmark = pytest.mark.fuse
 

@@ -12,9 +12,9 @@ import boto3
 import pytest
 import xxhash
 
-from kspeedfs import localproc
 from kspeedfs.format.errors import StaleDataset
 from kspeedfs.sources.source import FsspecSource
+from kspeedfs.testing import localproc
 
 BUCKET = "sources"
 KEYS = {"AWS_ACCESS_KEY_ID": "k", "AWS_SECRET_ACCESS_KEY": "s", "AWS_DEFAULT_REGION": "us-east-1"}
