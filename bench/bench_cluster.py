@@ -51,13 +51,10 @@ from kspeedfs.format.tls import client_context
 from kspeedfs.format.units import Address, format_size, parse_address, parse_size
 from kspeedfs.net.connection import NodeClient
 from kspeedfs.net.transport import TcpTransport
-from kspeedfs.testing.localproc import (
-    LocalCluster,
-    MountProcess,
-    NodeProcess,
-    ensure_token,
-    private_env,
-)
+from kspeedfs.testing.cluster import LocalCluster
+from kspeedfs.testing.mount import MountProcess
+from kspeedfs.testing.node import NodeProcess
+from kspeedfs.testing.process import ensure_token, private_env
 
 BULK_TARGET = 0.7
 TLS_TARGET = 0.6

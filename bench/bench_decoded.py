@@ -46,7 +46,7 @@ from kspeedfs.demo import ensure_sample, train_transform  # noqa: E402
 from kspeedfs.format import decoded as fmt  # noqa: E402
 from kspeedfs.format.units import format_size  # noqa: E402
 from kspeedfs.node import decoded as node_decoded  # noqa: E402
-from kspeedfs.testing.localproc import LocalCache  # noqa: E402
+from kspeedfs.testing.cache import LocalCache  # noqa: E402
 from pytorch_ext import KSpeedImageFolder  # noqa: E402
 from pytorch_ext import transforms as kt  # noqa: E402
 

@@ -27,7 +27,7 @@ from kspeedfs.format.units import format_size, parse_size
 from kspeedfs.net.transport import Range, TcpTransport, Transport
 from kspeedfs.rdma.client import open_transport
 from kspeedfs.rdma.verbs import probe
-from kspeedfs.testing.localproc import LocalCache
+from kspeedfs.testing.cache import LocalCache
 
 BULK_FILE = 128 << 20
 BULK_CALL = 64 << 20  # bytes per read_into for bulk reads (the TCP frame limit is 128 MiB)

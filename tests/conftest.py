@@ -14,14 +14,14 @@ import pytest
 
 from kspeedfs.client import admin
 from kspeedfs.format.config import load_settings
+from kspeedfs.testing.mount import MountProcess as MountProcess
+from kspeedfs.testing.node import NodeProcess as NodeProcess
 
 # The process helpers live in the package (the demo and the benches use them too); tests import
 # them from here.
-from kspeedfs.testing.localproc import KSPEEDFS as KSPEEDFS
-from kspeedfs.testing.localproc import MountProcess as MountProcess
-from kspeedfs.testing.localproc import NodeProcess as NodeProcess
-from kspeedfs.testing.localproc import free_port as free_port
-from kspeedfs.testing.localproc import wait_until
+from kspeedfs.testing.process import KSPEEDFS as KSPEEDFS
+from kspeedfs.testing.process import free_port as free_port
+from kspeedfs.testing.process import wait_until
 
 if TYPE_CHECKING:
     from etcdutil import EtcdCluster

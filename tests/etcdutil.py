@@ -16,7 +16,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from kspeedfs.client.clusterstate import ClusterState
 from kspeedfs.format.config import Settings
 from kspeedfs.testing.etcd import EtcdProcess
-from kspeedfs.testing.localproc import wait_until
+from kspeedfs.testing.process import wait_until
 
 
 class EtcdCluster:

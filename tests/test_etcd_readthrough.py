@@ -13,7 +13,7 @@ from conftest import MountProcess, NodeProcess, wait_for
 from etcdutil import EtcdCluster, scrape
 
 from kspeedfs.node.controlplane import placed
-from kspeedfs.testing.localproc import free_port
+from kspeedfs.testing.process import free_port
 
 pytestmark = pytest.mark.skipif(shutil.which("etcd") is None, reason="etcd-server not installed")
 
