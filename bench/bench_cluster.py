@@ -40,7 +40,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from kspeedfs import tlsca
+from kspeedfs.cli import tlsca
 from kspeedfs.client import admin, passed
 from kspeedfs.client.reader import ClusterReader
 from kspeedfs.format import placement

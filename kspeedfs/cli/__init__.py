@@ -404,7 +404,7 @@ def cmd_status(args: argparse.Namespace) -> int:
         for name, d in sorted(datasets.items()):
             table.append((name, str(d["segments"]), f"{d['resident_pct']:.0f}%"))
         _print_table(table)
-    from kspeedfs.tables import cache_table, decoded_table, spill_lines
+    from kspeedfs.cli.tables import cache_table, decoded_table, spill_lines
 
     variants = decoded_table(nodes)
     if variants:
@@ -551,7 +551,7 @@ def cmd_mounts(args: argparse.Namespace) -> int:
 
 
 def cmd_install_systemd(args: argparse.Namespace) -> int:
-    from kspeedfs.systemd_units import install
+    from kspeedfs.cli.systemd_units import install
 
     exec_prefix = Path(args.exec_prefix) if args.exec_prefix else None
     for path in install(Path(args.prefix), exec_prefix, args.example_mount):
@@ -615,7 +615,7 @@ def _new_password(from_stdin: bool) -> str:
 
 
 def cmd_tls(args: argparse.Namespace) -> int:
-    from kspeedfs import tlsca
+    from kspeedfs.cli import tlsca
 
     if args.tls_command == "new-ca":
         cert, key = tlsca.new_ca(Path(args.dir), args.days, args.force)
@@ -674,6 +674,3 @@ COMMANDS = {
     "sample": cmd_sample,
     "demo": cmd_demo,
 }
-
-if __name__ == "__main__":
-    sys.exit(main())
