@@ -25,6 +25,7 @@ import xxhash
 
 from kspeedfs.client import latency, passed
 from kspeedfs.client.handle import DatasetHandle
+from kspeedfs.client.transport import open_transport
 from kspeedfs.format.config import Settings
 from kspeedfs.format.errors import (
     DataError,
@@ -41,7 +42,6 @@ from kspeedfs.format.tls import client_context
 from kspeedfs.format.units import parse_address
 from kspeedfs.net.connection import NodeClient
 from kspeedfs.net.transport import Range, Transport
-from kspeedfs.rdma.client import open_transport
 from kspeedfs.sources.source import open_source
 
 log = logging.getLogger(__name__)
