@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 from conftest import MountProcess, NodeProcess, run_cli
-from test_fuse_files import walk
+from treeutil import walk
 
 
 def shm_bytes(path: Path) -> int:

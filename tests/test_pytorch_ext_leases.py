@@ -8,8 +8,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from conftest import NodeProcess, wait_for
-from test_pytorch_ext import preload
+from conftest import NodeProcess, preload, wait_for
 
 from kspeedfs.format.errors import InvalidArgument, NotFound
 from kspeedfs.node.leases import LeaseTable

@@ -12,8 +12,8 @@ import numpy as np
 import pytest
 import torch
 from clusterutil import Cluster, running
-from conftest import NodeProcess, free_port
-from test_pytorch_ext import FIXED, kw, make_images, preload
+from conftest import NodeProcess, free_port, kw, preload
+from imagefolders import FIXED, make_images
 from torch.utils.data import DataLoader
 from torchvision import datasets
 

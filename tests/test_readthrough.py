@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 from conftest import MountProcess, NodeProcess, make_tree, run_cli, wait_for
 from rt_util import EnvNode, cache_status, mount_source, read_uncached, write_files
-from test_fuse_files import walk
+from treeutil import walk
 
 pytestmark = pytest.mark.fuse
 

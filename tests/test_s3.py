@@ -13,7 +13,7 @@ import boto3
 import pytest
 from conftest import MountProcess, NodeProcess, run_cli
 from rt_util import EnvNode, cache_status, mount_source
-from test_fuse_files import walk
+from treeutil import walk
 
 from kspeedfs.testing.process import START_TIMEOUT
 from kspeedfs.testing.s3 import S3Server
