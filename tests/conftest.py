@@ -29,6 +29,29 @@ if TYPE_CHECKING:
     from kspeedfs.testing.etcd import EtcdProcess
 
 
+# A test that uses one of these is slow (out of `make quick`; `make test` runs it): several
+# nodes, etcd, a booted container, the mount daemon or an S3 server.
+SLOW_FIXTURES = frozenset(
+    {
+        "cluster",
+        "etcd",
+        "etcd_cluster",
+        "two_nodes",
+        "tls_cluster",
+        "tls_etcd",
+        "box",
+        "mountds",
+        "s3",
+    }
+)
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    for item in items:
+        if SLOW_FIXTURES.intersection(getattr(item, "fixturenames", ())):
+            item.add_marker(pytest.mark.slow)
+
+
 def wait_for(predicate: Callable[[], bool], timeout: float = 20.0, what: str = "condition") -> None:
     try:
         wait_until(predicate, timeout, what)

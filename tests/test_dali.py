@@ -15,6 +15,8 @@ from kspeedfs.format import users
 from kspeedfs.sample import make_sample
 from pytorch_ext import KSpeedCallable, KSpeedFolder, kspeed
 
+pytestmark = pytest.mark.slow  # DALI pipelines
+
 dali = pytest.importorskip("nvidia.dali", reason="needs NVIDIA DALI (pip install '.[dali]')")
 fn = dali.fn
 

@@ -20,6 +20,8 @@ from torchvision import datasets
 from kspeedfs.sample import make_sample
 from pytorch_ext import ClairvoyantSampler, KSpeedDataset, KSpeedFolder, KSpeedImageFolder
 
+pytestmark = pytest.mark.slow  # DataLoader workers, a second node
+
 
 @pytest.fixture
 def images(tmp_path: Path) -> Path:
