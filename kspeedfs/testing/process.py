@@ -12,12 +12,14 @@ from pathlib import Path
 
 from kspeedfs.format import auth
 
+# This interpreter: children run the checkout and virtualenv under test, not an installed one.
 KSPEEDFS = [sys.executable, "-m", "kspeedfs.cli"]
 START_TIMEOUT = 30.0
 STOP_TIMEOUT = 15.0
 
 
 def free_port() -> int:
+    """A loopback port nobody listens on now."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
