@@ -12,6 +12,8 @@ import pytest
 from conftest import MountProcess, NodeProcess, run_cli
 from treeutil import walk
 
+pytestmark = pytest.mark.slow  # kill -9 and restarts mid-preload
+
 
 def shm_bytes(path: Path) -> int:
     """Memory the files under path take (tmpfs pages, not apparent sizes)."""

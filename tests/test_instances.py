@@ -29,7 +29,7 @@ from kspeedfs.format.config import load_settings
 from kspeedfs.format.errors import DataError, NotFound, StaleDataset
 from pytorch_ext import KSpeedFolder
 
-pytestmark = pytest.mark.fuse
+pytestmark = [pytest.mark.fuse, pytest.mark.slow]  # reloads under live readers, a second node
 
 OLD = b"B" * 3000
 
@@ -98,7 +98,6 @@ def test_an_old_fast_path_reader_fails_over_to_its_intact_source_then_refuses_a_
         ds.read("b.bin")
 
 
-@pytest.mark.slow  # two nodes
 def test_a_remote_node_answers_stale_for_an_instance_it_no_longer_holds(
     token_file: Path, tmp_path: Path
 ) -> None:
