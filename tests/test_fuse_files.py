@@ -197,6 +197,7 @@ def test_unload_while_a_file_is_open_and_being_read(
     assert (mount_all.mountpoint / "after" / "a" / "small.txt").read_bytes() == b"hello kspeedfs\n"
 
 
+@pytest.mark.slow  # waits out the timeout of a stopped node
 def test_a_frozen_node_does_not_hold_up_reads_of_local_data(
     node: NodeProcess, tree: Path, tmp_path: Path, mounts: list[MountProcess]
 ) -> None:
