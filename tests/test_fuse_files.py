@@ -15,7 +15,7 @@ import pytest
 from conftest import MountProcess, NodeProcess, run_cli, wait_for
 from treeutil import walk
 
-pytestmark = pytest.mark.fuse
+pytestmark = [pytest.mark.fuse, pytest.mark.slow]  # a node and a mount per test
 
 
 def preload(node: NodeProcess, source: Path, name: str) -> None:
@@ -197,7 +197,6 @@ def test_unload_while_a_file_is_open_and_being_read(
     assert (mount_all.mountpoint / "after" / "a" / "small.txt").read_bytes() == b"hello kspeedfs\n"
 
 
-@pytest.mark.slow  # waits out the timeout of a stopped node
 def test_a_frozen_node_does_not_hold_up_reads_of_local_data(
     node: NodeProcess, tree: Path, tmp_path: Path, mounts: list[MountProcess]
 ) -> None:
