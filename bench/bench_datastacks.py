@@ -44,8 +44,8 @@ import pyarrow.parquet as pq  # noqa: E402
 
 from kspeedfs.demo import ensure_sample  # noqa: E402
 from kspeedfs.format.units import format_size  # noqa: E402
-from kspeedfs.localproc import LocalCache  # noqa: E402
 from kspeedfs.stacks.filesystem import KSpeedFileSystem  # noqa: E402
+from kspeedfs.testing.cache import LocalCache  # noqa: E402
 from pytorch_ext import KSpeedFolder  # noqa: E402
 
 BUF = bytearray(4 << 20)

@@ -27,6 +27,8 @@ from kspeedfs.net.connection import NodeClient
 from kspeedfs.sample import make_sample
 from pytorch_ext import KSpeedMetaDataset
 
+pytestmark = pytest.mark.slow  # a large meta file indexed, a 3-node cluster
+
 
 @pytest.fixture
 def big(tmp_path: Path) -> Path:

@@ -19,6 +19,8 @@ from kspeedfs.format.units import Address
 from kspeedfs.net.connection import NodeClient
 from kspeedfs.node.server import NodeServer
 
+pytestmark = pytest.mark.slow  # a node start per case
+
 # The documented table (README "Security"): the least role each op needs.
 NEEDS = {
     "ping": "read",
