@@ -59,7 +59,7 @@ from kspeedfs.node import meta as metafiles
 from kspeedfs.node import sourceio
 from kspeedfs.node.loads import answer_on_change
 from kspeedfs.node.ops import ADMIN, OpRegistry, answering
-from kspeedfs.node.peers import Ask, Call
+from kspeedfs.node.peers import Ask
 from kspeedfs.node.store import SegmentStore
 from kspeedfs.node.tasks import Tasks
 from kspeedfs.sources.loader import (
@@ -614,7 +614,7 @@ async def rollback(plan: Plan, ask: Ask) -> None:
 
 
 async def coordinate(
-    plan: Plan, ask: Ask, call: Call, progress: Progress, scratch: Path, pushed: set[str]
+    plan: Plan, ask: Ask, progress: Progress, scratch: Path, pushed: set[str]
 ) -> None:
     """Load on every member, build and send the manifest, commit; roll back on error."""
     tree = plan.tree
