@@ -13,6 +13,7 @@ all: its frames are binary). Best of --rounds.
 from __future__ import annotations
 
 import argparse
+import base64
 import json
 import sys
 import tempfile
@@ -65,6 +66,8 @@ def hand_checked(msg: dict[str, Any]) -> None:
             continue
         if key == "name":
             validate_name(value)
+        elif key == "piece":  # the old handlers decoded a piece's base64 too
+            base64.b64decode(value["data"])
         elif value is not None and (
             isinstance(value, bool) or not isinstance(value, (int, str, list, dict))
         ):
