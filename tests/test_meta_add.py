@@ -295,7 +295,7 @@ def test_every_member_of_a_cluster_gets_it(token_file: Path, tmp_path: Path, big
 def test_a_piece_that_does_not_fit_its_index_is_refused_and_writes_nothing(
     node: NodeProcess, big: Path
 ) -> None:
-    """meta_put's piece is checked once off the wire (format.pieces): past its total, not
+    """meta_put's piece is checked once off the wire (format.contract.pieces): past its total, not
     base64, over the index limit or for an add with no reservation, it is refused in one line
     and no byte lands in the instance's meta folder."""
     preload(node, big, "plain")
