@@ -19,7 +19,7 @@ from clusterutil import Cluster, running
 from conftest import NodeProcess, run_cli
 
 from kspeedfs.format import auth, metaindex
-from kspeedfs.format.contract.meta import MAX_INDEX_BYTES
+from kspeedfs.format.contract.metaindexes import MAX_INDEX_BYTES
 from kspeedfs.format.errors import AuthError, InvalidArgument, KSpeedError, StaleDataset
 from kspeedfs.format.metaindex import MetaIndex
 from kspeedfs.format.units import Address

@@ -112,11 +112,11 @@ def cmd_unload(args: argparse.Namespace) -> int:
 
 
 def cmd_meta(args: argparse.Namespace) -> int:
-    from kspeedfs.client import meta
+    from kspeedfs.client import metaindexes
 
     with admin.connect(settings_from(args)) as client:
-        for index in meta.add(client, args.name, args.meta):
-            print(meta.describe(args.name, index))
+        for index in metaindexes.add(client, args.name, args.meta):
+            print(metaindexes.describe(args.name, index))
     return 0
 
 

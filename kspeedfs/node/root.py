@@ -25,7 +25,7 @@ from kspeedfs.node.fdserver import FdServer
 from kspeedfs.node.info import NodeInfo
 from kspeedfs.node.leases import LeaseOwner, LeaseTable
 from kspeedfs.node.loads import LoadTable
-from kspeedfs.node.meta import AddedIndexes
+from kspeedfs.node.metaindexes import AddedIndexes
 from kspeedfs.node.metrics import serve_metrics
 from kspeedfs.node.ops import ADMIN, OpRegistry
 from kspeedfs.node.peers import PeerPool
