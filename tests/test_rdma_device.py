@@ -1,4 +1,4 @@
-"""Real RDMA between node processes: needs a device (a NIC, or Soft-RoCE: see the README).
+"""Real RDMA between node processes: needs a device (a NIC, or Soft-RoCE: see docs/rdma.md).
 
 Every transport here is opened with transport = "rdma", so a silent fall back to TCP fails.
 """
