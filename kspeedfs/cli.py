@@ -77,6 +77,17 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-wait", action="store_true", help="return once the node accepted it")
     p.add_argument("--replicas", type=int, default=1, help="copies of each segment (default 1)")
     p.add_argument(
+        "--tier",
+        choices=("auto", "memory", "disk"),
+        default="auto",
+        help="where segments go: auto (memory, the rest on the disk tier), memory or disk",
+    )
+    p.add_argument(
+        "--partial",
+        action="store_true",
+        help="load what fits in memory, read the rest through from the source",
+    )
+    p.add_argument(
         "--meta",
         action="append",
         default=[],
@@ -274,6 +285,8 @@ def cmd_preload(args: argparse.Namespace) -> int:
         raise InvalidArgument("--decoded waits for the load: leave out --no-wait")
     if args.name is None:  # KSpeed's offline preload: the source folder's own name
         args.name = name_from_source(args.source)
+    if args.partial:
+        return _preload_partial(args, settings)
     result = admin.preload(
         settings,
         args.source,
@@ -283,6 +296,7 @@ def cmd_preload(args: argparse.Namespace) -> int:
         replicas=args.replicas,
         endpoint=args.endpoint or "",
         meta=args.meta,
+        tier=args.tier,
     )
     state = result.get("state", "loading")
     print(
@@ -290,6 +304,18 @@ def cmd_preload(args: argparse.Namespace) -> int:
     )
     if args.decoded is not None:
         _preload_decoded(args)
+    return 0
+
+
+def _preload_partial(args: argparse.Namespace, settings: Settings) -> int:
+    """`preload --partial`: a read-through dataset, what fits loaded now."""
+    if args.decoded is not None or args.meta or args.replicas != 1 or args.tier != "auto":
+        raise InvalidArgument("--partial takes none of --decoded, --meta, --replicas, --tier")
+    result = admin.preload_partial(settings, args.source, args.name, args.endpoint or "")
+    print(
+        f"{args.name}: partial, {result['segments_loaded']} of {result['segments']} segments"
+        " loaded, the rest read through"
+    )
     return 0
 
 
@@ -311,7 +337,9 @@ def cmd_ls(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(datasets, indent=2))
         return 0
-    rows: list[tuple[str, ...]] = [("NAME", "FILES", "BYTES", "STATE", "LIFETIME", "SOURCE")]
+    rows: list[tuple[str, ...]] = [
+        ("NAME", "FILES", "BYTES", "STATE", "LIFETIME", "MEMORY", "DISK", "SOURCE")
+    ]
     for d in datasets:
         files = d.get("files", d.get("files_total", 0))
         size = d.get("bytes", d.get("bytes_total", 0))
@@ -327,6 +355,8 @@ def cmd_ls(args: argparse.Namespace) -> int:
                 format_size(size),
                 state,
                 d.get("lifetime", "-"),
+                format_size(d.get("stored", 0)),  # the tiers: on the node asked
+                format_size(d.get("disk_stored", 0)),
                 d.get("source", ""),
             )
         )
@@ -378,19 +408,23 @@ def cmd_status(args: argparse.Namespace) -> int:
     if members is not None:
         _print_members(members, nodes)
     rows = [
-        ("NODE", "STATE", "MEMORY USED / BUDGET", "DATASETS", "SEGMENTS", "TRANSPORT", "SHM DIR")
+        ("NODE", "STATE", "MEMORY USED / BUDGET", "DISK TIER", "DATASETS", "SEGMENTS", "TRANSPORT")
+        + ("SHM DIR",)
     ]
     for s in nodes:
         if not s["up"]:
-            rows.append((s["node"], "down", "-", "-", "-", "-", s["error"]))
+            rows.append((s["node"], "down", "-", "-", "-", "-", "-", s["error"]))
             continue
         mem = f"{format_size(s['used'])} / {format_size(s['budget'])}"
+        tier = s.get("disk_tier") or {}
+        disk = f"{format_size(tier['used'])} / {format_size(tier['budget'])}" if tier else "-"
         loading = f" (+{len(s['loading'])} loading)" if s["loading"] else ""
         rows.append(
             (
                 s["node"],
                 "up",
                 mem,
+                disk,
                 f"{s['datasets']}{loading}",
                 str(s["segments"]),
                 str(s.get("transport", "tcp")),

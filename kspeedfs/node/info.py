@@ -24,6 +24,7 @@ from kspeedfs.node.loads import LoadTable
 from kspeedfs.node.ops import READ, OpRegistry
 from kspeedfs.node.peers import PeerPool
 from kspeedfs.node.preload import Stager
+from kspeedfs.node.promote import Promoter
 from kspeedfs.node.readthrough import ReadThroughCache
 from kspeedfs.node.store import SegmentStore
 from kspeedfs.rdma.server import RdmaService
@@ -37,6 +38,7 @@ class NodeParts(Protocol):
     loads: LoadTable
     leases: LeaseTable
     stager: Stager
+    promoter: Promoter
     cache: ReadThroughCache
     decoded: DecodedVariants
     rdma: RdmaService
@@ -70,6 +72,7 @@ class NodeInfo:
             "shm_dir": str(n.settings.shm_dir),
             "budget": n.store.budget,
             "used": n.store.used(),
+            "disk_tier": _disk_tier(n),
             "datasets": len(n.store.datasets),
             "loading": sorted(name for name, p in n.loads.items() if p.state == "loading"),
             "segments": segments,
@@ -140,6 +143,19 @@ class NodeInfo:
             "cache": n.cache.status()["datasets"],  # read-through: hits, fills, evictions
             "dataset_leases": {name: n.leases.count(name) for name in list(n.store.datasets)},
         }
+
+
+def _disk_tier(n: NodeParts) -> dict[str, Any] | None:
+    """The disk tier's figures (None: the node has none)."""
+    store = n.store
+    if store.disk_root is None:
+        return None
+    return {
+        "dir": str(store.disk_root),
+        "budget": store.disk_budget,
+        "used": store.disk_used(),
+        "promoted": dict(n.promoter.promoted),
+    }
 
 
 def _count_files(folders: list[Path]) -> int:
