@@ -13,9 +13,11 @@ import random
 from collections.abc import Iterator
 from pathlib import Path
 
+import hypothesis.strategies as st
 import pytest
 from clusterutil import Cluster, running
 from conftest import MountProcess, NodeProcess, run_cli, wait_for
+from hypothesis import HealthCheck, given, settings
 
 from kspeedfs.format.errors import KSpeedError, SourceChanged, StaleDataset
 from pytorch_ext import KSpeedFolder
@@ -217,3 +219,33 @@ def test_512mib_on_256mib_with_a_disk_tier_survives_a_node_killed(
         monkeypatch.delenv("KSPEEDFS_LISTEN")
         assert read_all_fast(src, fast_env, files) == 0
         assert read_all_mount(mount.mountpoint, "big", files) == 0
+
+
+@settings(
+    max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+@given(
+    tier=st.sampled_from(["auto", "memory", "disk", "ram", 3]),
+    nbytes=st.one_of(st.integers(-5, 4096), st.integers(0, 200 * MiB)),
+    parts=st.lists(st.tuples(st.integers(-2, 40), st.integers(-2, 40 * MiB)), max_size=6),
+    extra_length=st.booleans(),
+)
+def test_hostile_claims_are_refused_in_one_line_and_give_everything_back(
+    small_node: NodeProcess, tier: object, nbytes: int, parts: list, extra_length: bool
+) -> None:
+    """stage_claim as any admin could send it: claimed on the tiers, or refused in one line;
+    an abort gives back every byte either way."""
+    segments = [s for s, _ in parts]
+    lengths = [n for _, n in parts] + ([1] if extra_length else [])
+    claim = {"name": "x", "uuid": "u1", "bytes": nbytes, "tier": tier}
+    try:
+        answer = small_node.request("stage_claim", **claim, segments=segments, lengths=lengths)
+        assert answer["memory"] + answer["disk"] == nbytes and answer["memory"] <= 4 * MiB
+        assert answer["memory"] >= 0 and answer["disk"] >= 0
+        held = small_node.request("status")
+        assert (held["used"], held["disk_tier"]["used"]) == (answer["memory"], answer["disk"])
+    except KSpeedError as e:
+        assert "\n" not in str(e)
+    small_node.request("abort", name="x", uuid="u1")
+    status = small_node.request("status")
+    assert status["used"] == 0 and status["disk_tier"]["used"] == 0

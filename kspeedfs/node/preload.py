@@ -193,8 +193,7 @@ class Stager:
         """Admission: claim this member's part of a preload (NoSpace when it cannot fit)
         before any member loads; its stage takes the claim over, an abort gives it back."""
         self._check_absent(request.name)
-        if len(request.segments) != len(request.lengths) or min(request.lengths, default=0) < 0:
-            raise InvalidArgument("segments and lengths must be lists of one length, sizes >= 0")
+        _check_parts(request)
         if request.uuid not in self.claims:
             self._claim_tiers(request)
         self.claims[request.uuid] = time.monotonic()
@@ -480,6 +479,15 @@ class Stager:
                 if now - stage.last_contact > STAGE_IDLE_TIMEOUT:
                     log.warning("dropping %s: its coordinator stopped calling", stage.name)
                     await self.abort(stage.name, stage.uuid)
+
+
+def _check_parts(request: StageClaim) -> None:
+    """The held segments of a claim: distinct, one length each, none negative, within `bytes`."""
+    segments, lengths = request.segments, request.lengths
+    if len(segments) != len(lengths) or len(set(segments)) != len(segments):
+        raise InvalidArgument("segments and lengths must be lists of one length, no repeats")
+    if min(segments + lengths, default=0) < 0 or sum(lengths) > request.bytes:
+        raise InvalidArgument("segments and lengths must be at least 0, in all within bytes")
 
 
 def _claim(uuid: str) -> str:
