@@ -17,6 +17,7 @@ import hypothesis.strategies as st
 import pytest
 from clusterutil import Cluster, running
 from conftest import MountProcess, NodeProcess, run_cli, wait_for
+from etcdutil import EtcdCluster
 from hypothesis import HealthCheck, given, settings
 
 from kspeedfs.format.errors import KSpeedError, SourceChanged, StaleDataset
@@ -249,3 +250,54 @@ def test_hostile_claims_are_refused_in_one_line_and_give_everything_back(
     small_node.request("abort", name="x", uuid="u1")
     status = small_node.request("status")
     assert status["used"] == 0 and status["disk_tier"]["used"] == 0
+
+
+def test_a_heal_onto_full_memory_lands_on_the_disk_tier(
+    etcd_cluster: EtcdCluster, tmp_path: Path
+) -> None:
+    """Three nodes, memory for a few segments each and a disk tier, 2 copies; one killed: the
+    survivors heal its segments onto their disk tiers and every byte still reads equal."""
+    cluster = etcd_cluster
+    nodes = []
+    for i in range(3):
+        node = NodeProcess(
+            cluster.root / f"node{i}",
+            cluster.token_file,
+            tmp_path,
+            memory="1MiB",
+            segment_size="64KiB",
+            extra=("--spill-dir", str(tmp_path / f"disk{i}"), "--spill", "64MiB"),
+            base_env=cluster.base_env(),
+        )
+        cluster.nodes.append(node)
+        nodes.append(node.start())
+    wait_for(lambda: list(cluster.members().values()) == ["up"] * 3, what="3 members up")
+    src = tmp_path / "src"
+    files = make_source(src, 40, 60_000)
+    cluster.preload(src, "heal", replicas=2)
+    segments = int(cluster.record("heal")["segments"])
+    victim, survivors = nodes[2], nodes[:2]
+    victim.kill9()
+
+    def copies_on_both_tiers() -> dict[int, int]:
+        counts: dict[int, int] = {}
+        for n in survivors:
+            for seg in listing(n)["heal"]["held"]:
+                counts[seg] = counts.get(seg, 0) + 1
+        return counts
+
+    wait_for(
+        lambda: (
+            victim.address in cluster.record("heal").get("lost", [])
+            and len(copies_on_both_tiers()) == segments
+            and min(copies_on_both_tiers().values()) == 2
+        ),
+        timeout=90,
+        what="two live copies of every segment",
+    )
+    assert all(listing(n)["heal"]["stored"] <= 1 * MiB for n in survivors)
+    assert sum(len(listing(n)["heal"]["disk"]) for n in survivors) > segments  # healed to disk
+    ds = KSpeedFolder(
+        str(src), nodes=",".join(n.address for n in survivors), token=str(cluster.token_file)
+    )
+    assert sum(wrong_bytes(bytes(ds.read(rel)), data) for rel, data in files.items()) == 0

@@ -344,7 +344,8 @@ class SegmentStore:
     def _fs_room(self) -> tuple[int, int]:
         """The shm filesystem's free bytes, and how many of them claims have yet to write."""
         st = os.statvfs(self.root)
-        return st.f_bavail * st.f_frsize, sum(r.unwritten() for r in self.reserved.values())
+        promised = sum(r.unwritten() for r in self.reserved.values() if r.tier == "memory")
+        return st.f_bavail * st.f_frsize, promised
 
     def _raise_no_space(self, nbytes: int, what: str = "dataset") -> None:
         free = self.budget - self.used()
@@ -431,7 +432,7 @@ class SegmentStore:
         for hook in self.before_unload:
             hook(name)
         self._discard(record.path.name)
-        if record.disk and self.disk_root is not None:
+        if self.disk_root is not None:  # also a folder whose segments all moved to memory
             # Unlinked: a reader's map of a disk segment keeps its pages, as in memory.
             shutil.rmtree(self.disk_root / f"{record.name}.{record.uuid}", ignore_errors=True)
         return record
@@ -550,19 +551,56 @@ class SegmentStore:
         `length` bytes straight into the new file's mapping (a heal receives from a peer into
         it: no buffer between the socket and tmpfs) and raises to have it thrown away. Made
         beside the segment folder, then renamed into it, so a reader never sees part of one;
-        meta.json and the record learn it; the next open() maps it."""
+        meta.json and the record learn it; the next open() maps it. When memory has no room
+        for it, it goes to the disk tier (where there is one)."""
         record = self.datasets.get(name)
         if record is None:
             raise NotFound(f"no dataset named {name!r}")
         # Reserved while it arrives, so that a preload admitted meanwhile does not count on
         # the same bytes; counted in the dataset's bytes once it is in place.
         reservation = f"segment:{name}:{seg}:{uuid.uuid4().hex[:12]}"
-        # Called in a thread: no eviction (the read-through cache is the event loop's).
-        self.reserve(reservation, length, what=f"segment {seg} of {name}", evict=False)
+        what = f"segment {seg} of {name}"
+        try:
+            # Called in a thread: no eviction (the read-through cache is the event loop's).
+            self.reserve(reservation, length, what=what, evict=False)
+        except NoSpace:
+            if self.disk_root is None or record.lifetime == "readthrough":
+                raise
+            self.reserve(reservation, length, what=what, tier="disk")
+            try:
+                self._add_disk_segment(record, seg, length, fill, reservation)
+            finally:
+                self.release(reservation)
+            return
         try:
             self._add_segment(record, seg, length, fill, reservation)
         finally:
             self.release(reservation)
+
+    def _add_disk_segment(
+        self,
+        record: DatasetRecord,
+        seg: int,
+        length: int,
+        fill: Callable[[memoryview], None],
+        reservation: str,
+    ) -> None:
+        """add_segment onto the disk tier: made in the instance's disk folder, as in memory."""
+        assert self.disk_root is not None
+        disk_dir = self.disk_root / f"{record.name}.{record.uuid}"
+        (disk_dir / "seg").mkdir(parents=True, exist_ok=True, mode=0o750)
+        with _closing(os.open(disk_dir, DIR_FLAGS)) as disk_fd:
+            self._put_segment(disk_fd, seg, length, fill)
+        folder = os.open(record.name, DIR_FLAGS, dir_fd=self._fd["datasets"])
+        with _closing(folder), self._lock:
+            held = sorted(set(record.held) | {seg})
+            disk = sorted(set(record.disk) | {seg})
+            stored = record.disk_stored + length
+            changes = {"held": held, "disk": disk, "disk_stored": stored}
+            self._update_meta(folder, record.name, 0, **changes, disk_dir=str(disk_dir))
+            record.held, record.disk, record.disk_stored = held, disk, stored
+            self.reserved.pop(reservation, None)
+            self._open.pop(record.name, None)
 
     def _add_segment(
         self,
@@ -575,24 +613,7 @@ class SegmentStore:
         name = record.name
         folder = os.open(name, DIR_FLAGS, dir_fd=self._fd["datasets"])
         try:
-            with contextlib.suppress(FileExistsError):
-                os.mkdir("seg", 0o750, dir_fd=folder)
-            tmp = f".seg-{seg}.{uuid.uuid4().hex[:12]}"
-            flags = os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
-            fd = os.open(tmp, flags, FILE_MODE, dir_fd=folder)
-            try:
-                _fill_file(fd, length, fill)
-                seg_fd = os.open("seg", DIR_FLAGS, dir_fd=folder)
-                try:
-                    os.rename(tmp, f"{seg:08d}", src_dir_fd=folder, dst_dir_fd=seg_fd)
-                finally:
-                    os.close(seg_fd)
-            except BaseException:
-                with contextlib.suppress(FileNotFoundError):
-                    os.unlink(tmp, dir_fd=folder)
-                raise
-            finally:
-                os.close(fd)
+            self._put_segment(folder, seg, length, fill)
             with self._lock:
                 held = sorted(set(record.held) | {seg})
                 self._update_meta(folder, name, length, held=held)
