@@ -694,8 +694,11 @@ class SegmentStore:
                 with _closing(folder):
                     self._put_segment(folder, seg, length, fill)
                     with self._lock:
-                        if self.datasets.get(name) is not record:
-                            return 0  # unloaded meanwhile: its folder went to the trash
+                        if self.datasets.get(name) is not record or seg not in record.disk:
+                            # Unloaded, or the segment dropped (a rebalance), meanwhile.
+                            with contextlib.suppress(FileNotFoundError):
+                                os.unlink(f"seg/{seg:08d}", dir_fd=folder)
+                            return 0
                         disk = [k for k in record.disk if k != seg]
                         self._update_meta(
                             folder, name, length, disk=disk, disk_stored=record.disk_stored - length
