@@ -138,7 +138,11 @@ class NodeInfo:
             "used": n.store.used(),
             "budget": n.store.budget,
             "leases": n.leases.total(),
-            "datasets": {r.name: (r.stored, len(r.held)) for r in list(n.store.datasets.values())},
+            "disk_tier": _disk_tier(n),
+            "datasets": {
+                r.name: (r.stored, len(r.held), r.disk_stored)
+                for r in list(n.store.datasets.values())
+            },
             "control": n.control.status() if n.control is not None else None,
             "cache": n.cache.status()["datasets"],  # read-through: hits, fills, evictions
             "dataset_leases": {name: n.leases.count(name) for name in list(n.store.datasets)},
