@@ -100,6 +100,9 @@ def test_auto_preload_spills_to_the_disk_tier_reads_equal_and_promotes(
     assert status["disk_tier"]["used"] == record["disk_stored"]
     shown = run_cli("ls", env=env)
     assert shown.returncode == 0 and "DISK" in shown.stdout.splitlines()[0], shown
+    shown = run_cli("status", env=env)
+    assert shown.returncode == 0 and "DISK TIER" in shown.stdout, shown
+    print(shown.stdout, run_cli("ls", env=env).stdout)  # shown with -s
 
     fast_env = {"KSPEEDFS_NODES": node.address, "tok": str(token_file)}
     assert read_all_fast(src, fast_env, files) == 0
@@ -223,7 +226,9 @@ def test_512mib_on_256mib_with_a_disk_tier_survives_a_node_killed(
 
 
 @settings(
-    max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+    max_examples=60,
+    deadline=None,
+    suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
 )
 @given(
     tier=st.sampled_from(["auto", "memory", "disk", "ram", 3]),

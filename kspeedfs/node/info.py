@@ -65,6 +65,12 @@ class NodeInfo:
     async def op_status(self, request: Status) -> dict[str, Any]:
         n = self.node
         folders = [r.path / "seg" for r in n.store.datasets.values()]
+        if n.store.disk_root is not None:  # and the disk tier's
+            folders += [
+                n.store.disk_root / f"{r.name}.{r.uuid}" / "seg"
+                for r in n.store.datasets.values()
+                if r.disk
+            ]
         segments = await trio.to_thread.run_sync(_count_files, folders)
         return {
             "node": n.address,
