@@ -77,7 +77,7 @@ class ReadThroughCache:
         self.spill: SpillArea | None = None
         spill_dir, spill_budget = settings.spill_dir, parse_size(settings.spill)
         if spill_dir is not None:  # with its budget: load_settings checks that they go together
-            self.spill = SpillArea(Path(spill_dir), spill_budget)
+            self.spill = SpillArea(Path(spill_dir), spill_budget, store.disk_used)
         self.instances = Instances(store, address, policy or LeastRecentlyUsed())
         self.evictor = Evictor(store, self.instances, self.spill)
         builder = InstanceBuilder(store, settings.segment_size, address, self.spill)
