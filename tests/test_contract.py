@@ -10,7 +10,7 @@ import json
 from typing import Any, Literal
 
 import pytest
-from hypothesis import given
+from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from kspeedfs.format.contract import Request, Wire, at_least, dataset_name
@@ -96,6 +96,8 @@ JSON = st.recursive(
 )
 
 
+# No deadline: on a loaded machine a slow example is not a wrong one.
+@settings(deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(st.dictionaries(st.sampled_from([*GOOD, "mode", "hint", "weight", "x"]), JSON))
 def test_any_json_object_is_a_request_or_one_line_refusal(msg: dict[str, Any]) -> None:
     try:
@@ -107,6 +109,7 @@ def test_any_json_object_is_a_request_or_one_line_refusal(msg: dict[str, Any]) -
     assert Sample.from_wire(request.to_wire()) == request
 
 
+@settings(deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(st.binary(max_size=5000), st.integers(min_value=1, max_value=700))
 def test_a_blob_in_pieces_comes_back_whole(blob: bytes, size: int) -> None:
     pieces = [Piece.from_wire(p.to_wire()) for p in pieces_of(blob, size)]
