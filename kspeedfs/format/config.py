@@ -25,12 +25,71 @@ DEFAULT_CONFIG_FILE = Path("/etc/kspeedfs/kspeedfs.toml")
 
 
 def default_token_file() -> Path:
+    """`$XDG_CONFIG_HOME/kspeedfs/token`, else `~/.config/kspeedfs/token`."""
     base = os.environ.get("XDG_CONFIG_HOME") or os.path.join(os.path.expanduser("~"), ".config")
     return Path(base) / "kspeedfs" / "token"
 
 
 @dataclasses.dataclass
 class Settings:
+    """Every setting, by group (docs/settings.md is generated from these lines, the fields and
+    their rules: `python -m kspeedfs.docgen --write`).
+
+    Node:
+        listen: where `kspeedfs node` serves.
+        shm_dir: the tmpfs folder that holds the segments; the node's own (see security.md).
+        memory: the budget for cached data: a size, or a share of the filesystem that holds
+            `shm_dir`; a preload that does not fit is refused before anything is copied.
+        segment_size: the unit of placement, replication, transfer and eviction.
+        verify_on_start: checksum every segment when a node starts again (off: `kspeedfs node
+            --no-verify`).
+        lease_ttl: seconds before the lease of a job that stopped renewing it (a crash)
+            expires; a dataset the job loaded is unloaded with its last lease.
+        log_level: the node's log level (`kspeedfs -v node`: debug).
+    Clients:
+        nodes: the cluster's nodes (with etcd: the live members, unless given).
+        timeout: seconds to wait for a node.
+        token_file: the token a client proves (and the admin token a node derives every
+            role's token from); a one-machine node creates it on first start.
+        user: log in as this user (`kspeedfs user add`) instead of with the token.
+        password: that user's password ("": asked at a prompt).
+    Security (security.md):
+        users_file: the node's users and their scrypt keys ("": `users` beside `token_file`).
+        group: the group that may map segments directly ("": the node's own group).
+        access: who reads what: `source` (the source's modes and owners, on the mount and
+            for fd passing) or `open` (every token holder, everyone on the machine).
+        source_roots: the folders a `job` token may preload from.
+        socket: the node's Unix socket for fd passing ("": `SHM_DIR.run/fd.sock`).
+        node_user: the user a node runs as when not root: clients trust only root, their
+            own uid and this one to serve the socket.
+        tls_cert: this end's certificate for mutual TLS on every TCP connection (and etcd).
+        tls_key: its private key.
+        tls_ca: the cluster's CA certificate, which the other end's certificate must come from.
+    Mounts (mounts.md):
+        fuse_workers: processes serving a mount (0: one per CPU, at most 8; `kspeedfs mount
+            --workers`).
+        fuse_read_ahead: the read-ahead set on a mount, so that a typical file is one READ
+            (0: the kernel's default, 128 KiB; needs root).
+    Read-through datasets (readthrough.md):
+        spill_dir: a disk folder for read-through segments evicted from memory ("": none).
+        spill: the spill folder's budget.
+        source_check_interval: seconds between checks of sources for changes (0: off).
+    Decoded variants (decoded.md):
+        decode_workers: processes a variant's fill decodes with (0: one per CPU); fewer
+            leaves CPUs to the training jobs on the node.
+    Transport (rdma.md):
+        transport: `auto` (RDMA where both ends can, else TCP), `tcp` or `rdma`.
+        rdma_device: the RDMA device ("": the first with an active port).
+        rdma_gid_index: the GID index (-1: RoCE v2 with an IPv4 address first).
+    Cluster with etcd (cluster.md):
+        etcd: etcd endpoints for membership and the catalog ([]: the static `nodes` list).
+        cluster: this cluster's key prefix in etcd.
+        member_ttl: seconds of the membership lease a node renews.
+        heal_after: seconds a member stays down before its copies are made elsewhere.
+        metrics_listen: HOST:PORT of the node's Prometheus `/metrics` ("": off); a mount serves
+            its own only with `kspeedfs mount --metrics-listen`, whatever this setting says.
+    """
+
     listen: Address = Address("127.0.0.1", DEFAULT_PORT)
     nodes: list[Address] = dataclasses.field(
         default_factory=lambda: [Address("127.0.0.1", DEFAULT_PORT)]

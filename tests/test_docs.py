@@ -1,0 +1,120 @@
+"""The docs: the generated references equal what the code gives now, and every relative link
+of README.md and docs/*.md names a file that exists (and a heading of it, for an anchor)."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+
+from kspeedfs import docgen
+
+ROOT = Path(__file__).resolve().parent.parent
+PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+# [text](target) and [text]: target, the target up to a space or ')'.
+LINK = re.compile(r"\]\(([^)\s]+)[^)]*\)|^\[[^\]]+\]:\s*(\S+)", re.MULTILINE)
+
+
+@pytest.mark.parametrize("name", sorted(docgen.REFERENCES))
+def test_generated_reference_is_up_to_date(name: str) -> None:
+    committed = (ROOT / "docs" / name).read_text()
+    assert committed == docgen.REFERENCES[name](), (
+        f"docs/{name} is out of date with the code: run `{docgen.REGENERATE}` and commit it"
+    )
+
+
+def relative_links(page: Path) -> list[str]:
+    """The page's links to files of the repository (their anchors dropped)."""
+    return [path for path, _anchor in relative_targets(page) if path]
+
+
+def relative_targets(page: Path) -> list[tuple[str, str]]:
+    """(path, anchor) of every link that is not a URL; path "" for a link within the page."""
+    out = []
+    for target in (a or b for a, b in LINK.findall(page.read_text())):
+        if not re.match(r"[a-z][a-z0-9+.-]*:", target):  # a URL
+            path, _, anchor = target.partition("#")
+            out.append((path, anchor))
+    return out
+
+
+def anchors(page: Path) -> set[str]:
+    """The anchors GitHub makes of the page's headings (outside code blocks)."""
+    out, fenced = set(), False
+    for line in page.read_text().splitlines():
+        if line.startswith("```"):
+            fenced = not fenced
+        elif not fenced and (m := re.match(r"#{1,6} (.*)", line)):
+            out.add(re.sub(r"[^\w\- ]", "", m.group(1).lower()).replace(" ", "-"))
+    return out
+
+
+@pytest.mark.parametrize("page", PAGES, ids=lambda p: p.name)
+def test_relative_links_name_files_that_exist(page: Path) -> None:
+    missing = [t for t in relative_links(page) if not (page.parent / t).exists()]
+    assert not missing, f"{page.relative_to(ROOT)} links to missing files: {missing}"
+
+
+@pytest.mark.parametrize("page", PAGES, ids=lambda p: p.name)
+def test_link_anchors_name_headings(page: Path) -> None:
+    broken = [
+        f"{path}#{anchor}"
+        for path, anchor in relative_targets(page)
+        if anchor
+        and (page.parent / (path or page.name)).suffix == ".md"
+        and anchor not in anchors(page.parent / (path or page.name))
+    ]
+    assert not broken, f"{page.relative_to(ROOT)} links to missing headings: {broken}"
+
+
+def test_link_check_sees_links() -> None:
+    # The check above passes trivially if the pattern finds nothing: it must see these.
+    assert "docs/index.md" in relative_links(ROOT / "README.md")
+    assert {"concepts.md", "cli.md", "settings.md"} <= set(relative_links(ROOT / "docs/index.md"))
+
+
+def test_every_docs_page_is_in_the_index() -> None:
+    listed = set(relative_links(ROOT / "docs" / "index.md"))
+    pages = {p.name for p in PAGES if p.parent == ROOT / "docs" and p.name != "index.md"}
+    assert pages <= listed, f"pages missing from docs/index.md: {sorted(pages - listed)}"
+
+
+def test_generator_names_an_undocumented_setting(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A new setting without its docstring line fails generation, naming it and the fix."""
+    import dataclasses
+
+    from kspeedfs.format import config
+
+    @dataclasses.dataclass
+    class More(config.Settings):
+        brand_new: int = 0
+
+    More.__doc__ = config.Settings.__doc__
+    monkeypatch.setattr(config, "Settings", More)
+    with pytest.raises(docgen.UndocumentedError, match="'brand_new' has no line"):
+        docgen.settings_reference()
+
+
+def test_internals_lists_the_layers_of_pyproject() -> None:
+    """docs/internals.md writes out the layers contract; a changed contract fails here."""
+    import tomllib
+
+    contracts = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["importlinter"]
+    layers = next(c["layers"] for c in contracts["contracts"] if c["type"] == "layers")
+    page = (ROOT / "docs" / "internals.md").read_text()
+    block = "```\n" + "\n".join(layers) + "\n```"
+    assert block in page, f"docs/internals.md: write the layers of pyproject.toml as\n{block}"
+
+
+def test_check_names_a_stale_file_and_the_command(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert docgen.main(["--write", "--docs", str(tmp_path)]) == 0
+    assert docgen.main(["--check", "--docs", str(tmp_path)]) == 0
+    (tmp_path / "settings.md").write_text("old\n")
+    capsys.readouterr()
+    assert docgen.main(["--check", "--docs", str(tmp_path)]) == 1
+    err = capsys.readouterr().err
+    assert "settings.md is out of date" in err and docgen.REGENERATE in err
+    assert "cli.md" not in err
