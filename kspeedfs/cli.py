@@ -17,7 +17,7 @@ from kspeedfs.client import admin
 from kspeedfs.format import auth
 from kspeedfs.format.config import Settings, load_settings
 from kspeedfs.format.errors import EXIT_CODES_DOC, AuthError, InvalidArgument, KSpeedError
-from kspeedfs.format.units import format_size
+from kspeedfs.format.units import format_size, parse_size
 from kspeedfs.sources.source import name_from_source
 from kspeedfs.system.logs import setup_logging
 
@@ -57,6 +57,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-verify", action="store_true", help="skip checksums of datasets at start")
     p.add_argument("--spill-dir", help="disk folder for read-through segments evicted from memory")
     p.add_argument("--spill", help="spill budget, e.g. 512GiB (with --spill-dir)")
+    p.add_argument(
+        "--eviction",
+        help="read-through eviction: stable (default), plan (the samplers' order) or lru",
+    )
 
     p.add_argument("--metrics-listen", help="HOST:PORT for Prometheus /metrics (default: off)")
 
@@ -120,6 +124,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--source", help="read-through: serve this folder or s3:// URL, cached as read")
     p.add_argument("--endpoint", help="object store endpoint URL of an s3:// --source")
     p.add_argument("--name", help="dataset name for --source (default: from the source)")
+    p.add_argument(
+        "--max-memory", help="with --source: the most memory the dataset takes, e.g. 16GiB"
+    )
+    p.add_argument(
+        "--max-disk", help="with --source: the most of the spill folder it takes, e.g. 64GiB"
+    )
     p.add_argument("-f", "--foreground", action="store_true", help="do not go to the background")
     p.add_argument("-o", dest="options", default="", help="FUSE options: allow_other,...")
     p.add_argument("--log-file", help="where the background mount logs")
@@ -257,6 +267,7 @@ def cmd_node(args: argparse.Namespace) -> int:
         verify_on_start=False if args.no_verify else None,
         spill_dir=args.spill_dir,
         spill=args.spill,
+        eviction=args.eviction,
         metrics_listen=args.metrics_listen,
     )
     logging.getLogger().setLevel(logging.DEBUG if args.verbose else settings.log_level)
@@ -522,10 +533,15 @@ def cmd_mount(args: argparse.Namespace) -> int:
 
         check_mountpoint(args.mountpoint)  # before anything is created on the node
         dataset = admin.register_source(
-            settings, args.source, args.endpoint or "", args.name or args.dataset
+            settings,
+            args.source,
+            args.endpoint or "",
+            args.name or args.dataset,
+            max_memory=parse_size(args.max_memory) if args.max_memory else 0,
+            max_disk=parse_size(args.max_disk) if args.max_disk else 0,
         )
-    elif args.endpoint or args.name:
-        raise InvalidArgument("--endpoint and --name go with --source")
+    elif args.endpoint or args.name or args.max_memory or args.max_disk:
+        raise InvalidArgument("--endpoint, --name, --max-memory and --max-disk go with --source")
     run_mount(
         args.mountpoint,
         settings,

@@ -546,7 +546,7 @@ class NodeServer:
                 r.name: (r.stored, len(r.held)) for r in list(self.store.datasets.values())
             },
             "control": self.control.status() if self.control is not None else None,
-            "cache": self.cache.status()["datasets"],  # read-through: hits, fills, evictions
+            "cache": self.cache.status(),  # read-through: hits, fills, evictions by policy
             "dataset_leases": {n: self.leases.count(n) for n in list(self.store.datasets)},
         }
 
