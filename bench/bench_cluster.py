@@ -120,7 +120,7 @@ class BenchCluster(LocalCluster):
         started = time.perf_counter()
         with admin.connect(self.settings()) as client:
             admin.start_preload(client, name, str(source), "offline")
-            admin.wait_ready(client, name, poll_s=0.01)
+            admin.wait_ready(client, name)  # long-polled: ready is seen at once
         return time.perf_counter() - started
 
     def shm_of(self, i: int) -> Path:
@@ -421,7 +421,7 @@ def control_plane(workdir: Path, bulk: Path, segment_size: str, memory: str) -> 
         )
         with admin.connect(client) as c:
             admin.start_preload(c, "bulk", str(bulk), "offline", replicas=2)
-            admin.wait_ready(c, "bulk", poll_s=0.01)
+            admin.wait_ready(c, "bulk")
         record = (state.dataset("bulk") or ({}, 0))[0]
         victim, survivors = nodes[2], nodes[:2]
         # The remote bulk rate, as healing reads: whole segments in 8 MiB reads from one node.

@@ -24,6 +24,7 @@ from kspeedfs.client import admin
 from kspeedfs.client.handle import DatasetHandle
 from kspeedfs.client.reader import ClusterReader, local_node_for
 from kspeedfs.format.config import Settings, load_settings
+from kspeedfs.format.contract.node import List
 from kspeedfs.format.contract.readthrough import Plan
 from kspeedfs.format.errors import (
     AuthError,
@@ -185,7 +186,7 @@ def attach(
     cluster = ClusterReader(settings, local_node_for(settings))
     preloaded = False
     for _attempt in range(5):
-        node, listing = cluster.live_request("list")
+        node, listing = cluster.live_request(List.OP)
         found = _match(listing["datasets"], path, objname)
         if found is None:
             if preloaded:

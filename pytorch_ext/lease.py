@@ -8,6 +8,7 @@ import socket
 import threading
 
 from kspeedfs.format.config import Settings
+from kspeedfs.format.contract.leases import LeaseAcquire, LeaseRelease, LeaseRenew
 from kspeedfs.format.errors import KSpeedError, NotFound
 from kspeedfs.format.tls import client_context
 from kspeedfs.format.units import parse_address
@@ -27,6 +28,7 @@ class LeaseKeeper:
         self.lease_id = ""
         self.ttl = settings.lease_ttl
         self.holder = f"{socket.gethostname()}:{os.getpid()}"
+        self._acquire = LeaseAcquire(name=name, uuid=instance, holder=self.holder)
         self._client = NodeClient(
             parse_address(home), settings.credential(), settings.timeout, client_context(settings)
         )
@@ -37,9 +39,7 @@ class LeaseKeeper:
     def acquire(self) -> None:
         """Take the lease; raises NotFound when the dataset is gone (or being unloaded)."""
         with self._lock:
-            reply = self._client.request(
-                "lease_acquire", name=self.name, uuid=self.instance, holder=self.holder
-            )
+            reply = self._client.call(self._acquire)
         self.lease_id = str(reply["lease"])
         self.ttl = float(reply.get("ttl", self.ttl))
         log.debug("lease on %s at %s: %s (ttl %.1fs)", self.name, self.home, reply, self.ttl)
@@ -58,12 +58,10 @@ class LeaseKeeper:
                     if self._stop.is_set():
                         return
                     try:
-                        self._client.request("lease_renew", lease=self.lease_id)
+                        self._client.call(LeaseRenew(lease=self.lease_id))
                     except NotFound:
                         # The node restarted or we stalled past the ttl: take a new one.
-                        reply = self._client.request(
-                            "lease_acquire", name=self.name, uuid=self.instance, holder=self.holder
-                        )
+                        reply = self._client.call(self._acquire)
                         self.lease_id = str(reply["lease"])
                         log.warning("lease on %s was lost; took a new one", self.name)
                 if failing:
@@ -84,7 +82,7 @@ class LeaseKeeper:
         self._stop.set()
         try:
             with self._lock:
-                reply = self._client.request("lease_release", lease=self.lease_id)
+                reply = self._client.call(LeaseRelease(lease=self.lease_id))
             log.debug("released the lease on %s: %s", self.name, reply)
         except KSpeedError as e:
             log.warning(

@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-import base64
 from pathlib import Path
 
 from conftest import NodeProcess, make_tree, run_cli
 
 from kspeedfs.client.reader import ClusterReader
 from kspeedfs.format.config import load_settings
+from kspeedfs.format.pieces import Piece
 
 
 def test_manifest_fetched_in_pieces_equals_the_file(node: NodeProcess, tmp_path: Path) -> None:
@@ -19,11 +19,11 @@ def test_manifest_fetched_in_pieces_equals_the_file(node: NodeProcess, tmp_path:
     with node.client() as c:
         while True:
             reply = c.request("manifest", name="pieces", offset=len(got), length=1000)
-            assert reply["total"] == len(expected)
-            piece = base64.b64decode(reply["data"])
-            assert len(piece) <= 1000
-            got += piece
-            if not piece or len(got) >= reply["total"]:
+            piece = Piece.from_wire(reply["piece"])
+            assert piece.total == len(expected) and piece.offset == len(got)
+            assert piece.size <= 1000
+            got += piece.raw
+            if not piece.size or len(got) >= piece.total:
                 break
     assert got == expected
 

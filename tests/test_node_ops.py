@@ -13,7 +13,8 @@ from clusterutil import Cluster, running
 from conftest import NodeProcess, make_tree, wait_for
 
 from kspeedfs.format import auth
-from kspeedfs.format.errors import AuthError, InvalidArgument
+from kspeedfs.format.errors import AuthError, DataError, InvalidArgument
+from kspeedfs.format.pieces import Piece
 from kspeedfs.format.units import Address
 from kspeedfs.net.aconnection import AsyncNodeClient
 
@@ -116,3 +117,42 @@ def test_a_connection_that_died_with_a_restart_is_retried_once(
     assert peers["retries"] >= 1, peers
     assert "after" in pair.listing(member)
     assert "is down" not in coordinator.log()
+
+
+def piece(offset: int, total: int, data: bytes) -> dict[str, Any]:
+    return Piece.of(offset, total, data).to_wire()
+
+
+def test_pushed_pieces_out_of_bounds_or_order_are_refused_and_write_nothing(
+    node: NodeProcess,
+) -> None:
+    """A member's pushed segment and manifest pieces (stage_put, stage_manifest), as a
+    confused or hostile coordinator might send them: each refused in one line."""
+    ident = {"name": "pushed", "uuid": "u1"}
+    with node.client() as c:
+        c.request("stage_push", **ident, source="/nowhere", segments=[0], lengths=[10])
+        refusals = [
+            ("stage_put", {"segment": 0, "piece": piece(0, 5, b"abc")}, "5-byte segment"),
+            ("stage_put", {"segment": 0, "piece": piece(8, 10, b"abcd")}, "past its total"),
+            ("stage_put", {"segment": 1, "piece": piece(0, 10, b"a")}, "not expected here"),
+            (
+                "stage_put",
+                {"segment": 0, "piece": {"offset": 0, "total": 10, "data": "%"}},
+                "base64",
+            ),
+            ("stage_manifest", {"piece": piece(0, 3, b"abc")}, "is receiving, not staged"),
+        ]
+        for op, args, why in refusals:
+            with pytest.raises(InvalidArgument, match=why) as refused:
+                c.request(op, **ident, **args)
+            assert "\n" not in str(refused.value)
+        c.request("stage_put", **ident, segment=0, piece=piece(0, 10, b"0123456789"))
+        c.request("stage_done", **ident)
+        with pytest.raises(InvalidArgument, match="piece at 5, expected 0"):
+            c.request("stage_manifest", **ident, piece=piece(5, 10, b"abc"))
+        with pytest.raises(DataError, match="corrupt manifest"):  # not a manifest at all
+            c.request("stage_manifest", **ident, piece=piece(0, 3, b"abc"))
+        staged = node.shm_dir / "staging"
+        assert not any(staged.glob("*/manifest.ksm")), "a refused manifest was put in place"
+        c.request("abort", **ident)
+        assert c.request("ping")["node"] == node.address

@@ -8,7 +8,8 @@ import pytest
 from conftest import NodeProcess
 
 from kspeedfs.client import admin
-from kspeedfs.format.errors import AlreadyExists, DataError
+from kspeedfs.format.errors import AlreadyExists, DataError, InvalidArgument
+from kspeedfs.node.loads import state_version
 
 
 def test_ensure_loaded_loads_once_then_joins_without_the_source(
@@ -33,3 +34,20 @@ def test_a_failed_progress_reply_is_an_error_naming_the_load() -> None:
     assert not admin.preload_done({"state": "loading"}, "preload of ds")
     with pytest.raises(DataError, match="^preload of ds failed: disk on fire$"):
         admin.preload_done({"state": "failed", "error": "disk on fire"}, "preload of ds")
+
+
+def test_progress_is_long_polled_and_never_held_past_its_cap(node: NodeProcess, tree: Path) -> None:
+    settings = node.settings()
+    admin.ensure_loaded(settings, str(tree), "ds")
+    ready = node.request("progress", name="ds")
+    assert ready["state"] == "ready" and ready["version"] == state_version("ready")
+    # A version of another state is answered at once, with the state as it is.
+    assert node.request("progress", name="ds", wait_for_change_after=1)["state"] == "ready"
+    # The version as it is, and a wait far over any client's timeout: answered (by the cap,
+    # within the client's timeout) with nothing changed, on the same connection.
+    with node.client() as c:
+        held = c.request("progress", name="ds", wait_for_change_after=ready["version"], wait_s=1e9)
+        assert held["version"] == ready["version"] and held["uuid"] == ready["uuid"]
+        assert c.request("ping")["node"] == node.address
+    with pytest.raises(InvalidArgument, match="op progress: wait_s must be at least 0"):
+        node.request("progress", name="ds", wait_s=-1)

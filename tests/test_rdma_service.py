@@ -25,6 +25,7 @@ from uidutil import in_child
 
 from kspeedfs.format import auth
 from kspeedfs.format.config import Settings
+from kspeedfs.format.contract.node import UnloadLocal
 from kspeedfs.format.errors import InvalidArgument, NotFound
 from kspeedfs.format.localdata import META_FILE, LocalDataset, read_meta
 from kspeedfs.format.units import Address
@@ -201,7 +202,7 @@ def test_registered_at_start_and_deregistered_before_the_files_go(
         files_at_close.append(segs.is_dir() and any(segs.iterdir()))
 
     fake.on_close = check
-    trio.run(server.op_unload_local, {"name": "ds"})
+    trio.run(server.ops.call, UnloadLocal(name="ds"))
     assert files_at_close and all(files_at_close), "deregistered after the files were unlinked"
     assert not (shm / "datasets" / "ds").exists()
     assert list(fake.live) == [fake.made[0].rkey]  # the node's probe region, nothing else
@@ -276,7 +277,7 @@ def test_a_stale_key_is_an_error_then_a_new_table_never_a_read_of_freed_memory(
     old_keys = {r.rkey for r in fake.made if r.closed is False and r.length > 64}
 
     # Unloaded and loaded again under the same name: the client still holds the old keys.
-    trio.run(server.op_unload_local, {"name": "ds"})
+    trio.run(server.ops.call, UnloadLocal(name="ds"))
     republish(server, template[0], "ds")
     out = bytearray(len(expected))
     t.read_into("ds", ds_uuid(shm), ranges, memoryview(out))
@@ -288,7 +289,7 @@ def test_a_stale_key_is_an_error_then_a_new_table_never_a_read_of_freed_memory(
     assert controls[0].reads == 0
 
     # Unloaded for good: the fresh table is refused like a TCP read would be.
-    trio.run(server.op_unload_local, {"name": "ds"})
+    trio.run(server.ops.call, UnloadLocal(name="ds"))
     with pytest.raises(NotFound):
         t.read_into("ds", ds_uuid(shm), ranges, memoryview(out))
 

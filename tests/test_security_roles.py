@@ -48,6 +48,7 @@ NEEDS = {
     "stage_result": "admin",
     "stage_manifest": "admin",
     "stage_put": "admin",
+    "stage_push": "admin",
     "stage_meta": "admin",
     "meta_reserve": "admin",
     "meta_put": "admin",

@@ -8,8 +8,16 @@ from collections.abc import Sequence
 from typing import Any
 
 from kspeedfs.format.config import Settings
+from kspeedfs.format.contract.node import Unload
+from kspeedfs.format.contract.preload import LoadProgress, Preload
 from kspeedfs.format.contract.readthrough import RegisterSource
-from kspeedfs.format.errors import AlreadyExists, DataError, KSpeedError, NodeUnreachable, NotFound
+from kspeedfs.format.errors import (
+    AlreadyExists,
+    DataError,
+    KSpeedError,
+    NodeUnreachable,
+    NotFound,
+)
 from kspeedfs.format.names import validate_name
 from kspeedfs.format.tls import client_context
 from kspeedfs.net.connection import SCAN_TIMEOUT, NodeClient
@@ -18,7 +26,9 @@ from kspeedfs.system.progress import ProgressBar
 
 log = logging.getLogger(__name__)
 
-POLL_S = 0.1
+# The longest a waiting client goes without an answer to `progress` (it is long-polled: a
+# change of state is answered at once); its progress bar moves that often.
+PROGRESS_WAIT_S = 0.5
 # How often a client waiting for a starting node tries again.
 RETRY_S = 0.5
 
@@ -69,23 +79,24 @@ def wait_ready(
     what: str | None = None,
     progress_label: str | None = None,
     first: dict[str, Any] | None = None,
-    poll_s: float = POLL_S,
+    wait_s: float = PROGRESS_WAIT_S,
 ) -> dict[str, Any]:
-    """Poll `name` until it is ready (returns the last `progress` reply) or failed (DataError).
+    """Wait for `name` to be ready (returns the last `progress` reply) or failed (DataError):
+    `progress` is long-polled, answered when the load's state changes or after `wait_s`.
 
     `progress_label` shows a progress bar with that label; `first` is a reply already in hand.
     """
     what = what or f"preload of {name}"
     bar = ProgressBar(progress_label) if progress_label else None
     try:
-        p = first or client.request("progress", name=name)
+        p = first or client.call(LoadProgress(name=name))
         while True:
             if bar is not None:
                 bar.update(p["files_done"], p["files_total"], p["bytes_done"], p["bytes_total"])
             if preload_done(p, what):
                 return p
-            time.sleep(poll_s)
-            p = client.request("progress", name=name)
+            seen = int(p.get("version", -1))
+            p = client.call(LoadProgress(name=name, wait_for_change_after=seen, wait_s=wait_s))
     finally:
         if bar is not None:
             bar.close()
@@ -102,16 +113,9 @@ def start_preload(
 ) -> dict[str, Any]:
     """Ask for a load of `src` (normalized) as `name`; answers once the node has scanned it.
     `meta`: meta files in it (relative paths) to index as well."""
-    return client.request(
-        "preload",
-        answer_within=SCAN_TIMEOUT,
-        name=name,
-        source=src,
-        lifetime=lifetime,
-        replicas=replicas,
-        endpoint=endpoint,
-        meta=list(meta),
-    )
+    fields = {"name": name, "source": src, "lifetime": lifetime, "replicas": replicas}
+    request = Preload.from_wire({**fields, "endpoint": endpoint, "meta": list(meta)})
+    return client.call(request, answer_within=SCAN_TIMEOUT)
 
 
 def preload(
@@ -138,7 +142,7 @@ def preload(
                 client, name, progress_label=f"preload {name}" if show_progress else None
             )
         except KeyboardInterrupt:
-            client.request("unload", name=name)
+            client.call(Unload(name=name))
             raise KSpeedError(f"preload of {name} interrupted and cancelled") from None
 
 
@@ -155,7 +159,7 @@ def ensure_loaded(
     validate_name(name)
     with connect(settings) as client:
         try:
-            current: dict[str, Any] | None = client.request("progress", name=name)
+            current: dict[str, Any] | None = client.call(LoadProgress(name=name))
         except NotFound:
             current = None
         if current is None or current["state"] == "failed":

@@ -19,6 +19,7 @@ import trio
 
 from kspeedfs.client.handle import DatasetHandle
 from kspeedfs.client.reader import ClusterReader
+from kspeedfs.format.contract.node import List
 from kspeedfs.format.errors import KSpeedError, NodeUnreachable, NotFound
 from kspeedfs.fuse import variants
 from kspeedfs.net.aconnection import AsyncNodeClient
@@ -110,7 +111,7 @@ class DatasetList:
         error: KSpeedError | None = None
         for client in self.clients:
             try:
-                listing = await client.request("list")
+                listing = await client.call(List())
                 break
             except NodeUnreachable as e:
                 error = e

@@ -20,6 +20,7 @@ import trio
 
 from kspeedfs.client.reader import ClusterReader, local_node_for
 from kspeedfs.format.config import Settings
+from kspeedfs.format.contract.node import Ping
 from kspeedfs.format.errors import ERROR_CLASSES, KSpeedError, MountError
 from kspeedfs.format.names import validate_name
 from kspeedfs.format.tls import client_context
@@ -186,7 +187,7 @@ async def _first_answer(clients: list[AsyncNodeClient]) -> None:
     error: KSpeedError | None = None
     for client in clients:
         try:
-            await client.request("ping")
+            await client.call(Ping())
             return
         except KSpeedError as e:
             error = e

@@ -298,7 +298,7 @@ class ControlPlane:
                 name,
                 stage.uuid[:8],
             )
-            await self.stager.op_abort({"name": name, "uuid": stage.uuid})
+            await self.stager.abort(name, stage.uuid)
 
     async def _adopt_all(self) -> None:
         """Every member lists every ready dataset of the catalog: one that holds no part of it

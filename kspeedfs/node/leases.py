@@ -1,17 +1,27 @@
 """Leases on datasets: jobs that use an actively loaded dataset hold one; the last to end unloads it.
 
-A lease lives `ttl` seconds unless renewed. The table only keeps time and counts; the node
-decides what ending a lease means (unloading a dataset whose lifetime is "leased").
+A lease lives `ttl` seconds unless renewed. The table only keeps time and counts; the lease
+owner (LeaseOwner) answers the lease ops and decides what ending a lease means (unloading a
+dataset whose lifetime is "leased").
 """
 
 from __future__ import annotations
 
 import dataclasses
+import logging
 import secrets
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Awaitable, Callable, Iterable
+from typing import Any
 
-from kspeedfs.format.errors import InvalidArgument, NotFound
+import trio
+
+from kspeedfs.format.contract.leases import LeaseAcquire, LeaseRelease, LeaseRenew
+from kspeedfs.format.errors import InvalidArgument, KSpeedError, NotFound
+from kspeedfs.node.ops import JOB, OpRegistry
+from kspeedfs.node.store import SegmentStore
+
+log = logging.getLogger(__name__)
 
 
 @dataclasses.dataclass
@@ -124,3 +134,95 @@ class LeaseTable:
         for lease_id in list(self._by_name.get(name, ())):
             self._drop(self._leases[lease_id])
         self._idle_since.pop(name, None)
+
+
+class LeaseOwner:
+    """The lease ops and the expiry of leases (a crashed job's) and of leased datasets no one
+    holds. Leases are the job role's: a lease can unload a dataset when it ends."""
+
+    def __init__(
+        self,
+        table: LeaseTable,
+        store: SegmentStore,
+        address: Callable[[], str],
+        unload: Callable[[str], Awaitable[Any]],
+    ):
+        self.table = table
+        self.store = store
+        self.address = address
+        self.unload = unload  # everywhere: on every member that holds part of it
+
+    def register_ops(self, ops: OpRegistry) -> None:
+        ops.add(LeaseAcquire, self.op_lease_acquire, JOB)
+        ops.add(LeaseRenew, self.op_lease_renew, JOB)
+        ops.add(LeaseRelease, self.op_lease_release, JOB)
+
+    async def run(self, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        task_status.started()
+        await self._expire_leases()
+
+    async def op_lease_acquire(self, request: LeaseAcquire) -> dict[str, Any]:
+        record = self.store.instance(request.name, request.uuid)
+        lease = self.table.acquire(record.name, record.uuid, request.holder)
+        count = self.table.count(record.name)
+        log.info("lease on %s taken by %s (%d held)", record.name, lease.holder, count)
+        return {**lease.to_wire(self.table.clock()), "ttl": self.table.ttl, "leases": count}
+
+    async def op_lease_renew(self, request: LeaseRenew) -> dict[str, Any]:
+        lease = self.table.renew(request.lease)
+        record = self.store.datasets.get(lease.name)
+        if record is None or record.uuid != lease.instance:
+            self.table.release(lease.id)
+            raise NotFound(f"the instance of {lease.name!r} this lease kept is gone")
+        return lease.to_wire(self.table.clock())
+
+    async def op_lease_release(self, request: LeaseRelease) -> dict[str, Any]:
+        lease = self.table.release(request.lease)
+        left = self.table.count(lease.name)
+        log.info("lease on %s released by %s (%d left)", lease.name, lease.holder, left)
+        unloaded = False
+        if not left:
+            unloaded = await self._unload_unleased(lease.name, "its last lease was released")
+        return {"name": lease.name, "leases": left, "unloaded": unloaded}
+
+    def _lease_home(self, name: str) -> bool:
+        # One node keeps a dataset's leases (the first it was placed over), so that only
+        # that node decides to unload it.
+        record = self.store.datasets.get(name)
+        return record is None or not record.members or record.members[0] == self.address()
+
+    async def _expire_leases(self) -> None:
+        """End leases that were not renewed (a crashed job) and leased datasets no one holds."""
+        while True:
+            await trio.sleep(min(1.0, self.table.ttl / 4))
+            try:
+                reasons: dict[str, str] = {}
+                for lease in self.table.expire():
+                    log.warning("lease on %s held by %s expired", lease.name, lease.holder)
+                    reasons[lease.name] = "its last lease expired"
+                leased = [
+                    r.name
+                    for r in self.store.datasets.values()
+                    if r.lifetime == "leased" and self._lease_home(r.name)
+                ]
+                for name in self.table.idle(leased):
+                    reasons.setdefault(name, f"no lease on it for {self.table.ttl:g}s")
+                for name, why in sorted(reasons.items()):
+                    await self._unload_unleased(name, why)
+            except Exception:
+                log.exception("lease expiry failed; trying again")
+
+    async def _unload_unleased(self, name: str, why: str) -> bool:
+        """Unload a leased dataset no lease holds any more; an offline one is never touched."""
+        record = self.store.datasets.get(name)
+        if record is None or record.lifetime != "leased" or not self.table.begin_close(name):
+            return False
+        try:
+            log.info("unloading %s: %s", name, why)
+            await self.unload(name)
+        except KSpeedError as e:
+            log.warning("could not unload %s: %s", name, e)
+            return False
+        finally:
+            self.table.forget(name)
+        return True

@@ -1,7 +1,7 @@
 """Connections from this node to the other members, kept and reused across calls.
 
-A preload polls every member ten times a second; a connection (and a handshake) per call cost
-more than the calls. Each member gets a few idle connections; a call takes one (or opens one
+A preload asks every member for its state (long-polled) while it loads; a connection (and a
+handshake) per call cost more than the calls. Each member gets a few idle connections; a call takes one (or opens one
 when all are busy: a long "stage" scan must not hold up a ping) and gives it back after.
 Bulk reads from worker threads (healing copies whole segments) take blocking connections kept
 the same way: a new one per segment cost its handshake and TCP's ramp-up, ~4x the copy time.
@@ -20,6 +20,9 @@ from typing import Any
 
 import trio
 
+from kspeedfs.format.contract import Request
+from kspeedfs.format.contract.preload import Preload
+from kspeedfs.format.contract.preload import Stage as StageRequest
 from kspeedfs.format.errors import KSpeedError
 from kspeedfs.format.units import parse_address
 from kspeedfs.net.aconnection import AsyncNodeClient
@@ -29,10 +32,12 @@ log = logging.getLogger(__name__)
 
 IDLE_PER_MEMBER = 4
 # Ops that scan a whole source (or read and index a meta file) before answering.
-SLOW_OPS = frozenset({"stage", "preload", "meta_add"})
+SLOW_OPS = frozenset({StageRequest.OP, Preload.OP, "meta_add"})
 
 # An op on a member: (member, op, arguments) -> its answer.
 Call = Callable[[str, str, dict[str, Any]], Awaitable[dict[str, Any]]]
+# A typed request (kspeedfs.format.contract) to a member -> its answer.
+Ask = Callable[[str, Request], Awaitable[dict[str, Any]]]
 
 
 async def call_all(
@@ -87,6 +92,12 @@ class PeerPool:
             else:
                 self._closed_stats.update(client.stats)
                 await client.aclose()
+
+    async def ask(self, member: str, request: Request) -> dict[str, Any]:
+        """The typed request `request` on `member`; NodeUnreachable when it cannot be reached."""
+        fields = request.to_wire()
+        del fields["op"]
+        return await self.call(member, request.OP, fields)
 
     @contextlib.contextmanager
     def reader(self, member: str) -> Iterator[NodeClient]:

@@ -12,13 +12,11 @@
 from __future__ import annotations
 
 import base64
-import contextlib
 import dataclasses
 import logging
 import os
 import secrets
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -27,6 +25,20 @@ import trio
 import xxhash
 
 from kspeedfs.format import placement
+from kspeedfs.format.contract.node import UnloadLocal
+from kspeedfs.format.contract.preload import (
+    Abort,
+    Commit,
+    Preload,
+    StageClaim,
+    StageDone,
+    StageManifest,
+    StagePush,
+    StagePut,
+    StageResult,
+    StageStatus,
+)
+from kspeedfs.format.contract.preload import Stage as StageRequest
 from kspeedfs.format.errors import (
     AlreadyExists,
     DataError,
@@ -41,13 +53,16 @@ from kspeedfs.format.layout import Layout
 from kspeedfs.format.localdata import MANIFEST_FILE, segment_path
 from kspeedfs.format.manifest import Manifest, plan_layout, write_manifest
 from kspeedfs.format.names import validate_name
+from kspeedfs.format.pieces import Assembly, Piece, pieces_of
 from kspeedfs.format.tree import Tree
 from kspeedfs.format.units import format_size
 from kspeedfs.node import meta as metafiles
 from kspeedfs.node import sourceio
-from kspeedfs.node.ops import ADMIN, OpRegistry, int_field, str_field
-from kspeedfs.node.peers import Call
+from kspeedfs.node.loads import answer_on_change
+from kspeedfs.node.ops import ADMIN, OpRegistry, answering
+from kspeedfs.node.peers import Ask, Call
 from kspeedfs.node.store import SegmentStore
+from kspeedfs.node.tasks import Tasks
 from kspeedfs.sources.loader import (
     Progress,
     load_segments,
@@ -62,9 +77,9 @@ STAGE_IDLE_TIMEOUT = 300.0
 # A source file of another version than listed, at or after its copy: the preload is scanned,
 # planned and loaded again, this many attempts in all, before it fails with that line.
 LOAD_ATTEMPTS = 3
-POLL_INTERVAL = 0.1
-PUSH_CHUNK = 4 * 1024 * 1024
-MANIFEST_CHUNK = 4 * 1024 * 1024
+# The longest a coordinator's stage_status waits for a member's state to change: its answer
+# also carries the member's counts for the preload's progress.
+STATUS_WAIT_S = 0.5
 MAX_MANIFEST_BYTES = 1 << 34
 
 
@@ -106,6 +121,7 @@ class Stage:
     seg_checksums: dict[int, int] = dataclasses.field(default_factory=dict)
     stored: int = 0
     last_contact: float = dataclasses.field(default_factory=time.monotonic)
+    manifest: Assembly | None = None  # the manifest's pieces, as they come
 
     def written(self) -> int:
         """Bytes of its reservation on the filesystem already (at least: a segment is
@@ -120,53 +136,46 @@ class Stager:
         self.store = store
         self.address = address
         self.stages: dict[str, Stage] = {}
-        # Trees this node scanned as a coordinator, by preload uuid: its own stage reuses them.
-        self._planned: dict[str, Tree] = {}
-        self._nursery: trio.Nursery | None = None
+        self.tasks = Tasks()  # the loads staged here
         self.loaded = {"segments": 0, "bytes": 0}  # what this node loaded from sources
         # Admission: preload uuid -> when its part was claimed here (its stage takes it over).
         self.claims: dict[str, float] = {}
-        self.metafiles = metafiles.MetaIndexes(store, self._get)
+        self.metafiles = metafiles.MetaIndexes(store, self._stage_of)
 
     def register_ops(self, ops: OpRegistry) -> None:
         """The member's side of a preload: only a coordinator (an admin) drives it."""
-        for name, handler in (
-            ("stage_claim", self.op_stage_claim),
-            ("stage", self.op_stage),
-            ("stage_status", self.op_stage_status),
-            ("stage_result", self.op_stage_result),
-            ("stage_manifest", self.op_stage_manifest),
-            ("stage_put", self.op_stage_put),
-            ("stage_done", self.op_stage_done),
-            ("commit", self.op_commit),
-            ("abort", self.op_abort),
+        for request, handler in (
+            (StageClaim, self.op_stage_claim),
+            (StageRequest, self.op_stage),
+            (StagePush, self.op_stage_push),
+            (StageStatus, self.op_stage_status),
+            (StageResult, self.op_stage_result),
+            (StageManifest, self.op_stage_manifest),
+            (StagePut, self.op_stage_put),
+            (StageDone, self.op_stage_done),
+            (Commit, self.op_commit),
+            (Abort, self.op_abort),
         ):
-            ops.add(name, handler, ADMIN)
+            ops.add(request, handler, ADMIN)
         self.metafiles.register_ops(ops)
 
     async def run(self, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         """Hosts the loads staged here, and drops the parts whose coordinator went away."""
         async with trio.open_nursery() as nursery:
-            self._nursery = nursery
+            await nursery.start(self.tasks.run)
             nursery.start_soon(self.expire_idle)
             task_status.started()
 
-    @contextlib.contextmanager
-    def scanned(self, uuid: str, tree: Tree) -> Iterator[None]:
-        """While a coordinator starts the stages: this node's own stage reuses its scan."""
-        self._planned[uuid] = tree
-        try:
-            yield
-        finally:
-            self._planned.pop(uuid, None)
-
-    def _get(self, msg: dict[str, Any]) -> Stage:
-        name = validate_name(msg.get("name", ""))
+    def _get(self, name: str, uuid: str) -> Stage:
         stage = self.stages.get(name)
-        if stage is None or stage.uuid != msg.get("uuid"):
+        if stage is None or stage.uuid != uuid:
             raise NotFound(f"no staged preload of {name!r} on {self.address}")
         stage.last_contact = time.monotonic()
         return stage
+
+    def _stage_of(self, msg: dict[str, Any]) -> Stage:
+        """The stage a meta index piece is for (MetaIndexes reads its request's fields)."""
+        return self._get(validate_name(msg.get("name", "")), str(msg.get("uuid", "")))
 
     def _check_absent(self, name: str) -> None:
         if name in self.store.datasets:
@@ -175,84 +184,95 @@ class Stager:
         if current is not None and current.progress.state != "failed":
             raise AlreadyExists(f"dataset {name!r} is already loading on {self.address}")
 
-    async def op_stage_claim(self, msg: dict[str, Any]) -> dict[str, Any]:
+    async def op_stage_claim(self, request: StageClaim) -> dict[str, Any]:
         """Admission: claim this member's part of a preload (NoSpace when it cannot fit)
         before any member loads; its stage takes the claim over, an abort gives it back."""
-        name = validate_name(msg.get("name", ""))
-        uuid = str_field(msg, "uuid")
-        self._check_absent(name)
-        if uuid not in self.claims:
-            self.store.reserve(_claim(uuid), int_field(msg, "bytes", 0))
-        self.claims[uuid] = time.monotonic()
+        self._check_absent(request.name)
+        if request.uuid not in self.claims:
+            self.store.reserve(_claim(request.uuid), request.bytes)
+        self.claims[request.uuid] = time.monotonic()
         return {"node": self.address}
 
     def _drop_claim(self, uuid: str) -> None:
         if self.claims.pop(uuid, None) is not None:
             self.store.release(_claim(uuid))
 
-    async def op_stage(self, msg: dict[str, Any]) -> dict[str, Any]:
-        name = validate_name(msg.get("name", ""))
-        source = str(msg.get("source", ""))
-        self._check_absent(name)
-        if msg.get("push"):
-            return await self._stage_for_push(name, msg)
-        segment_size = int(msg["segment_size"])
+    async def op_stage(self, request: StageRequest) -> dict[str, Any]:
+        """Stage the held segments of a preload another node coordinates: this member scans
+        the source itself, and must see the tree the coordinator saw."""
+        self._check_absent(request.name)
         try:
-            src = open_source(source, str(msg.get("endpoint") or ""))
+            src = open_source(request.source, request.endpoint)
             await sourceio.run_sync(src.check)
         except KSpeedError as e:
             raise SourceNotVisible(f"node {self.address} cannot read the source: {e}") from None
-        progress = Progress(state="scanning", source=source)
-        stage = Stage(name, str(msg["uuid"]), source, [int(k) for k in msg["segments"]], progress)
-        self.stages[name] = stage
+        progress = Progress(state="scanning", source=request.source)
+        stage = Stage(request.name, request.uuid, request.source, list(request.segments), progress)
+        self.stages[stage.name] = stage
         try:
-            tree = self._planned.pop(stage.uuid, None)
-            if tree is None:
-                tree = await sourceio.run_sync(src.scan)
-            if tree_digest(tree) != msg.get("digest"):
+            tree = await sourceio.run_sync(src.scan)
+            if tree_digest(tree) != request.digest:
                 raise SourceNotVisible(
-                    f"node {self.address} sees a different source tree at {source}"
+                    f"node {self.address} sees a different source tree at {request.source}"
                 )
-            offsets, seg_len = plan_layout(tree, segment_size)
+            laid = lay_out(tree, request.segment_size)
+        except BaseException:
+            self.stages.pop(stage.name, None)
+            raise
+        return await self._start_load(stage, src, tree, laid, request.meta_bytes)
+
+    async def stage_planned(self, plan: Plan, meta_bytes: int) -> dict[str, Any]:
+        """Stage this node's part of a preload it coordinates: from the plan's own scan and
+        layout, nothing scanned or laid out again."""
+        self._check_absent(plan.name)
+        progress = Progress(state="scanning", source=plan.source)
+        stage = Stage(plan.name, plan.uuid, plan.source, plan.assignment[self.address], progress)
+        self.stages[stage.name] = stage
+        src = open_source(plan.source, plan.endpoint)
+        return await self._start_load(stage, src, plan.tree, plan.laid, meta_bytes)
+
+    async def _start_load(
+        self, stage: Stage, src: Source, tree: Tree, laid: LaidOut, meta_bytes: int
+    ) -> dict[str, Any]:
+        """Reserve the stage's bytes, make its staging folder, start its load."""
+        try:
+            seg_len = laid.seg_len
             if any(not 0 <= k < len(seg_len) for k in stage.held):
                 raise InvalidArgument("segment number out of range")
             held_bytes = sum(seg_len[k] for k in stage.held)
-            stage.stored = held_bytes + manifest_size_estimate(tree) + int(msg.get("meta_bytes", 0))
+            stage.stored = held_bytes + manifest_size_estimate(tree) + meta_bytes
             self._take_claim(stage)
         except BaseException:
-            self.stages.pop(name, None)
+            self.stages.pop(stage.name, None)
             raise
         try:
-            stage.staging = await trio.to_thread.run_sync(self.store.new_staging, name)
+            stage.staging = await trio.to_thread.run_sync(self.store.new_staging, stage.name)
         except BaseException as e:
             await self._fail(stage, e)
-            self.stages.pop(name, None)
+            self.stages.pop(stage.name, None)
             raise
-        progress.state = "loading"
-        assert self._nursery is not None
-        self._nursery.start_soon(self._load, stage, src, tree, offsets, seg_len, segment_size)
+        stage.progress.state = "loading"
+        self.tasks.start_soon(self._load, stage, src, tree, laid.layout)
         return {"node": self.address, "segments": len(stage.held), "bytes": held_bytes}
 
-    async def _stage_for_push(self, name: str, msg: dict[str, Any]) -> dict[str, Any]:
+    async def op_stage_push(self, request: StagePush) -> dict[str, Any]:
         """Allocate the held segments; the coordinator then writes them with stage_put."""
-        if not isinstance(msg.get("seg_len"), dict):
-            raise InvalidArgument("seg_len must be an object of segment -> length")
-        seg_len = {int(k): int(v) for k, v in msg["seg_len"].items()}
-        if any(k < 0 or v < 0 for k, v in seg_len.items()):
-            raise InvalidArgument("negative segment number or length")
-        progress = Progress(state="receiving", source=str(msg.get("source", "")))
+        self._check_absent(request.name)
+        if len(request.segments) != len(request.lengths):
+            raise InvalidArgument("segments and lengths must be lists of one length")
+        seg_len = dict(zip(request.segments, request.lengths, strict=True))
+        progress = Progress(state="receiving", source=request.source)
         progress.bytes_total = sum(seg_len.values())
-        stage = Stage(name, str(msg["uuid"]), progress.source, sorted(seg_len), progress)
-        stage.stored = progress.bytes_total + int(msg.get("manifest_estimate", 0))
-        stage.stored += int(msg.get("meta_bytes", 0))
+        stage = Stage(request.name, request.uuid, request.source, sorted(seg_len), progress)
+        stage.stored = progress.bytes_total + request.manifest_estimate + request.meta_bytes
         self._take_claim(stage)
-        self.stages[name] = stage
+        self.stages[stage.name] = stage
         try:
-            stage.staging = await trio.to_thread.run_sync(self.store.new_staging, name)
+            stage.staging = await trio.to_thread.run_sync(self.store.new_staging, stage.name)
             await trio.to_thread.run_sync(_allocate, stage.staging, seg_len)
         except BaseException as e:
             await self._fail(stage, e)
-            self.stages.pop(name, None)
+            self.stages.pop(stage.name, None)
             if isinstance(e, OSError):
                 raise DataError(f"cannot allocate staging on {self.address}: {e}") from None
             raise
@@ -266,21 +286,21 @@ class Stager:
         )
         self.claims.pop(stage.uuid, None)
 
-    async def op_stage_put(self, msg: dict[str, Any]) -> dict[str, Any]:
-        stage = self._get(msg)
-        seg, offset = int(msg["segment"]), int(msg["offset"])
-        assert stage.staging is not None
-        if seg not in stage.held or stage.progress.state != "receiving":
+    async def op_stage_put(self, request: StagePut) -> dict[str, Any]:
+        stage = self._get(request.name, request.uuid)
+        seg = request.segment
+        if stage.staging is None or seg not in stage.held or stage.progress.state != "receiving":
             raise InvalidArgument(f"segment {seg} is not expected here")
         written = await trio.to_thread.run_sync(
-            _write_piece, segment_path(stage.staging, seg), offset, str(msg["data"])
+            _write_piece, segment_path(stage.staging, seg), request.piece
         )
         stage.progress.bytes_done += written
         return {"node": self.address}
 
-    async def op_stage_done(self, msg: dict[str, Any]) -> dict[str, Any]:
-        stage = self._get(msg)
-        assert stage.staging is not None
+    async def op_stage_done(self, request: StageDone) -> dict[str, Any]:
+        stage = self._get(request.name, request.uuid)
+        if stage.staging is None or stage.progress.state != "receiving":
+            raise InvalidArgument(f"{stage.name} is {stage.progress.state}, not receiving")
         stage.seg_checksums = await trio.to_thread.run_sync(
             segment_checksums, stage.staging, stage.held
         )
@@ -289,15 +309,7 @@ class Stager:
         self.loaded["bytes"] += stage.progress.bytes_done
         return {"node": self.address}
 
-    async def _load(
-        self,
-        stage: Stage,
-        src: Source,
-        tree: Tree,
-        offsets: list[int],
-        seg_len: list[int],
-        segment_size: int,
-    ) -> None:
+    async def _load(self, stage: Stage, src: Source, tree: Tree, layout: Layout) -> None:
         assert stage.staging is not None
         try:
             seg_sums: dict[int, int] = {}
@@ -305,7 +317,7 @@ class Stager:
                 load_segments,
                 src,
                 tree,
-                Layout.of_tree(tree, offsets, seg_len, segment_size),
+                layout,
                 stage.held,
                 stage.staging,
                 stage.progress,
@@ -332,11 +344,16 @@ class Stager:
         stage.progress.error_kind = type(e).__name__ if isinstance(e, KSpeedError) else ""
         log.error("staging %s failed: %s", stage.name, stage.progress.error)
 
-    async def op_stage_status(self, msg: dict[str, Any]) -> dict[str, Any]:
-        return self._get(msg).progress.to_wire()
+    async def op_stage_status(self, request: StageStatus) -> dict[str, Any]:
+        """The stage's progress, long-polled: answered when its state changes from the
+        version the coordinator saw, or after wait_s."""
+        stage = self._get(request.name, request.uuid)
+        return await answer_on_change(
+            stage.progress.to_wire, request.wait_for_change_after, request.wait_s
+        )
 
-    async def op_stage_result(self, msg: dict[str, Any]) -> dict[str, Any]:
-        stage = self._get(msg)
+    async def op_stage_result(self, request: StageResult) -> dict[str, Any]:
+        stage = self._get(request.name, request.uuid)
         if stage.progress.state != "staged":
             raise InvalidArgument(f"{stage.name} is {stage.progress.state}, not staged")
         idx = np.array(sorted(stage.checksums), dtype="<u4")
@@ -347,22 +364,25 @@ class Stager:
             "segments": {str(k): v for k, v in stage.seg_checksums.items()},
         }
 
-    async def op_stage_manifest(self, msg: dict[str, Any]) -> dict[str, Any]:
-        stage = self._get(msg)
-        assert stage.staging is not None
-        offset, total = int(msg["offset"]), int(msg["total"])
-        received = await trio.to_thread.run_sync(
-            _write_manifest_piece, stage, offset, total, str(msg["data"])
-        )
-        if received < total:
+    async def op_stage_manifest(self, request: StageManifest) -> dict[str, Any]:
+        stage = self._get(request.name, request.uuid)
+        if stage.staging is None or stage.progress.state != "staged":
+            raise InvalidArgument(f"{stage.name} is {stage.progress.state}, not staged")
+        if stage.manifest is None or request.piece.offset == 0:
+            stage.manifest = Assembly(MAX_MANIFEST_BYTES)
+        received = stage.manifest.add(request.piece)
+        if not stage.manifest.done:
             return {"node": self.address, "received": received}
+        blob, stage.manifest = bytes(stage.manifest.buf), None
+        await trio.to_thread.run_sync(_put_manifest, stage, blob)
         return {"node": self.address}
 
-    async def op_commit(self, msg: dict[str, Any]) -> dict[str, Any]:
-        stage = self._get(msg)
+    async def op_commit(self, request: Commit) -> dict[str, Any]:
+        stage = self._get(request.name, request.uuid)
         staging = stage.staging
-        assert staging is not None
-        meta = dict(msg["meta"], held=stage.held)
+        if staging is None:
+            raise InvalidArgument(f"{stage.name}: nothing staged to commit")
+        meta = dict(request.meta, held=stage.held)
 
         def publish() -> None:
             if not (staging / MANIFEST_FILE).exists():
@@ -379,17 +399,20 @@ class Stager:
         log.info("published %s: %d segments held here", stage.name, len(stage.held))
         return {"node": self.address}
 
-    async def op_abort(self, msg: dict[str, Any]) -> dict[str, Any]:
-        name = validate_name(msg.get("name", ""))
-        self._drop_claim(str(msg.get("uuid")))
+    async def op_abort(self, request: Abort) -> dict[str, Any]:
+        await self.abort(request.name, request.uuid)
+        return {"node": self.address}
+
+    async def abort(self, name: str, uuid: str) -> None:
+        """Drop preload `uuid`'s claim and its staged part of `name` here, if any."""
+        self._drop_claim(uuid)
         stage = self.stages.get(name)
-        if stage is not None and stage.uuid == msg.get("uuid"):
+        if stage is not None and stage.uuid == uuid:
             # A loading thread sees the cancel and cleans up after itself; otherwise we do.
             stage.progress.cancel.set()
             if stage.progress.state in ("staged", "receiving"):
                 await self._fail(stage, KSpeedError("aborted by the coordinator"))
             self.stages.pop(name, None)
-        return {"node": self.address}
 
     async def expire_idle(self) -> None:
         """Drop staged parts whose coordinator stopped calling (it died mid-preload)."""
@@ -403,7 +426,7 @@ class Stager:
             for stage in list(self.stages.values()):
                 if now - stage.last_contact > STAGE_IDLE_TIMEOUT:
                     log.warning("dropping %s: its coordinator stopped calling", stage.name)
-                    await self.op_abort({"name": stage.name, "uuid": stage.uuid})
+                    await self.abort(stage.name, stage.uuid)
 
 
 def _claim(uuid: str) -> str:
@@ -419,35 +442,26 @@ def _allocate(staging: Path, seg_len: dict[int, int]) -> None:
                 os.posix_fallocate(f.fileno(), 0, length)
 
 
-def _write_piece(path: Path, offset: int, data_b64: str) -> int:
-    """Write one pushed piece of a segment; returns its length."""
-    data = base64.b64decode(data_b64)
+def _write_piece(path: Path, piece: Piece) -> int:
+    """Write one pushed piece of a segment (its total: the segment's length); returns its
+    length."""
     fd = os.open(path, os.O_WRONLY)
     try:
-        if offset < 0 or offset + len(data) > os.fstat(fd).st_size:
-            raise InvalidArgument("write past the end of the segment")
-        os.pwrite(fd, data, offset)
+        if piece.total != os.fstat(fd).st_size:
+            raise InvalidArgument(f"a piece of a {piece.total}-byte segment, not of this one")
+        data = piece.raw
+        os.pwrite(fd, data, piece.offset)
     finally:
         os.close(fd)
     return len(data)
 
 
-def _write_manifest_piece(stage: Stage, offset: int, total: int, data_b64: str) -> int:
-    """Write one piece of the manifest; the last one is checked and put in place. Returns the
-    bytes received so far."""
+def _put_manifest(stage: Stage, blob: bytes) -> None:
+    """The whole manifest received: checked against the stage and put in place."""
     assert stage.staging is not None
-    data = base64.b64decode(data_b64)
-    if offset < 0 or offset + len(data) > total or total > MAX_MANIFEST_BYTES:
-        raise InvalidArgument("manifest piece out of range")
     path = stage.staging / MANIFEST_FILE
     tmp = path.with_suffix(".tmp")
-    with open(tmp, "r+b" if offset else "wb") as f:
-        f.seek(offset)
-        f.write(data)
-    if offset + len(data) < total:
-        return offset + len(data)
-    if tmp.stat().st_size != total:
-        raise DataError("manifest arrived incomplete")
+    tmp.write_bytes(blob)
     m = Manifest(tmp)
     if m.uuid != stage.uuid:
         raise DataError("manifest belongs to another preload")
@@ -455,11 +469,28 @@ def _write_manifest_piece(stage: Stage, offset: int, total: int, data_b64: str) 
         if int(m.seg_checksum[k]) != stage.seg_checksums[k]:
             raise DataError(f"segment {k} checksum disagrees with the manifest")
     os.replace(tmp, path)
-    return total
+
+
+@dataclasses.dataclass(frozen=True)
+class LaidOut:
+    """A scan's layout in segments, worked out once: where each file's bytes go (`offsets`),
+    each segment's length, and the two as a Layout the loaders read from."""
+
+    offsets: list[int]
+    seg_len: list[int]
+    layout: Layout
+
+
+def lay_out(tree: Tree, segment_size: int) -> LaidOut:
+    offsets, seg_len = plan_layout(tree, segment_size)
+    return LaidOut(offsets, seg_len, Layout.of_tree(tree, offsets, seg_len, segment_size))
 
 
 @dataclasses.dataclass
 class Plan:
+    """A preload as its coordinator planned it: the scan, its layout and digest, and where
+    each segment goes; computed once and carried to every step."""
+
     name: str
     uuid: str
     source: str
@@ -467,6 +498,7 @@ class Plan:
     replicas: int
     segment_size: int
     tree: Tree
+    laid: LaidOut
     digest: str
     members: list[str]
     assignment: dict[str, list[int]]
@@ -474,79 +506,79 @@ class Plan:
     metas: list[str] = dataclasses.field(default_factory=list)  # meta files to index
 
 
-async def plan_preload(msg: dict[str, Any], segment_size: int, live_members: list[str]) -> Plan:
-    name = validate_name(msg.get("name", ""))
-    source = msg.get("source")
-    lifetime = msg.get("lifetime", "offline")
-    replicas = int(msg.get("replicas", 1))
-    if lifetime not in ("offline", "leased"):
-        raise InvalidArgument(f"bad lifetime {lifetime!r}: offline or leased")
-    if not isinstance(source, str) or not (os.path.isabs(source) or is_url(source)):
+async def plan_preload(request: Preload, segment_size: int, live_members: list[str]) -> Plan:
+    source = request.source
+    if not (os.path.isabs(source) or is_url(source)):
         raise InvalidArgument("source must be an absolute path or a URL")
-    if not 1 <= replicas <= len(live_members):
+    if not request.replicas <= len(live_members):
         raise InvalidArgument(
-            f"replicas must be between 1 and the {len(live_members)} live nodes, not {replicas}"
+            f"replicas must be between 1 and the {len(live_members)} live nodes,"
+            f" not {request.replicas}"
         )
-    src = open_source(source, str(msg.get("endpoint") or ""))
+    src = open_source(source, request.endpoint)
     tree = await sourceio.run_sync(src.scan)
-    _offsets, seg_len = plan_layout(tree, segment_size)
+    laid = lay_out(tree, segment_size)
+    placed = placement.Placement(request.name, len(laid.seg_len), live_members, request.replicas)
     return Plan(
-        name=name,
+        name=request.name,
         uuid=secrets.token_hex(16),
         source=source,
-        lifetime=lifetime,
-        replicas=replicas,
+        lifetime=request.lifetime or "offline",
+        replicas=request.replicas,
         segment_size=segment_size,
         tree=tree,
+        laid=laid,
         digest=tree_digest(tree),
         members=list(live_members),
-        assignment=placement.Placement(name, len(seg_len), live_members, replicas).assignment(),
-        endpoint=str(msg.get("endpoint") or ""),
-        metas=metafiles.requested(msg, tree),
+        assignment=placed.assignment(),
+        endpoint=request.endpoint,
+        metas=metafiles.requested({"meta": list(request.meta)}, tree),
     )
 
 
-async def start_stages(plan: Plan, call: Call) -> set[str]:
-    """Ask every member to stage its part. Each checks the source and reserves its budget
-    before answering, so a preload that cannot fit is refused before anything loads.
-    Returns the members that cannot read the source (their segments get pushed)."""
-    _offsets, seg_len = plan_layout(plan.tree, plan.segment_size)
-    ident = {"name": plan.name, "uuid": plan.uuid}
+async def start_stages(plan: Plan, ask: Ask, own: Stager) -> set[str]:
+    """Ask every member to stage its part (this node's own stager from the plan itself). Each
+    checks the source and reserves its budget before answering, so a preload that cannot fit
+    is refused before anything loads. Returns the members that cannot read the source (their
+    segments get pushed)."""
+    seg_len = plan.laid.seg_len
     pushed: set[str] = set()
     errors: list[KSpeedError] = []
     meta_bytes = metafiles.reserve_estimate(plan.tree, plan.metas)
+    manifest_estimate = manifest_size_estimate(plan.tree)
 
     async def start(member: str) -> None:
         held = plan.assignment[member]
         try:
+            if member == own.address:
+                with answering(f"op {StageRequest.OP}"):  # refused as the op would be
+                    await own.stage_planned(plan, meta_bytes)
+                return
             try:
-                await call(
-                    member,
-                    "stage",
-                    {
-                        **ident,
-                        "source": plan.source,
-                        "segment_size": plan.segment_size,
-                        "segments": held,
-                        "digest": plan.digest,
-                        "endpoint": plan.endpoint,
-                        "meta_bytes": meta_bytes,
-                    },
+                stage = StageRequest(
+                    name=plan.name,
+                    uuid=plan.uuid,
+                    source=plan.source,
+                    segment_size=plan.segment_size,
+                    segments=held,
+                    digest=plan.digest,
+                    endpoint=plan.endpoint,
+                    meta_bytes=meta_bytes,
                 )
+                await ask(member, stage)
             except SourceNotVisible as e:
                 log.info("%s; pushing its %d segments to it", e, len(held))
-                await call(
-                    member,
-                    "stage",
-                    {
-                        **ident,
-                        "push": True,
-                        "source": plan.source,
-                        "seg_len": {str(k): seg_len[k] for k in held},
-                        "manifest_estimate": manifest_size_estimate(plan.tree),
-                        "meta_bytes": meta_bytes,
-                    },
+                lengths = [seg_len[k] for k in held]
+                push = StagePush(
+                    name=plan.name,
+                    uuid=plan.uuid,
+                    source=plan.source,
+                    segments=held,
+                    lengths=lengths,
+                    manifest_estimate=manifest_estimate,
+                    meta_bytes=meta_bytes,
                 )
+                await ask(member, push)
                 pushed.add(member)
         except KSpeedError as e:
             errors.append(e)
@@ -557,39 +589,41 @@ async def start_stages(plan: Plan, call: Call) -> set[str]:
     # is ahead of the other on every member after it.
     try:
         for member in sorted(plan.members):
-            held = sum(seg_len[k] for k in plan.assignment[member])
-            part = held + manifest_size_estimate(plan.tree) + meta_bytes
-            await call(member, "stage_claim", {**ident, "bytes": part})
+            held_bytes = sum(seg_len[k] for k in plan.assignment[member])
+            part = held_bytes + manifest_estimate + meta_bytes
+            await ask(member, StageClaim(name=plan.name, uuid=plan.uuid, bytes=part))
     except KSpeedError:
-        await rollback(plan, call)
+        await rollback(plan, ask)
         raise
     async with trio.open_nursery() as nursery:
         for member in plan.members:
             nursery.start_soon(start, member)
     if errors:
-        await rollback(plan, call)
+        await rollback(plan, ask)
         raise errors[0]
     return pushed
 
 
-async def rollback(plan: Plan, call: Call) -> None:
+async def rollback(plan: Plan, ask: Ask) -> None:
     """Abort the staged parts and unload any committed one, on every member."""
     with trio.CancelScope(shield=True):
         for member in plan.members:
-            for op in ("abort", "unload_local"):
+            for request in (
+                Abort(name=plan.name, uuid=plan.uuid),
+                UnloadLocal(plan.name, plan.uuid),
+            ):
                 try:
-                    await call(member, op, {"name": plan.name, "uuid": plan.uuid})
+                    await ask(member, request)
                 except KSpeedError as e:
                     log.warning("rollback of %s on %s: %s", plan.name, member, e)
 
 
 async def coordinate(
-    plan: Plan, call: Call, progress: Progress, scratch: Path, pushed: set[str]
+    plan: Plan, ask: Ask, call: Call, progress: Progress, scratch: Path, pushed: set[str]
 ) -> None:
     """Load on every member, build and send the manifest, commit; roll back on error."""
     tree = plan.tree
-    offsets, seg_len = plan_layout(tree, plan.segment_size)
-    layout = Layout.of_tree(tree, offsets, seg_len, plan.segment_size)
+    offsets, seg_len, layout = plan.laid.offsets, plan.laid.seg_len, plan.laid.layout
     source = open_source(plan.source, plan.endpoint)
     member_progress: dict[str, tuple[int, int]] = {}
     results: dict[str, dict[str, Any]] = {}
@@ -600,9 +634,14 @@ async def coordinate(
         if member in pushed:
             for k in plan.assignment[member]:
                 await push_segment(member, k)
-            await call(member, "stage_done", ident)
+            await ask(member, StageDone(name=plan.name, uuid=plan.uuid))
+        seen = -1  # the version of the member's state last seen: answered when it changes
         while True:
-            p = await call(member, "stage_status", ident)
+            status = StageStatus(
+                name=plan.name, uuid=plan.uuid, wait_for_change_after=seen, wait_s=STATUS_WAIT_S
+            )
+            p = await ask(member, status)
+            seen = p["version"]
             member_progress[member] = (p["bytes_done"], p["bytes_total"])
             done = sum(d for d, _ in member_progress.values())
             total = sum(t for _, t in member_progress.values()) or 1
@@ -613,14 +652,12 @@ async def coordinate(
             if p["state"] == "failed":
                 kind = p.get("error_kind") or "DataError"
                 raise error_from_wire(kind, f"node {member}: {p['error']}")
-            await trio.sleep(POLL_INTERVAL)
-        results[member] = await call(member, "stage_result", ident)
+        results[member] = await ask(member, StageResult(name=plan.name, uuid=plan.uuid))
 
     async def push_segment(member: str, seg: int) -> None:
         data = await sourceio.run_sync(source.read_segment, tree, layout, seg)
-        for pos in range(0, len(data), PUSH_CHUNK):
-            chunk = base64.b64encode(data[pos : pos + PUSH_CHUNK]).decode()
-            await call(member, "stage_put", {**ident, "segment": seg, "offset": pos, "data": chunk})
+        for piece in pieces_of(memoryview(data)):
+            await ask(member, StagePut(name=plan.name, uuid=plan.uuid, segment=seg, piece=piece))
 
     try:
         async with trio.open_nursery() as nursery:
@@ -668,10 +705,8 @@ async def coordinate(
 
         async def send_manifest(member: str) -> None:
             # In pieces: an ImageNet manifest (~100 MB) is far over one control frame.
-            for pos in range(0, len(blob), MANIFEST_CHUNK):
-                chunk = base64.b64encode(blob[pos : pos + MANIFEST_CHUNK]).decode()
-                args = {**ident, "offset": pos, "total": len(blob), "data": chunk}
-                await call(member, "stage_manifest", args)
+            for piece in pieces_of(blob):
+                await ask(member, StageManifest(name=plan.name, uuid=plan.uuid, piece=piece))
 
         async with trio.open_nursery() as nursery:
             for member in plan.members:
@@ -681,7 +716,7 @@ async def coordinate(
         # is rolled back by unloading the dataset everywhere.
         async with trio.open_nursery() as nursery:
             for member in plan.members:
-                nursery.start_soon(call, member, "commit", {**ident, "meta": meta})
+                nursery.start_soon(ask, member, Commit(name=plan.name, uuid=plan.uuid, meta=meta))
         log.info(
             "preload of %s committed on %d nodes: %s",
             plan.name,
@@ -689,7 +724,7 @@ async def coordinate(
             format_size(tree.data_bytes),
         )
     except BaseException:
-        await rollback(plan, call)
+        await rollback(plan, ask)
         raise
     finally:
         metafiles.discard(indexes)

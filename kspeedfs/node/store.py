@@ -528,6 +528,19 @@ class SegmentStore:
     def discard_staging(self, staging: Path) -> None:
         remove_beneath(self._fd["staging"], self._staged_name(staging))
 
+    def instance(self, name: str, uuid: str = "") -> DatasetRecord:
+        """The published dataset `name`, which must be instance `uuid` when one is given:
+        NotFound when there is none (and none was asked for), StaleDataset when the instance
+        asked for was unloaded or loaded again."""
+        record = self.datasets.get(name)
+        if record is None and not uuid:
+            raise NotFound(f"no dataset named {name!r}")
+        if record is None or (uuid and uuid != record.uuid):
+            raise StaleDataset(
+                f"dataset {name!r} was unloaded or loaded again: the instance asked for is gone"
+            )
+        return record
+
     def open(self, name: str) -> LocalDataset:
         ds = self._open.get(name)
         if ds is None:

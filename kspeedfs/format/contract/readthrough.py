@@ -106,5 +106,5 @@ class Refreshed(Wire):
     name: str
     state: Literal["unchanged", "refreshed"]
     changed: int  # files changed at the source
-    kept: int = 0  # segments carried over to the new instance
-    segments: int = 0  # of the new instance
+    kept: int  # segments carried over to the new instance (unchanged: all)
+    segments: int  # of the instance served now

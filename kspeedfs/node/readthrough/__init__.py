@@ -42,9 +42,8 @@ from kspeedfs.format.contract.readthrough import (
     Refresh,
     RegisterSource,
     Touch,
-    Touched,
 )
-from kspeedfs.format.errors import KSpeedError, NotFound
+from kspeedfs.format.errors import KSpeedError
 from kspeedfs.format.readthrough_view import READTHROUGH
 from kspeedfs.format.units import format_size, parse_size
 from kspeedfs.node.loads import LoadTable
@@ -119,7 +118,7 @@ class ReadThroughCache:
         ops.add(RegisterSource, self.registrar.op_register_source, ADMIN)
         ops.add(Refresh, self.watch.op_refresh, ADMIN)
         ops.add(FillSegment, self.filler.op_fill, JOB)
-        ops.add(Touch, self.op_touch, JOB)
+        ops.add(Touch, self.evictor.op_touch, JOB)
         ops.add(Plan, self.plans.op_plan, JOB)
 
     def recover(self) -> None:
@@ -162,17 +161,6 @@ class ReadThroughCache:
     def note_reads(self, name: str, segments: list[int]) -> None:
         """Segments another node read from here (its reads miss this node's policy otherwise)."""
         self.evictor.note_reads(name, segments)
-
-    async def op_touch(self, request: Touch) -> Touched:
-        try:
-            self.instances.find(request.name, request.uuid)
-        except NotFound:
-            return Touched(False)
-        self.evictor.note_reads(request.name, request.segments, request.hits)
-        return Touched(True)
-
-    async def check_sources(self) -> None:
-        await self.watch.check_sources()
 
     def status(self) -> dict[str, Any]:
         return cache_status(self.store, self.instances, self.spill)

@@ -6,7 +6,8 @@ dataset with a cap (`max_memory`) never holds more: past it, only its own segmen
 A capped dataset's segments are its share: no other dataset's miss, and no preload, takes
 them. Under a policy with fair shares (`stable`, `plan`), a miss takes from another uncapped
 dataset only when that one holds more than the miss's own dataset. When the policy finds no
-victim, the miss is not kept (`NotAdmitted`): the reader reads the source."""
+victim, the miss is not kept (`NotAdmitted`): the reader reads the source. The reads that
+order evictions come here too (fills, mounts' `touch` reports, other nodes' reads)."""
 
 from __future__ import annotations
 
@@ -15,7 +16,8 @@ import logging
 
 import trio
 
-from kspeedfs.format.errors import InvalidArgument, NoSpace
+from kspeedfs.format.contract.readthrough import Touch, Touched
+from kspeedfs.format.errors import InvalidArgument, NoSpace, NotFound
 from kspeedfs.format.localdata import segment_path
 from kspeedfs.format.units import format_size
 from kspeedfs.node.readthrough.dataset import CachedDataset, Instances, spilled
@@ -58,6 +60,15 @@ class Evictor:
         for seg in segments:
             self.used(ds, seg)
         ds.stats["hits"] += hits
+
+    async def op_touch(self, request: Touch) -> Touched:
+        """A mount's report of the segments its processes read through their maps."""
+        try:
+            self.instances.find(request.name, request.uuid)
+        except NotFound:
+            return Touched(False)
+        self.note_reads(request.name, request.segments, request.hits)
+        return Touched(True)
 
     def held(self, ds: CachedDataset) -> int:
         """Bytes `ds` holds in memory and is filling: what its cap and its share count."""

@@ -30,9 +30,9 @@ from kspeedfs.node import sourceio
 from kspeedfs.node.metrics import segment_seconds
 from kspeedfs.node.readthrough.dataset import CachedDataset, Instances, file_checksum, spilled
 from kspeedfs.node.readthrough.evict import Evictor, NotAdmitted
-from kspeedfs.node.readthrough.tasks import Background
 from kspeedfs.node.spill import SpillArea
 from kspeedfs.node.store import SegmentStore
+from kspeedfs.node.tasks import Tasks
 from kspeedfs.sources.source import Source, open_source
 
 log = logging.getLogger(__name__)
@@ -65,7 +65,7 @@ class Filler:
         self.spill = spill
         self.fill_wait = fill_wait  # how long a fill op waits before it answers "filling"
         self.fills: dict[tuple[str, int], Fill] = {}
-        self.tasks = Background()
+        self.tasks = Tasks()
         self.seconds = segment_seconds(
             "kspeedfs_readthrough_fill_seconds",
             "time to fill a segment, from the miss to the segment in memory",

@@ -23,8 +23,8 @@ from kspeedfs.node.loads import LoadTable
 from kspeedfs.node.readthrough.build import InstanceBuilder, catalog_fields
 from kspeedfs.node.readthrough.catalog import ClusterCatalog
 from kspeedfs.node.readthrough.dataset import Instances, open_instance
-from kspeedfs.node.readthrough.tasks import Background
 from kspeedfs.node.store import SegmentStore
+from kspeedfs.node.tasks import Tasks
 from kspeedfs.sources.loader import Progress, manifest_size_estimate
 from kspeedfs.sources.source import Source, is_url, open_source
 
@@ -53,7 +53,7 @@ class Registrar:
         self.loads = loads
         self.address = address  # this node's: it coordinates the datasets it registers
         self.cluster: ClusterCatalog | None = None  # etcd: the catalog places the segments
-        self.tasks = Background()
+        self.tasks = Tasks()
 
     async def run(self, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         await self.tasks.run(task_status=task_status)

@@ -117,7 +117,8 @@ class SourceWatch:
         changed = await trio.to_thread.run_sync(diff_counts, ds.manifest, tree)
         if not changed and tree_digest(tree) == ds.manifest.header.get("digest"):
             self.instances.changed.pop(name, None)
-            return Refreshed(name, "unchanged", 0)
+            segments = ds.manifest.segments
+            return Refreshed(name, "unchanged", 0, kept=segments, segments=segments)
         # etcd: the new instance is placed over the members live now; the others drop the old
         # one and adopt the new (their cached segments are filled again).
         cluster = self.cluster

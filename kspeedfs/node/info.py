@@ -1,0 +1,152 @@
+"""What a node tells about itself: `status` (budget, connections, every subsystem's figures),
+`list` (every dataset it holds or is loading) and `manifest` (a dataset's manifest, in
+pieces), read off the node's parts."""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+from typing import Any, Protocol
+
+import trio
+
+from kspeedfs.format.config import Settings
+from kspeedfs.format.contract.node import List, Manifest, ManifestPiece, Status
+from kspeedfs.format.errors import NotFound
+from kspeedfs.format.localdata import MANIFEST_FILE
+from kspeedfs.format.pieces import read_piece
+from kspeedfs.node.controlplane import ControlPlane
+from kspeedfs.node.decoded import DecodedVariants
+from kspeedfs.node.fdserver import FdServer
+from kspeedfs.node.leases import LeaseTable
+from kspeedfs.node.loads import LoadTable
+from kspeedfs.node.ops import READ, OpRegistry
+from kspeedfs.node.peers import PeerPool
+from kspeedfs.node.preload import Stager
+from kspeedfs.node.readthrough import ReadThroughCache
+from kspeedfs.node.store import SegmentStore
+from kspeedfs.rdma.server import RdmaService
+
+
+class NodeParts(Protocol):
+    """The parts of a node (node.root.Node) this reads."""
+
+    settings: Settings
+    store: SegmentStore
+    loads: LoadTable
+    leases: LeaseTable
+    stager: Stager
+    cache: ReadThroughCache
+    decoded: DecodedVariants
+    rdma: RdmaService
+    fds: FdServer
+    peers: PeerPool
+    control: ControlPlane | None
+    members: list[str]
+    stats: dict[str, int]
+    started: float
+
+    @property
+    def address(self) -> str: ...
+
+
+class NodeInfo:
+    def __init__(self, node: NodeParts):
+        self.node = node
+
+    def register_ops(self, ops: OpRegistry) -> None:
+        ops.add(Status, self.op_status, READ)
+        ops.add(List, self.op_list, READ)
+        ops.add(Manifest, self.op_manifest, READ)
+
+    async def op_status(self, request: Status) -> dict[str, Any]:
+        n = self.node
+        folders = [r.path / "seg" for r in n.store.datasets.values()]
+        segments = await trio.to_thread.run_sync(_count_files, folders)
+        return {
+            "node": n.address,
+            "pid": os.getpid(),
+            "shm_dir": str(n.settings.shm_dir),
+            "budget": n.store.budget,
+            "used": n.store.used(),
+            "datasets": len(n.store.datasets),
+            "loading": sorted(name for name, p in n.loads.items() if p.state == "loading"),
+            "segments": segments,
+            "uptime": time.time() - n.started,
+            "stats": dict(n.stats),
+            "local_socket": {"path": str(n.fds.path), **n.fds.stats},
+            "transport": n.rdma.label,
+            "rdma": n.rdma.status(),
+            "leases": n.leases.total(),
+            "cache": n.cache.status(),
+            "loaded": dict(n.stager.loaded),
+            "decoded": {r: n.decoded.local_status(r) for r in n.store.datasets},
+            "members": n.control.members() if n.control is not None else n.members,
+            "control": n.control.status() if n.control is not None else None,
+            "peers": n.peers.statistics(),
+            "held": {
+                r.name: {"held": r.held, "segments": r.segments} for r in n.store.datasets.values()
+            },
+        }
+
+    async def op_list(self, request: List) -> dict[str, Any]:
+        n = self.node
+        out = [
+            {
+                **r.to_wire(),
+                "leases": n.leases.count(r.name),
+                "decoded": n.decoded.local_status(r.name),
+                **self._placement(r.name, r.uuid),
+            }
+            for r in n.store.datasets.values()
+        ]
+        out.extend(n.loads.to_wire())
+        return {"node": n.address, "datasets": sorted(out, key=lambda d: d["name"])}
+
+    async def op_manifest(self, request: Manifest) -> ManifestPiece:
+        """A piece of the manifest, for a client on a machine that holds no part of the
+        dataset (a large manifest is far over one control frame)."""
+        record = self.node.store.instance(request.name, request.uuid)
+        path = record.path / MANIFEST_FILE
+        try:
+            piece = await trio.to_thread.run_sync(read_piece, path, request.offset, request.length)
+        except FileNotFoundError:  # unloaded since it was looked up
+            raise NotFound(
+                f"dataset {record.name!r} was unloaded while its manifest was read"
+            ) from None
+        return ManifestPiece(record.name, record.uuid, piece)
+
+    def _placement(self, name: str, uuid: str) -> dict[str, Any]:
+        """Where an instance's segments are placed now, when the catalog says: the members of
+        its last rebalance and the lost ones (a heal or a rebalance changes them after the
+        load)."""
+        control = self.node.control
+        entry = control.catalog.get(name) if control is not None else None
+        if not entry or entry.get("uuid") != uuid:
+            return {}
+        return {"placed": entry.get("members", []), "lost": entry.get("lost", [])}
+
+    def metrics_snapshot(self) -> dict[str, Any]:
+        """Metrics: the figures a scrape reads (from the exporter's thread)."""
+        n = self.node
+        return {
+            "stats": dict(n.stats),
+            "used": n.store.used(),
+            "budget": n.store.budget,
+            "leases": n.leases.total(),
+            "datasets": {r.name: (r.stored, len(r.held)) for r in list(n.store.datasets.values())},
+            "control": n.control.status() if n.control is not None else None,
+            "cache": n.cache.status(),  # read-through: hits, fills, evictions by policy
+            "dataset_leases": {name: n.leases.count(name) for name in list(n.store.datasets)},
+        }
+
+
+def _count_files(folders: list[Path]) -> int:
+    count = 0
+    for folder in folders:
+        try:
+            count += len(os.listdir(folder))
+        except FileNotFoundError:
+            pass  # unloaded meanwhile
+    return count

@@ -1,0 +1,161 @@
+"""The composition root of a node: builds its parts, lets each register its own ops, and runs
+each owner's tasks in the nursery the owner opens (`nursery.start(owner.run)`).
+
+NodeServer (node.server) serves the ops and the reads of a Node; it tells the Node its port
+once it listens, and the control plane then joins.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import trio
+
+from kspeedfs.format import auth, users
+from kspeedfs.format.config import Settings
+from kspeedfs.format.contract import Request
+from kspeedfs.format.contract.node import Rebalance, UnloadLocal
+from kspeedfs.format.errors import NotFound
+from kspeedfs.format.tls import client_context
+from kspeedfs.node.controlplane import ControlPlane
+from kspeedfs.node.coordinator import PreloadCoordinator
+from kspeedfs.node.decoded import DecodedVariants
+from kspeedfs.node.fdserver import FdServer
+from kspeedfs.node.info import NodeInfo
+from kspeedfs.node.leases import LeaseOwner, LeaseTable
+from kspeedfs.node.loads import LoadTable
+from kspeedfs.node.meta import AddedIndexes
+from kspeedfs.node.metrics import serve_metrics
+from kspeedfs.node.ops import ADMIN, OpRegistry
+from kspeedfs.node.peers import PeerPool
+from kspeedfs.node.preload import Stager
+from kspeedfs.node.readthrough import ReadThroughCache
+from kspeedfs.node.store import SegmentStore
+from kspeedfs.node.unload import Unloader
+from kspeedfs.rdma.server import RdmaService
+
+
+def cluster_members(settings: Settings) -> list[str]:
+    """The node list this node places data over; just itself when it is not in the list."""
+    me = str(settings.listen)
+    members = [str(a) for a in settings.nodes]
+    return members if me in members else [me]
+
+
+class Node:
+    def __init__(self, settings: Settings, rdma: RdmaService | None = None):
+        self.settings = settings
+        # First: a token file that is refused (open to others, not UTF-8) starts nothing.
+        self.token = auth.ensure_token(settings.token_file)
+        self.port = settings.listen.port  # the one bound, once NodeServer listens
+        self.started = time.time()
+        self.stats = {"connections": 0, "reads": 0, "read_bytes": 0, "refused": 0}
+        self.members = cluster_members(settings)
+        self.ops = OpRegistry()
+        self.store = SegmentStore(settings.shm_dir, settings.memory_budget(), settings.group)
+        self.loads = LoadTable()
+        self.leases = LeaseTable(settings.lease_ttl)
+        self.peers = PeerPool(settings.token_file, settings.timeout, tls=client_context(settings))
+        self.rdma = rdma if rdma is not None else RdmaService.start(settings)
+        self.rdma.follow(self.store)
+        self.users = users.UsersFile(settings.users_path())
+        self.fds = FdServer(
+            self.store, settings.socket_path(), settings.access, settings.timeout, self.users
+        )
+        self.stager = Stager(self.store, self.address)
+        self.cache = ReadThroughCache(self.store, settings, self.address, self.loads)
+        self.decoded = DecodedVariants(self.store, self.address, settings.decode_workers)
+        self.meta_indexes = AddedIndexes(self.store, self.address)
+        self.unloader = Unloader(
+            self.store, self.loads, self.leases, lambda: self.address, self.ask
+        )
+        self.lease_owner = LeaseOwner(
+            self.leases, self.store, lambda: self.address, self.unloader.unload
+        )
+        self.coordinator = PreloadCoordinator(
+            settings,
+            self.store,
+            self.loads,
+            self.stager,
+            self.members,
+            self.ask,
+            self.call,
+            self.decoded.after_preload,
+        )
+        self.info = NodeInfo(self)
+        for owner in (self.info, self.coordinator, self.lease_owner, self.unloader):
+            owner.register_ops(self.ops)
+        self.stager.register_ops(self.ops)
+        self.decoded.register_ops(self.ops, self.call)
+        self.meta_indexes.register_ops(self.ops, self.call)
+        self.rdma.register_ops(self.ops)
+        self.cache.register_ops(self.ops)
+        # Control plane (etcd): membership, catalog, healing; None with a static node list.
+        self.control: ControlPlane | None = None
+        if settings.etcd:
+            self.control = ControlPlane(
+                settings, self.store, self.call, self._unload_local, self.stager, self.cache
+            )
+            self.cache.use_cluster(self.control)  # read-through datasets span the members
+            self.coordinator.control = self.unloader.control = self.control
+            self.ops.add(Rebalance, self.op_rebalance, ADMIN)
+            self.ops.add("adopt", self.control.op_adopt, ADMIN)
+
+    @property
+    def address(self) -> str:
+        return f"{self.settings.listen.host}:{self.port}"
+
+    async def run(self, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        """The parts' tasks, until cancelled: each owner's in the nursery it opens."""
+        await trio.to_thread.run_sync(self.store.recover, self.settings.verify_on_start)
+        await trio.to_thread.run_sync(self.cache.recover)
+        self.fds.start(self.token)
+        try:
+            async with trio.open_nursery() as nursery:
+                for owner in (self.stager, self.lease_owner, self.cache, self.coordinator):
+                    await nursery.start(owner.run)
+                task_status.started()
+        finally:
+            self.fds.close()
+            await self.peers.aclose()
+
+    async def join(self, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        """Once the port is known: the control plane joins the cluster, the metrics serve."""
+        if self.settings.metrics_listen:  # Prometheus /metrics, its own thread
+            histograms = [self.cache.fill_seconds]
+            if self.control is not None:
+                histograms.append(self.control.copy_seconds)
+            serve_metrics(self.settings.metrics_listen, self.info.metrics_snapshot, histograms)
+        if self.control is None:
+            task_status.started()
+            return
+        await self.control.run(self.address, task_status=task_status)
+
+    def cancel_loads(self) -> None:
+        self.loads.cancel_all()
+
+    async def ask(self, member: str, request: Request) -> dict[str, Any]:
+        """A typed request on a member: directly when it is this node (answered as a remote
+        member would answer it), else over a kept connection."""
+        if member == self.address:
+            return await self.ops.call(request)
+        return await self.peers.ask(member, request)
+
+    async def call(self, member: str, op: str, args: dict[str, Any]) -> dict[str, Any]:
+        """An op by its name on a member (the parts whose ops are not typed yet call this)."""
+        if member == self.address:
+            return await self.ops.call(op, args)
+        return await self.peers.call(member, op, args)
+
+    async def _unload_local(self, msg: dict[str, Any]) -> dict[str, Any]:
+        """The control plane's unload of this member's part (it passes the request's fields)."""
+        return await self.unloader.op_unload_local(UnloadLocal.from_wire(msg))
+
+    async def op_rebalance(self, request: Rebalance) -> dict[str, Any]:
+        """Control plane: place datasets over the members live now (one, or all)."""
+        assert self.control is not None  # registered only with one
+        done = await self.control.rebalance(request.name or None)
+        if request.name and not done:
+            raise NotFound(f"no ready dataset named {request.name!r} in the catalog")
+        return {"datasets": done, "members": self.control.members()}

@@ -1,0 +1,80 @@
+"""Unloading a dataset: everywhere (the `unload` op: here, on every member that holds part of
+it, and from the catalog), or this member's part (`unload_local`)."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from typing import Any
+
+import trio
+
+from kspeedfs.format.contract.node import Unload, UnloadLocal
+from kspeedfs.format.errors import KSpeedError
+from kspeedfs.node.controlplane import ControlPlane
+from kspeedfs.node.leases import LeaseTable
+from kspeedfs.node.loads import LoadTable
+from kspeedfs.node.ops import ADMIN, OpRegistry
+from kspeedfs.node.peers import Ask
+from kspeedfs.node.store import SegmentStore
+
+log = logging.getLogger(__name__)
+
+
+class Unloader:
+    def __init__(
+        self,
+        store: SegmentStore,
+        loads: LoadTable,
+        leases: LeaseTable,
+        address: Callable[[], str],
+        ask: Ask,
+    ):
+        self.store = store
+        self.loads = loads
+        self.leases = leases
+        self.address = address
+        self.ask = ask
+        self.control: ControlPlane | None = None  # the catalog, with etcd
+
+    def register_ops(self, ops: OpRegistry) -> None:
+        ops.add(Unload, self.op_unload, ADMIN)
+        ops.add(UnloadLocal, self.op_unload_local, ADMIN)
+
+    async def op_unload(self, request: Unload) -> dict[str, Any]:
+        return await self.unload(request.name)
+
+    async def unload(self, name: str) -> dict[str, Any]:
+        """Unload everywhere (a load under way is cancelled, a failed one forgotten)."""
+        progress = self.loads.get(name)
+        if progress is not None and progress.state == "failed":
+            self.loads.finish(name)
+            return {"name": name, "state": "forgotten"}
+        if progress is not None:
+            progress.cancel.set()
+            return {"name": name, "state": "cancelled"}
+        record = self.store.instance(name)
+        if self.control is not None:  # control plane: gone for everyone, even nodes now down
+            await self.control.forget(name, record.uuid)
+        for member in record.members:
+            if member != self.address():
+                try:
+                    await self.ask(member, UnloadLocal(name, record.uuid))
+                except KSpeedError as e:
+                    log.warning("could not unload %s on %s: %s", name, member, e)
+        await self.unload_local(name, record.uuid)
+        return {"name": name, "state": "unloaded", "bytes": record.stored}
+
+    async def op_unload_local(self, request: UnloadLocal) -> dict[str, Any]:
+        unloaded = await self.unload_local(request.name, request.uuid)
+        return {"name": request.name, "state": "unloaded" if unloaded else "absent"}
+
+    async def unload_local(self, name: str, uuid: str = "") -> bool:
+        """Unload this member's part of `name` (of instance `uuid` only, when given)."""
+        record = self.store.datasets.get(name)
+        if record is None or (uuid and record.uuid != uuid):
+            return False
+        await trio.to_thread.run_sync(self.store.unload, name)
+        self.leases.forget(name)  # they kept that instance; a reload must not count them
+        log.info("unloaded %s", name)
+        return True
