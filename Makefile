@@ -45,7 +45,7 @@ $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/pip install -q torch==2.14.1 torchvision==0.29.1
-	$(BIN)/pip install -q -e '.[torch,dev,s3,dali]'
+	$(BIN)/pip install -q -e '.[torch,dev,s3,dali,stacks]'
 	touch $(STAMP)
 
 clean:

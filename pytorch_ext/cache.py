@@ -8,7 +8,6 @@ plain picklable config. `reader(ref)` opens the manifest and mappings lazily in 
 
 from __future__ import annotations
 
-import dataclasses
 import hashlib
 import logging
 import os
@@ -17,15 +16,13 @@ import threading
 from collections.abc import Callable, Sequence
 from typing import Any
 
-import numpy as np
-import xxhash
-
 from kspeedfs.client import admin
-from kspeedfs.client.handle import DatasetHandle
+from kspeedfs.client.dataset_reader import CacheRef as CacheRef  # the fast path's names for them
+from kspeedfs.client.dataset_reader import Reader as Reader
+from kspeedfs.client.job_settings import client_settings as client_settings
 from kspeedfs.client.reader import ClusterReader, local_node_for
-from kspeedfs.format.config import Settings, load_settings
+from kspeedfs.format.config import Settings
 from kspeedfs.format.contract.node import List
-from kspeedfs.format.contract.readthrough import Plan
 from kspeedfs.format.errors import (
     AuthError,
     DataError,
@@ -34,8 +31,6 @@ from kspeedfs.format.errors import (
     NoSpace,
     NotFound,
 )
-from kspeedfs.format.localdata import LocalDataset
-from kspeedfs.format.manifest import Manifest
 from kspeedfs.format.tls import client_context
 from kspeedfs.format.units import parse_address
 from kspeedfs.net.connection import NodeClient
@@ -45,54 +40,6 @@ from kspeedfs.sources.source import name_from_source
 from . import lease
 
 log = logging.getLogger(__name__)
-
-PLAN_CHUNK = 65536  # segment uses per `plan` request: well inside a frame
-
-
-@dataclasses.dataclass(frozen=True)
-class CacheRef:
-    """Picklable: what any process needs to open the same dataset again."""
-
-    settings: Settings
-    name: str
-    uuid: str
-    source: str
-    info: dict[str, Any]  # the node's listing entry (members, path, replicas, lifetime)
-    local: bool | None  # None: map where possible; True: must map; False: always the network
-
-    @property
-    def key(self) -> tuple[str, str, bool | None]:
-        return (self.name, self.uuid, self.local)
-
-
-def client_settings(
-    nodes: str | Sequence[str] | None,
-    token: str | os.PathLike[str] | None,
-    user: str | None = None,
-    password: str | None = None,
-) -> Settings:
-    """Settings from the config file and environment, with the dataset's own arguments on top
-    (a user and password replace the token); with `etcd` set and no node list given, the nodes
-    are the live members found there."""
-    cli: dict[str, Any] = {}
-    if nodes is not None:
-        cli["nodes"] = nodes if isinstance(nodes, str) else ",".join(str(n) for n in nodes)
-    if token is not None:
-        cli["token_file"] = os.fspath(token)
-    if user is not None:
-        if password is None:
-            raise InvalidArgument(f"user {user!r} needs a password")
-        cli["user"], cli["password"] = user, password
-    settings = load_settings(
-        cli,
-        cli_origin="dataset's arguments",
-        cli_names={"nodes": "nodes=", "token_file": "token=", "user": "user="},
-    )
-    if settings.etcd:  # control plane: the live members in etcd, unless `nodes` names them
-        from kspeedfs.client.clusterstate import resolve_nodes
-
-        resolve_nodes(settings, explicit=nodes is not None or "KSPEEDFS_NODES" in os.environ)
-    return settings
 
 
 def process_rank() -> int:
@@ -263,143 +210,6 @@ def _wait_ready(settings: Settings, node: str, name: str) -> None:
         pass  # finished (or failed) and forgotten meanwhile: the caller looks again
     finally:
         client.close()
-
-
-class Reader:
-    """One process's access to one dataset: zero-copy views of local segments, network for the rest.
-
-    Thread-safe for reads; the cluster reader pools one connection per thread in use.
-    """
-
-    def __init__(self, ref: CacheRef):
-        self.ref = ref
-        local_node = None if ref.local is False else local_node_for(ref.settings)
-        self.cluster = ClusterReader(ref.settings, local_node)
-        self.handle: DatasetHandle = self.cluster.open_dataset(ref.name, ref.info)
-        if self.handle.uuid != ref.uuid:
-            raise DataError(f"dataset {ref.name} was reloaded since this job attached to it")
-        if ref.local is True and self.handle.local is None:
-            raise InvalidArgument(
-                f"dataset {ref.name} cannot be mapped by this process (local=True)"
-            )
-        self.manifest: Manifest = self.handle.manifest
-        self.local = self.handle.local
-        self.local_node = local_node
-        # The hot path (cached segment views) only for a static dataset held whole here: the
-        # segments of a read-through one come and go, and a cached view would pin them.
-        self.all_local = (
-            type(self.local) is LocalDataset and len(self.local.held) == self.manifest.segments
-        )
-        self._scratch = threading.local()
-        self._seg_views: dict[int, memoryview] = {}
-        self._data = self.manifest.data
-        self._size = self.manifest.size
-        self._seg_size = self.manifest.segment_size
-
-    def local_view(self, entry: int) -> memoryview:
-        """`view` of a file when the whole dataset is local: the per-sample hot path."""
-        start = int(self._data[entry])
-        seg, off = divmod(start, self._seg_size)
-        end = off + int(self._size[entry])
-        if end > self._seg_size:
-            return self.view(entry)  # spans segments: joined
-        mv = self._seg_views.get(seg)
-        if mv is None:
-            assert self.local is not None
-            try:
-                mv = self._seg_views[seg] = memoryview(self.local.segment(seg))
-            except DataError:
-                return self._copied(entry)  # unloaded before we mapped it: the read policy
-        return mv[off:end]
-
-    def is_local(self, entry: int) -> bool:
-        return self.all_local or (self.local is not None and self.local.holds_file(entry))
-
-    def view(self, entry: int) -> memoryview:
-        """File `entry`'s bytes: a view of shared memory when local, else a fresh buffer."""
-        if self.all_local:
-            return self.local_view(entry)
-        if self.is_local(entry):
-            assert self.local is not None
-            try:
-                return self.local.file_view(entry)
-            except DataError:
-                pass  # unloaded before we mapped it: the read policy finds another copy
-        return self._copied(entry)
-
-    def _copied(self, entry: int) -> memoryview:
-        out = bytearray(int(self.manifest.size[entry]))
-        self.gather([(entry, 0, len(out))], memoryview(out))
-        return memoryview(out)
-
-    def scratch_view(self, entry: int) -> memoryview:
-        """Like `view`, but remote bytes land in a reusable per-thread buffer (valid until the
-        next call: for decoding right away)."""
-        if self.all_local:
-            return self.local_view(entry)
-        if self.is_local(entry):
-            assert self.local is not None
-            try:
-                return self.local.file_view(entry)
-            except DataError:
-                pass
-        n = int(self.manifest.size[entry])
-        buf: bytearray | None = getattr(self._scratch, "buf", None)
-        if buf is None or len(buf) < n:
-            buf = self._scratch.buf = bytearray(max(n, 1 << 20))
-        out = memoryview(buf)[:n]
-        self.gather([(entry, 0, n)], out)
-        return out
-
-    def fetch(self, entries: Sequence[int]) -> dict[int, memoryview]:
-        """Whole files, one vectored read per node; each entry's bytes are its own memory."""
-        entries = list(dict.fromkeys(entries))
-        sizes = [int(self.manifest.size[e]) for e in entries]
-        buf = memoryview(bytearray(sum(sizes)))
-        self.gather([(e, 0, n) for e, n in zip(entries, sizes, strict=True)], buf)
-        out, pos = {}, 0
-        for e, n in zip(entries, sizes, strict=True):
-            out[e] = buf[pos : pos + n]
-            pos += n
-        return out
-
-    def announce_plan(self, epochs: Sequence[np.ndarray]) -> None:
-        """Tell the nodes that fill this read-through dataset the order its files will be
-        read in, an array of manifest entries per epoch (this one and the next), as segment
-        uses, in chunks; the same plan from another reader of the sampler has the same name
-        and is taken once."""
-        runs = [self._segment_uses(entries) for entries in epochs]
-        segments = np.concatenate(runs) if runs else np.zeros(0, dtype=np.int64)
-        if len(segments) == 0:
-            return
-        name = xxhash.xxh3_64_hexdigest(segments.tobytes())
-        h = self.handle
-        nodes = h.members if h.members else [self.local_node] if self.local_node else []
-        for node in nodes:
-            for start in range(0, len(segments), PLAN_CHUNK):
-                request = Plan(
-                    name=h.name,
-                    uuid=h.uuid,
-                    plan=name,
-                    segments=segments[start : start + PLAN_CHUNK].tolist(),
-                    total=len(segments),
-                    start=start,
-                    horizon=len(runs[0]),
-                )
-                if not self.cluster.call(node, request).get("used", False):
-                    break  # this node's policy does not use plans
-
-    def _segment_uses(self, entries: np.ndarray) -> np.ndarray:
-        """The segments files `entries` start in, a run of files in one segment once."""
-        starts = self.manifest.data[entries].astype(np.int64) // self._seg_size
-        keep = np.ones(len(starts), dtype=bool)
-        keep[1:] = starts[1:] != starts[:-1]
-        return starts[keep]
-
-    def gather(self, requests: Sequence[tuple[int, int, int]], out: memoryview) -> None:
-        """Fill `out` with bytes [offset, offset+length) of each (entry, offset, length), back to
-        back, by the cluster's one read policy (local map, owners, verified source)."""
-        self.cluster.gather(self.handle, requests, out)
 
 
 _readers: dict[tuple[str, str, bool | None], Reader] = {}

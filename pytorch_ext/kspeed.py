@@ -33,6 +33,7 @@ from kspeedfs.format.errors import InvalidArgument
 
 from . import cache
 from .array import KSpeedDataset as _ArrayDataset
+from .external_source import file_batch
 from .image_folder import KSpeedImageFolder as _ImageFolder
 from .image_folder import ViewFile
 from .index import LazyFiles, LazyTargets
@@ -111,13 +112,7 @@ class _Images(_ImageFolder):
     def file_batch(self, indices: Sequence[int]) -> list[memoryview]:
         """The files of samples `indices`: the remote ones prefetched or read in one request
         per node, the local ones viewed in place."""
-        idx = np.asarray(indices, dtype=np.int64)
-        entries = self._entries(idx)
-        self._prepare_batch(entries, idx)
-        try:
-            return [self._bytes(int(e)) for e in entries]
-        finally:
-            self._ready = {}
+        return file_batch(self, np.asarray(indices, dtype=np.int64))
 
 
 class _Rows(_ArrayDataset):

@@ -9,7 +9,6 @@ config; a worker's memory does not grow with the number of lines.
 
 from __future__ import annotations
 
-import base64
 import logging
 import os
 import tempfile
@@ -22,6 +21,8 @@ from torchvision.datasets import VisionDataset
 from torchvision.datasets.folder import default_loader
 
 from kspeedfs.format import metaindex
+from kspeedfs.format.contract.meta import FetchMetaIndex, MetaAdd, MetaIndexPiece
+from kspeedfs.format.contract.pieces import Piece, fetch_all
 from kspeedfs.format.errors import AuthError, DataError, InvalidArgument, KSpeedError, NotFound
 from kspeedfs.format.metaindex import MetaIndex
 from kspeedfs.net.connection import SCAN_TIMEOUT
@@ -69,8 +70,8 @@ def add_index(reader: cache.Reader, meta: str) -> MetaIndex:
     ref = reader.ref
     log.info("asking the cache to index %s of %s", meta, ref.name)
     try:
-        reader.cluster.live_request(
-            "meta_add", name=ref.name, uuid=ref.uuid, meta=[meta], answer_within=SCAN_TIMEOUT
+        reader.cluster.live_call(
+            MetaAdd(name=ref.name, uuid=ref.uuid, meta=[meta]), answer_within=SCAN_TIMEOUT
         )
     except AuthError as e:
         raise AuthError(
@@ -80,19 +81,23 @@ def add_index(reader: cache.Reader, meta: str) -> MetaIndex:
 
 
 def _fetch(reader: cache.Reader, meta: str) -> MetaIndex:
+    """The index of `meta` from the first node that answers, in pieces, into a temporary file
+    this process maps."""
     ref = reader.ref
-    args = {"name": ref.name, "uuid": ref.uuid, "meta": meta}
-    node, reply = reader.cluster.live_request("meta_index", **args)
+    cluster = reader.cluster
+    first, reply = cluster.live_call(FetchMetaIndex(name=ref.name, uuid=ref.uuid, meta=meta))
+
+    def ask(offset: int) -> Piece:
+        nonlocal reply
+        if offset:
+            request = FetchMetaIndex(name=ref.name, uuid=ref.uuid, meta=meta, offset=offset)
+            reply = cluster.call(first, request)
+        return MetaIndexPiece.from_wire(reply).piece
+
     fd, path = tempfile.mkstemp(prefix=f"kspeedfs-{ref.name}-", suffix=".kmi")
     try:
         with os.fdopen(fd, "wb") as f:
-            while True:
-                data = base64.b64decode(reply["data"])
-                f.write(data)
-                if not data or reply["offset"] + len(data) >= reply["total"]:
-                    break
-                offset = reply["offset"] + len(data)
-                reply = reader.cluster.request(node, "meta_index", **args, offset=offset)
+            fetch_all(ask, f.write)
         return MetaIndex(path)
     finally:
         os.unlink(path)  # the map keeps it alive; nothing to clean up later

@@ -14,8 +14,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from kspeedfs.format.contract import Request, Wire, at_least, dataset_name
+from kspeedfs.format.contract.pieces import Assembly, Piece, fetch_all, pieces_of
 from kspeedfs.format.errors import DataError, InvalidArgument
-from kspeedfs.format.pieces import Assembly, Piece, fetch_all, pieces_of
 
 
 @dataclasses.dataclass(frozen=True)

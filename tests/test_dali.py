@@ -1,4 +1,4 @@
-"""Real NVIDIA DALI over kspeedfs: the parallel external source and DALI's own file reader."""
+"""Real NVIDIA DALI over kspeedfs: the external source (per batch, per sample), DALI's file reader."""
 
 from __future__ import annotations
 
@@ -12,8 +12,10 @@ from conftest import MountProcess, NodeProcess, kw, preload
 from torchvision import datasets
 
 from kspeedfs.format import users
+from kspeedfs.format.errors import InvalidArgument
 from kspeedfs.sample import make_sample
-from pytorch_ext import KSpeedCallable, KSpeedFolder, kspeed
+from pytorch_ext import KSpeedCallable, KSpeedFolder, SampleInfo, kspeed
+from pytorch_ext.external_source import BatchInfo
 
 dali = pytest.importorskip("nvidia.dali", reason="needs NVIDIA DALI (pip install '.[dali]')")
 fn = dali.fn
@@ -80,13 +82,31 @@ def run_epoch(p: Any) -> list[tuple[bytes, int]]:
     return got
 
 
-@pytest.mark.parametrize("start_method", ["fork", "spawn"])
-def test_parallel_external_source_over_kspeed_callable(
-    node: NodeProcess, loaded: Path, start_method: str
-) -> None:
-    source = KSpeedCallable(str(loaded), batch_size=BATCH, **kw(node))
+def batch_pipeline(source: Any, parallel: bool = False, start_method: str = "fork") -> Any:
+    """The recommended feed: `KSpeedCallable.batch`, one call per batch with DALI's BatchInfo
+    (in this process, or with parallel=True in DALI's workers)."""
+
+    @dali.pipeline_def(
+        batch_size=BATCH,
+        num_threads=1,
+        device_id=None,
+        py_num_workers=2,
+        py_start_method=start_method,
+    )
+    def pipeline() -> Any:
+        data, label = fn.external_source(
+            source=source.batch, num_outputs=2, batch=True, batch_info=True, parallel=parallel
+        )
+        return data, label
+
+    p = pipeline()
+    p.build()
+    return p
+
+
+def check_epochs(p: Any, source: KSpeedCallable, loaded: Path) -> None:
+    """Two epochs of `p` give every sample of the callable's order, bytes and label."""
     ref = datasets.ImageFolder(str(loaded))
-    p = external_source_pipeline(source, start_method)
     orders = []
     for epoch in range(EPOCHS):
         got = run_epoch(p)
@@ -97,6 +117,66 @@ def test_parallel_external_source_over_kspeed_callable(
             assert data == Path(path).read_bytes() and label == target, path
         orders.append(order)
     assert orders[0] != orders[1]  # reshuffled per epoch
+
+
+@pytest.mark.parametrize("local", [None, False], ids=["local", "over-the-network"])
+def test_batch_external_source_over_kspeed_callable(
+    node: NodeProcess, loaded: Path, local: bool | None
+) -> None:
+    source = KSpeedCallable(str(loaded), batch_size=BATCH, local=local, **kw(node))
+    check_epochs(batch_pipeline(source), source, loaded)
+    counts = source.folder.statistics()
+    if local is False:  # one read per batch from the node, not a view of its memory
+        assert counts.get("fetched", 0) == 2 * 16 and counts.get("local", 0) == 0, counts
+    else:
+        assert counts.get("local", 0) == 2 * 16 and counts.get("fetched", 0) == 0, counts
+
+
+@pytest.mark.parametrize("start_method", ["fork", "spawn"])
+def test_parallel_batch_external_source_over_kspeed_callable(
+    node: NodeProcess, loaded: Path, start_method: str
+) -> None:
+    source = KSpeedCallable(str(loaded), batch_size=BATCH, **kw(node))
+    check_epochs(batch_pipeline(source, parallel=True, start_method=start_method), source, loaded)
+
+
+def test_a_batch_is_the_per_sample_calls_of_its_shard(node: NodeProcess, loaded: Path) -> None:
+    # 18 files in 2 shards of 9: two full batches of 4 each, the same order per sample or batch.
+    for shard in range(2):
+        source = KSpeedCallable(str(loaded), 4, shard, 2, **kw(node))
+        for epoch in range(EPOCHS):
+            for it in range(2):
+                data, labels = source.batch(BatchInfo(it, epoch))
+                assert labels.dtype == np.int32 and labels.shape == (4, 1)
+                for k in range(4):
+                    one, label = source(SampleInfo(4 * it + k, k, it, epoch))
+                    assert data[k].dtype == np.uint8 and data[k].tobytes() == one.tobytes()
+                    assert labels[k].tolist() == label.tolist()
+            with pytest.raises(StopIteration):
+                source.batch(BatchInfo(2, epoch))
+
+
+def test_a_batch_source_without_batch_info_is_refused(node: NodeProcess, loaded: Path) -> None:
+    source = KSpeedCallable(str(loaded), batch_size=BATCH, **kw(node))
+    with pytest.raises(InvalidArgument, match="pass batch_info=True"):
+        source.batch(0)  # what DALI passes when batch_info is left out
+
+    @dali.pipeline_def(batch_size=BATCH, num_threads=1, device_id=None)
+    def pipeline() -> Any:
+        return tuple(fn.external_source(source=source.batch, num_outputs=2, batch=True))
+
+    p = pipeline()
+    with pytest.raises(Exception, match="pass batch_info=True"):
+        p.build()
+        p.run()
+
+
+@pytest.mark.parametrize("start_method", ["fork", "spawn"])
+def test_parallel_external_source_over_kspeed_callable(
+    node: NodeProcess, loaded: Path, start_method: str
+) -> None:
+    source = KSpeedCallable(str(loaded), batch_size=BATCH, **kw(node))
+    check_epochs(external_source_pipeline(source, start_method), source, loaded)
 
 
 @pytest.mark.parametrize("start_method", ["fork", "spawn"])
@@ -172,7 +252,10 @@ def test_dali_file_reader_over_a_mount(loaded: Path, mount_all: MountProcess) ->
         assert len(set(seen)) == 18  # each file once per epoch
 
 
-def test_external_source_decodes_on_the_gpu(node: NodeProcess, loaded: Path) -> None:
+@pytest.mark.parametrize("per_batch", [False, True], ids=["per-sample", "per-batch"])
+def test_external_source_decodes_on_the_gpu(
+    node: NodeProcess, loaded: Path, per_batch: bool
+) -> None:
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA GPU (DALI's mixed decoder)")
     source = KSpeedCallable(str(loaded), batch_size=BATCH, shuffle=False, **kw(node))
@@ -182,7 +265,14 @@ def test_external_source_decodes_on_the_gpu(node: NodeProcess, loaded: Path) -> 
         batch_size=BATCH, num_threads=1, device_id=0, py_num_workers=2, py_start_method="spawn"
     )
     def pipeline() -> Any:
-        data, label = fn.external_source(source=source, num_outputs=2, batch=False, parallel=True)
+        if per_batch:
+            data, label = fn.external_source(
+                source=source.batch, num_outputs=2, batch=True, batch_info=True
+            )
+        else:
+            data, label = fn.external_source(
+                source=source, num_outputs=2, batch=False, parallel=True
+            )
         return fn.decoders.image(data, device="mixed"), label
 
     p = pipeline()

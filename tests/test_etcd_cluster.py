@@ -16,9 +16,9 @@ from etcdutil import EtcdCluster, copies, scrape
 
 from kspeedfs.client.reader import ClusterReader
 from kspeedfs.format import placement
-from kspeedfs.format.errors import AlreadyExists, KSpeedError
+from kspeedfs.format.errors import AlreadyExists, InvalidArgument, KSpeedError, NotFound
 from kspeedfs.format.units import parse_address
-from kspeedfs.node.controlplane import placed
+from kspeedfs.node.control import placed
 
 pytestmark = pytest.mark.skipif(shutil.which("etcd") is None, reason="etcd-server not installed")
 
@@ -378,3 +378,35 @@ def test_mount_metrics_count_bytes_by_path(cluster: EtcdCluster, tmp_path: Path)
     assert buckets[-1] == (float("inf"), reads)
     assert after[("kspeedfs_mount_requests_total", (("op", "read"),))] >= len(sizes)
     assert after[("kspeedfs_mount_requests_total", (("op", "lookup"),))] >= len(sizes)
+
+
+def test_adopt_takes_the_catalogs_instance_and_refuses_another_in_one_line(
+    cluster: EtcdCluster, tmp_path: Path
+) -> None:
+    """`adopt` (contract.control.Adopt): a field missing or of another type is refused before
+    the handler, an instance the catalog does not have is NotFound, and the catalog's ready
+    one is listed by a member that was down while it was loaded."""
+    a, b = cluster.add(), cluster.add()
+    b.stop()
+    source = make_tree(tmp_path / "src", 64 * 1024)
+    cluster.preload(source, "late")
+    (entry, _rev) = cluster.state().dataset("late") or ({}, 0)
+    b.start()
+    with b.client() as c:
+        for args, message in (
+            ({"name": "late"}, "op adopt: field 'uuid' is missing"),
+            ({"name": "late", "uuid": 7}, "op adopt: uuid must be a string"),
+            ({"name": "../late", "uuid": entry["uuid"]}, "op adopt: name"),
+        ):
+            with pytest.raises(InvalidArgument) as refused:
+                c.request("adopt", **args)
+            assert str(refused.value).startswith(message) and "\n" not in str(refused.value)
+        with pytest.raises(NotFound, match="no ready instance 00000000 of 'late'"):
+            c.request("adopt", name="late", uuid="0" * 32)
+        assert c.request("adopt", name="late", uuid=entry["uuid"]) == {
+            "name": "late",
+            "adopted": True,
+        }
+    listed = {d["name"]: d["uuid"] for d in b.request("list")["datasets"]}
+    assert listed["late"] == entry["uuid"]
+    assert a.request("ping")["node"] == a.address

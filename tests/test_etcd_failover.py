@@ -16,7 +16,7 @@ from conftest import MountProcess, NodeProcess, run_cli, wait_for
 from etcdutil import EtcdCluster, copies
 
 from kspeedfs.client.reader import ClusterReader
-from kspeedfs.node.controlplane import placed
+from kspeedfs.node.control import placed
 
 pytestmark = pytest.mark.skipif(shutil.which("etcd") is None, reason="etcd-server not installed")
 

@@ -13,7 +13,7 @@ from conftest import MountProcess, NodeProcess, wait_for
 from etcdutil import EtcdCluster, scrape
 
 from kspeedfs.localproc import free_port
-from kspeedfs.node.controlplane import placed
+from kspeedfs.node.control import placed
 
 pytestmark = pytest.mark.skipif(shutil.which("etcd") is None, reason="etcd-server not installed")
 

@@ -8,7 +8,7 @@ from conftest import NodeProcess, make_tree, run_cli
 
 from kspeedfs.client.reader import ClusterReader
 from kspeedfs.format.config import load_settings
-from kspeedfs.format.pieces import Piece
+from kspeedfs.format.contract.pieces import Piece
 
 
 def test_manifest_fetched_in_pieces_equals_the_file(node: NodeProcess, tmp_path: Path) -> None:

@@ -5,18 +5,22 @@ requests, on every member of a 3-node cluster."""
 
 from __future__ import annotations
 
+import base64
 import os
 import threading
 from pathlib import Path
 from typing import Any
 
+import hypothesis
+import hypothesis.strategies as st
 import pytest
 import torch
 from clusterutil import Cluster, running
 from conftest import NodeProcess, run_cli
 
 from kspeedfs.format import auth, metaindex
-from kspeedfs.format.errors import AuthError, KSpeedError, StaleDataset
+from kspeedfs.format.contract.meta import MAX_INDEX_BYTES
+from kspeedfs.format.errors import AuthError, InvalidArgument, KSpeedError, StaleDataset
 from kspeedfs.format.metaindex import MetaIndex
 from kspeedfs.format.units import Address
 from kspeedfs.net.connection import NodeClient
@@ -284,3 +288,50 @@ def test_every_member_of_a_cluster_gets_it(token_file: Path, tmp_path: Path, big
             assert len(meta_files(n, "plain")) == 2
         assert run_cli("unload", "plain", env=c.env()).returncode == 0
         assert not any(folder(n, "plain").exists() for n in c.nodes)
+
+
+def test_a_piece_that_does_not_fit_its_index_is_refused_and_writes_nothing(
+    node: NodeProcess, big: Path
+) -> None:
+    """meta_put's piece is checked once off the wire (format.pieces): past its total, not
+    base64, over the index limit or for an add with no reservation, it is refused in one line
+    and no byte lands in the instance's meta folder."""
+    preload(node, big, "plain")
+    uuid = record(node, "plain")["uuid"]
+    add = "0123456789abcdef"
+    ident = {"name": "plain", "uuid": uuid, "meta": "train.txt", "add": add}
+    with node.client() as c:
+        c.request("meta_reserve", **ident, bytes=1000)
+        used = c.request("status")["used"]
+
+        @hypothesis.settings(
+            max_examples=60,
+            deadline=None,
+            suppress_health_check=[hypothesis.HealthCheck.function_scoped_fixture],
+        )
+        @hypothesis.given(
+            offset=st.integers(0, 2**40),
+            total=st.integers(0, 2**40),
+            data=st.binary(max_size=64),
+            garbled=st.booleans(),
+        )
+        def refused(offset: int, total: int, data: bytes, garbled: bool) -> None:
+            text = base64.b64encode(data).decode()
+            if garbled:
+                text += "!"
+            elif offset + len(data) <= total <= MAX_INDEX_BYTES:
+                offset = total + 1  # past the end: the only way left to be out of range
+            piece = {"offset": offset, "total": total, "data": text}
+            with pytest.raises(InvalidArgument) as e:
+                c.request("meta_put", **ident, piece=piece)
+            assert str(e.value).startswith("op meta_put: ") and "\n" not in str(e.value)
+
+        refused()
+        # A piece that fits, for an add this node holds no reservation for.
+        other = {**ident, "add": "fedcba9876543210"}
+        piece = {"offset": 0, "total": 2, "data": "aGk="}
+        with pytest.raises(InvalidArgument, match="no reservation here"):
+            c.request("meta_put", **other, piece=piece)
+        assert meta_files(node, "plain") == []
+        c.request("meta_abort", **ident)
+        assert c.request("status")["used"] == used - 1000

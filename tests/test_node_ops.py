@@ -13,8 +13,8 @@ from clusterutil import Cluster, running
 from conftest import NodeProcess, make_tree, wait_for
 
 from kspeedfs.format import auth
+from kspeedfs.format.contract.pieces import Piece
 from kspeedfs.format.errors import AuthError, DataError, InvalidArgument
-from kspeedfs.format.pieces import Piece
 from kspeedfs.format.units import Address
 from kspeedfs.net.aconnection import AsyncNodeClient
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import time
 from typing import Any
 
+from kspeedfs.format.contract.decoded import Decode, DecodeStatus
 from kspeedfs.format.errors import DataError
 from kspeedfs.net.connection import SCAN_TIMEOUT, NodeClient
 from kspeedfs.system.progress import ProgressBar
@@ -15,15 +16,12 @@ POLL_S = 0.2
 def start(client: NodeClient, name: str, size: int, uuid: str = "") -> dict[str, Any]:
     """Ask every member to decode the images it holds (NoSpace, one line, before any decoding
     when a member's budget cannot take it). An existing variant is left as it is."""
-    args: dict[str, Any] = {"name": name, "size": size}
-    if uuid:
-        args["uuid"] = uuid
-    return client.request("decode", answer_within=SCAN_TIMEOUT, **args)
+    return client.call(Decode(name=name, size=size, uuid=uuid), answer_within=SCAN_TIMEOUT)
 
 
 def status(client: NodeClient, name: str) -> dict[str, Any]:
     """{size: summary over the members} of a dataset's variants (see node.decoded.summarize)."""
-    variants: dict[str, Any] = client.request("decode_status", name=name)["variants"]
+    variants: dict[str, Any] = client.call(DecodeStatus(name=name))["variants"]
     return variants
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+from kspeedfs.format.contract.meta import MetaAdd
 from kspeedfs.format.units import format_size
 from kspeedfs.net.connection import SCAN_TIMEOUT, NodeClient
 
@@ -14,12 +15,8 @@ def add(
 ) -> list[dict[str, Any]]:
     """Index meta files of dataset `name` on every member (one already indexed is left as it
     is); every name is checked before anything is built. One reply per meta file."""
-    args: dict[str, Any] = {"name": name, "meta": list(metas)}
-    if uuid:
-        args["uuid"] = uuid
-    indexes: list[dict[str, Any]] = client.request("meta_add", answer_within=SCAN_TIMEOUT, **args)[
-        "indexes"
-    ]
+    request = MetaAdd(name=name, uuid=uuid, meta=list(metas))
+    indexes: list[dict[str, Any]] = client.call(request, answer_within=SCAN_TIMEOUT)["indexes"]
     return indexes
 
 

@@ -11,14 +11,13 @@ error, never another version's bytes. A node that does not answer is marked down
 
 from __future__ import annotations
 
-import base64
 import logging
 import os
 import tempfile
 import threading
 import time
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
 import xxhash
@@ -27,6 +26,10 @@ from kspeedfs.client import latency, passed
 from kspeedfs.client.handle import DatasetHandle
 from kspeedfs.format.config import Settings
 from kspeedfs.format.contract import Request
+from kspeedfs.format.contract.node import Manifest as ManifestRequest
+from kspeedfs.format.contract.node import ManifestPiece
+from kspeedfs.format.contract.pieces import Piece as BlobPiece
+from kspeedfs.format.contract.pieces import fetch_all
 from kspeedfs.format.contract.readthrough import FillSegment
 from kspeedfs.format.errors import (
     DataError,
@@ -114,10 +117,12 @@ class ClusterReader:
         with self._connect(node) as c:
             return c.request(op, **args)
 
-    def call(self, node: str, request: Request) -> dict[str, Any]:
+    def call(
+        self, node: str, request: Request, answer_within: float | None = None
+    ) -> dict[str, Any]:
         """A typed request (kspeedfs.format.contract) to `node` and its answer."""
         with self._connect(node) as c:
-            return c.call(request)
+            return c.call(request, answer_within=answer_within)
 
     def _connect(self, node: str) -> NodeClient:
         settings = self.settings
@@ -127,11 +132,20 @@ class ClusterReader:
 
     def live_request(self, op: str, **args: Any) -> tuple[str, dict[str, Any]]:
         """Ask the first node that answers (the local one first)."""
+        return self._first_live(lambda node: self.request(node, op, **args))
+
+    def live_call(
+        self, request: Request, answer_within: float | None = None
+    ) -> tuple[str, dict[str, Any]]:
+        """A typed request to the first node that answers (the local one first)."""
+        return self._first_live(lambda node: self.call(node, request, answer_within))
+
+    def _first_live(self, ask: Callable[[str], dict[str, Any]]) -> tuple[str, dict[str, Any]]:
         order = sorted(self.nodes, key=lambda n: (n != self.local_node, self.is_down(n)))
         last: KSpeedError | None = None
         for node in order:
             try:
-                return node, self.request(node, op, **args)
+                return node, ask(node)
             except NodeUnreachable as e:
                 self.mark_down(node, str(e))
                 last = e
@@ -194,21 +208,20 @@ class ClusterReader:
         return None
 
     def _fetch_manifest(self, name: str, uuid: str) -> Manifest:
-        node, reply = self.live_request("manifest", name=name)
+        """The manifest of instance `uuid`, in pieces from the first node that answers (a node
+        that holds another instance refuses with StaleDataset)."""
+        node, reply = self.live_call(ManifestRequest(name=name, uuid=uuid))
+
+        def ask(offset: int) -> BlobPiece:
+            nonlocal reply
+            if offset:
+                reply = self.call(node, ManifestRequest(name=name, uuid=uuid, offset=offset))
+            return ManifestPiece.from_wire(reply).piece
+
         fd, path = tempfile.mkstemp(prefix=f"kspeedfs-{name}-", suffix=".ksm")
-        with os.fdopen(fd, "wb") as f:
-            while True:
-                if reply["uuid"] != uuid:
-                    os.unlink(path)
-                    raise DataError(f"dataset {name} changed while opening it")
-                data = base64.b64decode(reply["data"])
-                f.write(data)
-                if not data or reply["offset"] + len(data) >= reply["total"]:
-                    break
-                reply = self.request(
-                    node, "manifest", name=name, offset=reply["offset"] + len(data)
-                )
         try:
+            with os.fdopen(fd, "wb") as f:
+                fetch_all(ask, f.write)
             return Manifest(path)
         finally:
             os.unlink(path)  # the mapping keeps it alive; nothing to clean up later

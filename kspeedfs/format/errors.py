@@ -22,6 +22,11 @@ class NotFound(KSpeedError):
     exit_code = 4
 
 
+class NoSuchPath(NotFound, FileNotFoundError):  # type: ignore[misc]  # errno: ours, an int
+    """A path a file-system API asked for is not there: also the FileNotFoundError that fsspec,
+    pyarrow and datasets catch."""
+
+
 class InvalidArgument(KSpeedError):
     errno = errno.EINVAL
     exit_code = 5
@@ -77,6 +82,10 @@ class ProtocolError(KSpeedError):
 class ReadOnly(KSpeedError):
     errno = errno.EROFS
     exit_code = 12
+
+
+class ReadOnlyFileSystem(ReadOnly, PermissionError):  # type: ignore[misc]  # as NoSuchPath
+    """A write through a file-system API (fsspec): also the PermissionError callers expect."""
 
 
 class InternalError(KSpeedError):

@@ -237,6 +237,9 @@ class Manifest:
     def is_file(self, i: int) -> bool:
         return stat.S_ISREG(self._mode_at[i])
 
+    def is_link(self, i: int) -> bool:
+        return stat.S_ISLNK(self._mode_at[i])
+
     def stat_fields(self, i: int) -> tuple[int, int, int, int, int]:
         """(mode, size, uid, gid, mtime_ns) of entry i, as Python ints."""
         return (

@@ -16,7 +16,8 @@ from typing import Any
 from kspeedfs.format.errors import ProtocolError
 
 MAGIC = b"KS"
-VERSION = 3  # 2: READ frames name the dataset instance; 3: the mutual, channel-bound handshake
+VERSION = 4  # 2: READ frames name the dataset instance; 3: the mutual, channel-bound
+# handshake; 4: typed ops (pieces as nested objects, stage_push, long-polled progress)
 HEADER = struct.Struct("!2sBBII")
 HEADER_SIZE = HEADER.size
 MAX_PAYLOAD = 128 * 1024 * 1024

@@ -21,7 +21,7 @@ from kspeedfs.format.contract.node import Ping
 from kspeedfs.format.contract.preload import LoadProgress, Preload, PreloadStarted
 from kspeedfs.format.errors import AlreadyExists, AuthError, KSpeedError
 from kspeedfs.format.units import format_size
-from kspeedfs.node.controlplane import ControlPlane, loading_record
+from kspeedfs.node.control import ControlPlane, loading_record
 from kspeedfs.node.loads import LoadTable, answer_on_change, failure_reason
 from kspeedfs.node.ops import ADMIN, JOB, READ, OpRegistry, caller_role, refusal
 from kspeedfs.node.peers import Ask, Call

@@ -29,12 +29,12 @@ import trio
 from PIL import Image
 
 from kspeedfs.format import decoded as fmt
+from kspeedfs.format.contract.decoded import Decode, DecodeDrop, DecodeLocal, DecodeStatus
 from kspeedfs.format.errors import InvalidArgument, KSpeedError, NoSpace, NotFound, StaleDataset
 from kspeedfs.format.localdata import LocalDataset
-from kspeedfs.format.names import validate_name
 from kspeedfs.format.units import format_size
 from kspeedfs.node.ops import ADMIN, JOB, READ, OpRegistry
-from kspeedfs.node.peers import Call, call_all
+from kspeedfs.node.peers import Ask, ask_all
 from kspeedfs.node.safedir import DIR_FLAGS, remove_beneath
 from kspeedfs.node.store import SegmentStore
 from kspeedfs.system.memory import keep_freed_memory
@@ -182,12 +182,12 @@ class DecodedVariants:
         store.on_publish.append(self._found)
         store.before_unload.append(self._unloading)
 
-    def register_ops(self, ops: OpRegistry, call: Call) -> None:
-        self._call = call
-        ops.add("decode", self.op_decode, JOB)
-        ops.add("decode_local", self.op_decode_local, ADMIN)
-        ops.add("decode_drop", self.op_decode_drop, ADMIN)
-        ops.add("decode_status", self.op_decode_status, READ)
+    def register_ops(self, ops: OpRegistry, ask: Ask) -> None:
+        self._ask = ask
+        ops.add(Decode, self.op_decode, JOB)
+        ops.add(DecodeLocal, self.op_decode_local, ADMIN)
+        ops.add(DecodeDrop, self.op_decode_drop, ADMIN)
+        ops.add(DecodeStatus, self.op_decode_status, READ)
 
     def local_status(self, name: str) -> dict[str, Any]:
         """{size: fill state} of a dataset's variants here (for `list`)."""
@@ -197,29 +197,28 @@ class DecodedVariants:
         """`preload --decoded N`: start the variant once the dataset is published (a refusal
         is logged and shown by the variant's state; the dataset stays)."""
         try:
-            await self.op_decode({"name": name, "uuid": uuid, "size": size})
+            await self.op_decode(Decode.from_wire({"name": name, "uuid": uuid, "size": size}))
         except KSpeedError as e:
             log.error("decoded variant %s@%s not started: %s", name, size, e)
 
     # -- ops --
 
-    async def op_decode(self, msg: dict[str, Any]) -> dict[str, Any]:
+    async def op_decode(self, request: Decode) -> dict[str, Any]:
         """Start the variant on every member of the dataset; a member that refuses (budget)
         makes it be dropped everywhere."""
-        name = validate_name(msg.get("name", ""))
-        size = fmt.check_size(msg.get("size"))
+        name, size = request.name, request.size
         record = self.store.datasets.get(name)
         if record is None:
             raise NotFound(f"no dataset named {name!r}")
-        if msg.get("uuid") and msg["uuid"] != record.uuid:
+        if request.uuid and request.uuid != record.uuid:
             raise StaleDataset(f"dataset {name!r} was loaded again: the instance asked for is gone")
-        ident = {"name": name, "uuid": record.uuid, "size": size}
         members = record.members or [self.address]
-        answers, errors = await call_all(self._call, members, "decode_local", ident)
+        fill = DecodeLocal(name=name, uuid=record.uuid, size=size)
+        answers, errors = await ask_all(self._ask, members, fill)
         if errors:
             for member in members:
                 try:
-                    await self._call(member, "decode_drop", ident)
+                    await self._ask(member, DecodeDrop(name=name, size=size))
                 except KSpeedError as e:
                     log.warning("dropping the variant %s@%d on %s: %s", name, size, member, e)
             raise errors[0]
@@ -232,32 +231,27 @@ class DecodedVariants:
             "nodes": answers,
         }
 
-    async def op_decode_local(self, msg: dict[str, Any]) -> dict[str, Any]:
-        name = validate_name(msg.get("name", ""))
-        size = fmt.check_size(msg.get("size"))
-        fill = await trio.to_thread.run_sync(self.start, name, str(msg.get("uuid", "")), size)
+    async def op_decode_local(self, request: DecodeLocal) -> dict[str, Any]:
+        fill = await trio.to_thread.run_sync(self.start, request.name, request.uuid, request.size)
         return fill.to_wire()
 
-    async def op_decode_drop(self, msg: dict[str, Any]) -> dict[str, Any]:
-        name = validate_name(msg.get("name", ""))
-        size = fmt.check_size(msg.get("size"))
-        await trio.to_thread.run_sync(self.drop, name, size)
+    async def op_decode_drop(self, request: DecodeDrop) -> dict[str, Any]:
+        await trio.to_thread.run_sync(self.drop, request.name, request.size)
         return {"node": self.address}
 
-    async def op_decode_status(self, msg: dict[str, Any]) -> dict[str, Any]:
+    async def op_decode_status(self, request: DecodeStatus) -> dict[str, Any]:
         """This node's variants of a dataset (`local`), or every member's."""
-        name = validate_name(msg.get("name", ""))
-        if msg.get("local"):
+        name = request.name
+        if request.local:
             return {"node": self.address, "variants": self.local_status(name)}
         record = self.store.datasets.get(name)
         if record is None:
             raise NotFound(f"no dataset named {name!r}")
+        here = DecodeStatus(name=name, local=True)
         nodes: dict[str, Any] = {}
         for member in record.members or [self.address]:
             try:
-                nodes[member] = (
-                    await self._call(member, "decode_status", {"name": name, "local": True})
-                )["variants"]
+                nodes[member] = (await self._ask(member, here))["variants"]
             except KSpeedError as e:
                 nodes[member] = {"error": str(e)}
         return {"name": name, "uuid": record.uuid, "nodes": nodes, "variants": summarize(nodes)}

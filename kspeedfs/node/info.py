@@ -13,10 +13,10 @@ import trio
 
 from kspeedfs.format.config import Settings
 from kspeedfs.format.contract.node import List, Manifest, ManifestPiece, Status
+from kspeedfs.format.contract.pieces import read_piece
 from kspeedfs.format.errors import NotFound
 from kspeedfs.format.localdata import MANIFEST_FILE
-from kspeedfs.format.pieces import read_piece
-from kspeedfs.node.controlplane import ControlPlane
+from kspeedfs.node.control import ControlPlane
 from kspeedfs.node.decoded import DecodedVariants
 from kspeedfs.node.fdserver import FdServer
 from kspeedfs.node.leases import LeaseTable

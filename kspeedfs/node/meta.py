@@ -5,11 +5,9 @@ preload did not build is added to the published instance later (`meta_add`) the 
 
 from __future__ import annotations
 
-import base64
 import bisect
 import logging
 import os
-import re
 import secrets
 import stat
 from collections.abc import Callable, Sequence
@@ -19,23 +17,34 @@ from typing import Any, Protocol
 import trio
 
 from kspeedfs.format import metaindex
+from kspeedfs.format.contract import Request
+from kspeedfs.format.contract.meta import (
+    FetchMetaIndex,
+    MetaAbort,
+    MetaAdd,
+    MetaCommit,
+    MetaIndexPiece,
+    MetaPut,
+    MetaReserve,
+    StageMeta,
+)
+from kspeedfs.format.contract.pieces import Piece, read_piece
 from kspeedfs.format.errors import DataError, InvalidArgument, KSpeedError, NotFound, StaleDataset
 from kspeedfs.format.localdata import MANIFEST_FILE
 from kspeedfs.format.manifest import Manifest
-from kspeedfs.format.names import validate_name
 from kspeedfs.format.readthrough_view import READTHROUGH
 from kspeedfs.format.tree import Tree
 from kspeedfs.format.units import format_size
 from kspeedfs.node import sourceio
-from kspeedfs.node.ops import ADMIN, JOB, READ, OpRegistry, caller_role, int_field, str_field
-from kspeedfs.node.peers import Call, call_all
+from kspeedfs.node.ops import ADMIN, JOB, READ, OpRegistry, caller_role
+from kspeedfs.node.peers import Ask, ask_all
 from kspeedfs.node.store import DatasetRecord, SegmentStore
 from kspeedfs.sources.source import Source, open_source
 
 log = logging.getLogger(__name__)
 
-PIECE = 4 * 1024 * 1024  # bytes of an index per control frame (before base64)
-MAX_INDEX_BYTES = 1 << 38
+# The request that carries one piece of the index of a meta file to a member.
+PieceRequest = Callable[[str, Piece], Request]
 
 
 class Staged(Protocol):
@@ -45,12 +54,9 @@ class Staged(Protocol):
     staging: Path | None
 
 
-def requested(msg: dict[str, Any], tree: Tree) -> list[str]:
+def requested(names: Sequence[str], tree: Tree) -> list[str]:
     """The meta files a preload asks to index, checked against the scanned source: each must be
     a regular file in it (a one-line error before anything loads)."""
-    names = msg.get("meta") or []
-    if not isinstance(names, list) or not all(isinstance(n, str) for n in names):
-        raise InvalidArgument("meta must be a list of paths inside the source")
     out: list[str] = []
     for raw in names:
         name = metaindex.meta_name(raw)
@@ -134,30 +140,28 @@ async def send(
     members: Sequence[str],
     ident: dict[str, str],
     built: list[tuple[str, Path]],
-    call: Call,
-    op: str = "stage_meta",
+    ask: Ask,
+    carry: PieceRequest | None = None,
 ) -> None:
     """Every member gets every index, in pieces (an index is far over one control frame): into
-    a preload's stage (`stage_meta`) or a published instance (`meta_put`)."""
+    the stage of preload `ident` (StageMeta), or as `carry` makes the request of each piece
+    (MetaPut, into a published instance)."""
+
+    def staged(meta: str, piece: Piece) -> Request:
+        return StageMeta(name=ident["name"], uuid=ident["uuid"], meta=meta, piece=piece)
+
+    request = carry or staged
 
     async def send_to(member: str) -> None:
         for meta, path in built:
-            total = path.stat().st_size
-            with open(path, "rb") as f:
-                pos = 0
-                while True:
-                    data = await trio.to_thread.run_sync(f.read, PIECE)
-                    args = {
-                        **ident,
-                        "meta": meta,
-                        "offset": pos,
-                        "total": total,
-                        "data": base64.b64encode(data).decode(),
-                    }
-                    await call(member, op, args)
-                    pos += len(data)
-                    if pos >= total or not data:
-                        break
+            offset = 0
+            while True:
+                piece = await trio.to_thread.run_sync(read_piece, path, offset)
+                await ask(member, request(meta, piece))
+                end = piece.end  # decodes the piece's base64: once
+                if end >= piece.total or end == offset:
+                    break
+                offset = end
 
     async with trio.open_nursery() as nursery:
         for member in members:
@@ -182,81 +186,53 @@ class MetaIndexes:
     """A member's side: receive a preload's indexes into its stage, and serve published ones to
     clients that cannot map them (a machine that holds no part of the dataset)."""
 
-    def __init__(self, store: SegmentStore, stage_of: Callable[[dict[str, Any]], Staged]):
+    def __init__(self, store: SegmentStore, stage_of: Callable[[str, str], Staged]):
         self.store = store
-        self.stage_of = stage_of
+        self.stage_of = stage_of  # the stage of preload (name, uuid), or NotFound
 
     def register_ops(self, ops: OpRegistry) -> None:
-        ops.add("stage_meta", self.op_stage_meta, ADMIN)
-        ops.add("meta_index", self.op_meta_index, READ)
+        ops.add(StageMeta, self.op_stage_meta, ADMIN)
+        ops.add(FetchMetaIndex, self.op_meta_index, READ)
 
-    async def op_stage_meta(self, msg: dict[str, Any]) -> dict[str, Any]:
-        stage = self.stage_of(msg)
+    async def op_stage_meta(self, request: StageMeta) -> dict[str, Any]:
+        stage = self.stage_of(request.name, request.uuid)
         if stage.staging is None:
             raise InvalidArgument("no staging folder for this preload")
-        meta = metaindex.meta_name(str(msg["meta"]))
-        offset, total = int(msg["offset"]), int(msg["total"])
-        data = base64.b64decode(str(msg["data"]))
-        path = stage.staging / metaindex.index_file(meta)
+        path = stage.staging / metaindex.index_file(request.meta)
         received = await trio.to_thread.run_sync(
-            _write_piece, path, offset, total, data, stage.uuid, meta
+            _write_piece, path, request.piece, stage.uuid, request.meta
         )
         return {"received": received}
 
-    async def op_meta_index(self, msg: dict[str, Any]) -> dict[str, Any]:
+    async def op_meta_index(self, request: FetchMetaIndex) -> MetaIndexPiece:
         """A piece of a published index's bytes (the client maps the whole file)."""
-        name = validate_name(msg.get("name", ""))
-        record = self.store.datasets.get(name)
-        if record is None:
-            raise NotFound(f"no dataset named {name!r}")
-        if msg.get("uuid") and msg["uuid"] != record.uuid:
-            raise StaleDataset(f"dataset {name!r} was loaded again: the instance asked for is gone")
-        meta = metaindex.meta_name(str(msg.get("meta", "")))
+        name, meta = request.name, request.meta
+        record = self.store.instance(name, request.uuid)
         path = record.path / metaindex.index_file(meta)
-        offset = int(msg.get("offset", 0))
-
-        def read_piece() -> tuple[int, bytes]:
-            try:
-                with open(path, "rb") as f:
-                    total = os.fstat(f.fileno()).st_size
-                    f.seek(offset)
-                    return total, f.read(max(0, min(PIECE, total - offset)))
-            except FileNotFoundError:
-                raise NotFound(
-                    f"dataset {name} has no index of {meta}: add it with "
-                    f"`kspeedfs meta add {name} {meta}`"
-                ) from None
-
-        total, data = await trio.to_thread.run_sync(read_piece)
-        return {
-            "name": name,
-            "uuid": record.uuid,
-            "meta": meta,
-            "offset": offset,
-            "total": total,
-            "data": base64.b64encode(data).decode(),
-        }
+        try:
+            piece = await trio.to_thread.run_sync(read_piece, path, request.offset)
+        except FileNotFoundError:
+            raise NotFound(
+                f"dataset {name} has no index of {meta}: add it with "
+                f"`kspeedfs meta add {name} {meta}`"
+            ) from None
+        return MetaIndexPiece(name=name, uuid=record.uuid, meta=meta, piece=piece)
 
 
-def _write_piece(path: Path, offset: int, total: int, data: bytes, uuid: str, meta: str) -> int:
+def _write_piece(path: Path, piece: Piece, uuid: str, meta: str) -> int:
     """Write one piece of an index; the last one is checked and put in place. Returns the bytes
     received so far."""
-    _check_piece(offset, len(data), total)
+    data = piece.raw
     path.parent.mkdir(exist_ok=True)
     tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "r+b" if offset else "wb") as f:
-        f.seek(offset)
+    with open(tmp, "r+b" if piece.offset else "wb") as f:
+        f.seek(piece.offset)
         f.write(data)
-    if offset + len(data) < total:
-        return offset + len(data)
-    _check_index(tmp, tmp.stat().st_size, total, uuid, meta)
+    if piece.offset + len(data) < piece.total:
+        return piece.offset + len(data)
+    _check_index(tmp, tmp.stat().st_size, piece.total, uuid, meta)
     os.replace(tmp, path)
-    return total
-
-
-def _check_piece(offset: int, length: int, total: int) -> None:
-    if offset < 0 or offset + length > total or total > MAX_INDEX_BYTES:
-        raise InvalidArgument("meta index piece out of range")
+    return piece.total
 
 
 def _check_index(path: Path, size: int, total: int, uuid: str, meta: str) -> None:
@@ -311,52 +287,33 @@ class AddedIndexes:
         store.on_publish.append(self._found)
         store.before_unload.append(self._unloading)
 
-    def register_ops(self, ops: OpRegistry, call: Call) -> None:
-        self._call = call
-        ops.add("meta_add", self.op_meta_add, JOB)
-        for name, handler in (
-            ("meta_reserve", self.op_meta_reserve),
-            ("meta_put", self.op_meta_put),
-            ("meta_commit", self.op_meta_commit),
-            ("meta_abort", self.op_meta_abort),
-        ):
-            ops.add(name, handler, ADMIN)
-
-    def _record(self, name: str, uuid: str) -> DatasetRecord:
-        record = self.store.datasets.get(name)
-        if record is None and not uuid:
-            raise NotFound(f"no dataset named {name!r}")
-        if record is None or (uuid and uuid != record.uuid):
-            raise StaleDataset(
-                f"dataset {name!r} was unloaded or loaded again: the instance asked for is gone"
-            )
-        return record
+    def register_ops(self, ops: OpRegistry, ask: Ask) -> None:
+        self._ask = ask
+        ops.add(MetaAdd, self.op_meta_add, JOB)
+        ops.add(MetaReserve, self.op_meta_reserve, ADMIN)
+        ops.add(MetaPut, self.op_meta_put, ADMIN)
+        ops.add(MetaCommit, self.op_meta_commit, ADMIN)
+        ops.add(MetaAbort, self.op_meta_abort, ADMIN)
 
     # -- the coordinator --
 
-    async def op_meta_add(self, msg: dict[str, Any]) -> dict[str, Any]:
+    async def op_meta_add(self, request: MetaAdd) -> dict[str, Any]:
         """Index meta files of a published dataset on every member; one already there is left as
         it is. Every name is checked before anything is built."""
-        name = validate_name(msg.get("name", ""))
-        raw = msg.get("meta")
-        if isinstance(raw, str):
-            raw = [raw]
-        if not isinstance(raw, list) or not raw or not all(isinstance(n, str) for n in raw):
-            raise InvalidArgument("meta must be a list of paths inside the dataset")
-        record = self._record(name, str_field(msg, "uuid"))
+        name, raw = request.name, request.meta
+        record = self.store.instance(name, request.uuid)
         if record.lifetime == READTHROUGH:
             raise InvalidArgument(
                 f"dataset {name} is read-through: meta files are indexed for preloaded datasets"
             )
         members = record.members or [self.address]
-        via = str_field(msg, "via") if caller_role.get() == ADMIN else ""
+        via = request.via if caller_role.get() == ADMIN else ""
         if via and via not in members:
             members = [*members, via]  # it holds the instance too (joined it later)
         if members[0] != self.address and not via:
             # Forwarded by the node asked, which gets the index too (admin: a peer).
-            args = {"name": name, "uuid": record.uuid, "meta": raw, "via": self.address}
-            reply: dict[str, Any] = await self._call(members[0], "meta_add", args)
-            return reply
+            forward = MetaAdd(name=name, uuid=record.uuid, meta=raw, via=self.address)
+            return await self._ask(members[0], forward)
         m = self.store.open(name).manifest
         if m.uuid != record.uuid:
             raise StaleDataset(f"dataset {name!r} was loaded again: the instance asked for is gone")
@@ -388,15 +345,19 @@ class AddedIndexes:
         self, record: DatasetRecord, m: Manifest, meta: str, members: list[str]
     ) -> dict[str, Any]:
         name, uuid = record.name, record.uuid
-        self._record(name, uuid)  # it may have gone while this waited
+        self.store.instance(name, uuid)  # it may have gone while this waited
         add = secrets.token_hex(8)
         ident = {"name": name, "uuid": uuid, "meta": meta, "add": add}
         size = int(m.size[m.resolve(meta)])
         built: list[tuple[str, Path]] = []
         committed: list[str] = []
+
+        def put(meta: str, piece: Piece) -> Request:
+            return MetaPut(**ident, piece=piece)
+
         try:
             estimate = metaindex.index_size_estimate(size)
-            present = await self._on_members(members, "meta_reserve", {**ident, "bytes": estimate})
+            present = await self._on_members(members, MetaReserve(**ident, bytes=estimate))
             need = [member for member in members if not present[member]["present"]]
             if not need:
                 idx = metaindex.MetaIndex(record.path / metaindex.index_file(meta))
@@ -413,19 +374,17 @@ class AddedIndexes:
             header = await trio.to_thread.run_sync(_header, path)
             nbytes = path.stat().st_size
             # The exact size replaces the estimate (short lines make an index outgrow it).
-            await self._on_members(need, "meta_reserve", {**ident, "bytes": nbytes})
-            await send(
-                need, {"name": name, "uuid": uuid, "add": add}, built, self._call, "meta_put"
-            )
-            answers = await self._on_members(need, "meta_commit", ident, committed)
+            await self._on_members(need, MetaReserve(**ident, bytes=nbytes))
+            await send(need, ident, built, self._ask, put)
+            answers = await self._on_members(need, MetaCommit(**ident), committed)
             added = sum(1 for a in answers.values() if a["added"])
             return _described(meta, "added", header, nbytes, added)
         except BaseException:
             with trio.CancelScope(shield=True):
                 for member in members:
-                    drop = {"drop": True} if member in committed else {}
+                    abort = MetaAbort(**ident, drop=member in committed)
                     try:
-                        await self._call(member, "meta_abort", {**ident, **drop})
+                        await self._ask(member, abort)
                     except KSpeedError as e:
                         log.warning("dropping the index of %s on %s: %s", meta, member, e)
             raise
@@ -433,15 +392,11 @@ class AddedIndexes:
             discard(built)
 
     async def _on_members(
-        self,
-        members: Sequence[str],
-        op: str,
-        args: dict[str, Any],
-        done: list[str] | None = None,
+        self, members: Sequence[str], request: Request, done: list[str] | None = None
     ) -> dict[str, dict[str, Any]]:
-        """`op` on every member at once; the first refusal is raised once all have answered.
-        `done` collects the members whose index went in place (meta_commit)."""
-        answers, errors = await call_all(self._call, members, op, args)
+        """`request` on every member at once; the first refusal is raised once all have
+        answered. `done` collects the members whose index went in place (MetaCommit)."""
+        answers, errors = await ask_all(self._ask, members, request)
         if done is not None:
             done.extend(m for m, a in answers.items() if a.get("added"))
         if errors:
@@ -450,18 +405,10 @@ class AddedIndexes:
 
     # -- every member --
 
-    def _ident(self, msg: dict[str, Any]) -> tuple[str, str, str, str]:
-        name = validate_name(msg.get("name", ""))
-        meta = metaindex.meta_name(str_field(msg, "meta"))
-        add = str_field(msg, "add")
-        if not re.fullmatch(r"[0-9a-f]{16}", add):
-            raise InvalidArgument("add must be 16 hex digits")
-        return name, str_field(msg, "uuid"), meta, add
-
-    async def op_meta_reserve(self, msg: dict[str, Any]) -> dict[str, Any]:
+    async def op_meta_reserve(self, request: MetaReserve) -> dict[str, Any]:
         """Reserve an index's bytes here (NoSpace in one line), unless it is here already."""
-        name, uuid, meta, add = self._ident(msg)
-        nbytes = int_field(msg, "bytes", 0)
+        name, uuid, meta, add = request.name, request.uuid, request.meta, request.add
+        nbytes = request.bytes
         key = _reservation(name, meta, add)
 
         def reserve() -> bool:
@@ -476,13 +423,11 @@ class AddedIndexes:
             self._reserved.setdefault(name, set()).add(key)
         return {"node": self.address, "present": present}
 
-    async def op_meta_put(self, msg: dict[str, Any]) -> dict[str, Any]:
+    async def op_meta_put(self, request: MetaPut) -> dict[str, Any]:
         """A piece of the index, written under the add's temporary name; the last is checked."""
-        name, uuid, meta, add = self._ident(msg)
-        offset, total = int_field(msg, "offset", 0), int_field(msg, "total", 0)
-        data = base64.b64decode(str_field(msg, "data"))
-        _check_piece(offset, len(data), total)
-        folder = self._record(name, uuid).path / metaindex.INDEX_DIR
+        name, uuid, meta, add = request.name, request.uuid, request.meta, request.add
+        offset, total, data = request.piece.offset, request.piece.total, request.piece.raw
+        folder = self.store.instance(name, uuid).path / metaindex.INDEX_DIR
         if _reservation(name, meta, add) not in self._reserved.get(name, ()):
             raise InvalidArgument(f"no reservation here for this index of {meta}")
         tmp = _tmp(meta, add)
@@ -497,9 +442,9 @@ class AddedIndexes:
             raise DataError(f"index of {meta} on {self.address}: {e}") from None
         return {"node": self.address, "received": total}
 
-    async def op_meta_commit(self, msg: dict[str, Any]) -> dict[str, Any]:
+    async def op_meta_commit(self, request: MetaCommit) -> dict[str, Any]:
         """Put the received index in place (one rename) and count it instead of its reservation."""
-        name, uuid, meta, add = self._ident(msg)
+        name, uuid, meta, add = request.name, request.uuid, request.meta, request.add
         key = _reservation(name, meta, add)
         try:
             added = await trio.to_thread.run_sync(
@@ -518,10 +463,10 @@ class AddedIndexes:
             log.info("added the index of %s to %s: %s", meta, name, format_size(added))
         return {"node": self.address, "added": added > 0, "bytes": added}
 
-    async def op_meta_abort(self, msg: dict[str, Any]) -> dict[str, Any]:
+    async def op_meta_abort(self, request: MetaAbort) -> dict[str, Any]:
         """Undo an add here: its temporary file and reservation; with `drop`, the index it put
         in place too (another member failed to)."""
-        name, uuid, meta, add = self._ident(msg)
+        name, uuid, meta, add = request.name, request.uuid, request.meta, request.add
         key = _reservation(name, meta, add)
         self.store.release(key)
         self._reserved.get(name, set()).discard(key)
@@ -529,7 +474,7 @@ class AddedIndexes:
         def undo() -> None:
             index = metaindex.INDEX_DIR
             self.store.remove_file(name, uuid, index, _tmp(meta, add), counted=False)
-            if msg.get("drop"):
+            if request.drop:
                 self.store.remove_file(name, uuid, index, _final(meta), counted=True)
 
         try:

@@ -21,6 +21,7 @@ from typing import Any
 import trio
 
 from kspeedfs.format.contract import Request
+from kspeedfs.format.contract.meta import MetaAdd
 from kspeedfs.format.contract.preload import Preload
 from kspeedfs.format.contract.preload import Stage as StageRequest
 from kspeedfs.format.errors import KSpeedError
@@ -32,7 +33,7 @@ log = logging.getLogger(__name__)
 
 IDLE_PER_MEMBER = 4
 # Ops that scan a whole source (or read and index a meta file) before answering.
-SLOW_OPS = frozenset({StageRequest.OP, Preload.OP, "meta_add"})
+SLOW_OPS = frozenset({StageRequest.OP, Preload.OP, MetaAdd.OP})
 
 # An op on a member: (member, op, arguments) -> its answer.
 Call = Callable[[str, str, dict[str, Any]], Awaitable[dict[str, Any]]]
@@ -40,16 +41,17 @@ Call = Callable[[str, str, dict[str, Any]], Awaitable[dict[str, Any]]]
 Ask = Callable[[str, Request], Awaitable[dict[str, Any]]]
 
 
-async def call_all(
-    call: Call, members: Sequence[str], op: str, args: dict[str, Any]
+async def ask_all(
+    ask: Ask, members: Sequence[str], request: Request
 ) -> tuple[dict[str, dict[str, Any]], list[KSpeedError]]:
-    """`op` on every member at once: the answers of those that gave one, and the refusals."""
+    """`request` on every member at once: the answers of those that gave one, and the
+    refusals."""
     answers: dict[str, dict[str, Any]] = {}
     errors: list[KSpeedError] = []
 
     async def one(member: str) -> None:
         try:
-            answers[member] = await call(member, op, args)
+            answers[member] = await ask(member, request)
         except KSpeedError as e:
             errors.append(e)
 

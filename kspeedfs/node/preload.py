@@ -26,6 +26,7 @@ import xxhash
 
 from kspeedfs.format import placement
 from kspeedfs.format.contract.node import UnloadLocal
+from kspeedfs.format.contract.pieces import Assembly, Piece, pieces_of
 from kspeedfs.format.contract.preload import (
     Abort,
     Commit,
@@ -52,8 +53,6 @@ from kspeedfs.format.errors import (
 from kspeedfs.format.layout import Layout
 from kspeedfs.format.localdata import MANIFEST_FILE, segment_path
 from kspeedfs.format.manifest import Manifest, plan_layout, write_manifest
-from kspeedfs.format.names import validate_name
-from kspeedfs.format.pieces import Assembly, Piece, pieces_of
 from kspeedfs.format.tree import Tree
 from kspeedfs.format.units import format_size
 from kspeedfs.node import meta as metafiles
@@ -140,7 +139,7 @@ class Stager:
         self.loaded = {"segments": 0, "bytes": 0}  # what this node loaded from sources
         # Admission: preload uuid -> when its part was claimed here (its stage takes it over).
         self.claims: dict[str, float] = {}
-        self.metafiles = metafiles.MetaIndexes(store, self._stage_of)
+        self.metafiles = metafiles.MetaIndexes(store, self._get)
 
     def register_ops(self, ops: OpRegistry) -> None:
         """The member's side of a preload: only a coordinator (an admin) drives it."""
@@ -172,10 +171,6 @@ class Stager:
             raise NotFound(f"no staged preload of {name!r} on {self.address}")
         stage.last_contact = time.monotonic()
         return stage
-
-    def _stage_of(self, msg: dict[str, Any]) -> Stage:
-        """The stage a meta index piece is for (MetaIndexes reads its request's fields)."""
-        return self._get(validate_name(msg.get("name", "")), str(msg.get("uuid", "")))
 
     def _check_absent(self, name: str) -> None:
         if name in self.store.datasets:
@@ -532,7 +527,7 @@ async def plan_preload(request: Preload, segment_size: int, live_members: list[s
         members=list(live_members),
         assignment=placed.assignment(),
         endpoint=request.endpoint,
-        metas=metafiles.requested({"meta": list(request.meta)}, tree),
+        metas=metafiles.requested(request.meta, tree),
     )
 
 
@@ -711,7 +706,7 @@ async def coordinate(
         async with trio.open_nursery() as nursery:
             for member in plan.members:
                 nursery.start_soon(send_manifest, member)
-        await metafiles.send(plan.members, ident, indexes, call)
+        await metafiles.send(plan.members, ident, indexes, ask)
         # Commit is the one step that cannot be undone atomically: a member that fails here
         # is rolled back by unloading the dataset everywhere.
         async with trio.open_nursery() as nursery:

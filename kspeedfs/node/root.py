@@ -15,10 +15,10 @@ import trio
 from kspeedfs.format import auth, users
 from kspeedfs.format.config import Settings
 from kspeedfs.format.contract import Request
-from kspeedfs.format.contract.node import Rebalance, UnloadLocal
+from kspeedfs.format.contract.node import Rebalance
 from kspeedfs.format.errors import NotFound
 from kspeedfs.format.tls import client_context
-from kspeedfs.node.controlplane import ControlPlane
+from kspeedfs.node.control import ControlPlane
 from kspeedfs.node.coordinator import PreloadCoordinator
 from kspeedfs.node.decoded import DecodedVariants
 from kspeedfs.node.fdserver import FdServer
@@ -87,20 +87,20 @@ class Node:
         for owner in (self.info, self.coordinator, self.lease_owner, self.unloader):
             owner.register_ops(self.ops)
         self.stager.register_ops(self.ops)
-        self.decoded.register_ops(self.ops, self.call)
-        self.meta_indexes.register_ops(self.ops, self.call)
+        self.decoded.register_ops(self.ops, self.ask)
+        self.meta_indexes.register_ops(self.ops, self.ask)
         self.rdma.register_ops(self.ops)
         self.cache.register_ops(self.ops)
         # Control plane (etcd): membership, catalog, healing; None with a static node list.
         self.control: ControlPlane | None = None
         if settings.etcd:
             self.control = ControlPlane(
-                settings, self.store, self.call, self._unload_local, self.stager, self.cache
+                settings, self.store, self.ask, self.unloader.unload_local, self.stager, self.cache
             )
             self.cache.use_cluster(self.control)  # read-through datasets span the members
             self.coordinator.control = self.unloader.control = self.control
             self.ops.add(Rebalance, self.op_rebalance, ADMIN)
-            self.ops.add("adopt", self.control.op_adopt, ADMIN)
+            self.control.register_ops(self.ops)
 
     @property
     def address(self) -> str:
@@ -147,10 +147,6 @@ class Node:
         if member == self.address:
             return await self.ops.call(op, args)
         return await self.peers.call(member, op, args)
-
-    async def _unload_local(self, msg: dict[str, Any]) -> dict[str, Any]:
-        """The control plane's unload of this member's part (it passes the request's fields)."""
-        return await self.unloader.op_unload_local(UnloadLocal.from_wire(msg))
 
     async def op_rebalance(self, request: Rebalance) -> dict[str, Any]:
         """Control plane: place datasets over the members live now (one, or all)."""

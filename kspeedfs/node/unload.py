@@ -11,7 +11,7 @@ import trio
 
 from kspeedfs.format.contract.node import Unload, UnloadLocal
 from kspeedfs.format.errors import KSpeedError
-from kspeedfs.node.controlplane import ControlPlane
+from kspeedfs.node.control import ControlPlane
 from kspeedfs.node.leases import LeaseTable
 from kspeedfs.node.loads import LoadTable
 from kspeedfs.node.ops import ADMIN, OpRegistry

@@ -18,6 +18,7 @@ from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
 from kspeedfs.format.config import Settings
+from kspeedfs.format.contract.rdma import RdmaConnect, RdmaSegments
 from kspeedfs.format.errors import (
     DataError,
     InvalidArgument,
@@ -285,7 +286,7 @@ class RdmaTransport:
     def _handshake(self, channel: Channel) -> str:
         """'' when connected, else why not; NodeUnreachable when the node does not answer."""
         try:
-            reply = self._tcp.client.request("rdma_connect", endpoint=channel.endpoint.to_wire())
+            reply = self._tcp.client.call(RdmaConnect(endpoint=channel.endpoint.to_wire()))
         except InvalidArgument as e:
             return f"node does not offer RDMA ({e})"
         if not reply.get("available"):
@@ -317,7 +318,7 @@ class RdmaTransport:
             return entry
         if entry is not None and entry > time.monotonic():
             return None
-        reply = self._tcp.client.request("rdma_segments", name=dataset)
+        reply = self._tcp.client.call(RdmaSegments(name=dataset))
         if not reply.get("available"):
             log.info(
                 "node %s: reading %s over TCP: %s",

@@ -18,9 +18,10 @@ from typing import Any, Protocol
 import trio
 
 from kspeedfs.format.config import Settings
+from kspeedfs.format.contract import Request
+from kspeedfs.format.contract.rdma import RdmaConnect, RdmaSegments
 from kspeedfs.format.errors import InvalidArgument, KSpeedError
 from kspeedfs.format.localdata import LocalDataset
-from kspeedfs.format.names import validate_name
 from kspeedfs.rdma.registry import SegmentRegistry
 from kspeedfs.rdma.verbs import Device, Region, ResponderQP, VerbsError, open_device, probe
 from kspeedfs.rdma.wire import Endpoint, table_to_wire
@@ -40,8 +41,8 @@ class OpTable(Protocol):
 
     def add(
         self,
-        name: str,
-        handler: Callable[[dict[str, Any]], Awaitable[dict[str, Any]]],
+        op: type[Request],
+        handler: Callable[[Any], Awaitable[dict[str, Any]]],
         role: str,
     ) -> None: ...
 
@@ -123,8 +124,8 @@ class RdmaService:
 
     def register_ops(self, ops: OpTable) -> None:
         """Add the control ops RDMA clients use; readers use them, so the read role may."""
-        ops.add("rdma_connect", self.op_connect, "read")
-        ops.add("rdma_segments", self.op_segments, "read")
+        ops.add(RdmaConnect, self.op_connect, "read")
+        ops.add(RdmaSegments, self.op_segments, "read")
 
     def follow(self, store: PublishedDatasets) -> None:
         """Register each dataset the store publishes; deregister it before it goes."""
@@ -186,13 +187,13 @@ class RdmaService:
         _current_peers.set(peers)
         return peers
 
-    async def op_connect(self, msg: dict[str, Any]) -> dict[str, Any]:
+    async def op_connect(self, request: RdmaConnect) -> dict[str, Any]:
         if self.device is None:
             return {"available": False, "reason": self.reason}
         peers = _current_peers.get()
         if peers is None:
             return {"available": False, "reason": "this node cannot tie RDMA to connections"}
-        client = Endpoint.from_wire(msg.get("endpoint"))
+        client = Endpoint.from_wire(request.endpoint)
         # One queue pair per connection: a reconnect (after an error) replaces the old one.
         self._drop(peers)
         with self._lock:
@@ -218,8 +219,8 @@ class RdmaService:
             },
         }
 
-    async def op_segments(self, msg: dict[str, Any]) -> dict[str, Any]:
-        name = validate_name(msg.get("name", ""))
+    async def op_segments(self, request: RdmaSegments) -> dict[str, Any]:
+        name = request.name
         if self._store is not None:
             self._store.open(name)  # NotFound for a dataset this node does not have
         if self.registry is None:

@@ -39,10 +39,11 @@ def checked(check: Callable[[Any], Any], default: Any = _MISSING) -> Any:
 
 
 def at_least(minimum: int | float, default: Any = _MISSING) -> Any:
-    """A number field of at least `minimum`."""
+    """A number field (or list of numbers) of at least `minimum`; None passes, for an
+    optional field."""
 
     def check(value: Any) -> Any:
-        values = value if isinstance(value, list) else [value]
+        values = value if isinstance(value, list) else [] if value is None else [value]
         for v in values:
             if v < minimum:
                 raise _Bad(f"must be at least {minimum}, not {v}")

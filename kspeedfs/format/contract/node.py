@@ -5,8 +5,8 @@ from __future__ import annotations
 import dataclasses
 
 from kspeedfs.format.contract import Request, Wire, at_least, checked, dataset_name
+from kspeedfs.format.contract.pieces import PIECE, Piece
 from kspeedfs.format.names import validate_name
-from kspeedfs.format.pieces import PIECE, Piece
 
 
 @dataclasses.dataclass(frozen=True)
@@ -23,7 +23,7 @@ class Pong(Wire):
 @dataclasses.dataclass(frozen=True)
 class Manifest(Request):
     """A piece of a published dataset's manifest (a client or member that holds none of it
-    fetches the whole file piece by piece, with kspeedfs.format.pieces.fetch_all)."""
+    fetches the whole file piece by piece, with kspeedfs.format.contract.pieces.fetch_all)."""
 
     OP = "manifest"
     name: str = dataset_name()

@@ -13,7 +13,7 @@ import dataclasses
 from typing import Any, Literal
 
 from kspeedfs.format.contract import Request, Wire, at_least, checked, dataset_name
-from kspeedfs.format.pieces import Piece
+from kspeedfs.format.contract.pieces import Piece
 
 # The longest a long-polled answer is held back: well inside a client's timeout.
 MAX_WAIT_S = 5.0

@@ -1,4 +1,4 @@
-"""What a read-through dataset needs of the etcd control plane (kspeedfs.node.controlplane)."""
+"""What a read-through dataset needs of the etcd control plane (kspeedfs.node.control)."""
 
 from __future__ import annotations
 

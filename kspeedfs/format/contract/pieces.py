@@ -11,6 +11,7 @@ from __future__ import annotations
 import base64
 import binascii
 import dataclasses
+import functools
 import os
 from collections.abc import Callable, Iterator
 from typing import Any, Self
@@ -44,8 +45,8 @@ class Piece(Wire):
     def of(cls, offset: int, total: int, data: bytes | memoryview) -> Piece:
         return cls(offset, total, base64.b64encode(data).decode())
 
-    @property
-    def raw(self) -> bytes:
+    @functools.cached_property
+    def raw(self) -> bytes:  # decoded once (cached_property writes past the frozen fields)
         try:
             return base64.b64decode(self.data, validate=True)
         except (binascii.Error, ValueError):

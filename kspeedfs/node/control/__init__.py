@@ -1,0 +1,195 @@
+"""The node's side of the etcd control plane, one module per concern: membership (the lease
+and the live members), adoption (listing an instance held elsewhere), convergence (dropping
+what the catalog no longer has) and healing (copies made again, rebalances).
+
+Everything that talks to etcd runs in worker threads (the event loop never waits on etcd), and
+the data plane never depends on it: with etcd away, reads go on and only control ops fail.
+Read-through datasets are cataloged too (their segments placed over the members, filled on
+demand), but not healed: a lost owner's segments are filled again by the next one on a miss.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any
+
+import trio
+
+from kspeedfs.client.clusterstate import UNAVAILABLE, ClusterState, Record
+from kspeedfs.format.config import Settings
+from kspeedfs.format.contract.control import Adopt, Adopted
+from kspeedfs.format.manifest import plan_layout
+from kspeedfs.node.control.adopt import Adoption, Unload
+from kspeedfs.node.control.converge import Converger
+from kspeedfs.node.control.heal import Healer, placed
+from kspeedfs.node.control.membership import Membership
+from kspeedfs.node.ops import ADMIN, OpRegistry
+from kspeedfs.node.peers import Ask
+from kspeedfs.node.preload import Plan, Stager
+from kspeedfs.node.readthrough import ReadThroughCache
+from kspeedfs.node.store import SegmentStore
+
+__all__ = ["ControlPlane", "loading_record", "placed"]
+
+log = logging.getLogger(__name__)
+
+SYNC_INTERVAL = 0.5  # seconds between reads of the members and the catalog
+
+
+class ControlPlane:
+    """Registers this node in etcd, keeps its lease, and converges the node to the catalog."""
+
+    def __init__(
+        self,
+        settings: Settings,
+        store: SegmentStore,
+        ask: Ask,
+        unload: Unload,
+        stager: Stager | None = None,
+        readthrough: ReadThroughCache | None = None,
+    ):
+        self.settings = settings
+        self.state = ClusterState.of(settings)
+        self.store = store
+        self.stager = stager
+        self.membership = Membership(settings, self.state)
+        self.adoption = Adoption(store, ask, self.membership, unload, readthrough)
+        self.converger = Converger(store, self.state, self.adoption, unload, stager)
+        self.healer = Healer(settings, store, self.state, ask, self.membership, self.adoption)
+        self.copy_seconds = self.healer.copy_seconds
+        self.catalog: dict[str, Record] = {}  # as read at the last sync
+        self.reachable = False
+        self._heal_due = 0.0  # when a member down now is to be declared lost (time.time())
+
+    def register_ops(self, ops: OpRegistry) -> None:
+        ops.add(Adopt, self.op_adopt, ADMIN)
+
+    async def run(
+        self, address: str, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED
+    ) -> None:
+        """Joins the cluster, then keeps the lease and converges until cancelled; leaves on
+        the way out."""
+        await self.membership.join(address)
+        task_status.started()
+        try:
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(self.membership.keep_alive)
+                nursery.start_soon(self._sync_forever)
+        finally:
+            with trio.move_on_after(2) as scope:
+                scope.shield = True
+                await self.healer.readers.aclose()
+                await self.membership.leave()
+
+    # What the preload, the read-through cache and the server ask of the control plane.
+
+    @property
+    def address(self) -> str:
+        return self.membership.address
+
+    @property
+    def live(self) -> list[str]:
+        return self.membership.live
+
+    def members(self) -> list[str]:
+        return self.membership.members()
+
+    async def members_now(self) -> list[str]:
+        return await self.membership.members_now()
+
+    async def claim(self, record: Record) -> None:
+        await self.membership.claim(record)
+
+    async def publish(self, name: str, uuid: str, more: Record) -> None:
+        await self.membership.publish(name, uuid, more)
+
+    async def forget(self, name: str, uuid: str) -> bool:
+        return await self.membership.forget(name, uuid)
+
+    async def replace(self, name: str, uuid: str, more: Record) -> bool:
+        return await self.membership.replace(name, uuid, more)
+
+    async def entry_now(self, name: str) -> Record | None:
+        return await self.membership.entry_now(name)
+
+    async def announce(self, name: str, uuid: str) -> None:
+        await self.adoption.announce(name, uuid)
+
+    async def adopt(self, name: str, entry: Record) -> None:
+        await self.adoption.adopt(name, entry)
+
+    async def op_adopt(self, request: Adopt) -> Adopted:
+        return await self.adoption.op_adopt(request)
+
+    async def rebalance(self, name: str | None) -> list[str]:
+        """Place one dataset, or every one, over the members live now; the names placed."""
+        done, self.catalog = await self.healer.rebalance(name)
+        return done
+
+    # Converging.
+
+    async def _sync_forever(self) -> None:
+        while True:
+            try:
+                await self.sync_once()
+            except UNAVAILABLE as e:
+                self.reachable = False
+                self.membership.unavailable(e)
+            except Exception:
+                log.exception("control plane sync failed; trying again")
+            # Awake when a down member is due to be declared lost: every survivor reads the same
+            # down-since time, so they all start healing then, not up to a sync later.
+            due = self._heal_due - time.time()
+            await trio.sleep(min(SYNC_INTERVAL, due) if due > 0 else SYNC_INTERVAL)
+
+    async def sync_once(self) -> None:
+        live, down, datasets = await trio.to_thread.run_sync(self._snapshot)
+        self.reachable = True
+        self.membership.live = sorted(live)
+        self.catalog = {name: rec for name, (rec, _rev) in datasets.items()}
+        now = time.time()
+        for entry in self.catalog.values():
+            for m in entry.get("members", []):
+                if m not in live and m not in down:
+                    await trio.to_thread.run_sync(self.state.note_down, m, now)
+                    down[m] = now
+        after = self.settings.heal_after
+        due = [t + after for m, t in down.items() if m not in live and t + after > now]
+        self._heal_due = min(due, default=0.0)
+        await self.converger.run_once(self.catalog, self.address)
+        await self.healer.heal(self.catalog, down, now)
+
+    def _snapshot(self) -> tuple[dict[str, Record], dict[str, float], dict[str, Any]]:
+        return self.state.live_members(), self.state.down_since(), self.state.datasets()
+
+    def status(self) -> Record:
+        return {
+            "etcd": self.state.endpoints,
+            "cluster": self.settings.cluster,
+            "reachable": self.reachable,
+            "live": self.live,
+            "heal": dict(self.healer.stats),
+            "under_replicated": dict(self.healer.under_replicated),
+        }
+
+
+def loading_record(plan: Plan, coordinator: str) -> Record:
+    """The catalog record a preload claims its name with (ready once committed)."""
+    _offsets, seg_len = plan_layout(plan.tree, plan.segment_size)
+    return {
+        "name": plan.name,
+        "uuid": plan.uuid,
+        "state": "loading",
+        "source": plan.source,
+        "endpoint": plan.endpoint,
+        "lifetime": plan.lifetime,
+        "replicas": plan.replicas,
+        "members": plan.members,
+        "segment_size": plan.segment_size,
+        "segments": len(seg_len),
+        "files": plan.tree.file_count,
+        "bytes": plan.tree.data_bytes,
+        "coordinator": coordinator,
+        "created": time.time(),
+    }

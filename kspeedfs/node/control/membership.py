@@ -1,0 +1,114 @@
+"""This node's membership of the cluster: its lease in etcd, kept alive, and the members live."""
+
+from __future__ import annotations
+
+import logging
+import os
+
+import trio
+
+from kspeedfs.client.clusterstate import UNAVAILABLE, ClusterState, Record
+from kspeedfs.format.config import Settings
+from kspeedfs.format.errors import KSpeedError, NodeUnreachable
+
+log = logging.getLogger(__name__)
+
+
+class Membership:
+    """The node's membership lease and what it claims under it: the catalog records of the
+    preloads it coordinates (gone with the lease when the node dies)."""
+
+    def __init__(self, settings: Settings, state: ClusterState):
+        self.settings = settings
+        self.state = state
+        self.address = ""
+        self.lease_id = 0
+        self.live: list[str] = []  # as read at the last sync
+        self.warned = False  # etcd's absence was said: said again only after a success
+
+    async def join(self, address: str) -> None:
+        """Register at start; with etcd away the node serves anyway and joins later."""
+        self.address = address
+        try:
+            await self._register()
+        except UNAVAILABLE as e:
+            log.warning("%s; serving anyway, joining when it answers", e)
+            self.warned = True
+
+    async def leave(self) -> None:
+        """Leaving on purpose: everyone sees it at once, not after the TTL."""
+        if self.lease_id:
+            try:
+                await trio.to_thread.run_sync(self.state.revoke, self.lease_id)
+            except KSpeedError:
+                pass
+
+    async def _register(self) -> None:
+        self.lease_id = await trio.to_thread.run_sync(
+            self.state.register, self.address, self.settings.member_ttl, os.getpid()
+        )
+        log.info("joined cluster %r in etcd as %s", self.settings.cluster, self.address)
+
+    async def keep_alive(self) -> None:
+        while True:
+            await trio.sleep(max(0.5, self.settings.member_ttl / 3))
+            try:
+                if not self.lease_id:  # not joined yet: etcd did not answer at start
+                    await self._register()
+                elif not await trio.to_thread.run_sync(self.state.keep_alive, self.lease_id):
+                    log.warning("membership lease lost; joining again")
+                    await self._register()
+                self.warned = False
+            except UNAVAILABLE as e:
+                self.unavailable(e)
+
+    def unavailable(self, e: Exception) -> None:
+        if not self.warned:
+            log.warning("%s; data keeps being served", e)
+            self.warned = True
+
+    def members(self) -> list[str]:
+        """The live members to place new data over (this node always among them)."""
+        return sorted(set(self.live) | {self.address})
+
+    async def members_now(self) -> list[str]:
+        """`members` read from etcd now, not at the last sync (a node that joined a moment
+        ago counts); the last sync's view when etcd does not answer."""
+        try:
+            self.live = sorted(await trio.to_thread.run_sync(self.state.live_members))
+        except UNAVAILABLE as e:
+            log.warning("%s; placing over the members seen last", e)
+        return self.members()
+
+    # The catalog's records, claimed under the lease.
+
+    async def claim(self, record: Record) -> None:
+        if not self.lease_id:
+            await self._register()
+        await trio.to_thread.run_sync(self.state.claim, record, self.lease_id)
+
+    async def publish(self, name: str, uuid: str, more: Record) -> None:
+        """The preload committed everywhere: the record becomes ready and outlives its
+        coordinator."""
+
+        def ready(r: Record) -> Record:
+            return {**r, **more, "state": "ready"}
+
+        if not await trio.to_thread.run_sync(self.state.update, name, uuid, ready):
+            raise NodeUnreachable(f"etcd: the claim on {name} is gone (lease lost?)")
+
+    async def forget(self, name: str, uuid: str) -> bool:
+        return await trio.to_thread.run_sync(self.state.remove, name, uuid)
+
+    async def replace(self, name: str, uuid: str, more: Record) -> bool:
+        """Change the ready record of instance `uuid` (a refresh: `more` names the new one)."""
+
+        def change(r: Record) -> Record:
+            return {**r, **more, "state": "ready"}
+
+        return await trio.to_thread.run_sync(self.state.update, name, uuid, change)
+
+    async def entry_now(self, name: str) -> Record | None:
+        """The catalog record of `name` read from etcd now."""
+        found = await trio.to_thread.run_sync(self.state.dataset, name)
+        return found[0] if found else None
