@@ -53,3 +53,51 @@ def make_sample(
             (folder / f"n{c:08d}_{i:05d}.JPEG").write_bytes(data)
             total += len(data)
     return classes * per_class, total
+
+
+def make_shards(
+    dest: Path,
+    shards: int,
+    per_shard: int,
+    file_size: int,
+    seed: int = 0,
+    bases: int = 8,
+) -> list[Path]:
+    """WebDataset shards `dest/shard-NNNNNN.tar`, `per_shard` samples each: a JPEG of about
+    `file_size` bytes (.jpg), its class (.cls), a JSON record (.json) and, in every third, a
+    member whose extension has a dot (.seg.bin). Keys have dots in their folder (WebDataset
+    keys end at the first dot of the last path part), and in every shard a member of the
+    second sample comes before the first sample's last one (keys that come back: WebDataset
+    makes more samples of them). Returns the shards."""
+    import json
+    import tarfile
+
+    rng = random.Random(seed)
+    base = [_base_jpeg(rng, file_size) for _ in range(bases)]
+    dest.mkdir(parents=True, exist_ok=True)
+    out: list[Path] = []
+    n = 0
+    for s in range(shards):
+        members: list[tuple[str, bytes]] = []
+        for k in range(per_shard):
+            key = f"part.v{s % 2}/sample{n:07d}"
+            jpeg = _with_comment(base[n % bases], f"{seed}:{n}".encode())
+            fields = [
+                ("jpg", jpeg),
+                ("cls", str(n % 10).encode()),
+                ("json", json.dumps({"n": n, "shard": s}).encode()),
+            ]
+            if n % 3 == 0:
+                fields.append(("seg.bin", rng.randbytes(rng.randrange(1, 2000))))
+            members += [(f"{key}.{ext}", data) for ext, data in fields]
+            if k == 1:  # this sample's last member goes before the previous one's last
+                members.insert(len(members) - len(fields) - 1, members.pop())
+            n += 1
+        path = dest / f"shard-{s:06d}.tar"
+        with tarfile.open(path, "w", format=tarfile.USTAR_FORMAT) as tar:
+            for name, data in members:
+                info = tarfile.TarInfo(name)
+                info.size, info.mtime, info.mode = len(data), 1_700_000_000, 0o644
+                tar.addfile(info, io.BytesIO(data))
+        out.append(path)
+    return out

@@ -9,6 +9,7 @@ from .meta import KSpeedMetaDataset
 from .mini_epoch import MiniEpochSampler
 from .prefetch import ClairvoyantSampler
 from .priority import PrioritySampler
+from .tar_shards import KSpeedWebDataset
 
 __all__ = [
     "ClairvoyantSampler",
@@ -17,6 +18,7 @@ __all__ = [
     "KSpeedFolder",
     "KSpeedImageFolder",
     "KSpeedMetaDataset",
+    "KSpeedWebDataset",
     "MiniEpochSampler",
     "PrioritySampler",
     "SampleInfo",

@@ -155,7 +155,7 @@ class CachedPath(PrefetchMixin):
             me = ref()
             if me is None or not me._reader.handle.readthrough:
                 return
-            orders = (plan.order(), plan.next_epoch().order())
+            orders = (plan.remaining(), plan.next_epoch().remaining())  # a resumed one: from start
             me._reader.announce_plan([me._entries(np.asarray(o, dtype=np.int64)) for o in orders])
 
         return announce

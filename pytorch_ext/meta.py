@@ -14,7 +14,7 @@ import os
 import tempfile
 import threading
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 from torchvision.datasets import VisionDataset
@@ -25,6 +25,7 @@ from kspeedfs.format.contract.meta import FetchMetaIndex, MetaAdd, MetaIndexPiec
 from kspeedfs.format.contract.pieces import Piece, fetch_all
 from kspeedfs.format.errors import AuthError, DataError, InvalidArgument, KSpeedError, NotFound
 from kspeedfs.format.metaindex import MetaIndex
+from kspeedfs.format.tarindex import TarIndex
 from kspeedfs.net.connection import SCAN_TIMEOUT
 
 from . import cache
@@ -34,30 +35,36 @@ from .image_folder import CachedImages
 log = logging.getLogger(__name__)
 
 Parse = Callable[[bytes], tuple[Any, Any]]
+Index = TypeVar("Index", MetaIndex, TarIndex)
 
-_indexes: dict[tuple[str, str, str, bool | None], MetaIndex] = {}
+_indexes: dict[tuple[str, str, str, bool | None], MetaIndex | TarIndex] = {}
 _indexes_lock = threading.Lock()
 
 
 def open_index(reader: cache.Reader, meta: str) -> MetaIndex:
     """This process's map of a dataset's index of `meta`: the node's copy when it is on this
     machine, else fetched once from a node (a forked worker inherits the map either way)."""
+    return open_kind(reader, meta, MetaIndex)
+
+
+def open_kind(reader: cache.Reader, meta: str, kind: type[Index]) -> Index:
+    """`open_index` for an index of either kind (a meta file's, a tar shard's)."""
     ref = reader.ref
     key = (ref.name, ref.uuid, meta, ref.local)
     idx = _indexes.get(key)
-    if idx is not None:
+    if isinstance(idx, kind):
         return idx
     with _indexes_lock:
         idx = _indexes.get(key)
-        if idx is None:
+        if not isinstance(idx, kind):
             idx = None
             if reader.local is not None:
                 try:
-                    idx = MetaIndex(reader.local.path / metaindex.index_file(meta))
+                    idx = kind(reader.local.path / metaindex.index_file(meta))
                 except NotFound:
                     pass  # not on this node's copy: ask a node (which says why not)
             if idx is None:
-                idx = _fetch(reader, meta)
+                idx = _fetch(reader, meta, kind)
             if idx.uuid != ref.uuid or idx.meta != meta:
                 raise DataError(f"dataset {ref.name} was reloaded since this job attached to it")
             _indexes[key] = idx
@@ -67,22 +74,27 @@ def open_index(reader: cache.Reader, meta: str) -> MetaIndex:
 def add_index(reader: cache.Reader, meta: str) -> MetaIndex:
     """First use of a meta file the dataset was cached without: the node indexes it on every
     member (as `kspeedfs meta add` does; a job token may), then this process maps it."""
-    ref = reader.ref
-    log.info("asking the cache to index %s of %s", meta, ref.name)
-    try:
-        reader.cluster.live_call(
-            MetaAdd(name=ref.name, uuid=ref.uuid, meta=[meta]), answer_within=SCAN_TIMEOUT
-        )
-    except AuthError as e:
-        raise AuthError(
-            f"dataset {ref.name} has no index of {meta} and indexing it needs a job token: {e}"
-        ) from None
+    ask_to_index(reader, [meta])
     return open_index(reader, meta)
 
 
-def _fetch(reader: cache.Reader, meta: str) -> MetaIndex:
-    """The index of `meta` from the first node that answers, in pieces, into a temporary file
-    this process maps."""
+def ask_to_index(reader: cache.Reader, metas: Sequence[str]) -> None:
+    """Have the cache index meta files (or tar shards) on every member, in one request."""
+    ref = reader.ref
+    log.info("asking the cache to index %d files of %s (%s)", len(metas), ref.name, metas[0])
+    try:
+        reader.cluster.live_call(
+            MetaAdd(name=ref.name, uuid=ref.uuid, meta=list(metas)), answer_within=SCAN_TIMEOUT
+        )
+    except AuthError as e:
+        raise AuthError(
+            f"dataset {ref.name} has no index of {metas[0]} and indexing it needs a job token: {e}"
+        ) from None
+
+
+def _fetch(reader: cache.Reader, meta: str, kind: type[Index]) -> Index:
+    """The index of `meta` (or a tar shard) from the first node that answers, in pieces, into
+    a temporary file this process maps."""
     ref = reader.ref
     cluster = reader.cluster
     first, reply = cluster.live_call(FetchMetaIndex(name=ref.name, uuid=ref.uuid, meta=meta))
@@ -98,7 +110,7 @@ def _fetch(reader: cache.Reader, meta: str) -> MetaIndex:
     try:
         with os.fdopen(fd, "wb") as f:
             fetch_all(ask, f.write)
-        return MetaIndex(path)
+        return kind(path)
     finally:
         os.unlink(path)  # the map keeps it alive; nothing to clean up later
 

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
@@ -107,8 +106,16 @@ class MiniEpochSampler(ClairvoyantSampler):
         base = super().plan()
         return MiniEpochPlan(**dataclasses.asdict(base), mini_epochs=self.mini_epochs)
 
-    def __iter__(self) -> Iterator[int]:
-        return iter(self.plan().order().tolist())
+    def state_dict(self) -> dict[str, Any]:
+        return dict(super().state_dict(), mini_epochs=self.mini_epochs)
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if state.get("mini_epochs") != self.mini_epochs:
+            raise ValueError(
+                f"sampler state is for {state.get('mini_epochs')!r} mini-epochs, this sampler "
+                f"has {self.mini_epochs}"
+            )
+        super().load_state_dict(state)
 
     def mini_epoch_bounds(self) -> list[int]:
         """Positions in this rank's order where each mini-epoch starts, and its length last."""

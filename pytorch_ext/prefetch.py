@@ -5,7 +5,13 @@ ahead of use, into a bounded buffer, by a thread in each process that reads.
 its plan to the dataset. A DataLoader gives batch j of an epoch to worker j % num_workers, so
 each worker knows which batches it will get and fetches its next `depth` ones in the
 background, one vectored read per node each. A request that does not match the plan (another
-sampler, a resumed iterator) is simply read on demand: prediction affects speed, never data.
+sampler) is simply read on demand: prediction affects speed, never data. A request that is
+another batch of the plan (a resumed epoch, workers restarted) puts the prefetch back on it.
+
+The samplers resume mid-epoch: `state_dict()` is the epoch and how far into it the sampler
+has yielded, `load_state_dict()` makes the next iteration yield exactly the rest of that
+epoch's order, as `torchdata.stateful_dataloader.StatefulDataLoader` expects of a sampler,
+and the plan the dataset is told starts there too.
 """
 
 from __future__ import annotations
@@ -16,7 +22,7 @@ import os
 import threading
 import weakref
 from collections import Counter
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any, Generic, TypeVar
 
 import numpy as np
@@ -47,6 +53,7 @@ class EpochPlan:
     drop_last: bool
     epoch: int
     depth: int
+    start: int = 0  # samples of the order already yielded before a resume
 
     def order(self) -> list[int]:
         # The sampler's own code computes it, so the plan cannot drift from what it yields.
@@ -62,7 +69,11 @@ class EpochPlan:
         return list(s)
 
     def next_epoch(self) -> EpochPlan:
-        return dataclasses.replace(self, epoch=self.epoch + 1)
+        return dataclasses.replace(self, epoch=self.epoch + 1, start=0)
+
+    def remaining(self) -> np.ndarray:
+        """The order from `start` on: what the sampler yields in this pass."""
+        return np.asarray(self.order(), dtype=np.int64)[self.start :]
 
 
 class ClairvoyantSampler(DistributedSampler[int]):
@@ -93,10 +104,51 @@ class ClairvoyantSampler(DistributedSampler[int]):
                 rank = 0 if rank is None else rank
         super().__init__(dataset, num_replicas, rank, shuffle, seed, drop_last)
         self.depth = max(1, depth)
+        self._resume_at = 0  # where the next iteration starts (a loaded state_dict)
+        self._yielded = 0  # how far the current iteration has gone
         self._publish()
 
     def set_epoch(self, epoch: int) -> None:
+        if epoch != self.epoch:
+            self._resume_at = 0  # a resumed epoch is kept only until another one is set
         super().set_epoch(epoch)
+        self._publish()
+
+    def __iter__(self) -> Iterator[int]:
+        start = self._resume_at
+        order = self.plan().remaining().tolist()
+        self._resume_at = 0  # a pass after this one is the whole epoch again
+        return self._counted(start, order)
+
+    def _counted(self, start: int, order: list[int]) -> Iterator[int]:
+        self._yielded = start
+        for i in order:
+            self._yielded += 1
+            yield i
+
+    def state_dict(self) -> dict[str, Any]:
+        """Where this sampler is: its epoch and how many of the epoch's indices it has yielded
+        (with what the order depends on, checked when it is loaded)."""
+        return {
+            "epoch": self.epoch,
+            "yielded": self._yielded,
+            "seed": self.seed,
+            "length": len(self.dataset),  # type: ignore[arg-type]
+            "num_replicas": self.num_replicas,
+            "rank": self.rank,
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """The next iteration yields the rest of the saved epoch's order, exactly; the plan
+        the dataset is told starts there."""
+        for key in ("seed", "length", "num_replicas", "rank"):
+            mine = self.state_dict()[key]
+            if state.get(key) != mine:
+                raise ValueError(
+                    f"sampler state is for {key}={state.get(key)!r}, this sampler has {mine!r}"
+                )
+        self.epoch = int(state["epoch"])
+        self._resume_at = self._yielded = int(state["yielded"])
         self._publish()
 
     def plan(self) -> EpochPlan:
@@ -109,6 +161,7 @@ class ClairvoyantSampler(DistributedSampler[int]):
             drop_last=self.drop_last,
             epoch=self.epoch,
             depth=self.depth,
+            start=self._resume_at,
         )
 
     def _publish(self) -> None:
@@ -169,9 +222,15 @@ class Prefetcher(Generic[T]):
 
 
 class PlanFollower(Generic[T]):
-    """One process's view of a plan: the batches it will be asked for, fetched ahead. Each
-    plan it starts is also handed to `announce` (on a thread of its own), which tells the
-    node the order its segments will be read in."""
+    """One process's view of a plan: the batches it will be asked for, fetched ahead.
+
+    A DataLoader deals batches round-robin: this worker gets batches w, w + W, w + 2W, ... of
+    the plan (from the plan's start). A request that is a batch of the plan or of the next
+    epoch, but not the one expected (a new pass, persistent workers past set_epoch, a resumed
+    epoch whose workers started before the sampler loaded its state), moves the prefetch to
+    that batch and every W-th after it. Each plan it starts is also handed to `announce` (on
+    a thread of its own), which tells the node the order its segments will be read in.
+    """
 
     def __init__(
         self,
@@ -189,21 +248,43 @@ class PlanFollower(Generic[T]):
         self.pos = 0
         self.prefetcher: Prefetcher[T] | None = None
         self.mine: list[np.ndarray] = []
-        self._firsts: dict[EpochPlan, np.ndarray | None] = {}
+        self._batches: dict[EpochPlan, tuple[list[np.ndarray], dict[int, list[int]]]] = {}
         self._start(plan)
 
-    def _my_batches(self, plan: EpochPlan) -> list[np.ndarray]:
+    def _worker(self) -> tuple[int, int]:
         info = get_worker_info()
-        wid, nw = (info.id, info.num_workers) if info is not None else (0, 1)
-        order = np.asarray(plan.order(), dtype=np.int64)
-        bs = self.batch_size
-        return [order[i : i + bs] for i in range(wid * bs, len(order), bs * nw)]
+        return (info.id, info.num_workers) if info is not None else (0, 1)
 
-    def _start(self, plan: EpochPlan) -> None:
+    def _all_batches(self, plan: EpochPlan) -> tuple[list[np.ndarray], dict[int, list[int]]]:
+        """The plan's batches as a DataLoader cuts them from its start (the order before it in
+        batches too, for a later whole pass), and batch numbers by first index. Computing an
+        order costs a shuffle of the whole dataset: once per plan, the last two kept."""
+        got = self._batches.get(plan)
+        if got is None:
+            order = np.asarray(plan.order(), dtype=np.int64)
+            bs = self.batch_size
+            head = plan.start % bs
+            cuts = ([0] if head else []) + list(range(head, len(order), bs))
+            batches = [order[a : a + bs if a >= head else head] for a in cuts]
+            by_first: dict[int, list[int]] = {}
+            for k, batch in enumerate(batches):
+                by_first.setdefault(int(batch[0]), []).append(k)
+            got = (batches, by_first)
+            if len(self._batches) >= 2:
+                self._batches.pop(next(iter(self._batches)))
+            self._batches[plan] = got
+        return got
+
+    def _start(self, plan: EpochPlan, first: int | None = None) -> None:
         if self.prefetcher is not None:
             self.prefetcher.stop()
+        batches, _ = self._all_batches(plan)
+        wid, nw = self._worker()
+        if first is None:
+            head = plan.start % self.batch_size
+            first = (1 if head else 0) + plan.start // self.batch_size + wid
         self.plan = plan
-        self.mine = self._my_batches(plan)
+        self.mine = batches[first::nw]
         self.pos = 0
         self.prefetcher = Prefetcher(self.mine, self.fetch, plan.depth)
         if self.announce is not None:
@@ -215,29 +296,29 @@ class PlanFollower(Generic[T]):
         self.given = plan
         self._start(plan)
 
+    def _find(self, plan: EpochPlan, indices: np.ndarray) -> int | None:
+        if not len(indices):
+            return None
+        batches, by_first = self._all_batches(plan)
+        for k in by_first.get(int(indices[0]), []):
+            if np.array_equal(batches[k], indices):
+                return k
+        return None
+
     def take(self, indices: np.ndarray) -> T | None:
         """The prefetched data for this request, or None when it is not the predicted one."""
         if self.pos < len(self.mine) and np.array_equal(self.mine[self.pos], indices):
             return self._take_next()
-        # A new pass over the same plan (no set_epoch), or the next epoch with persistent
-        # workers that never saw set_epoch.
         for plan in (self.plan, self.plan.next_epoch()):
-            first = self._first_batch(plan)
-            if first is not None and np.array_equal(first, indices):
-                self._start(plan)
+            k = self._find(plan, indices)
+            if k is not None:
+                self._start(plan, first=k)
                 return self._take_next()
         if self.prefetcher is not None:
             log.debug("request off the plan; prefetch stopped for this pass")
             self.prefetcher.stop()
             self.prefetcher = None
         return None
-
-    def _first_batch(self, plan: EpochPlan) -> np.ndarray | None:
-        # Computing an order costs a shuffle of the whole dataset: once per plan.
-        if plan not in self._firsts:
-            mine = self.mine if plan == self.plan else self._my_batches(plan)
-            self._firsts[plan] = mine[0] if mine else None
-        return self._firsts[plan]
 
     def _take_next(self) -> T | None:
         assert self.prefetcher is not None

@@ -13,7 +13,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import math
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
@@ -113,8 +113,25 @@ class PrioritySampler(ClairvoyantSampler):
             weights=self._weights,
         )
 
-    def __iter__(self) -> Iterator[int]:
-        return iter(self.plan().order().tolist())
+    def state_dict(self) -> dict[str, Any]:
+        """The base's, with the draw's size and the weights in use (`set_weights` may have
+        changed them since the sampler was made: the rest of the epoch follows these)."""
+        return dict(
+            super().state_dict(),
+            requested=self.requested,
+            replacement=self.replacement,
+            weights=np.frombuffer(self._weights, dtype=np.float64).copy(),
+        )
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        for key in ("requested", "replacement"):
+            if state.get(key) != getattr(self, key):
+                raise ValueError(
+                    f"sampler state is for {key}={state.get(key)!r}, this sampler has "
+                    f"{getattr(self, key)!r}"
+                )
+        self._set(checked_weights(state["weights"], len(self.dataset)))  # type: ignore[arg-type]
+        super().load_state_dict(state)
 
     def __len__(self) -> int:
         return self._draws() // self.num_replicas

@@ -32,6 +32,7 @@ from kspeedfs.format.manifest import Manifest
 MAGIC = b"KSPDMIX1"
 FORMAT_VERSION = 1
 INDEX_DIR = "meta"  # the indexes' folder inside a dataset folder
+TAR_SUFFIX = ".tar"
 _ALIGN = 64
 _TRAILER = struct.Struct("<QI8s")
 MAX_PROBLEMS = 20  # bad lines whose number and reason the header keeps
@@ -56,10 +57,15 @@ def meta_name(name: str | os.PathLike[str]) -> str:
     return norm
 
 
+def is_tar_shard(meta: str) -> bool:
+    """A `.tar` file is indexed as a tar shard (kspeedfs.format.tarindex), not as lines."""
+    return meta.endswith(TAR_SUFFIX)
+
+
 def index_file(meta: str) -> str:
-    """Where a meta file's index lives inside a dataset folder."""
+    """Where a meta file's index (or a tar shard's) lives inside a dataset folder."""
     digest = xxhash.xxh3_64_hexdigest(meta.encode(errors="surrogateescape"))
-    return f"{INDEX_DIR}/{digest}.kmi"
+    return f"{INDEX_DIR}/{digest}.{'kti' if is_tar_shard(meta) else 'kmi'}"
 
 
 def index_size_estimate(meta_bytes: int) -> int:
@@ -241,7 +247,7 @@ def build_index(
         problems=problems,
         **counts,
     )
-    _write(Path(path), arrays, full)
+    write_index(Path(path), arrays, full)
     return full
 
 
@@ -270,7 +276,8 @@ def _align(n: int) -> int:
     return (n + _ALIGN - 1) // _ALIGN * _ALIGN
 
 
-def _write(path: Path, arrays: dict[str, np.ndarray], header: dict[str, Any]) -> None:
+def write_index(path: Path, arrays: dict[str, np.ndarray], header: dict[str, Any]) -> None:
+    """The file layout of the module docstring, written atomically (a rename)."""
     layout: dict[str, list[Any]] = {}
     tmp = path.with_name(path.name + ".tmp")
     with open(tmp, "wb") as f:
@@ -292,13 +299,7 @@ class MetaIndex:
 
     def __init__(self, path: str | os.PathLike[str]):
         self.file = Path(path)
-        try:
-            with open(self.file, "rb", opener=_nofollow) as f:
-                self._map = mmap.mmap(f.fileno(), 0, prot=mmap.PROT_READ)
-        except FileNotFoundError:
-            raise NotFound(f"meta index not found: {self.file}") from None
-        except (OSError, ValueError) as e:
-            raise DataError(f"cannot map meta index {self.file}: {e}") from None
+        self._map = map_index(self.file, "meta index")
         try:
             self.header = self._parse_header()
             arrays = {
@@ -325,15 +326,7 @@ class MetaIndex:
         self.target_kind = str(self.header["target_kind"])  # "int", or "str": table indices
 
     def _parse_header(self) -> dict[str, Any]:
-        if len(self._map) < _ALIGN + _TRAILER.size or self._map[: len(MAGIC)] != MAGIC:
-            raise ValueError("bad magic")
-        pos, length, magic = _TRAILER.unpack_from(self._map, len(self._map) - _TRAILER.size)
-        if magic != MAGIC or pos + length + _TRAILER.size != len(self._map):
-            raise ValueError("bad trailer")
-        header: dict[str, Any] = json.loads(self._map[pos : pos + length])
-        if header.get("format") != FORMAT_VERSION:
-            raise ValueError(f"unsupported format {header.get('format')!r}")
-        return header
+        return parse_header(self._map)
 
     @property
     def uuid(self) -> str:
@@ -379,6 +372,30 @@ class MetaIndex:
         h = self.header
         shown = "; ".join(f"line {n}: {why}" for n, why in list(self.problems())[:5])
         return f"{h['bad']} unparsable lines and {h['missing']} missing files ({shown})"
+
+
+def parse_header(buf: mmap.mmap) -> dict[str, Any]:
+    """The JSON header of a mapped index file (ValueError when it is not one)."""
+    if len(buf) < _ALIGN + _TRAILER.size or buf[: len(MAGIC)] != MAGIC:
+        raise ValueError("bad magic")
+    pos, length, magic = _TRAILER.unpack_from(buf, len(buf) - _TRAILER.size)
+    if magic != MAGIC or pos + length + _TRAILER.size != len(buf):
+        raise ValueError("bad trailer")
+    header: dict[str, Any] = json.loads(buf[pos : pos + length])
+    if header.get("format") != FORMAT_VERSION:
+        raise ValueError(f"unsupported format {header.get('format')!r}")
+    return header
+
+
+def map_index(path: Path, what: str) -> mmap.mmap:
+    """A read-only map of an index file (not following a link); NotFound or DataError."""
+    try:
+        with open(path, "rb", opener=_nofollow) as f:
+            return mmap.mmap(f.fileno(), 0, prot=mmap.PROT_READ)
+    except FileNotFoundError:
+        raise NotFound(f"{what} not found: {path}") from None
+    except (OSError, ValueError) as e:
+        raise DataError(f"cannot map {what} {path}: {e}") from None
 
 
 def _nofollow(path: str, flags: int) -> int:

@@ -35,7 +35,7 @@ from kspeedfs.format.manifest import Manifest
 from kspeedfs.format.readthrough_view import READTHROUGH
 from kspeedfs.format.tree import Tree
 from kspeedfs.format.units import format_size
-from kspeedfs.node import sourceio
+from kspeedfs.node import sourceio, tarindexes
 from kspeedfs.node.ops import ADMIN, JOB, READ, OpRegistry, caller_role
 from kspeedfs.node.peers import Ask, ask_all
 from kspeedfs.node.store import DatasetRecord, SegmentStore
@@ -65,7 +65,7 @@ def requested(names: Sequence[str], tree: Tree) -> list[str]:
             raise InvalidArgument(f"meta file {name} is not a file in the source")
         if name not in out:
             out.append(name)
-    return out
+    return out + [s for s in tarindexes.shards(tree) if s not in out]
 
 
 def reserve_estimate(tree: Tree, names: Sequence[str]) -> int:
@@ -73,7 +73,7 @@ def reserve_estimate(tree: Tree, names: Sequence[str]) -> int:
     total = 0
     for name in names:
         i = _tree_lookup(tree, name)
-        total += metaindex.index_size_estimate(tree.size[i] if i is not None else 0)
+        total += tarindexes.index_size_estimate(name, tree.size[i] if i is not None else 0)
     return total
 
 
@@ -97,9 +97,10 @@ def _build_one(
     i = m.resolve(meta)
     size = int(m.size[i])
     raw = source.read_verified(m, i, 0, size, int(m.checksum[i]))
-    header = metaindex.build_index(
-        raw, m, out, {**ident, "meta": meta, "meta_entry": i, "meta_size": size}
-    )
+    named = {**ident, "meta": meta, "meta_entry": i, "meta_size": size}
+    if metaindex.is_tar_shard(meta):
+        return tarindexes.build_shard(raw, out, named)
+    header = metaindex.build_index(raw, m, out, named)
     log.info(
         "indexed %s of %s: %d lines, %d samples, %d bad, %d missing",
         meta,
@@ -118,8 +119,10 @@ async def build(
     source: Source,
     scratch: Path,
     ident: dict[str, str],
+    skip_bad_shards: bool = False,
 ) -> list[tuple[str, Path]]:
-    """Index each meta file from the source's verified bytes; (meta, index file) in scratch."""
+    """Index each meta file from the source's verified bytes; (meta, index file) in scratch.
+    With `skip_bad_shards` (a preload), a tar that cannot be indexed is left out, logged."""
     if not names:
         return []
     m = await trio.to_thread.run_sync(Manifest, manifest_path)
@@ -128,8 +131,15 @@ async def build(
         for meta in names:
             digest = metaindex.index_file(meta).rsplit("/", 1)[-1]
             out = scratch / f"{ident['name']}.{ident['uuid']}.{digest}"
+            try:
+                await sourceio.run_sync(_build_one, source, m, meta, out, ident)
+            except DataError as e:
+                if not (skip_bad_shards and metaindex.is_tar_shard(meta)):
+                    raise
+                log.warning("not indexing a shard of %s: %s", ident["name"], e)
+                tarindexes.discard_failed(out)
+                continue
             built.append((meta, out))
-            await sourceio.run_sync(_build_one, source, m, meta, out, ident)
     except BaseException:
         discard(built)
         raise
@@ -239,7 +249,7 @@ def _check_index(path: Path, size: int, total: int, uuid: str, meta: str) -> Non
     """A received index is whole and is the one of `meta` built for instance `uuid`."""
     if size != total:
         raise DataError(f"meta index of {meta} arrived incomplete")
-    idx = metaindex.MetaIndex(path)
+    idx = tarindexes.open_index(path, meta)
     if idx.uuid != uuid or idx.meta != meta:
         raise DataError(f"meta index of {meta} belongs to another instance of the dataset")
     del idx
@@ -356,11 +366,11 @@ class AddedIndexes:
             return MetaPut(**ident, piece=piece)
 
         try:
-            estimate = metaindex.index_size_estimate(size)
+            estimate = tarindexes.index_size_estimate(meta, size)
             present = await self._on_members(members, MetaReserve(**ident, bytes=estimate))
             need = [member for member in members if not present[member]["present"]]
             if not need:
-                idx = metaindex.MetaIndex(record.path / metaindex.index_file(meta))
+                idx = tarindexes.open_index(record.path / metaindex.index_file(meta), meta)
                 return _described(meta, "present", idx.header, idx.nbytes, 0)
             source = open_source(record.source, str(m.header.get("endpoint") or ""))
             built = await build(
@@ -371,7 +381,7 @@ class AddedIndexes:
                 {"name": name, "uuid": uuid},  # the header a preload's index has
             )
             path = built[0][1]
-            header = await trio.to_thread.run_sync(_header, path)
+            header = await trio.to_thread.run_sync(_header, path, meta)
             nbytes = path.stat().st_size
             # The exact size replaces the estimate (short lines make an index outgrow it).
             await self._on_members(need, MetaReserve(**ident, bytes=nbytes))
@@ -503,8 +513,8 @@ class AddedIndexes:
             log.warning("cannot check the meta indexes of %s: %s", name, e)
 
 
-def _header(path: Path) -> dict[str, Any]:
-    return metaindex.MetaIndex(path).header
+def _header(path: Path, meta: str) -> dict[str, Any]:
+    return tarindexes.open_index(path, meta).header
 
 
 def _described(

@@ -686,7 +686,9 @@ async def coordinate(
             write_manifest, path, tree, offsets, checksums, seg_len, seg_checksums, header
         )
         try:
-            indexes = await metafiles.build(plan.metas, path, source, scratch, ident)
+            indexes = await metafiles.build(
+                plan.metas, path, source, scratch, ident, skip_bad_shards=True
+            )
             blob = path.read_bytes()
         finally:
             path.unlink(missing_ok=True)
