@@ -5,6 +5,8 @@ never evicts a dataset for itself; the plan's choice against the uses it counts.
 
 from __future__ import annotations
 
+from collections import deque
+
 import numpy as np
 from hypothesis import given
 from hypothesis import strategies as st
@@ -100,10 +102,31 @@ def test_the_plan_evicts_only_a_segment_with_fewer_uses_ahead(
 
 def test_the_readers_cursor_follows_their_misses_and_ignores_reads_off_the_plan() -> None:
     plan = ReadersPlan(np.array([3, 1, 2, 0, 0, 3], dtype=np.int64), window=2)
+    plan.MATCHES = 1  # the median of one match: each match ahead moves the cursor
+    plan._matches = deque(maxlen=1)
     plan.observe(1)
     assert plan.cursor == 1 and plan.uses_ahead(2) == 1 and plan.uses_ahead(3) == 0
     plan.observe(9)  # not in the plan
-    plan.observe(3)  # its next use is 4 ahead, past the window: a read off the plan
+    plan.observe(3)  # its use nearest the cursor is behind it: a lagging reader
     assert plan.cursor == 1
     plan.observe(2)
     assert plan.cursor == 2 and plan.uses_ahead(2) == 0 and plan.uses_ahead(0) == 2
+
+
+@given(st.integers(0, 2**32 - 1), st.sampled_from([0, 64, 128]))
+def test_the_cursor_stays_near_the_readers_on_repeated_draws(seed: int, lag: int) -> None:
+    """Two readers `lag` uses apart, each use a miss half of the time, over a plan of draws
+    with replacement (segments used several times at random places): the cursor never gets
+    ahead of the front reader by more than a few uses, nor behind the lagging one."""
+    rng = np.random.default_rng(seed)
+    n = 600
+    uses = rng.integers(0, n, 2 * n)
+    plan = ReadersPlan(uses, window=128)
+    behind = []
+    for t in range(n):
+        for pos in (t, t - lag):
+            if pos >= 0 and rng.random() < 0.5:
+                plan.observe(int(uses[pos]))
+        assert plan.cursor <= t + 16
+        behind.append(t - plan.cursor)
+    assert np.mean(behind) <= lag + 32  # between the two readers, on the whole

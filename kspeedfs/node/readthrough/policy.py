@@ -20,7 +20,8 @@ miss" (it is read from the source and not admitted).
 from __future__ import annotations
 
 import bisect
-from collections import OrderedDict
+import statistics
+from collections import OrderedDict, deque
 from collections.abc import Collection
 from typing import Protocol
 
@@ -135,9 +136,15 @@ class StableResidentSet(_Recency):
 class ReadersPlan:
     """One dataset's upcoming segment uses, and where the readers are in them.
 
-    The node sees the readers only through their misses (hits go through maps), so each
-    request for a segment moves the cursor to that segment's next planned use within
-    `window` uses ahead; a request off the plan moves nothing."""
+    The node sees the readers only through their misses (hits go through maps), from several
+    DataLoader workers and their prefetchers at once, and with repeated samples a segment
+    has several uses near any position. So each request is matched to its segment's planned
+    use nearest the cursor (within `window` either side), and the cursor moves forward to the
+    median of the last `MATCHES` matches: moving to each match ahead ran away to the end of
+    the plan on PrioritySampler draws (a simulation of two readers 128 uses apart: the cursor
+    1,400 uses ahead on average; with the median, 16-45 behind the front reader)."""
+
+    MATCHES = 32
 
     def __init__(self, segments: np.ndarray, horizon: int = 0, window: int = 0):
         self.length = len(segments)
@@ -154,14 +161,18 @@ class ReadersPlan:
             if len(group)
         }
         self.cursor = 0
+        self._matches: deque[int] = deque(maxlen=self.MATCHES)
 
     def observe(self, seg: int) -> None:
         uses = self._uses.get(seg)
         if not uses:
             return
-        i = bisect.bisect_left(uses, self.cursor)
-        if i < len(uses) and uses[i] - self.cursor <= self.window:
-            self.cursor = uses[i]
+        lo = bisect.bisect_left(uses, self.cursor - self.window)
+        hi = bisect.bisect_right(uses, self.cursor + self.window)
+        if lo == hi:
+            return  # off the plan here
+        self._matches.append(min(uses[lo:hi], key=lambda u: abs(u - self.cursor)))
+        self.cursor = max(self.cursor, int(statistics.median_low(self._matches)))
 
     def uses_ahead(self, seg: int) -> int:
         """Planned uses of `seg` after the cursor, within the horizon (an epoch's worth)."""
