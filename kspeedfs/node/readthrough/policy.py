@@ -233,7 +233,10 @@ class PlannedUses(_Recency):
         plan = self.plans.get(name)
         if found is not None or plan is None:
             return found
-        fewest, victim = plan.uses_ahead(seg) - self.margins.get(name, 0), None
+        # The miss's own use is the one being read now, which the cursor (behind the readers)
+        # still counts ahead: not a use to come.
+        fewest = max(0, plan.uses_ahead(seg) - 1) - self.margins.get(name, 0)
+        victim = None
         for key in self._order:
             if key[0] == name:
                 n = plan.uses_ahead(key[1])
