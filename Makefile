@@ -10,13 +10,17 @@ APT_PKGS := fuse3 libfuse3-dev pkg-config gcc systemd attr etcd-server etcd-clie
 	systemd-container
 CHECKED := kspeedfs mountd pytorch_ext tests bench
 
-.PHONY: demo test lint deps apt bench clean
+.PHONY: demo test quick lint deps apt bench clean
 
 demo: deps
 	$(BIN)/kspeedfs demo
 
 test: deps lint
 	$(BIN)/pytest -q
+
+# The quick loop while changing code: no multi-node, etcd, nspawn, DALI or 1M-line tests.
+quick: deps
+	$(BIN)/pytest -q -m "not slow"
 
 lint: deps
 	$(BIN)/ruff check $(CHECKED)

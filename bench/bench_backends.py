@@ -55,7 +55,7 @@ from kspeedfs.client import decoded as decoded_client  # noqa: E402
 from kspeedfs.demo import ensure_sample, train_transform  # noqa: E402
 from kspeedfs.format import users  # noqa: E402
 from kspeedfs.format.units import format_size  # noqa: E402
-from kspeedfs.localproc import LocalCache  # noqa: E402
+from kspeedfs.testing.cache import LocalCache  # noqa: E402
 from pytorch_ext import KSpeedCallable, KSpeedImageFolder, kspeed  # noqa: E402
 from pytorch_ext import transforms as kt  # noqa: E402
 

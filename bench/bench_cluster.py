@@ -40,7 +40,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from kspeedfs import tlsca
+from kspeedfs.cli import tlsca
 from kspeedfs.client import admin, passed
 from kspeedfs.client.reader import ClusterReader
 from kspeedfs.format import placement
@@ -49,9 +49,12 @@ from kspeedfs.format.localdata import MANIFEST_FILE, LocalDataset
 from kspeedfs.format.manifest import Manifest
 from kspeedfs.format.tls import client_context
 from kspeedfs.format.units import Address, format_size, parse_address, parse_size
-from kspeedfs.localproc import LocalCluster, MountProcess, NodeProcess, ensure_token, private_env
 from kspeedfs.net.connection import NodeClient
 from kspeedfs.net.transport import TcpTransport
+from kspeedfs.testing.cluster import LocalCluster
+from kspeedfs.testing.mount import MountProcess
+from kspeedfs.testing.node import NodeProcess
+from kspeedfs.testing.process import ensure_token, private_env
 
 BULK_TARGET = 0.7
 TLS_TARGET = 0.6
@@ -393,7 +396,7 @@ def _wait(predicate: Any, timeout: float = 120.0) -> float:
 
 def control_plane(workdir: Path, bulk: Path, segment_size: str, memory: str) -> None:
     from kspeedfs.client.clusterstate import ClusterState
-    from kspeedfs.localetcd import EtcdProcess
+    from kspeedfs.testing.etcd import EtcdProcess
 
     etcd = EtcdProcess(workdir).start()
     env = _etcd_env(workdir, etcd.endpoint)

@@ -13,10 +13,13 @@ function per section; each returns rows of the table printed at the end:
       load_dataset (into a fresh HF cache each time), from the same three;
   objects_section: every 110 KB file once in random order, files/s: kspeedfs:// cat_file, the
       mount (a fresh mount each round: each file crosses FUSE once, as in an epoch) and the
-      fast path (pytorch_ext.KSpeedFolder.read by path, copied out: one copy, as cat_file).
+      fast path (pytorch_ext.KSpeedFolder.read by path, copied out: one copy, as cat_file);
+  webdataset_section (bench/datastacks_wds.py, its own node and shards): an epoch in order
+      through webdataset.WebDataset on the source vs a shuffled epoch through
+      KSpeedWebDataset (random access), 2 DataLoader workers each.
 Each side is measured --rounds times in a rotating order (best kept), with memory warmed
 (touched and freed) before it. Targets (issue 22): kspeedfs:// 110 KB reads >= 3x the mount's
-files/s and >= 0.8x the fast path's.
+files/s and >= 0.8x the fast path's; a shuffled KSpeedWebDataset epoch >= WebDataset's in order.
 """
 
 from __future__ import annotations
@@ -41,11 +44,12 @@ import numpy as np  # noqa: E402
 import pyarrow as pa  # noqa: E402
 import pyarrow.dataset as pds  # noqa: E402
 import pyarrow.parquet as pq  # noqa: E402
+from datastacks_wds import add_arguments, webdataset_section  # noqa: E402
 
 from kspeedfs.demo import ensure_sample  # noqa: E402
 from kspeedfs.format.units import format_size  # noqa: E402
-from kspeedfs.localproc import LocalCache  # noqa: E402
 from kspeedfs.stacks.filesystem import KSpeedFileSystem  # noqa: E402
+from kspeedfs.testing.cache import LocalCache  # noqa: E402
 from pytorch_ext import KSpeedFolder  # noqa: E402
 
 BUF = bytearray(4 << 20)
@@ -362,6 +366,10 @@ def main() -> int:
         "--cache", default="/var/tmp/kspeedfs-bench-datastacks", help="where the source is kept"
     )
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--skip-webdataset", action="store_true", help="leave the WebDataset section out"
+    )
+    add_arguments(p)  # the WebDataset section's --wds-* options
     args = p.parse_args()
     logging.basicConfig(level=logging.WARNING)
 
@@ -400,6 +408,8 @@ def main() -> int:
         rows += objects_section(fs, node, mnt, images, files, args)
     if not os.path.ismount(mnt):  # never descend into a mount left behind
         shutil.rmtree(workdir, ignore_errors=True)
+    if not args.skip_webdataset:  # its own node and shards (bench/datastacks_wds.py)
+        rows += webdataset_section(args)
     print_table(rows)
     verdicts(rows)
     return 0

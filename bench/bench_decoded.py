@@ -45,8 +45,8 @@ from kspeedfs.client import decoded as decoded_client  # noqa: E402
 from kspeedfs.demo import ensure_sample, train_transform  # noqa: E402
 from kspeedfs.format import decoded as fmt  # noqa: E402
 from kspeedfs.format.units import format_size  # noqa: E402
-from kspeedfs.localproc import LocalCache  # noqa: E402
 from kspeedfs.node import decoded as node_decoded  # noqa: E402
+from kspeedfs.testing.cache import LocalCache  # noqa: E402
 from pytorch_ext import KSpeedImageFolder  # noqa: E402
 from pytorch_ext import transforms as kt  # noqa: E402
 

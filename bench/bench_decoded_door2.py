@@ -26,7 +26,7 @@ from torchvision import datasets, transforms  # noqa: E402
 
 from kspeedfs.client import admin  # noqa: E402
 from kspeedfs.client import decoded as decoded_client  # noqa: E402
-from kspeedfs.localproc import LocalCache  # noqa: E402
+from kspeedfs.testing.cache import LocalCache  # noqa: E402
 from pytorch_ext import KSpeedImageFolder  # noqa: E402
 
 SOURCE = Path("/var/tmp/kspeedfs-bench-decoded/set-20x100-110KiB/train")

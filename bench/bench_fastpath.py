@@ -36,7 +36,7 @@ from torchvision import datasets  # noqa: E402
 from kspeedfs.demo import ensure_sample, train_transform
 from kspeedfs.format import users
 from kspeedfs.format.units import format_size
-from kspeedfs.localproc import LocalCache
+from kspeedfs.testing.cache import LocalCache
 from pytorch_ext import KSpeedFolder, KSpeedImageFolder, kspeed  # noqa: E402
 
 BUF = bytearray(1 << 20)

@@ -29,7 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from kspeedfs.demo import ensure_sample, run_epoch
 from kspeedfs.format.units import format_size
-from kspeedfs.localproc import LocalCache
+from kspeedfs.testing.cache import LocalCache
 
 TARGETS = {
     "first": 0.06,

@@ -27,7 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from kspeedfs.client.reader import ClusterReader
 from kspeedfs.fuse import kernel
 from kspeedfs.fuse.filesystem import KSpeedFS
-from kspeedfs.localproc import LocalCache
+from kspeedfs.testing.cache import LocalCache
 
 
 class NoSupervisor:

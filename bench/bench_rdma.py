@@ -21,13 +21,13 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from kspeedfs.client.transport import open_transport
 from kspeedfs.format.config import Settings
 from kspeedfs.format.localdata import LocalDataset
 from kspeedfs.format.units import format_size, parse_size
-from kspeedfs.localproc import LocalCache
 from kspeedfs.net.transport import Range, TcpTransport, Transport
-from kspeedfs.rdma.client import open_transport
 from kspeedfs.rdma.verbs import probe
+from kspeedfs.testing.cache import LocalCache
 
 BULK_FILE = 128 << 20
 BULK_CALL = 64 << 20  # bytes per read_into for bulk reads (the TCP frame limit is 128 MiB)

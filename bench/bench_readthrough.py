@@ -30,7 +30,8 @@ from bench_fuse import list_files, read_files  # noqa: E402
 
 from kspeedfs.demo import ensure_sample, run_epoch
 from kspeedfs.format.units import format_size, parse_size
-from kspeedfs.localproc import LocalCache, S3Server
+from kspeedfs.testing.cache import LocalCache
+from kspeedfs.testing.s3 import S3Server
 
 TARGET = 0.9
 BUCKET = "bench"

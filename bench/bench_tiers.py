@@ -41,7 +41,7 @@ from torchvision.io import decode_jpeg  # noqa: E402
 from kspeedfs.client import admin  # noqa: E402
 from kspeedfs.demo import ensure_sample  # noqa: E402
 from kspeedfs.format.units import format_size, parse_size  # noqa: E402
-from kspeedfs.localproc import LocalCache  # noqa: E402
+from kspeedfs.testing.cache import LocalCache  # noqa: E402
 from pytorch_ext import ClairvoyantSampler, KSpeedImageFolder, PrioritySampler  # noqa: E402
 
 POLICIES = ("lru", "stable", "plan")

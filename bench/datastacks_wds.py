@@ -35,8 +35,8 @@ import webdataset as wds  # noqa: E402
 from torch.utils.data import DataLoader  # noqa: E402
 
 from kspeedfs.format.units import format_size, parse_size  # noqa: E402
-from kspeedfs.localproc import LocalCache  # noqa: E402
 from kspeedfs.sample import make_shards  # noqa: E402
+from kspeedfs.testing.cache import LocalCache  # noqa: E402
 from pytorch_ext import ClairvoyantSampler, KSpeedWebDataset  # noqa: E402
 
 NAME = "wds-bench"

@@ -17,7 +17,7 @@ from kspeedfs.client import admin
 from kspeedfs.client import decoded as decoded_client
 from kspeedfs.format.errors import KSpeedError
 from kspeedfs.format.units import format_size, parse_size
-from kspeedfs.localproc import LocalCache
+from kspeedfs.testing.cache import LocalCache
 
 log = logging.getLogger(__name__)
 

@@ -133,7 +133,7 @@ def attach(
     cluster = ClusterReader(settings, local_node_for(settings))
     preloaded = False
     for _attempt in range(5):
-        node, listing = cluster.live_request(List.OP)
+        node, listing = cluster.live_call(List())
         found = _match(listing["datasets"], path, objname)
         if found is None:
             if preloaded:

@@ -21,7 +21,7 @@ from torchvision.datasets import VisionDataset
 from torchvision.datasets.folder import default_loader
 
 from kspeedfs.format import metaindex
-from kspeedfs.format.contract.meta import FetchMetaIndex, MetaAdd, MetaIndexPiece
+from kspeedfs.format.contract.metaindexes import FetchMetaIndex, MetaAdd, MetaIndexPiece
 from kspeedfs.format.contract.pieces import Piece, fetch_all
 from kspeedfs.format.errors import AuthError, DataError, InvalidArgument, KSpeedError, NotFound
 from kspeedfs.format.metaindex import MetaIndex

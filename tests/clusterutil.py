@@ -11,7 +11,7 @@ from typing import Any
 from conftest import NodeProcess, run_cli
 
 from kspeedfs.format.localdata import SEGMENT_DIR
-from kspeedfs.localproc import LocalCluster
+from kspeedfs.testing.cluster import LocalCluster
 
 
 class Cluster(LocalCluster):

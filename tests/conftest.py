@@ -14,19 +14,42 @@ import pytest
 
 from kspeedfs.client import admin
 from kspeedfs.format.config import load_settings
+from kspeedfs.testing.mount import MountProcess as MountProcess
+from kspeedfs.testing.node import NodeProcess as NodeProcess
 
 # The process helpers live in the package (the demo and the benches use them too); tests import
 # them from here.
-from kspeedfs.localproc import KSPEEDFS as KSPEEDFS
-from kspeedfs.localproc import MountProcess as MountProcess
-from kspeedfs.localproc import NodeProcess as NodeProcess
-from kspeedfs.localproc import free_port as free_port
-from kspeedfs.localproc import wait_until
+from kspeedfs.testing.process import KSPEEDFS as KSPEEDFS
+from kspeedfs.testing.process import free_port as free_port
+from kspeedfs.testing.process import wait_until
 
 if TYPE_CHECKING:
     from etcdutil import EtcdCluster
 
-    from kspeedfs.localetcd import EtcdProcess
+    from kspeedfs.testing.etcd import EtcdProcess
+
+
+# A test that uses one of these is slow (out of `make quick`; `make test` runs it): several
+# nodes, etcd, a booted container, the mount daemon or an S3 server.
+SLOW_FIXTURES = frozenset(
+    {
+        "cluster",
+        "etcd",
+        "etcd_cluster",
+        "two_nodes",
+        "tls_cluster",
+        "tls_etcd",
+        "box",
+        "mountds",
+        "s3",
+    }
+)
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    for item in items:
+        if SLOW_FIXTURES.intersection(getattr(item, "fixturenames", ())):
+            item.add_marker(pytest.mark.slow)
 
 
 def wait_for(predicate: Callable[[], bool], timeout: float = 20.0, what: str = "condition") -> None:
@@ -133,7 +156,7 @@ def tree(tmp_path: Path) -> Path:
 @pytest.fixture
 def etcd(tmp_path: Path) -> Iterator[EtcdProcess]:
     """A real etcd on free loopback ports with its own data folder."""
-    from kspeedfs.localetcd import EtcdProcess
+    from kspeedfs.testing.etcd import EtcdProcess
 
     server = EtcdProcess(tmp_path).start()
     yield server

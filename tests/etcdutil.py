@@ -15,8 +15,8 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from kspeedfs.client.clusterstate import ClusterState
 from kspeedfs.format.config import Settings
-from kspeedfs.localetcd import EtcdProcess
-from kspeedfs.localproc import wait_until
+from kspeedfs.testing.etcd import EtcdProcess
+from kspeedfs.testing.process import wait_until
 
 
 class EtcdCluster:

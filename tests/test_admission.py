@@ -116,6 +116,7 @@ def test_of_two_racing_preloads_exactly_the_one_that_fits_loads(
         node.stop()
 
 
+@pytest.mark.slow  # two nodes
 def test_of_two_preloads_racing_over_a_cluster_exactly_one_loads(
     token_file: Path, tmp_path: Path
 ) -> None:

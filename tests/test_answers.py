@@ -126,9 +126,9 @@ def registered_ops() -> list[str]:
 
 
 def typed_ops() -> list[tuple[str, type[Request]]]:
+    """Every op with its request type (every op has one)."""
     ops = node_registry()
-    typed = [(name, ops.request_type(name)) for name in ops.names()]
-    return [(name, request) for name, request in typed if request is not None]
+    return [(name, ops.request_type(name)) for name in ops.names()]
 
 
 # A value of another type than each field's, by the field's type.
@@ -239,19 +239,27 @@ def test_the_dispatcher_answers_an_unexpected_exception_in_one_line(
     """A handler's bug is an InternalError of one line, logged once with its traceback; a
     nursery's group of refusals keeps the refusal's class (and so its exit code)."""
 
-    async def buggy(msg: dict[str, Any]) -> dict[str, Any]:
+    @dataclasses.dataclass(frozen=True)
+    class Buggy(Request):
+        OP = "buggy"
+
+    @dataclasses.dataclass(frozen=True)
+    class Refusals(Request):
+        OP = "refusals"
+
+    async def buggy(request: Buggy) -> dict[str, Any]:
         raise RuntimeError("a bug\nover two lines")
 
-    async def refusals(msg: dict[str, Any]) -> dict[str, Any]:
+    async def refusals(request: Refusals) -> dict[str, Any]:
         raise ExceptionGroup("members", [NoSpace("no room on a"), NoSpace("no room on b")])
 
     ops = OpRegistry()
-    ops.add("buggy", buggy, READ)
-    ops.add("refusals", refusals, READ)
+    ops.add(Buggy, buggy, READ)
+    ops.add(Refusals, refusals, READ)
     with pytest.raises(InternalError) as failed:
         trio.run(ops.dispatch, {"op": "buggy"}, READ)
     assert str(failed.value) == "internal error in op buggy: RuntimeError: a bug over two lines"
     logged = [r for r in caplog.records if r.exc_info]
     assert len(logged) == 1 and "op buggy" in logged[0].getMessage()
     with pytest.raises(NoSpace, match="no room on a"):
-        trio.run(ops.call, "refusals", {})
+        trio.run(ops.call, Refusals())

@@ -110,6 +110,7 @@ def test_bad_input(world: World, argv: list[str], code: int, fragment: str) -> N
     assert not os.path.ismount(world.tmp / "mnt")
 
 
+@pytest.mark.slow  # fills a node to its budget
 def test_over_memory_budget(shm_dir: Path, token_file: Path, tmp_path: Path, tree: Path) -> None:
     node = NodeProcess(shm_dir, token_file, tmp_path, memory="4MiB").start()
     try:

@@ -169,6 +169,7 @@ def refused_or_used(done: subprocess.CompletedProcess[str], key: str, where: str
     assert key in line and f"({where})" in line, line
 
 
+@pytest.mark.slow  # a command per generated example
 def test_generated_values_through_the_environment(world: World) -> None:
     before = snapshot(world)
 
@@ -183,6 +184,7 @@ def test_generated_values_through_the_environment(world: World) -> None:
     assert snapshot(world) == before
 
 
+@pytest.mark.slow  # a command per generated example
 def test_generated_values_through_flags(world: World) -> None:
     """--timeout on `ls`, --workers on a mount at a missing folder (8 once the value is fine)."""
     before = snapshot(world)
@@ -216,6 +218,7 @@ _NOT_A_SIZE = st.one_of(
 )
 
 
+@pytest.mark.slow  # a command per generated example
 @settings(max_examples=15, deadline=None)
 @given(st.sampled_from(["--memory", "--segment-size", "--spill"]), _NOT_A_SIZE)
 def test_generated_bad_sizes_of_a_node_start_nothing(flag: str, value: str) -> None:

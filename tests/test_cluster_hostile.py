@@ -383,6 +383,7 @@ chunks = st.one_of(
 )
 
 
+@pytest.mark.slow  # 120 hypothesis examples at a live node
 @settings(
     max_examples=120, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
 )

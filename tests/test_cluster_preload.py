@@ -21,6 +21,8 @@ from kspeedfs.format.config import load_settings
 from kspeedfs.format.localdata import MANIFEST_FILE
 from kspeedfs.format.manifest import Manifest
 
+pytestmark = pytest.mark.slow  # three nodes
+
 SEGMENT = 64 * 1024
 
 

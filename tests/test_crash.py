@@ -10,7 +10,9 @@ from typing import Any
 
 import pytest
 from conftest import MountProcess, NodeProcess, run_cli
-from test_fuse_files import walk
+from treeutil import walk
+
+pytestmark = pytest.mark.slow  # kill -9 and restarts mid-preload
 
 
 def shm_bytes(path: Path) -> int:

@@ -17,6 +17,8 @@ from kspeedfs.sample import make_sample
 from pytorch_ext import KSpeedCallable, KSpeedFolder, SampleInfo, kspeed
 from pytorch_ext.external_source import BatchInfo
 
+pytestmark = pytest.mark.slow  # DALI pipelines
+
 dali = pytest.importorskip("nvidia.dali", reason="needs NVIDIA DALI (pip install '.[dali]')")
 fn = dali.fn
 

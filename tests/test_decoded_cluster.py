@@ -6,6 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import numpy as np
+import pytest
 from clusterutil import Cluster, running
 from conftest import run_cli
 from decoded_images import _noise
@@ -14,6 +15,8 @@ from torchvision.transforms import Resize
 
 from kspeedfs.format import decoded as fmt
 from kspeedfs.format.localdata import LocalDataset
+
+pytestmark = pytest.mark.slow  # three nodes
 
 
 def test_each_node_decodes_what_it_holds(token_file: Path, tmp_path: Path) -> None:

@@ -24,6 +24,8 @@ from kspeedfs.format.config import load_settings
 from pytorch_ext import KSpeedImageFolder
 from pytorch_ext import transforms as kt
 
+pytestmark = pytest.mark.slow  # image folders decoded on a node
+
 
 @pytest.fixture
 def loaded(node: NodeProcess, tmp_path: Path) -> Path:

@@ -26,6 +26,8 @@ from kspeedfs.format import decoded as fmt
 from kspeedfs.format.config import load_settings
 from kspeedfs.fuse.variants import VariantFiles
 
+pytestmark = pytest.mark.slow  # image folders decoded on a node, mounted
+
 
 def make_door2_images(root: Path) -> dict[str, str]:
     """decoded_images' folder, plus a JPEG whose header reads but whose pixels do not decode,

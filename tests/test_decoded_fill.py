@@ -19,6 +19,8 @@ from torchvision.transforms import Resize
 from kspeedfs.format import decoded as fmt
 from kspeedfs.format.manifest import Manifest
 
+pytestmark = pytest.mark.slow  # image folders decoded on a node
+
 
 @pytest.fixture
 def images(tmp_path: Path) -> tuple[Path, dict[str, str]]:

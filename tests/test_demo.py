@@ -10,6 +10,8 @@ from pathlib import Path
 import pytest
 from conftest import run_cli
 
+pytestmark = pytest.mark.slow  # the whole demo
+
 
 @pytest.mark.fuse
 def test_demo_runs_and_cleans_up(tmp_path: Path) -> None:

@@ -1,14 +1,19 @@
-"""The docs: the generated references equal what the code gives now, and every relative link
-of README.md and docs/*.md names a file that exists (and a heading of it, for an anchor)."""
+"""The docs: the generated references equal what the code gives now, every relative link of
+README.md and docs/*.md names a file that exists (and a heading of it, for an anchor), and
+the tables of ops (security.md's roles, internals.md's owners) list every registered op."""
 
 from __future__ import annotations
 
+import inspect
 import re
 from pathlib import Path
 
 import pytest
 
 from kspeedfs import docgen
+from kspeedfs.format.config import Settings
+from kspeedfs.node.ops import OpRegistry
+from kspeedfs.node.server import NodeServer
 
 ROOT = Path(__file__).resolve().parent.parent
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
@@ -118,3 +123,62 @@ def test_check_names_a_stale_file_and_the_command(
     err = capsys.readouterr().err
     assert "settings.md is out of date" in err and docgen.REGENERATE in err
     assert "cli.md" not in err
+
+
+@pytest.fixture(scope="module")
+def registry(tmp_path_factory: pytest.TempPathFactory) -> OpRegistry:
+    """The ops of a node built with etcd (so the control plane's are there too); nothing is
+    started and etcd is never reached."""
+    tmp = tmp_path_factory.mktemp("ops")
+    settings = Settings(
+        shm_dir=tmp / "shm", token_file=tmp / "token", transport="tcp", etcd=["http://127.0.0.1:9"]
+    )
+    return NodeServer(settings).ops
+
+
+def table_rows(page: Path, heading: str) -> list[list[str]]:
+    """The cells of each row of the first table after `heading` (its header row and rule
+    left out)."""
+    lines = page.read_text().splitlines()
+    start = lines.index(heading)
+    rows = []
+    for line in lines[start + 1 :]:
+        if line.startswith("|"):
+            rows.append([cell.strip() for cell in line.strip("|").split("|")])
+        elif rows:
+            break
+    return rows[2:]
+
+
+def ops_named(cell: str) -> list[str]:
+    """The op names of a cell: its code spans, outside parentheses (which may name others)."""
+    return re.findall(r"`([a-z_]+)`", re.sub(r"\([^)]*\)", "", cell))
+
+
+def test_security_lists_every_op_with_its_registered_role(registry: OpRegistry) -> None:
+    documented = {
+        op: row[0].strip("`")
+        for row in table_rows(ROOT / "docs" / "security.md", "## Roles")
+        for op in ops_named(row[2])
+    }
+    registered = {name: registry.get(name).role for name in registry.names()}
+    assert documented == registered, (
+        "docs/security.md's roles table differs from the registry: "
+        f"documented {sorted(documented.items() - registered.items())}, "
+        f"registered {sorted(registered.items() - documented.items())}"
+    )
+
+
+def test_internals_lists_every_op_in_its_owners_row(registry: OpRegistry) -> None:
+    """Each op in one row of docs/internals.md's owners table: the row of the module (or
+    package) whose handler answers it."""
+    rows = table_rows(ROOT / "docs" / "internals.md", "## The node daemon")
+    where = {op: row[1].strip("`") for row in rows for op in ops_named(row[2])}
+    assert sorted(where) == registry.names(), "docs/internals.md: an op missing or extra"
+    for name in registry.names():
+        source = Path(inspect.getfile(registry.get(name).handler)).resolve()
+        module = source.relative_to(ROOT / "kspeedfs").as_posix()
+        documented = where[name]
+        assert module == documented or module.startswith(documented.rstrip("/") + "/"), (
+            f"docs/internals.md: {name} is answered in {module}, not {documented}"
+        )

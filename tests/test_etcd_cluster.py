@@ -258,7 +258,7 @@ def test_rebalance_gives_a_new_member_its_share(cluster: EtcdCluster, tmp_path: 
 
 
 def test_metrics_count_the_reads_served(cluster: EtcdCluster, tmp_path: Path) -> None:
-    from kspeedfs.localproc import free_port
+    from kspeedfs.testing.process import free_port
 
     port = free_port()
     node = NodeProcess(
@@ -332,7 +332,7 @@ def test_join_and_rebalance_move_one_nth_and_old_owners_let_go(
 
 
 def test_mount_metrics_count_bytes_by_path(cluster: EtcdCluster, tmp_path: Path) -> None:
-    from kspeedfs.localproc import free_port
+    from kspeedfs.testing.process import free_port
 
     for _ in range(2):
         cluster.add()

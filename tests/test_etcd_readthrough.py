@@ -12,8 +12,8 @@ from clusterutil import held_on_disk
 from conftest import MountProcess, NodeProcess, wait_for
 from etcdutil import EtcdCluster, scrape
 
-from kspeedfs.localproc import free_port
 from kspeedfs.node.control import placed
+from kspeedfs.testing.process import free_port
 
 pytestmark = pytest.mark.skipif(shutil.which("etcd") is None, reason="etcd-server not installed")
 

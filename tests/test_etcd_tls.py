@@ -20,7 +20,7 @@ from conftest import MountProcess, NodeProcess, new_cas, run_cli, wait_for
 from etcdutil import EtcdCluster
 
 from kspeedfs.format import auth
-from kspeedfs.localetcd import EtcdProcess, EtcdTls
+from kspeedfs.testing.etcd import EtcdProcess, EtcdTls
 
 pytestmark = pytest.mark.skipif(shutil.which("etcd") is None, reason="etcd-server not installed")
 

@@ -20,7 +20,7 @@ from rt_util import (
     write_files,
 )
 
-pytestmark = pytest.mark.fuse
+pytestmark = [pytest.mark.fuse, pytest.mark.slow]  # read-through data filled and evicted
 
 BUDGET = 6 << 20
 PAGE = 4096

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import errno
-import hashlib
 import json
 import os
 import signal
@@ -14,27 +13,9 @@ from pathlib import Path
 
 import pytest
 from conftest import MountProcess, NodeProcess, run_cli, wait_for
+from treeutil import walk
 
-pytestmark = pytest.mark.fuse
-
-
-def walk(root: Path) -> dict[bytes, tuple[str, bytes]]:
-    """Relative path -> (kind, sha256 of the bytes or link target), names kept as raw bytes."""
-    out: dict[bytes, tuple[str, bytes]] = {}
-    base = os.fsencode(root)
-    for dirpath, dirnames, filenames in os.walk(base):
-        rel_dir = os.path.relpath(dirpath, base)
-        for name in dirnames + filenames:
-            full = os.path.join(dirpath, name)
-            rel = os.path.normpath(os.path.join(rel_dir, name))
-            if os.path.islink(full):
-                out[rel] = ("link", os.readlink(full))
-            elif os.path.isdir(full):
-                out[rel] = ("dir", b"")
-            else:
-                with open(full, "rb") as f:
-                    out[rel] = ("file", hashlib.sha256(f.read()).digest())
-    return out
+pytestmark = [pytest.mark.fuse, pytest.mark.slow]  # a node and a mount per test
 
 
 def preload(node: NodeProcess, source: Path, name: str) -> None:

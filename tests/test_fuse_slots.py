@@ -15,6 +15,8 @@ from kspeedfs.fuse.datasets import SLOT_SHIFT
 from kspeedfs.fuse.filesystem import KSpeedFS
 from kspeedfs.fuse.kernel import FuseError
 
+pytestmark = pytest.mark.slow  # several mount workers
+
 
 class QuietSupervisor:
     def ask_refresh(self, force: bool, wait: float) -> None:

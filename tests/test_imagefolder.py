@@ -13,7 +13,7 @@ from torchvision import datasets, transforms
 
 from kspeedfs.sample import make_sample
 
-pytestmark = pytest.mark.fuse
+pytestmark = [pytest.mark.fuse, pytest.mark.slow]  # DataLoader workers over a mount
 
 FIXED = transforms.Compose(
     [transforms.Resize(48), transforms.CenterCrop(40), transforms.ToTensor()]

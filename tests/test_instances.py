@@ -29,7 +29,7 @@ from kspeedfs.format.config import load_settings
 from kspeedfs.format.errors import DataError, NotFound, StaleDataset
 from pytorch_ext import KSpeedFolder
 
-pytestmark = pytest.mark.fuse
+pytestmark = [pytest.mark.fuse, pytest.mark.slow]  # reloads under live readers, a second node
 
 OLD = b"B" * 3000
 

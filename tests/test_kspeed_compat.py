@@ -17,6 +17,8 @@ from kspeedfs.format.errors import AuthError, InvalidArgument
 from kspeedfs.sample import make_sample
 from pytorch_ext.kspeed import KSpeedDataset, KSpeedFolder, KSpeedImageFolder
 
+pytestmark = pytest.mark.slow  # DataLoader workers (fork and spawn)
+
 TRANSFORMS = [transforms.Resize(40), transforms.CenterCrop(32), transforms.ToTensor()]
 
 

@@ -19,13 +19,15 @@ from clusterutil import Cluster, running
 from conftest import NodeProcess, run_cli
 
 from kspeedfs.format import auth, metaindex
-from kspeedfs.format.contract.meta import MAX_INDEX_BYTES
+from kspeedfs.format.contract.metaindexes import MAX_INDEX_BYTES
 from kspeedfs.format.errors import AuthError, InvalidArgument, KSpeedError, StaleDataset
 from kspeedfs.format.metaindex import MetaIndex
 from kspeedfs.format.units import Address
 from kspeedfs.net.connection import NodeClient
 from kspeedfs.sample import make_sample
 from pytorch_ext import KSpeedMetaDataset
+
+pytestmark = pytest.mark.slow  # a large meta file indexed, a 3-node cluster
 
 
 @pytest.fixture
@@ -293,7 +295,7 @@ def test_every_member_of_a_cluster_gets_it(token_file: Path, tmp_path: Path, big
 def test_a_piece_that_does_not_fit_its_index_is_refused_and_writes_nothing(
     node: NodeProcess, big: Path
 ) -> None:
-    """meta_put's piece is checked once off the wire (format.pieces): past its total, not
+    """meta_put's piece is checked once off the wire (format.contract.pieces): past its total, not
     base64, over the index limit or for an add with no reservation, it is refused in one line
     and no byte lands in the instance's meta folder."""
     preload(node, big, "plain")

@@ -23,6 +23,8 @@ from kspeedfs.format.errors import InvalidArgument, NotFound
 from kspeedfs.sample import make_sample
 from pytorch_ext import KSpeedMetaDataset
 
+pytestmark = pytest.mark.slow  # a large meta file indexed, DataLoader workers
+
 FIXED = transforms.Compose(
     [transforms.Resize(40), transforms.CenterCrop(32), transforms.ToTensor()]
 )

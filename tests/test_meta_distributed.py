@@ -7,6 +7,7 @@ import json
 from collections import Counter
 from pathlib import Path
 
+import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
@@ -16,6 +17,8 @@ from torch.utils.data import DataLoader, DistributedSampler
 from kspeedfs.client import admin
 from kspeedfs.format.config import load_settings
 from kspeedfs.sample import make_sample
+
+pytestmark = pytest.mark.slow  # two torch.distributed ranks
 
 WORLD = 2
 LINES = 203  # odd: the last rank's share is padded, as DistributedSampler does

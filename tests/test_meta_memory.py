@@ -15,6 +15,7 @@ from typing import Any
 
 import numpy as np
 import psutil
+import pytest
 import torch
 from conftest import NodeProcess, run_cli
 from torch.utils.data import DataLoader, Dataset
@@ -22,6 +23,8 @@ from torchvision.io import ImageReadMode, decode_image, read_file
 
 from kspeedfs.sample import make_sample
 from pytorch_ext import KSpeedMetaDataset
+
+pytestmark = pytest.mark.slow  # 1,000,000 meta lines under 8 DataLoader workers
 
 LINES = 1_000_000
 WORKERS = 8

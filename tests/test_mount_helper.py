@@ -16,6 +16,8 @@ from kspeedfs.format.errors import InvalidArgument
 from kspeedfs.fuse.mount_helper import split_options, translate_options
 from kspeedfs.system.mountinfo import is_stale, kspeedfs_mounted, mount_entries
 
+pytestmark = pytest.mark.slow  # mount.kspeedfs waits and retries
+
 HELPER = str(Path(sys.executable).parent / "mount.kspeedfs")
 
 

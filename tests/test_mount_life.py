@@ -18,7 +18,7 @@ from mountdutil import MountdProcess, alive, declare, unmount_all_under
 from kspeedfs.fuse.mount import unmount
 from kspeedfs.system.mountinfo import kspeedfs_mounted
 
-pytestmark = pytest.mark.fuse
+pytestmark = [pytest.mark.fuse, pytest.mark.slow]  # mounts racing umount, mount.kspeedfs and mountd
 
 ROUNDS = 50
 HELPER = str(Path(sys.executable).parent / "mount.kspeedfs")

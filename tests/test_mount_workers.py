@@ -23,7 +23,7 @@ from kspeedfs.format import placement
 from kspeedfs.format.localdata import MANIFEST_FILE
 from kspeedfs.format.manifest import Manifest
 
-pytestmark = pytest.mark.fuse
+pytestmark = [pytest.mark.fuse, pytest.mark.slow]  # several mount workers, a second node
 
 BIG = 80 * 1024 * 1024 + 4321  # across many 1 MiB segments
 

@@ -28,7 +28,7 @@ from kspeedfs.format import auth
 from kspeedfs.system.mountinfo import is_stale, kspeedfs_mounted
 from mountd.declarations import Declaration, InvalidDeclaration, load_declarations
 
-pytestmark = pytest.mark.fuse
+pytestmark = [pytest.mark.fuse, pytest.mark.slow]  # the mount daemon restarting mounts
 
 FILES = {"sub/x.txt": b"hello from the cache\n", "y.bin": os.urandom(3000)}
 

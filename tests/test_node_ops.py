@@ -63,7 +63,7 @@ def test_an_unknown_op_is_refused_and_the_connection_stays(node: NodeProcess) ->
 
 
 @pytest.fixture
-def pair(token_file: Path, tmp_path: Path) -> Iterator[Cluster]:
+def two_nodes(token_file: Path, tmp_path: Path) -> Iterator[Cluster]:
     with running(Cluster(token_file, tmp_path, size=2)) as cluster:
         yield cluster
 
@@ -79,14 +79,14 @@ def preload(coordinator: NodeProcess, source: Path, name: str) -> dict[str, Any]
     return started
 
 
-def test_node_to_node_calls_reuse_connections(pair: Cluster, tmp_path: Path) -> None:
-    coordinator, member = pair.nodes
+def test_node_to_node_calls_reuse_connections(two_nodes: Cluster, tmp_path: Path) -> None:
+    coordinator, member = two_nodes.nodes
     src = make_tree(tmp_path / "src")
     with member.client() as watch:
         before = watch.request("status")["stats"]["connections"]
         for name in ("one", "two"):
             started = preload(coordinator, src, name)
-            assert sorted(started["nodes"]) == sorted(pair.addresses)
+            assert sorted(started["nodes"]) == sorted(two_nodes.addresses)
         after = watch.request("status")["stats"]["connections"]
     peers = coordinator.request("status")["peers"]
     # ping, stage, stage_status (polled), stage_result, stage_manifest, commit: per preload
@@ -94,28 +94,28 @@ def test_node_to_node_calls_reuse_connections(pair: Cluster, tmp_path: Path) -> 
     # One connection carries them all (a second only if two calls overlapped).
     assert after - before <= 2, (before, after, peers)
     assert peers["connects"] <= 2, peers
-    assert "one" in pair.listing(member) and "two" in pair.listing(member)
+    assert "one" in two_nodes.listing(member) and "two" in two_nodes.listing(member)
 
 
 def test_a_connection_that_died_with_a_restart_is_retried_once(
-    pair: Cluster, tmp_path: Path
+    two_nodes: Cluster, tmp_path: Path
 ) -> None:
-    coordinator, member = pair.nodes
+    coordinator, member = two_nodes.nodes
     src = make_tree(tmp_path / "src")
     preload(coordinator, src, "before")
     assert coordinator.request("status")["peers"]["idle"] >= 1  # a connection kept to member
 
     member.stop()
     member.start()
-    wait_for(lambda: "before" in pair.listing(member), what="the member's datasets back")
+    wait_for(lambda: "before" in two_nodes.listing(member), what="the member's datasets back")
 
     # The pooled connection is dead; the first call on it (a ping that decides who is live)
     # is sent again on a new one, so the member still gets its share of the new dataset.
     started = preload(coordinator, src, "after")
-    assert sorted(started["nodes"]) == sorted(pair.addresses)
+    assert sorted(started["nodes"]) == sorted(two_nodes.addresses)
     peers = coordinator.request("status")["peers"]
     assert peers["retries"] >= 1, peers
-    assert "after" in pair.listing(member)
+    assert "after" in two_nodes.listing(member)
     assert "is down" not in coordinator.log()
 
 

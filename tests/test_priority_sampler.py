@@ -106,6 +106,7 @@ def test_bad_weights_are_one_clear_error(weights: list[float], kwargs: dict, mes
         PrioritySampler(Planned(3), weights, **kwargs)
 
 
+@pytest.mark.slow  # two nodes
 def test_a_weighted_epoch_on_two_nodes_is_fetched_ahead(token_file: Path, tmp_path: Path) -> None:
     src = tmp_path / "weighted" / "train"
     make_sample(src, classes=3, per_class=8, file_size=6000, bases=3)

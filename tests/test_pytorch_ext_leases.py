@@ -8,8 +8,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from conftest import NodeProcess, wait_for
-from test_pytorch_ext import preload
+from conftest import NodeProcess, preload, wait_for
 
 from kspeedfs.format.errors import InvalidArgument, NotFound
 from kspeedfs.node.leases import LeaseTable
@@ -175,6 +174,7 @@ def datasets(node: NodeProcess) -> dict[str, dict]:  # type: ignore[type-arg]
     return {d["name"]: d for d in node.request("list")["datasets"]}
 
 
+@pytest.mark.slow  # job processes on a node
 def test_two_jobs_share_an_active_dataset_until_both_exit(
     node: NodeProcess, source: Path, script: Path, jobs: list[Job]
 ) -> None:
@@ -193,6 +193,7 @@ def test_two_jobs_share_an_active_dataset_until_both_exit(
     assert "its last lease was released" in node.log()
 
 
+@pytest.mark.slow  # job processes on a node
 def test_a_killed_job_lets_the_dataset_go_after_the_ttl(
     short_ttl_node: NodeProcess, source: Path, script: Path, jobs: list[Job]
 ) -> None:
@@ -207,6 +208,7 @@ def test_a_killed_job_lets_the_dataset_go_after_the_ttl(
     assert "its last lease was released" not in log
 
 
+@pytest.mark.slow  # job processes on a node
 def test_an_offline_dataset_survives_a_job(
     node: NodeProcess, source: Path, script: Path, jobs: list[Job]
 ) -> None:
@@ -218,6 +220,7 @@ def test_an_offline_dataset_survives_a_job(
     assert d["lifetime"] == "offline" and d["state"] == "ready" and d["leases"] == 0
 
 
+@pytest.mark.slow  # job processes on a node
 def test_a_leased_dataset_nobody_leases_is_unloaded(
     short_ttl_node: NodeProcess, source: Path
 ) -> None:

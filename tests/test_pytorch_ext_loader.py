@@ -12,13 +12,15 @@ import numpy as np
 import pytest
 import torch
 from clusterutil import Cluster, running
-from conftest import NodeProcess, free_port
-from test_pytorch_ext import FIXED, kw, make_images, preload
+from conftest import NodeProcess, free_port, kw, preload
+from imagefolders import FIXED, make_images
 from torch.utils.data import DataLoader
 from torchvision import datasets
 
 from kspeedfs.sample import make_sample
 from pytorch_ext import ClairvoyantSampler, KSpeedDataset, KSpeedFolder, KSpeedImageFolder
+
+pytestmark = pytest.mark.slow  # DataLoader workers, a second node
 
 
 @pytest.fixture

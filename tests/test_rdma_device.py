@@ -1,4 +1,4 @@
-"""Real RDMA between node processes: needs a device (a NIC, or Soft-RoCE: see the README).
+"""Real RDMA between node processes: needs a device (a NIC, or Soft-RoCE: see docs/rdma.md).
 
 Every transport here is opened with transport = "rdma", so a silent fall back to TCP fails.
 """
@@ -14,12 +14,12 @@ from pathlib import Path
 import pytest
 from conftest import NodeProcess, make_tree, run_cli, wait_for
 
+from kspeedfs.client.transport import open_transport
 from kspeedfs.format.config import load_settings
 from kspeedfs.format.errors import KSpeedError, NodeUnreachable, NotFound
 from kspeedfs.format.localdata import LocalDataset
 from kspeedfs.format.units import parse_address
 from kspeedfs.net.transport import Transport
-from kspeedfs.rdma.client import open_transport
 from kspeedfs.rdma.verbs import has_device
 
 pytestmark = [

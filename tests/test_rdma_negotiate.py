@@ -15,6 +15,8 @@ import pytest
 from conftest import NodeProcess, run_cli
 from rdmafakes import FakeChannel, FakeRegistrar
 
+from kspeedfs.client import transport as client_transport
+from kspeedfs.client.transport import open_transport
 from kspeedfs.format.config import load_settings
 from kspeedfs.format.errors import InvalidArgument
 from kspeedfs.format.localdata import LocalDataset
@@ -22,7 +24,7 @@ from kspeedfs.format.units import Address, parse_address
 from kspeedfs.net.transport import TcpTransport
 from kspeedfs.rdma import client as rdma_client
 from kspeedfs.rdma import verbs
-from kspeedfs.rdma.client import RdmaTransport, negotiate, open_transport
+from kspeedfs.rdma.client import RdmaTransport
 from kspeedfs.rdma.verbs import DeviceProbe
 
 ADDR = Address("127.0.0.1", 7420)
@@ -31,7 +33,7 @@ ADDR = Address("127.0.0.1", 7420)
 @pytest.fixture(autouse=True)
 def fresh_process_state() -> Iterator[None]:
     rdma_client._verdicts.clear()
-    rdma_client._logged_local.clear()
+    client_transport._logged_local.clear()
     verbs._probe_cache.clear()
     yield
     verbs._probe_cache.clear()
@@ -140,7 +142,7 @@ def test_no_pyverbs_or_no_device_means_tcp_with_one_log_line(
 def test_forced_rdma_without_a_device_is_a_clear_error() -> None:
     settings = load_settings(env={"KSPEEDFS_TRANSPORT": "rdma"})
     with pytest.raises(InvalidArgument) as e:
-        negotiate(ADDR, settings, probe=lambda name: DeviceProbe(False, "no RDMA device"))
+        open_transport(ADDR, settings, probe=lambda name: DeviceProbe(False, "no RDMA device"))
     assert str(e.value) == "transport is rdma, but RDMA is unusable here: no RDMA device"
     assert "\n" not in str(e.value)
 
@@ -149,8 +151,26 @@ def test_tcp_setting_never_touches_the_device() -> None:
     def probe(name: str) -> DeviceProbe:
         raise AssertionError("probed the device although transport is tcp")
 
-    t = negotiate(ADDR, load_settings(env={"KSPEEDFS_TRANSPORT": "tcp"}), probe=probe)
+    t = open_transport(ADDR, load_settings(env={"KSPEEDFS_TRANSPORT": "tcp"}), probe=probe)
     assert isinstance(t, TcpTransport)
+
+
+def test_a_tcp_reader_never_loads_the_rdma_package() -> None:
+    """The choice lives in the client: with transport tcp nothing of kspeedfs.rdma is imported
+    (so the verbs layer is neither loaded nor probed), from the read path down."""
+    code = """
+import sys
+from kspeedfs.client.reader import ClusterReader
+from kspeedfs.client.transport import open_transport
+from kspeedfs.format.config import load_settings
+from kspeedfs.format.units import Address
+settings = load_settings(env={"KSPEEDFS_TRANSPORT": "tcp"})
+print(type(open_transport(Address("127.0.0.1", 7420), settings)).__name__)
+print(sorted(m for m in sys.modules if m.startswith("kspeedfs.rdma")))
+"""
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split("\n")[:2] == ["TcpTransport", "[]"]
 
 
 class TcpNode(NodeProcess):
@@ -178,7 +198,7 @@ def test_a_node_without_rdma_is_read_over_tcp_even_with_a_device_here(
         return made[-1]
 
     caplog.set_level(logging.INFO, logger="kspeedfs")
-    t = negotiate(
+    t = open_transport(
         parse_address(tcp_node.address),
         settings,
         probe=lambda name: DeviceProbe(True, "", "rxe0", 1),
@@ -202,7 +222,7 @@ def test_a_node_without_rdma_is_read_over_tcp_even_with_a_device_here(
 
     forced = load_settings({"transport": "rdma"}, env=tcp_node.env())
     rdma_client._verdicts.clear()
-    t = negotiate(
+    t = open_transport(
         parse_address(tcp_node.address),
         forced,
         probe=lambda name: DeviceProbe(True, "", "rxe0", 1),

@@ -30,6 +30,7 @@ from kspeedfs.format.contract.node import UnloadLocal
 from kspeedfs.format.errors import InvalidArgument, NotFound
 from kspeedfs.format.localdata import META_FILE, LocalDataset, read_meta
 from kspeedfs.format.units import Address
+from kspeedfs.node.ops import ADMIN
 from kspeedfs.node.server import NodeServer
 from kspeedfs.rdma import client as rdma_client
 from kspeedfs.rdma import verbs
@@ -104,7 +105,8 @@ class InProcessControl:
 
     def request(self, op: str, **args: Any) -> dict[str, Any]:
         self.ops.append(op)
-        result: dict[str, Any] = self.context.run(trio.run, self.server.ops.call, op, args)
+        msg = {"op": op, **args}
+        result: dict[str, Any] = self.context.run(trio.run, self.server.ops.dispatch, msg, ADMIN)
         return result
 
     def call(self, request: Request) -> dict[str, Any]:

@@ -13,9 +13,9 @@ from pathlib import Path
 import pytest
 from conftest import MountProcess, NodeProcess, make_tree, run_cli, wait_for
 from rt_util import EnvNode, cache_status, mount_source, read_uncached, write_files
-from test_fuse_files import walk
+from treeutil import walk
 
-pytestmark = pytest.mark.fuse
+pytestmark = [pytest.mark.fuse, pytest.mark.slow]  # read-through fills, refreshes and node kills
 
 
 def listing(node: NodeProcess) -> list[dict]:  # type: ignore[type-arg]

@@ -13,23 +13,24 @@ import boto3
 import pytest
 from conftest import MountProcess, NodeProcess, run_cli
 from rt_util import EnvNode, cache_status, mount_source
-from test_fuse_files import walk
+from treeutil import walk
 
-from kspeedfs import localproc
+from kspeedfs.testing.process import START_TIMEOUT
+from kspeedfs.testing.s3 import S3Server
 
 pytestmark = pytest.mark.fuse
 
 BUCKET = "kspeed-data"
 
 
-class S3Server(localproc.S3Server):
+class IamS3Server(S3Server):
     """moto's S3 server with IAM checks on: wrong keys are refused as on AWS."""
 
     def __init__(self, log_dir: Path):
         # The first three calls (make a user, its policy, its key) run unauthenticated.
         super().__init__(log_dir, env_extra={"INITIAL_NO_AUTH_ACTION_COUNT": "3"})
 
-    def start(self, timeout: float = localproc.START_TIMEOUT) -> S3Server:
+    def start(self, timeout: float = START_TIMEOUT) -> IamS3Server:
         super().start(timeout)
         iam = boto3.client("iam", **self._client_args("bootstrap", "bootstrap"))
         iam.create_user(UserName="trainer")
@@ -62,8 +63,8 @@ class S3Server(localproc.S3Server):
 
 
 @pytest.fixture(scope="module")
-def s3(tmp_path_factory: pytest.TempPathFactory) -> Iterator[S3Server]:
-    server = S3Server(tmp_path_factory.mktemp("s3")).start()
+def s3(tmp_path_factory: pytest.TempPathFactory) -> Iterator[IamS3Server]:
+    server = IamS3Server(tmp_path_factory.mktemp("s3")).start()
     try:
         server.s3.create_bucket(Bucket=BUCKET)
         yield server
@@ -72,7 +73,7 @@ def s3(tmp_path_factory: pytest.TempPathFactory) -> Iterator[S3Server]:
 
 
 @pytest.fixture
-def dataset(s3: S3Server, tmp_path: Path) -> tuple[str, Path]:
+def dataset(s3: IamS3Server, tmp_path: Path) -> tuple[str, Path]:
     """A local tree uploaded under a fresh prefix: nesting, non-ASCII names, a big object, an
     empty one. Returns (prefix, local copy)."""
     prefix = f"train-{uuid.uuid4().hex[:8]}"
@@ -95,7 +96,7 @@ def dataset(s3: S3Server, tmp_path: Path) -> tuple[str, Path]:
 
 
 @pytest.fixture
-def s3_node(s3: S3Server, token_file: Path, tmp_path: Path) -> Iterator[NodeProcess]:
+def s3_node(s3: IamS3Server, token_file: Path, tmp_path: Path) -> Iterator[NodeProcess]:
     shm = Path("/dev/shm") / f"kspeedfs-test-{uuid.uuid4().hex[:10]}"
     n = EnvNode(shm, token_file, tmp_path, env_extra=s3.env())
     try:
@@ -112,7 +113,7 @@ def listing(node: NodeProcess) -> list[dict]:  # type: ignore[type-arg]
 
 
 def test_preload_from_s3_serves_every_byte(
-    s3: S3Server,
+    s3: IamS3Server,
     s3_node: NodeProcess,
     dataset: tuple[str, Path],
     tmp_path: Path,
@@ -138,7 +139,7 @@ def test_preload_from_s3_serves_every_byte(
 
 
 def test_read_through_s3_second_pass_makes_no_requests(
-    s3: S3Server,
+    s3: IamS3Server,
     s3_node: NodeProcess,
     dataset: tuple[str, Path],
     tmp_path: Path,
@@ -165,7 +166,7 @@ def test_read_through_s3_second_pass_makes_no_requests(
 
 
 def test_wrong_credentials_and_missing_bucket_are_refused_and_change_nothing(
-    s3: S3Server,
+    s3: IamS3Server,
     s3_node: NodeProcess,
     dataset: tuple[str, Path],
     token_file: Path,

@@ -15,8 +15,8 @@ import numpy as np
 import pytest
 from conftest import kw, preload
 
-from kspeedfs.localproc import NodeProcess
 from kspeedfs.sample import make_shards
+from kspeedfs.testing.node import NodeProcess
 from pytorch_ext import ClairvoyantSampler, MiniEpochSampler, PrioritySampler
 from pytorch_ext.prefetch import PlanFollower
 

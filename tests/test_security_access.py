@@ -28,6 +28,8 @@ from kspeedfs.format.manifest import MAGIC, Manifest, plan_layout, write_manifes
 from kspeedfs.format.units import Address
 from kspeedfs.sources.scan import scan_tree, tree_from_listing
 
+pytestmark = pytest.mark.slow  # forked readers as other uids, a node per case
+
 GROUP = 4242  # a group uid 65534 is not in (unless a test adds it)
 FILES = {  # name: (mode, gid)
     "public.bin": (0o644, 0),

@@ -17,6 +17,8 @@ from conftest import KSPEEDFS, NodeProcess, free_port, run_cli
 
 from kspeedfs.format import auth
 
+pytestmark = pytest.mark.slow  # a node start per case
+
 
 @pytest.fixture(scope="module")
 def node(tmp_path_factory: pytest.TempPathFactory) -> Iterator[NodeProcess]:

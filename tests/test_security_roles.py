@@ -19,7 +19,10 @@ from kspeedfs.format.units import Address
 from kspeedfs.net.connection import NodeClient
 from kspeedfs.node.server import NodeServer
 
-# The documented table (README "Security"): the least role each op needs.
+pytestmark = pytest.mark.slow  # a node start per case
+
+# The documented table (docs/security.md, "Roles"): the least role each op needs; adopt and
+# rebalance need etcd (tests/test_docs.py checks the table with them).
 NEEDS = {
     "ping": "read",
     "status": "read",

@@ -10,6 +10,8 @@ from pathlib import Path
 import pytest
 from conftest import KSPEEDFS, NodeProcess, free_port, wait_for
 
+pytestmark = pytest.mark.slow  # a node start per case
+
 NOBODY = 65534
 
 

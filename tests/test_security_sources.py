@@ -16,6 +16,8 @@ from kspeedfs.format.layout import Layout, plan_layout
 from kspeedfs.sources.scan import scan_tree
 from kspeedfs.sources.source import LocalSource
 
+pytestmark = pytest.mark.slow  # read-through mounts over swapped source folders
+
 SECRET = b"private bytes " * 300
 PUBLIC = b"public bytes! " * 300
 

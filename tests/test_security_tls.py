@@ -33,7 +33,7 @@ from kspeedfs.format.units import Address
 from kspeedfs.net import fdpass
 from kspeedfs.net.connection import NodeClient
 
-pytestmark = pytest.mark.fuse
+pytestmark = [pytest.mark.fuse, pytest.mark.slow]  # three nodes with TLS
 
 T = TypeVar("T")
 NAME = "tlsdata"

@@ -23,6 +23,8 @@ from rt_util import mount_source, read_uncached
 from kspeedfs.client import admin
 from kspeedfs.format.localdata import LocalDataset
 
+pytestmark = pytest.mark.slow  # sources that change or hang mid-copy
+
 MiB = 1 << 20
 BIG = 64 * MiB
 STOP_BOUND = 5.0  # what the issue promises: SIGTERM ends the node within 5 s

@@ -12,17 +12,17 @@ import boto3
 import pytest
 import xxhash
 
-from kspeedfs import localproc
 from kspeedfs.format.errors import StaleDataset
 from kspeedfs.sources.source import FsspecSource
+from kspeedfs.testing.s3 import S3Server
 
 BUCKET = "sources"
 KEYS = {"AWS_ACCESS_KEY_ID": "k", "AWS_SECRET_ACCESS_KEY": "s", "AWS_DEFAULT_REGION": "us-east-1"}
 
 
 @pytest.fixture(scope="module")
-def s3(tmp_path_factory: pytest.TempPathFactory) -> Iterator[localproc.S3Server]:
-    server = localproc.S3Server(tmp_path_factory.mktemp("s3")).start()
+def s3(tmp_path_factory: pytest.TempPathFactory) -> Iterator[S3Server]:
+    server = S3Server(tmp_path_factory.mktemp("s3")).start()
     try:
         yield server
     finally:
@@ -31,7 +31,7 @@ def s3(tmp_path_factory: pytest.TempPathFactory) -> Iterator[localproc.S3Server]
 
 @pytest.fixture
 def bucket(
-    s3: localproc.S3Server, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+    s3: S3Server, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> Iterator[tuple[Any, str]]:
     for k, v in KEYS.items():
         monkeypatch.setenv(k, v)
@@ -41,7 +41,7 @@ def bucket(
     yield client, prefix
 
 
-def test_read_verified_from_s3(s3: localproc.S3Server, bucket: tuple[Any, str]) -> None:
+def test_read_verified_from_s3(s3: S3Server, bucket: tuple[Any, str]) -> None:
     client, prefix = bucket
     data = os.urandom(200_000)
     key = f"{prefix}/f.bin"

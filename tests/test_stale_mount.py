@@ -11,6 +11,8 @@ from conftest import MountProcess, NodeProcess, run_cli, wait_for
 
 from kspeedfs.system.mountinfo import is_stale, kspeedfs_mounted
 
+pytestmark = pytest.mark.slow  # stale mounts left by killed processes
+
 
 @pytest.mark.fuse
 def test_stale_mount_is_reported_and_cleared(

@@ -16,9 +16,7 @@ import pytest
 from conftest import NodeProcess, run_cli
 from mountdutil import NotifyListener
 
-from kspeedfs.format.errors import KSpeedError
-from kspeedfs.node.safedir import DIR_MODE
-from kspeedfs.systemd_units import (
+from kspeedfs.cli.systemd_units import (
     EXAMPLES,
     MOUNT_HELPERS,
     SERVICES,
@@ -26,6 +24,8 @@ from kspeedfs.systemd_units import (
     install,
     templates_dir,
 )
+from kspeedfs.format.errors import KSpeedError
+from kspeedfs.node.safedir import DIR_MODE
 
 # Each template checked, the template unit through an instance of it.
 CHECKED_UNITS = (

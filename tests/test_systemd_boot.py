@@ -36,12 +36,12 @@ options = ["allow_other"]
 
 
 def readme_fstab_options() -> str:
-    """The options of the README's fstab line: what is tested is what users copy."""
-    lines = (REPO / "README.md").read_text().splitlines()
+    """The options of the fstab line in docs/mounts.md: what is tested is what users copy."""
+    lines = (REPO / "docs" / "mounts.md").read_text().splitlines()
     return next(line.split()[3] for line in lines if line.startswith("imagenet  /mnt/imagenet "))
 
 
-# The README's line, and the same with x-systemd.automount (mounted at its first access).
+# The docs' line, and the same with x-systemd.automount (mounted at its first access).
 FSTAB_LINES = f"""\
 imagenet  {FSTAB}  fuse.kspeedfs  {readme_fstab_options()}  0 0
 imagenet  {AUTO}  fuse.kspeedfs  {readme_fstab_options()},x-systemd.automount  0 0

@@ -17,6 +17,8 @@ from kspeedfs.format.config import Settings
 from kspeedfs.format.errors import InvalidArgument
 from kspeedfs.format.units import Address
 
+pytestmark = pytest.mark.slow  # scrypt-hashed logins, a node per test
+
 WRONG = "kspeedfs: authentication refused: wrong user or password\n"
 
 

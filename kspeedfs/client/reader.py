@@ -24,10 +24,11 @@ import xxhash
 
 from kspeedfs.client import latency, passed
 from kspeedfs.client.handle import DatasetHandle
+from kspeedfs.client.transport import open_transport
 from kspeedfs.format.config import Settings
 from kspeedfs.format.contract import Request
+from kspeedfs.format.contract.node import List, ManifestPiece
 from kspeedfs.format.contract.node import Manifest as ManifestRequest
-from kspeedfs.format.contract.node import ManifestPiece
 from kspeedfs.format.contract.pieces import Piece as BlobPiece
 from kspeedfs.format.contract.pieces import fetch_all
 from kspeedfs.format.contract.readthrough import FillSegment
@@ -46,7 +47,6 @@ from kspeedfs.format.tls import client_context
 from kspeedfs.format.units import parse_address
 from kspeedfs.net.connection import NodeClient
 from kspeedfs.net.transport import Range, Transport
-from kspeedfs.rdma.client import open_transport
 from kspeedfs.sources.source import open_source
 
 log = logging.getLogger(__name__)
@@ -113,10 +113,6 @@ class ClusterReader:
         with self._lock:
             self._idle.setdefault(node, []).append(transport)
 
-    def request(self, node: str, op: str, **args: Any) -> dict[str, Any]:
-        with self._connect(node) as c:
-            return c.request(op, **args)
-
     def call(
         self, node: str, request: Request, answer_within: float | None = None
     ) -> dict[str, Any]:
@@ -129,10 +125,6 @@ class ClusterReader:
         return NodeClient(
             parse_address(node), settings.credential(), settings.timeout, client_context(settings)
         )
-
-    def live_request(self, op: str, **args: Any) -> tuple[str, dict[str, Any]]:
-        """Ask the first node that answers (the local one first)."""
-        return self._first_live(lambda node: self.request(node, op, **args))
 
     def live_call(
         self, request: Request, answer_within: float | None = None
@@ -155,7 +147,7 @@ class ClusterReader:
 
     def list_datasets(self) -> dict[str, dict[str, Any]]:
         """Ready datasets by name, from the first node that answers."""
-        _node, listing = self.live_request("list")
+        _node, listing = self.live_call(List())
         return {d["name"]: d for d in listing["datasets"] if d.get("state") == "ready"}
 
     def open_dataset(self, name: str, info: dict[str, Any] | None = None) -> DatasetHandle:
@@ -190,7 +182,7 @@ class ClusterReader:
         if self.local_node is None:
             return None
         try:
-            _node, listing = self.local_node, self.request(self.local_node, "list")
+            _node, listing = self.local_node, self.call(self.local_node, List())
         except NodeUnreachable:
             listing = {"datasets": [info]}  # the node is down; its shm folder may still be here
         for d in listing["datasets"]:

@@ -120,7 +120,7 @@ class Settings:
     spill: str = "0"
     source_check_interval: float = 300.0  # seconds between checks of sources for changes; 0: off
     eviction: str = "stable"  # "stable", "plan" or "lru" (node/readthrough/policy.py)
-    # Who may read what (README "Security"): the group that may map segments directly ("" =
+    # Who may read what (docs/security.md): the group that may map segments directly ("" =
     # the node's own group), the mount's permissions ("source": the source's modes and owners,
     # checked by the kernel; "open": everyone on the machine), the folders a job token may
     # preload from, the node's Unix socket for fd passing ("" = in a folder of the node's next

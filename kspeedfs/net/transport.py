@@ -1,7 +1,7 @@
 """The read interface every data transport implements (TCP now, RDMA where both ends can).
 
 A transport reads ranges of one node's segments into caller-provided memory. The cluster
-client picks one per node (see `open_transport`); callers never see which.
+client picks one per node (`kspeedfs.client.transport`); callers never see which.
 """
 
 from __future__ import annotations

@@ -24,7 +24,7 @@ from kspeedfs.format.units import format_size
 from kspeedfs.node.control import ControlPlane, loading_record
 from kspeedfs.node.loads import LoadTable, answer_on_change, failure_reason
 from kspeedfs.node.ops import ADMIN, JOB, READ, OpRegistry, caller_role, refusal
-from kspeedfs.node.peers import Ask, Call
+from kspeedfs.node.peers import Ask
 from kspeedfs.node.preload import (
     LOAD_ATTEMPTS,
     Plan,
@@ -53,7 +53,6 @@ class PreloadCoordinator:
         stager: Stager,
         members: list[str],
         ask: Ask,
-        call: Call,
         after_preload: AfterPreload,
     ):
         self.settings = settings
@@ -62,7 +61,6 @@ class PreloadCoordinator:
         self.stager = stager  # this node's own part of the preloads it coordinates
         self.members = members  # the static node list (without a control plane)
         self.ask = ask
-        self.call = call  # untyped, for the meta index ops
         self.after_preload = after_preload
         self.control: ControlPlane | None = None  # claims and publishes in the catalog
         self.tasks = Tasks()  # the preloads under way
@@ -166,7 +164,7 @@ class PreloadCoordinator:
             for attempt in range(1, LOAD_ATTEMPTS + 1):
                 try:
                     scratch = self.store.staging_dir
-                    await coordinate(plan, self.ask, self.call, progress, scratch, pushed)
+                    await coordinate(plan, self.ask, progress, scratch, pushed)
                     break
                 except Exception as e:
                     if attempt == LOAD_ATTEMPTS or not source_modified(e):

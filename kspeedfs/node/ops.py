@@ -32,24 +32,6 @@ READ = "read"
 caller_role: contextvars.ContextVar[str] = contextvars.ContextVar("caller_role", default=ADMIN)
 
 
-def int_field(msg: dict[str, Any], key: str, default: int, minimum: int = 0) -> int:
-    """An integer field of a request, refused in one line when of another type or too small."""
-    value = msg.get(key, default)
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise InvalidArgument(f"{key} must be an integer, not {type(value).__name__}")
-    if value < minimum:
-        raise InvalidArgument(f"{key} must be at least {minimum}, not {value}")
-    return value
-
-
-def str_field(msg: dict[str, Any], key: str, default: str = "") -> str:
-    """A string field of a request, refused in one line when of another type."""
-    value = msg.get(key, default)
-    if not isinstance(value, str):
-        raise InvalidArgument(f"{key} must be a string, not {type(value).__name__}")
-    return value
-
-
 def one_line(text: str) -> str:
     """`text` as one line of at most MESSAGE_LIMIT characters (an error reply's message)."""
     flat = " ".join(text.split())
@@ -95,10 +77,7 @@ class Op:
     name: str
     handler: Handler
     role: str  # the least role that may call it: admin > job > read
-    request: type[Request] | None  # None: a handler still taking the raw dict
-
-    def decode(self, msg: dict[str, Any]) -> Any:
-        return msg if self.request is None else self.request.from_wire(msg)
+    request: type[Request]  # what the handler takes, checked off the wire
 
 
 def _answer(result: dict[str, Any] | Wire) -> dict[str, Any]:
@@ -111,11 +90,9 @@ class OpRegistry:
     def __init__(self) -> None:
         self._ops: dict[str, Op] = {}
 
-    def add(self, op: type[Request] | str, handler: Handler, role: str) -> None:
-        """Registers `handler` for the op of request type `op` (a bare name only for a
-        handler that still takes the raw dict)."""
-        request = None if isinstance(op, str) else op
-        name = op if isinstance(op, str) else op.OP
+    def add(self, request: type[Request], handler: Handler, role: str) -> None:
+        """Registers `handler` for the op of `request`'s type."""
+        name = request.OP
         if role not in ROLES:
             raise ValueError(f"unknown role {role!r} for op {name!r}")
         if name in self._ops:
@@ -129,7 +106,7 @@ class OpRegistry:
             raise InvalidArgument(f"unknown operation {name!r}")
         return op
 
-    def request_type(self, name: str) -> type[Request] | None:
+    def request_type(self, name: str) -> type[Request]:
         return self.get(name).request
 
     def authorize(self, name: object, role: str) -> Op:
@@ -147,24 +124,18 @@ class OpRegistry:
         if not isinstance(msg, dict):
             raise InvalidArgument("a request must be a JSON object")
         op = self.authorize(msg.get("op"), role)
-        request = op.decode(msg)
+        request = op.request.from_wire(msg)
         with answering(f"op {op.name}"):
             return _answer(await op.handler(request))
 
-    async def call(
-        self, request: Request | str, msg: dict[str, Any] | None = None
-    ) -> dict[str, Any]:
+    async def call(self, request: Request) -> dict[str, Any]:
         """A call from inside the node, answered as a client's would be (no role to check):
-        a typed request as it is, or a raw one (an op name and its dict) checked as a
-        client's would be."""
-        if isinstance(request, Request):
-            op = self.get(request.OP)
-            decoded: Any = request if op.request is not None else request.to_wire()
-        else:
-            op = self.get(request)
-            decoded = op.decode({"op": request, **(msg or {})})
+        checked as if it came off the wire, so a value built in the node is held to the
+        same contract."""
+        op = self.get(request.OP)
+        checked = op.request.from_wire(request.to_wire())
         with answering(f"op {op.name}"):
-            return _answer(await op.handler(decoded))
+            return _answer(await op.handler(checked))
 
     def names(self, role: str | None = None) -> list[str]:
         """Every op, or those registered with `role`."""

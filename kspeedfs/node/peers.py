@@ -21,7 +21,7 @@ from typing import Any
 import trio
 
 from kspeedfs.format.contract import Request
-from kspeedfs.format.contract.meta import MetaAdd
+from kspeedfs.format.contract.metaindexes import MetaAdd
 from kspeedfs.format.contract.preload import Preload
 from kspeedfs.format.contract.preload import Stage as StageRequest
 from kspeedfs.format.errors import KSpeedError

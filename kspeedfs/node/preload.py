@@ -55,11 +55,10 @@ from kspeedfs.format.localdata import MANIFEST_FILE, segment_path
 from kspeedfs.format.manifest import Manifest, plan_layout, write_manifest
 from kspeedfs.format.tree import Tree
 from kspeedfs.format.units import format_size
-from kspeedfs.node import meta as metafiles
-from kspeedfs.node import sourceio
+from kspeedfs.node import metaindexes, sourceio
 from kspeedfs.node.loads import answer_on_change
 from kspeedfs.node.ops import ADMIN, OpRegistry, answering
-from kspeedfs.node.peers import Ask, Call
+from kspeedfs.node.peers import Ask
 from kspeedfs.node.store import SegmentStore
 from kspeedfs.node.tasks import Tasks
 from kspeedfs.sources.loader import (
@@ -139,7 +138,7 @@ class Stager:
         self.loaded = {"segments": 0, "bytes": 0}  # what this node loaded from sources
         # Admission: preload uuid -> when its part was claimed here (its stage takes it over).
         self.claims: dict[str, float] = {}
-        self.metafiles = metafiles.MetaIndexes(store, self._get)
+        self.metaindexes = metaindexes.MetaIndexes(store, self._get)
 
     def register_ops(self, ops: OpRegistry) -> None:
         """The member's side of a preload: only a coordinator (an admin) drives it."""
@@ -156,7 +155,7 @@ class Stager:
             (Abort, self.op_abort),
         ):
             ops.add(request, handler, ADMIN)
-        self.metafiles.register_ops(ops)
+        self.metaindexes.register_ops(ops)
 
     async def run(self, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         """Hosts the loads staged here, and drops the parts whose coordinator went away."""
@@ -385,7 +384,7 @@ class Stager:
             meta["stored"] = (
                 sum((staging / "seg" / f).stat().st_size for f in os.listdir(staging / "seg"))
                 + (staging / MANIFEST_FILE).stat().st_size
-                + metafiles.stored_bytes(staging)
+                + metaindexes.stored_bytes(staging)
             )
             self.store.publish(staging, meta)
 
@@ -527,7 +526,7 @@ async def plan_preload(request: Preload, segment_size: int, live_members: list[s
         members=list(live_members),
         assignment=placed.assignment(),
         endpoint=request.endpoint,
-        metas=metafiles.requested(request.meta, tree),
+        metas=metaindexes.requested(request.meta, tree),
     )
 
 
@@ -539,7 +538,7 @@ async def start_stages(plan: Plan, ask: Ask, own: Stager) -> set[str]:
     seg_len = plan.laid.seg_len
     pushed: set[str] = set()
     errors: list[KSpeedError] = []
-    meta_bytes = metafiles.reserve_estimate(plan.tree, plan.metas)
+    meta_bytes = metaindexes.reserve_estimate(plan.tree, plan.metas)
     manifest_estimate = manifest_size_estimate(plan.tree)
 
     async def start(member: str) -> None:
@@ -614,7 +613,7 @@ async def rollback(plan: Plan, ask: Ask) -> None:
 
 
 async def coordinate(
-    plan: Plan, ask: Ask, call: Call, progress: Progress, scratch: Path, pushed: set[str]
+    plan: Plan, ask: Ask, progress: Progress, scratch: Path, pushed: set[str]
 ) -> None:
     """Load on every member, build and send the manifest, commit; roll back on error."""
     tree = plan.tree
@@ -686,7 +685,7 @@ async def coordinate(
             write_manifest, path, tree, offsets, checksums, seg_len, seg_checksums, header
         )
         try:
-            indexes = await metafiles.build(
+            indexes = await metaindexes.build(
                 plan.metas, path, source, scratch, ident, skip_bad_shards=True
             )
             blob = path.read_bytes()
@@ -708,7 +707,7 @@ async def coordinate(
         async with trio.open_nursery() as nursery:
             for member in plan.members:
                 nursery.start_soon(send_manifest, member)
-        await metafiles.send(plan.members, ident, indexes, ask)
+        await metaindexes.send(plan.members, ident, indexes, ask)
         # Commit is the one step that cannot be undone atomically: a member that fails here
         # is rolled back by unloading the dataset everywhere.
         async with trio.open_nursery() as nursery:
@@ -724,4 +723,4 @@ async def coordinate(
         await rollback(plan, ask)
         raise
     finally:
-        metafiles.discard(indexes)
+        metaindexes.discard(indexes)

@@ -25,7 +25,7 @@ from kspeedfs.node.fdserver import FdServer
 from kspeedfs.node.info import NodeInfo
 from kspeedfs.node.leases import LeaseOwner, LeaseTable
 from kspeedfs.node.loads import LoadTable
-from kspeedfs.node.meta import AddedIndexes
+from kspeedfs.node.metaindexes import AddedIndexes
 from kspeedfs.node.metrics import serve_metrics
 from kspeedfs.node.ops import ADMIN, OpRegistry
 from kspeedfs.node.peers import PeerPool
@@ -80,7 +80,6 @@ class Node:
             self.stager,
             self.members,
             self.ask,
-            self.call,
             self.decoded.after_preload,
         )
         self.info = NodeInfo(self)
@@ -141,12 +140,6 @@ class Node:
         if member == self.address:
             return await self.ops.call(request)
         return await self.peers.ask(member, request)
-
-    async def call(self, member: str, op: str, args: dict[str, Any]) -> dict[str, Any]:
-        """An op by its name on a member (the parts whose ops are not typed yet call this)."""
-        if member == self.address:
-            return await self.ops.call(op, args)
-        return await self.peers.call(member, op, args)
 
     async def op_rebalance(self, request: Rebalance) -> dict[str, Any]:
         """Control plane: place datasets over the members live now (one, or all)."""

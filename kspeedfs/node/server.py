@@ -27,7 +27,7 @@ from kspeedfs.format.units import format_size
 from kspeedfs.net import secure
 from kspeedfs.node import sourceio
 from kspeedfs.node.framing import Connection, peer_of, response
-from kspeedfs.node.ops import ADMIN, READ, answering, caller_role
+from kspeedfs.node.ops import ADMIN, READ, answering, caller_role, refusal
 from kspeedfs.node.root import Node
 from kspeedfs.rdma.server import RdmaService
 from kspeedfs.system.memory import return_large_buffers
@@ -261,4 +261,12 @@ async def _send_direct(stream: trio.abc.Stream, data: memoryview) -> None:
 def run_node(settings: Settings) -> None:
     return_large_buffers()  # a dropped client's big frame must not stay resident
     server = NodeServer(settings)
-    trio.run(server.run)
+    try:
+        trio.run(server.run)
+    except BaseExceptionGroup as group:
+        # A refusal at start (a planted shm folder, a port in use) comes out of the owners'
+        # nurseries as a group: the user gets its one line and exit code, not a traceback.
+        leaf = refusal(group)
+        if leaf is None:
+            raise
+        raise leaf from None

@@ -1,6 +1,6 @@
 """Tar-shard indexes, a kind of meta index: a preload indexes every `.tar` file of its source
 (kspeedfs.format.tarindex), and they travel, land and go with the instance exactly as the meta
-indexes of kspeedfs.node.meta do. A shard the preload cannot index (damaged, not a tar) is
+indexes of kspeedfs.node.metaindexes do. A shard the preload cannot index (damaged, not a tar) is
 left out with a warning rather than failing the dataset; a job's first use of it asks for it
 again (`meta_add`), which refuses it in one line."""
 

@@ -1,9 +1,9 @@
 """The RDMA transport: one RC queue pair per node, batched RDMA READs into a registered pool.
 
-`open_transport` (kspeedfs.net.transport) calls `negotiate`: RDMA when this process has a usable
-device and the node's handshake succeeds (its probe region reads back right), else TCP with one
-log line saying why. The TCP connection stays as the control channel (handshake, segment
-tables) and the fallback for a dataset the node could not register.
+`kspeedfs.client.transport.open_transport` picks it when this process has a usable device;
+the node's handshake (its probe region reads back right) decides, else TCP with one log line
+saying why. The TCP connection stays as the control channel (handshake, segment tables) and
+the fallback for a dataset the node could not register.
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ from kspeedfs.format.errors import (
     ProtocolError,
 )
 from kspeedfs.format.units import Address
-from kspeedfs.net.transport import Range, TcpTransport, Transport
+from kspeedfs.net.transport import Range, TcpTransport
 from kspeedfs.rdma.verbs import (
     Completion,
     DeviceProbe,
@@ -36,7 +36,6 @@ from kspeedfs.rdma.verbs import (
     VerbsError,
     open_device,
 )
-from kspeedfs.rdma.verbs import probe as probe_device
 from kspeedfs.rdma.wire import Endpoint, SegmentTable, table_from_wire
 
 log = logging.getLogger(__name__)
@@ -355,41 +354,11 @@ class RdmaTransport:
             self._tcp.close()
 
 
-def _default_factory(found: DeviceProbe, settings: Settings) -> ChannelFactory:
+def device_channel_factory(found: DeviceProbe, settings: Settings) -> ChannelFactory:
+    """Queue pairs with their pool on the device `found` by the probe."""
+
     def make() -> Channel:
         device = open_device(found.device, found.port, settings.rdma_gid_index)
         return ReadChannel(device, POOL_BYTES)
 
     return make
-
-
-_logged_local: set[tuple[int, str]] = set()
-
-
-def negotiate(
-    address: Address,
-    settings: Settings,
-    probe: Callable[[str], DeviceProbe] = probe_device,
-    channel_factory: ChannelFactory | None = None,
-) -> Transport:
-    """The transport to one node: RDMA where the settings and both ends allow it, else TCP."""
-    if settings.transport == "tcp":
-        return TcpTransport(address, settings)
-    found = probe(settings.rdma_device)
-    if not found.usable:
-        if settings.transport == "rdma":
-            raise InvalidArgument(f"transport is rdma, but RDMA is unusable here: {found.reason}")
-        # The reason is the same for every node: one line per process is enough.
-        key = (os.getpid(), found.reason)
-        if key not in _logged_local:
-            _logged_local.add(key)
-            log.info("using TCP: %s", found.reason)
-        return TcpTransport(address, settings)
-    return RdmaTransport(address, settings, channel_factory or _default_factory(found, settings))
-
-
-def open_transport(address: Address, settings: Settings) -> Transport:
-    """RDMA where the `transport` setting and both ends allow it, else TCP (see rdma.client)."""
-    if settings.transport == "tcp":
-        return TcpTransport(address, settings)
-    return negotiate(address, settings)

@@ -81,60 +81,129 @@ def _shown(value: Any) -> str:
     return text if len(text) <= 40 else text[:37] + "..."
 
 
-def _decode(value: Any, hint: Any) -> Any:
-    """`value` as of type `hint`, or _Bad."""
-    if hint is Any:
-        return value
-    origin = get_origin(hint)
-    if origin in (Union, types.UnionType):
-        options = get_args(hint)
+Decoder = Callable[[Any], Any]
+
+
+def _refuse(hint: Any, value: Any) -> _Bad:
+    return _Bad(f"must be {_type_name(hint)}, not {_shown(value)}")
+
+
+def _scalar(hint: Any) -> Decoder:
+    if hint is bool:
+
+        def boolean(value: Any) -> Any:
+            if value is True or value is False:
+                return value
+            raise _refuse(hint, value)
+
+        return boolean
+    if hint is int:
+
+        def integer(value: Any) -> Any:
+            if type(value) is int:  # bool is an int subclass: refused
+                return value
+            raise _refuse(hint, value)
+
+        return integer
+    if hint is float:
+
+        def number(value: Any) -> Any:
+            if type(value) in (int, float):
+                return float(value)
+            raise _refuse(hint, value)
+
+        return number
+    if hint is str:
+
+        def string(value: Any) -> Any:
+            if type(value) is str:
+                return value
+            raise _refuse(hint, value)
+
+        return string
+    raise TypeError(f"contract field of unsupported type {hint!r}")  # the contract's mistake
+
+
+def _union(hint: Any) -> Decoder:
+    options = [_decoder(a) for a in get_args(hint) if a is not type(None)]
+    nullable = type(None) in get_args(hint)
+
+    def union(value: Any) -> Any:
         if value is None:
-            if type(None) in options:
+            if nullable:
                 return None
             raise _Bad(f"must be {_type_name(hint)}, not null")
         for option in options:
-            if option is type(None):
-                continue
             try:
-                return _decode(value, option)
+                return option(value)
             except _Bad:
                 continue
-        raise _Bad(f"must be {_type_name(hint)}, not {_shown(value)}")
-    if origin is Literal:
-        if value in get_args(hint) and type(value) in {type(a) for a in get_args(hint)}:
+        raise _refuse(hint, value)
+
+    return union
+
+
+def _literal(hint: Any) -> Decoder:
+    allowed = {(type(a), a) for a in get_args(hint)}
+
+    def literal(value: Any) -> Any:
+        if (type(value), value) in allowed:
             return value
-        raise _Bad(f"must be {_type_name(hint)}, not {_shown(value)}")
-    if origin is list:
-        if not isinstance(value, list):
-            raise _Bad(f"must be {_type_name(hint)}, not {_shown(value)}")
-        (item,) = get_args(hint)
-        return [_decode(v, item) for v in value]
-    if origin is dict:
-        if not isinstance(value, dict) or not all(isinstance(k, str) for k in value):
+        raise _refuse(hint, value)
+
+    return literal
+
+
+def _list(hint: Any) -> Decoder:
+    item = _decoder(get_args(hint)[0])
+
+    def items(value: Any) -> Any:
+        if type(value) is not list:
+            raise _refuse(hint, value)
+        return [item(v) for v in value]
+
+    return items
+
+
+def _dict(hint: Any) -> Decoder:
+    item = _decoder(get_args(hint)[1])
+
+    def mapping(value: Any) -> Any:
+        if type(value) is not dict or not all(type(k) is str for k in value):
             raise _Bad(f"must be an object, not {_shown(value)}")
-        _, item = get_args(hint)
-        return {k: _decode(v, item) for k, v in value.items()}
-    if isinstance(hint, type) and issubclass(hint, Wire):
-        if not isinstance(value, dict):
+        return {k: item(v) for k, v in value.items()}
+
+    return mapping
+
+
+def _nested(hint: type[Wire]) -> Decoder:
+    def nested(value: Any) -> Any:
+        if type(value) is not dict:
             raise _Bad(f"must be an object, not {_shown(value)}")
         try:
             return hint.from_wire(value)
         except InvalidArgument as e:
             raise _Bad(str(e)) from None
-    if hint is bool:
-        ok = isinstance(value, bool)
-    elif hint is int:
-        ok = isinstance(value, int) and not isinstance(value, bool)
-    elif hint is float:
-        ok = isinstance(value, (int, float)) and not isinstance(value, bool)
-        value = float(value) if ok else value
-    elif hint is str:
-        ok = isinstance(value, str)
-    else:  # a type this module does not know: a contract's mistake, not the caller's
-        raise TypeError(f"contract field of unsupported type {hint!r}")
-    if not ok:
-        raise _Bad(f"must be {_type_name(hint)}, not {_shown(value)}")
-    return value
+
+    return nested
+
+
+def _decoder(hint: Any) -> Decoder:
+    """The function that checks a value against type `hint`, made once per field."""
+    if hint is Any:
+        return lambda value: value
+    origin = get_origin(hint)
+    if origin in (Union, types.UnionType):
+        return _union(hint)
+    if origin is Literal:
+        return _literal(hint)
+    if origin is list:
+        return _list(hint)
+    if origin is dict:
+        return _dict(hint)
+    if isinstance(hint, type) and issubclass(hint, Wire):
+        return _nested(hint)
+    return _scalar(hint)
 
 
 def _encode(value: Any) -> Any:
@@ -147,16 +216,34 @@ def _encode(value: Any) -> Any:
     return value
 
 
-_FIELDS: dict[type, tuple[tuple[dataclasses.Field[Any], Any], ...]] = {}
+@dataclasses.dataclass(frozen=True)
+class _Field:
+    name: str
+    hint: Any
+    decode: Decoder
+    check: Callable[[Any], Any] | None
+    required: bool
 
 
-def _fields(cls: type[Wire]) -> tuple[tuple[dataclasses.Field[Any], Any], ...]:
-    """Each field with its resolved type hint, worked out once per type."""
+_FIELDS: dict[type, tuple[_Field, ...]] = {}
+
+
+def _fields(cls: type[Wire]) -> tuple[_Field, ...]:
+    """Each field with its decoder, worked out once per type (a request is decoded on every
+    op, so the type hints are not walked each time)."""
     known = _FIELDS.get(cls)
     if known is None:
         hints = typing.get_type_hints(cls)
-        fields = dataclasses.fields(cls)  # type: ignore[arg-type]
-        known = _FIELDS[cls] = tuple((f, hints[f.name]) for f in fields)
+        known = _FIELDS[cls] = tuple(
+            _Field(
+                f.name,
+                hints[f.name],
+                _decoder(hints[f.name]),
+                f.metadata.get(_CHECK),
+                f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING,
+            )
+            for f in dataclasses.fields(cls)  # type: ignore[arg-type]
+        )
     return known
 
 
@@ -171,29 +258,29 @@ class Wire:
     def from_wire(cls, msg: Mapping[str, Any]) -> Self:
         """The checked value of `msg`; InvalidArgument, in one line naming the field, when a
         field is missing, unknown, of another type or out of range."""
-        what = cls._what()
-        known = {f.name for f, _ in _fields(cls)}
-        unknown = sorted(k for k in msg if k not in known and k != "op")
-        if unknown:
-            raise InvalidArgument(f"{what}: unknown field {_shown(unknown[0])}")
+        fields = _fields(cls)
         values: dict[str, Any] = {}
-        for f, hint in _fields(cls):
+        for f in fields:
             if f.name not in msg:
-                if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
-                    raise InvalidArgument(f"{what}: field {f.name!r} is missing")
+                if f.required:
+                    raise InvalidArgument(f"{cls._what()}: field {f.name!r} is missing")
                 continue
             try:
-                value = _decode(msg[f.name], hint)
-                check = f.metadata.get(_CHECK)
-                values[f.name] = value if check is None else check(value)
+                value = f.decode(msg[f.name])
+                values[f.name] = value if f.check is None else f.check(value)
             except (_Bad, ValueError, TypeError, OverflowError) as e:
-                raise InvalidArgument(f"{what}: {f.name} {e}") from None
+                raise InvalidArgument(f"{cls._what()}: {f.name} {e}") from None
             except InvalidArgument as e:
-                raise InvalidArgument(f"{what}: {f.name}: {e}") from None
+                raise InvalidArgument(f"{cls._what()}: {f.name}: {e}") from None
+        if len(values) + ("op" in msg) != len(msg):  # only then look for the unknown one
+            known = {f.name for f in fields}
+            unknown = sorted(k for k in msg if k not in known and k != "op")
+            if unknown:
+                raise InvalidArgument(f"{cls._what()}: unknown field {_shown(unknown[0])}")
         return cls(**values)
 
     def to_wire(self) -> dict[str, Any]:
-        return {f.name: _encode(getattr(self, f.name)) for f, _ in _fields(type(self))}
+        return {f.name: _encode(getattr(self, f.name)) for f in _fields(type(self))}
 
 
 class Request(Wire):
@@ -211,13 +298,9 @@ class Request(Wire):
 
 def field_types(cls: type[Wire]) -> dict[str, Any]:
     """Each field's type hint, for tests that make requests of the wrong shape."""
-    return {f.name: hint for f, hint in _fields(cls)}
+    return {f.name: f.hint for f in _fields(cls)}
 
 
 def required(cls: type[Wire]) -> list[str]:
     """The fields a request must carry."""
-    return [
-        f.name
-        for f, _ in _fields(cls)
-        if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
-    ]
+    return [f.name for f in _fields(cls) if f.required]

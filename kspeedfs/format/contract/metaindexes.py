@@ -1,4 +1,4 @@
-"""The ops of meta-file indexes (kspeedfs.node.meta): a preload's indexes pushed into the
+"""The ops of meta-file indexes (kspeedfs.node.metaindexes): a preload's indexes pushed into the
 members' stages, a published index served in pieces, and an index added to a published
 instance (`meta add`: reserve, put, commit or abort on every member)."""
 

@@ -13,7 +13,7 @@ from typing import Self
 import requests
 
 from kspeedfs.format.errors import NodeUnreachable, NotFound
-from kspeedfs.localproc import START_TIMEOUT, free_ports, wait_until
+from kspeedfs.testing.process import START_TIMEOUT, free_ports, wait_until
 
 
 @dataclass(frozen=True)

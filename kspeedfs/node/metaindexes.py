@@ -18,7 +18,7 @@ import trio
 
 from kspeedfs.format import metaindex
 from kspeedfs.format.contract import Request
-from kspeedfs.format.contract.meta import (
+from kspeedfs.format.contract.metaindexes import (
     FetchMetaIndex,
     MetaAbort,
     MetaAdd,

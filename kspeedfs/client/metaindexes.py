@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from kspeedfs.format.contract.meta import MetaAdd
+from kspeedfs.format.contract.metaindexes import MetaAdd
 from kspeedfs.format.units import format_size
 from kspeedfs.net.connection import SCAN_TIMEOUT, NodeClient
 

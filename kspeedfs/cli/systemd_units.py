@@ -20,7 +20,7 @@ _UNSAFE_PATH = re.compile(r"[\s%\"'\\$;]")
 
 
 def templates_dir() -> Path:
-    path = Path(__file__).resolve().parent.parent / "systemd"
+    path = Path(__file__).resolve().parents[2] / "systemd"  # the source tree's systemd/
     if not (path / SERVICES[0]).is_file():
         raise NotFound(
             f"unit templates not found in {path}: install kspeedfs from its source tree "

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 from kspeedfs.format.readthrough_view import READTHROUGH
@@ -100,3 +101,10 @@ def spill_lines(nodes: list[dict[str, Any]]) -> list[str]:
                 f"{format_size(spill['budget'])} in {spill['dir']}"
             )
     return out
+
+
+def print_table(rows: Sequence[tuple[str, ...]]) -> None:
+    """Rows as columns padded to their widest cell, two spaces apart."""
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    for r in rows:
+        print("  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip())

@@ -1,0 +1,147 @@
+"""Dataset commands: preload, ls, unload, meta add, refresh and rebalance."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from typing import Any
+
+from kspeedfs.cli.settings import settings_from
+from kspeedfs.cli.tables import print_table
+from kspeedfs.client import admin
+from kspeedfs.format.contract.node import List, Rebalance, Unload
+from kspeedfs.format.contract.readthrough import Refresh
+from kspeedfs.format.errors import InvalidArgument, KSpeedError
+from kspeedfs.format.units import format_size
+from kspeedfs.sources.source import name_from_source
+
+
+def cmd_preload(args: argparse.Namespace) -> int:
+    settings = settings_from(args)
+    if args.replicas < 1:
+        raise InvalidArgument("--replicas must be at least 1")
+    if args.decoded is not None and args.no_wait:
+        raise InvalidArgument("--decoded waits for the load: leave out --no-wait")
+    if args.name is None:  # KSpeed's offline preload: the source folder's own name
+        args.name = name_from_source(args.source)
+    result = admin.preload(
+        settings,
+        args.source,
+        args.name,
+        wait=not args.no_wait,
+        show_progress=not args.quiet,
+        replicas=args.replicas,
+        endpoint=args.endpoint or "",
+        meta=args.meta,
+    )
+    state = result.get("state", "loading")
+    print(
+        f"{args.name}: {state}, {result['files_total']} files, {format_size(result['bytes_total'])}"
+    )
+    if args.decoded is not None:
+        _preload_decoded(args)
+    return 0
+
+
+def _preload_decoded(args: argparse.Namespace) -> None:
+    """`preload --decoded N`: every member decodes the images it holds; waits, with progress."""
+    from kspeedfs.client import decoded
+
+    with admin.connect(settings_from(args)) as client:
+        decoded.start(client, args.name, args.decoded)
+        label = None if args.quiet else f"decode {args.name}@{args.decoded}"
+        v = decoded.wait(client, args.name, args.decoded, progress_label=label)
+    print(f"{args.name}@{args.decoded}: {decoded.describe(v)}, {v['undecodable']} undecodable")
+
+
+def cmd_ls(args: argparse.Namespace) -> int:
+    with admin.connect(settings_from(args)) as client:
+        datasets = client.call(List())["datasets"]
+        _add_decoded(client, datasets)
+    if args.json:
+        print(json.dumps(datasets, indent=2))
+        return 0
+    rows: list[tuple[str, ...]] = [("NAME", "FILES", "BYTES", "STATE", "LIFETIME", "SOURCE")]
+    for d in datasets:
+        files = d.get("files", d.get("files_total", 0))
+        size = d.get("bytes", d.get("bytes_total", 0))
+        state = d["state"]
+        if state == "loading" and d.get("bytes_total"):
+            state = f"loading {100 * d['bytes_done'] / d['bytes_total']:.0f}%"
+        if state == "failed":
+            state = f"failed: {d.get('error', '')}"
+        rows.append(
+            (
+                d["name"],
+                str(files),
+                format_size(size),
+                state,
+                d.get("lifetime", "-"),
+                d.get("source", ""),
+            )
+        )
+        if d.get("decoded_variants"):
+            from kspeedfs.client.decoded import describe
+
+            variants = d["decoded_variants"].values()
+            rows[-1] += (", ".join(describe(v) for v in variants),)
+    if any(len(r) > len(rows[0]) for r in rows):
+        cols = len(rows[0])
+        rows = [rows[0] + ("DECODED",)] + [r + ("-",) * (cols + 1 - len(r)) for r in rows[1:]]
+    print_table(rows)
+    return 0
+
+
+def _add_decoded(client: Any, datasets: list[dict[str, Any]]) -> None:
+    """Each ready dataset with decoded variants gets their state over its members."""
+    from kspeedfs.client.decoded import status
+
+    for d in datasets:
+        if d.get("state") == "ready" and (d.get("decoded") or len(d.get("members") or []) > 1):
+            try:
+                d["decoded_variants"] = status(client, d["name"])
+            except KSpeedError:
+                pass
+
+
+def cmd_unload(args: argparse.Namespace) -> int:
+    with admin.connect(settings_from(args)) as client:
+        result = client.call(Unload(name=args.name))
+    print(f"{args.name}: {result['state']}")
+    return 0
+
+
+def cmd_meta(args: argparse.Namespace) -> int:
+    from kspeedfs.client import metaindexes
+
+    with admin.connect(settings_from(args)) as client:
+        for index in metaindexes.add(client, args.name, args.meta):
+            print(metaindexes.describe(args.name, index))
+    return 0
+
+
+def cmd_refresh(args: argparse.Namespace) -> int:
+    settings = settings_from(args)
+    # A refresh lists the whole source: it may take longer than an ordinary request.
+    settings.timeout = max(settings.timeout, 600.0)
+    with admin.connect(settings) as client:
+        result = client.call(Refresh(name=args.name))
+    if result["state"] == "unchanged":
+        print(f"{args.name}: unchanged")
+    else:
+        print(
+            f"{args.name}: refreshed, {result['changed']} files changed, "
+            f"{result['kept']} of {result['segments']} segments kept"
+        )
+    return 0
+
+
+def cmd_rebalance(args: argparse.Namespace) -> int:
+    settings = settings_from(args)
+    if not settings.etcd:
+        raise InvalidArgument("rebalance needs the etcd control plane (--etcd or KSPEEDFS_ETCD)")
+    with admin.connect(settings) as client:
+        reply = client.call(Rebalance(name=args.name or ""))
+    done = ", ".join(reply["datasets"]) or "nothing"
+    print(f"rebalanced {done} over {len(reply['members'])} members")
+    return 0

@@ -1,0 +1,155 @@
+"""Node commands: run the daemon, show the nodes (status), stop the daemon."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import time
+from typing import Any
+
+from kspeedfs.cli.settings import settings_from
+from kspeedfs.cli.tables import print_table
+from kspeedfs.client import admin
+from kspeedfs.format.config import Settings
+from kspeedfs.format.contract.node import Shutdown, Status
+from kspeedfs.format.errors import AuthError, KSpeedError
+from kspeedfs.format.units import format_size
+
+
+def cmd_node(args: argparse.Namespace) -> int:
+    settings = settings_from(
+        args,
+        listen=args.listen,
+        shm_dir=args.shm_dir,
+        memory=args.memory,
+        segment_size=args.segment_size,
+        verify_on_start=False if args.no_verify else None,
+        spill_dir=args.spill_dir,
+        spill=args.spill,
+        eviction=args.eviction,
+        metrics_listen=args.metrics_listen,
+    )
+    logging.getLogger().setLevel(logging.DEBUG if args.verbose else settings.log_level)
+    from kspeedfs.node.server import run_node  # after the settings: a bad one fails fast
+
+    run_node(settings)
+    return 0
+
+
+def cmd_status(args: argparse.Namespace) -> int:
+    from kspeedfs.format.tls import client_context
+    from kspeedfs.net.connection import NodeClient
+
+    settings = settings_from(args)
+    tls = client_context(settings)
+    nodes = []
+    for addr in settings.nodes:
+        try:
+            with NodeClient(addr, settings.credential(), settings.timeout, tls) as client:
+                nodes.append({"up": True, **client.call(Status())})
+        except KSpeedError as e:
+            # A refused token is this client's problem, not a node that is down.
+            if len(settings.nodes) == 1 or isinstance(e, AuthError):
+                raise
+            nodes.append({"up": False, "node": str(addr), "error": str(e)})
+    datasets = _residency(nodes)
+    members = _etcd_members(settings)
+    if args.json:
+        print(json.dumps({"nodes": nodes, "datasets": datasets, "members": members}, indent=2))
+        return 0
+    if members is not None:
+        _print_members(members, nodes)
+    rows = [
+        ("NODE", "STATE", "MEMORY USED / BUDGET", "DATASETS", "SEGMENTS", "TRANSPORT", "SHM DIR")
+    ]
+    for s in nodes:
+        if not s["up"]:
+            rows.append((s["node"], "down", "-", "-", "-", "-", s["error"]))
+            continue
+        mem = f"{format_size(s['used'])} / {format_size(s['budget'])}"
+        loading = f" (+{len(s['loading'])} loading)" if s["loading"] else ""
+        rows.append(
+            (
+                s["node"],
+                "up",
+                mem,
+                f"{s['datasets']}{loading}",
+                str(s["segments"]),
+                str(s.get("transport", "tcp")),
+                s["shm_dir"],
+            )
+        )
+    print_table(rows)
+    if datasets:
+        print()
+        table = [("DATASET", "SEGMENTS", "RESIDENT")]
+        for name, d in sorted(datasets.items()):
+            table.append((name, str(d["segments"]), f"{d['resident_pct']:.0f}%"))
+        print_table(table)
+    from kspeedfs.cli.tables import cache_table, decoded_table, spill_lines
+
+    variants = decoded_table(nodes)
+    if variants:
+        print()
+        print_table(variants)
+
+    cache = cache_table(nodes)
+    if cache:
+        print()
+        print_table(cache)
+    for line in spill_lines(nodes):
+        print(line)
+    return 0
+
+
+def _residency(nodes: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """Per dataset: the share of its segments that at least one up node holds."""
+    held: dict[str, set[int]] = {}
+    total: dict[str, int] = {}
+    for s in nodes:
+        if not s["up"]:
+            continue
+        for name, h in s.get("held", {}).items():
+            held.setdefault(name, set()).update(h["held"])
+            total[name] = max(total.get(name, 0), int(h["segments"]))
+    return {
+        name: {
+            "segments": total[name],
+            "resident": len(held[name]),
+            "resident_pct": 100.0 * len(held[name]) / total[name] if total[name] else 100.0,
+        }
+        for name in held
+    }
+
+
+def _etcd_members(settings: Settings) -> list[dict[str, Any]] | None:
+    """Control plane: every member etcd knows, up or down and since when (None: no etcd)."""
+    if not settings.etcd:
+        return None
+    from kspeedfs.client.clusterstate import ClusterState
+
+    return ClusterState.of(settings).member_table()
+
+
+def _print_members(members: list[dict[str, Any]], nodes: list[dict[str, Any]]) -> None:
+    rows = [("MEMBER (etcd)", "STATE", "SINCE", "HEAL")]
+    control = {s["node"]: s.get("control") or {} for s in nodes if s.get("up")}
+    for m in members:
+        since = "-"
+        if m["since"]:
+            since = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(m["since"]))
+        heal = control.get(m["node"], {}).get("heal")
+        under = sum((control.get(m["node"], {}).get("under_replicated") or {}).values())
+        text = "-"
+        if heal:
+            text = f"{heal['segments']} copied, {heal['pending']} pending, {under} under-replicated"
+        rows.append((m["node"], m["state"], since, text))
+    print_table(rows)
+    print()
+
+
+def cmd_shutdown(args: argparse.Namespace) -> int:
+    with admin.connect(settings_from(args)) as client:
+        client.call(Shutdown())
+    return 0
