@@ -424,7 +424,7 @@ def _node_snapshot() -> dict[str, Any]:
         "used": 0,
         "budget": 0,
         "leases": 0,
-        "datasets": {_DATASET: (0, 0)},
+        "datasets": {_DATASET: (0, 0, 0)},
         "dataset_leases": {_DATASET: 0},
         "cache": {
             "datasets": {

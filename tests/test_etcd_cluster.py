@@ -280,6 +280,8 @@ def test_metrics_count_the_reads_served(cluster: EtcdCluster, tmp_path: Path) ->
     assert samples[("kspeedfs_node_reads_total", ())] == 1
     assert samples[("kspeedfs_node_read_bytes_total", ())] == 1024
     assert samples[("kspeedfs_dataset_resident_bytes", (("dataset", "scraped"),))] == info["stored"]
+    assert samples[("kspeedfs_dataset_disk_bytes", (("dataset", "scraped"),))] == 0
+    assert samples[("kspeedfs_node_disk_tier_budget_bytes", ())] == 0  # no disk tier
     assert samples[("kspeedfs_members_live", ())] == 1
     assert samples[("kspeedfs_dataset_leases", (("dataset", "scraped"),))] == 0
     assert samples[("kspeedfs_heal_segments_total", ())] == 0

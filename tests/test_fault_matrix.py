@@ -104,8 +104,11 @@ def fast_reader(ds: KSpeedFolder, versions: dict[str, bytes], tally: Tally) -> C
 
 
 FAULTS = ["kill9", "sigstop", "restart", "reload", "source_changed", "source_removed"]
+# The same faults over a dataset most of whose segments lie on the nodes' disk tiers.
+DISK = "disk_"
+FAULTS += [DISK + f for f in ("kill9", "restart", "source_changed")]
 # Faults after which the version the readers opened can still be read from its source.
-SOURCE_INTACT = {"kill9", "sigstop", "restart", "reload"}
+SOURCE_INTACT = {"kill9", "sigstop", "restart", "reload", DISK + "kill9", DISK + "restart"}
 
 
 @pytest.mark.parametrize("fault", FAULTS)
@@ -118,11 +121,19 @@ def test_readers_never_get_a_wrong_byte(
 ) -> None:
     src = tmp_path / "src"
     versions = make_source(src, seed=0)
-    with running(Cluster(token_file, tmp_path, size=2, segment_size="64KiB")) as cluster:
+    cluster = Cluster(token_file, tmp_path, size=2, segment_size="64KiB")
+    if fault.startswith(DISK):  # memory for a few segments beside the manifest, disk for more
+        for i, n in enumerate(cluster.nodes):
+            n.memory = "384KiB"
+            n.extra += ("--spill-dir", str(tmp_path / f"disk{i}"), "--spill", "64MiB")
+    with running(cluster):
         here, there = cluster.nodes
         cluster.preload(src, "ds")
         held = there.request("status")["held"]["ds"]
         assert 0 < len(held["held"]) < held["segments"]  # spread over both: some reads cross
+        if fault.startswith(DISK):
+            for n in cluster.nodes:
+                assert len(cluster.listing(n)["ds"]["disk"]) > 2
         env = {**cluster.env(local=here), "KSPEEDFS_TIMEOUT": "2"}
         mount = MountProcess(tmp_path / "mnt", env, tmp_path)
         mounts.append(mount.start())
@@ -165,6 +176,7 @@ def test_readers_never_get_a_wrong_byte(
 
 def strike(fault: str, cluster: Cluster, src: Path, tmp_path: Path) -> None:
     here, there = cluster.nodes
+    fault = fault.removeprefix(DISK)
     if fault == "kill9":
         there.kill9()
     elif fault == "sigstop":

@@ -9,6 +9,7 @@ from typing import Any
 from kspeedfs.cli.settings import settings_from
 from kspeedfs.cli.tables import print_table
 from kspeedfs.client import admin
+from kspeedfs.format.config import Settings
 from kspeedfs.format.contract.node import List, Rebalance, Unload
 from kspeedfs.format.contract.readthrough import Refresh
 from kspeedfs.format.errors import InvalidArgument, KSpeedError
@@ -24,6 +25,8 @@ def cmd_preload(args: argparse.Namespace) -> int:
         raise InvalidArgument("--decoded waits for the load: leave out --no-wait")
     if args.name is None:  # KSpeed's offline preload: the source folder's own name
         args.name = name_from_source(args.source)
+    if args.partial:
+        return _preload_partial(args, settings)
     result = admin.preload(
         settings,
         args.source,
@@ -33,6 +36,7 @@ def cmd_preload(args: argparse.Namespace) -> int:
         replicas=args.replicas,
         endpoint=args.endpoint or "",
         meta=args.meta,
+        tier=args.tier,
     )
     state = result.get("state", "loading")
     print(
@@ -40,6 +44,18 @@ def cmd_preload(args: argparse.Namespace) -> int:
     )
     if args.decoded is not None:
         _preload_decoded(args)
+    return 0
+
+
+def _preload_partial(args: argparse.Namespace, settings: Settings) -> int:
+    """`preload --partial`: a read-through dataset, what fits loaded now."""
+    if args.decoded is not None or args.meta or args.replicas != 1 or args.tier != "auto":
+        raise InvalidArgument("--partial takes none of --decoded, --meta, --replicas, --tier")
+    result = admin.preload_partial(settings, args.source, args.name, args.endpoint or "")
+    print(
+        f"{args.name}: partial, {result['segments_loaded']} of {result['segments']} segments"
+        " loaded, the rest read through"
+    )
     return 0
 
 
@@ -61,7 +77,9 @@ def cmd_ls(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(datasets, indent=2))
         return 0
-    rows: list[tuple[str, ...]] = [("NAME", "FILES", "BYTES", "STATE", "LIFETIME", "SOURCE")]
+    rows: list[tuple[str, ...]] = [
+        ("NAME", "FILES", "BYTES", "STATE", "LIFETIME", "MEMORY", "DISK", "SOURCE")
+    ]
     for d in datasets:
         files = d.get("files", d.get("files_total", 0))
         size = d.get("bytes", d.get("bytes_total", 0))
@@ -77,6 +95,8 @@ def cmd_ls(args: argparse.Namespace) -> int:
                 format_size(size),
                 state,
                 d.get("lifetime", "-"),
+                format_size(d.get("stored", 0)),  # the tiers: on the node asked
+                format_size(d.get("disk_stored", 0)),
                 d.get("source", ""),
             )
         )

@@ -61,19 +61,23 @@ def cmd_status(args: argparse.Namespace) -> int:
     if members is not None:
         _print_members(members, nodes)
     rows = [
-        ("NODE", "STATE", "MEMORY USED / BUDGET", "DATASETS", "SEGMENTS", "TRANSPORT", "SHM DIR")
+        ("NODE", "STATE", "MEMORY USED / BUDGET", "DISK TIER", "DATASETS", "SEGMENTS", "TRANSPORT")
+        + ("SHM DIR",)
     ]
     for s in nodes:
         if not s["up"]:
-            rows.append((s["node"], "down", "-", "-", "-", "-", s["error"]))
+            rows.append((s["node"], "down", "-", "-", "-", "-", "-", s["error"]))
             continue
         mem = f"{format_size(s['used'])} / {format_size(s['budget'])}"
+        tier = s.get("disk_tier") or {}
+        disk = f"{format_size(tier['used'])} / {format_size(tier['budget'])}" if tier else "-"
         loading = f" (+{len(s['loading'])} loading)" if s["loading"] else ""
         rows.append(
             (
                 s["node"],
                 "up",
                 mem,
+                disk,
                 f"{s['datasets']}{loading}",
                 str(s["segments"]),
                 str(s.get("transport", "tcp")),

@@ -66,6 +66,17 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-wait", action="store_true", help="return once the node accepted it")
     p.add_argument("--replicas", type=int, default=1, help="copies of each segment (default 1)")
     p.add_argument(
+        "--tier",
+        choices=("auto", "memory", "disk"),
+        default="auto",
+        help="where segments go: auto (memory, the rest on the disk tier), memory or disk",
+    )
+    p.add_argument(
+        "--partial",
+        action="store_true",
+        help="load what fits in memory, read the rest through from the source",
+    )
+    p.add_argument(
         "--meta",
         action="append",
         default=[],

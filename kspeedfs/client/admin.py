@@ -10,7 +10,7 @@ from typing import Any
 from kspeedfs.format.config import Settings
 from kspeedfs.format.contract.node import Unload
 from kspeedfs.format.contract.preload import LoadProgress, Preload
-from kspeedfs.format.contract.readthrough import RegisterSource
+from kspeedfs.format.contract.readthrough import FillSegment, RegisterSource
 from kspeedfs.format.errors import (
     AlreadyExists,
     DataError,
@@ -110,11 +110,13 @@ def start_preload(
     replicas: int = 1,
     endpoint: str = "",
     meta: Sequence[str] = (),
+    tier: str = "auto",
 ) -> dict[str, Any]:
     """Ask for a load of `src` (normalized) as `name`; answers once the node has scanned it.
-    `meta`: meta files in it (relative paths) to index as well."""
+    `meta`: meta files in it (relative paths) to index as well; `tier`: where its segments
+    go (memory, disk, or auto: memory first)."""
     fields = {"name": name, "source": src, "lifetime": lifetime, "replicas": replicas}
-    request = Preload.from_wire({**fields, "endpoint": endpoint, "meta": list(meta)})
+    request = Preload.from_wire({**fields, "endpoint": endpoint, "meta": list(meta), "tier": tier})
     return client.call(request, answer_within=SCAN_TIMEOUT)
 
 
@@ -128,13 +130,14 @@ def preload(
     replicas: int = 1,
     endpoint: str = "",
     meta: Sequence[str] = (),
+    tier: str = "auto",
 ) -> dict[str, Any]:
     """Ask the node to load `source` (a folder or an s3:// URL) as `name`; with `wait`, poll
     until ready or failed (Ctrl-C cancels the load)."""
     validate_name(name)
     src = normalize_source(source)
     with connect(settings) as client:
-        started = start_preload(client, name, src, lifetime, replicas, endpoint, meta)
+        started = start_preload(client, name, src, lifetime, replicas, endpoint, meta, tier)
         if not wait:
             return started
         try:
@@ -170,6 +173,34 @@ def ensure_loaded(
                 pass  # another job (or rank) started it meanwhile: wait for theirs
         what = f"preload of {name} from {source}"
         return wait_ready(client, name, what=what, progress_label=progress_label)
+
+
+def preload_partial(
+    settings: Settings, source: str, name: str, endpoint: str = ""
+) -> dict[str, Any]:
+    """`preload --partial`: the source's read-through dataset on the node, its segments
+    filled now, in order, while they fit the node's free memory; the rest is read through from
+    the source when asked. Every byte is filled as any read-through fill is (checked against
+    the version listed, SourceChanged when a file changed). Returns its record, with
+    `segments_loaded`."""
+    register_source(settings, source, endpoint, name)
+    with connect(settings) as client:
+        record = client.call(LoadProgress(name=name))
+        segments = int(record.get("segments") or 0)
+        typical = -(-int(record.get("bytes", 0)) // max(segments, 1))  # a segment, rounded up
+        loaded = 0
+        for seg in range(segments):
+            status = client.request("status")
+            if status["budget"] - status["used"] < typical:
+                break  # full: the rest is read through
+            while True:
+                reply = client.call(FillSegment(name=name, segment=seg, uuid=record["uuid"]))
+                if reply["state"] != "filling":
+                    break
+            if reply["state"] == "failed":
+                raise DataError(f"partial preload of {name}: segment {seg}: {reply['error']}")
+            loaded += 1
+    return {**record, "segments_loaded": loaded}
 
 
 def register_source(

@@ -71,8 +71,9 @@ class Settings:
         fuse_read_ahead: the read-ahead set on a mount, so that a typical file is one READ
             (0: the kernel's default, 128 KiB; needs root).
     Read-through datasets (readthrough.md):
-        spill_dir: a disk folder for read-through segments evicted from memory ("": none).
-        spill: the spill folder's budget.
+        spill_dir: a disk folder for read-through segments evicted from memory and for the
+            disk tier of preloads (tiers.md) ("": none).
+        spill: the spill folder's budget, the disk tier's and the spill's together.
         source_check_interval: seconds between checks of sources for changes (0: off).
         eviction: which read-through segment leaves memory: `stable` (a dataset keeps what it
             admitted; a miss over its share is read from the source, not kept), `plan` (the

@@ -7,6 +7,10 @@ One object is one instance: the folder is opened once and every segment is opene
 that folder's descriptor. When the dataset is unloaded and loaded again under the same name,
 the new instance is a new folder at the same path; an old reader's lookups still go to the old
 folder, whose segments are gone, so it gets an error (and fails over), never the new bytes.
+
+A segment on the node's disk tier lies in the folder meta.json names ("disk_dir", one per
+instance), opened once beside seg/; one moved to memory is renamed into seg/ before it leaves
+the disk, so a lookup tries seg/, then the disk, then seg/ again.
 """
 
 from __future__ import annotations
@@ -27,6 +31,27 @@ SEGMENT_DIR = "seg"
 _DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 
 
+def _disk_dir(dir_fd: int) -> str:
+    """The disk-tier folder meta.json names ("" when it names none, or cannot be read)."""
+    try:
+        fd = os.open(META_FILE, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=dir_fd)
+        with os.fdopen(fd) as f:
+            value = json.load(f).get("disk_dir", "")
+    except (OSError, ValueError, AttributeError):
+        return ""
+    return value if isinstance(value, str) and os.path.isabs(value) else ""
+
+
+def _segments_in(folder: int) -> set[int]:
+    """The segment numbers in a folder (none when it is not open)."""
+    if folder < 0:
+        return set()
+    try:
+        return {int(n) for n in os.listdir(folder) if n.isdigit()}
+    except OSError:
+        return set()
+
+
 def segment_path(dataset_dir: Path, seg: int) -> Path:
     return dataset_dir / SEGMENT_DIR / f"{seg:08d}"
 
@@ -42,7 +67,7 @@ class LocalDataset:
 
     def __init__(self, path: str | os.PathLike[str]):
         self.path = Path(path)
-        self._dir_fd = self._seg_fd = -1
+        self._dir_fd = self._seg_fd = self._disk_fd = -1
         try:
             self._dir_fd = os.open(self.path, _DIR_FLAGS)
         except FileNotFoundError:
@@ -54,33 +79,49 @@ class LocalDataset:
             self._seg_fd = os.open(SEGMENT_DIR, _DIR_FLAGS, dir_fd=self._dir_fd)
         except FileNotFoundError:
             pass  # no segment of it is held here
+        disk_dir = _disk_dir(self._dir_fd)
+        if disk_dir:
+            try:
+                self._disk_fd = os.open(os.path.join(disk_dir, SEGMENT_DIR), _DIR_FLAGS)
+            except OSError:
+                pass  # unloaded meanwhile: its segments are gone from both tiers
         self._maps: dict[int, mmap.mmap] = {}
         self._lock = threading.Lock()
         # Published datasets never change, so which segments are here is known once and for all.
-        try:
-            self.held = frozenset(int(n) for n in os.listdir(self._seg_fd))
-        except (OSError, ValueError):
-            self.held = frozenset()
+        self.held = frozenset(_segments_in(self._seg_fd) | _segments_in(self._disk_fd))
 
     def __del__(self) -> None:
         # Closed only here, never in release(): a thread may still be opening a segment
         # relative to them, and a reused descriptor number would point elsewhere.
-        for fd in (getattr(self, "_seg_fd", -1), getattr(self, "_dir_fd", -1)):
+        fds = ("_seg_fd", "_dir_fd", "_disk_fd")
+        for fd in (getattr(self, name, -1) for name in fds):
             if fd >= 0:
                 os.close(fd)
 
+    def _folders(self) -> list[int]:
+        """Where a segment may lie: memory, the disk tier, memory again (moved meanwhile)."""
+        if self._disk_fd < 0:
+            return [self._seg_fd] if self._seg_fd >= 0 else []
+        return [fd for fd in (self._seg_fd, self._disk_fd, self._seg_fd) if fd >= 0]
+
     def _open_segment(self, seg: int) -> int:
         """A descriptor of segment `seg` of this instance (FileNotFoundError once unloaded)."""
-        if self._seg_fd < 0:
-            raise FileNotFoundError(f"no segment folder in {self.path}")
-        return os.open(
-            f"{seg:08d}", os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=self._seg_fd
-        )
+        for folder in self._folders():
+            try:
+                return os.open(
+                    f"{seg:08d}", os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=folder
+                )
+            except FileNotFoundError:
+                continue
+        raise FileNotFoundError(f"no segment {seg} in {self.path}")
 
     def _stat_segment(self, seg: int) -> os.stat_result:
-        if self._seg_fd < 0:
-            raise FileNotFoundError(f"no segment folder in {self.path}")
-        return os.stat(f"{seg:08d}", dir_fd=self._seg_fd, follow_symlinks=False)
+        for folder in self._folders():
+            try:
+                return os.stat(f"{seg:08d}", dir_fd=folder, follow_symlinks=False)
+            except FileNotFoundError:
+                continue
+        raise FileNotFoundError(f"no segment {seg} in {self.path}")
 
     def holds(self, seg: int) -> bool:
         return seg in self.held

@@ -24,6 +24,7 @@ from kspeedfs.node.loads import LoadTable
 from kspeedfs.node.ops import READ, OpRegistry
 from kspeedfs.node.peers import PeerPool
 from kspeedfs.node.preload import Stager
+from kspeedfs.node.promote import Promoter
 from kspeedfs.node.readthrough import ReadThroughCache
 from kspeedfs.node.store import SegmentStore
 from kspeedfs.rdma.server import RdmaService
@@ -37,6 +38,7 @@ class NodeParts(Protocol):
     loads: LoadTable
     leases: LeaseTable
     stager: Stager
+    promoter: Promoter
     cache: ReadThroughCache
     decoded: DecodedVariants
     rdma: RdmaService
@@ -63,6 +65,12 @@ class NodeInfo:
     async def op_status(self, request: Status) -> dict[str, Any]:
         n = self.node
         folders = [r.path / "seg" for r in n.store.datasets.values()]
+        if n.store.disk_root is not None:  # and the disk tier's
+            folders += [
+                n.store.disk_root / f"{r.name}.{r.uuid}" / "seg"
+                for r in n.store.datasets.values()
+                if r.disk
+            ]
         segments = await trio.to_thread.run_sync(_count_files, folders)
         return {
             "node": n.address,
@@ -70,6 +78,7 @@ class NodeInfo:
             "shm_dir": str(n.settings.shm_dir),
             "budget": n.store.budget,
             "used": n.store.used(),
+            "disk_tier": _disk_tier(n),
             "datasets": len(n.store.datasets),
             "loading": sorted(name for name, p in n.loads.items() if p.state == "loading"),
             "segments": segments,
@@ -135,11 +144,28 @@ class NodeInfo:
             "used": n.store.used(),
             "budget": n.store.budget,
             "leases": n.leases.total(),
-            "datasets": {r.name: (r.stored, len(r.held)) for r in list(n.store.datasets.values())},
+            "disk_tier": _disk_tier(n),
+            "datasets": {
+                r.name: (r.stored, len(r.held), r.disk_stored)
+                for r in list(n.store.datasets.values())
+            },
             "control": n.control.status() if n.control is not None else None,
             "cache": n.cache.status(),  # read-through: hits, fills, evictions by policy
             "dataset_leases": {name: n.leases.count(name) for name in list(n.store.datasets)},
         }
+
+
+def _disk_tier(n: NodeParts) -> dict[str, Any] | None:
+    """The disk tier's figures (None: the node has none)."""
+    store = n.store
+    if store.disk_root is None:
+        return None
+    return {
+        "dir": str(store.disk_root),
+        "budget": store.disk_budget,
+        "used": store.disk_used(),
+        "promoted": dict(n.promoter.promoted),
+    }
 
 
 def _count_files(folders: list[Path]) -> int:

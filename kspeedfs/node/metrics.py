@@ -52,6 +52,18 @@ class NodeCollector(Collector):
         )
         yield GaugeMetricFamily("kspeedfs_node_memory_budget_bytes", "memory budget", s["budget"])
         yield GaugeMetricFamily("kspeedfs_node_leases", "dataset leases held by jobs", s["leases"])
+        tier = s.get("disk_tier") or {"used": 0, "budget": 0, "promoted": {"bytes": 0}}
+        yield GaugeMetricFamily(
+            "kspeedfs_node_disk_tier_used_bytes", "disk-tier bytes preloads take", tier["used"]
+        )
+        yield GaugeMetricFamily(
+            "kspeedfs_node_disk_tier_budget_bytes", "disk tier budget (0: none)", tier["budget"]
+        )
+        yield CounterMetricFamily(
+            "kspeedfs_node_promoted_bytes",
+            "bytes moved from the disk tier to memory",
+            tier["promoted"]["bytes"],
+        )
         resident = GaugeMetricFamily(
             "kspeedfs_dataset_resident_bytes",
             "memory a dataset takes on this node",
@@ -60,11 +72,18 @@ class NodeCollector(Collector):
         segments = GaugeMetricFamily(
             "kspeedfs_dataset_segments_held", "segments of a dataset held here", labels=["dataset"]
         )
-        for name, (stored, held) in sorted(s["datasets"].items()):
+        on_disk = GaugeMetricFamily(
+            "kspeedfs_dataset_disk_bytes",
+            "disk-tier bytes a dataset takes on this node",
+            labels=["dataset"],
+        )
+        for name, (stored, held, disk) in sorted(s["datasets"].items()):
             resident.add_metric([name], stored)
             segments.add_metric([name], held)
+            on_disk.add_metric([name], disk)
         yield resident
         yield segments
+        yield on_disk
         leases = GaugeMetricFamily(
             "kspeedfs_dataset_leases",
             "leases held on a dataset (on its lease home)",

@@ -38,6 +38,7 @@ from kspeedfs.format.contract.preload import (
     StagePut,
     StageResult,
     StageStatus,
+    Tier,
 )
 from kspeedfs.format.contract.preload import Stage as StageRequest
 from kspeedfs.format.errors import (
@@ -59,7 +60,7 @@ from kspeedfs.node import metaindexes, sourceio
 from kspeedfs.node.loads import answer_on_change
 from kspeedfs.node.ops import ADMIN, OpRegistry, answering
 from kspeedfs.node.peers import Ask
-from kspeedfs.node.store import SegmentStore
+from kspeedfs.node.store import SegmentStore, disk_claim
 from kspeedfs.node.tasks import Tasks
 from kspeedfs.sources.loader import (
     Progress,
@@ -120,6 +121,14 @@ class Stage:
     stored: int = 0
     last_contact: float = dataclasses.field(default_factory=time.monotonic)
     manifest: Assembly | None = None  # the manifest's pieces, as they come
+    disk: set[int] = dataclasses.field(default_factory=set)  # held ones on the disk tier
+    disk_staging: Path | None = None
+
+    def seg_path(self, seg: int) -> Path:
+        """Where held segment `seg` is staged (its tier's staging folder)."""
+        staging = self.disk_staging if seg in self.disk else self.staging
+        assert staging is not None
+        return segment_path(staging, seg)
 
     def written(self) -> int:
         """Bytes of its reservation on the filesystem already (at least: a segment is
@@ -138,6 +147,7 @@ class Stager:
         self.loaded = {"segments": 0, "bytes": 0}  # what this node loaded from sources
         # Admission: preload uuid -> when its part was claimed here (its stage takes it over).
         self.claims: dict[str, float] = {}
+        self.claimed_disk: dict[str, set[int]] = {}  # preload uuid -> its disk-tier segments
         self.metaindexes = metaindexes.MetaIndexes(store, self._get)
 
     def register_ops(self, ops: OpRegistry) -> None:
@@ -182,14 +192,51 @@ class Stager:
         """Admission: claim this member's part of a preload (NoSpace when it cannot fit)
         before any member loads; its stage takes the claim over, an abort gives it back."""
         self._check_absent(request.name)
+        _check_parts(request)
         if request.uuid not in self.claims:
-            self.store.reserve(_claim(request.uuid), request.bytes)
+            self._claim_tiers(request)
         self.claims[request.uuid] = time.monotonic()
-        return {"node": self.address}
+        disk = self.claimed_disk.get(request.uuid, set())
+        lengths = dict(zip(request.segments, request.lengths, strict=True))
+        disk_bytes = sum(lengths[k] for k in disk)
+        return {"node": self.address, "memory": request.bytes - disk_bytes, "disk": disk_bytes}
+
+    def _claim_tiers(self, request: StageClaim) -> None:
+        """Claim the part on the tiers `request.tier` asks for: with "auto", the held segments
+        that fit the free memory (in order) go there and the rest to the disk tier; a node
+        without a disk tier holds it all in memory, as before tiers (NoSpace when it cannot)."""
+        tier = request.tier
+        if tier == "auto" and self.store.disk_root is None:
+            tier = "memory"
+        if tier == "memory" or not request.segments:
+            self.store.reserve(_claim(request.uuid), request.bytes)
+            return
+        lengths = dict(zip(request.segments, request.lengths, strict=True))
+        overhead = request.bytes - sum(request.lengths)  # the manifest and meta: memory
+        room = self.store.memory_free() - overhead if tier == "auto" else 0
+        disk: set[int] = set()
+        for seg, length in sorted(lengths.items()):
+            if length <= room and not disk:
+                room -= length
+            else:
+                disk.add(seg)
+        disk_bytes = sum(lengths[k] for k in disk)
+        what = f"the disk part of {request.name}"
+        if disk:
+            self.store.reserve(disk_claim(request.uuid), disk_bytes, what=what, tier="disk")
+        try:
+            self.store.reserve(_claim(request.uuid), request.bytes - disk_bytes)
+        except BaseException:
+            self.store.release(disk_claim(request.uuid))
+            raise
+        if disk:
+            self.claimed_disk[request.uuid] = disk
 
     def _drop_claim(self, uuid: str) -> None:
         if self.claims.pop(uuid, None) is not None:
             self.store.release(_claim(uuid))
+        self.claimed_disk.pop(uuid, None)
+        self.store.release(disk_claim(uuid))
 
     async def op_stage(self, request: StageRequest) -> dict[str, Any]:
         """Stage the held segments of a preload another node coordinates: this member scans
@@ -235,12 +282,16 @@ class Stager:
                 raise InvalidArgument("segment number out of range")
             held_bytes = sum(seg_len[k] for k in stage.held)
             stage.stored = held_bytes + manifest_size_estimate(tree) + meta_bytes
-            self._take_claim(stage)
+            self._take_claim(stage, {k: seg_len[k] for k in stage.held})
         except BaseException:
             self.stages.pop(stage.name, None)
             raise
         try:
             stage.staging = await trio.to_thread.run_sync(self.store.new_staging, stage.name)
+            if stage.disk:
+                stage.disk_staging = await trio.to_thread.run_sync(
+                    self.store.new_disk_staging, stage.name
+                )
         except BaseException as e:
             await self._fail(stage, e)
             self.stages.pop(stage.name, None)
@@ -259,11 +310,15 @@ class Stager:
         progress.bytes_total = sum(seg_len.values())
         stage = Stage(request.name, request.uuid, request.source, sorted(seg_len), progress)
         stage.stored = progress.bytes_total + request.manifest_estimate + request.meta_bytes
-        self._take_claim(stage)
+        self._take_claim(stage, seg_len)
         self.stages[stage.name] = stage
         try:
             stage.staging = await trio.to_thread.run_sync(self.store.new_staging, stage.name)
-            await trio.to_thread.run_sync(_allocate, stage.staging, seg_len)
+            if stage.disk:
+                stage.disk_staging = await trio.to_thread.run_sync(
+                    self.store.new_disk_staging, stage.name
+                )
+            await trio.to_thread.run_sync(_allocate, stage, seg_len)
         except BaseException as e:
             await self._fail(stage, e)
             self.stages.pop(stage.name, None)
@@ -272,12 +327,13 @@ class Stager:
             raise
         return {"node": self.address, "segments": len(seg_len), "bytes": progress.bytes_total}
 
-    def _take_claim(self, stage: Stage) -> None:
-        """Reserve the stage's bytes in place of its preload's admission claim (none when the
-        coordinator made none): they were claimed already, so this fits."""
-        self.store.reserve(
-            stage.name, stage.stored, written=stage.written, instead_of=_claim(stage.uuid)
-        )
+    def _take_claim(self, stage: Stage, seg_len: dict[int, int]) -> None:
+        """Reserve the stage's memory bytes in place of its preload's admission claim (none
+        when the coordinator made none): they were claimed already, so this fits. Its disk
+        part stays claimed as it was until the publish (or a failure) gives it back."""
+        stage.disk = self.claimed_disk.pop(stage.uuid, set()) & set(seg_len)
+        memory = stage.stored - sum(seg_len[k] for k in stage.disk)
+        self.store.reserve(stage.name, memory, written=stage.written, instead_of=_claim(stage.uuid))
         self.claims.pop(stage.uuid, None)
 
     async def op_stage_put(self, request: StagePut) -> dict[str, Any]:
@@ -285,9 +341,7 @@ class Stager:
         seg = request.segment
         if stage.staging is None or seg not in stage.held or stage.progress.state != "receiving":
             raise InvalidArgument(f"segment {seg} is not expected here")
-        written = await trio.to_thread.run_sync(
-            _write_piece, segment_path(stage.staging, seg), request.piece
-        )
+        written = await trio.to_thread.run_sync(_write_piece, stage.seg_path(seg), request.piece)
         stage.progress.bytes_done += written
         return {"node": self.address}
 
@@ -295,9 +349,7 @@ class Stager:
         stage = self._get(request.name, request.uuid)
         if stage.staging is None or stage.progress.state != "receiving":
             raise InvalidArgument(f"{stage.name} is {stage.progress.state}, not receiving")
-        stage.seg_checksums = await trio.to_thread.run_sync(
-            segment_checksums, stage.staging, stage.held
-        )
+        stage.seg_checksums = await trio.to_thread.run_sync(_staged_checksums, stage)
         stage.progress.state = "staged"
         self.loaded["segments"] += len(stage.held)
         self.loaded["bytes"] += stage.progress.bytes_done
@@ -316,6 +368,7 @@ class Stager:
                 stage.staging,
                 stage.progress,
                 seg_sums,
+                (stage.disk_staging, stage.disk) if stage.disk_staging is not None else None,
             )
             stage.seg_checksums = seg_sums  # every source hashes segments as it fills them
             if stage.progress.cancel.is_set():
@@ -329,10 +382,13 @@ class Stager:
                 raise
 
     async def _fail(self, stage: Stage, e: BaseException) -> None:
-        if stage.staging is not None:
-            with trio.CancelScope(shield=True):  # also when the failure is a cancellation
+        with trio.CancelScope(shield=True):  # also when the failure is a cancellation
+            if stage.staging is not None:
                 await trio.to_thread.run_sync(self.store.discard_staging, stage.staging)
+            if stage.disk_staging is not None:
+                await trio.to_thread.run_sync(self.store.discard_disk_staging, stage.disk_staging)
         self.store.release(stage.name)
+        self.store.release(disk_claim(stage.uuid))
         stage.progress.state = "failed"
         stage.progress.error = str(e) if isinstance(e, KSpeedError) else f"{type(e).__name__}: {e}"
         stage.progress.error_kind = type(e).__name__ if isinstance(e, KSpeedError) else ""
@@ -376,7 +432,7 @@ class Stager:
         staging = stage.staging
         if staging is None:
             raise InvalidArgument(f"{stage.name}: nothing staged to commit")
-        meta = dict(request.meta, held=stage.held)
+        meta = dict(request.meta, held=stage.held, disk=sorted(stage.disk))
 
         def publish() -> None:
             if not (staging / MANIFEST_FILE).exists():
@@ -386,7 +442,8 @@ class Stager:
                 + (staging / MANIFEST_FILE).stat().st_size
                 + metaindexes.stored_bytes(staging)
             )
-            self.store.publish(staging, meta)
+            meta["disk_stored"] = sum(stage.seg_path(k).stat().st_size for k in stage.disk)
+            self.store.publish(staging, meta, stage.disk_staging)
 
         await trio.to_thread.run_sync(publish)
         self.stages.pop(stage.name, None)
@@ -423,15 +480,33 @@ class Stager:
                     await self.abort(stage.name, stage.uuid)
 
 
+def _check_parts(request: StageClaim) -> None:
+    """The held segments of a claim: distinct, one length each, none negative, within `bytes`."""
+    segments, lengths = request.segments, request.lengths
+    if len(segments) != len(lengths) or len(set(segments)) != len(segments):
+        raise InvalidArgument("segments and lengths must be lists of one length, no repeats")
+    if min(segments + lengths, default=0) < 0 or sum(lengths) > request.bytes:
+        raise InvalidArgument("segments and lengths must be at least 0, in all within bytes")
+
+
 def _claim(uuid: str) -> str:
     """The store's name of a preload's admission claim (no dataset name has a colon)."""
     return f"claim:{uuid}"
 
 
-def _allocate(staging: Path, seg_len: dict[int, int]) -> None:
-    """Create the segments a coordinator will push, their memory claimed now (ENOSPC now)."""
+def _staged_checksums(stage: Stage) -> dict[int, int]:
+    """The checksums of a stage's segments, on either tier."""
+    assert stage.staging is not None
+    sums = segment_checksums(stage.staging, [k for k in stage.held if k not in stage.disk])
+    if stage.disk_staging is not None:
+        sums.update(segment_checksums(stage.disk_staging, sorted(stage.disk)))
+    return sums
+
+
+def _allocate(stage: Stage, seg_len: dict[int, int]) -> None:
+    """Create the segments a coordinator will push, their space claimed now (ENOSPC now)."""
     for k, length in seg_len.items():
-        with open(segment_path(staging, k), "wb") as f:
+        with open(stage.seg_path(k), "wb") as f:
             if length:
                 os.posix_fallocate(f.fileno(), 0, length)
 
@@ -498,6 +573,7 @@ class Plan:
     assignment: dict[str, list[int]]
     endpoint: str = ""  # object store endpoint of a URL source
     metas: list[str] = dataclasses.field(default_factory=list)  # meta files to index
+    tier: Tier = "auto"  # where members place their segments
 
 
 async def plan_preload(request: Preload, segment_size: int, live_members: list[str]) -> Plan:
@@ -527,6 +603,7 @@ async def plan_preload(request: Preload, segment_size: int, live_members: list[s
         assignment=placed.assignment(),
         endpoint=request.endpoint,
         metas=metaindexes.requested(request.meta, tree),
+        tier=request.tier,
     )
 
 
@@ -583,9 +660,18 @@ async def start_stages(plan: Plan, ask: Ask, own: Stager) -> set[str]:
     # is ahead of the other on every member after it.
     try:
         for member in sorted(plan.members):
-            held_bytes = sum(seg_len[k] for k in plan.assignment[member])
+            held = plan.assignment[member]
+            held_bytes = sum(seg_len[k] for k in held)
             part = held_bytes + manifest_estimate + meta_bytes
-            await ask(member, StageClaim(name=plan.name, uuid=plan.uuid, bytes=part))
+            claim = StageClaim(
+                name=plan.name,
+                uuid=plan.uuid,
+                bytes=part,
+                tier=plan.tier,
+                segments=held,
+                lengths=[seg_len[k] for k in held],
+            )
+            await ask(member, claim)
     except KSpeedError:
         await rollback(plan, ask)
         raise

@@ -18,6 +18,7 @@ from kspeedfs.format.contract import Request
 from kspeedfs.format.contract.node import Rebalance
 from kspeedfs.format.errors import NotFound
 from kspeedfs.format.tls import client_context
+from kspeedfs.format.units import parse_size
 from kspeedfs.node.control import ControlPlane
 from kspeedfs.node.coordinator import PreloadCoordinator
 from kspeedfs.node.decoded import DecodedVariants
@@ -30,7 +31,9 @@ from kspeedfs.node.metrics import serve_metrics
 from kspeedfs.node.ops import ADMIN, OpRegistry
 from kspeedfs.node.peers import PeerPool
 from kspeedfs.node.preload import Stager
+from kspeedfs.node.promote import Promoter
 from kspeedfs.node.readthrough import ReadThroughCache
+from kspeedfs.node.spill import TIER_DIR
 from kspeedfs.node.store import SegmentStore
 from kspeedfs.node.unload import Unloader
 from kspeedfs.rdma.server import RdmaService
@@ -53,7 +56,13 @@ class Node:
         self.stats = {"connections": 0, "reads": 0, "read_bytes": 0, "refused": 0}
         self.members = cluster_members(settings)
         self.ops = OpRegistry()
-        self.store = SegmentStore(settings.shm_dir, settings.memory_budget(), settings.group)
+        self.store = SegmentStore(
+            settings.shm_dir,
+            settings.memory_budget(),
+            settings.group,
+            disk_root=settings.spill_dir / TIER_DIR if settings.spill_dir is not None else None,
+            disk_budget=parse_size(settings.spill),
+        )
         self.loads = LoadTable()
         self.leases = LeaseTable(settings.lease_ttl)
         self.peers = PeerPool(settings.token_file, settings.timeout, tls=client_context(settings))
@@ -82,6 +91,7 @@ class Node:
             self.ask,
             self.decoded.after_preload,
         )
+        self.promoter = Promoter(self.store)
         self.info = NodeInfo(self)
         for owner in (self.info, self.coordinator, self.lease_owner, self.unloader):
             owner.register_ops(self.ops)
@@ -112,7 +122,14 @@ class Node:
         self.fds.start(self.token)
         try:
             async with trio.open_nursery() as nursery:
-                for owner in (self.stager, self.lease_owner, self.cache, self.coordinator):
+                owners = (
+                    self.stager,
+                    self.lease_owner,
+                    self.cache,
+                    self.coordinator,
+                    self.promoter,
+                )
+                for owner in owners:
                     await nursery.start(owner.run)
                 task_status.started()
         finally:

@@ -1,6 +1,7 @@
 """The spill folder: segments evicted from memory, kept on disk within their own budget (LRU).
 
-Layout: SPILL_DIR/NAME.UUID/NNNNNNNN, one file per segment. The uuid in the folder name means a
+Layout: SPILL_DIR/NAME.UUID/NNNNNNNN, one file per segment (SPILL_DIR/tier is the store's disk
+tier, which shares the budget: the spill gives way to it). The uuid in the folder name means a
 dataset that was refreshed or loaded again never picks up another instance's bytes. Copies are
 written under a dot-name and renamed, so a crash leaves no partial segment under a real name.
 """
@@ -13,17 +14,21 @@ import shutil
 import threading
 import uuid
 from collections import Counter, OrderedDict
+from collections.abc import Callable
 from pathlib import Path
 
 log = logging.getLogger(__name__)
+
+TIER_DIR = "tier"  # the store's disk tier, under the same folder
 
 
 class SpillArea:
     """Thread-safe: evictions copy segments in from worker threads."""
 
-    def __init__(self, root: Path, budget: int):
+    def __init__(self, root: Path, budget: int, tier: Callable[[], int] = lambda: 0):
         self.root = root
         self.budget = budget
+        self._tier = tier  # bytes of the budget the disk tier holds
         self.used = 0  # bytes of the files here, plus copies in progress
         self._entries: OrderedDict[tuple[str, int], int] = OrderedDict()  # oldest first
         self._pending: set[tuple[str, int]] = set()
@@ -43,6 +48,8 @@ class SpillArea:
         self.root.mkdir(parents=True, exist_ok=True)
         found = []
         for folder in self.root.iterdir():
+            if folder.name == TIER_DIR:
+                continue  # the store's
             if folder.name not in keep or not folder.is_dir():
                 log.info("removing spilled data of a dataset that is gone: %s", folder.name)
                 _remove(folder)
@@ -58,6 +65,10 @@ class SpillArea:
             self.used += size
         with self._lock:
             self._make_room(0)
+
+    def room(self) -> int:
+        """Its budget, less what the disk tier holds."""
+        return max(0, self.budget - self._tier())
 
     def has(self, key: str, seg: int) -> bool:
         return (key, seg) in self._entries
@@ -93,7 +104,7 @@ class SpillArea:
         with self._lock:
             if (key, seg) in self._entries or (key, seg) in self._pending:
                 return True
-            if size > self.budget or (cap and size > cap):
+            if size > self.room() or (cap and size > cap):
                 return False
             if cap:
                 self._make_room_in(key, cap - size)
@@ -120,7 +131,7 @@ class SpillArea:
 
     def _make_room(self, size: int) -> None:
         """Drop the oldest entries until `size` more bytes fit (called with the lock held)."""
-        while self._entries and self.used + size > self.budget:
+        while self._entries and self.used + size > self.room():
             key, seg = next(iter(self._entries))
             self.used -= self._remove_entry(key, seg) or 0
             self.path(key, seg).unlink(missing_ok=True)

@@ -4,6 +4,11 @@ Layout under shm_dir:
     datasets/NAME/   published datasets (meta.json, manifest.ksm, seg/NNNNNNNN)
     staging/NAME.ID/ preloads in progress; renamed into datasets/ when complete (atomic publish)
     trash/           unloaded or broken datasets, removed right away (mapped pages live on)
+
+The disk tier (a node with `spill_dir`): segments of preloaded datasets that did not fit the
+memory budget, under DISK_ROOT/NAME.UUID/seg/NNNNNNNN (staged under DISK_ROOT/.staging/), named
+in the dataset's meta.json ("disk", "disk_dir"). They count in the disk budget, not the memory
+one, and move to memory (`promote`) when memory frees up.
 """
 
 from __future__ import annotations
@@ -14,6 +19,7 @@ import json
 import logging
 import mmap
 import os
+import shutil
 import stat
 import threading
 import uuid
@@ -69,6 +75,8 @@ class DatasetRecord:
     segments: int = 0  # segments in the whole dataset
     held: list[int] = dataclasses.field(default_factory=list)  # the ones this node holds
     members: list[str] = dataclasses.field(default_factory=list)  # nodes it was placed over
+    disk: list[int] = dataclasses.field(default_factory=list)  # held ones on the disk tier
+    disk_stored: int = 0  # bytes of the disk tier it takes
 
     def to_wire(self) -> dict[str, Any]:
         """The one shape of a published dataset on the wire (list, progress): its record, and
@@ -95,6 +103,7 @@ class Reservation:
 
     nbytes: int
     written: Callable[[], int] | None = None  # how much of it is on the filesystem already
+    tier: str = "memory"  # or "disk": counted in the disk tier's budget
 
     def unwritten(self) -> int:
         return max(0, self.nbytes - (self.written() if self.written is not None else 0))
@@ -104,10 +113,19 @@ class SegmentStore:
     """The shm folder. Owned by the node (checked at start), readable by its uid and `group`;
     everything in it is reached through descriptors of its three folders, never a symlink."""
 
-    def __init__(self, root: Path, budget: int, group: str = ""):
+    def __init__(
+        self,
+        root: Path,
+        budget: int,
+        group: str = "",
+        disk_root: Path | None = None,
+        disk_budget: int = 0,
+    ):
         self.root = root
         self.budget = budget
         self.group = group
+        self.disk_root = disk_root  # None: no disk tier
+        self.disk_budget = disk_budget  # shared with the read-through spill, which gives way
         self._fd: dict[str, int] = {}  # "datasets", "staging", "trash" -> open folder
         self.datasets_dir = root / "datasets"
         self.staging_dir = root / "staging"
@@ -159,9 +177,23 @@ class SegmentStore:
                 record.files,
                 format_size(record.bytes),
             )
+        self._recover_disk()
         for name in sorted(self.datasets):
             for hook in self.on_publish:
                 hook(name)
+
+    def _recover_disk(self) -> None:
+        """Drop the disk tier's staging leftovers and the folders of datasets that are gone."""
+        if self.disk_root is None:
+            return
+        (self.disk_root / DISK_STAGING).mkdir(parents=True, exist_ok=True, mode=0o750)
+        keep = {f"{r.name}.{r.uuid}" for r in self.datasets.values() if r.disk}
+        for folder in sorted(self.disk_root.iterdir()):
+            if folder.name != DISK_STAGING and folder.name not in keep:
+                log.info("removing disk-tier data of a dataset that is gone: %s", folder.name)
+                shutil.rmtree(folder, ignore_errors=True)
+        for leftover in sorted((self.disk_root / DISK_STAGING).iterdir()):
+            shutil.rmtree(leftover, ignore_errors=True)
 
     def _check(self, path: Path, verify: bool) -> DatasetRecord:
         meta = self._read_meta(path.name)
@@ -172,8 +204,11 @@ class SegmentStore:
         m = ds.manifest
         if m.uuid != meta["uuid"]:
             raise DataError("manifest and meta.json disagree")
+        on_disk = set(meta.get("disk", []))
+        if on_disk and (self.disk_root is None or Path(meta["disk_dir"]) != self._disk_dir(meta)):
+            raise DataError("its disk-tier segments are not in this node's disk tier")
         for seg in meta.get("held", range(m.segments)):
-            p = segment_path(path, seg)
+            p = segment_path(Path(meta["disk_dir"]) if seg in on_disk else path, seg)
             if p.stat().st_size != int(m.seg_len[seg]):
                 raise DataError(f"segment {seg} has the wrong size")
             if verify and xxhash.xxh3_64_intdigest(ds.segment(seg)) != int(m.seg_checksum[seg]):
@@ -205,11 +240,29 @@ class SegmentStore:
             segments=int(meta.get("segments", 0)),
             held=[int(k) for k in meta.get("held", [])],
             members=[str(n) for n in meta.get("members", [])],
+            disk=[int(k) for k in meta.get("disk", [])],
+            disk_stored=int(meta.get("disk_stored", 0)),
         )
 
     def used(self) -> int:
-        reserved = sum(r.nbytes for r in self.reserved.values())
+        """Bytes of the memory budget taken (datasets and claims)."""
+        reserved = sum(r.nbytes for r in self.reserved.values() if r.tier == "memory")
         return sum(r.stored for r in self.datasets.values()) + reserved
+
+    def disk_used(self) -> int:
+        """Bytes of the disk budget the tier takes: its datasets' segments and claims."""
+        reserved = sum(r.nbytes for r in self.reserved.values() if r.tier == "disk")
+        return sum(r.disk_stored for r in self.datasets.values()) + reserved
+
+    def memory_free(self) -> int:
+        """What a claim on the memory budget could take now, without evicting anything."""
+        with self._lock:
+            fs_free, promised = self._fs_room()
+            return max(0, min(self.budget - self.used(), fs_free - promised))
+
+    def _disk_dir(self, meta: dict[str, Any]) -> Path:
+        assert self.disk_root is not None
+        return self.disk_root / f"{validate_name(meta['name'])}.{meta['uuid']}"
 
     def reserve(
         self,
@@ -219,6 +272,7 @@ class SegmentStore:
         written: Callable[[], int] | None = None,
         instead_of: str = "",
         evict: bool = True,
+        tier: str = "memory",
     ) -> None:
         """Claim budget for work before it starts; refuse what cannot fit (`what` names it in
         the refusal). One check and claim under the lock: of two claims that do not both fit,
@@ -226,18 +280,41 @@ class SegmentStore:
         already (default: nothing until it is published or released). `instead_of` names an
         earlier claim for the same work (a preload's admission) that this one replaces: its
         bytes count as free here, and it stays when this one is refused. `evict` lets the
-        reclaimers (read-through eviction, which lives on the event loop) make room."""
+        reclaimers (read-through eviction, which lives on the event loop) make room. `tier`
+        "disk" claims the disk tier's budget instead (NoSpace when the node has none)."""
         with self._lock:
             if name in self.datasets or name in self.reserved:
                 raise AlreadyExists(f"dataset {name!r} is already loaded or loading")
             earlier = self.reserved.pop(instead_of, None)
             try:
-                self._check_fits(nbytes, what, self._reclaimers if evict else [])
+                if tier == "disk":
+                    self._check_disk_fits(nbytes, what)
+                else:
+                    self._check_fits(nbytes, what, self._reclaimers if evict else [])
             except BaseException:
                 if earlier is not None:
                     self.reserved[instead_of] = earlier
                 raise
-            self.reserved[name] = Reservation(nbytes, written)
+            self.reserved[name] = Reservation(nbytes, written, tier)
+
+    def _check_disk_fits(self, nbytes: int, what: str) -> None:
+        """Refuse (NoSpace) a claim the disk tier's budget or filesystem cannot hold."""
+        if self.disk_root is None:
+            raise NoSpace(f"{what} needs a disk tier, and this node has none (spill_dir)")
+        free = self.disk_budget - self.disk_used()
+        if free < nbytes:
+            raise NoSpace(
+                f"{what} needs {format_size(nbytes)} of disk on this node but only "
+                f"{format_size(max(free, 0))} of its {format_size(self.disk_budget)} disk tier"
+                " is free"
+            )
+        st = os.statvfs(self.disk_root)
+        promised = sum(r.nbytes for r in self.reserved.values() if r.tier == "disk")
+        if nbytes > st.f_bavail * st.f_frsize - promised:
+            raise NoSpace(
+                f"{what} needs {format_size(nbytes)} but {self.disk_root} has only "
+                f"{format_size(st.f_bavail * st.f_frsize)} free"
+            )
 
     def _check_fits(self, nbytes: int, what: str, reclaimers: list[Callable[[int], int]]) -> None:
         """Refuse (NoSpace) a claim of nbytes that the budget or the filesystem cannot hold
@@ -267,7 +344,8 @@ class SegmentStore:
     def _fs_room(self) -> tuple[int, int]:
         """The shm filesystem's free bytes, and how many of them claims have yet to write."""
         st = os.statvfs(self.root)
-        return st.f_bavail * st.f_frsize, sum(r.unwritten() for r in self.reserved.values())
+        promised = sum(r.unwritten() for r in self.reserved.values() if r.tier == "memory")
+        return st.f_bavail * st.f_frsize, promised
 
     def _raise_no_space(self, nbytes: int, what: str = "dataset") -> None:
         free = self.budget - self.used()
@@ -290,15 +368,35 @@ class SegmentStore:
             os.close(fd)
         return self.staging_dir / folder
 
+    def new_disk_staging(self, name: str) -> Path:
+        """A staging folder on the disk tier (with its seg/), for a preload's disk segments."""
+        if self.disk_root is None:
+            raise NoSpace("this node has no disk tier (spill_dir)")
+        folder = self.disk_root / DISK_STAGING / f"{validate_name(name)}.{uuid.uuid4().hex[:12]}"
+        (folder / "seg").mkdir(parents=True, mode=0o750)
+        return folder
+
+    def discard_disk_staging(self, staging: Path) -> None:
+        if self.disk_root is not None and staging.parent == self.disk_root / DISK_STAGING:
+            shutil.rmtree(staging, ignore_errors=True)
+
     def _staged_name(self, staging: Path) -> str:
         if staging.parent != self.staging_dir or staging.name in ("", ".", ".."):
             raise InvalidArgument(f"not a staging folder of this node: {staging}")
         return staging.name
 
-    def publish(self, staging: Path, meta: dict[str, Any]) -> DatasetRecord:
-        """Make a complete staging folder visible in one rename, its files FILE_MODE."""
+    def publish(
+        self, staging: Path, meta: dict[str, Any], disk_staging: Path | None = None
+    ) -> DatasetRecord:
+        """Make a complete staging folder visible in one rename, its files FILE_MODE; its
+        disk-tier part (`disk_staging`, meta's "disk" segments) is put in place first."""
         name = validate_name(meta["name"])
         folder = self._staged_name(staging)
+        disk_final = None
+        if disk_staging is not None:
+            disk_final = self._disk_dir(meta)
+            os.rename(disk_staging, disk_final)
+            meta = dict(meta, disk_dir=str(disk_final))
         staging_fd = os.open(folder, DIR_FLAGS, dir_fd=self._fd["staging"])
         try:
             flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC
@@ -314,10 +412,13 @@ class SegmentStore:
                     folder, name, src_dir_fd=self._fd["staging"], dst_dir_fd=self._fd["datasets"]
                 )
             except OSError as e:
+                if disk_final is not None:
+                    shutil.rmtree(disk_final, ignore_errors=True)
                 raise AlreadyExists(f"dataset {name!r} appeared while loading: {e}") from None
             record = self._record(final, meta, (final / MANIFEST_FILE).stat().st_size)
             self.datasets[name] = record
             self.reserved.pop(name, None)
+            self.reserved.pop(disk_claim(record.uuid), None)
         for hook in self.on_publish:
             hook(name)
         return record
@@ -331,6 +432,9 @@ class SegmentStore:
         for hook in self.before_unload:
             hook(name)
         self._discard(record.path.name)
+        if self.disk_root is not None:  # also a folder whose segments all moved to memory
+            # Unlinked: a reader's map of a disk segment keeps its pages, as in memory.
+            shutil.rmtree(self.disk_root / f"{record.name}.{record.uuid}", ignore_errors=True)
         return record
 
     def _discard(self, name: str) -> None:
@@ -447,19 +551,56 @@ class SegmentStore:
         `length` bytes straight into the new file's mapping (a heal receives from a peer into
         it: no buffer between the socket and tmpfs) and raises to have it thrown away. Made
         beside the segment folder, then renamed into it, so a reader never sees part of one;
-        meta.json and the record learn it; the next open() maps it."""
+        meta.json and the record learn it; the next open() maps it. When memory has no room
+        for it, it goes to the disk tier (where there is one)."""
         record = self.datasets.get(name)
         if record is None:
             raise NotFound(f"no dataset named {name!r}")
         # Reserved while it arrives, so that a preload admitted meanwhile does not count on
         # the same bytes; counted in the dataset's bytes once it is in place.
         reservation = f"segment:{name}:{seg}:{uuid.uuid4().hex[:12]}"
-        # Called in a thread: no eviction (the read-through cache is the event loop's).
-        self.reserve(reservation, length, what=f"segment {seg} of {name}", evict=False)
+        what = f"segment {seg} of {name}"
+        try:
+            # Called in a thread: no eviction (the read-through cache is the event loop's).
+            self.reserve(reservation, length, what=what, evict=False)
+        except NoSpace:
+            if self.disk_root is None or record.lifetime == "readthrough":
+                raise
+            self.reserve(reservation, length, what=what, tier="disk")
+            try:
+                self._add_disk_segment(record, seg, length, fill, reservation)
+            finally:
+                self.release(reservation)
+            return
         try:
             self._add_segment(record, seg, length, fill, reservation)
         finally:
             self.release(reservation)
+
+    def _add_disk_segment(
+        self,
+        record: DatasetRecord,
+        seg: int,
+        length: int,
+        fill: Callable[[memoryview], None],
+        reservation: str,
+    ) -> None:
+        """add_segment onto the disk tier: made in the instance's disk folder, as in memory."""
+        assert self.disk_root is not None
+        disk_dir = self.disk_root / f"{record.name}.{record.uuid}"
+        (disk_dir / "seg").mkdir(parents=True, exist_ok=True, mode=0o750)
+        with _closing(os.open(disk_dir, DIR_FLAGS)) as disk_fd:
+            self._put_segment(disk_fd, seg, length, fill)
+        folder = os.open(record.name, DIR_FLAGS, dir_fd=self._fd["datasets"])
+        with _closing(folder), self._lock:
+            held = sorted(set(record.held) | {seg})
+            disk = sorted(set(record.disk) | {seg})
+            stored = record.disk_stored + length
+            changes = {"held": held, "disk": disk, "disk_stored": stored}
+            self._update_meta(folder, record.name, 0, **changes, disk_dir=str(disk_dir))
+            record.held, record.disk, record.disk_stored = held, disk, stored
+            self.reserved.pop(reservation, None)
+            self._open.pop(record.name, None)
 
     def _add_segment(
         self,
@@ -472,24 +613,7 @@ class SegmentStore:
         name = record.name
         folder = os.open(name, DIR_FLAGS, dir_fd=self._fd["datasets"])
         try:
-            with contextlib.suppress(FileExistsError):
-                os.mkdir("seg", 0o750, dir_fd=folder)
-            tmp = f".seg-{seg}.{uuid.uuid4().hex[:12]}"
-            flags = os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
-            fd = os.open(tmp, flags, FILE_MODE, dir_fd=folder)
-            try:
-                _fill_file(fd, length, fill)
-                seg_fd = os.open("seg", DIR_FLAGS, dir_fd=folder)
-                try:
-                    os.rename(tmp, f"{seg:08d}", src_dir_fd=folder, dst_dir_fd=seg_fd)
-                finally:
-                    os.close(seg_fd)
-            except BaseException:
-                with contextlib.suppress(FileNotFoundError):
-                    os.unlink(tmp, dir_fd=folder)
-                raise
-            finally:
-                os.close(fd)
+            self._put_segment(folder, seg, length, fill)
             with self._lock:
                 held = sorted(set(record.held) | {seg})
                 self._update_meta(folder, name, length, held=held)
@@ -510,6 +634,8 @@ class SegmentStore:
                 record = self.datasets.get(name)
                 if record is None or seg not in record.held:
                     return 0
+                if seg in record.disk:
+                    return self._drop_disk_segment(folder, record, seg)
                 seg_fd = os.open("seg", DIR_FLAGS, dir_fd=folder)
                 try:
                     size = os.stat(f"{seg:08d}", dir_fd=seg_fd, follow_symlinks=False).st_size
@@ -524,6 +650,88 @@ class SegmentStore:
                 return size
         finally:
             os.close(folder)
+
+    def _drop_disk_segment(self, folder: int, record: DatasetRecord, seg: int) -> int:
+        """drop_segment of a disk-tier segment. Called under _lock."""
+        assert self.disk_root is not None
+        path = segment_path(self.disk_root / f"{record.name}.{record.uuid}", seg)
+        size = path.stat().st_size
+        path.unlink()
+        held = [k for k in record.held if k != seg]
+        disk = [k for k in record.disk if k != seg]
+        self._update_meta(
+            folder, record.name, 0, held=held, disk=disk, disk_stored=record.disk_stored - size
+        )
+        record.held, record.disk, record.disk_stored = held, disk, record.disk_stored - size
+        self._open.pop(record.name, None)
+        return size
+
+    def promote(self, name: str, seg: int) -> int:
+        """Move disk-tier segment `seg` of `name` into memory: copied into the shm folder
+        (through a mapping, as a heal is), renamed in, then counted in memory and unlinked
+        from disk (a reader finds it in either place, and a map of the disk file stays
+        valid). NoSpace when memory has no room for it; returns the bytes moved (0 when it
+        is not on disk any more)."""
+        record = self.datasets.get(name)
+        if record is None or seg not in record.disk or self.disk_root is None:
+            return 0
+        disk_file = segment_path(self.disk_root / f"{record.name}.{record.uuid}", seg)
+        length = int(disk_file.stat().st_size)
+        reservation = f"promote:{name}:{seg}:{uuid.uuid4().hex[:12]}"
+        self.reserve(reservation, length, what=f"segment {seg} of {name}", evict=False)
+        try:
+            with open(disk_file, "rb") as src:
+
+                def fill(view: memoryview) -> None:
+                    done = 0
+                    while done < len(view):
+                        n = src.readinto(view[done:])
+                        if not n:
+                            raise DataError(f"segment {seg} of {name} is short on disk")
+                        done += n
+
+                folder = os.open(name, DIR_FLAGS, dir_fd=self._fd["datasets"])
+                with _closing(folder):
+                    self._put_segment(folder, seg, length, fill)
+                    with self._lock:
+                        if self.datasets.get(name) is not record or seg not in record.disk:
+                            # Unloaded, or the segment dropped (a rebalance), meanwhile.
+                            with contextlib.suppress(FileNotFoundError):
+                                os.unlink(f"seg/{seg:08d}", dir_fd=folder)
+                            return 0
+                        disk = [k for k in record.disk if k != seg]
+                        self._update_meta(
+                            folder, name, length, disk=disk, disk_stored=record.disk_stored - length
+                        )
+                        record.disk, record.disk_stored = disk, record.disk_stored - length
+                        record.stored += length
+                        self.reserved.pop(reservation, None)
+                        self._open.pop(name, None)
+                        disk_file.unlink()
+        finally:
+            self.release(reservation)
+        return length
+
+    def _put_segment(
+        self, folder: int, seg: int, length: int, fill: Callable[[memoryview], None]
+    ) -> None:
+        """Write segment `seg` into dataset folder `folder`'s seg/: made beside it, filled
+        by `fill`, renamed in (a reader never sees part of one)."""
+        with contextlib.suppress(FileExistsError):
+            os.mkdir("seg", 0o750, dir_fd=folder)
+        tmp = f".seg-{seg}.{uuid.uuid4().hex[:12]}"
+        flags = os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+        fd = os.open(tmp, flags, FILE_MODE, dir_fd=folder)
+        try:
+            _fill_file(fd, length, fill)
+            with _closing(os.open("seg", DIR_FLAGS, dir_fd=folder)) as seg_fd:
+                os.rename(tmp, f"{seg:08d}", src_dir_fd=folder, dst_dir_fd=seg_fd)
+        except BaseException:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(tmp, dir_fd=folder)
+            raise
+        finally:
+            os.close(fd)
 
     def discard_staging(self, staging: Path) -> None:
         remove_beneath(self._fd["staging"], self._staged_name(staging))
@@ -549,6 +757,14 @@ class SegmentStore:
                 raise NotFound(f"no dataset named {name!r}")
             ds = self._open[name] = open_local(record.path)
         return ds
+
+
+DISK_STAGING = ".staging"  # under the disk tier's root: preloads' disk parts in progress
+
+
+def disk_claim(uuid: str) -> str:
+    """The store's name of a preload's claim on the disk tier (no dataset name has a colon)."""
+    return f"disk:{uuid}"
 
 
 def _exists(name: str, dir_fd: int) -> bool:

@@ -79,6 +79,7 @@ def load_segments(
     staging: Path,
     progress: Progress,
     seg_checksums: dict[int, int] | None = None,
+    disk: tuple[Path, Collection[int]] | None = None,
 ) -> dict[int, int]:
     """Fill staging/seg/ with the held segments; returns {entry: checksum} for the files that
     lie wholly in held segments (the others are checksummed by whoever holds all of them).
@@ -87,7 +88,9 @@ def load_segments(
     ImageNet has thousands of segments) by `source.fill_threads` threads, each taking a
     contiguous run of segments. A file split between two runs gets no checksum here, like one
     split between nodes. When `seg_checksums` is given it receives each segment's checksum,
-    computed while the bytes are hot instead of in a second pass."""
+    computed while the bytes are hot instead of in a second pass. `disk` names another
+    staging folder (the disk tier's) and the held segments that go there instead."""
+    disk_staging, on_disk = (disk[0], frozenset(disk[1])) if disk else (staging, frozenset())
     held_sorted = sorted(set(held))
     todo = layout.files_in(held_sorted)
     progress.files_total = len(todo)
@@ -102,7 +105,7 @@ def load_segments(
             if progress.cancel.is_set():
                 raise KSpeedError("preload cancelled")
             length = int(layout.seg_len[seg])
-            fd = create_segment(staging, seg, length)
+            fd = create_segment(disk_staging if seg in on_disk else staging, seg, length)
             try:
                 with mmap.mmap(fd, length) as m:
                     hashing.start_segment()

@@ -15,6 +15,8 @@ from typing import Any, Literal
 from kspeedfs.format.contract import Request, Wire, at_least, checked, dataset_name
 from kspeedfs.format.contract.pieces import Piece
 
+Tier = Literal["memory", "disk", "auto"]
+
 # The longest a long-polled answer is held back: well inside a client's timeout.
 MAX_WAIT_S = 5.0
 
@@ -35,6 +37,9 @@ class Preload(Request):
     endpoint: str = ""  # object store endpoint of a URL source
     meta: list[str] = dataclasses.field(default_factory=list)  # meta files to index
     decoded: int | None = checked(_size_or_none, default=None)  # decode its images too: N px
+    # Where its segments go: "memory" only; "disk", the disk tier only; "auto", what fits in
+    # memory and the rest on the disk tier (memory only on a node without one).
+    tier: Tier = "auto"
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -62,7 +67,10 @@ class StageClaim(Request):
     OP = "stage_claim"
     name: str = dataset_name()
     uuid: str
-    bytes: int = at_least(0)
+    bytes: int = at_least(0)  # in all: the held segments and the manifest's and meta's share
+    tier: Tier = "memory"
+    segments: list[int] = dataclasses.field(default_factory=list)  # held here, to split
+    lengths: list[int] = dataclasses.field(default_factory=list)  # of each one in `segments`
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

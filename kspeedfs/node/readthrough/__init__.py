@@ -82,7 +82,7 @@ class ReadThroughCache:
         self.spill: SpillArea | None = None
         spill_dir, spill_budget = settings.spill_dir, parse_size(settings.spill)
         if spill_dir is not None:  # with its budget: load_settings checks that they go together
-            self.spill = SpillArea(Path(spill_dir), spill_budget)
+            self.spill = SpillArea(Path(spill_dir), spill_budget, store.disk_used)
         policy = policy or make_policy(settings.eviction)
         self.instances = Instances(store, address, policy)
         self.plans = PlanTable(self.instances, uses_plans=policy.name == "plan")

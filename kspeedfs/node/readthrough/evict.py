@@ -152,7 +152,7 @@ class Evictor:
             if self.spill is None:
                 raise InvalidArgument("--max-disk needs a node with a spill folder (--spill-dir)")
             capped = sum(d.max_disk for d in self.instances.by_name.values() if d.name != name)
-            free = self.spill.budget - capped
+            free = self.spill.room() - capped
             if max_disk > free:
                 raise NoSpace(
                     f"--max-disk {format_size(max_disk)} for {name!r} is more than the "

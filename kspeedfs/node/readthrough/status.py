@@ -50,7 +50,7 @@ def cache_status(
         datasets[record.name] = d
     spill_info: dict[str, Any] | None = None
     if spill is not None:
-        spill_info = {"dir": str(spill.root), "used": spill.used, "budget": spill.budget}
+        spill_info = {"dir": str(spill.root), "used": spill.used, "budget": spill.room()}
     return {
         "datasets": datasets,
         "spill": spill_info,
