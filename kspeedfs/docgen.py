@@ -417,7 +417,7 @@ _DATASET = "DATASET"
 def _node_snapshot() -> dict[str, Any]:
     """A node status with every part present (one dataset, etcd on), so that every family the
     node's collector can export is exported."""
-    from kspeedfs.node.metrics import READTHROUGH
+    from kspeedfs.node.metrics import READTHROUGH, TIERS
 
     return {
         "stats": {"reads": 0, "read_bytes": 0, "connections": 0, "refused": 0},
@@ -426,7 +426,15 @@ def _node_snapshot() -> dict[str, Any]:
         "leases": 0,
         "datasets": {_DATASET: (0, 0, 0)},
         "dataset_leases": {_DATASET: 0},
-        "cache": {_DATASET: {key: 0 for _m, key, _t in READTHROUGH}},
+        "cache": {
+            "datasets": {
+                _DATASET: {
+                    **{key: 0 for _m, key, _t in READTHROUGH},
+                    **{field: 0 for _tier, *fields in TIERS for field in fields},
+                }
+            },
+            "evictions_by_policy": {"stable": 0},
+        },
         "control": {
             "heal": {"segments": 0, "bytes": 0, "failed": 0, "pending": 0, "seconds": 0},
             "live": [],
@@ -503,7 +511,9 @@ def metrics_reference() -> str:
         "The `kspeedfs_heal_*`, `kspeedfs_rebalance_*`, `kspeedfs_members_live` and",
         "`kspeedfs_dataset_under_replicated_segments` families exist with etcd only",
         "([cluster.md](cluster.md)); `kspeedfs_dataset_leases` is counted on each dataset's",
-        "lease home; the `kspeedfs_readthrough_*` counters are per read-through dataset.",
+        "lease home; the `kspeedfs_readthrough_*` counters are per read-through dataset, but for",
+        "`kspeedfs_readthrough_evictions_by_policy` (per node: the `eviction` setting's policy,",
+        "or `preload` for room a preload took; [readthrough.md](readthrough.md)).",
         "",
     ]
     lines += _table(head, _metric_rows(node)) + ["", "## Mount", ""]

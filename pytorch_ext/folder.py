@@ -22,7 +22,7 @@ from .index import (
     build_folder_index,
     extension_check,
 )
-from .prefetch import PrefetchMixin
+from .prefetch import EpochPlan, PrefetchMixin
 
 PathLike = str | os.PathLike[str]
 
@@ -145,6 +145,20 @@ class CachedPath(PrefetchMixin):
     def _entries(self, indices: np.ndarray) -> np.ndarray:
         """Manifest entries of dataset indices (a subclass with its own sample list overrides)."""
         return self._index.entries_of(indices)
+
+    def _plan_announcer(self) -> Callable[[EpochPlan], None] | None:
+        """A read-through dataset's node evicts by the plan (eviction = "plan"): this epoch's
+        order and the next one's, as manifest entries."""
+        ref = weakref.ref(self)
+
+        def announce(plan: EpochPlan) -> None:
+            me = ref()
+            if me is None or not me._reader.handle.readthrough:
+                return
+            orders = (plan.remaining(), plan.next_epoch().remaining())  # a resumed one: from start
+            me._reader.announce_plan([me._entries(np.asarray(o, dtype=np.int64)) for o in orders])
+
+        return announce
 
     def __getitems__(self, indices: Sequence[int]) -> list[Any]:
         """A DataLoader batch: its remote files are read in one request per node (or were

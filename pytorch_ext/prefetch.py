@@ -228,14 +228,22 @@ class PlanFollower(Generic[T]):
     the plan (from the plan's start). A request that is a batch of the plan or of the next
     epoch, but not the one expected (a new pass, persistent workers past set_epoch, a resumed
     epoch whose workers started before the sampler loaded its state), moves the prefetch to
-    that batch and every W-th after it.
+    that batch and every W-th after it. Each plan it starts is also handed to `announce` (on
+    a thread of its own), which tells the node the order its segments will be read in.
     """
 
-    def __init__(self, plan: EpochPlan, batch_size: int, fetch: Callable[[np.ndarray], T]):
+    def __init__(
+        self,
+        plan: EpochPlan,
+        batch_size: int,
+        fetch: Callable[[np.ndarray], T],
+        announce: Callable[[EpochPlan], None] | None = None,
+    ):
         self.given = plan  # the plan set by the sampler; `plan` may run an epoch ahead of it
         self.plan = plan
         self.batch_size = batch_size
         self.fetch = fetch
+        self.announce = announce
         self.pid = os.getpid()
         self.pos = 0
         self.prefetcher: Prefetcher[T] | None = None
@@ -279,6 +287,10 @@ class PlanFollower(Generic[T]):
         self.mine = batches[first::nw]
         self.pos = 0
         self.prefetcher = Prefetcher(self.mine, self.fetch, plan.depth)
+        if self.announce is not None:
+            threading.Thread(
+                target=_announce, args=(self.announce, plan), name="kspeedfs-plan", daemon=True
+            ).start()
 
     def restart(self, plan: EpochPlan) -> None:
         self.given = plan
@@ -319,6 +331,13 @@ class PlanFollower(Generic[T]):
             self.prefetcher.stop()
 
 
+def _announce(announce: Callable[[EpochPlan], None], plan: EpochPlan) -> None:
+    try:
+        announce(plan)
+    except Exception as e:  # a plan only helps the node's eviction: reads go on without it
+        log.debug("could not send the plan to the node: %s", e)
+
+
 class PrefetchMixin:
     """Plan handling shared by the datasets: `set_plan`, `statistics`, `_prefetched`."""
 
@@ -345,10 +364,14 @@ class PrefetchMixin:
             return None
         f = self._follower
         if f is None or f.pid != os.getpid():
-            f = self._follower = PlanFollower(plan, len(indices), fetch)
+            f = self._follower = PlanFollower(plan, len(indices), fetch, self._plan_announcer())
         elif f.given != plan:
             f.restart(plan)
         return f.take(indices)
+
+    def _plan_announcer(self) -> Callable[[EpochPlan], None] | None:
+        """What tells the node a plan (None: nothing to tell; datasets over a cache say it)."""
+        return None
 
     def _weak_fetch(self, method: str) -> Callable[[np.ndarray], Any]:
         """`self.method` for the prefetch thread, without keeping the dataset alive."""

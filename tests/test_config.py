@@ -162,6 +162,7 @@ BAD = {
     "spill_dir": "relative/spill",
     "spill": "-1",
     "source_check_interval": "-inf",
+    "eviction": "fifo",
     "group": "a\tb",
     "access": "closed",
     "source_roots": "/data,relative",

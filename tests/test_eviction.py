@@ -1,4 +1,6 @@
-"""One memory budget: read-through data evicted LRU (to a spill folder when set), pinned data kept."""
+"""One memory budget: read-through data evicted LRU (to a spill folder when set), pinned data
+kept. The nodes here run `--eviction lru`: tests/test_eviction_policies.py compares the
+policies."""
 
 from __future__ import annotations
 
@@ -26,12 +28,15 @@ PAGE = 4096
 
 @pytest.fixture
 def make_node(token_file: Path, tmp_path: Path) -> Iterator[type[NodeProcess]]:
-    """Start nodes with a 6 MiB budget (and extra flags); all stopped and cleaned afterwards."""
+    """Start nodes with a 6 MiB budget, LRU (and extra flags); all stopped and cleaned
+    afterwards."""
     made: list[NodeProcess] = []
 
     def start(*extra: str) -> NodeProcess:
         shm = Path("/dev/shm") / f"kspeedfs-test-{uuid.uuid4().hex[:10]}"
-        n = NodeProcess(shm, token_file, tmp_path, memory=str(BUDGET), extra=extra)
+        n = NodeProcess(
+            shm, token_file, tmp_path, memory=str(BUDGET), extra=("--eviction", "lru", *extra)
+        )
         made.append(n)
         return n.start()
 

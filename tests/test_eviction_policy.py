@@ -1,13 +1,23 @@
-"""The store-wide eviction policy on its own: least recently used, exactly as the node has
+"""The store-wide eviction policies on their own: least recently used, exactly as the node has
 always evicted (a segment joins as the newest, a read makes it the newest again, a segment
-that becomes resident again keeps its place, a victim leaves the policy)."""
+that becomes resident again keeps its place, a victim leaves the policy); stable, which
+never evicts a dataset for itself; the plan's choice against the uses it counts."""
 
 from __future__ import annotations
 
+from collections import deque
+
+import numpy as np
 from hypothesis import given
 from hypothesis import strategies as st
 
-from kspeedfs.node.readthrough.policy import Key, LeastRecentlyUsed
+from kspeedfs.node.readthrough.policy import (
+    Key,
+    LeastRecentlyUsed,
+    PlannedUses,
+    ReadersPlan,
+    StableResidentSet,
+)
 
 KEYS = st.tuples(st.sampled_from(["a", "b"]), st.integers(0, 5))
 STEPS = st.lists(
@@ -47,3 +57,76 @@ def test_any_sequence_evicts_in_the_order_of_a_plain_list(steps: list[tuple[str,
         assert len(policy) == len(order)
     assert [policy.victim() for _ in order] == order
     assert policy.victim() is None
+
+
+def test_stable_never_evicts_a_dataset_for_itself() -> None:
+    policy = StableResidentSet()
+    for key in [("a", 0), ("b", 0), ("a", 1), ("b", 1)]:
+        policy.admitted(key)
+    assert policy.victim(("a", 5), others=[]) is None  # a full share: the miss is not kept
+    assert policy.victim(("a", 5), others=["a"]) is None  # not even when offered itself
+    assert policy.victim(("a", 5), others=["b"]) == ("b", 0)  # the oldest of another
+    assert policy.victim(None, others=["a", "b"]) == ("a", 0)  # a preload's room: any, oldest
+
+
+@given(
+    st.lists(st.integers(0, 7), min_size=1, max_size=80),
+    st.lists(st.integers(0, 7), min_size=1, max_size=8, unique=True),
+    st.integers(0, 7),
+    st.integers(0, 80),
+    st.integers(0, 2),
+)
+def test_the_plan_evicts_only_a_segment_with_fewer_uses_ahead(
+    uses: list[int], resident: list[int], incoming: int, at: int, margin: int
+) -> None:
+    """Whatever the plan and where the readers are: a victim of the miss's own dataset has
+    fewer uses in the horizon than the miss (less the one being read), by more than the margin, and none of the
+    residents that stay has fewer; no victim means none had."""
+    policy = PlannedUses()
+    for seg in resident:
+        policy.admitted(("a", seg))
+    policy.planned("a", np.array(uses, dtype=np.int64), margin=margin)
+    plan = policy.plans["a"]
+    plan.cursor = min(at, len(uses) - 1)
+    ahead = {seg: plan.uses_ahead(seg) for seg in {*resident, incoming}}
+    victim = policy.victim(("a", incoming), others=[])
+    need = max(0, ahead[incoming] - 1) - margin  # its own use, being read, not counted
+    if victim is None:
+        assert all(ahead[seg] >= need for seg in resident if seg != incoming)
+    else:
+        assert victim[0] == "a" and victim[1] in resident
+        assert ahead[victim[1]] < need
+        assert all(ahead[victim[1]] <= ahead[seg] for seg in resident)
+        assert len(policy) == len(resident) - 1
+
+
+def test_the_readers_cursor_follows_their_misses_and_ignores_reads_off_the_plan() -> None:
+    plan = ReadersPlan(np.array([3, 1, 2, 0, 0, 3], dtype=np.int64), window=2)
+    plan.MATCHES = 1  # the median of one match: each match ahead moves the cursor
+    plan._matches = deque(maxlen=1)
+    plan.observe(1)
+    assert plan.cursor == 1 and plan.uses_ahead(2) == 1 and plan.uses_ahead(3) == 0
+    plan.observe(9)  # not in the plan
+    plan.observe(3)  # its use nearest the cursor is behind it: a lagging reader
+    assert plan.cursor == 1
+    plan.observe(2)
+    assert plan.cursor == 2 and plan.uses_ahead(2) == 0 and plan.uses_ahead(0) == 2
+
+
+@given(st.integers(0, 2**32 - 1), st.sampled_from([0, 64, 128]))
+def test_the_cursor_stays_near_the_readers_on_repeated_draws(seed: int, lag: int) -> None:
+    """Two readers `lag` uses apart, each use a miss half of the time, over a plan of draws
+    with replacement (segments used several times at random places): the cursor never gets
+    ahead of the front reader by more than a few uses, nor behind the lagging one."""
+    rng = np.random.default_rng(seed)
+    n = 600
+    uses = rng.integers(0, n, 2 * n)
+    plan = ReadersPlan(uses, window=128)
+    behind = []
+    for t in range(n):
+        for pos in (t, t - lag):
+            if pos >= 0 and rng.random() < 0.5:
+                plan.observe(int(uses[pos]))
+        assert plan.cursor <= t + 16
+        behind.append(t - plan.cursor)
+    assert np.mean(behind) <= lag + 32  # between the two readers, on the whole

@@ -8,6 +8,7 @@ from pathlib import Path
 from kspeedfs.cli.settings import settings_from
 from kspeedfs.client import admin
 from kspeedfs.format.errors import InvalidArgument
+from kspeedfs.format.units import parse_size
 
 
 def cmd_mount(args: argparse.Namespace) -> int:
@@ -23,10 +24,15 @@ def cmd_mount(args: argparse.Namespace) -> int:
 
         check_mountpoint(args.mountpoint)  # before anything is created on the node
         dataset = admin.register_source(
-            settings, args.source, args.endpoint or "", args.name or args.dataset
+            settings,
+            args.source,
+            args.endpoint or "",
+            args.name or args.dataset,
+            max_memory=parse_size(args.max_memory) if args.max_memory else 0,
+            max_disk=parse_size(args.max_disk) if args.max_disk else 0,
         )
-    elif args.endpoint or args.name:
-        raise InvalidArgument("--endpoint and --name go with --source")
+    elif args.endpoint or args.name or args.max_memory or args.max_disk:
+        raise InvalidArgument("--endpoint, --name, --max-memory and --max-disk go with --source")
     run_mount(
         args.mountpoint,
         settings,

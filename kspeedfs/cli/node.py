@@ -27,6 +27,7 @@ def cmd_node(args: argparse.Namespace) -> int:
         verify_on_start=False if args.no_verify else None,
         spill_dir=args.spill_dir,
         spill=args.spill,
+        eviction=args.eviction,
         metrics_listen=args.metrics_listen,
     )
     logging.getLogger().setLevel(logging.DEBUG if args.verbose else settings.log_level)

@@ -42,6 +42,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-verify", action="store_true", help="skip checksums of datasets at start")
     p.add_argument("--spill-dir", help="disk folder for read-through segments evicted from memory")
     p.add_argument("--spill", help="spill budget, e.g. 512GiB (with --spill-dir)")
+    p.add_argument(
+        "--eviction",
+        help="read-through eviction: stable (default), plan (the samplers' order) or lru",
+    )
 
     p.add_argument("--metrics-listen", help="HOST:PORT for Prometheus /metrics (default: off)")
 
@@ -116,6 +120,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--source", help="read-through: serve this folder or s3:// URL, cached as read")
     p.add_argument("--endpoint", help="object store endpoint URL of an s3:// --source")
     p.add_argument("--name", help="dataset name for --source (default: from the source)")
+    p.add_argument(
+        "--max-memory", help="with --source: the most memory the dataset takes, e.g. 16GiB"
+    )
+    p.add_argument(
+        "--max-disk", help="with --source: the most of the spill folder it takes, e.g. 64GiB"
+    )
     p.add_argument("-f", "--foreground", action="store_true", help="do not go to the background")
     p.add_argument("-o", dest="options", default="", help="FUSE options: allow_other,...")
     p.add_argument("--log-file", help="where the background mount logs")

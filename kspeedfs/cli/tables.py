@@ -22,7 +22,9 @@ def cache_table(nodes: list[dict[str, Any]]) -> list[tuple[str, ...]]:
             "HITS",
             "MISSES",
             "EVICTIONS",
-            "SOURCE READS",
+            "NOT KEPT",
+            "SOURCE BYTES",
+            "CAP",
             "STATE",
         ),
     ]
@@ -45,11 +47,21 @@ def cache_table(nodes: list[dict[str, Any]]) -> list[tuple[str, ...]]:
                     "-" if pinned else str(d["hits"]),
                     "-" if pinned else str(d["misses"]),
                     "-" if pinned else str(d["evictions"]),
-                    "-" if pinned else str(d["source_reads"]),
+                    "-" if pinned else str(d.get("bypassed", 0)),
+                    "-" if pinned else format_size(d["source_bytes"]),
+                    "-" if pinned else _caps(d),
                     state,
                 )
             )
     return rows if len(rows) > 1 else []
+
+
+def _caps(d: dict[str, Any]) -> str:
+    """A dataset's caps: memory / spill ("-" for none)."""
+    memory, disk = d.get("max_memory", 0), d.get("max_disk", 0)
+    if not memory and not disk:
+        return "-"
+    return " / ".join(format_size(n) if n else "-" for n in (memory, disk))
 
 
 def decoded_table(nodes: list[dict[str, Any]]) -> list[tuple[str, ...]]:
@@ -74,8 +86,14 @@ def decoded_table(nodes: list[dict[str, Any]]) -> list[tuple[str, ...]]:
 
 
 def spill_lines(nodes: list[dict[str, Any]]) -> list[str]:
+    """Each node's eviction policy and evictions by policy, and its spill folder's use."""
     out = []
     for s in nodes:
+        cache = s.get("cache") if s.get("up") else None
+        if cache and cache.get("policy"):
+            by = cache.get("evictions_by_policy") or {}
+            counts = ", ".join(f"{p} {n}" for p, n in sorted(by.items())) or "none"
+            out.append(f"eviction on {s['node']}: {cache['policy']}; evictions: {counts}")
         spill = (s.get("cache") or {}).get("spill") if s.get("up") else None
         if spill:
             out.append(

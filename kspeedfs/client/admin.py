@@ -204,12 +204,21 @@ def preload_partial(
 
 
 def register_source(
-    settings: Settings, source: str, endpoint: str = "", name: str | None = None
+    settings: Settings,
+    source: str,
+    endpoint: str = "",
+    name: str | None = None,
+    max_memory: int = 0,
+    max_disk: int = 0,
 ) -> str:
-    """Make (or find) the read-through dataset of a source on the node; returns its name."""
+    """Make (or find) the read-through dataset of a source on the node, with its caps in
+    memory and on the spill folder when it is created (0: none); returns its name."""
     source = normalize_source(source)
     name = validate_name(name) if name else validate_name(name_from_source(source))
+    request = RegisterSource(
+        name=name, source=source, endpoint=endpoint, max_memory=max_memory, max_disk=max_disk
+    )
     with connect(settings) as client:
-        reply = client.call(RegisterSource(name=name, source=source, endpoint=endpoint))
+        reply = client.call(request)
         wait_ready(client, name, what=f"listing {source}", first=reply)
     return name

@@ -8,12 +8,18 @@ import threading
 from collections.abc import Sequence
 from typing import Any
 
+import numpy as np
+import xxhash
+
 from kspeedfs.client.handle import DatasetHandle
 from kspeedfs.client.reader import ClusterReader, local_node_for
 from kspeedfs.format.config import Settings
+from kspeedfs.format.contract.readthrough import Plan
 from kspeedfs.format.errors import DataError, InvalidArgument
 from kspeedfs.format.localdata import LocalDataset
 from kspeedfs.format.manifest import Manifest
+
+PLAN_CHUNK = 65536  # segment uses per `plan` request: well inside a frame
 
 
 @dataclasses.dataclass(frozen=True)
@@ -153,6 +159,39 @@ class Reader:
             out[e] = buf[pos : pos + n]
             pos += n
         return out
+
+    def announce_plan(self, epochs: Sequence[np.ndarray]) -> None:
+        """Tell the nodes that fill this read-through dataset the order its files will be
+        read in, an array of manifest entries per epoch (this one and the next), as segment
+        uses, in chunks; the same plan from another reader of the sampler has the same name
+        and is taken once."""
+        runs = [self._segment_uses(entries) for entries in epochs]
+        segments = np.concatenate(runs) if runs else np.zeros(0, dtype=np.int64)
+        if len(segments) == 0:
+            return
+        name = xxhash.xxh3_64_hexdigest(segments.tobytes())
+        h = self.handle
+        nodes = h.members if h.members else [self.local_node] if self.local_node else []
+        for node in nodes:
+            for start in range(0, len(segments), PLAN_CHUNK):
+                request = Plan(
+                    name=h.name,
+                    uuid=h.uuid,
+                    plan=name,
+                    segments=segments[start : start + PLAN_CHUNK].tolist(),
+                    total=len(segments),
+                    start=start,
+                    horizon=len(runs[0]),
+                )
+                if not self.cluster.call(node, request).get("used", False):
+                    break  # this node's policy does not use plans
+
+    def _segment_uses(self, entries: np.ndarray) -> np.ndarray:
+        """The segments files `entries` start in, a run of files in one segment once."""
+        starts = self.manifest.data[entries].astype(np.int64) // self._seg_size
+        keep = np.ones(len(starts), dtype=bool)
+        keep[1:] = starts[1:] != starts[:-1]
+        return starts[keep]
 
     def gather(self, requests: Sequence[tuple[int, int, int]], out: memoryview) -> None:
         """Fill `out` with bytes [offset, offset+length) of each (entry, offset, length), back to

@@ -260,7 +260,7 @@ class ClusterReader:
                 file_off += n
                 if self._copy_local(ds, piece, out):
                     continue
-                node = self._next_owner(ds, seg, set())
+                node = self._next_owner(ds, seg, set(), n)
                 if node is None:
                     from_source.append(piece)
                 else:
@@ -283,7 +283,7 @@ class ClusterReader:
                     failed.add(node)
                     for p in pieces:
                         self._filled.pop((ds.uuid, p.seg), None)  # evicted there, maybe
-                        nxt = self._next_owner(ds, p.seg, failed)
+                        nxt = self._next_owner(ds, p.seg, failed, p.n)
                         (retry.setdefault(nxt, []) if nxt else from_source).append(p)
             by_node = retry
         for p in from_source:
@@ -299,7 +299,7 @@ class ClusterReader:
             ds.readthrough
             and self.local_node is not None
             and self._fill_owner(ds, p.seg, set()) == self.local_node
-            and self._fill(ds, self.local_node, p.seg)
+            and self._fill(ds, self.local_node, p.seg, p.n)
             and local.holds(p.seg)
         ):
             return False
@@ -312,7 +312,9 @@ class ClusterReader:
         self.stats["local_bytes"] += p.n
         return True
 
-    def _next_owner(self, ds: DatasetHandle, seg: int, failed: set[str]) -> str | None:
+    def _next_owner(
+        self, ds: DatasetHandle, seg: int, failed: set[str], nbytes: int = 0
+    ) -> str | None:
         """The best owner of a segment that is up and not tried yet (never this node: its copy
         is the local map)."""
         if ds.readthrough:
@@ -321,7 +323,7 @@ class ClusterReader:
             tried = set(failed)
             while (owner := self._fill_owner(ds, seg, tried)) not in (None, self.local_node):
                 assert owner is not None
-                if self._fill(ds, owner, seg):
+                if self._fill(ds, owner, seg, nbytes):
                     return owner
                 if not self.is_down(owner):
                     return None  # it answered but cannot fill: the source, now
@@ -338,17 +340,22 @@ class ClusterReader:
         owners = ds.owners(seg) if ds.members else [self.local_node] if self.local_node else []
         return next((o for o in owners if o not in failed and not self.is_down(o)), None)
 
-    def _fill(self, ds: DatasetHandle, owner: str, seg: int) -> bool:
-        """Ask `owner` to cache a read-through segment; False: read the source now."""
+    def _fill(self, ds: DatasetHandle, owner: str, seg: int, nbytes: int = 0) -> bool:
+        """Ask `owner` to cache a read-through segment; False: read the source now (`nbytes`
+        of it, which the owner counts when it does not keep the segment)."""
         if self._filled.get((ds.uuid, seg)) == owner:
             return True
+        request = FillSegment(name=ds.name, uuid=ds.uuid, segment=seg, length=nbytes)
         try:
-            reply = self.call(owner, FillSegment(name=ds.name, uuid=ds.uuid, segment=seg))
+            reply = self.call(owner, request)
         except NodeUnreachable as e:
             self.mark_down(owner, str(e))
             return False
         except KSpeedError as e:
             _degraded(ds, str(e))
+            return False
+        if reply.get("state") == "source":
+            self.stats["not_kept"] += 1  # the owner's policy keeps what it has: not degraded
             return False
         if reply.get("state") != "cached":
             _degraded(ds, str(reply.get("error") or f"segment {seg} is still being filled"))

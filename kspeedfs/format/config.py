@@ -75,6 +75,9 @@ class Settings:
             disk tier of preloads (tiers.md) ("": none).
         spill: the spill folder's budget, the disk tier's and the spill's together.
         source_check_interval: seconds between checks of sources for changes (0: off).
+        eviction: which read-through segment leaves memory: `stable` (a dataset keeps what it
+            admitted; a miss over its share is read from the source, not kept), `plan` (the
+            segment the readers' plan uses last, where a sampler sent one) or `lru`.
     Decoded variants (decoded.md):
         decode_workers: processes a variant's fill decodes with (0: one per CPU); fewer
             leaves CPUs to the training jobs on the node.
@@ -117,6 +120,7 @@ class Settings:
     spill_dir: Path | None = None
     spill: str = "0"
     source_check_interval: float = 300.0  # seconds between checks of sources for changes; 0: off
+    eviction: str = "stable"  # "stable", "plan" or "lru" (node/readthrough/policy.py)
     # Who may read what (docs/security.md): the group that may map segments directly ("" =
     # the node's own group), the mount's permissions ("source": the source's modes and owners,
     # checked by the kernel; "open": everyone on the machine), the folders a job token may

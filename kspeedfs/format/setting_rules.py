@@ -218,6 +218,8 @@ def _to_memory(v: Any) -> str:
     return s
 
 
+EVICTION_POLICIES = ("stable", "plan", "lru")  # node/readthrough/policy.py
+
 RULES: dict[str, Callable[[Any], Any]] = {
     "listen": lambda v: _to_address(v, min_port=0),
     "nodes": _to_nodes,
@@ -238,6 +240,7 @@ RULES: dict[str, Callable[[Any], Any]] = {
     "spill_dir": lambda v: _to_optional_path(v, absolute=True),
     "spill": lambda v: str(_to_size(v)),
     "source_check_interval": _to_float,
+    "eviction": lambda v: _to_choice(v, EVICTION_POLICIES),
     "group": _text,
     "access": lambda v: _to_choice(v, ("source", "open")),
     "source_roots": _to_paths,

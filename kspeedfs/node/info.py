@@ -150,7 +150,7 @@ class NodeInfo:
                 for r in list(n.store.datasets.values())
             },
             "control": n.control.status() if n.control is not None else None,
-            "cache": n.cache.status()["datasets"],  # read-through: hits, fills, evictions
+            "cache": n.cache.status(),  # read-through: hits, fills, evictions by policy
             "dataset_leases": {name: n.leases.count(name) for name in list(n.store.datasets)},
         }
 

@@ -144,17 +144,50 @@ READTHROUGH = (
     ("kspeedfs_readthrough_fills_spill", "fills_spill", "segments filled from the spill folder"),
     ("kspeedfs_readthrough_evictions", "evictions", "segments evicted from memory"),
     ("kspeedfs_readthrough_spilled", "spilled", "segments written to the spill folder"),
-    ("kspeedfs_readthrough_source_bytes", "source_bytes", "bytes read from the source"),
+    (
+        "kspeedfs_readthrough_source_bytes",
+        "source_bytes",
+        "bytes read from the source (fills, and misses not kept that readers read)",
+    ),
+    (
+        "kspeedfs_readthrough_bypassed",
+        "bypassed",
+        "misses not kept by the eviction policy: read from the source by the reader",
+    ),
 )
+# Hits and misses by tier: (tier, the hits field, the misses field).
+TIERS = (("memory", "memory_hits", "memory_misses"), ("spill", "spill_hits", "spill_misses"))
 
 
-def _readthrough(datasets: dict[str, Any]) -> Iterator[CounterMetricFamily]:
+def _readthrough(cache: dict[str, Any]) -> Iterator[CounterMetricFamily]:
+    datasets: dict[str, Any] = cache.get("datasets") or {}
     for metric, key, text in READTHROUGH:
         family = CounterMetricFamily(metric, text, labels=["dataset"])
         for name, d in sorted(datasets.items()):
             if key in d:
                 family.add_metric([name], d[key])
         yield family
+    for kind in ("hits", "misses"):
+        family = CounterMetricFamily(
+            f"kspeedfs_readthrough_tier_{kind}",
+            f"segment requests by tier: {kind} (memory: reads through maps and fills; spill: "
+            "fills it served or not)",
+            labels=["dataset", "tier"],
+        )
+        for name, d in sorted(datasets.items()):
+            for tier, hits, misses in TIERS:
+                field = hits if kind == "hits" else misses
+                if field in d:
+                    family.add_metric([name, tier], d[field])
+        yield family
+    evictions = CounterMetricFamily(
+        "kspeedfs_readthrough_evictions_by_policy",
+        "read-through segments evicted, by the policy that chose them (preload: room for one)",
+        labels=["policy"],
+    )
+    for policy, n in sorted((cache.get("evictions_by_policy") or {}).items()):
+        evictions.add_metric([policy], n)
+    yield evictions
 
 
 def serve_metrics(

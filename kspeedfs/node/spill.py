@@ -96,15 +96,18 @@ class SpillArea:
             if (key, seg) in self._entries:
                 self._entries.move_to_end((key, seg))
 
-    def put(self, key: str, seg: int, src: Path) -> bool:
-        """Copy a segment file in, dropping the least recently used ones to make room.
-        False when it cannot be kept (bigger than the budget, disk full)."""
+    def put(self, key: str, seg: int, src: Path, cap: int = 0) -> bool:
+        """Copy a segment file in, dropping the least recently used ones to make room (only
+        the dataset's own past its `cap` of bytes here; 0: none). False when it cannot be
+        kept (bigger than the budget or the cap, disk full)."""
         size = src.stat().st_size
         with self._lock:
             if (key, seg) in self._entries or (key, seg) in self._pending:
                 return True
-            if size > self.room():
+            if size > self.room() or (cap and size > cap):
                 return False
+            if cap:
+                self._make_room_in(key, cap - size)
             self._make_room(size)
             self.used += size
             self._pending.add((key, seg))
@@ -132,6 +135,14 @@ class SpillArea:
             key, seg = next(iter(self._entries))
             self.used -= self._remove_entry(key, seg) or 0
             self.path(key, seg).unlink(missing_ok=True)
+
+    def _make_room_in(self, key: str, keep: int) -> None:
+        """Drop the oldest entries of `key` until it holds at most `keep` bytes (lock held)."""
+        for k, seg in [e for e in self._entries if e[0] == key]:
+            if self._bytes[key] <= keep:
+                return
+            self.used -= self._remove_entry(k, seg) or 0
+            self.path(k, seg).unlink(missing_ok=True)
 
     def copy_out(self, key: str, seg: int, dest: Path) -> None:
         """Copy a spilled segment to dest (raises OSError when it is gone or unreadable)."""

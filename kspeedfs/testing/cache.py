@@ -25,7 +25,13 @@ class LocalCache:
     children's environment and the config file is an empty one in the work folder.
     """
 
-    def __init__(self, workdir: Path, memory: int, segment_size: str = "64MiB"):
+    def __init__(
+        self,
+        workdir: Path,
+        memory: int,
+        segment_size: str = "64MiB",
+        extra: tuple[str, ...] = (),
+    ):
         self.workdir = workdir
         self.token_file = workdir / "token"
         self.config_file = workdir / "empty.toml"
@@ -35,6 +41,7 @@ class LocalCache:
             workdir,
             memory=str(memory),
             segment_size=segment_size,
+            extra=extra,  # more flags of `kspeedfs node`
             base_env=private_env(self.config_file),
             own_session=True,
             client_timeout=30.0,

@@ -1,5 +1,6 @@
 """The read-through cache's ops (kspeedfs.node.readthrough): registering a source, filling
-the segments readers miss, reads reported by readers, and refreshing from the source."""
+the segments readers miss, reads reported by readers, the readers' plan, and refreshing from
+the source."""
 
 from __future__ import annotations
 
@@ -18,6 +19,10 @@ class RegisterSource(Request):
     source: str
     name: str = dataset_name()
     endpoint: str = ""
+    # Bytes the dataset may take in memory and on the spill folder (0: no cap); set when the
+    # dataset is created, refused when larger than what the node has free.
+    max_memory: int = at_least(0, default=0)
+    max_disk: int = at_least(0, default=0)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -37,13 +42,15 @@ class FillSegment(Request):
     name: str = dataset_name()
     segment: int = at_least(0)
     uuid: str = ""
+    length: int = at_least(0, default=0)  # bytes the reader reads from the source if not kept
 
 
 @dataclasses.dataclass(frozen=True)
 class Filled(Wire):
-    """ "cached": resident now; "filling": not yet, ask again; "failed": read it yourself."""
+    """ "cached": resident now; "filling": not yet, ask again; "failed": read it yourself;
+    "source": not kept (the dataset's share is full): read it from the source, verified."""
 
-    state: Literal["cached", "filling", "failed"]
+    state: Literal["cached", "filling", "failed", "source"]
     error: str = ""
 
 
@@ -62,6 +69,28 @@ class Touch(Request):
 @dataclasses.dataclass(frozen=True)
 class Touched(Wire):
     known: bool  # False: the node no longer has this instance
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan(Request):
+    """Part of the readers' upcoming segment order of instance `uuid` of `name`: `segments`
+    go at position `start` of a plan of `total` uses that `plan` names (the readers of one
+    sampler send the same plan; the node takes it once it is whole)."""
+
+    OP = "plan"
+    plan: str
+    name: str = dataset_name()
+    segments: list[int] = at_least(0)
+    total: int = at_least(0)
+    start: int = at_least(0, default=0)
+    uuid: str = ""
+    horizon: int = at_least(0, default=0)  # uses in one epoch of it (0: half the plan)
+
+
+@dataclasses.dataclass(frozen=True)
+class Planned(Wire):
+    used: bool  # False: the node's policy does not use plans (eviction is not "plan")
+    complete: bool = False  # the plan is whole on the node
 
 
 @dataclasses.dataclass(frozen=True)

@@ -7,10 +7,12 @@ node to `fill` the segment: the node reads it once (concurrent misses wait for t
 from the spill folder or the source, writes it under a temporary name and renames it into the
 dataset's seg/ folder, where every local reader maps it.
 
-Memory is one budget for all datasets. Preloaded (offline) and leased datasets are pinned; when
-the budget is reached, read-through segments are evicted in the eviction policy's order (least
-recently used first): copied to the spill folder when there is one, then unlinked (mapped pages
-stay valid; readers drop their maps when the eviction counter moves). The node also checks
+Memory is one budget for all datasets. Preloaded (offline) and leased datasets are pinned; a
+dataset may have a cap of its own. When the budget or a cap is reached, the eviction policy
+(the setting `eviction`) picks a read-through segment to evict, or keeps what is there and
+lets the reader read the miss from the source. An evicted segment is copied to the spill
+folder when there is one, then unlinked (mapped pages stay valid; readers drop their maps
+when the eviction counter moves). The node also checks
 sources for changes: a changed dataset is served as it was cached and shown stale until
 `kspeedfs refresh NAME`.
 
@@ -19,8 +21,9 @@ the source claims the name in the catalog, places the segments over the live mem
 ask each segment's owner to fill it), and every member adopts the manifest with no segment.
 
 One module a job: `register` (listing a source, etcd claims, adoption), `fill` (misses),
-`evict` (the budget) with `policy` (the order), `watch` (source checks, refresh, pruning),
-`build` (staging an instance), `dataset` (the instances), `status`. `ReadThroughCache` only
+`evict` (the budget and the caps) with `policy` (the order) and `plans` (the readers' plans
+it follows), `watch` (source checks, refresh, pruning), `build` (staging an instance),
+`dataset` (the instances), `status`. `ReadThroughCache` only
 composes them, registers their ops and runs their tasks.
 """
 
@@ -35,6 +38,7 @@ import trio
 from kspeedfs.format.config import Settings
 from kspeedfs.format.contract.readthrough import (
     FillSegment,
+    Plan,
     Refresh,
     RegisterSource,
     Touch,
@@ -49,7 +53,8 @@ from kspeedfs.node.readthrough.catalog import ClusterCatalog
 from kspeedfs.node.readthrough.dataset import CachedDataset, Instances, open_instance
 from kspeedfs.node.readthrough.evict import Evictor
 from kspeedfs.node.readthrough.fill import Filler
-from kspeedfs.node.readthrough.policy import EvictionPolicy, LeastRecentlyUsed
+from kspeedfs.node.readthrough.plans import PlanTable
+from kspeedfs.node.readthrough.policy import EvictionPolicy, make_policy
 from kspeedfs.node.readthrough.register import Registrar
 from kspeedfs.node.readthrough.status import cache_status
 from kspeedfs.node.readthrough.watch import SourceWatch
@@ -78,13 +83,17 @@ class ReadThroughCache:
         spill_dir, spill_budget = settings.spill_dir, parse_size(settings.spill)
         if spill_dir is not None:  # with its budget: load_settings checks that they go together
             self.spill = SpillArea(Path(spill_dir), spill_budget, store.disk_used)
-        self.instances = Instances(store, address, policy or LeastRecentlyUsed())
+        policy = policy or make_policy(settings.eviction)
+        self.instances = Instances(store, address, policy)
+        self.plans = PlanTable(self.instances, uses_plans=policy.name == "plan")
         self.evictor = Evictor(store, self.instances, self.spill)
         builder = InstanceBuilder(store, settings.segment_size, address, self.spill)
         self.filler = Filler(
             store, self.instances, self.evictor, self.spill, max(1.0, settings.timeout / 2)
         )
-        self.registrar = Registrar(store, self.instances, builder, loads, address)
+        self.registrar = Registrar(
+            store, self.instances, builder, loads, address, self.evictor.check_cap
+        )
         self.watch = SourceWatch(
             store, self.instances, builder, self.spill, settings.source_check_interval
         )
@@ -110,6 +119,7 @@ class ReadThroughCache:
         ops.add(Refresh, self.watch.op_refresh, ADMIN)
         ops.add(FillSegment, self.filler.op_fill, JOB)
         ops.add(Touch, self.evictor.op_touch, JOB)
+        ops.add(Plan, self.plans.op_plan, JOB)
 
     def recover(self) -> None:
         """Pick up the read-through datasets the store found; their segments are what is here,
@@ -134,7 +144,7 @@ class ReadThroughCache:
         over = self.store.used() - self.store.budget
         if over > 0:
             log.warning("%s over the memory budget after restart: evicting", format_size(over))
-            self.evictor.reclaim(over)
+            self.evictor.reclaim_over_budget(over)
 
     async def run(self, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         """Fills and listings that ops start, pruning, periodic checks of the sources."""

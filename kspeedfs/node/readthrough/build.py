@@ -49,11 +49,14 @@ class InstanceBuilder:
         old: CachedDataset | None,
         uid: str = "",
         members: list[str] | None = None,
+        caps: dict[str, int] | None = None,
     ) -> tuple[Path, dict[str, Any], dict[int, int]]:
         """A staging folder for a new instance (`uid`, placed over `members`: this node alone
         by default) and its record; with `old`, its segments whose contents are unchanged are
-        carried over (hard links: no copy, no memory). Returns the carried segments too,
-        old -> new."""
+        carried over (hard links: no copy, no memory), and its caps. Returns the carried
+        segments too, old -> new."""
+        if caps is None:
+            caps = {"max_memory": old.max_memory, "max_disk": old.max_disk} if old else {}
         segment_size = self.segment_size
         offsets, seg_len = plan_layout(tree, segment_size)
         header = {
@@ -67,6 +70,8 @@ class InstanceBuilder:
             "replicas": 1,
             "readthrough": True,
             "digest": tree_digest(tree),
+            # In the manifest: members that adopt it and the instances a refresh makes keep them.
+            **{k: v for k, v in caps.items() if v},
         }
         staging = self.store.new_staging(name)
         carried: dict[int, int] = {}

@@ -58,6 +58,21 @@ class CachedDataset:
     def spill_key(self) -> str:
         return SpillArea.key(self.name, self.uuid)
 
+    @property
+    def max_memory(self) -> int:
+        """Bytes of segments it may hold in memory (0: no cap; set when it was registered)."""
+        return int(self.manifest.header.get("max_memory") or 0)
+
+    @property
+    def max_disk(self) -> int:
+        """Bytes it may hold on the spill folder (0: no cap)."""
+        return int(self.manifest.header.get("max_disk") or 0)
+
+    @property
+    def segment_bytes(self) -> int:
+        """Bytes of its segments in memory (what its cap counts)."""
+        return self.record.stored - self.base_bytes
+
     def seg_len(self, seg: int) -> int:
         return int(self.manifest.seg_len[seg])
 
@@ -125,6 +140,7 @@ class Instances:
         self.changed: dict[str, tuple[str, int]] = {}  # name -> (uuid, files changed at source)
         self.busy: set[str] = set()  # names being listed or refreshed here (not converged)
         self.stats: Counter[str] = Counter()  # node-wide: evictions, source reads and bytes
+        self.evictions_by: Counter[str] = Counter()  # by the policy that chose them, "preload"
 
     def find(self, name: str, uuid: str = "") -> CachedDataset:
         """The current instance of `name` (and of `uuid` when given), else NotFound."""
@@ -154,6 +170,7 @@ class Instances:
             del self.by_name[ds.name]
         for seg in ds.resident:
             self.policy.forgotten((ds.name, seg))
+        self.policy.dropped_plan(ds.name)
 
     def mark_changed(self, ds: CachedDataset) -> None:
         """A fill found the source changed: shown stale until the next check counts it."""

@@ -1,6 +1,13 @@
 """Making room in the store's one memory budget: read-through segments leave in the order the
-eviction policy gives, spilled to disk first when the node has a spill folder. The reads that
-order them come here too (fills, mounts' `touch` reports, other nodes' reads)."""
+eviction policy gives, spilled to disk first when the node has a spill folder.
+
+The evictor decides which datasets a miss may take from; the policy picks the segment. A
+dataset with a cap (`max_memory`) never holds more: past it, only its own segments make room.
+A capped dataset's segments are its share: no other dataset's miss, and no preload, takes
+them. Under a policy with fair shares (`stable`, `plan`), a miss takes from another uncapped
+dataset only when that one holds more than the miss's own dataset. When the policy finds no
+victim, the miss is not kept (`NotAdmitted`): the reader reads the source. The reads that
+order evictions come here too (fills, mounts' `touch` reports, other nodes' reads)."""
 
 from __future__ import annotations
 
@@ -10,7 +17,7 @@ import logging
 import trio
 
 from kspeedfs.format.contract.readthrough import Touch, Touched
-from kspeedfs.format.errors import NoSpace, NotFound
+from kspeedfs.format.errors import InvalidArgument, NoSpace, NotFound
 from kspeedfs.format.localdata import segment_path
 from kspeedfs.format.units import format_size
 from kspeedfs.node.readthrough.dataset import CachedDataset, Instances, spilled
@@ -18,6 +25,12 @@ from kspeedfs.node.spill import SpillArea
 from kspeedfs.node.store import SegmentStore
 
 log = logging.getLogger(__name__)
+
+PRELOAD = "preload"  # what evictions for a preload's room are counted as
+
+
+class NotAdmitted(Exception):
+    """A miss the policy does not keep: read from the source, not admitted."""
 
 
 class Evictor:
@@ -29,6 +42,7 @@ class Evictor:
         self.instances = instances
         self.policy = instances.policy
         self.spill = spill
+        self.filling: dict[str, int] = {}  # bytes of fills in progress, by dataset
         store.add_reclaimer(self.reclaim)
 
     def admitted(self, ds: CachedDataset, seg: int) -> None:
@@ -56,52 +70,143 @@ class Evictor:
         self.note_reads(request.name, request.segments, request.hits)
         return Touched(True)
 
-    async def make_room(self, length: int, reservation: str) -> None:
-        """Evict until `length` more bytes fit the budget, then reserve them."""
-        while self.store.budget - self.store.used() < length:
-            victim = self._victim()
-            if victim is None:
+    def held(self, ds: CachedDataset) -> int:
+        """Bytes `ds` holds in memory and is filling: what its cap and its share count."""
+        return ds.segment_bytes + self.filling.get(ds.name, 0)
+
+    async def make_room(self, ds: CachedDataset, seg: int, reservation: str) -> None:
+        """Evict until segment `seg` of `ds` fits its cap and the budget, then reserve it;
+        NotAdmitted when the policy keeps what is there."""
+        length = ds.seg_len(seg)
+        if ds.max_memory and length > ds.max_memory:
+            raise NotAdmitted(f"a segment is larger than the cap of {ds.name}")
+        while True:
+            over_cap = bool(ds.max_memory) and self.held(ds) + length > ds.max_memory
+            if not over_cap and self.store.budget - self.store.used() >= length:
+                break
+            others = [] if over_cap else self._others(ds)
+            key = self.policy.victim((ds.name, seg), others)
+            if key is None:
+                if over_cap or others or self._holds_any(ds):
+                    raise NotAdmitted(f"{ds.name} keeps what it holds")
                 raise NoSpace(
                     f"no room for a {format_size(length)} segment: the "
-                    f"{format_size(self.store.budget)} budget is held by pinned datasets and "
-                    "fills in progress"
+                    f"{format_size(self.store.budget)} budget is held by pinned datasets, "
+                    "capped shares and fills in progress"
                 )
-            await self._evict(*victim)
+            victim = self._resident(key)
+            if victim is not None:
+                await self._evict(*victim, self.policy.name)
         self.store.reserve(reservation, length)
+        self.filling[ds.name] = self.filling.get(ds.name, 0) + length
+
+    def release(self, ds: CachedDataset, seg: int, reservation: str) -> None:
+        """A fill that reserved with make_room ended (resident now, or given up)."""
+        if reservation in self.store.reserved:
+            self.store.release(reservation)
+            left = self.filling.get(ds.name, 0) - ds.seg_len(seg)
+            if left > 0:
+                self.filling[ds.name] = left
+            else:
+                self.filling.pop(ds.name, None)
+
+    def _holds_any(self, ds: CachedDataset) -> bool:
+        return bool(ds.resident)
+
+    def _others(self, ds: CachedDataset) -> list[str]:
+        """The datasets a miss of `ds` may take memory from: uncapped ones (a cap is a share
+        nobody else takes), and under fair shares only those holding more than `ds` (unless
+        `ds` is capped: its share is reserved for it)."""
+        fair = self.policy.fair_share and not ds.max_memory
+        mine = self.held(ds)
+        return [
+            other.name
+            for other in self.instances.by_name.values()
+            if other is not ds
+            and not other.max_memory
+            and other.resident
+            and (not fair or other.segment_bytes > mine)
+        ]
+
+    def check_cap(self, name: str, max_memory: int, max_disk: int) -> None:
+        """Refuse (one line, nothing changed) a cap larger than the node has free: its budget
+        less the pinned datasets, the work in progress and the other datasets' caps."""
+        if max_memory:
+            pinned = sum(
+                r.stored
+                for r in self.store.datasets.values()
+                if r.name not in self.instances.by_name
+            )
+            work = sum(
+                r.nbytes for k, r in self.store.reserved.items() if not k.startswith("fill:")
+            )
+            capped = sum(d.max_memory for d in self.instances.by_name.values() if d.name != name)
+            free = self.store.budget - pinned - work - capped
+            if max_memory > free:
+                raise NoSpace(
+                    f"--max-memory {format_size(max_memory)} for {name!r} is more than the "
+                    f"{format_size(max(free, 0))} this node has free (a budget of "
+                    f"{format_size(self.store.budget)}, less pinned datasets and other caps)"
+                )
+        if max_disk:
+            if self.spill is None:
+                raise InvalidArgument("--max-disk needs a node with a spill folder (--spill-dir)")
+            capped = sum(d.max_disk for d in self.instances.by_name.values() if d.name != name)
+            free = self.spill.room() - capped
+            if max_disk > free:
+                raise NoSpace(
+                    f"--max-disk {format_size(max_disk)} for {name!r} is more than the "
+                    f"{format_size(max(free, 0))} of the spill folder not capped by others"
+                )
 
     def reclaim(self, nbytes: int) -> int:
         """Free at least nbytes of read-through memory for a preload (the store calls this in
-        the event loop): in the policy's order, unlinked without spilling, so it is quick."""
+        the event loop): in the policy's order, unlinked without spilling, so it is quick.
+        Capped shares stay."""
+        return self._reclaim(nbytes, protect_caps=True)
+
+    def reclaim_over_budget(self, nbytes: int) -> int:
+        """After a restart: what is over the budget leaves, capped or not."""
+        return self._reclaim(nbytes, protect_caps=False)
+
+    def _reclaim(self, nbytes: int, protect_caps: bool) -> int:
         freed = 0
+        others = [
+            ds.name
+            for ds in self.instances.by_name.values()
+            if not (protect_caps and ds.max_memory)
+        ]
         while freed < nbytes:
-            victim = self._victim()
-            if victim is None:
+            key = self.policy.victim(None, others)
+            if key is None:
                 break
-            freed += self._drop(*victim)
+            victim = self._resident(key)
+            if victim is not None:
+                freed += self._drop(*victim, PRELOAD)
         if freed:
             log.info("evicted %s of read-through data to make room", format_size(freed))
         return freed
 
-    def _victim(self) -> tuple[CachedDataset, int] | None:
-        """The policy's next victim that is still a resident segment of a current instance."""
-        while (key := self.policy.victim()) is not None:
-            name, seg = key
-            ds = self.instances.by_name.get(name)
-            if ds is not None and seg in ds.resident:
-                return ds, seg
+    def _resident(self, key: tuple[str, int]) -> tuple[CachedDataset, int] | None:
+        """The policy's victim, when it is still a resident segment of a current instance."""
+        name, seg = key
+        ds = self.instances.by_name.get(name)
+        if ds is not None and seg in ds.resident:
+            return ds, seg
         return None
 
-    async def _evict(self, ds: CachedDataset, seg: int) -> None:
+    async def _evict(self, ds: CachedDataset, seg: int, why: str) -> None:
         if self.spill is not None and not spilled(self.spill, ds, seg):
             path = segment_path(ds.record.path, seg)
-            if await trio.to_thread.run_sync(self.spill.put, ds.spill_key, seg, path):
+            put = functools.partial(self.spill.put, ds.spill_key, seg, path, ds.max_disk)
+            if await trio.to_thread.run_sync(put):
                 ds.stats["spilled"] += 1
         if seg in ds.resident and self.instances.current(ds):
             path = segment_path(ds.record.path, seg)
             await trio.to_thread.run_sync(functools.partial(path.unlink, missing_ok=True))
-        self._drop(ds, seg)
+        self._drop(ds, seg, why)
 
-    def _drop(self, ds: CachedDataset, seg: int) -> int:
+    def _drop(self, ds: CachedDataset, seg: int, why: str) -> int:
         """Forget a resident segment (unlinking it unless the caller did)."""
         if seg not in ds.resident:
             return 0
@@ -119,4 +224,5 @@ class Evictor:
         ds.epoch[0] += 1  # readers drop their maps of it: the memory really returns
         ds.stats["evictions"] += 1
         self.instances.stats["evictions"] += 1
+        self.instances.evictions_by[why] += 1
         return length

@@ -1,6 +1,12 @@
 """Filling the segments readers miss: once per segment however many readers wait, from the
 spill folder when it holds the segment, else from the source, written under a temporary name
-and renamed into the instance's seg/ folder where every local reader maps it."""
+and renamed into the instance's seg/ folder where every local reader maps it.
+
+A miss the eviction policy does not keep (the dataset's share or cap is full) is answered
+"source": the reader reads those bytes from the source itself, verified as its every source
+read is (the file's size and time, and its checksum for a whole file), so the mount and the
+fast path get the same verified bytes with nothing written on the node. The reader names
+the bytes it will read, which count as this dataset's source bytes."""
 
 from __future__ import annotations
 
@@ -23,7 +29,7 @@ from kspeedfs.format.manifest import Manifest
 from kspeedfs.node import sourceio
 from kspeedfs.node.metrics import segment_seconds
 from kspeedfs.node.readthrough.dataset import CachedDataset, Instances, file_checksum, spilled
-from kspeedfs.node.readthrough.evict import Evictor
+from kspeedfs.node.readthrough.evict import Evictor, NotAdmitted
 from kspeedfs.node.spill import SpillArea
 from kspeedfs.node.store import SegmentStore
 from kspeedfs.node.tasks import Tasks
@@ -39,6 +45,7 @@ class Fill:
     uuid: str
     done: trio.Event = dataclasses.field(default_factory=trio.Event)
     error: str = ""
+    admitted: bool = True  # False: the policy did not keep it (read from the source)
 
 
 class Filler:
@@ -74,6 +81,7 @@ class Filler:
         seg = request.segment
         if seg >= ds.manifest.segments:
             raise InvalidArgument(f"segment {seg} out of range for {ds.name}")
+        self.evictor.used(ds, seg)  # before the choice: a plan's cursor moves with the misses
         if seg not in ds.resident:
             key = (ds.name, seg)
             fill = self.fills.get(key)
@@ -83,11 +91,20 @@ class Filler:
             with trio.move_on_after(self.fill_wait):
                 await fill.done.wait()
             if seg not in ds.resident or not self.instances.current(ds):
+                if not fill.admitted:
+                    self._read_by_reader(ds, request.length)
+                    return Filled("source")
                 if fill.error:
                     return Filled("failed", fill.error)
                 return Filled("filling")
-        self.evictor.used(ds, seg)
         return Filled("cached")
+
+    def _read_by_reader(self, ds: CachedDataset, length: int) -> None:
+        """A miss not kept: the reader reads `length` bytes from the source."""
+        ds.stats["bypassed"] += 1
+        for counters in (ds.stats, self.instances.stats):
+            counters["source_reads"] += 1
+            counters["source_bytes"] += length
 
     async def _fill(self, ds: CachedDataset, seg: int, fill: Fill) -> None:
         key = (ds.name, seg)
@@ -97,7 +114,11 @@ class Filler:
         started = time.perf_counter()
         origin = "source"
         try:
-            await self.evictor.make_room(length, reservation)
+            try:
+                await self.evictor.make_room(ds, seg, reservation)
+            except NotAdmitted:
+                fill.admitted = False
+                return
             checksum = 0
             if spilled(self.spill, ds, seg):
                 try:
@@ -145,7 +166,7 @@ class Filler:
             fill.error = f"{type(e).__name__}: {e}"
             log.exception("filling segment %d of %s failed", seg, ds.name)
         finally:
-            self.store.release(reservation)
+            self.evictor.release(ds, seg, reservation)
             with trio.CancelScope(shield=True):
                 await trio.to_thread.run_sync(functools.partial(tmp.unlink, missing_ok=True))
             if self.fills.get(key) is fill:

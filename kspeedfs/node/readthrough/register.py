@@ -8,6 +8,7 @@ import logging
 import os
 import secrets
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -43,8 +44,10 @@ class Registrar:
         builder: InstanceBuilder,
         loads: LoadTable,
         address: str,
+        check_cap: Callable[[str, int, int], None],
     ):
         self.store = store
+        self.check_cap = check_cap  # refuses a cap larger than the node has free
         self.instances = instances
         self.builder = builder
         self.loads = loads
@@ -62,7 +65,9 @@ class Registrar:
             raise InvalidArgument(f"source must be an absolute path or a URL: {source!r}")
         found = self._existing(name, source, endpoint)
         if found is not None:
-            return found
+            return found  # its caps are the ones it was created with
+        caps = {"max_memory": request.max_memory, "max_disk": request.max_disk}
+        self.check_cap(name, request.max_memory, request.max_disk)
         if self.cluster is not None:
             entry = await self.cluster.entry_now(name)
             if entry is not None:
@@ -74,7 +79,7 @@ class Registrar:
         if found is not None:
             return found
         progress = self.loads.start(name, source)
-        self.tasks.start_soon(self._register, name, src, progress)
+        self.tasks.start_soon(self._register, name, src, progress, caps)
         return Registered(name, "scanning")
 
     def _existing(self, name: str, source: str, endpoint: str) -> Registered | None:
@@ -166,7 +171,9 @@ class Registrar:
             return None
         return members
 
-    async def _register(self, name: str, src: Source, progress: Progress) -> None:
+    async def _register(
+        self, name: str, src: Source, progress: Progress, caps: dict[str, int]
+    ) -> None:
         staging: Path | None = None
         uid = secrets.token_hex(16)
         members = [self.address]
@@ -187,7 +194,7 @@ class Registrar:
             segments = tree.data_bytes // self.builder.segment_size + len(tree) + 1
             self.store.reserve(name, manifest_size_estimate(tree) + 8 * segments)
             built, meta, _carried = await trio.to_thread.run_sync(
-                self.builder.build, name, src, tree, None, uid, members
+                self.builder.build, name, src, tree, None, uid, members, caps
             )
             staging = built
             record = await trio.to_thread.run_sync(self.store.publish, built, meta)

@@ -1,8 +1,9 @@
 """What `status` shows of the datasets in memory: lifetimes, residency, staleness, and the
-read-through counters and spill use of each instance."""
+read-through counters, caps and spill use of each instance, with hits and misses by tier."""
 
 from __future__ import annotations
 
+from collections import Counter
 from typing import Any
 
 from kspeedfs.node.readthrough.dataset import Instances
@@ -18,6 +19,7 @@ COUNTERS = (
     "spilled",
     "source_reads",
     "source_bytes",
+    "bypassed",
 )
 
 
@@ -39,10 +41,33 @@ def cache_status(
             d.update(
                 on_spill=spill.count(ds.spill_key) if spill is not None else 0,
                 spill_bytes=spill.bytes_of(ds.spill_key) if spill is not None else 0,
+                plan=instances.policy.plan_position(ds.name),
+                max_memory=ds.max_memory,
+                max_disk=ds.max_disk,
                 **{k: ds.stats[k] for k in COUNTERS},
+                **tiers(ds.stats),
             )
         datasets[record.name] = d
     spill_info: dict[str, Any] | None = None
     if spill is not None:
         spill_info = {"dir": str(spill.root), "used": spill.used, "budget": spill.room()}
-    return {"datasets": datasets, "spill": spill_info, "stats": dict(instances.stats)}
+    return {
+        "datasets": datasets,
+        "spill": spill_info,
+        "stats": dict(instances.stats),
+        "policy": instances.policy.name,
+        "evictions_by_policy": dict(instances.evictions_by),
+    }
+
+
+def tiers(stats: Counter[str]) -> dict[str, int]:
+    """Hits and misses by tier: memory hits are reads readers report (through maps); its
+    misses are the fills and the misses not kept; the spill tier is asked on every fill and
+    hits when it holds the segment; a miss of both is read from the source."""
+    memory_misses = stats["misses"] + stats["bypassed"]
+    return {
+        "memory_hits": stats["hits"],
+        "memory_misses": memory_misses,
+        "spill_hits": stats["fills_spill"],
+        "spill_misses": memory_misses - stats["fills_spill"],
+    }
