@@ -46,9 +46,26 @@ SLOW_FIXTURES = frozenset(
 )
 
 
+# Whole modules out of `make quick` (measured with --durations=0: 180 of the quick loop's
+# 265 s): each test starts several CLI processes, several nodes or DataLoader processes, or
+# reads epochs of a dataset.
+SLOW_MODULES = frozenset(
+    {
+        "test_cli_errors.py",  # a CLI process (about 1.4 s to start) per case
+        "test_cli_settings.py",
+        "test_sampler_resume.py",  # a StatefulDataLoader resumed in a new process
+        "test_eviction_policies.py",  # three epochs per policy
+        "test_tiers.py",  # datasets of hundreds of MiB
+        "test_webdataset.py",  # a three-node cluster per sampler
+        "test_fsspec.py",  # pyarrow and datasets against one and three nodes
+    }
+)
+
+
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     for item in items:
-        if SLOW_FIXTURES.intersection(getattr(item, "fixturenames", ())):
+        fixtures = getattr(item, "fixturenames", ())
+        if SLOW_FIXTURES.intersection(fixtures) or item.path.name in SLOW_MODULES:
             item.add_marker(pytest.mark.slow)
 
 
