@@ -112,8 +112,8 @@ class Reader:
     def is_local(self, entry: int) -> bool:
         return self.all_local or (self.local is not None and self.local.holds_file(entry))
 
-    def view(self, entry: int) -> memoryview:
-        """File `entry`'s bytes: a view of shared memory when local, else a fresh buffer."""
+    def _mapped(self, entry: int) -> memoryview | None:
+        """File `entry`'s bytes in shared memory; None when they are not local here."""
         if self.all_local:
             return self.local_view(entry)
         if self.is_local(entry):
@@ -122,7 +122,12 @@ class Reader:
                 return self.local.file_view(entry)
             except DataError:
                 pass  # unloaded before we mapped it: the read policy finds another copy
-        return self._copied(entry)
+        return None
+
+    def view(self, entry: int) -> memoryview:
+        """File `entry`'s bytes: a view of shared memory when local, else a fresh buffer."""
+        mapped = self._mapped(entry)
+        return mapped if mapped is not None else self._copied(entry)
 
     def _copied(self, entry: int) -> memoryview:
         out = bytearray(int(self.manifest.size[entry]))
@@ -132,14 +137,9 @@ class Reader:
     def scratch_view(self, entry: int) -> memoryview:
         """Like `view`, but remote bytes land in a reusable per-thread buffer (valid until the
         next call: for decoding right away)."""
-        if self.all_local:
-            return self.local_view(entry)
-        if self.is_local(entry):
-            assert self.local is not None
-            try:
-                return self.local.file_view(entry)
-            except DataError:
-                pass
+        mapped = self._mapped(entry)
+        if mapped is not None:
+            return mapped
         n = int(self.manifest.size[entry])
         buf: bytearray | None = getattr(self._scratch, "buf", None)
         if buf is None or len(buf) < n:
