@@ -19,6 +19,7 @@ miss" (it is read from the source and not admitted).
 
 from __future__ import annotations
 
+import abc
 import bisect
 import statistics
 from collections import OrderedDict, deque
@@ -62,8 +63,9 @@ class EvictionPolicy(Protocol):
         """(where the readers are, uses in all) of the plan of `name`; None: no plan."""
 
 
-class _Recency:
-    """Resident keys, least recently used first; what every policy here keeps."""
+class _Recency(abc.ABC):
+    """Resident keys, least recently used first; what every policy here keeps. Each policy
+    says which of them goes (`victim`)."""
 
     name = "lru"
     fair_share = False
@@ -85,18 +87,19 @@ class _Recency:
         self._order.pop(key, None)
 
     def planned(self, name: str, segments: np.ndarray, horizon: int = 0, margin: int = 0) -> None:
-        pass
+        """Readers' order: ignored but by the plan policy."""
+        return None
 
     def dropped_plan(self, name: str) -> None:
-        pass
+        return None
 
     def plan_position(self, name: str) -> tuple[int, int] | None:
         return None
 
+    @abc.abstractmethod
     def victim(
         self, incoming: Key | None = None, others: Collection[str] | None = None
-    ) -> Key | None:
-        raise NotImplementedError
+    ) -> Key | None: ...
 
     def _oldest(self, allowed: Collection[str] | None) -> Key | None:
         for key in self._order:
