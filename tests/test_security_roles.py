@@ -39,6 +39,7 @@ NEEDS = {
     "preload": "job",
     "fill": "job",
     "touch": "job",
+    "plan": "job",  # a job's readers tell the node their order
     "decode": "job",
     "meta_add": "job",
     "register_source": "admin",
