@@ -56,6 +56,11 @@ def wait_released(mountpoint: str | os.PathLike[str], timeout: float) -> None:
                 pass
             except OSError:
                 return  # no flock here: hold() could not lock it either
+            if os.path.ismount(mountpoint):
+                # Mounted again since our unmount (mountd serving its own there): the new
+                # mount holds the folder too, and its claim cannot be told from the old one's.
+                log.info("%s is mounted again: not waiting for the old mount process", mountpoint)
+                return
             if time.monotonic() >= deadline:
                 # A copy of the mount in another (private) mount namespace keeps it served.
                 raise MountError(
