@@ -13,7 +13,7 @@ from kspeedfs.format.config import Settings
 from kspeedfs.format.contract.node import List, Rebalance, Unload
 from kspeedfs.format.contract.readthrough import Refresh
 from kspeedfs.format.errors import InvalidArgument, KSpeedError
-from kspeedfs.format.units import format_size
+from kspeedfs.format.units import format_size, parse_size
 from kspeedfs.sources.source import name_from_source
 
 
@@ -27,6 +27,7 @@ def cmd_preload(args: argparse.Namespace) -> int:
         args.name = name_from_source(args.source)
     if args.partial:
         return _preload_partial(args, settings)
+    max_memory, max_disk = _caps(args)
     result = admin.preload(
         settings,
         args.source,
@@ -37,6 +38,8 @@ def cmd_preload(args: argparse.Namespace) -> int:
         endpoint=args.endpoint or "",
         meta=args.meta,
         tier=args.tier,
+        max_memory=max_memory,
+        max_disk=max_disk,
     )
     state = result.get("state", "loading")
     print(
@@ -51,12 +54,22 @@ def _preload_partial(args: argparse.Namespace, settings: Settings) -> int:
     """`preload --partial`: a read-through dataset, what fits loaded now."""
     if args.decoded is not None or args.meta or args.replicas != 1 or args.tier != "auto":
         raise InvalidArgument("--partial takes none of --decoded, --meta, --replicas, --tier")
-    result = admin.preload_partial(settings, args.source, args.name, args.endpoint or "")
+    max_memory, max_disk = _caps(args)
+    result = admin.preload_partial(
+        settings, args.source, args.name, args.endpoint or "", max_memory, max_disk
+    )
     print(
         f"{args.name}: partial, {result['segments_loaded']} of {result['segments']} segments"
         " loaded, the rest read through"
     )
     return 0
+
+
+def _caps(args: argparse.Namespace) -> tuple[int, int]:
+    """--max-memory and --max-disk in bytes (0: no cap)."""
+    memory = parse_size(args.max_memory) if args.max_memory else 0
+    disk = parse_size(args.max_disk) if args.max_disk else 0
+    return memory, disk
 
 
 def _preload_decoded(args: argparse.Namespace) -> None:

@@ -77,6 +77,18 @@ def build_parser() -> argparse.ArgumentParser:
         help="load what fits in memory, read the rest through from the source",
     )
     p.add_argument(
+        "--max-memory",
+        metavar="SIZE",
+        help="per node: the most memory its segments take on each node, e.g. 16GiB (auto:"
+        " the rest goes to the disk tier); refused when more than a node has free",
+    )
+    p.add_argument(
+        "--max-disk",
+        metavar="SIZE",
+        help="per node: the most of each node's disk tier its segments take, e.g. 200GiB"
+        " (default: the tier's budget; with --partial: of the spill folder)",
+    )
+    p.add_argument(
         "--meta",
         action="append",
         default=[],

@@ -49,7 +49,7 @@ def cache_table(nodes: list[dict[str, Any]]) -> list[tuple[str, ...]]:
                     "-" if pinned else str(d["evictions"]),
                     "-" if pinned else str(d.get("bypassed", 0)),
                     "-" if pinned else format_size(d["source_bytes"]),
-                    "-" if pinned else _caps(d),
+                    _caps(d),
                     state,
                 )
             )

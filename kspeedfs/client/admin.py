@@ -111,12 +111,18 @@ def start_preload(
     endpoint: str = "",
     meta: Sequence[str] = (),
     tier: str = "auto",
+    max_memory: int = 0,
+    max_disk: int = 0,
 ) -> dict[str, Any]:
     """Ask for a load of `src` (normalized) as `name`; answers once the node has scanned it.
     `meta`: meta files in it (relative paths) to index as well; `tier`: where its segments
-    go (memory, disk, or auto: memory first)."""
+    go (memory, disk, or auto: memory first); `max_memory`, `max_disk`: the most bytes of
+    its segments in each node's memory and disk tier (0: no cap)."""
     fields = {"name": name, "source": src, "lifetime": lifetime, "replicas": replicas}
-    request = Preload.from_wire({**fields, "endpoint": endpoint, "meta": list(meta), "tier": tier})
+    caps = {"max_memory": max_memory, "max_disk": max_disk}
+    request = Preload.from_wire(
+        {**fields, "endpoint": endpoint, "meta": list(meta), "tier": tier, **caps}
+    )
     return client.call(request, answer_within=SCAN_TIMEOUT)
 
 
@@ -131,13 +137,17 @@ def preload(
     endpoint: str = "",
     meta: Sequence[str] = (),
     tier: str = "auto",
+    max_memory: int = 0,
+    max_disk: int = 0,
 ) -> dict[str, Any]:
     """Ask the node to load `source` (a folder or an s3:// URL) as `name`; with `wait`, poll
-    until ready or failed (Ctrl-C cancels the load)."""
+    until ready or failed (Ctrl-C cancels the load). The caps hold on each node (0: none)."""
     validate_name(name)
     src = normalize_source(source)
     with connect(settings) as client:
-        started = start_preload(client, name, src, lifetime, replicas, endpoint, meta, tier)
+        started = start_preload(
+            client, name, src, lifetime, replicas, endpoint, meta, tier, max_memory, max_disk
+        )
         if not wait:
             return started
         try:
@@ -176,21 +186,29 @@ def ensure_loaded(
 
 
 def preload_partial(
-    settings: Settings, source: str, name: str, endpoint: str = ""
+    settings: Settings,
+    source: str,
+    name: str,
+    endpoint: str = "",
+    max_memory: int = 0,
+    max_disk: int = 0,
 ) -> dict[str, Any]:
-    """`preload --partial`: the source's read-through dataset on the node, its segments
-    filled now, in order, while they fit the node's free memory; the rest is read through from
-    the source when asked. Every byte is filled as any read-through fill is (checked against
-    the version listed, SourceChanged when a file changed). Returns its record, with
-    `segments_loaded`."""
-    register_source(settings, source, endpoint, name)
+    """`preload --partial`: the source's read-through dataset on the node (with its caps, when
+    it is created), its segments filled now, in order, while they fit the node's free memory
+    and the dataset's cap; the rest is read through from the source when asked. Every byte is
+    filled as any read-through fill is (checked against the version listed, SourceChanged
+    when a file changed). Returns its record, with `segments_loaded` (resident now)."""
+    register_source(settings, source, endpoint, name, max_memory, max_disk)
     with connect(settings) as client:
         record = client.call(LoadProgress(name=name))
         segments = int(record.get("segments") or 0)
         typical = -(-int(record.get("bytes", 0)) // max(segments, 1))  # a segment, rounded up
-        loaded = 0
+        held: set[int] = set()
         for seg in range(segments):
             status = client.request("status")
+            held = _resident(status, name)
+            if seg in held:
+                continue
             if status["budget"] - status["used"] < typical:
                 break  # full: the rest is read through
             while True:
@@ -199,8 +217,17 @@ def preload_partial(
                     break
             if reply["state"] == "failed":
                 raise DataError(f"partial preload of {name}: segment {seg}: {reply['error']}")
-            loaded += 1
-    return {**record, "segments_loaded": loaded}
+            if reply["state"] == "source":
+                break  # not kept: its cap (its share of memory) is full
+            before, held = held, _resident(client.request("status"), name)
+            if len(held) <= len(before):
+                break  # kept in place of one of its own (an lru node at the cap): full
+    return {**record, "segments_loaded": len(held)}
+
+
+def _resident(status: dict[str, Any], name: str) -> set[int]:
+    """The segments of `name` in the node's memory, from its `status`."""
+    return set(status.get("held", {}).get(name, {}).get("held", []))
 
 
 def register_source(

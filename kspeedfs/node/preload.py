@@ -46,6 +46,7 @@ from kspeedfs.format.errors import (
     DataError,
     InvalidArgument,
     KSpeedError,
+    NoSpace,
     NotFound,
     SourceModified,
     SourceNotVisible,
@@ -203,17 +204,27 @@ class Stager:
 
     def _claim_tiers(self, request: StageClaim) -> None:
         """Claim the part on the tiers `request.tier` asks for: with "auto", the held segments
-        that fit the free memory (in order) go there and the rest to the disk tier; a node
-        without a disk tier holds it all in memory, as before tiers (NoSpace when it cannot)."""
+        that fit the free memory and the memory cap (in order) go there and the rest to the
+        disk tier, within its cap; a node without a disk tier holds it all in memory, as
+        before tiers. NoSpace, before anything is claimed, when it cannot fit or a cap is
+        larger than this node has free."""
         tier = request.tier
         if tier == "auto" and self.store.disk_root is None:
             tier = "memory"
-        if tier == "memory" or not request.segments:
-            self.store.reserve(_claim(request.uuid), request.bytes)
-            return
+        self._check_caps(request, tier)
         lengths = dict(zip(request.segments, request.lengths, strict=True))
         overhead = request.bytes - sum(request.lengths)  # the manifest and meta: memory
-        room = self.store.memory_free() - overhead if tier == "auto" else 0
+        cap = request.max_memory or request.bytes  # of the segments in memory
+        if tier == "memory" or not request.segments:
+            if tier == "memory" and sum(request.lengths) > cap:
+                why = "--tier memory" if request.tier == "memory" else "and no disk tier here"
+                raise NoSpace(
+                    f"{request.name} holds {format_size(sum(request.lengths))} on "
+                    f"{self.address}, more than its --max-memory {format_size(cap)} ({why})"
+                )
+            self.store.reserve(_claim(request.uuid), request.bytes)
+            return
+        room = min(self.store.memory_free() - overhead, cap) if tier == "auto" else 0
         disk: set[int] = set()
         for seg, length in sorted(lengths.items()):
             if length <= room and not disk:
@@ -221,6 +232,11 @@ class Stager:
             else:
                 disk.add(seg)
         disk_bytes = sum(lengths[k] for k in disk)
+        if request.max_disk and disk_bytes > request.max_disk:
+            raise NoSpace(
+                f"{request.name} needs {format_size(disk_bytes)} of the disk tier on "
+                f"{self.address}, more than its --max-disk {format_size(request.max_disk)}"
+            )
         what = f"the disk part of {request.name}"
         if disk:
             self.store.reserve(disk_claim(request.uuid), disk_bytes, what=what, tier="disk")
@@ -231,6 +247,23 @@ class Stager:
             raise
         if disk:
             self.claimed_disk[request.uuid] = disk
+
+    def _check_caps(self, request: StageClaim, tier: str) -> None:
+        """Refuse (one line) caps this node cannot give: one larger than its free memory or
+        disk tier now (NoSpace), a disk cap without a disk tier or with --tier memory."""
+        if request.max_disk and self.store.disk_root is None:
+            raise InvalidArgument(f"--max-disk needs a disk tier (spill_dir) on {self.address}")
+        if request.max_disk and tier == "memory":
+            raise InvalidArgument("--max-disk goes with --tier auto or disk, not memory")
+        for cap, free, flag, where in (
+            (request.max_memory, self.store.memory_free(), "--max-memory", "memory"),
+            (request.max_disk, self.store.disk_free(), "--max-disk", "disk tier"),
+        ):
+            if cap > free:
+                raise NoSpace(
+                    f"{flag} {format_size(cap)} for {request.name!r} is more than the "
+                    f"{format_size(free)} of {where} {self.address} has free"
+                )
 
     def _drop_claim(self, uuid: str) -> None:
         if self.claims.pop(uuid, None) is not None:
@@ -574,6 +607,11 @@ class Plan:
     endpoint: str = ""  # object store endpoint of a URL source
     metas: list[str] = dataclasses.field(default_factory=list)  # meta files to index
     tier: Tier = "auto"  # where members place their segments
+    max_memory: int = 0  # the most of each member's memory its segments take (0: no cap)
+    max_disk: int = 0  # and of its disk tier
+
+    def caps(self) -> dict[str, int]:
+        return {"max_memory": self.max_memory, "max_disk": self.max_disk}
 
 
 async def plan_preload(request: Preload, segment_size: int, live_members: list[str]) -> Plan:
@@ -604,6 +642,8 @@ async def plan_preload(request: Preload, segment_size: int, live_members: list[s
         endpoint=request.endpoint,
         metas=metaindexes.requested(request.meta, tree),
         tier=request.tier,
+        max_memory=request.max_memory,
+        max_disk=request.max_disk,
     )
 
 
@@ -670,6 +710,8 @@ async def start_stages(plan: Plan, ask: Ask, own: Stager) -> set[str]:
                 tier=plan.tier,
                 segments=held,
                 lengths=[seg_len[k] for k in held],
+                max_memory=plan.max_memory,
+                max_disk=plan.max_disk,
             )
             await ask(member, claim)
     except KSpeedError:
@@ -765,6 +807,8 @@ async def coordinate(
             "replicas": plan.replicas,
             "endpoint": plan.endpoint,
             "digest": plan.digest,
+            # In the manifest too: a member that adopts the dataset (etcd) keeps its caps.
+            **{k: v for k, v in plan.caps().items() if v},
         }
         path = scratch / f"{plan.name}.{plan.uuid}.manifest"
         await trio.to_thread.run_sync(
@@ -783,6 +827,7 @@ async def coordinate(
             "files": tree.file_count,
             "bytes": tree.data_bytes,
             "segments": len(seg_len),
+            **plan.caps(),
         }
 
         async def send_manifest(member: str) -> None:

@@ -44,8 +44,9 @@ from kspeedfs.format.localdata import (
     LocalDataset,
     segment_path,
 )
+from kspeedfs.format.manifest import Manifest
 from kspeedfs.format.names import validate_name
-from kspeedfs.format.readthrough_view import open_local
+from kspeedfs.format.readthrough_view import READTHROUGH, open_local
 from kspeedfs.format.units import format_size
 from kspeedfs.node.safedir import (
     DIR_FLAGS,
@@ -77,6 +78,10 @@ class DatasetRecord:
     members: list[str] = dataclasses.field(default_factory=list)  # nodes it was placed over
     disk: list[int] = dataclasses.field(default_factory=list)  # held ones on the disk tier
     disk_stored: int = 0  # bytes of the disk tier it takes
+    # Caps on this node (0: none): the most bytes of its segments in memory and on the disk
+    # tier (a read-through dataset's: its spill folder share, kept by the read-through cache).
+    max_memory: int = 0
+    max_disk: int = 0
 
     def to_wire(self) -> dict[str, Any]:
         """The one shape of a published dataset on the wire (list, progress): its record, and
@@ -139,6 +144,15 @@ class SegmentStore:
         self.on_publish: list[Callable[[str], None]] = []
         self.before_unload: list[Callable[[str], None]] = []
         self._reclaimers: list[Callable[[int], int]] = []
+        # Called from any thread (maybe under the lock: a hook must not take it) when memory
+        # may have freed up: an unload, a segment dropped or evicted, a reservation given back.
+        # Promotion waits on it.
+        self.on_memory_freed: list[Callable[[], None]] = []
+
+    def memory_freed(self) -> None:
+        """Tell the followers that memory may have freed up."""
+        for hook in self.on_memory_freed:
+            hook()
 
     def add_reclaimer(self, reclaim: Callable[[int], int]) -> None:
         """Someone holding evictable (read-through) memory: when a reservation does not fit,
@@ -242,6 +256,8 @@ class SegmentStore:
             members=[str(n) for n in meta.get("members", [])],
             disk=[int(k) for k in meta.get("disk", [])],
             disk_stored=int(meta.get("disk_stored", 0)),
+            max_memory=int(meta.get("max_memory", 0)),
+            max_disk=int(meta.get("max_disk", 0)),
         )
 
     def used(self) -> int:
@@ -259,6 +275,25 @@ class SegmentStore:
         with self._lock:
             fs_free, promised = self._fs_room()
             return max(0, min(self.budget - self.used(), fs_free - promised))
+
+    def disk_free(self) -> int:
+        """What a claim on the disk tier could take now (0 without a disk tier)."""
+        if self.disk_root is None:
+            return 0
+        with self._lock:
+            promised = sum(r.nbytes for r in self.reserved.values() if r.tier == "disk")
+            st = os.statvfs(self.disk_root)
+            fs_free = st.f_bavail * st.f_frsize - promised
+            return max(0, min(self.disk_budget - self.disk_used(), fs_free))
+
+    def memory_cap_room(self, record: DatasetRecord) -> int | None:
+        """Bytes of segments a preloaded dataset may still add to memory under its cap (None:
+        no cap; a read-through dataset's cap is the read-through cache's to keep)."""
+        if not record.max_memory or record.lifetime == READTHROUGH:
+            return None
+        seg_len = self.open(record.name).manifest.seg_len
+        on_disk = set(record.disk)
+        return record.max_memory - sum(int(seg_len[k]) for k in record.held if k not in on_disk)
 
     def _disk_dir(self, meta: dict[str, Any]) -> Path:
         assert self.disk_root is not None
@@ -356,7 +391,9 @@ class SegmentStore:
 
     def release(self, name: str) -> None:
         with self._lock:
-            self.reserved.pop(name, None)
+            given_back = self.reserved.pop(name, None)
+        if given_back is not None and given_back.tier == "memory":
+            self.memory_freed()
 
     def new_staging(self, name: str) -> Path:
         folder = f"{validate_name(name)}.{uuid.uuid4().hex[:12]}"
@@ -392,6 +429,7 @@ class SegmentStore:
         disk-tier part (`disk_staging`, meta's "disk" segments) is put in place first."""
         name = validate_name(meta["name"])
         folder = self._staged_name(staging)
+        meta = _with_caps(meta, staging / MANIFEST_FILE)
         disk_final = None
         if disk_staging is not None:
             disk_final = self._disk_dir(meta)
@@ -435,6 +473,7 @@ class SegmentStore:
         if self.disk_root is not None:  # also a folder whose segments all moved to memory
             # Unlinked: a reader's map of a disk segment keeps its pages, as in memory.
             shutil.rmtree(self.disk_root / f"{record.name}.{record.uuid}", ignore_errors=True)
+        self.memory_freed()
         return record
 
     def _discard(self, name: str) -> None:
@@ -530,6 +569,8 @@ class SegmentStore:
                 if counted:
                     self._update_meta(folder, name, -size)
                     self.datasets[name].stored -= size
+        if counted and size:
+            self.memory_freed()
         return size
 
     def files_in(self, name: str, instance: str, sub: str) -> list[str]:
@@ -561,11 +602,16 @@ class SegmentStore:
         reservation = f"segment:{name}:{seg}:{uuid.uuid4().hex[:12]}"
         what = f"segment {seg} of {name}"
         try:
+            room = self.memory_cap_room(record)
+            if room is not None and length > room:
+                raise NoSpace(f"{what} would take it past its --max-memory on this node")
             # Called in a thread: no eviction (the read-through cache is the event loop's).
             self.reserve(reservation, length, what=what, evict=False)
         except NoSpace:
-            if self.disk_root is None or record.lifetime == "readthrough":
+            if self.disk_root is None or record.lifetime == READTHROUGH:
                 raise
+            if record.max_disk and record.disk_stored + length > record.max_disk:
+                raise NoSpace(f"{what} would take it past its --max-disk on this node") from None
             self.reserve(reservation, length, what=what, tier="disk")
             try:
                 self._add_disk_segment(record, seg, length, fill, reservation)
@@ -647,9 +693,10 @@ class SegmentStore:
                 record.held = held
                 record.stored -= size
                 self._open.pop(name, None)
-                return size
         finally:
             os.close(folder)
+        self.memory_freed()
+        return size
 
     def _drop_disk_segment(self, folder: int, record: DatasetRecord, seg: int) -> int:
         """drop_segment of a disk-tier segment. Called under _lock."""
@@ -677,6 +724,9 @@ class SegmentStore:
             return 0
         disk_file = segment_path(self.disk_root / f"{record.name}.{record.uuid}", seg)
         length = int(disk_file.stat().st_size)
+        room = self.memory_cap_room(record)
+        if room is not None and length > room:
+            raise NoSpace(f"segment {seg} of {name} would take it past its --max-memory")
         reservation = f"promote:{name}:{seg}:{uuid.uuid4().hex[:12]}"
         self.reserve(reservation, length, what=f"segment {seg} of {name}", evict=False)
         try:
@@ -765,6 +815,16 @@ DISK_STAGING = ".staging"  # under the disk tier's root: preloads' disk parts in
 def disk_claim(uuid: str) -> str:
     """The store's name of a preload's claim on the disk tier (no dataset name has a colon)."""
     return f"disk:{uuid}"
+
+
+def _with_caps(meta: dict[str, Any], manifest: Path) -> dict[str, Any]:
+    """`meta` with the caps its manifest's header names, when it names none itself (a member
+    that adopts a dataset makes its meta from the catalog, which has no caps)."""
+    if "max_memory" in meta or "max_disk" in meta or not manifest.exists():
+        return meta
+    header = Manifest(manifest).header
+    caps = {k: int(header[k]) for k in ("max_memory", "max_disk") if header.get(k)}
+    return {**meta, **caps} if caps else meta
 
 
 def _exists(name: str, dir_fd: int) -> bool:

@@ -14,6 +14,7 @@ from typing import Any, Literal
 
 from kspeedfs.format.contract import Request, Wire, at_least, checked, dataset_name
 from kspeedfs.format.contract.pieces import Piece
+from kspeedfs.format.units import MAX_SIZE
 
 Tier = Literal["memory", "disk", "auto"]
 
@@ -25,6 +26,18 @@ def _size_or_none(value: int | None) -> int | None:
     if value is not None and value < 0:
         raise ValueError(f"must be at least 0, not {value}")
     return value
+
+
+def _cap(value: int) -> int:
+    if not 0 <= value <= MAX_SIZE:
+        raise ValueError(f"must be between 0 and {MAX_SIZE} bytes, not {value}")
+    return value
+
+
+def cap_bytes() -> int:
+    """A per-node cap in bytes (0: none); one larger than the node has free is refused there."""
+    result: int = checked(_cap, default=0)
+    return result
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -40,6 +53,9 @@ class Preload(Request):
     # Where its segments go: "memory" only; "disk", the disk tier only; "auto", what fits in
     # memory and the rest on the disk tier (memory only on a node without one).
     tier: Tier = "auto"
+    # The most of each node's memory and disk tier its segments take there (0: no cap).
+    max_memory: int = cap_bytes()
+    max_disk: int = cap_bytes()
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -71,6 +87,8 @@ class StageClaim(Request):
     tier: Tier = "memory"
     segments: list[int] = dataclasses.field(default_factory=list)  # held here, to split
     lengths: list[int] = dataclasses.field(default_factory=list)  # of each one in `segments`
+    max_memory: int = cap_bytes()  # the preload's caps (Preload's)
+    max_disk: int = cap_bytes()
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

@@ -225,4 +225,5 @@ class Evictor:
         ds.stats["evictions"] += 1
         self.instances.stats["evictions"] += 1
         self.instances.evictions_by[why] += 1
+        self.store.memory_freed()  # promotion may move a disk segment in
         return length

@@ -35,6 +35,8 @@ def cache_status(
             "in_memory": len(record.held),
             "memory_bytes": record.stored,
             "stale": changed if uid == record.uuid else 0,
+            "max_memory": record.max_memory,  # a preload's caps (a read-through one's below)
+            "max_disk": record.max_disk,
         }
         ds = instances.by_name.get(record.name)
         if ds is not None and ds.uuid == record.uuid:
