@@ -3,8 +3,9 @@
 Real node daemons on 127.0.0.1 with an 8 MiB memory budget, a 64 MiB disk tier and 1 MiB
 segments: a capped preload puts at most its cap in memory and the rest on the disk tier, and
 reads byte-equal; a cap the node cannot give is refused in one line and leaves nothing; the
-caps hold for promotion and after a restart; a capped partial dataset stays under its cap
-whatever is read; caps of the wrong type or range are refused off the wire.
+caps hold for promotion, after a restart and for a heal (etcd, three nodes); a capped partial
+dataset stays under its cap whatever is read; caps of the wrong type or range are refused off
+the wire.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from typing import Any
 import hypothesis.strategies as st
 import pytest
 from conftest import MountProcess, NodeProcess, run_cli, wait_for
+from etcdutil import EtcdCluster
 from hypothesis import HealthCheck, given, settings
 
 from kspeedfs.format.errors import InvalidArgument
@@ -203,6 +205,52 @@ def test_a_capped_partial_dataset_never_holds_more_after_every_file_is_read(
     for _ in range(2):  # every file, twice: the cap holds whatever the traffic
         assert read_all_fast(node, src, files) == 0
         assert in_memory(node, "src") <= 2 * MiB
+
+
+def test_a_heal_keeps_the_memory_cap_and_lands_the_rest_on_the_disk_tier(
+    etcd_cluster: EtcdCluster, tmp_path: Path
+) -> None:
+    """Three nodes with room in memory, 2 copies capped at 256 KiB of memory; one killed: the
+    survivors heal its segments onto their disk tiers, past the cap, and every byte reads."""
+    cluster = etcd_cluster
+    for i in range(3):
+        node = NodeProcess(
+            cluster.root / f"node{i}",
+            cluster.token_file,
+            tmp_path,
+            memory="8MiB",
+            segment_size="64KiB",
+            extra=("--spill-dir", str(tmp_path / f"disk{i}"), "--spill", "64MiB"),
+            base_env=cluster.base_env(),
+        )
+        cluster.nodes.append(node.start())
+    wait_for(lambda: list(cluster.members().values()) == ["up"] * 3, what="3 members up")
+    src = tmp_path / "src"
+    files = make_source(src, 40, 60_000)
+    env = cluster.client_env()
+    flags = ("--name", "heal", "--replicas", "2", "--max-memory", "256KiB", "-q")
+    done = run_cli("preload", str(src), *flags, env=env)
+    assert done.returncode == 0, done.stderr
+    segments = int(cluster.record("heal")["segments"])
+    assert all(0 < in_memory(n, "heal") <= 256 << 10 for n in cluster.nodes)
+    *survivors, victim = cluster.nodes
+    victim.kill9()
+
+    wait_for(
+        lambda: (
+            victim.address in cluster.record("heal").get("lost", [])
+            and all(len(listing(n)["heal"]["held"]) == segments for n in survivors)
+        ),
+        timeout=90,
+        what="both survivors hold every segment",
+    )
+    for n in survivors:
+        assert in_memory(n, "heal") <= 256 << 10
+        assert listing(n)["heal"]["max_memory"] == 256 << 10
+    ds = KSpeedFolder(
+        str(src), nodes=",".join(n.address for n in survivors), token=str(cluster.token_file)
+    )
+    assert sum(wrong_bytes(bytes(ds.read(rel)), data) for rel, data in files.items()) == 0
 
 
 HOSTILE = st.one_of(
