@@ -24,7 +24,7 @@ from conftest import MountProcess, NodeProcess, run_cli, wait_for
 from etcdutil import EtcdCluster
 from hypothesis import HealthCheck, given, settings
 
-from kspeedfs.format.errors import InvalidArgument
+from kspeedfs.format.errors import InvalidArgument, KSpeedError
 from kspeedfs.format.localdata import SEGMENT_DIR
 from kspeedfs.format.units import MAX_SIZE
 from pytorch_ext import KSpeedFolder
@@ -280,4 +280,53 @@ def test_hostile_caps_on_the_wire_are_one_line_invalid_arguments(
     with pytest.raises(InvalidArgument) as refused:
         node.request(op, **args, **{field: value})
     assert "\n" not in str(refused.value) and field in str(refused.value)
+    assert_nothing_left(node, tmp_path)
+
+
+@settings(
+    max_examples=60,
+    deadline=None,
+    suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
+)
+@given(
+    tier=st.sampled_from(["auto", "memory", "disk"]),
+    lengths=st.lists(st.integers(0, 2 * MiB), max_size=8),
+    overhead=st.integers(0, MiB),
+    max_memory=st.one_of(st.just(0), st.integers(0, 12 * MiB)),
+    max_disk=st.one_of(st.just(0), st.integers(0, 80 * MiB)),
+)
+def test_claims_keep_their_caps_or_are_refused_in_one_line_and_give_everything_back(
+    node: NodeProcess,
+    tmp_path: Path,
+    tier: str,
+    lengths: list[int],
+    overhead: int,
+    max_memory: int,
+    max_disk: int,
+) -> None:
+    """stage_claim with caps as any admin could send it: claimed within the caps (segments in
+    memory under max_memory, on disk under max_disk), or refused in one line with nothing
+    claimed; an abort gives back every byte either way."""
+    claim = {
+        "name": "x",
+        "uuid": "u1",
+        "bytes": sum(lengths) + overhead,
+        "tier": tier,
+        "segments": list(range(len(lengths))),
+        "lengths": lengths,
+        "max_memory": max_memory,
+        "max_disk": max_disk,
+    }
+    try:
+        answer = node.request("stage_claim", **claim)
+    except KSpeedError as e:
+        assert "\n" not in str(e)
+        assert_nothing_left(node, tmp_path)
+    else:
+        assert max_memory <= BUDGET and max_disk <= 64 * MiB
+        assert answer["memory"] + answer["disk"] == claim["bytes"]
+        assert answer["memory"] - overhead <= (max_memory or BUDGET)
+        assert answer["disk"] <= (max_disk or 64 * MiB)
+        assert tier != "memory" or answer["disk"] == 0
+    node.request("abort", name="x", uuid="u1")
     assert_nothing_left(node, tmp_path)
