@@ -56,6 +56,9 @@ SLOW_MODULES = frozenset(
         "test_sampler_resume.py",  # a StatefulDataLoader resumed in a new process
         "test_eviction_policies.py",  # three epochs per policy
         "test_tiers.py",  # datasets of hundreds of MiB
+        "test_caps.py",  # node and CLI processes per case, a three-node heal
+        "test_readthrough_disk.py",  # three epochs per policy, with a disk tier
+        "test_tier_views.py",  # a three-node cluster
         "test_webdataset.py",  # a three-node cluster per sampler
         "test_fsspec.py",  # pyarrow and datasets against one and three nodes
     }
