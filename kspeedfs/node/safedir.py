@@ -1,6 +1,7 @@
 """A folder the node owns: checked before use, walked with descriptors, never through a symlink.
 
-The node often runs as root over a folder in a world-writable place (/dev/shm). Whoever could
+The node's shm folder and its spill folder (with the disk tier in it) are such folders. The
+node often runs as root over a folder in a world-writable place (/dev/shm). Whoever could
 write to that folder, or to a folder above it, could swap a part of it for a symlink and have
 the node delete or serve files outside it. So the folder and each folder above it must be
 owned by the node's uid or root and not writable by others (a sticky /dev/shm is fine), and
@@ -51,9 +52,11 @@ def _unsafe(what: Path, st: os.stat_result, uid: int, sticky_ok: bool) -> str:
     return ""
 
 
-def open_owned_dir(path: Path, gid: int) -> int:
-    """A descriptor of `path`, created (with its missing parents) when absent; refused with one
-    line when it or a folder above it could be changed by someone else."""
+def open_owned_dir(path: Path, what: str) -> int:
+    """A descriptor of `path` (`what` names it in a refusal: "shm folder", "spill folder"),
+    created (with its missing parents) when absent; refused with one line when it or a folder
+    above it could be changed by someone else. Nothing that exists is changed: claim_dir
+    gives it the readers' group and mode once every folder the node needs has been checked."""
     uid = os.geteuid()
     path = Path(os.path.abspath(path))
     missing = [p for p in [path, *path.parents] if not os.path.lexists(p)]
@@ -62,24 +65,53 @@ def open_owned_dir(path: Path, gid: int) -> int:
             os.mkdir(folder, 0o750 if folder != path else 0o700)
         except FileExistsError:
             pass  # made meanwhile: checked below like any other
-    _check_above(path, uid, "shm folder")
-    fd = _open_dir(path, path)
-    try:
-        st = os.fstat(fd)
-        # Only the node's uid may own the folder itself: root-owned is someone else's then.
-        why = _unsafe(path, st, uid, sticky_ok=False)
-        if not why and st.st_uid != uid:
-            why = f"is owned by uid {st.st_uid}, not {uid}"
-        if why:
-            raise InvalidArgument(f"refusing shm folder {path}: it {why}")
-        if st.st_gid != gid:
-            os.fchown(fd, -1, gid)
-        if stat.S_IMODE(st.st_mode) != DIR_MODE:
-            os.fchmod(fd, DIR_MODE)
-    except BaseException:
-        os.close(fd)
-        raise
+    _check_above(path, uid, what)
+    fd = _open_dir(path, path, what)
+    _refuse_unowned(fd, path, what)
     return fd
+
+
+def open_owned_subdir(parent_fd: int, name: str, shown: Path, what: str) -> int:
+    """A descriptor of folder `name` inside parent_fd (a folder checked by open_owned_dir),
+    made when absent; refused like open_owned_dir's folder (a symlink, another uid's folder,
+    one others may write to), nothing changed."""
+    try:
+        os.mkdir(name, 0o700, dir_fd=parent_fd)
+    except FileExistsError:
+        pass
+    fd = _open_dir(Path(name), shown, what, dir_fd=parent_fd)
+    _refuse_unowned(fd, shown, what)
+    return fd
+
+
+def _refuse_unowned(fd: int, path: Path, what: str) -> None:
+    """Close fd and refuse (one line) a folder the node's uid does not own or others may
+    change. Only the node's uid may own it: root-owned is someone else's then."""
+    uid = os.geteuid()
+    st = os.fstat(fd)
+    why = _unsafe(path, st, uid, sticky_ok=False)
+    if not why and st.st_uid != uid:
+        why = f"is owned by uid {st.st_uid}, not {uid}"
+    if why:
+        os.close(fd)
+        raise InvalidArgument(f"refusing {what} {path}: it {why}")
+
+
+def claim_dir(fd: int, gid: int) -> None:
+    """Give a checked folder the readers' group and DIR_MODE (setgid: what is made inside
+    belongs to the group)."""
+    _give(fd, gid, DIR_MODE)
+
+
+def _give(fd: int, gid: int, mode: int) -> None:
+    """Group `gid` (-1: keep it) and `mode` for an open file or folder. The mode is set after
+    the group: a chown may clear the setgid bit."""
+    st = os.fstat(fd)
+    chowned = gid >= 0 and st.st_gid != gid
+    if chowned:
+        os.fchown(fd, -1, gid)
+    if chowned or stat.S_IMODE(st.st_mode) != mode:
+        os.fchmod(fd, mode)
 
 
 def _check_above(path: Path, uid: int, what: str) -> None:
@@ -117,12 +149,12 @@ def check_socket_dir(path: Path) -> None:
         raise InvalidArgument(f"refusing socket folder {path}: it {why}")
 
 
-def _open_dir(path: Path, shown: Path, dir_fd: int | None = None) -> int:
+def _open_dir(path: Path, shown: Path, what: str, dir_fd: int | None = None) -> int:
     try:
         return os.open(path, DIR_FLAGS, dir_fd=dir_fd)
     except OSError as e:
         if os.path.islink(path) if dir_fd is None else _is_link(dir_fd, str(path)):
-            raise InvalidArgument(f"refusing shm folder: {shown} is a symlink") from None
+            raise InvalidArgument(f"refusing {what} {shown}: it is a symlink") from None
         raise InvalidArgument(f"cannot open {shown}: {e.strerror}") from None
 
 
@@ -133,19 +165,19 @@ def _is_link(dir_fd: int, name: str) -> bool:
         return False
 
 
-def open_subdir(parent_fd: int, name: str, shown: Path) -> int:
+def open_subdir(parent_fd: int, name: str, shown: Path, what: str = "shm folder") -> int:
     """A descriptor of folder `name` inside parent_fd, made when absent; a symlink or a folder
     owned by another uid there is refused."""
     try:
         os.mkdir(name, 0o750, dir_fd=parent_fd)
     except FileExistsError:
         pass
-    fd = _open_dir(Path(name), shown, dir_fd=parent_fd)
+    fd = _open_dir(Path(name), shown, what, dir_fd=parent_fd)
     st = os.fstat(fd)
     why = _unsafe(shown, st, os.geteuid(), sticky_ok=False)
     if why:
         os.close(fd)
-        raise InvalidArgument(f"refusing shm folder: {shown} {why}")
+        raise InvalidArgument(f"refusing {what}: {shown} {why}")
     return fd
 
 
@@ -167,23 +199,22 @@ def remove_beneath(dir_fd: int, name: str) -> None:
 
 
 def _log_rm_error(func: object, path: str, exc: object) -> None:
-    log.warning("could not remove %s from the shm folder: %s", path, exc)
+    log.warning("could not remove %s from a folder of the node: %s", path, exc)
 
 
-def restrict_files(dir_fd: int) -> None:
-    """Give the files of a folder (and of its folders) FILE_MODE; symlinks are removed."""
+def restrict_files(dir_fd: int, gid: int = -1) -> None:
+    """Give the folders beneath dir_fd DIR_MODE and the files FILE_MODE (whatever the umask
+    made them), and group `gid` when one is given; symlinks are removed."""
     for entry in os.scandir(dir_fd):
         if entry.is_symlink():
             os.unlink(entry.name, dir_fd=dir_fd)
-        elif entry.is_dir(follow_symlinks=False):
-            sub = os.open(entry.name, DIR_FLAGS, dir_fd=dir_fd)
-            try:
-                restrict_files(sub)
-            finally:
-                os.close(sub)
-        elif stat.S_IMODE(entry.stat(follow_symlinks=False).st_mode) != FILE_MODE:
-            fd = os.open(entry.name, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=dir_fd)
-            try:
-                os.fchmod(fd, FILE_MODE)
-            finally:
-                os.close(fd)
+            continue
+        is_dir = entry.is_dir(follow_symlinks=False)
+        flags = DIR_FLAGS if is_dir else os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC
+        fd = os.open(entry.name, flags, dir_fd=dir_fd)
+        try:
+            _give(fd, gid, DIR_MODE if is_dir else FILE_MODE)
+            if is_dir:
+                restrict_files(fd, gid)
+        finally:
+            os.close(fd)

@@ -50,7 +50,7 @@ class SpillArea:
         for folder in self.root.iterdir():
             if folder.name == TIER_DIR:
                 continue  # the store's
-            if folder.name not in keep or not folder.is_dir():
+            if folder.name not in keep or folder.is_symlink() or not folder.is_dir():
                 log.info("removing spilled data of a dataset that is gone: %s", folder.name)
                 _remove(folder)
                 continue

@@ -8,7 +8,9 @@ Layout under shm_dir:
 The disk tier (a node with `spill_dir`): segments of preloaded datasets that did not fit the
 memory budget, under DISK_ROOT/NAME.UUID/seg/NNNNNNNN (staged under DISK_ROOT/.staging/), named
 in the dataset's meta.json ("disk", "disk_dir"). They count in the disk budget, not the memory
-one, and move to memory (`promote`) when memory frees up.
+one, and move to memory (`promote`) when memory frees up. DISK_ROOT is SPILL_DIR/tier; the
+spill folder and the tier are checked and owned as the shm folder is (safedir), so that readers
+in the group map disk-tier segments as they map memory ones.
 """
 
 from __future__ import annotations
@@ -19,7 +21,6 @@ import json
 import logging
 import mmap
 import os
-import shutil
 import stat
 import threading
 import uuid
@@ -51,7 +52,9 @@ from kspeedfs.format.units import format_size
 from kspeedfs.node.safedir import (
     DIR_FLAGS,
     FILE_MODE,
+    claim_dir,
     open_owned_dir,
+    open_owned_subdir,
     open_subdir,
     remove_beneath,
     resolve_group,
@@ -129,9 +132,14 @@ class SegmentStore:
         self.root = root
         self.budget = budget
         self.group = group
-        self.disk_root = disk_root  # None: no disk tier
-        self.disk_budget = disk_budget  # shared with the read-through spill, which gives way
-        self._fd: dict[str, int] = {}  # "datasets", "staging", "trash" -> open folder
+        # None: no disk tier. Its parent is the spill folder, which the read-through spill
+        # shares (and its budget, where the spill gives way).
+        self.disk_root = disk_root
+        self.disk_budget = disk_budget
+        # "datasets", "staging", "trash" (of the shm folder), "tier" and "tier_staging" (of the
+        # disk tier) -> open folder
+        self._fd: dict[str, int] = {}
+        self._gid = -1  # the readers' group, once recover() resolved it
         self.datasets_dir = root / "datasets"
         self.staging_dir = root / "staging"
         self.trash_dir = root / "trash"
@@ -160,15 +168,10 @@ class SegmentStore:
         self._reclaimers.append(reclaim)
 
     def recover(self, verify: bool) -> None:
-        """Check and open the folder; find the datasets a previous daemon published; drop
+        """Check and open the folders; find the datasets a previous daemon published; drop
         staging leftovers and broken ones. Refuses (InvalidArgument) a folder others could
         change."""
-        root_fd = open_owned_dir(self.root, resolve_group(self.group))
-        try:
-            for name in ("datasets", "staging", "trash"):
-                self._fd[name] = open_subdir(root_fd, name, self.root / name)
-        finally:
-            os.close(root_fd)
+        self._open_folders()
         for folder in ("staging", "trash"):
             for leftover in sorted(os.listdir(self._fd[folder])):
                 log.info("removing unfinished or unloaded data %s", leftover)
@@ -196,18 +199,58 @@ class SegmentStore:
             for hook in self.on_publish:
                 hook(name)
 
+    def _open_folders(self) -> None:
+        """Open the shm folder and, with a disk tier, the spill folder and its tier folder:
+        each checked before any is changed (a refusal leaves them all as they were), then
+        given the readers' group; then the folders inside them."""
+        self._gid = resolve_group(self.group)
+        owned = [open_owned_dir(self.root, "shm folder")]
+        try:
+            if self.disk_root is not None:
+                owned.append(open_owned_dir(self.disk_root.parent, "spill folder"))
+                tier = self.disk_root.name
+                owned.append(open_owned_subdir(owned[1], tier, self.disk_root, "disk tier folder"))
+            for fd in owned:
+                claim_dir(fd, self._gid)
+            for name in ("datasets", "staging", "trash"):
+                self._fd[name] = open_subdir(owned[0], name, self.root / name)
+            if self.disk_root is not None:
+                self._fd["tier"] = os.dup(owned[2])
+                shown = self.disk_root / DISK_STAGING
+                self._fd["tier_staging"] = open_subdir(
+                    owned[2], DISK_STAGING, shown, "disk tier folder"
+                )
+        finally:
+            for fd in owned:
+                os.close(fd)
+
     def _recover_disk(self) -> None:
-        """Drop the disk tier's staging leftovers and the folders of datasets that are gone."""
+        """Drop the disk tier's staging leftovers and the folders of datasets that are gone;
+        give the kept ones the readers' group and modes (a tier made before they had them)."""
         if self.disk_root is None:
             return
-        (self.disk_root / DISK_STAGING).mkdir(parents=True, exist_ok=True, mode=0o750)
+        tier = self._fd["tier"]
         keep = {f"{r.name}.{r.uuid}" for r in self.datasets.values() if r.disk}
-        for folder in sorted(self.disk_root.iterdir()):
-            if folder.name != DISK_STAGING and folder.name not in keep:
-                log.info("removing disk-tier data of a dataset that is gone: %s", folder.name)
-                shutil.rmtree(folder, ignore_errors=True)
-        for leftover in sorted((self.disk_root / DISK_STAGING).iterdir()):
-            shutil.rmtree(leftover, ignore_errors=True)
+        for name in sorted(os.listdir(tier)):
+            if name == DISK_STAGING:
+                continue
+            if name not in keep:
+                log.info("removing disk-tier data of a dataset that is gone: %s", name)
+                remove_beneath(tier, name)
+                continue
+            with _closing(self._open_disk_instance(name)) as fd:
+                claim_dir(fd, self._gid)
+                restrict_files(fd, self._gid)
+        for leftover in sorted(os.listdir(self._fd["tier_staging"])):
+            remove_beneath(self._fd["tier_staging"], leftover)
+
+    def _open_disk_instance(self, key: str, create: bool = False) -> int:
+        """A descriptor of the disk tier's folder `key` (NAME.UUID), made when `create`; never
+        through a symlink (OSError)."""
+        if create:
+            with contextlib.suppress(FileExistsError):
+                os.mkdir(key, 0o750, dir_fd=self._fd["tier"])
+        return os.open(key, DIR_FLAGS, dir_fd=self._fd["tier"])
 
     def _check(self, path: Path, verify: bool) -> DatasetRecord:
         meta = self._read_meta(path.name)
@@ -221,6 +264,8 @@ class SegmentStore:
         on_disk = set(meta.get("disk", []))
         if on_disk and (self.disk_root is None or Path(meta["disk_dir"]) != self._disk_dir(meta)):
             raise DataError("its disk-tier segments are not in this node's disk tier")
+        if on_disk:  # a real folder of the tier, not a symlink (OSError: dropped as broken)
+            os.close(self._open_disk_instance(self._disk_dir(meta).name))
         for seg in meta.get("held", range(m.segments)):
             p = segment_path(Path(meta["disk_dir"]) if seg in on_disk else path, seg)
             if p.stat().st_size != int(m.seg_len[seg]):
@@ -396,30 +441,28 @@ class SegmentStore:
             self.memory_freed()
 
     def new_staging(self, name: str) -> Path:
-        folder = f"{validate_name(name)}.{uuid.uuid4().hex[:12]}"
-        os.mkdir(folder, 0o750, dir_fd=self._fd["staging"])
-        fd = os.open(folder, DIR_FLAGS, dir_fd=self._fd["staging"])
-        try:
-            os.mkdir("seg", 0o750, dir_fd=fd)
-        finally:
-            os.close(fd)
-        return self.staging_dir / folder
+        return self.staging_dir / _new_staging_folder(self._fd["staging"], name)
 
     def new_disk_staging(self, name: str) -> Path:
         """A staging folder on the disk tier (with its seg/), for a preload's disk segments."""
         if self.disk_root is None:
             raise NoSpace("this node has no disk tier (spill_dir)")
-        folder = self.disk_root / DISK_STAGING / f"{validate_name(name)}.{uuid.uuid4().hex[:12]}"
-        (folder / "seg").mkdir(parents=True, mode=0o750)
-        return folder
+        folder = _new_staging_folder(self._fd["tier_staging"], name)
+        return self.disk_root / DISK_STAGING / folder
 
     def discard_disk_staging(self, staging: Path) -> None:
-        if self.disk_root is not None and staging.parent == self.disk_root / DISK_STAGING:
-            shutil.rmtree(staging, ignore_errors=True)
+        if self.disk_root is not None:
+            remove_beneath(self._fd["tier_staging"], self._disk_staged_name(staging))
 
     def _staged_name(self, staging: Path) -> str:
         if staging.parent != self.staging_dir or staging.name in ("", ".", ".."):
             raise InvalidArgument(f"not a staging folder of this node: {staging}")
+        return staging.name
+
+    def _disk_staged_name(self, staging: Path) -> str:
+        assert self.disk_root is not None
+        if staging.parent != self.disk_root / DISK_STAGING or staging.name in ("", ".", ".."):
+            raise InvalidArgument(f"not a disk-tier staging folder of this node: {staging}")
         return staging.name
 
     def publish(
@@ -432,8 +475,16 @@ class SegmentStore:
         meta = _with_caps(meta, staging / MANIFEST_FILE)
         disk_final = None
         if disk_staging is not None:
-            disk_final = self._disk_dir(meta)
-            os.rename(disk_staging, disk_final)
+            staged, disk_final = self._disk_staged_name(disk_staging), self._disk_dir(meta)
+            with _closing(os.open(staged, DIR_FLAGS, dir_fd=self._fd["tier_staging"])) as fd:
+                claim_dir(fd, self._gid)  # readers in the group map these segments too
+                restrict_files(fd, self._gid)
+            os.rename(
+                staged,
+                disk_final.name,
+                src_dir_fd=self._fd["tier_staging"],
+                dst_dir_fd=self._fd["tier"],
+            )
             meta = dict(meta, disk_dir=str(disk_final))
         staging_fd = os.open(folder, DIR_FLAGS, dir_fd=self._fd["staging"])
         try:
@@ -451,7 +502,7 @@ class SegmentStore:
                 )
             except OSError as e:
                 if disk_final is not None:
-                    shutil.rmtree(disk_final, ignore_errors=True)
+                    remove_beneath(self._fd["tier"], disk_final.name)
                 raise AlreadyExists(f"dataset {name!r} appeared while loading: {e}") from None
             record = self._record(final, meta, (final / MANIFEST_FILE).stat().st_size)
             self.datasets[name] = record
@@ -472,7 +523,7 @@ class SegmentStore:
         self._discard(record.path.name)
         if self.disk_root is not None:  # also a folder whose segments all moved to memory
             # Unlinked: a reader's map of a disk segment keeps its pages, as in memory.
-            shutil.rmtree(self.disk_root / f"{record.name}.{record.uuid}", ignore_errors=True)
+            remove_beneath(self._fd["tier"], f"{record.name}.{record.uuid}")
         self.memory_freed()
         return record
 
@@ -634,8 +685,7 @@ class SegmentStore:
         """add_segment onto the disk tier: made in the instance's disk folder, as in memory."""
         assert self.disk_root is not None
         disk_dir = self.disk_root / f"{record.name}.{record.uuid}"
-        (disk_dir / "seg").mkdir(parents=True, exist_ok=True, mode=0o750)
-        with _closing(os.open(disk_dir, DIR_FLAGS)) as disk_fd:
+        with _closing(self._open_disk_instance(disk_dir.name, create=True)) as disk_fd:
             self._put_segment(disk_fd, seg, length, fill)
         folder = os.open(record.name, DIR_FLAGS, dir_fd=self._fd["datasets"])
         with _closing(folder), self._lock:
@@ -825,6 +875,15 @@ def _with_caps(meta: dict[str, Any], manifest: Path) -> dict[str, Any]:
     header = Manifest(manifest).header
     caps = {k: int(header[k]) for k in ("max_memory", "max_disk") if header.get(k)}
     return {**meta, **caps} if caps else meta
+
+
+def _new_staging_folder(staging_fd: int, name: str) -> str:
+    """A new folder NAME.ID (with its seg/) in a staging folder; its name."""
+    folder = f"{validate_name(name)}.{uuid.uuid4().hex[:12]}"
+    os.mkdir(folder, 0o750, dir_fd=staging_fd)
+    with _closing(os.open(folder, DIR_FLAGS, dir_fd=staging_fd)) as fd:
+        os.mkdir("seg", 0o750, dir_fd=fd)
+    return folder
 
 
 def _exists(name: str, dir_fd: int) -> bool:
