@@ -194,10 +194,36 @@ def test_in_the_group_disk_segments_are_mapped_directly(
     # The fast path mapped the disk tier's files itself: no descriptors passed, no TCP read.
     assert out["local"] == "LocalDataset" and out["read"] == SECRET.hex()
     assert out["stats"] == {"local": 1} and attached == 0
-    for path in [spill, *(p for p in spill.rglob("*"))]:
+    _assert_the_groups(spill)
+
+
+def _assert_the_groups(spill: Path) -> None:
+    """Everything in the spill folder is the node's and the group's: folders 2750, files 0640."""
+    for path in [spill, *spill.rglob("*")]:
         st = os.lstat(path)
         mode = 0o2750 if stat.S_ISDIR(st.st_mode) else 0o640
         assert (stat.S_IMODE(st.st_mode), st.st_uid, st.st_gid) == (mode, 0, GROUP), path
+
+
+def test_a_restart_gives_an_older_tier_the_group_and_modes(
+    shm_dir: Path, token_file: Path, tmp_path: Path, public_dir: Path
+) -> None:
+    spill = public_dir / "spill"
+    node = _node(shm_dir, token_file, tmp_path, spill)
+    try:
+        seg_dir = _preload_on_disk(node, public_dir)
+    finally:
+        node.stop()
+    for path in [seg_dir.parent, seg_dir, *seg_dir.iterdir()]:  # as a node before them left it
+        os.chown(path, 0, 0)
+        os.chmod(path, 0o750 if path.is_dir() else 0o600)
+    node = _node(shm_dir, token_file, tmp_path, spill)
+    try:
+        out = _as_nobody(node, _read_token(public_dir, token_file), seg_dir, [GROUP])
+    finally:
+        node.stop()
+    assert out["held"] == [0, 1] and out["direct"] == SECRET.hex()
+    _assert_the_groups(spill)
 
 
 def test_outside_the_group_disk_segments_cannot_be_opened(
