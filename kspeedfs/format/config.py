@@ -72,7 +72,8 @@ class Settings:
             (0: the kernel's default, 128 KiB; needs root).
     Read-through datasets (readthrough.md):
         spill_dir: a disk folder for read-through segments evicted from memory and for the
-            disk tier of preloads (tiers.md) ("": none).
+            disk tier of preloads (tiers.md) ("": none); a folder of the node's own, checked as
+            the shm folder is (security.md).
         spill: the spill folder's budget, the disk tier's and the spill's together.
         source_check_interval: seconds between checks of sources for changes (0: off).
         eviction: which read-through segment leaves memory: `stable` (a dataset keeps what it
