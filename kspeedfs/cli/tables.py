@@ -9,6 +9,13 @@ from typing import Any
 from kspeedfs.format.readthrough_view import READTHROUGH
 from kspeedfs.format.units import format_size
 
+LS_COLUMNS = (
+    "MEMORY and DISK are the bytes of each dataset on each tier, summed over its members "
+    "(each one asked); a `?` after them: a member did not answer, and the sums are of those "
+    "that did. With --json: memory_bytes, disk_bytes, member_bytes (each member's bytes, or "
+    "its error) and unanswered (the members that did not answer)."
+)
+
 
 def ls_table(datasets: list[dict[str, Any]]) -> list[tuple[str, ...]]:
     """Rows for `kspeedfs ls`: MEMORY and DISK are the bytes on each tier summed over the
