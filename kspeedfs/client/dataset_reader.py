@@ -143,8 +143,10 @@ class Reader:
         """Whether file `entry` has bytes in a disk-tier segment this process has not mapped:
         a copy of them (pread) costs less than a map."""
         local = self.local
-        return local is not None and any(
-            local.copies_by_pread(seg) for seg, _off, _n in self.manifest.ranges(entry)
+        return (
+            local is not None
+            and local.has_disk_part
+            and any(local.copies_by_pread(seg) for seg, _off, _n in self.manifest.ranges(entry))
         )
 
     def view(self, entry: int) -> memoryview:

@@ -307,12 +307,12 @@ class ClusterReader:
         ):
             return False
         try:
-            local.read_into(p.seg, p.off, out[p.pos : p.pos + p.n])  # pread from the disk tier
+            local.read_into(p.seg, p.off, out[p.pos : p.pos + p.n])  # pread on the disk tier
         except DataError as e:
             _note_unmappable(ds, e)
             return False
         if held:
-            count_hit(local)  # a fill, the node counted as a miss
+            count_hit(local)  # (a segment filled for this read is the node's miss)
         self.stats["local"] += 1
         self.stats["local_bytes"] += p.n
         return True

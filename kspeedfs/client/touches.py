@@ -40,7 +40,8 @@ class _Target:
     name: str
     uuid: str
     local: ReadThroughDataset
-    failed: bool = False  # a report failed already: later failures are not logged again
+    logged: bool = False  # a failed report was logged: later ones are not, at warning level
+    last_failed: bool = False
 
     def send(self) -> None:
         """One report of the reads since the last one (nothing when there were none)."""
@@ -50,12 +51,18 @@ class _Target:
         request = Touch(name=self.name, uuid=self.uuid, segments=segments, hits=hits)
         try:
             self.cluster.call(self.node, request)
+            self.last_failed = False
         except KSpeedError as e:
-            if not self.failed:
-                self.failed = True
-                log.warning("%s: reads not reported to %s (dropped): %s", self.name, self.node, e)
-            else:
-                log.debug("%s: reads not reported to %s: %s", self.name, self.node, e)
+            self.last_failed = True
+            level = logging.DEBUG if self.logged else logging.WARNING
+            self.logged = True
+            log.log(level, "%s: reads not reported to %s (dropped): %s", self.name, self.node, e)
+
+    def send_at_exit(self) -> None:
+        """The last report, unless the one before failed: exit waits for no node that is
+        down."""
+        if not self.last_failed:
+            self.send()
 
 
 class TouchReporter:
@@ -89,7 +96,7 @@ class TouchReporter:
             )
             thread.start()
             # At exit (a DataLoader worker's too: multiprocessing runs these), the last reads.
-            multiprocessing.util.Finalize(self, self._target.send, exitpriority=10)
+            multiprocessing.util.Finalize(self, self._target.send_at_exit, exitpriority=10)
 
     def _forked(self) -> None:
         """In a child process: no thread yet, and the counts it inherited are the parent's."""

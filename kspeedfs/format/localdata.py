@@ -206,6 +206,11 @@ class LocalDataset:
             self._disk_files[seg] = f
         return f
 
+    @property
+    def has_disk_part(self) -> bool:
+        """Whether segments of it may lie on the disk tier (else all are in memory)."""
+        return self._memory_dev is not None
+
     def copies_by_pread(self, seg: int) -> bool:
         """Whether a copy of segment `seg` is read with pread rather than through a map."""
         try:
