@@ -17,15 +17,18 @@ import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
+import hypothesis.strategies as st
 import pytest
 import torch
 from clusterutil import Cluster, running
 from conftest import NodeProcess, free_port, run_cli, wait_for
+from hypothesis import given, settings
 from prometheus_client.parser import text_string_to_metric_families
 
 from kspeedfs.client import admin
 from kspeedfs.client.dataset_reader import CacheRef, Reader
-from kspeedfs.format.errors import KSpeedError
+from kspeedfs.format.errors import DataError, KSpeedError
+from kspeedfs.format.localdata import LocalDataset
 from kspeedfs.format.units import format_size
 from pytorch_ext import KSpeedFolder
 
@@ -98,9 +101,9 @@ def test_ls_sums_each_tier_over_the_members_and_marks_one_that_does_not_answer(
         def tiers() -> dict[str, dict]:
             return {n.address: cluster.listing(n)["spread"] for n in cluster.nodes}
 
-        def settled() -> bool:  # small's promotions done: its memory is full
+        def settled() -> bool:  # small's promotions done: no room for another segment
             before = tiers()
-            time.sleep(0.3)
+            time.sleep(1.2)  # more than two rounds of its promoter (every 0.5 s)
             return tiers() == before
 
         wait_for(settled, what="the promotions to end")
@@ -184,6 +187,7 @@ def test_copies_of_disk_segments_are_preads_views_are_maps_and_an_old_instance_f
     for rel, entry in entries.items():
         assert bytes(reader.view(entry)) == files[rel]  # zero-copy: a view of the map
     assert maps_under(disk_dir)
+    preads_equal_maps(_listed(node, "d")["path"], m.segments)
 
     # An instance's copies come from its own folders: loaded again from a changed source, a
     # reader of the old one gets an error for every file it had not read, never the new bytes.
@@ -203,6 +207,30 @@ def test_copies_of_disk_segments_are_preads_views_are_maps_and_an_old_instance_f
             continue
         assert out == files[rel], rel  # only ever the old instance's bytes
     assert refused == len(files)
+
+
+def preads_equal_maps(path: str, segments: int) -> None:
+    """Any range of any segment, as a caller may ask: the pread copy is the map's bytes, or
+    both refuse it (DataError), and nothing else goes wrong."""
+    preads, maps = LocalDataset(path), LocalDataset(path)  # the first maps no disk segment
+
+    @settings(max_examples=150, deadline=None)
+    @given(
+        seg=st.integers(-2, segments + 1),
+        offset=st.one_of(st.integers(-3, 8), st.integers(0, 2 * MiB)),
+        length=st.one_of(st.integers(0, 8), st.integers(0, 2 * MiB)),
+    )
+    def check(seg: int, offset: int, length: int) -> None:
+        out = bytearray(length)
+        try:
+            preads.read_into(seg, offset, memoryview(out))
+        except DataError:
+            with pytest.raises(DataError):
+                maps.view(seg, offset, length)
+            return
+        assert out == maps.view(seg, offset, length)
+
+    check()
 
 
 def scrape(port: int) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
