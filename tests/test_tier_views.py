@@ -60,6 +60,7 @@ def nodes() -> Iterator[list[NodeProcess]]:
     for n in made:
         n.stop()
         shutil.rmtree(n.shm_dir, ignore_errors=True)
+        shutil.rmtree(n.shm_dir.with_name(n.shm_dir.name + ".run"), ignore_errors=True)  # socket
 
 
 def ls_json(env: dict[str, str]) -> dict[str, dict]:
