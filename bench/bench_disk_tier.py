@@ -1,6 +1,6 @@
 """Disk-tier benchmark: reads of a dataset on the node's disk tier against one in memory.
 
-    .venv/bin/python bench/bench_disk_tier.py [--files 2000] [--size 64KiB] [--epochs 3]
+    PYTHONPATH=$PWD .venv/bin/python bench/bench_disk_tier.py [--files 2000] [--size 64KiB] [--epochs 3]
 
 One node with a memory budget for one copy and a disk tier (`spill_dir`) for another: the same
 source preloaded twice, `--tier memory` and `--tier disk`. Each side reads every file in a
@@ -9,6 +9,12 @@ take it) and through the mount, on a warm page cache (the disk tier's files were
 written), alternating sides, memory warmed (touched and freed) before each. Target: the disk
 tier's files/s at least 0.5 of memory's. After the first epoch the source folder is moved
 away: every later epoch reads it whole, so not one byte of it came from the source.
+
+"fast path" reads views (maps, zero-copy) and copies them out; "fast copy" is the fast path's
+copying read (`gather`, what `fetch` and `scratch_view` do): a disk-tier segment copied with
+pread, a memory one from its map. The last lines copy every file of the disk tier both ways,
+map and pread, from a fresh instance (as a new DataLoader worker would), on a warm page cache
+and on a cold one (our segments' pages dropped with fadvise).
 """
 
 from __future__ import annotations
@@ -30,10 +36,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from bench_fuse import list_files, read_files  # noqa: E402
-from kspeedfs.localproc import KSPEEDFS, MountProcess, NodeProcess  # noqa: E402
 
 from kspeedfs.demo import ensure_sample  # noqa: E402
 from kspeedfs.format.units import format_size  # noqa: E402
+from kspeedfs.testing.mount import MountProcess  # noqa: E402
+from kspeedfs.testing.node import NodeProcess  # noqa: E402
+from kspeedfs.testing.process import KSPEEDFS  # noqa: E402
 from pytorch_ext import KSpeedFolder  # noqa: E402
 
 TARGET = 0.5
@@ -56,6 +64,69 @@ def read_fast(ds: KSpeedFolder, order: Sequence[int]) -> float:
         view = ds.read_index(i)
         out[: len(view)] = view
     return time.perf_counter() - started
+
+
+def read_copied(ds: KSpeedFolder, entries: Sequence[int]) -> float:
+    """Every file once through the fast path's copying read (gather) into one buffer."""
+    reader = ds._reader  # the process's Reader: gather is what fetch and scratch_view use
+    sizes = reader.manifest.size
+    out = memoryview(BUF)
+    started = time.perf_counter()
+    for e in entries:
+        reader.gather([(e, 0, int(sizes[e]))], out[: int(sizes[e])])
+    return time.perf_counter() - started
+
+
+def drop_page_cache(folder: Path) -> None:
+    """The kernel's cached pages of the files in one folder (ours), dropped: a cold read (as
+    far as the guest goes: a virtual disk may have the host's cache behind it)."""
+    for name in os.listdir(folder):
+        fd = os.open(folder / name, os.O_RDONLY)
+        try:
+            os.fsync(fd)  # dirty pages are not dropped
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+
+
+def map_against_pread(
+    path: str, entries: Sequence[int], cold: bool, rounds: int = 3
+) -> dict[str, float] | None:
+    """Best seconds of `rounds` to copy every file of a dataset folder, in `entries`' order,
+    out of a fresh map and with pread, the two alternating (None: this tree's LocalDataset
+    has no pread). `cold`: the segments' pages dropped from the page cache before each."""
+    from kspeedfs.format.localdata import LocalDataset, read_meta
+
+    if not hasattr(LocalDataset, "read_into"):
+        return None
+    seg_dir = Path(read_meta(Path(path))["disk_dir"]) / "seg"
+    out = memoryview(BUF)
+    best: dict[str, float] = {}
+    for _ in range(rounds):
+        for how in ("map", "pread"):
+            local = LocalDataset(path)
+            pieces = [p for e in entries for p in local.manifest.ranges(e)]
+            warm_memory(256 << 20)
+            if cold:
+                drop_page_cache(seg_dir)
+            started = time.perf_counter()
+            for seg, off, n in pieces:
+                if how == "map":
+                    out[:n] = local.view(seg, off, n)
+                else:
+                    local.read_into(seg, off, out[:n])
+            took = time.perf_counter() - started
+            best[how] = min(best.get(how, took), took)
+            local.release()
+    return best
+
+
+def show_tiers(node: NodeProcess) -> None:
+    for d in node.request("list")["datasets"]:
+        print(
+            f"  {d['name']:5s} memory {format_size(d['stored']):>10s}"
+            f"  disk {format_size(d['disk_stored']):>10s}"
+        )
 
 
 def main() -> int:
@@ -89,7 +160,9 @@ def main() -> int:
     from kspeedfs.format import auth
 
     auth.write_token(token, auth.new_admin_token())
-    memory = data_bytes + data_bytes // 5 + (64 << 20)
+    # Memory for one copy and less than a segment more: nothing of the disk side moves to
+    # memory (promotion) while it is measured.
+    memory = data_bytes + data_bytes // 50 + (4 << 20)
     node = NodeProcess(
         Path("/dev/shm") / f"kspeedfs-bench-{os.urandom(5).hex()}",
         token,
@@ -111,11 +184,7 @@ def main() -> int:
             )
             if done.returncode != 0:
                 raise SystemExit(done.stderr)
-        for d in node.request("list")["datasets"]:
-            print(
-                f"  {d['name']:5s} memory {format_size(d['stored']):>10s}"
-                f"  disk {format_size(d['disk_stored']):>10s}"
-            )
+        show_tiers(node)
         mount = MountProcess(workdir / "mnt", env, workdir).start()
         kw = {"nodes": node.address, "token": str(token)}
         sides = {name: KSpeedFolder(str(source), objname=name, **kw) for name in ("mem", "disk")}
@@ -133,6 +202,8 @@ def main() -> int:
                 index = {rel: i for i, rel in enumerate(ds.files)}
                 order = [index[os.fsdecode(rel)] for rel, _ in shuffled]
                 timed((name, "fast path"), lambda ds=ds, order=order: read_fast(ds, order))
+                entries = [ds._index.entry(i) for i in order]
+                timed((name, "fast copy"), lambda ds=ds, e=entries: read_copied(ds, e))
                 served = mount.mountpoint / name
                 timed(
                     (name, "mount"),
@@ -141,7 +212,7 @@ def main() -> int:
             if epoch == 0:
                 os.rename(source, workdir / "src-moved-away")
         print(f"files/s per epoch ({args.epochs} epochs; the source moved away after the first):")
-        for how in ("fast path", "mount"):
+        for how in ("fast path", "fast copy", "mount"):
             mem, disk = rates[("mem", how)], rates[("disk", how)]
             best_mem, best_disk = max(mem[1:] or mem), max(disk[1:] or disk)
             print(
@@ -149,6 +220,20 @@ def main() -> int:
                 f"   disk {' '.join(f'{r:8.0f}' for r in disk)}"
                 f"   disk/memory {best_disk / best_mem:5.2f} (target >= {TARGET})"
             )
+        listed = {d["name"]: d for d in node.request("list")["datasets"]}
+        on_disk = sides["disk"]
+        index = {rel: i for i, rel in enumerate(on_disk.files)}
+        entries = [on_disk._index.entry(index[os.fsdecode(rel)]) for rel, _ in shuffled]
+        for cold in (False, True):
+            both = map_against_pread(listed["disk"]["path"], entries, cold)
+            if both is not None:
+                print(
+                    f"  disk tier copied, fresh instance, {'cold' if cold else 'warm'} page cache"
+                    f" (best of 3): map {n / both['map']:8.0f} files/s"
+                    f"   pread {n / both['pread']:8.0f} files/s"
+                    f"   pread/map {both['map'] / both['pread']:5.2f}"
+                )
+        show_tiers(node)  # the same as before: the disk side stayed on disk
         cache = node.request("status")["cache"]
         print(
             f"source bytes after the first epoch: 0 (epochs 2..{args.epochs} read every file with"

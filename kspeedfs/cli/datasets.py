@@ -7,8 +7,9 @@ import json
 from typing import Any
 
 from kspeedfs.cli.settings import settings_from
-from kspeedfs.cli.tables import print_table
+from kspeedfs.cli.tables import ls_table, print_table
 from kspeedfs.client import admin
+from kspeedfs.client.tier_bytes import cluster_tiers
 from kspeedfs.format.config import Settings
 from kspeedfs.format.contract.node import List, Rebalance, Unload
 from kspeedfs.format.contract.readthrough import Refresh
@@ -84,44 +85,20 @@ def _preload_decoded(args: argparse.Namespace) -> None:
 
 
 def cmd_ls(args: argparse.Namespace) -> int:
-    with admin.connect(settings_from(args)) as client:
-        datasets = client.call(List())["datasets"]
+    settings = settings_from(args)
+    with admin.connect(settings) as client:
+        listing = client.call(List())
+        datasets = listing["datasets"]
         _add_decoded(client, datasets)
+    # The tiers over the cluster: each member's own bytes, asked of it.
+    tiers = cluster_tiers(settings, str(listing.get("node", "")), datasets)
+    for d in datasets:
+        if d["name"] in tiers:
+            d.update(tiers[d["name"]].to_wire())
     if args.json:
         print(json.dumps(datasets, indent=2))
         return 0
-    rows: list[tuple[str, ...]] = [
-        ("NAME", "FILES", "BYTES", "STATE", "LIFETIME", "MEMORY", "DISK", "SOURCE")
-    ]
-    for d in datasets:
-        files = d.get("files", d.get("files_total", 0))
-        size = d.get("bytes", d.get("bytes_total", 0))
-        state = d["state"]
-        if state == "loading" and d.get("bytes_total"):
-            state = f"loading {100 * d['bytes_done'] / d['bytes_total']:.0f}%"
-        if state == "failed":
-            state = f"failed: {d.get('error', '')}"
-        rows.append(
-            (
-                d["name"],
-                str(files),
-                format_size(size),
-                state,
-                d.get("lifetime", "-"),
-                format_size(d.get("stored", 0)),  # the tiers: on the node asked
-                format_size(d.get("disk_stored", 0)),
-                d.get("source", ""),
-            )
-        )
-        if d.get("decoded_variants"):
-            from kspeedfs.client.decoded import describe
-
-            variants = d["decoded_variants"].values()
-            rows[-1] += (", ".join(describe(v) for v in variants),)
-    if any(len(r) > len(rows[0]) for r in rows):
-        cols = len(rows[0])
-        rows = [rows[0] + ("DECODED",)] + [r + ("-",) * (cols + 1 - len(r)) for r in rows[1:]]
-    print_table(rows)
+    print_table(ls_table(datasets))
     return 0
 
 

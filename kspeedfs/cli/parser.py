@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 
 from kspeedfs import __version__
+from kspeedfs.cli.tables import LS_COLUMNS
 from kspeedfs.format import auth
 from kspeedfs.format.errors import EXIT_CODES_DOC
 
@@ -103,8 +104,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
 
-    for name, help_text in (("ls", "list datasets"), ("status", "show the nodes")):
-        p = sub.add_parser(name, help=help_text)
+    for name, help_text, epilog in (
+        ("ls", "list datasets", LS_COLUMNS),
+        ("status", "show the nodes", None),
+    ):
+        p = sub.add_parser(name, help=help_text, epilog=epilog)
         _client_options(p)
         p.add_argument("--json", action="store_true", help="machine-readable output")
 

@@ -1,4 +1,5 @@
-"""Tables that `kspeedfs status` prints: the cache state of every dataset on every node."""
+"""Tables that `kspeedfs status` and `kspeedfs ls` print: the datasets, and the cache state
+of every dataset on every node."""
 
 from __future__ import annotations
 
@@ -7,6 +8,51 @@ from typing import Any
 
 from kspeedfs.format.readthrough_view import READTHROUGH
 from kspeedfs.format.units import format_size
+
+LS_COLUMNS = (
+    "MEMORY and DISK are the bytes of each dataset on each tier, summed over its members "
+    "(each one asked); a `?` after them: a member did not answer, and the sums are of those "
+    "that did. With --json: memory_bytes, disk_bytes, member_bytes (each member's bytes, or "
+    "its error) and unanswered (the members that did not answer)."
+)
+
+
+def ls_table(datasets: list[dict[str, Any]]) -> list[tuple[str, ...]]:
+    """Rows for `kspeedfs ls`: MEMORY and DISK are the bytes on each tier summed over the
+    dataset's members, with a `?` where a member did not answer (then they are a lower bound)."""
+    rows: list[tuple[str, ...]] = [
+        ("NAME", "FILES", "BYTES", "STATE", "LIFETIME", "MEMORY", "DISK", "SOURCE")
+    ]
+    for d in datasets:
+        files = d.get("files", d.get("files_total", 0))
+        size = d.get("bytes", d.get("bytes_total", 0))
+        state = d["state"]
+        if state == "loading" and d.get("bytes_total"):
+            state = f"loading {100 * d['bytes_done'] / d['bytes_total']:.0f}%"
+        if state == "failed":
+            state = f"failed: {d.get('error', '')}"
+        unsure = "?" if d.get("unanswered") else ""
+        rows.append(
+            (
+                d["name"],
+                str(files),
+                format_size(size),
+                state,
+                d.get("lifetime", "-"),
+                format_size(d.get("memory_bytes", d.get("stored", 0))) + unsure,
+                format_size(d.get("disk_bytes", d.get("disk_stored", 0))) + unsure,
+                d.get("source", ""),
+            )
+        )
+        if d.get("decoded_variants"):
+            from kspeedfs.client.decoded import describe
+
+            variants = d["decoded_variants"].values()
+            rows[-1] += (", ".join(describe(v) for v in variants),)
+    if any(len(r) > len(rows[0]) for r in rows):
+        cols = len(rows[0])
+        rows = [rows[0] + ("DECODED",)] + [r + ("-",) * (cols + 1 - len(r)) for r in rows[1:]]
+    return rows
 
 
 def cache_table(nodes: list[dict[str, Any]]) -> list[tuple[str, ...]]:

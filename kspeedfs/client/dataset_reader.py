@@ -1,5 +1,9 @@
 """One process's access to one dataset instance: zero-copy views where local, the one read
-policy (ClusterReader) for the rest. The fast path and the fsspec filesystem both read this way."""
+policy (ClusterReader) for the rest. The fast path and the fsspec filesystem both read this way.
+
+Views are maps; reads that copy (`scratch_view`, `fetch`, `gather`) read a segment of the
+node's disk tier with pread instead (localdata). Reads of a read-through dataset's segments
+through the map are reported to the node (touches), which cannot see them."""
 
 from __future__ import annotations
 
@@ -12,12 +16,14 @@ import numpy as np
 import xxhash
 
 from kspeedfs.client.handle import DatasetHandle
-from kspeedfs.client.reader import ClusterReader, local_node_for
+from kspeedfs.client.reader import ClusterReader, count_hit, local_node_for
+from kspeedfs.client.touches import TouchReporter
 from kspeedfs.format.config import Settings
 from kspeedfs.format.contract.readthrough import Plan
 from kspeedfs.format.errors import DataError, InvalidArgument
 from kspeedfs.format.localdata import LocalDataset
 from kspeedfs.format.manifest import Manifest
+from kspeedfs.format.readthrough_view import ReadThroughDataset
 
 PLAN_CHUNK = 65536  # segment uses per `plan` request: well inside a frame
 
@@ -62,6 +68,11 @@ class Reader:
         # segments of a read-through one come and go, and a cached view would pin them.
         self.all_local = (
             type(self.local) is LocalDataset and len(self.local.held) == self.manifest.segments
+        )
+        self._touches = (
+            TouchReporter(self.cluster, local_node, self.handle)
+            if isinstance(self.local, ReadThroughDataset) and local_node is not None
+            else None
         )
         self._scratch = threading.local()
         self._seg_views: dict[int, memoryview] = {}
@@ -119,10 +130,24 @@ class Reader:
         if self.is_local(entry):
             assert self.local is not None
             try:
-                return self.local.file_view(entry)
+                view = self.local.file_view(entry)
             except DataError:
-                pass  # unloaded before we mapped it: the read policy finds another copy
+                return None  # unloaded before we mapped it: the read policy finds another copy
+            if self._touches is not None:
+                count_hit(self.local)
+                self._touches.note()
+            return view
         return None
+
+    def _copies_by_pread(self, entry: int) -> bool:
+        """Whether file `entry` has bytes in a disk-tier segment this process has not mapped:
+        a copy of them (pread) costs less than a map."""
+        local = self.local
+        return (
+            local is not None
+            and local.has_disk_part
+            and any(local.copies_by_pread(seg) for seg, _off, _n in self.manifest.ranges(entry))
+        )
 
     def view(self, entry: int) -> memoryview:
         """File `entry`'s bytes: a view of shared memory when local, else a fresh buffer."""
@@ -135,9 +160,9 @@ class Reader:
         return memoryview(out)
 
     def scratch_view(self, entry: int) -> memoryview:
-        """Like `view`, but remote bytes land in a reusable per-thread buffer (valid until the
-        next call: for decoding right away)."""
-        mapped = self._mapped(entry)
+        """Like `view`, but remote bytes, and those of the disk tier, land in a reusable
+        per-thread buffer (valid until the next call: for decoding right away)."""
+        mapped = None if self._copies_by_pread(entry) else self._mapped(entry)
         if mapped is not None:
             return mapped
         n = int(self.manifest.size[entry])
@@ -195,5 +220,7 @@ class Reader:
 
     def gather(self, requests: Sequence[tuple[int, int, int]], out: memoryview) -> None:
         """Fill `out` with bytes [offset, offset+length) of each (entry, offset, length), back to
-        back, by the cluster's one read policy (local map, owners, verified source)."""
+        back, by the cluster's one read policy (local copy, owners, verified source)."""
         self.cluster.gather(self.handle, requests, out)
+        if self._touches is not None:
+            self._touches.note()

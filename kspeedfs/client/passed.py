@@ -25,6 +25,7 @@ class PassedDataset(LocalDataset):
         self._dir_fd = self._seg_fd = -1
         try:
             self.manifest = Manifest(self.path / "manifest.ksm", fd=manifest_fd)
+            self._init_copies(os.fstat(manifest_fd).st_dev)  # the manifest is in memory
         finally:
             os.close(manifest_fd)  # the mapping keeps what it needs
         self._fds = segments

@@ -42,7 +42,7 @@ from kspeedfs.format.errors import (
 )
 from kspeedfs.format.localdata import LocalDataset
 from kspeedfs.format.manifest import Manifest
-from kspeedfs.format.readthrough_view import open_local
+from kspeedfs.format.readthrough_view import ReadThroughDataset, open_local
 from kspeedfs.format.tls import client_context
 from kspeedfs.format.units import parse_address
 from kspeedfs.net.connection import NodeClient
@@ -292,10 +292,13 @@ class ClusterReader:
             self._verify_whole_files(ds, requests, remote_entries, out)
 
     def _copy_local(self, ds: DatasetHandle, p: Piece, out: memoryview) -> bool:
+        """Piece `p` copied out of this node's copy (a read-through segment filled here first
+        when this node fills it); False: it is not here."""
         local = ds.local
         if local is None:
             return False
-        if not local.holds(p.seg) and not (
+        held = local.holds(p.seg)
+        if not held and not (
             ds.readthrough
             and self.local_node is not None
             and self._fill_owner(ds, p.seg, set()) == self.local_node
@@ -304,10 +307,12 @@ class ClusterReader:
         ):
             return False
         try:
-            out[p.pos : p.pos + p.n] = local.view(p.seg, p.off, p.n)
+            local.read_into(p.seg, p.off, out[p.pos : p.pos + p.n])  # pread on the disk tier
         except DataError as e:
             _note_unmappable(ds, e)
             return False
+        if held:
+            count_hit(local)  # (a segment filled for this read is the node's miss)
         self.stats["local"] += 1
         self.stats["local_bytes"] += p.n
         return True
@@ -494,7 +499,11 @@ def local_node_for(settings: Settings) -> str | None:
     )
 
 
-DEGRADED_LOG_EVERY_S = 10.0
+def count_hit(local: LocalDataset | None) -> None:
+    """A read served from this node's map of a read-through dataset: a hit the node learns of
+    from the reader's next report (`touch`), since it cannot see reads of its memory."""
+    if isinstance(local, ReadThroughDataset):
+        local.hits += 1
 
 
 DEGRADED_LOG_EVERY_S = 10.0

@@ -11,10 +11,16 @@ folder, whose segments are gone, so it gets an error (and fails over), never the
 A segment on the node's disk tier lies in the folder meta.json names ("disk_dir", one per
 instance), opened once beside seg/; one moved to memory is renamed into seg/ before it leaves
 the disk, so a lookup tries seg/, then the disk, then seg/ again.
+
+Views are maps. A copy (`read`, `read_into`) of a disk-tier segment that this process has not
+mapped is read with pread from the segment's open file instead: a map of a segment that is not
+in memory buys page-table setup and faults for a copy, and a process mapping a disk tier larger
+than memory holds a map (and its page tables) for every segment it ever read.
 """
 
 from __future__ import annotations
 
+import io
 import json
 import mmap
 import os
@@ -89,6 +95,14 @@ class LocalDataset:
         self._lock = threading.Lock()
         # Published datasets never change, so which segments are here is known once and for all.
         self.held = frozenset(_segments_in(self._seg_fd) | _segments_in(self._disk_fd))
+        self._init_copies(os.fstat(self._dir_fd).st_dev if self._disk_fd >= 0 else None)
+
+    def _init_copies(self, memory_dev: int | None) -> None:
+        """Copies by pread: `memory_dev` is the device of the memory folder (a segment on
+        another one is on the disk tier); None: every segment is in memory."""
+        self._memory_dev = memory_dev
+        # Per segment: its open file when it lies on the disk tier, None when in memory.
+        self._disk_files: dict[int, io.FileIO | None] = {}
 
     def __del__(self) -> None:
         # Closed only here, never in release(): a thread may still be opening a segment
@@ -156,11 +170,86 @@ class LocalDataset:
         return m
 
     def release(self) -> None:
-        """Stop using this instance (it was unloaded): its maps are dropped, not closed, since a
-        reader may still hold one; each unmaps when its last reference goes."""
+        """Stop using this instance (it was unloaded): its maps and files are dropped, not
+        closed, since a reader may still hold one; each closes when its last reference goes."""
         with self._lock:
             self._maps.clear()
+            self._disk_files.clear()
             self.held = frozenset()
+
+    def _disk_file(self, seg: int) -> io.FileIO | None:
+        """Segment `seg`'s open file when a copy of it is best read with pread (it lies on the
+        disk tier, and this process has no map of it); None: copy from its map."""
+        if self._memory_dev is None or seg in self._maps:
+            return None
+        try:
+            return self._disk_files[seg]
+        except KeyError:
+            pass
+        if seg not in self.held:
+            raise DataError(f"segment {seg} of {self.path.name} is not held on this node")
+        with self._lock:
+            if seg in self._disk_files:
+                return self._disk_files[seg]
+            try:
+                fd = self._open_segment(seg)
+            except OSError as e:
+                raise DataError(f"cannot open segment {seg} of {self.path.name}: {e}") from None
+            opened = io.FileIO(fd, "rb", closefd=True)
+            st = os.fstat(fd)
+            f = None if st.st_dev == self._memory_dev else opened
+            if f is None:
+                opened.close()  # in memory: mapped
+            elif st.st_size != int(self.manifest.seg_len[seg]):
+                opened.close()
+                raise DataError(f"segment {seg} of {self.path.name} has the wrong length")
+            self._disk_files[seg] = f
+        return f
+
+    @property
+    def has_disk_part(self) -> bool:
+        """Whether segments of it may lie on the disk tier (else all are in memory)."""
+        return self._memory_dev is not None
+
+    def copies_by_pread(self, seg: int) -> bool:
+        """Whether a copy of segment `seg` is read with pread rather than through a map."""
+        try:
+            return self._disk_file(seg) is not None
+        except DataError:
+            return False  # not here (any more): the read that follows says so
+
+    def _check_range(self, seg: int, offset: int, length: int) -> None:
+        if offset < 0 or length < 0 or offset + length > int(self.manifest.seg_len[seg]):
+            raise DataError(f"range {offset}+{length} past the end of segment {seg}")
+
+    def read_into(self, seg: int, offset: int, out: memoryview) -> None:
+        """Bytes [offset, offset+len(out)) of segment `seg`, copied into `out`: from its map,
+        or with preadv where the segment lies on the disk tier and is not mapped here."""
+        f = self._disk_file(seg)
+        if f is None:
+            out[:] = self.view(seg, offset, len(out))
+            return
+        self._check_range(seg, offset, len(out))
+        try:
+            got = os.preadv(f.fileno(), [out], offset)
+        except OSError as e:
+            raise DataError(f"cannot read segment {seg} of {self.path.name}: {e}") from None
+        if got != len(out):  # its length was checked: it was cut short since
+            raise DataError(f"segment {seg} of {self.path.name} ends early")
+
+    def _copy(self, seg: int, offset: int, length: int) -> bytes:
+        """A copy of bytes [offset, offset+length) of segment `seg` (pread where that pays)."""
+        f = self._disk_file(seg)
+        if f is None:
+            return self.view(seg, offset, length).tobytes()
+        self._check_range(seg, offset, length)
+        try:
+            data = os.pread(f.fileno(), length, offset)
+        except OSError as e:
+            raise DataError(f"cannot read segment {seg} of {self.path.name}: {e}") from None
+        if len(data) != length:
+            raise DataError(f"segment {seg} of {self.path.name} ends early")
+        return data
 
     def view(self, seg: int, offset: int, length: int) -> memoryview:
         m = self.segment(seg)
@@ -175,7 +264,7 @@ class LocalDataset:
             return memoryview(b"")
         if len(pieces) == 1:
             return self.view(*pieces[0])
-        return memoryview(b"".join(self.view(*p) for p in pieces))
+        return memoryview(b"".join(self._copy(*p) for p in pieces))  # a copy anyway
 
     def read_view(self, i: int, offset: int, length: int) -> memoryview | bytes:
         """Bytes [offset, offset+length) of file i: a view of the segment where they lie in one
@@ -190,7 +279,5 @@ class LocalDataset:
         """A copy of bytes [offset, offset+length) of file i (what FUSE hands to the kernel)."""
         pieces = self.manifest.ranges(i, offset, length)
         if len(pieces) == 1:
-            seg, off, n = pieces[0]
-            m = self.segment(seg)
-            return m[off : off + n]
-        return b"".join(self.segment(s)[o : o + n] for s, o, n in pieces)
+            return self._copy(*pieces[0])
+        return b"".join(self._copy(*p) for p in pieces)
