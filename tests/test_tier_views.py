@@ -27,6 +27,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from kspeedfs.client import admin
 from kspeedfs.client.dataset_reader import CacheRef, Reader
+from kspeedfs.format import localdata
 from kspeedfs.format.errors import DataError, KSpeedError
 from kspeedfs.format.localdata import LocalDataset
 from kspeedfs.format.units import format_size
@@ -154,8 +155,10 @@ def maps_under(folder: Path) -> list[str]:
 
 
 def test_copies_of_disk_segments_are_preads_views_are_maps_and_an_old_instance_fails(
-    tmp_path: Path, token_file: Path, nodes: list[NodeProcess]
+    tmp_path: Path, token_file: Path, nodes: list[NodeProcess], monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    # Fewer open segment files than the dataset has disk segments: the oldest are let go.
+    monkeypatch.setattr(localdata, "OPEN_DISK_FILES", 2)
     disk_dir = tmp_path / "disk"
     node = shm_node(
         tmp_path, token_file, "--spill-dir", str(disk_dir), "--spill", "64MiB", memory="1MiB"
@@ -182,6 +185,7 @@ def test_copies_of_disk_segments_are_preads_views_are_maps_and_an_old_instance_f
         assert bytes(reader.fetch([entry])[entry]) == files[rel], rel
     assert reader.cluster.stats["local"] > 0 and not reader.cluster.stats["source"]
     assert maps_under(disk_dir) == []  # every copy was a pread: no segment mapped
+    assert 0 < len(fds_under(disk_dir)) <= 2  # of the 7 segments read, 2 stay open
 
     spans = [e for e in entries.values() if len(m.ranges(e)) > 1]
     assert spans, "no file spans two segments"
@@ -208,6 +212,19 @@ def test_copies_of_disk_segments_are_preads_views_are_maps_and_an_old_instance_f
             continue
         assert out == files[rel], rel  # only ever the old instance's bytes
     assert refused == len(files)
+
+
+def fds_under(folder: Path) -> list[str]:
+    """This process's open files (not folders) under `folder`."""
+    found = []
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            target = os.readlink(f"/proc/self/fd/{fd}")
+        except OSError:
+            continue  # closed meanwhile (the listing's own)
+        if target.startswith(str(folder.resolve())) and os.path.isfile(target):
+            found.append(target)
+    return found
 
 
 def preads_equal_maps(path: str, segments: int) -> None:

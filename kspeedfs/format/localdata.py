@@ -25,6 +25,7 @@ import json
 import mmap
 import os
 import threading
+from collections import OrderedDict
 from pathlib import Path
 from typing import Any
 
@@ -34,6 +35,7 @@ from kspeedfs.format.manifest import Manifest
 MANIFEST_FILE = "manifest.ksm"
 META_FILE = "meta.json"
 SEGMENT_DIR = "seg"
+OPEN_DISK_FILES = 64  # disk-tier segments a process keeps open for pread
 _DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 
 
@@ -101,8 +103,10 @@ class LocalDataset:
         """Copies by pread: `memory_dev` is the device of the memory folder (a segment on
         another one is on the disk tier); None: every segment is in memory."""
         self._memory_dev = memory_dev
-        # Per segment: its open file when it lies on the disk tier, None when in memory.
-        self._disk_files: dict[int, io.FileIO | None] = {}
+        # Per segment: its open file when it lies on the disk tier, None when in memory; the
+        # most recent OPEN_DISK_FILES only, so a process reading a large disk tier does not
+        # run out of descriptors (one dropped closes when its last reader lets go of it).
+        self._disk_files: OrderedDict[int, io.FileIO | None] = OrderedDict()
 
     def __del__(self) -> None:
         # Closed only here, never in release(): a thread may still be opening a segment
@@ -182,14 +186,11 @@ class LocalDataset:
         disk tier, and this process has no map of it); None: copy from its map."""
         if self._memory_dev is None or seg in self._maps:
             return None
-        try:
-            return self._disk_files[seg]
-        except KeyError:
-            pass
         if seg not in self.held:
             raise DataError(f"segment {seg} of {self.path.name} is not held on this node")
         with self._lock:
             if seg in self._disk_files:
+                self._disk_files.move_to_end(seg)
                 return self._disk_files[seg]
             try:
                 fd = self._open_segment(seg)
@@ -204,6 +205,8 @@ class LocalDataset:
                 opened.close()
                 raise DataError(f"segment {seg} of {self.path.name} has the wrong length")
             self._disk_files[seg] = f
+            while len(self._disk_files) > OPEN_DISK_FILES:
+                self._disk_files.popitem(last=False)  # not closed: a pread may be using it
         return f
 
     @property
