@@ -45,7 +45,7 @@ from kspeedfs.format.localdata import (
     segment_path,
 )
 from kspeedfs.format.names import validate_name
-from kspeedfs.format.readthrough_view import open_local
+from kspeedfs.format.readthrough_view import READTHROUGH, open_local
 from kspeedfs.format.units import format_size
 from kspeedfs.node.safedir import (
     DIR_FLAGS,
@@ -187,7 +187,11 @@ class SegmentStore:
         if self.disk_root is None:
             return
         (self.disk_root / DISK_STAGING).mkdir(parents=True, exist_ok=True, mode=0o750)
-        keep = {f"{r.name}.{r.uuid}" for r in self.datasets.values() if r.disk}
+        keep = {
+            f"{r.name}.{r.uuid}"
+            for r in self.datasets.values()
+            if r.disk or r.lifetime == READTHROUGH  # read-through: the cache checks its own
+        }
         for folder in sorted(self.disk_root.iterdir()):
             if folder.name != DISK_STAGING and folder.name not in keep:
                 log.info("removing disk-tier data of a dataset that is gone: %s", folder.name)
@@ -392,6 +396,8 @@ class SegmentStore:
         disk-tier part (`disk_staging`, meta's "disk" segments) is put in place first."""
         name = validate_name(meta["name"])
         folder = self._staged_name(staging)
+        if disk_staging is None and meta.get("lifetime") == READTHROUGH and self.disk_root:
+            disk_staging = self.new_disk_staging(name)  # where its fills land when memory is full
         disk_final = None
         if disk_staging is not None:
             disk_final = self._disk_dir(meta)

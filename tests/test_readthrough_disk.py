@@ -1,0 +1,211 @@
+"""Read-through datasets on the disk tier, on real nodes with small budgets: what memory does
+not keep under `stable` and `plan` lands on the disk tier, and later epochs read nothing
+from the source; every byte compared with the source, through the fast path and the mount."""
+
+from __future__ import annotations
+
+import errno
+import os
+import shutil
+import uuid
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+from conftest import MountProcess, NodeProcess, wait_for
+from rt_util import cache_status, mount_source, read_uncached, write_files
+
+from kspeedfs.client import admin
+from pytorch_ext import ClairvoyantSampler, KSpeedFolder
+
+SEGMENT = 256 << 10
+BUDGET = 8 << 20
+FILES = 64  # of one segment each: 16 MiB, twice the budget
+TOTAL = FILES * SEGMENT
+EPOCHS = 3
+
+StartNode = Callable[..., NodeProcess]
+Files = dict[str, bytes]
+
+
+@pytest.fixture
+def make_node(token_file: Path, tmp_path: Path) -> Iterator[StartNode]:
+    """Nodes with an 8 MiB budget, 256 KiB segments, a policy and a disk tier of `disk`
+    bytes (twice the budget by default); stopped and removed after."""
+    made: list[NodeProcess] = []
+
+    def start(policy: str, disk: int = 2 * BUDGET) -> NodeProcess:
+        shm = Path("/dev/shm") / f"kspeedfs-test-{uuid.uuid4().hex[:10]}"
+        spill = tmp_path / f"disk-{uuid.uuid4().hex[:6]}"
+        n = NodeProcess(
+            shm,
+            token_file,
+            tmp_path,
+            memory=str(BUDGET),
+            segment_size=str(SEGMENT),
+            extra=("--eviction", policy, "--spill-dir", str(spill), "--spill", str(disk)),
+        )
+        made.append(n)
+        return n.start()
+
+    yield start
+    for n in made:
+        n.stop()
+        shutil.rmtree(n.shm_dir, ignore_errors=True)
+
+
+@pytest.fixture
+def source(tmp_path: Path) -> tuple[Path, Files]:
+    root = tmp_path / "src" / "big"
+    return root, write_files(root, FILES, SEGMENT)
+
+
+def disk_folders(node: NodeProcess) -> list[Path]:
+    """The read-through instances' folders on the node's disk tier."""
+    tier = Path(node.extra[node.extra.index("--spill-dir") + 1]) / "tier"
+    return sorted(p for p in tier.iterdir() if not p.name.startswith("."))
+
+
+def wrong_bytes(got: Any, want: bytes) -> int:
+    a = np.frombuffer(bytes(got), dtype=np.uint8)
+    b = np.frombuffer(want, dtype=np.uint8)
+    return int(np.count_nonzero(a != b)) if len(a) == len(b) else max(len(a), len(b))
+
+
+def fast_epochs(
+    node: NodeProcess, src: Path, files: Files, name: str, planned: bool
+) -> list[float]:
+    """Shuffled epochs through the fast path (a ClairvoyantSampler's DataLoader, whose
+    prefetcher sends the plan, or a seeded shuffle read file by file); the share of the
+    dataset read from the source in each. Every byte is compared with the source."""
+    admin.register_source(node.settings(), str(src), name=name)
+    ds = KSpeedFolder(src, objname=name, nodes=node.address, token=node.token_file)
+    wrong, shares = 0, []
+    for epoch in range(EPOCHS):
+        before = int(cache_status(node, name)["source_bytes"])
+        if planned:
+            sampler = ClairvoyantSampler(ds, seed=7, depth=2)
+            sampler.set_epoch(epoch)
+            indices = list(sampler)
+            loader = torch.utils.data.DataLoader(ds, batch_size=8, sampler=sampler, collate_fn=list)
+            got = [sample for batch in loader for sample in batch]
+        else:
+            indices = list(np.random.default_rng(epoch).permutation(len(ds)))
+            got = [ds[int(i)] for i in indices]
+        for i, data in zip(indices, got, strict=True):
+            wrong += wrong_bytes(data, files[ds.files[int(i)]])
+        shares.append((int(cache_status(node, name)["source_bytes"]) - before) / TOTAL)
+    assert wrong == 0
+    return shares
+
+
+@pytest.mark.parametrize("policy", ["stable", "plan"])
+def test_a_dataset_twice_the_budget_reads_nothing_from_the_source_after_the_first_epoch(
+    make_node: StartNode, source: tuple[Path, Files], policy: str
+) -> None:
+    src, files = source
+    node = make_node(policy)
+    shares = fast_epochs(node, src, files, "big", planned=policy == "plan")
+    assert shares[0] == pytest.approx(1.0, abs=0.01), shares
+    assert shares[1:] == [0.0] * (EPOCHS - 1), shares
+    st = cache_status(node, "big")
+    assert st["on_disk"] > 0 and st["resident_bytes"] + st["disk_bytes"] == TOTAL, st
+    assert st["disk_misses"] == st["fills_disk"] == st["on_disk"] and st["bypassed"] == 0, st
+    tier = node.request("status")["disk_tier"]
+    assert tier["used"] == st["disk_bytes"], tier  # counted in the disk budget
+
+    node.request("unload", name="big")
+    assert disk_folders(node) == []  # nothing left on disk
+    wait_for(lambda: node.request("status")["disk_tier"]["used"] == 0, what="claims freed")
+
+
+def test_with_the_disk_tier_too_small_the_rest_is_read_from_the_source(
+    make_node: StartNode, source: tuple[Path, Files]
+) -> None:
+    src, files = source
+    node = make_node("stable", disk=BUDGET // 2)
+    shares = fast_epochs(node, src, files, "big", planned=False)
+    st = cache_status(node, "big")
+    kept = st["resident_bytes"] + st["disk_bytes"]
+    assert st["disk_bytes"] <= BUDGET // 2 < st["disk_bytes"] + SEGMENT, st  # the tier is full
+    for share in shares[1:]:
+        assert share == pytest.approx(1 - kept / TOTAL, abs=0.01), (shares, st)
+    assert st["bypassed"] > 0, st
+
+
+@pytest.mark.fuse
+def test_the_mount_reads_the_disk_tier_after_the_first_epoch(
+    make_node: StartNode, source: tuple[Path, Files], tmp_path: Path, mounts: list[MountProcess]
+) -> None:
+    src, files = source
+    node = make_node("stable")
+    m = mount_source(node, tmp_path, mounts, src, "--name", "big")
+    names = sorted(files)
+    wrong, shares = 0, []
+    for epoch in range(EPOCHS):
+        before = int(cache_status(node, "big")["source_bytes"])
+        for i in np.random.default_rng(epoch).permutation(len(names)):
+            rel = names[int(i)]
+            wrong += wrong_bytes(read_uncached(m.mountpoint / rel), files[rel])
+        shares.append((int(cache_status(node, "big")["source_bytes"]) - before) / TOTAL)
+    assert wrong == 0
+    assert shares[0] == pytest.approx(1.0, abs=0.01) and shares[1:] == [0.0, 0.0], shares
+    assert cache_status(node, "big")["on_disk"] > 0
+
+
+@pytest.mark.fuse
+def test_a_source_changed_after_its_segments_landed_on_disk_is_refused_never_served(
+    make_node: StartNode, source: tuple[Path, Files], tmp_path: Path, mounts: list[MountProcess]
+) -> None:
+    """Segments on the disk tier serve the version listed; one lost from the disk is filled
+    again, and then the changed source is refused (the fill fails with SourceChanged, the
+    reader's own verified read with StaleDataset: EIO through a mount), never its new bytes.
+    Read through a mount started afterwards: this process's maps would still hold the lost
+    files' pages."""
+    src, files = source
+    node = make_node("stable")
+    fast_epochs(node, src, files, "big", planned=False)
+    for rel, data in files.items():
+        (src / rel).write_bytes(bytes(len(data)))
+    (folder,) = disk_folders(node)
+    lost = sorted((folder / "seg").iterdir())[::2]
+    for path in lost:
+        path.unlink()
+    m = mount_source(node, tmp_path, mounts, src, "--name", "big")
+    refused = wrong = 0
+    for rel, data in files.items():
+        try:
+            wrong += wrong_bytes(read_uncached(m.mountpoint / rel), data)
+        except OSError as e:
+            assert e.errno == errno.EIO, e
+            refused += 1
+    assert wrong == 0
+    assert refused == len(lost), (refused, len(lost))
+    st = cache_status(node, "big")
+    assert st["stale"] > 0 and st["on_disk"] == FILES - st["in_memory"] - len(lost), st
+
+
+def test_a_restarted_node_keeps_its_disk_tier_segments(
+    make_node: StartNode, source: tuple[Path, Files]
+) -> None:
+    """Killed (-9) after an epoch and started again: the disk segments it finds count again
+    (verified on start) and the next epoch reads nothing from the source."""
+    src, files = source
+    node = make_node("stable")
+    fast_epochs(node, src, files, "big", planned=False)
+    on_disk = cache_status(node, "big")["disk_bytes"]
+    (folder,) = disk_folders(node)
+    (folder / ".fill.00000001.deadbeef").write_bytes(b"unfinished")
+    node.kill9()
+    node.start()
+    st = cache_status(node, "big")
+    assert st["disk_bytes"] == on_disk and st["resident_bytes"] + on_disk == TOTAL, st
+    assert node.request("status")["disk_tier"]["used"] == on_disk
+    assert sorted(os.listdir(folder)) == ["seg"]  # the unfinished fill is gone
+    ds = KSpeedFolder(src, objname="big", nodes=node.address, token=node.token_file)
+    for rel, data in files.items():
+        assert wrong_bytes(ds.read(rel), data) == 0
+    assert cache_status(node, "big")["source_bytes"] == 0
