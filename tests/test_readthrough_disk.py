@@ -15,7 +15,7 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
-from conftest import MountProcess, NodeProcess, wait_for
+from conftest import MountProcess, NodeProcess, preload, wait_for
 from rt_util import cache_status, mount_source, read_uncached, write_files
 
 from kspeedfs.client import admin
@@ -76,7 +76,7 @@ def wrong_bytes(got: Any, want: bytes) -> int:
 
 
 def fast_epochs(
-    node: NodeProcess, src: Path, files: Files, name: str, planned: bool
+    node: NodeProcess, src: Path, files: Files, name: str, planned: bool, epochs: int = EPOCHS
 ) -> list[float]:
     """Shuffled epochs through the fast path (a ClairvoyantSampler's DataLoader, whose
     prefetcher sends the plan, or a seeded shuffle read file by file); the share of the
@@ -84,7 +84,7 @@ def fast_epochs(
     admin.register_source(node.settings(), str(src), name=name)
     ds = KSpeedFolder(src, objname=name, nodes=node.address, token=node.token_file)
     wrong, shares = 0, []
-    for epoch in range(EPOCHS):
+    for epoch in range(epochs):
         before = int(cache_status(node, name)["source_bytes"])
         if planned:
             sampler = ClairvoyantSampler(ds, seed=7, depth=2)
@@ -188,24 +188,64 @@ def test_a_source_changed_after_its_segments_landed_on_disk_is_refused_never_ser
     assert st["stale"] > 0 and st["on_disk"] == FILES - st["in_memory"] - len(lost), st
 
 
-def test_a_restarted_node_keeps_its_disk_tier_segments(
+def test_a_restarted_node_keeps_its_sound_disk_tier_segments(
     make_node: StartNode, source: tuple[Path, Files]
 ) -> None:
-    """Killed (-9) after an epoch and started again: the disk segments it finds count again
-    (verified on start) and the next epoch reads nothing from the source."""
+    """Killed (-9) after an epoch and started again: the sound disk segments it finds count
+    again; an unfinished fill, a file of no segment and a segment cut short are removed, and
+    the next epoch reads only that one from the source."""
     src, files = source
     node = make_node("stable")
-    fast_epochs(node, src, files, "big", planned=False)
+    fast_epochs(node, src, files, "big", planned=False, epochs=1)
     on_disk = cache_status(node, "big")["disk_bytes"]
     (folder,) = disk_folders(node)
     (folder / ".fill.00000001.deadbeef").write_bytes(b"unfinished")
+    (folder / "seg" / "junk").write_bytes(b"junk")
+    (folder / "seg" / f"{FILES + 5:08d}").write_bytes(bytes(SEGMENT))
+    cut = sorted((folder / "seg").glob("0*"))[0]
+    # Replaced, not truncated: this process maps the file (a cut mapped file is SIGBUS).
+    (folder / "short").write_bytes(cut.read_bytes()[: SEGMENT // 2])
+    os.rename(folder / "short", cut)
     node.kill9()
     node.start()
     st = cache_status(node, "big")
-    assert st["disk_bytes"] == on_disk and st["resident_bytes"] + on_disk == TOTAL, st
-    assert node.request("status")["disk_tier"]["used"] == on_disk
+    assert st["disk_bytes"] == on_disk - SEGMENT, st
+    assert st["resident_bytes"] + st["disk_bytes"] == TOTAL - SEGMENT, st
+    assert node.request("status")["disk_tier"]["used"] == st["disk_bytes"]
     assert sorted(os.listdir(folder)) == ["seg"]  # the unfinished fill is gone
-    ds = KSpeedFolder(src, objname="big", nodes=node.address, token=node.token_file)
-    for rel, data in files.items():
-        assert wrong_bytes(ds.read(rel), data) == 0
-    assert cache_status(node, "big")["source_bytes"] == 0
+    assert len(os.listdir(folder / "seg")) == st["on_disk"]
+    # This process still maps the old file; a reader that asks gets it filled again.
+    uid = folder.name.split(".")[-1]
+    filled = node.request("fill", name="big", segment=int(cut.name), uuid=uid, length=SEGMENT)
+    assert filled["state"] == "cached", filled
+    assert cut.stat().st_size == SEGMENT and cache_status(node, "big")["source_bytes"] == SEGMENT
+    assert fast_epochs(node, src, files, "big", planned=False, epochs=1) == [0.0]
+
+
+def test_disk_segments_move_to_memory_when_it_frees_up(
+    make_node: StartNode, source: tuple[Path, Files], tmp_path: Path
+) -> None:
+    """A preload pins half the budget, so the read-through dataset keeps a quarter of itself
+    in memory and the rest on disk; once the preload is unloaded its disk segments move
+    into the memory freed (as many as fit), and the next epoch still reads every byte equal
+    and nothing from the source."""
+    src, files = source
+    node = make_node("stable")
+    pinned = tmp_path / "pinned"
+    write_files(pinned, 16, SEGMENT)
+    preload(node, pinned, "pinned")
+    fast_epochs(node, src, files, "big", planned=False, epochs=1)
+    before = cache_status(node, "big")
+    assert before["resident_bytes"] < BUDGET // 2 < before["disk_bytes"], before
+
+    node.request("unload", name="pinned")
+    wait_for(lambda: cache_status(node, "big")["promoted"] >= 15, what="promotions")
+    after = cache_status(node, "big")
+    moved = after["promoted"] * SEGMENT
+    assert after["resident_bytes"] == before["resident_bytes"] + moved, after
+    assert after["disk_bytes"] == before["disk_bytes"] - moved, after
+    assert node.request("status")["used"] <= BUDGET
+    assert node.request("status")["disk_tier"]["used"] == after["disk_bytes"]
+    (folder,) = disk_folders(node)
+    assert len(os.listdir(folder / "seg")) == after["on_disk"]
+    assert fast_epochs(node, src, files, "big", planned=False, epochs=1) == [0.0]

@@ -22,7 +22,8 @@ the source claims the name in the catalog, places the segments over the live mem
 ask each segment's owner to fill it), and every member adopts the manifest with no segment.
 
 One module a job: `register` (listing a source, etcd claims, adoption), `fill` (misses),
-`disktier` (misses memory does not keep, on the disk tier),
+`disktier` (misses memory does not keep, on the disk tier) with `promote` (back to memory
+when it frees up),
 `evict` (the budget and the caps) with `policy` (the order) and `plans` (the readers' plans
 it follows), `watch` (source checks, refresh, pruning), `build` (staging an instance),
 `dataset` (the instances), `status`. `ReadThroughCache` only
@@ -58,6 +59,7 @@ from kspeedfs.node.readthrough.evict import Evictor
 from kspeedfs.node.readthrough.fill import Filler
 from kspeedfs.node.readthrough.plans import PlanTable
 from kspeedfs.node.readthrough.policy import EvictionPolicy, make_policy
+from kspeedfs.node.readthrough.promote import DiskPromoter
 from kspeedfs.node.readthrough.register import Registrar
 from kspeedfs.node.readthrough.status import cache_status
 from kspeedfs.node.readthrough.watch import SourceWatch
@@ -91,6 +93,7 @@ class ReadThroughCache:
         self.plans = PlanTable(self.instances, uses_plans=policy.name == "plan")
         self.evictor = Evictor(store, self.instances, self.spill)
         self.disk = DiskTier(store, self.spill)
+        self.promoter = DiskPromoter(store, self.instances, self.evictor, self.disk)
         builder = InstanceBuilder(store, settings.segment_size, address, self.spill)
         self.filler = Filler(
             store,
@@ -158,11 +161,13 @@ class ReadThroughCache:
             self.evictor.reclaim_over_budget(over)
 
     async def run(self, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
-        """Fills and listings that ops start, pruning, periodic checks of the sources."""
+        """Fills and listings that ops start, pruning, periodic checks of the sources, moving
+        disk-tier segments to memory when it frees up."""
         async with trio.open_nursery() as nursery:
             await nursery.start(self.filler.run)
             await nursery.start(self.registrar.run)
             await nursery.start(self.watch.run)
+            await nursery.start(self.promoter.run)
             task_status.started()
 
     async def adopt(self, name: str, blob: bytes, meta: dict[str, Any]) -> None:

@@ -18,6 +18,7 @@ COUNTERS = (
     "fills_source",
     "fills_spill",
     "fills_disk",
+    "promoted",
     "spilled",
     "source_reads",
     "source_bytes",
