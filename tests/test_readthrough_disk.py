@@ -16,9 +16,16 @@ import numpy as np
 import pytest
 import torch
 from conftest import MountProcess, NodeProcess, preload, wait_for
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 from rt_util import cache_status, mount_source, read_uncached, write_files
 
 from kspeedfs.client import admin
+from kspeedfs.node.readthrough.build import InstanceBuilder
+from kspeedfs.node.readthrough.dataset import CachedDataset, file_checksum, open_instance
+from kspeedfs.node.readthrough.disktier import DiskTier
+from kspeedfs.node.store import SegmentStore
+from kspeedfs.sources.source import open_source
 from pytorch_ext import ClairvoyantSampler, KSpeedFolder
 
 SEGMENT = 256 << 10
@@ -249,3 +256,80 @@ def test_disk_segments_move_to_memory_when_it_frees_up(
     (folder,) = disk_folders(node)
     assert len(os.listdir(folder / "seg")) == after["on_disk"]
     assert fast_epochs(node, src, files, "big", planned=False, epochs=1) == [0.0]
+
+
+SMALL = 64 << 10  # segment size of the recovery cases
+KINDS = ("good", "short", "long", "unsummed", "badsum")
+
+
+@pytest.fixture(scope="module")
+def instance(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[DiskTier, CachedDataset]]:
+    """A real store with a disk tier and a read-through instance of 8 one-segment files,
+    published as a node publishes one (its disk folder made and named in meta.json)."""
+    work = tmp_path_factory.mktemp("recover")
+    root = Path("/dev/shm") / f"kspeedfs-test-{uuid.uuid4().hex[:10]}"
+    store = SegmentStore(root, 1 << 30, disk_root=work / "tier", disk_budget=1 << 30)
+    store.recover(verify=False)
+    src = open_source(str(work / "src"))
+    write_files(work / "src", 8, SMALL)
+    staging, meta, _ = InstanceBuilder(store, SMALL, "127.0.0.1:1", None).build(
+        "ds", src, src.scan(), None
+    )
+    ds, _ = open_instance(store.publish(staging, meta), False)
+    yield DiskTier(store, None), ds
+    shutil.rmtree(root, ignore_errors=True)
+
+
+JUNK = st.text(alphabet="0123456789ab.-", min_size=1, max_size=10).filter(
+    lambda n: n not in (".", "..") and not (len(n) == 8 and n.isdigit())
+)
+
+
+@settings(
+    max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+@given(
+    kinds=st.dictionaries(st.integers(0, 7), st.sampled_from(KINDS)),
+    resident=st.sets(st.integers(0, 7)),
+    junk=st.lists(JUNK, max_size=4, unique=True),
+    beside=st.lists(JUNK, max_size=2, unique=True),
+)
+def test_recovery_keeps_exactly_the_sound_disk_segments(
+    instance: tuple[DiskTier, CachedDataset],
+    kinds: dict[int, str],
+    resident: set[int],
+    junk: list[str],
+    beside: list[str],
+) -> None:
+    """Whatever a crash (or a hand) left in an instance's disk folder, a restarted node keeps
+    the segments readers would find and whose bytes are the fill's (name NNNNNNNN, in range,
+    of its size, matching its checksum, not in memory already), claims exactly those in the
+    disk budget, and removes everything else."""
+    disk, ds = instance
+    folder = disk.folder(ds)
+    for entry in [*folder.iterdir(), *(folder / "seg").iterdir()]:
+        if entry.name != "seg":
+            entry.unlink()
+    for seg in list(ds.disk_claims):
+        disk.release(ds, seg)
+    ds.sums[:] = 0
+    ds.resident = set(resident)
+    for seg, kind in kinds.items():
+        data = os.urandom({"short": SMALL - 1, "long": SMALL + 1}.get(kind, SMALL))
+        path = folder / "seg" / f"{seg:08d}"
+        path.write_bytes(data)
+        if kind != "unsummed":
+            ds.sums[seg] = file_checksum(path) ^ (kind == "badsum")
+    for name in junk:  # a number's junk is a copy of that segment: only its name is wrong
+        copy = folder / "seg" / f"{int(name):08d}" if name.isdigit() else folder / "none"
+        (folder / "seg" / name).write_bytes(copy.read_bytes() if copy.exists() else b"junk")
+    for name in beside:
+        (folder / name).write_bytes(b"unfinished")
+
+    disk.recover(ds, verify=True)
+
+    sound = {seg for seg, kind in kinds.items() if kind == "good" and seg not in resident}
+    assert sorted(os.listdir(folder)) == ["seg"]
+    assert sorted(os.listdir(folder / "seg")) == sorted(f"{seg:08d}" for seg in sound)
+    assert ds.on_disk == ds.disk_claims == sound
+    assert disk.store.disk_used() == len(sound) * SMALL

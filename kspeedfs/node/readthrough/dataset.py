@@ -112,7 +112,12 @@ def open_instance(record: DatasetRecord, verify: bool) -> tuple[CachedDataset, d
         try:
             seg = int(fname)
             st = path.stat()
-            ok = 0 <= seg < m.segments and st.st_size == ds.seg_len(seg) and int(sums[seg]) != 0
+            ok = (
+                fname == f"{seg:08d}"  # the only name readers look for
+                and 0 <= seg < m.segments
+                and st.st_size == ds.seg_len(seg)
+                and int(sums[seg]) != 0
+            )
             if ok and verify:
                 ok = file_checksum(path) == int(sums[seg])
         except (ValueError, OSError):

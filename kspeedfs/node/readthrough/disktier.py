@@ -107,8 +107,8 @@ class DiskTier:
             ds.on_disk.add(int(fname))
 
     def _sound(self, ds: CachedDataset, fname: str, path: Path, verify: bool) -> bool:
-        if not fname.isdigit() or path.is_symlink():
-            return False
+        if not fname.isdigit() or fname != f"{int(fname):08d}" or path.is_symlink():
+            return False  # readers look for NNNNNNNN only
         seg = int(fname)
         if not 0 <= seg < ds.manifest.segments or seg in ds.resident or not int(ds.sums[seg]):
             return False
