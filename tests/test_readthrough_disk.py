@@ -195,6 +195,31 @@ def test_a_source_changed_after_its_segments_landed_on_disk_is_refused_never_ser
     assert st["stale"] > 0 and st["on_disk"] == FILES - st["in_memory"] - len(lost), st
 
 
+def test_a_refresh_keeps_the_unchanged_disk_segments_and_frees_the_old_ones(
+    make_node: StartNode, source: tuple[Path, Files]
+) -> None:
+    """One file changed and the dataset refreshed: the new instance carries every other
+    segment (memory and disk tier), the old disk folder and its claims go, and the next
+    epoch reads only the changed file from the source, in its new version."""
+    src, files = source
+    node = make_node("stable")
+    fast_epochs(node, src, files, "big", planned=False, epochs=1)
+    (old_folder,) = disk_folders(node)
+    changed = sorted(files)[0]
+    files[changed] = os.urandom(SEGMENT)
+    (src / changed).write_bytes(files[changed])
+    done = node.request("refresh", name="big")
+    assert done["state"] == "refreshed" and done["changed"] == 1, done
+    assert done["kept"] == FILES - 1, done
+    (folder,) = disk_folders(node)
+    assert folder != old_folder
+    st = cache_status(node, "big")
+    assert st["resident_bytes"] + st["disk_bytes"] == TOTAL - SEGMENT, st
+    assert len(os.listdir(folder / "seg")) == st["on_disk"] > 0
+    assert node.request("status")["disk_tier"]["used"] == st["disk_bytes"]
+    assert fast_epochs(node, src, files, "big", planned=False, epochs=1) == [SEGMENT / TOTAL]
+
+
 def test_a_restarted_node_keeps_its_sound_disk_tier_segments(
     make_node: StartNode, source: tuple[Path, Files]
 ) -> None:

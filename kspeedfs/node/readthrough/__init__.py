@@ -107,7 +107,7 @@ class ReadThroughCache:
             store, self.instances, builder, loads, address, self.evictor.check_cap
         )
         self.watch = SourceWatch(
-            store, self.instances, builder, self.spill, settings.source_check_interval
+            store, self.instances, builder, self.spill, self.disk, settings.source_check_interval
         )
         self.fill_seconds = self.filler.seconds
 

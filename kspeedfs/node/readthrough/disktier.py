@@ -8,7 +8,8 @@ every reader (the mount, the fast path) finds a segment there after memory, as i
 preload's. Each segment is a claim on the store's disk budget (a reservation of tier "disk")
 from before it is written until its instance is forgotten (unloaded, refreshed): preloads'
 admission and the spill folder see it. A restarted node claims again the sound segments it
-finds. A dataset's `max_disk` cap counts these and its spilled segments together.
+finds, and a refresh carries the unchanged ones to the new instance (hard links). A
+dataset's `max_disk` cap counts these and its spilled segments together.
 """
 
 from __future__ import annotations
@@ -79,6 +80,21 @@ class DiskTier:
         self.store.release(ds.disk_claim(seg))
         ds.disk_claims.discard(seg)
         ds.on_disk.discard(seg)
+
+    def carry(self, old: CachedDataset, carried: dict[int, int]) -> Path | None:
+        """A refresh: a disk staging folder with hard links of the disk segments of `old`
+        that it carries (old segment -> new), for the store to publish with the new instance
+        (`recover` then claims them). None without a disk tier. Blocking."""
+        if not self.enabled:
+            return None
+        staging = self.store.new_disk_staging(old.name)
+        for o, n in carried.items():
+            if o in old.on_disk:
+                try:
+                    os.link(segment_path(self.folder(old), o), segment_path(staging, n))
+                except OSError as e:  # gone meanwhile: filled again when read
+                    log.info("segment %d of %s not carried from disk: %s", o, old.name, e)
+        return staging
 
     def recover(self, ds: CachedDataset, verify: bool) -> None:
         """A restarted node: claim the sound disk segments of `ds` again; remove the rest
