@@ -15,15 +15,21 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
-from conftest import MountProcess, NodeProcess, preload, wait_for
+from conftest import MountProcess, NodeProcess, preload, run_cli, wait_for
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from rt_util import cache_status, mount_source, read_uncached, write_files
 
 from kspeedfs.client import admin
 from kspeedfs.node.readthrough.build import InstanceBuilder
-from kspeedfs.node.readthrough.dataset import CachedDataset, file_checksum, open_instance
+from kspeedfs.node.readthrough.dataset import (
+    CachedDataset,
+    Instances,
+    file_checksum,
+    open_instance,
+)
 from kspeedfs.node.readthrough.disktier import DiskTier
+from kspeedfs.node.readthrough.policy import make_policy
 from kspeedfs.node.store import SegmentStore
 from kspeedfs.sources.source import open_source
 from pytorch_ext import ClairvoyantSampler, KSpeedFolder
@@ -220,6 +226,29 @@ def test_a_refresh_keeps_the_unchanged_disk_segments_and_frees_the_old_ones(
     assert fast_epochs(node, src, files, "big", planned=False, epochs=1) == [SEGMENT / TOTAL]
 
 
+def test_a_preload_takes_the_disk_tier_room_read_through_data_holds(
+    make_node: StartNode, source: tuple[Path, Files], tmp_path: Path
+) -> None:
+    """Read-through segments on the disk tier give way to a preload's disk part, as its
+    memory does to a preload's memory part; the read-through dataset still reads equal."""
+    src, files = source
+    node = make_node("stable")
+    fast_epochs(node, src, files, "big", planned=False, epochs=1)
+    before = cache_status(node, "big")["disk_bytes"]
+    pinned = tmp_path / "pinned"
+    write_files(pinned, 40, SEGMENT)  # 10 MiB: more than the disk tier has free
+    done = run_cli("preload", str(pinned), "-q", "--tier", "disk", env=node.env())
+    assert done.returncode == 0, done.stderr
+    st = cache_status(node, "big")
+    assert st["disk_evictions"] > 0 and st["disk_bytes"] == before - st["disk_evictions"] * SEGMENT
+    tier = node.request("status")["disk_tier"]
+    assert tier["used"] == 40 * SEGMENT + st["disk_bytes"] <= tier["budget"], tier
+    (folder,) = (f for f in disk_folders(node) if f.name.startswith("big."))
+    assert len(os.listdir(folder / "seg")) == st["on_disk"]
+    share = fast_epochs(node, src, files, "big", planned=False, epochs=1)[0]
+    assert share == st["disk_evictions"] * SEGMENT / TOTAL  # what the preload took, again
+
+
 def test_a_restarted_node_keeps_its_sound_disk_tier_segments(
     make_node: StartNode, source: tuple[Path, Files]
 ) -> None:
@@ -301,7 +330,7 @@ def instance(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[DiskTie
         "ds", src, src.scan(), None
     )
     ds, _ = open_instance(store.publish(staging, meta), False)
-    yield DiskTier(store, None), ds
+    yield DiskTier(store, Instances(store, "127.0.0.1:1", make_policy("stable")), None), ds
     shutil.rmtree(root, ignore_errors=True)
 
 

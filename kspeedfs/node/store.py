@@ -139,11 +139,13 @@ class SegmentStore:
         self.on_publish: list[Callable[[str], None]] = []
         self.before_unload: list[Callable[[str], None]] = []
         self._reclaimers: list[Callable[[int], int]] = []
+        self._disk_reclaimers: list[Callable[[int], int]] = []
 
-    def add_reclaimer(self, reclaim: Callable[[int], int]) -> None:
-        """Someone holding evictable (read-through) memory: when a reservation does not fit,
-        `reclaim(nbytes)` is asked to free that much and returns the bytes it freed."""
-        self._reclaimers.append(reclaim)
+    def add_reclaimer(self, reclaim: Callable[[int], int], tier: str = "memory") -> None:
+        """Someone holding evictable (read-through) memory, or disk-tier bytes with `tier`
+        "disk": when a reservation does not fit, `reclaim(nbytes)` is asked to free that much
+        (called under the store's lock) and returns the bytes it freed."""
+        (self._disk_reclaimers if tier == "disk" else self._reclaimers).append(reclaim)
 
     def recover(self, verify: bool) -> None:
         """Check and open the folder; find the datasets a previous daemon published; drop
@@ -292,7 +294,7 @@ class SegmentStore:
             earlier = self.reserved.pop(instead_of, None)
             try:
                 if tier == "disk":
-                    self._check_disk_fits(nbytes, what)
+                    self._check_disk_fits(nbytes, what, self._disk_reclaimers if evict else [])
                 else:
                     self._check_fits(nbytes, what, self._reclaimers if evict else [])
             except BaseException:
@@ -301,10 +303,17 @@ class SegmentStore:
                 raise
             self.reserved[name] = Reservation(nbytes, written, tier)
 
-    def _check_disk_fits(self, nbytes: int, what: str) -> None:
-        """Refuse (NoSpace) a claim the disk tier's budget or filesystem cannot hold."""
+    def _check_disk_fits(
+        self, nbytes: int, what: str, reclaimers: list[Callable[[int], int]]
+    ) -> None:
+        """Refuse (NoSpace) a claim the disk tier's budget or filesystem cannot hold, once
+        `reclaimers` freed what they could."""
         if self.disk_root is None:
             raise NoSpace(f"{what} needs a disk tier, and this node has none (spill_dir)")
+        for reclaim in reclaimers:
+            if self.disk_budget - self.disk_used() >= nbytes:
+                break
+            reclaim(nbytes - (self.disk_budget - self.disk_used()))
         free = self.disk_budget - self.disk_used()
         if free < nbytes:
             raise NoSpace(
@@ -572,7 +581,7 @@ class SegmentStore:
         except NoSpace:
             if self.disk_root is None or record.lifetime == "readthrough":
                 raise
-            self.reserve(reservation, length, what=what, tier="disk")
+            self.reserve(reservation, length, what=what, tier="disk", evict=False)
             try:
                 self._add_disk_segment(record, seg, length, fill, reservation)
             finally:

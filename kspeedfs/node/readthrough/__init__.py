@@ -92,7 +92,7 @@ class ReadThroughCache:
         self.instances = Instances(store, address, policy)
         self.plans = PlanTable(self.instances, uses_plans=policy.name == "plan")
         self.evictor = Evictor(store, self.instances, self.spill)
-        self.disk = DiskTier(store, self.spill)
+        self.disk = DiskTier(store, self.instances, self.spill)
         self.promoter = DiskPromoter(store, self.instances, self.evictor, self.disk)
         builder = InstanceBuilder(store, settings.segment_size, address, self.spill)
         self.filler = Filler(

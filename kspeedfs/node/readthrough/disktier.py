@@ -9,7 +9,8 @@ preload's. Each segment is a claim on the store's disk budget (a reservation of 
 from before it is written until its instance is forgotten (unloaded, refreshed): preloads'
 admission and the spill folder see it. A restarted node claims again the sound segments it
 finds, and a refresh carries the unchanged ones to the new instance (hard links). A
-dataset's `max_disk` cap counts these and its spilled segments together.
+preload's disk claim takes this room as it takes read-through memory (`reclaim`); a dataset's
+`max_disk` cap counts these and its spilled segments together, and no preload takes them.
 """
 
 from __future__ import annotations
@@ -21,7 +22,8 @@ from pathlib import Path
 
 from kspeedfs.format.errors import AlreadyExists, NoSpace
 from kspeedfs.format.localdata import SEGMENT_DIR, read_meta, segment_path
-from kspeedfs.node.readthrough.dataset import CachedDataset, file_checksum
+from kspeedfs.format.units import format_size
+from kspeedfs.node.readthrough.dataset import CachedDataset, Instances, file_checksum
 from kspeedfs.node.spill import SpillArea
 from kspeedfs.node.store import SegmentStore
 
@@ -31,9 +33,11 @@ log = logging.getLogger(__name__)
 class DiskTier:
     """The read-through part of the disk tier; its claims are the store's reservations."""
 
-    def __init__(self, store: SegmentStore, spill: SpillArea | None):
+    def __init__(self, store: SegmentStore, instances: Instances, spill: SpillArea | None):
         self.store = store
+        self.instances = instances
         self.spill = spill
+        store.add_reclaimer(self.reclaim, tier="disk")
 
     @property
     def enabled(self) -> bool:
@@ -62,7 +66,8 @@ class DiskTier:
             return False
         try:
             what = f"segment {seg} of {ds.name}"
-            self.store.reserve(ds.disk_claim(seg), length, what=what, tier="disk")
+            # evict=False: a miss never takes another dataset's disk segments; a preload does.
+            self.store.reserve(ds.disk_claim(seg), length, what=what, tier="disk", evict=False)
         except (NoSpace, AlreadyExists):
             return False
         ds.disk_claims.add(seg)
@@ -74,6 +79,32 @@ class DiskTier:
             return segment_path(self.folder(ds), seg).stat().st_size == ds.seg_len(seg)
         except OSError:
             return False
+
+    def reclaim(self, nbytes: int) -> int:
+        """Free at least nbytes of the disk tier for a preload's claim (the store calls this
+        under its lock, in the event loop): segments of the uncapped dataset with the most
+        on disk first (a `max_disk` cap is a share nobody takes), unlinked (a reader's map
+        keeps its pages; readers drop their maps when the eviction counter moves)."""
+        freed = 0
+        while freed < nbytes:
+            candidates = [
+                d for d in self.instances.by_name.values() if d.on_disk and not d.max_disk
+            ]
+            if not candidates:
+                break
+            ds = max(candidates, key=lambda d: d.disk_bytes)
+            seg = max(ds.on_disk)
+            segment_path(self.folder(ds), seg).unlink(missing_ok=True)
+            # Under the store's lock: its claim is dropped in place, not through release().
+            self.store.reserved.pop(ds.disk_claim(seg), None)
+            ds.on_disk.discard(seg)
+            ds.disk_claims.discard(seg)
+            ds.epoch[0] += 1
+            ds.stats["disk_evictions"] += 1
+            freed += ds.seg_len(seg)
+        if freed:
+            log.info("evicted %s of read-through disk-tier data for a preload", format_size(freed))
+        return freed
 
     def release(self, ds: CachedDataset, seg: int) -> None:
         """The claim of segment `seg` goes (its file was never written, or is gone)."""

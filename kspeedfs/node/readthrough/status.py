@@ -19,6 +19,7 @@ COUNTERS = (
     "fills_spill",
     "fills_disk",
     "promoted",
+    "disk_evictions",
     "spilled",
     "source_reads",
     "source_bytes",
