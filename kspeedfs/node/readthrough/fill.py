@@ -49,7 +49,7 @@ class Fill:
     uuid: str
     done: trio.Event = dataclasses.field(default_factory=trio.Event)
     error: str = ""
-    admitted: bool = True  # False: the policy did not keep it (read from the source)
+    admitted: bool = True  # False: neither memory nor the disk tier keeps it (the source)
 
 
 class Filler:
