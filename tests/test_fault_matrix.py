@@ -24,6 +24,7 @@ import pytest
 from clusterutil import Cluster, running
 from conftest import MountProcess, run_cli
 
+from kspeedfs.client import admin
 from kspeedfs.format.errors import KSpeedError
 from pytorch_ext import KSpeedFolder
 
@@ -203,3 +204,52 @@ def strike(fault: str, cluster: Cluster, src: Path, tmp_path: Path) -> None:
         there.kill9()
     else:
         raise AssertionError(fault)
+
+
+def test_readthrough_readers_never_get_a_wrong_byte_with_its_disk_tier_node_killed(
+    token_file: Path, tmp_path: Path, mounts: list[MountProcess], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A read-through dataset most of whose segments lie on its node's disk tier (a first
+    pass filled it); readers through the mount and the fast path while the node is killed
+    -9 mid-epoch and started again. The source is intact, so every read succeeds (from the
+    source while the node is down), none is wrong, and the node keeps its disk segments."""
+    src = tmp_path / "src"
+    versions = make_source(src, seed=1)
+    cluster = Cluster(token_file, tmp_path, size=1, segment_size="64KiB")
+    (node,) = cluster.nodes
+    node.memory = "384KiB"
+    node.extra += ("--spill-dir", str(tmp_path / "disk"), "--spill", "64MiB")
+    with running(cluster):
+        admin.register_source(node.settings(), str(src), name="ds")
+        monkeypatch.setenv("KSPEEDFS_LISTEN", node.address)
+        monkeypatch.setenv("KSPEEDFS_TIMEOUT", "2")
+        ds = KSpeedFolder(str(src), objname="ds", nodes=node.address, token=str(token_file))
+        for rel, data in versions.items():
+            assert bytes(ds.read(rel)) == data
+        on_disk = node.request("status")["cache"]["datasets"]["ds"]["on_disk"]
+        assert on_disk > 2
+        mount = MountProcess(
+            tmp_path / "mnt", {**cluster.env(local=node), "KSPEEDFS_TIMEOUT": "2"}, tmp_path
+        )
+        mounts.append(mount.start())
+        tally = Tally()
+        readers = [
+            threading.Thread(target=fuse_reader(mount.mountpoint, versions, tally)),
+            threading.Thread(target=fast_reader(ds, versions, tally)),
+        ]
+        for r in readers:
+            r.start()
+        pause = threading.Event()
+        while tally.files_done < 2 * FILES // 3 and any(r.is_alive() for r in readers):
+            pause.wait(0.01)
+        node.kill9()
+        node.start()
+        for r in readers:
+            r.join(READERS_DONE_WITHIN_S)
+        assert not any(r.is_alive() for r in readers), "a reader hung"
+        print(f"read-through disk kill9: {tally.checked} bytes checked, {tally.wrong} wrong")
+        assert tally.wrong == 0 and tally.checked > 0
+        assert tally.errors == []
+        assert node.request("status")["cache"]["datasets"]["ds"]["on_disk"] == on_disk
+        assert mount.proc is not None and mount.proc.poll() is None, mount.log()
+        assert "Traceback" not in mount.log()

@@ -142,6 +142,7 @@ READTHROUGH = (
     ("kspeedfs_readthrough_misses", "misses", "segment requests that needed a fill"),
     ("kspeedfs_readthrough_fills_source", "fills_source", "segments filled from the source"),
     ("kspeedfs_readthrough_fills_spill", "fills_spill", "segments filled from the spill folder"),
+    ("kspeedfs_readthrough_fills_disk", "fills_disk", "segments filled onto the disk tier"),
     ("kspeedfs_readthrough_evictions", "evictions", "segments evicted from memory"),
     ("kspeedfs_readthrough_spilled", "spilled", "segments written to the spill folder"),
     (
@@ -156,7 +157,11 @@ READTHROUGH = (
     ),
 )
 # Hits and misses by tier: (tier, the hits field, the misses field).
-TIERS = (("memory", "memory_hits", "memory_misses"), ("spill", "spill_hits", "spill_misses"))
+TIERS = (
+    ("memory", "memory_hits", "memory_misses"),
+    ("disk", "disk_hits", "disk_misses"),
+    ("spill", "spill_hits", "spill_misses"),
+)
 
 
 def _readthrough(cache: dict[str, Any]) -> Iterator[CounterMetricFamily]:
@@ -170,8 +175,8 @@ def _readthrough(cache: dict[str, Any]) -> Iterator[CounterMetricFamily]:
     for kind in ("hits", "misses"):
         family = CounterMetricFamily(
             f"kspeedfs_readthrough_tier_{kind}",
-            f"segment requests by tier: {kind} (memory: reads through maps and fills; spill: "
-            "fills it served or not)",
+            f"segment requests by tier: {kind} (memory: reads through maps and fills; disk: "
+            "reads through maps and fills onto it; spill: fills it served or not)",
             labels=["dataset", "tier"],
         )
         for name, d in sorted(datasets.items()):

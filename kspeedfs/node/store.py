@@ -156,16 +156,18 @@ class SegmentStore:
         # may have freed up: an unload, a segment dropped or evicted, a reservation given back.
         # Promotion waits on it.
         self.on_memory_freed: list[Callable[[], None]] = []
+        self._disk_reclaimers: list[Callable[[int], int]] = []
 
     def memory_freed(self) -> None:
         """Tell the followers that memory may have freed up."""
         for hook in self.on_memory_freed:
             hook()
 
-    def add_reclaimer(self, reclaim: Callable[[int], int]) -> None:
-        """Someone holding evictable (read-through) memory: when a reservation does not fit,
-        `reclaim(nbytes)` is asked to free that much and returns the bytes it freed."""
-        self._reclaimers.append(reclaim)
+    def add_reclaimer(self, reclaim: Callable[[int], int], tier: str = "memory") -> None:
+        """Someone holding evictable (read-through) memory, or disk-tier bytes with `tier`
+        "disk": when a reservation does not fit, `reclaim(nbytes)` is asked to free that much
+        (called under the store's lock) and returns the bytes it freed."""
+        (self._disk_reclaimers if tier == "disk" else self._reclaimers).append(reclaim)
 
     def recover(self, verify: bool) -> None:
         """Check and open the folders; find the datasets a previous daemon published; drop
@@ -230,7 +232,11 @@ class SegmentStore:
         if self.disk_root is None:
             return
         tier = self._fd["tier"]
-        keep = {f"{r.name}.{r.uuid}" for r in self.datasets.values() if r.disk}
+        keep = {
+            f"{r.name}.{r.uuid}"
+            for r in self.datasets.values()
+            if r.disk or r.lifetime == READTHROUGH  # read-through: the cache checks its own
+        }
         for name in sorted(os.listdir(tier)):
             if name == DISK_STAGING:
                 continue
@@ -368,7 +374,7 @@ class SegmentStore:
             earlier = self.reserved.pop(instead_of, None)
             try:
                 if tier == "disk":
-                    self._check_disk_fits(nbytes, what)
+                    self._check_disk_fits(nbytes, what, self._disk_reclaimers if evict else [])
                 else:
                     self._check_fits(nbytes, what, self._reclaimers if evict else [])
             except BaseException:
@@ -377,10 +383,17 @@ class SegmentStore:
                 raise
             self.reserved[name] = Reservation(nbytes, written, tier)
 
-    def _check_disk_fits(self, nbytes: int, what: str) -> None:
-        """Refuse (NoSpace) a claim the disk tier's budget or filesystem cannot hold."""
+    def _check_disk_fits(
+        self, nbytes: int, what: str, reclaimers: list[Callable[[int], int]]
+    ) -> None:
+        """Refuse (NoSpace) a claim the disk tier's budget or filesystem cannot hold, once
+        `reclaimers` freed what they could."""
         if self.disk_root is None:
             raise NoSpace(f"{what} needs a disk tier, and this node has none (spill_dir)")
+        for reclaim in reclaimers:
+            if self.disk_budget - self.disk_used() >= nbytes:
+                break
+            reclaim(nbytes - (self.disk_budget - self.disk_used()))
         free = self.disk_budget - self.disk_used()
         if free < nbytes:
             raise NoSpace(
@@ -473,6 +486,8 @@ class SegmentStore:
         name = validate_name(meta["name"])
         folder = self._staged_name(staging)
         meta = _with_caps(meta, staging / MANIFEST_FILE)
+        if disk_staging is None and meta.get("lifetime") == READTHROUGH and self.disk_root:
+            disk_staging = self.new_disk_staging(name)  # where its fills land when memory is full
         disk_final = None
         if disk_staging is not None:
             staged, disk_final = self._disk_staged_name(disk_staging), self._disk_dir(meta)
@@ -663,7 +678,7 @@ class SegmentStore:
                 raise
             if record.max_disk and record.disk_stored + length > record.max_disk:
                 raise NoSpace(f"{what} would take it past its --max-disk on this node") from None
-            self.reserve(reservation, length, what=what, tier="disk")
+            self.reserve(reservation, length, what=what, tier="disk", evict=False)
             try:
                 self._add_disk_segment(record, seg, length, fill, reservation)
             finally:

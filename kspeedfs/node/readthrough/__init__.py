@@ -1,5 +1,5 @@
 """Read-through datasets on a node: segments filled from the source on a miss, evicted by one
-store-wide policy, spilled to disk.
+store-wide policy, spilled to disk, or kept on the node's disk tier.
 
 A read-through dataset is published like a preloaded one (a manifest, from a listing of the
 source; lifetime "readthrough") but holds no segment at first. A reader that misses asks the
@@ -10,7 +10,8 @@ dataset's seg/ folder, where every local reader maps it.
 Memory is one budget for all datasets. Preloaded (offline) and leased datasets are pinned; a
 dataset may have a cap of its own. When the budget or a cap is reached, the eviction policy
 (the setting `eviction`) picks a read-through segment to evict, or keeps what is there and
-lets the reader read the miss from the source. An evicted segment is copied to the spill
+fills the miss onto the node's disk tier (when it has one with room), else lets the reader
+read the miss from the source. An evicted segment is copied to the spill
 folder when there is one, then unlinked (mapped pages stay valid; readers drop their maps
 when the eviction counter moves). The node also checks
 sources for changes: a changed dataset is served as it was cached and shown stale until
@@ -21,6 +22,8 @@ the source claims the name in the catalog, places the segments over the live mem
 ask each segment's owner to fill it), and every member adopts the manifest with no segment.
 
 One module a job: `register` (listing a source, etcd claims, adoption), `fill` (misses),
+`disktier` (misses memory does not keep, on the disk tier) with `promote` (back to memory
+when it frees up),
 `evict` (the budget and the caps) with `policy` (the order) and `plans` (the readers' plans
 it follows), `watch` (source checks, refresh, pruning), `build` (staging an instance),
 `dataset` (the instances), `status`. `ReadThroughCache` only
@@ -51,10 +54,12 @@ from kspeedfs.node.ops import ADMIN, JOB, OpRegistry
 from kspeedfs.node.readthrough.build import InstanceBuilder
 from kspeedfs.node.readthrough.catalog import ClusterCatalog
 from kspeedfs.node.readthrough.dataset import CachedDataset, Instances, open_instance
+from kspeedfs.node.readthrough.disktier import DiskTier
 from kspeedfs.node.readthrough.evict import Evictor
 from kspeedfs.node.readthrough.fill import Filler
 from kspeedfs.node.readthrough.plans import PlanTable
 from kspeedfs.node.readthrough.policy import EvictionPolicy, make_policy
+from kspeedfs.node.readthrough.promote import DiskPromoter
 from kspeedfs.node.readthrough.register import Registrar
 from kspeedfs.node.readthrough.status import cache_status
 from kspeedfs.node.readthrough.watch import SourceWatch
@@ -87,15 +92,22 @@ class ReadThroughCache:
         self.instances = Instances(store, address, policy)
         self.plans = PlanTable(self.instances, uses_plans=policy.name == "plan")
         self.evictor = Evictor(store, self.instances, self.spill)
+        self.disk = DiskTier(store, self.instances, self.spill)
+        self.promoter = DiskPromoter(store, self.instances, self.evictor, self.disk)
         builder = InstanceBuilder(store, settings.segment_size, address, self.spill)
         self.filler = Filler(
-            store, self.instances, self.evictor, self.spill, max(1.0, settings.timeout / 2)
+            store,
+            self.instances,
+            self.evictor,
+            self.spill,
+            self.disk,
+            max(1.0, settings.timeout / 2),
         )
         self.registrar = Registrar(
             store, self.instances, builder, loads, address, self.evictor.check_cap
         )
         self.watch = SourceWatch(
-            store, self.instances, builder, self.spill, settings.source_check_interval
+            store, self.instances, builder, self.spill, self.disk, settings.source_check_interval
         )
         self.fill_seconds = self.filler.seconds
 
@@ -123,7 +135,8 @@ class ReadThroughCache:
 
     def recover(self) -> None:
         """Pick up the read-through datasets the store found; their segments are what is here,
-        entering the eviction policy oldest first."""
+        entering the eviction policy oldest first (those on the disk tier claim its room
+        again)."""
         verify = self.settings.verify_on_start
         found: list[tuple[float, str, int]] = []
         for record in list(self.store.datasets.values()):
@@ -135,6 +148,7 @@ class ReadThroughCache:
                 log.error("dropping broken read-through dataset %s: %s", record.name, e)
                 self.store.unload(record.name)
                 continue
+            self.disk.recover(ds, verify)
             self.instances.add(ds, admit=False)
             found.extend((t, record.name, seg) for seg, t in mtimes.items())
         for _t, name, seg in sorted(found):
@@ -147,11 +161,13 @@ class ReadThroughCache:
             self.evictor.reclaim_over_budget(over)
 
     async def run(self, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
-        """Fills and listings that ops start, pruning, periodic checks of the sources."""
+        """Fills and listings that ops start, pruning, periodic checks of the sources, moving
+        disk-tier segments to memory when it frees up."""
         async with trio.open_nursery() as nursery:
             await nursery.start(self.filler.run)
             await nursery.start(self.registrar.run)
             await nursery.start(self.watch.run)
+            await nursery.start(self.promoter.run)
             task_status.started()
 
     async def adopt(self, name: str, blob: bytes, meta: dict[str, Any]) -> None:

@@ -131,11 +131,12 @@ class InstanceBuilder:
         return staging, {**meta, "lifetime": READTHROUGH, "held": [], "stored": base}
 
     def _carry(self, old: CachedDataset, tree: Tree, layout: Layout) -> dict[int, int]:
-        """Old segments (in memory or spilled) whose exact contents reappear in the new layout."""
+        """Old segments (in memory, on the disk tier or spilled) whose exact contents reappear
+        in the new layout."""
         have = {
             old.layout.signature(old.manifest, k): k
             for k in range(old.manifest.segments)
-            if k in old.resident or spilled(self.spill, old, k)
+            if old.holds(k) or spilled(self.spill, old, k)
         }
         out = {}
         for n in range(layout.segments):

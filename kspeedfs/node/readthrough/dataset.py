@@ -38,7 +38,9 @@ class CachedDataset:
     sums: np.ndarray  # writable map of SEGSUMS_FILE
     epoch: np.ndarray  # writable map of EPOCH_FILE
     base_bytes: int  # manifest and side files
-    resident: set[int] = dataclasses.field(default_factory=set)
+    resident: set[int] = dataclasses.field(default_factory=set)  # in memory
+    on_disk: set[int] = dataclasses.field(default_factory=set)  # on the disk tier
+    disk_claims: set[int] = dataclasses.field(default_factory=set)  # on_disk and fills to it
     stats: Counter[str] = dataclasses.field(default_factory=Counter)
     lock: trio.Lock = dataclasses.field(default_factory=trio.Lock)
 
@@ -73,8 +75,21 @@ class CachedDataset:
         """Bytes of its segments in memory (what its cap counts)."""
         return self.record.stored - self.base_bytes
 
+    @property
+    def disk_bytes(self) -> int:
+        """Bytes of its segments on the disk tier."""
+        return sum(self.seg_len(seg) for seg in self.on_disk)
+
     def seg_len(self, seg: int) -> int:
         return int(self.manifest.seg_len[seg])
+
+    def disk_claim(self, seg: int) -> str:
+        """The store's name of the disk-tier claim of segment `seg` (names have no colon)."""
+        return f"rtdisk:{self.uuid}:{seg}"
+
+    def holds(self, seg: int) -> bool:
+        """Whether segment `seg` is on this node, in memory or on the disk tier."""
+        return seg in self.resident or seg in self.on_disk
 
 
 def base_bytes(folder: Path) -> int:
@@ -97,7 +112,12 @@ def open_instance(record: DatasetRecord, verify: bool) -> tuple[CachedDataset, d
         try:
             seg = int(fname)
             st = path.stat()
-            ok = 0 <= seg < m.segments and st.st_size == ds.seg_len(seg) and int(sums[seg]) != 0
+            ok = (
+                fname == f"{seg:08d}"  # the only name readers look for
+                and 0 <= seg < m.segments
+                and st.st_size == ds.seg_len(seg)
+                and int(sums[seg]) != 0
+            )
             if ok and verify:
                 ok = file_checksum(path) == int(sums[seg])
         except (ValueError, OSError):
@@ -165,9 +185,14 @@ class Instances:
                 self.policy.admitted((ds.name, seg))
 
     def forget(self, ds: CachedDataset) -> None:
-        """Drop an instance from the table; its spilled segments go with the next prune."""
+        """Drop an instance from the table; its spilled segments go with the next prune, its
+        disk-tier claims now (the store removed their folder with the instance)."""
         if self.current(ds):
             del self.by_name[ds.name]
+        for seg in ds.disk_claims:
+            self.store.release(ds.disk_claim(seg))
+        ds.disk_claims.clear()
+        ds.on_disk.clear()
         for seg in ds.resident:
             self.policy.forgotten((ds.name, seg))
         self.policy.dropped_plan(ds.name)

@@ -59,7 +59,11 @@ class Evictor:
             return
         for seg in segments:
             self.used(ds, seg)
-        ds.stats["hits"] += hits
+        # Readers count reads, not where they lay: split by the segments they name.
+        on_disk = sum(seg in ds.on_disk for seg in segments)
+        disk_hits = hits * on_disk // len(segments) if segments else 0
+        ds.stats["disk_hits"] += disk_hits
+        ds.stats["hits"] += hits - disk_hits
 
     async def op_touch(self, request: Touch) -> Touched:
         """A mount's report of the segments its processes read through their maps."""
@@ -138,7 +142,9 @@ class Evictor:
                 if r.name not in self.instances.by_name
             )
             work = sum(
-                r.nbytes for k, r in self.store.reserved.items() if not k.startswith("fill:")
+                r.nbytes
+                for k, r in self.store.reserved.items()
+                if r.tier == "memory" and not k.startswith("fill:")
             )
             capped = sum(d.max_memory for d in self.instances.by_name.values() if d.name != name)
             free = self.store.budget - pinned - work - capped
@@ -196,9 +202,12 @@ class Evictor:
         return None
 
     async def _evict(self, ds: CachedDataset, seg: int, why: str) -> None:
-        if self.spill is not None and not spilled(self.spill, ds, seg):
+        # `max_disk` caps the spill and the disk tier together: the spill has what is left.
+        left = ds.max_disk - sum(ds.seg_len(k) for k in ds.disk_claims) if ds.max_disk else None
+        room = left is None or left > 0
+        if self.spill is not None and room and not spilled(self.spill, ds, seg):
             path = segment_path(ds.record.path, seg)
-            put = functools.partial(self.spill.put, ds.spill_key, seg, path, ds.max_disk)
+            put = functools.partial(self.spill.put, ds.spill_key, seg, path, left or 0)
             if await trio.to_thread.run_sync(put):
                 ds.stats["spilled"] += 1
         if seg in ds.resident and self.instances.current(ds):

@@ -2,11 +2,14 @@
 spill folder when it holds the segment, else from the source, written under a temporary name
 and renamed into the instance's seg/ folder where every local reader maps it.
 
-A miss the eviction policy does not keep (the dataset's share or cap is full) is answered
-"source": the reader reads those bytes from the source itself, verified as its every source
-read is (the file's size and time, and its checksum for a whole file), so the mount and the
-fast path get the same verified bytes with nothing written on the node. The reader names
-the bytes it will read, which count as this dataset's source bytes."""
+A miss the eviction policy does not keep (the dataset's share or cap is full) is filled onto
+the node's disk tier when it has one with room (disktier.py), the same way, into the
+instance's disk folder; later epochs read it there. Only when the disk tier is full too (or
+absent) is it answered "source": the reader reads those bytes from the source itself,
+verified as its every source read is (the file's size and time, and its checksum for a
+whole file), so the mount and the fast path get the same verified bytes with nothing written
+on the node. The reader names the bytes it will read, which count as this dataset's source
+bytes."""
 
 from __future__ import annotations
 
@@ -29,6 +32,7 @@ from kspeedfs.format.manifest import Manifest
 from kspeedfs.node import sourceio
 from kspeedfs.node.metrics import segment_seconds
 from kspeedfs.node.readthrough.dataset import CachedDataset, Instances, file_checksum, spilled
+from kspeedfs.node.readthrough.disktier import DiskTier
 from kspeedfs.node.readthrough.evict import Evictor, NotAdmitted
 from kspeedfs.node.spill import SpillArea
 from kspeedfs.node.store import SegmentStore
@@ -45,7 +49,7 @@ class Fill:
     uuid: str
     done: trio.Event = dataclasses.field(default_factory=trio.Event)
     error: str = ""
-    admitted: bool = True  # False: the policy did not keep it (read from the source)
+    admitted: bool = True  # False: neither memory nor the disk tier keeps it (the source)
 
 
 class Filler:
@@ -57,18 +61,20 @@ class Filler:
         instances: Instances,
         evictor: Evictor,
         spill: SpillArea | None,
+        disk: DiskTier,
         fill_wait: float,
     ):
         self.store = store
         self.instances = instances
         self.evictor = evictor
         self.spill = spill
+        self.disk = disk
         self.fill_wait = fill_wait  # how long a fill op waits before it answers "filling"
         self.fills: dict[tuple[str, int], Fill] = {}
         self.tasks = Tasks()
         self.seconds = segment_seconds(
             "kspeedfs_readthrough_fill_seconds",
-            "time to fill a segment, from the miss to the segment in memory",
+            "time to fill a segment, from the miss to the segment in memory or on the disk tier",
             ("source", "spill"),
         )
 
@@ -82,7 +88,11 @@ class Filler:
         if seg >= ds.manifest.segments:
             raise InvalidArgument(f"segment {seg} out of range for {ds.name}")
         self.evictor.used(ds, seg)  # before the choice: a plan's cursor moves with the misses
-        if seg not in ds.resident:
+        # A reader finds a disk segment without asking: one that asks may find it gone.
+        if seg in ds.on_disk and not await trio.to_thread.run_sync(self.disk.there, ds, seg):
+            log.warning("disk-tier segment %d of %s is gone: filling it again", seg, ds.name)
+            self.disk.release(ds, seg)
+        if not ds.holds(seg):
             key = (ds.name, seg)
             fill = self.fills.get(key)
             if fill is None or fill.uuid != ds.uuid:
@@ -90,7 +100,7 @@ class Filler:
                 self.tasks.start_soon(self._fill, ds, seg, fill)
             with trio.move_on_after(self.fill_wait):
                 await fill.done.wait()
-            if seg not in ds.resident or not self.instances.current(ds):
+            if not ds.holds(seg) or not self.instances.current(ds):
                 if not fill.admitted:
                     self._read_by_reader(ds, request.length)
                     return Filled("source")
@@ -113,12 +123,19 @@ class Filler:
         tmp = self.store.staging_dir / f"fill.{ds.name}.{seg:08d}.{uuid.uuid4().hex[:8]}"
         started = time.perf_counter()
         origin = "source"
+        to_disk = False
         try:
             try:
                 await self.evictor.make_room(ds, seg, reservation)
-            except NotAdmitted:
-                fill.admitted = False
-                return
+            except (NotAdmitted, NoSpace) as e:
+                to_disk = self.disk.claim(ds, seg)
+                if not to_disk and isinstance(e, NoSpace):
+                    raise
+                if not to_disk:
+                    fill.admitted = False
+                    return
+                # On the same filesystem as the disk folder's seg/: renamed in, never copied.
+                tmp = self.disk.folder(ds) / f".fill.{seg:08d}.{uuid.uuid4().hex[:8]}"
             checksum = 0
             if spilled(self.spill, ds, seg):
                 try:
@@ -149,11 +166,18 @@ class Filler:
                 if not self.instances.current(ds):
                     return  # unloaded or refreshed meanwhile
                 ds.sums[seg] = checksum
-                await trio.to_thread.run_sync(os.rename, tmp, segment_path(ds.record.path, seg))
-                ds.resident.add(seg)
-                ds.record.held.append(seg)
-                ds.record.stored += length
-                self.evictor.admitted(ds, seg)
+                if to_disk:
+                    final = segment_path(self.disk.folder(ds), seg)
+                    await trio.to_thread.run_sync(os.rename, tmp, final)
+                    ds.on_disk.add(seg)
+                    ds.stats["fills_disk"] += 1
+                else:
+                    final = segment_path(ds.record.path, seg)
+                    await trio.to_thread.run_sync(os.rename, tmp, final)
+                    ds.resident.add(seg)
+                    ds.record.held.append(seg)
+                    ds.record.stored += length
+                    self.evictor.admitted(ds, seg)
             self.seconds.labels(origin).observe(time.perf_counter() - started)
         except SourceChanged as e:
             fill.error = str(e)
@@ -167,6 +191,8 @@ class Filler:
             log.exception("filling segment %d of %s failed", seg, ds.name)
         finally:
             self.evictor.release(ds, seg, reservation)
+            if to_disk and seg not in ds.on_disk:
+                self.disk.release(ds, seg)  # failed, or its instance went meanwhile
             with trio.CancelScope(shield=True):
                 await trio.to_thread.run_sync(functools.partial(tmp.unlink, missing_ok=True))
             if self.fills.get(key) is fill:
@@ -189,9 +215,9 @@ def _from_source(
     fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o640)
     try:
         try:
-            os.posix_fallocate(fd, 0, length)  # claim the tmpfs pages now: ENOSPC up front
+            os.posix_fallocate(fd, 0, length)  # claim the pages (or blocks) now: ENOSPC up front
         except OSError as e:
-            raise NoSpace(f"cannot allocate a segment in shared memory: {e.strerror}") from None
+            raise NoSpace(f"cannot allocate a segment in {tmp.parent}: {e.strerror}") from None
         with mmap.mmap(fd, length) as m:
             view = memoryview(m)
             try:

@@ -1,5 +1,6 @@
 """What `status` shows of the datasets in memory: lifetimes, residency, staleness, and the
-read-through counters, caps and spill use of each instance, with hits and misses by tier."""
+read-through counters, caps, disk-tier and spill use of each instance, with hits and misses
+by tier."""
 
 from __future__ import annotations
 
@@ -16,6 +17,9 @@ COUNTERS = (
     "evictions",
     "fills_source",
     "fills_spill",
+    "fills_disk",
+    "promoted",
+    "disk_evictions",
     "spilled",
     "source_reads",
     "source_bytes",
@@ -41,6 +45,9 @@ def cache_status(
         ds = instances.by_name.get(record.name)
         if ds is not None and ds.uuid == record.uuid:
             d.update(
+                resident_bytes=ds.segment_bytes,
+                on_disk=len(ds.on_disk),
+                disk_bytes=ds.disk_bytes,
                 on_spill=spill.count(ds.spill_key) if spill is not None else 0,
                 spill_bytes=spill.bytes_of(ds.spill_key) if spill is not None else 0,
                 plan=instances.policy.plan_position(ds.name),
@@ -63,13 +70,17 @@ def cache_status(
 
 
 def tiers(stats: Counter[str]) -> dict[str, int]:
-    """Hits and misses by tier: memory hits are reads readers report (through maps); its
-    misses are the fills and the misses not kept; the spill tier is asked on every fill and
-    hits when it holds the segment; a miss of both is read from the source."""
+    """Hits and misses by tier: memory hits are reads readers report (through maps) of
+    segments in memory; its misses are the fills and the misses not kept; the disk tier hits
+    on the reported reads of its segments and misses on the fills it takes (a miss memory
+    does not keep); the spill tier is asked on every fill and hits when it holds the segment;
+    a miss of all is read from the source."""
     memory_misses = stats["misses"] + stats["bypassed"]
     return {
         "memory_hits": stats["hits"],
         "memory_misses": memory_misses,
+        "disk_hits": stats["disk_hits"],
+        "disk_misses": stats["fills_disk"],
         "spill_hits": stats["fills_spill"],
         "spill_misses": memory_misses - stats["fills_spill"],
     }

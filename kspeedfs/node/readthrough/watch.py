@@ -1,6 +1,7 @@
 """Watching the sources and the store: a changed source is served as cached and shown stale
 until a refresh makes a new instance from a new listing (keeping the segments whose contents
-did not change); instances the store unloaded are forgotten, with their spilled segments."""
+did not change, in memory, on the disk tier or spilled); instances the store unloaded are
+forgotten, with their spilled segments."""
 
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ from kspeedfs.node.preload import tree_digest
 from kspeedfs.node.readthrough.build import InstanceBuilder, catalog_fields
 from kspeedfs.node.readthrough.catalog import ClusterCatalog
 from kspeedfs.node.readthrough.dataset import CachedDataset, Instances, open_instance
+from kspeedfs.node.readthrough.disktier import DiskTier
 from kspeedfs.node.spill import SpillArea
 from kspeedfs.node.store import SegmentStore
 from kspeedfs.sources.source import Source, diff_counts, open_source
@@ -35,12 +37,14 @@ class SourceWatch:
         instances: Instances,
         builder: InstanceBuilder,
         spill: SpillArea | None,
+        disk: DiskTier,
         check_interval: float,
     ):
         self.store = store
         self.instances = instances
         self.builder = builder
         self.spill = spill
+        self.disk = disk
         self.check_interval = check_interval  # seconds between checks of the sources; 0: never
         self.cluster: ClusterCatalog | None = None
 
@@ -150,7 +154,10 @@ class SourceWatch:
         staging, meta, carried = await trio.to_thread.run_sync(
             self.builder.build, name, src, tree, ds, "", members
         )
+        disk_staging = None
         try:
+            # Linked before the unload removes the old instance's disk folder.
+            disk_staging = await trio.to_thread.run_sync(self.disk.carry, ds, carried)
             if self.cluster is not None and not await self.cluster.replace(
                 name, ds.uuid, catalog_fields(meta)
             ):
@@ -159,14 +166,17 @@ class SourceWatch:
         except BaseException:
             with trio.CancelScope(shield=True):
                 await trio.to_thread.run_sync(self.store.discard_staging, staging)
+                if disk_staging is not None:
+                    await trio.to_thread.run_sync(self.store.discard_disk_staging, disk_staging)
             raise
-        new_record = await trio.to_thread.run_sync(self.store.publish, staging, meta)
+        new_record = await trio.to_thread.run_sync(self.store.publish, staging, meta, disk_staging)
         new, _ = await trio.to_thread.run_sync(open_instance, new_record, False)
         new.stats = ds.stats
         if self.spill is not None:
             await trio.to_thread.run_sync(
                 self.spill.rename_dataset, ds.spill_key, new.spill_key, carried
             )
-        self.instances.forget(ds)
+        self.instances.forget(ds)  # its disk claims go before the new instance claims its own
+        await trio.to_thread.run_sync(self.disk.recover, new, False)
         self.instances.add(new)
         return new, len(carried)

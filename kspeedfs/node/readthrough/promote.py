@@ -1,0 +1,108 @@
+"""Moving read-through segments from the disk tier to memory once memory frees up (another
+dataset unloaded, a lease ended): what a dataset would have admitted had there been room.
+
+The store's promotion (node/promote.py) moves a preload's segments, whose places meta.json
+records; a read-through instance's places are the cache's (`CachedDataset.resident`,
+`on_disk`), so it moves its own the same way: copied into the shm folder under a temporary
+name, checked against the checksum of its fill, renamed into seg/, counted in memory and
+entered in the eviction policy, then unlinked from disk and its disk claim released. A reader
+finds the segment in one place or the other (memory, the disk, memory again), and its map of
+the disk file stays valid until it drops it. Only memory that is free now is taken: nothing
+is evicted for a promotion, and a dataset's `max_memory` cap holds.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import shutil
+import uuid
+from pathlib import Path
+
+import trio
+
+from kspeedfs.format.errors import KSpeedError
+from kspeedfs.format.localdata import segment_path
+from kspeedfs.node.readthrough.dataset import CachedDataset, Instances, file_checksum
+from kspeedfs.node.readthrough.disktier import DiskTier
+from kspeedfs.node.readthrough.evict import Evictor
+from kspeedfs.node.store import SegmentStore
+
+log = logging.getLogger(__name__)
+
+PROMOTE_INTERVAL_S = 0.5
+
+
+class DiskPromoter:
+    """Owns the read-through promotions: `run` looks every PROMOTE_INTERVAL_S and moves
+    segments one at a time, in dataset then segment order, while memory has room."""
+
+    def __init__(self, store: SegmentStore, instances: Instances, evictor: Evictor, disk: DiskTier):
+        self.store = store
+        self.instances = instances
+        self.evictor = evictor
+        self.disk = disk
+        self.promoted = {"segments": 0, "bytes": 0}
+
+    async def run(self, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        task_status.started()
+        if not self.disk.enabled:
+            return
+        while True:
+            await trio.sleep(PROMOTE_INTERVAL_S)
+            await self.promote_what_fits()
+
+    async def promote_what_fits(self) -> None:
+        for ds in [self.instances.by_name[n] for n in sorted(self.instances.by_name)]:
+            moved = False
+            for seg in sorted(ds.on_disk):
+                length = ds.seg_len(seg)
+                if self.store.memory_free() < length:
+                    break
+                if ds.max_memory and self.evictor.held(ds) + length > ds.max_memory:
+                    break
+                try:
+                    moved |= await self._promote(ds, seg, length)
+                except (KSpeedError, OSError) as e:
+                    log.info("segment %d of %s stays on disk for now: %s", seg, ds.name, e)
+                    break
+            if moved:
+                ds.epoch[0] += 1  # readers look again, and drop their maps of the disk files
+
+    async def _promote(self, ds: CachedDataset, seg: int, length: int) -> bool:
+        reservation = f"fill:{ds.name}:{ds.uuid}:{seg}"  # a fill's: not counted as a load
+        tmp = self.store.staging_dir / f"promote.{ds.name}.{seg:08d}.{uuid.uuid4().hex[:8]}"
+        disk_file = segment_path(self.disk.folder(ds), seg)
+        self.store.reserve(reservation, length, what=f"segment {seg} of {ds.name}", evict=False)
+        try:
+            checksum = await trio.to_thread.run_sync(_copy, disk_file, tmp)
+            async with ds.lock:
+                if not self.instances.current(ds) or seg not in ds.on_disk:
+                    return False  # unloaded, refreshed or found gone meanwhile
+                if checksum != int(ds.sums[seg]):
+                    log.warning("disk-tier segment %d of %s fails its checksum", seg, ds.name)
+                    self.disk.release(ds, seg)
+                    await trio.to_thread.run_sync(functools.partial(disk_file.unlink, True))
+                    return False
+                await trio.to_thread.run_sync(tmp.rename, segment_path(ds.record.path, seg))
+                ds.resident.add(seg)
+                ds.record.held.append(seg)
+                ds.record.stored += length
+                self.store.release(reservation)
+                self.evictor.admitted(ds, seg)
+                self.disk.release(ds, seg)
+                await trio.to_thread.run_sync(functools.partial(disk_file.unlink, True))
+        finally:
+            self.store.release(reservation)
+            with trio.CancelScope(shield=True):
+                await trio.to_thread.run_sync(functools.partial(tmp.unlink, True))
+        self.promoted["segments"] += 1
+        self.promoted["bytes"] += length
+        ds.stats["promoted"] += 1
+        return True
+
+
+def _copy(src: Path, dest: Path) -> int:
+    """Copy a disk segment into memory; its checksum."""
+    shutil.copyfile(src, dest)
+    return file_checksum(dest)
