@@ -5,6 +5,7 @@ from the source; every byte compared with the source, through the fast path and 
 from __future__ import annotations
 
 import errno
+import json
 import os
 import shutil
 import uuid
@@ -129,6 +130,13 @@ def test_a_dataset_twice_the_budget_reads_nothing_from_the_source_after_the_firs
     assert st["disk_misses"] == st["fills_disk"] == st["on_disk"] and st["bypassed"] == 0, st
     tier = node.request("status")["disk_tier"]
     assert tier["used"] == st["disk_bytes"], tier  # counted in the disk budget
+    done = run_cli("ls", "--json", env=node.env())
+    assert done.returncode == 0, done.stderr
+    (listed,) = [d for d in json.loads(done.stdout) if d["name"] == "big"]
+    assert (listed["memory_bytes"], listed["disk_bytes"]) == (
+        st["memory_bytes"],
+        st["disk_bytes"],
+    ), (listed, st)  # `ls` shows both tiers of a read-through dataset too
 
     node.request("unload", name="big")
     assert disk_folders(node) == []  # nothing left on disk

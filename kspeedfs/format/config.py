@@ -77,8 +77,10 @@ class Settings:
         spill: the spill folder's budget, the disk tier's and the spill's together.
         source_check_interval: seconds between checks of sources for changes (0: off).
         eviction: which read-through segment leaves memory: `stable` (a dataset keeps what it
-            admitted; a miss over its share is read from the source, not kept), `plan` (the
-            segment the readers' plan uses last, where a sampler sent one) or `lru`.
+            admitted; a miss over its share lands on the disk tier where it has room, else it
+            is read from the source, not kept), `plan` (as stable, but where a sampler sent
+            the readers' order, its segment with the fewest uses ahead gives way to a miss
+            with more) or `lru`.
     Decoded variants (decoded.md):
         decode_workers: processes a variant's fill decodes with (0: one per CPU); fewer
             leaves CPUs to the training jobs on the node.

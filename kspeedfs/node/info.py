@@ -104,6 +104,7 @@ class NodeInfo:
         out = [
             {
                 **r.to_wire(),
+                **_readthrough_disk(n.cache.disk_stored(r.name, r.uuid)),
                 "leases": n.leases.count(r.name),
                 "decoded": n.decoded.local_status(r.name),
                 **self._placement(r.name, r.uuid),
@@ -153,6 +154,11 @@ class NodeInfo:
             "cache": n.cache.status(),  # read-through: hits, fills, evictions by policy
             "dataset_leases": {name: n.leases.count(name) for name in list(n.store.datasets)},
         }
+
+
+def _readthrough_disk(disk_stored: int | None) -> dict[str, int]:
+    """A read-through dataset's disk-tier bytes, which its record does not count."""
+    return {} if disk_stored is None else {"disk_stored": disk_stored}
 
 
 def _disk_tier(n: NodeParts) -> dict[str, Any] | None:

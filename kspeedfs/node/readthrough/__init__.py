@@ -120,6 +120,13 @@ class ReadThroughCache:
         """Names being listed or refreshed here (not converged yet)."""
         return self.instances.busy
 
+    def disk_stored(self, name: str, uuid: str) -> int | None:
+        """Bytes instance `uuid` of read-through dataset `name` holds on the disk tier (None:
+        not a read-through instance here). Its record counts only memory: where fills land
+        changes with every miss, and meta.json is written once."""
+        ds = self.instances.by_name.get(name)
+        return ds.disk_bytes if ds is not None and ds.uuid == uuid else None
+
     def use_cluster(self, cluster: ClusterCatalog) -> None:
         """etcd: datasets registered here are placed over the live members and cataloged."""
         self.registrar.cluster = self.watch.cluster = cluster
