@@ -98,6 +98,7 @@ def test_auto_preload_spills_to_the_disk_tier_reads_equal_and_promotes(
     status = node.request("status")
     assert status["used"] <= status["budget"]
     assert status["disk_tier"]["used"] == record["disk_stored"]
+    assert status["cache"]["datasets"]["src"]["disk_bytes"] == record["disk_stored"]
     shown = run_cli("ls", env=env)
     assert shown.returncode == 0 and "DISK" in shown.stdout.splitlines()[0], shown
     shown = run_cli("status", env=env)

@@ -38,6 +38,7 @@ def cache_status(
             "segments": record.segments,
             "in_memory": len(record.held),
             "memory_bytes": record.stored,
+            "disk_bytes": record.disk_stored,  # a preload's disk tier (a read-through one's below)
             "stale": changed if uid == record.uuid else 0,
             "max_memory": record.max_memory,  # a preload's caps (a read-through one's below)
             "max_disk": record.max_disk,
