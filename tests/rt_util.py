@@ -4,10 +4,27 @@ source, the node's cache counters, memory actually used in a folder."""
 from __future__ import annotations
 
 import os
+import random
 from pathlib import Path
 from typing import Any
 
 from conftest import MountProcess, NodeProcess
+
+
+def make_source(
+    root: Path, files: int, size: int, seed: int = 0, folders: int = 4
+) -> dict[str, bytes]:
+    """`files` random files of about `size` bytes each (up to an eighth less), in `folders`
+    folders; relative path -> bytes."""
+    rng = random.Random(seed)
+    made = {}
+    for i in range(files):
+        rel = f"d{i % folders}/f{i:04d}.bin"
+        data = rng.randbytes(size - rng.randint(0, size // 8))
+        (root / rel).parent.mkdir(parents=True, exist_ok=True)
+        (root / rel).write_bytes(data)
+        made[rel] = data
+    return made
 
 
 class EnvNode(NodeProcess):

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import json
 import os
-import random
 import shutil
 from collections.abc import Iterator
 from pathlib import Path
@@ -23,6 +22,7 @@ import pytest
 from conftest import MountProcess, NodeProcess, run_cli, wait_for
 from etcdutil import EtcdCluster
 from hypothesis import HealthCheck, given, settings
+from rt_util import make_source
 
 from kspeedfs.format.errors import InvalidArgument, KSpeedError
 from kspeedfs.format.localdata import SEGMENT_DIR
@@ -31,19 +31,6 @@ from pytorch_ext import KSpeedFolder
 
 MiB = 1 << 20
 BUDGET = 8 * MiB
-
-
-def make_source(root: Path, files: int, size: int, seed: int = 0) -> dict[str, bytes]:
-    """`files` random files of about `size` bytes each, in a few folders."""
-    rng = random.Random(seed)
-    made = {}
-    for i in range(files):
-        rel = f"d{i % 3}/f{i:04d}.bin"
-        data = rng.randbytes(size - rng.randint(0, size // 8))
-        (root / rel).parent.mkdir(parents=True, exist_ok=True)
-        (root / rel).write_bytes(data)
-        made[rel] = data
-    return made
 
 
 @pytest.fixture
@@ -104,7 +91,7 @@ def test_a_capped_preload_lands_at_most_its_cap_in_memory_and_reads_equal(
     node: NodeProcess, tmp_path: Path, mounts: list[MountProcess]
 ) -> None:
     src = tmp_path / "src"
-    files = make_source(src, 16, 400_000)  # about 6 MiB: it would all fit in memory
+    files = make_source(src, 16, 400_000, folders=3)  # about 6 MiB: it would all fit in memory
     done = preload(node, src, "--max-memory", "2MiB")
     assert done.returncode == 0, done.stderr
     record = ls_json(node)["src"]
@@ -133,7 +120,7 @@ def test_caps_a_node_cannot_give_are_refused_in_one_line_and_leave_nothing(
     node: NodeProcess, tmp_path: Path
 ) -> None:
     src = tmp_path / "src"
-    make_source(src, 16, 400_000)
+    make_source(src, 16, 400_000, folders=3)
     refusals = [
         (("--max-memory", "64MiB"), 7, "has free"),  # more than the 8 MiB budget
         (("--max-disk", "1GiB"), 7, "has free"),  # more than the 64 MiB disk tier
@@ -157,7 +144,7 @@ def test_promotion_stops_at_the_cap_and_the_caps_survive_a_restart(
     """aaa (capped) and zzz (not) both spill to disk; after a restart an unload frees memory:
     zzz moves in, aaa stays at its cap though memory has room for its next segment."""
     sources = {
-        name: make_source(tmp_path / name, files, size, seed)
+        name: make_source(tmp_path / name, files, size, seed, folders=3)
         for name, files, size, seed in (
             ("filler", 3, MiB, 1),
             ("aaa", 16, 400_000, 2),
@@ -194,7 +181,7 @@ def test_a_capped_partial_dataset_never_holds_more_after_every_file_is_read(
     node: NodeProcess, tmp_path: Path
 ) -> None:
     src = tmp_path / "src"
-    files = make_source(src, 16, 400_000)  # about 6 MiB: it would all fit in memory
+    files = make_source(src, 16, 400_000, folders=3)  # about 6 MiB: it would all fit in memory
     done = preload(node, src, "--partial", "--max-memory", "2MiB", "--max-disk", "4MiB")
     assert done.returncode == 0, done.stderr
     loaded, total = (int(w) for w in done.stdout.split("partial, ")[1].split()[0:3:2])
@@ -226,7 +213,7 @@ def test_a_heal_keeps_the_memory_cap_and_lands_the_rest_on_the_disk_tier(
         cluster.nodes.append(node.start())
     wait_for(lambda: list(cluster.members().values()) == ["up"] * 3, what="3 members up")
     src = tmp_path / "src"
-    files = make_source(src, 40, 60_000)
+    files = make_source(src, 40, 60_000, folders=3)
     env = cluster.client_env()
     flags = ("--name", "heal", "--replicas", "2", "--max-memory", "256KiB", "-q")
     done = run_cli("preload", str(src), *flags, env=env)

@@ -9,7 +9,6 @@ disk tier it is NoSpace as before; `--partial` loads what fits and reads the res
 from __future__ import annotations
 
 import os
-import random
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -19,24 +18,12 @@ from clusterutil import Cluster, running
 from conftest import MountProcess, NodeProcess, run_cli, wait_for
 from etcdutil import EtcdCluster
 from hypothesis import HealthCheck, given, settings
+from rt_util import make_source
 
 from kspeedfs.format.errors import KSpeedError, SourceChanged, StaleDataset
 from pytorch_ext import KSpeedFolder
 
 MiB = 1 << 20
-
-
-def make_source(root: Path, files: int, size: int, seed: int = 0) -> dict[str, bytes]:
-    """`files` random files of about `size` bytes each, in a few folders."""
-    rng = random.Random(seed)
-    made = {}
-    for i in range(files):
-        rel = f"d{i % 4}/f{i:04d}.bin"
-        data = rng.randbytes(size - rng.randint(0, size // 8))
-        (root / rel).parent.mkdir(parents=True, exist_ok=True)
-        (root / rel).write_bytes(data)
-        made[rel] = data
-    return made
 
 
 def tiered_node(tmp_path: Path, token_file: Path, memory: str, disk: str | None) -> NodeProcess:
