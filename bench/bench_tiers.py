@@ -58,6 +58,7 @@ from pytorch_ext import ClairvoyantSampler, KSpeedImageFolder, PrioritySampler  
 POLICIES = ("lru", "stable", "plan")
 EPOCHS = 3
 TARGETS = {"stable": 0.6, "plan": 0.5}
+FLOOR_SLACK = 0.01  # a share within this of the floor is at it (segments are whole)
 MEMORY, DISK = "memory", "memory+disk"
 PAGE = 4096
 
@@ -282,13 +283,20 @@ def main() -> int:
     print()
     for row in rows:
         after = max(row.shares[1:])
-        if row.tier == MEMORY and row.path == "fast path" and row.policy in TARGETS:
+        if row.tier == MEMORY and row.path.startswith("fast path") and row.policy in TARGETS:
             target = TARGETS[row.policy]
         elif row.tier == DISK and row.policy != "lru":
             target = 0.0
         else:
             continue
-        verdict = "ok" if after <= target else "MISSED"
+        if after <= target:
+            verdict = "ok"
+        elif after <= row.floor + FLOOR_SLACK:
+            # Every sample is read once an epoch: a hit needs it resident when the epoch
+            # starts, so no demand cache reads less than the floor on a shuffle.
+            verdict = "at the floor (no policy reads less on a shuffle)"
+        else:
+            verdict = "MISSED"
         print(
             f"{row.policy} {row.tier} {row.path}: {after:.2f} after the first epoch "
             f"(target <= {target}, floor {row.floor:.2f}): {verdict}"
