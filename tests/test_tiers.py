@@ -145,8 +145,13 @@ def test_tier_memory_on_a_small_budget_is_nospace(small_node: NodeProcess, tmp_p
     assert small_node.request("status")["disk_tier"]["used"] == 0
     done = run_cli("preload", str(src), "-q", "--tier", "disk", env=small_node.env())
     assert done.returncode == 0, done.stderr
+    # All of it went to disk; promotion may already be moving some into the free memory,
+    # so what is in memory is what it moved between the two looks at its counter.
+    before = small_node.request("status")["disk_tier"]["promoted"]["segments"]
     record = listing(small_node)["src"]
-    assert sorted(record["disk"]) == sorted(record["held"])
+    after = small_node.request("status")["disk_tier"]["promoted"]["segments"]
+    assert set(record["disk"]) <= set(record["held"]) and record["held"], record
+    assert before <= len(record["held"]) - len(record["disk"]) <= after, (before, after, record)
 
 
 def test_partial_serves_every_byte_of_the_source_and_refuses_its_changes(
