@@ -6,12 +6,15 @@ One small owner with its own task: the store tells it when memory may have freed
 room). It moves segments one at a time, in dataset then segment order, while the memory budget
 has room for the next one and the dataset's memory cap (`--max-memory`) too. A segment moves by
 copy, rename into the shm folder and unlink from disk (SegmentStore.promote): its readers see
-one copy or the other, never part of one.
+one copy or the other, never part of one. The read-through cache moves its own disk segments
+(readthrough/promote.py, whose places are the cache's, not meta.json's): it adds itself as a
+mover (`add_mover`), so both wake on the same event.
 """
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Awaitable, Callable
 
 import trio
 
@@ -29,6 +32,12 @@ class Promoter:
         self.promoted = {"segments": 0, "bytes": 0}
         self._freed = trio.Event()
         self._token: trio.lowlevel.TrioToken | None = None
+        self._movers: list[Callable[[], Awaitable[bool]]] = [self._promote_what_fits]
+
+    def add_mover(self, mover: Callable[[], Awaitable[bool]]) -> None:
+        """Another owner of disk-tier segments: `mover()` moves what fits in memory now and
+        returns False when a move failed (the poll, not the next wake, tries again)."""
+        self._movers.append(mover)
 
     def wake(self) -> None:
         """Memory may have freed up: look now. Safe from any thread, also once the node's
@@ -46,7 +55,8 @@ class Promoter:
         task_status.started()
         while True:  # a first look at once: a restarted node may have room already
             self._freed = trio.Event()  # what frees from now on wakes the next look
-            if not await self._promote_what_fits():
+            moved_all = [await mover() for mover in self._movers]
+            if not all(moved_all):
                 # A move failed (the filesystem, not the budget, was short): its reservation
                 # given back wakes us, so wait for the poll instead of trying again at once.
                 await trio.sleep(POLL_INTERVAL_S)

@@ -92,6 +92,7 @@ class Node:
             self.decoded.after_preload,
         )
         self.promoter = Promoter(self.store)
+        self.promoter.add_mover(self.cache.promoter.promote_what_fits)  # read-through's own
         self.info = NodeInfo(self)
         for owner in (self.info, self.coordinator, self.lease_owner, self.unloader):
             owner.register_ops(self.ops)

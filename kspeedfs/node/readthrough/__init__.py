@@ -168,13 +168,12 @@ class ReadThroughCache:
             self.evictor.reclaim_over_budget(over)
 
     async def run(self, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
-        """Fills and listings that ops start, pruning, periodic checks of the sources, moving
-        disk-tier segments to memory when it frees up."""
+        """Fills and listings that ops start, pruning, periodic checks of the sources (the
+        node's Promoter calls `promoter.promote_what_fits` when memory frees up)."""
         async with trio.open_nursery() as nursery:
             await nursery.start(self.filler.run)
             await nursery.start(self.registrar.run)
             await nursery.start(self.watch.run)
-            await nursery.start(self.promoter.run)
             task_status.started()
 
     async def adopt(self, name: str, blob: bytes, meta: dict[str, Any]) -> None:

@@ -30,12 +30,11 @@ from kspeedfs.node.store import SegmentStore
 
 log = logging.getLogger(__name__)
 
-PROMOTE_INTERVAL_S = 0.5
-
 
 class DiskPromoter:
-    """Owns the read-through promotions: `run` looks every PROMOTE_INTERVAL_S and moves
-    segments one at a time, in dataset then segment order, while memory has room."""
+    """Owns the read-through promotions: the node's Promoter (node/promote.py) calls
+    `promote_what_fits` when memory may have freed up; it moves segments one at a time, in
+    dataset then segment order, while memory has room."""
 
     def __init__(self, store: SegmentStore, instances: Instances, evictor: Evictor, disk: DiskTier):
         self.store = store
@@ -44,15 +43,11 @@ class DiskPromoter:
         self.disk = disk
         self.promoted = {"segments": 0, "bytes": 0}
 
-    async def run(self, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
-        task_status.started()
+    async def promote_what_fits(self) -> bool:
+        """Move what fits now; False when a move failed."""
         if not self.disk.enabled:
-            return
-        while True:
-            await trio.sleep(PROMOTE_INTERVAL_S)
-            await self.promote_what_fits()
-
-    async def promote_what_fits(self) -> None:
+            return True
+        failed = False
         for ds in [self.instances.by_name[n] for n in sorted(self.instances.by_name)]:
             moved = False
             for seg in sorted(ds.on_disk):
@@ -65,9 +60,11 @@ class DiskPromoter:
                     moved |= await self._promote(ds, seg, length)
                 except (KSpeedError, OSError) as e:
                     log.info("segment %d of %s stays on disk for now: %s", seg, ds.name, e)
+                    failed = True
                     break
             if moved:
                 ds.epoch[0] += 1  # readers look again, and drop their maps of the disk files
+        return not failed
 
     async def _promote(self, ds: CachedDataset, seg: int, length: int) -> bool:
         reservation = f"fill:{ds.name}:{ds.uuid}:{seg}"  # a fill's: not counted as a load
