@@ -156,7 +156,8 @@ class CachedPath(PrefetchMixin):
             if me is None or not me._reader.handle.readthrough:
                 return
             orders = (plan.remaining(), plan.next_epoch().remaining())  # a resumed one: from start
-            me._reader.announce_plan([me._entries(np.asarray(o, dtype=np.int64)) for o in orders])
+            entries = [me._entries(np.asarray(o, dtype=np.int64)) for o in orders]
+            me._reader.announce_plan(entries, plan_reader(plan))
 
         return announce
 
@@ -238,3 +239,11 @@ class KSpeedFolder(CachedPath, Dataset[Any]):
     def __getitem__(self, index: int) -> Any:
         """File `index` as a read-only uint8 array over the cached bytes; override this."""
         return np.frombuffer(self.read_index(index), dtype=np.uint8)
+
+
+def plan_reader(plan: EpochPlan) -> str:
+    """Which share of the epoch `plan` is, as the node keeps the plans of a dataset apart:
+    "rank/replicas". A sampler over the whole dataset in each process of a job (replicas 1)
+    is told apart by the process's rank: each may order the epoch its own way."""
+    rank = plan.rank if plan.num_replicas > 1 else cache.process_rank()
+    return f"{rank}/{plan.num_replicas}"

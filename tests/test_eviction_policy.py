@@ -69,26 +69,32 @@ def test_stable_never_evicts_a_dataset_for_itself() -> None:
     assert policy.victim(None, others=["a", "b"]) == ("a", 0)  # a preload's room: any, oldest
 
 
+PLAN_USES = st.lists(st.integers(0, 7), min_size=1, max_size=80)
+
+
 @given(
-    st.lists(st.integers(0, 7), min_size=1, max_size=80),
+    st.lists(st.tuples(PLAN_USES, st.integers(0, 80)), min_size=1, max_size=2),
     st.lists(st.integers(0, 7), min_size=1, max_size=8, unique=True),
     st.integers(0, 7),
-    st.integers(0, 80),
     st.integers(0, 2),
 )
 def test_the_plan_evicts_only_a_segment_with_fewer_uses_ahead(
-    uses: list[int], resident: list[int], incoming: int, at: int, margin: int
+    plans: list[tuple[list[int], int]], resident: list[int], incoming: int, margin: int
 ) -> None:
-    """Whatever the plan and where the readers are: a victim of the miss's own dataset has
-    fewer uses in the horizon than the miss (less the one being read), by more than the margin, and none of the
-    residents that stay has fewer; no victim means none had."""
+    """Whatever the plans (one per rank, each with its readers somewhere in it): a victim of
+    the miss's own dataset has fewer uses in the horizons, summed over the plans, than the
+    miss (less the one being read), by more than the margin, and none of the residents that
+    stay has fewer; no victim means none had."""
     policy = PlannedUses()
     for seg in resident:
         policy.admitted(("a", seg))
-    policy.planned("a", np.array(uses, dtype=np.int64), margin=margin)
-    plan = policy.plans["a"]
-    plan.cursor = min(at, len(uses) - 1)
-    ahead = {seg: plan.uses_ahead(seg) for seg in {*resident, incoming}}
+    for rank, (uses, at) in enumerate(plans):
+        reader = f"{rank}/{len(plans)}"
+        policy.planned("a", np.array(uses, dtype=np.int64), margin=margin, reader=reader)
+        plan = policy.plans["a"][reader]
+        plan.cursor = min(at, len(uses) - 1)
+    ranks = policy.plans["a"].values()
+    ahead = {seg: sum(p.uses_ahead(seg) for p in ranks) for seg in {*resident, incoming}}
     victim = policy.victim(("a", incoming), others=[])
     need = max(0, ahead[incoming] - 1) - margin  # its own use, being read, not counted
     if victim is None:
@@ -98,6 +104,26 @@ def test_the_plan_evicts_only_a_segment_with_fewer_uses_ahead(
         assert ahead[victim[1]] < need
         assert all(ahead[victim[1]] <= ahead[seg] for seg in resident)
         assert len(policy) == len(resident) - 1
+
+
+def test_each_reader_has_its_plan_and_cursor_and_a_newer_plan_replaces_only_its_own() -> None:
+    policy = PlannedUses()
+    first, second = np.array([0, 1, 2, 3]), np.array([4, 5, 6, 7])
+    policy.planned("a", first, reader="0/2")
+    policy.planned("a", second, reader="1/2")
+    for seg in (1, 2, 5):
+        policy.used(("a", seg))  # each miss moves only the plan that holds it
+    assert policy.plan_position("a") == {"0/2": (1, 4), "1/2": (1, 4)}
+    assert policy.uses_ahead(("a", 3)) == 1 and policy.uses_ahead(("a", 7)) == 1
+    policy.planned("a", np.array([3, 3, 3, 3]), reader="0/2")  # rank 0's next plan
+    assert policy.plan_position("a") == {"1/2": (1, 4), "0/2": (0, 4)}
+    assert policy.uses_ahead(("a", 3)) == 2  # rank 0's uses in its horizon; rank 1 has none
+    for rank in range(2, PlannedUses.MAX_READERS + 1):
+        policy.planned("a", first, reader=f"{rank}/65")
+    readers = policy.plan_position("a") or {}
+    assert len(readers) == PlannedUses.MAX_READERS and "1/2" not in readers  # the oldest went
+    policy.dropped_plan("a")
+    assert policy.plan_position("a") is None and policy.uses_ahead(("a", 3)) == 0
 
 
 def test_the_readers_cursor_follows_their_misses_and_ignores_reads_off_the_plan() -> None:

@@ -185,11 +185,12 @@ class Reader:
             pos += n
         return out
 
-    def announce_plan(self, epochs: Sequence[np.ndarray]) -> None:
-        """Tell the nodes that fill this read-through dataset the order its files will be
-        read in, an array of manifest entries per epoch (this one and the next), as segment
-        uses, in chunks; the same plan from another reader of the sampler has the same name
-        and is taken once."""
+    def announce_plan(self, epochs: Sequence[np.ndarray], reader: str = "") -> None:
+        """Tell the nodes that fill this read-through dataset the order `reader` (a rank's
+        share of the sampler, "rank/replicas"; "": the only one) will read its files in, an
+        array of manifest entries per epoch (this one and the next), as segment uses, in
+        chunks; the same plan from another worker of that reader has the same name and is
+        taken once, and a node keeps one plan per reader."""
         runs = [self._segment_uses(entries) for entries in epochs]
         segments = np.concatenate(runs) if runs else np.zeros(0, dtype=np.int64)
         if len(segments) == 0:
@@ -207,6 +208,7 @@ class Reader:
                     total=len(segments),
                     start=start,
                     horizon=len(runs[0]),
+                    reader=reader,
                 )
                 if not self.cluster.call(node, request).get("used", False):
                     break  # this node's policy does not use plans

@@ -7,7 +7,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Literal
 
-from kspeedfs.format.contract import Request, Wire, at_least, dataset_name
+from kspeedfs.format.contract import Request, Wire, at_least, checked, dataset_name
+from kspeedfs.format.errors import InvalidArgument
 
 
 @dataclasses.dataclass(frozen=True)
@@ -71,11 +72,24 @@ class Touched(Wire):
     known: bool  # False: the node no longer has this instance
 
 
+MAX_READER = 32  # characters of a Plan's `reader` ("rank/replicas" takes at most 21)
+
+
+def _reader(reader: str) -> str:
+    if len(reader) > MAX_READER:
+        raise InvalidArgument(f"must be at most {MAX_READER} characters, not {len(reader)}")
+    if not reader.isprintable():
+        raise InvalidArgument("must be printable")
+    return reader
+
+
 @dataclasses.dataclass(frozen=True)
 class Plan(Request):
-    """Part of the readers' upcoming segment order of instance `uuid` of `name`: `segments`
-    go at position `start` of a plan of `total` uses that `plan` names (the readers of one
-    sampler send the same plan; the node takes it once it is whole)."""
+    """Part of the upcoming segment order of `reader` (a rank's share of the sampler, as
+    "rank/replicas"; "": the only reader) of instance `uuid` of `name`: `segments` go at
+    position `start` of a plan of `total` uses that `plan` names (the workers of one rank
+    send the same plan; the node takes it once it is whole, in place of that reader's older
+    one)."""
 
     OP = "plan"
     plan: str
@@ -85,6 +99,7 @@ class Plan(Request):
     start: int = at_least(0, default=0)
     uuid: str = ""
     horizon: int = at_least(0, default=0)  # uses in one epoch of it (0: half the plan)
+    reader: str = checked(_reader, default="")
 
 
 @dataclasses.dataclass(frozen=True)

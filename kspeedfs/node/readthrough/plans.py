@@ -1,15 +1,18 @@
-"""The readers' plans: the upcoming segment order of a dataset, sent by its readers in chunks
-(the `plan` op), handed whole to the eviction policy."""
+"""The readers' plans: the upcoming segment order of a dataset, sent by each of its readers (a
+rank's share of the sampler) in chunks (the `plan` op), handed whole to the eviction policy."""
 
 from __future__ import annotations
 
 import dataclasses
+from collections import OrderedDict
+from typing import Any
 
 import numpy as np
 
 from kspeedfs.format.contract.readthrough import Plan, Planned
 from kspeedfs.format.errors import InvalidArgument
 from kspeedfs.node.readthrough.dataset import Instances
+from kspeedfs.node.readthrough.policy import PlannedUses
 
 MAX_PLAN_USES = 1 << 26  # a plan longer than this many segment uses is refused
 
@@ -23,30 +26,40 @@ class _Partial:
 
 
 class PlanTable:
-    """Gathers each dataset's newest plan. Every reader of one sampler sends the same plan
-    (same `plan` name): the first whole copy goes to the policy, repeats are ignored."""
+    """Gathers the newest plan of each reader of each dataset. Every DataLoader worker of one
+    rank sends the same plan (same `reader`, same `plan` name): the first whole copy goes to
+    the policy, repeats are ignored. Per dataset, the plans of at most MAX_READERS readers
+    are kept, taken or in chunks, as the policy keeps them (the oldest goes)."""
+
+    MAX_READERS = PlannedUses.MAX_READERS
 
     def __init__(self, instances: Instances, uses_plans: bool):
         self.instances = instances
         self.uses_plans = uses_plans
-        self._partial: dict[str, _Partial] = {}
-        self._taken: dict[str, tuple[str, str]] = {}  # name -> (uuid, plan) handed over
+        self._partial: dict[str, OrderedDict[str, _Partial]] = {}  # name -> reader -> chunks
+        # name -> reader -> (uuid, plan) handed over, oldest first, as the policy holds them
+        self._taken: dict[str, OrderedDict[str, tuple[str, str]]] = {}
 
     async def op_plan(self, request: Plan) -> Planned:
         ds = self.instances.find(request.name, request.uuid)
         if not self.uses_plans:
             return Planned(False)
-        if self._taken.get(ds.name) == (ds.uuid, request.plan):
+        reader = request.reader
+        taken = self._taken.setdefault(ds.name, OrderedDict())
+        if taken.get(reader) == (ds.uuid, request.plan):
             return Planned(True, complete=True)
         total, start, segs = request.total, request.start, request.segments
         if total > MAX_PLAN_USES or start + len(segs) > total:
             raise InvalidArgument(f"plan: {len(segs)} uses at {start} do not fit {total}")
         if any(s >= ds.manifest.segments for s in segs):
             raise InvalidArgument(f"plan: a segment out of range for {ds.name}")
-        part = self._partial.get(ds.name)
+        partial = self._partial.setdefault(ds.name, OrderedDict())
+        part = partial.get(reader)
         if part is None or (part.plan, part.uuid) != (request.plan, ds.uuid):
             empty = np.full(total, -1, dtype=np.int64)
-            part = self._partial[ds.name] = _Partial(request.plan, ds.uuid, empty, total)
+            partial.pop(reader, None)
+            part = partial[reader] = _Partial(request.plan, ds.uuid, empty, total)
+            _keep_newest(partial, self.MAX_READERS)
         if len(part.segments) != total:
             raise InvalidArgument(f"plan {request.plan!r}: total {total} changed")
         window = part.segments[start : start + len(segs)]
@@ -54,12 +67,23 @@ class PlanTable:
         window[:] = segs
         if part.missing > 0:
             return Planned(True)
-        del self._partial[ds.name]
-        self._taken[ds.name] = (ds.uuid, request.plan)
+        del partial[reader]
+        for old in [r for r, (uuid, _) in taken.items() if uuid != ds.uuid]:
+            del taken[old]  # of an instance gone: the policy dropped its plans with it
+        taken.pop(reader, None)
+        taken[reader] = (ds.uuid, request.plan)
+        _keep_newest(taken, self.MAX_READERS)
         # Admitting reads a whole segment, not keeping a miss one file: a swap must win more
         # hits than that costs, and the readers' position is known only roughly (bench_tiers
         # with one file a segment and no margin: 0.57-0.59 of a shuffle from the source
         # against stable's 0.51; a margin of one segment's files keeps it at stable's).
         files_per_segment = max(1, round(ds.record.files / max(1, ds.manifest.segments)))
-        self.instances.policy.planned(ds.name, part.segments, request.horizon, files_per_segment)
+        self.instances.policy.planned(
+            ds.name, part.segments, request.horizon, files_per_segment, reader
+        )
         return Planned(True, complete=True)
+
+
+def _keep_newest(table: OrderedDict[str, Any], most: int) -> None:
+    while len(table) > most:
+        table.popitem(last=False)

@@ -14,7 +14,8 @@ miss" (it is read from the source and not admitted).
   dataset twice the budget keeps half of itself (one source read per miss, never two).
 - `plan`: where the readers sent their order (the `plan` op), the segment of the miss's own
   dataset with the fewest uses ahead gives way to a miss with enough more (PlannedUses says
-  why not Belady's furthest next use). Without a plan it is `stable`.
+  why not Belady's furthest next use). Without a plan it is `stable`. A dataset holds one
+  plan per reader (a rank's share of the sampler's epoch), each with its own cursor.
 """
 
 from __future__ import annotations
@@ -52,15 +53,23 @@ class EvictionPolicy(Protocol):
         (None: any dataset) or, where the policy allows, incoming's own dataset. None: no
         victim (for a miss: do not keep it)."""
 
-    def planned(self, name: str, segments: np.ndarray, horizon: int = 0, margin: int = 0) -> None:
-        """The readers of `name` will use `segments` in this order, from now; `horizon`: the
-        uses an epoch holds; `margin`: how many more uses a miss needs to displace a segment."""
+    def planned(
+        self,
+        name: str,
+        segments: np.ndarray,
+        horizon: int = 0,
+        margin: int = 0,
+        reader: str = "",
+    ) -> None:
+        """`reader` of `name` (a rank's share; "": the only one) will use `segments` in this
+        order, from now, in place of its older plan; `horizon`: the uses an epoch holds;
+        `margin`: how many more uses a miss needs to displace a segment."""
 
     def dropped_plan(self, name: str) -> None:
-        """`name` is gone or refreshed: its plan no longer applies."""
+        """`name` is gone or refreshed: none of its plans applies any more."""
 
-    def plan_position(self, name: str) -> tuple[int, int] | None:
-        """(where the readers are, uses in all) of the plan of `name`; None: no plan."""
+    def plan_position(self, name: str) -> dict[str, tuple[int, int]] | None:
+        """Per reader, (where it is, uses in all) of its plan of `name`; None: no plan."""
 
 
 class _Recency(abc.ABC):
@@ -86,14 +95,21 @@ class _Recency(abc.ABC):
     def forgotten(self, key: Key) -> None:
         self._order.pop(key, None)
 
-    def planned(self, name: str, segments: np.ndarray, horizon: int = 0, margin: int = 0) -> None:
+    def planned(
+        self,
+        name: str,
+        segments: np.ndarray,
+        horizon: int = 0,
+        margin: int = 0,
+        reader: str = "",
+    ) -> None:
         """Readers' order: ignored but by the plan policy."""
         return None
 
     def dropped_plan(self, name: str) -> None:
         return None
 
-    def plan_position(self, name: str) -> tuple[int, int] | None:
+    def plan_position(self, name: str) -> dict[str, tuple[int, int]] | None:
         return None
 
     @abc.abstractmethod
@@ -198,51 +214,73 @@ class PlannedUses(_Recency):
     epochs over a dataset twice the budget, 4 files a segment: 0.93 of the dataset from the
     source per epoch against 0.5 kept stable; this rule, with a margin of a segment's files
     and the readers' position 32 uses off: 0.50-0.54, and 0.40-0.43 against 0.5 where samples
-    repeat, as a PrioritySampler draws them)."""
+    repeat, as a PrioritySampler draws them).
+
+    Each reader of a dataset (a rank's share of a distributed sampler) sends its own plan and
+    keeps its own cursor: a miss, whichever rank it came from, moves the cursors of the plans
+    that use its segment near where they are (ReadersPlan.observe ignores the others), and a
+    segment's uses ahead are summed over the plans. At most MAX_READERS plans a dataset: a
+    new reader beyond them drops the one that sent its plan longest ago."""
 
     name = "plan"
     fair_share = True
+    MAX_READERS = 64
 
     def __init__(self) -> None:
         super().__init__()
-        self.plans: dict[str, ReadersPlan] = {}
+        self.plans: dict[str, OrderedDict[str, ReadersPlan]] = {}  # name -> reader -> plan
         self.margins: dict[str, int] = {}
 
     def used(self, key: Key) -> None:
         super().used(key)
-        plan = self.plans.get(key[0])
-        if plan is not None:
+        for plan in self.plans.get(key[0], {}).values():
             plan.observe(key[1])
 
-    def planned(self, name: str, segments: np.ndarray, horizon: int = 0, margin: int = 0) -> None:
-        self.plans[name] = ReadersPlan(segments, horizon)
+    def planned(
+        self,
+        name: str,
+        segments: np.ndarray,
+        horizon: int = 0,
+        margin: int = 0,
+        reader: str = "",
+    ) -> None:
+        readers = self.plans.setdefault(name, OrderedDict())
+        readers.pop(reader, None)  # a newer plan of the same reader: the newest of all
+        readers[reader] = ReadersPlan(segments, horizon)
+        while len(readers) > self.MAX_READERS:
+            readers.popitem(last=False)
         self.margins[name] = margin
 
     def dropped_plan(self, name: str) -> None:
         self.plans.pop(name, None)
         self.margins.pop(name, None)
 
-    def plan_position(self, name: str) -> tuple[int, int] | None:
-        plan = self.plans.get(name)
-        return (plan.cursor, plan.length) if plan is not None else None
+    def plan_position(self, name: str) -> dict[str, tuple[int, int]] | None:
+        readers = self.plans.get(name)
+        if not readers:
+            return None
+        return {reader: (plan.cursor, plan.length) for reader, plan in readers.items()}
+
+    def uses_ahead(self, key: Key) -> int:
+        """Planned uses of `key` after each reader's cursor, within its horizon, summed."""
+        return sum(plan.uses_ahead(key[1]) for plan in self.plans.get(key[0], {}).values())
 
     def victim(
         self, incoming: Key | None = None, others: Collection[str] | None = None
     ) -> Key | None:
         if incoming is None:
             return self._oldest(others)
-        name, seg = incoming
+        name = incoming[0]
         found = self._oldest([n for n in others or () if n != name])
-        plan = self.plans.get(name)
-        if found is not None or plan is None:
+        if found is not None or not self.plans.get(name):
             return found
         # The miss's own use is the one being read now, which the cursor (behind the readers)
         # still counts ahead: not a use to come.
-        fewest = max(0, plan.uses_ahead(seg) - 1) - self.margins.get(name, 0)
+        fewest = max(0, self.uses_ahead(incoming) - 1) - self.margins.get(name, 0)
         victim = None
         for key in self._order:
             if key[0] == name:
-                n = plan.uses_ahead(key[1])
+                n = self.uses_ahead(key)
                 if n < fewest:
                     fewest, victim = n, key
         if victim is not None:
