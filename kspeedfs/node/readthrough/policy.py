@@ -179,6 +179,7 @@ class ReadersPlan:
             )
             if len(group)
         }
+        self._segments = segments
         self.cursor = 0
         self._matches: deque[int] = deque(maxlen=self.MATCHES)
 
@@ -200,6 +201,11 @@ class ReadersPlan:
             return 0
         first = bisect.bisect_right(uses, self.cursor)
         return bisect.bisect_right(uses, self.cursor + self.horizon) - first
+
+    def ahead_counts(self) -> np.ndarray:
+        """`uses_ahead` of every segment at once, indexed by segment (up to the largest one
+        in the horizon)."""
+        return np.bincount(self._segments[self.cursor + 1 : self.cursor + 1 + self.horizon])
 
 
 class PlannedUses(_Recency):
@@ -265,22 +271,33 @@ class PlannedUses(_Recency):
         """Planned uses of `key` after each reader's cursor, within its horizon, summed."""
         return sum(plan.uses_ahead(key[1]) for plan in self.plans.get(key[0], {}).values())
 
+    def _ahead_counts(self, name: str) -> np.ndarray:
+        """`uses_ahead` of every segment of `name`, indexed by segment: once a miss, not once
+        a resident segment and plan (4,096 resident, 64 plans: 85 ms a victim that way)."""
+        counts = [plan.ahead_counts() for plan in self.plans[name].values()]
+        total = np.zeros(max(len(c) for c in counts), dtype=np.int64)
+        for c in counts:
+            total[: len(c)] += c
+        return total
+
     def victim(
         self, incoming: Key | None = None, others: Collection[str] | None = None
     ) -> Key | None:
         if incoming is None:
             return self._oldest(others)
-        name = incoming[0]
+        name, seg = incoming
         found = self._oldest([n for n in others or () if n != name])
         if found is not None or not self.plans.get(name):
             return found
         # The miss's own use is the one being read now, which the cursor (behind the readers)
         # still counts ahead: not a use to come.
-        fewest = max(0, self.uses_ahead(incoming) - 1) - self.margins.get(name, 0)
+        ahead = self._ahead_counts(name).tolist()
+        known = len(ahead)
+        fewest = max(0, (ahead[seg] if seg < known else 0) - 1) - self.margins.get(name, 0)
         victim = None
         for key in self._order:
             if key[0] == name:
-                n = self.uses_ahead(key)
+                n = ahead[key[1]] if key[1] < known else 0
                 if n < fewest:
                     fewest, victim = n, key
         if victim is not None:
