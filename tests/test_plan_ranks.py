@@ -23,6 +23,8 @@ from kspeedfs.client import admin
 from kspeedfs.format.contract.readthrough import MAX_READER, Plan
 from kspeedfs.format.errors import InvalidArgument
 from pytorch_ext import ClairvoyantSampler, KSpeedFolder, PrioritySampler
+from pytorch_ext.folder import plan_reader
+from pytorch_ext.prefetch import EpochPlan
 
 SEGMENT = 256 << 10
 BUDGET = 32 << 20
@@ -142,6 +144,23 @@ def test_two_ranks_each_have_their_plan_and_the_node_keeps_what_both_come_back_t
     assert after_first["plan"]["shuffled"] <= after_first["stable"]["shuffled"] + 0.02, after_first
     assert after_first["plan"]["shuffled"] <= 0.6, after_first
     assert after_first["plan"]["drawn"] < min(stable["drawn"][1:]), (planned, stable)
+
+
+def test_a_rank_names_its_share_and_a_whole_dataset_sampler_its_process(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    plan = EpochPlan(
+        length=10, num_replicas=8, rank=2, shuffle=True, seed=0, drop_last=False, epoch=0, depth=2
+    )
+    monkeypatch.setenv("RANK", "5")
+    assert plan_reader(plan) == "2/8"  # the sampler's own rank, not the process's
+    whole = EpochPlan(
+        length=10, num_replicas=1, rank=0, shuffle=True, seed=0, drop_last=False, epoch=0, depth=2
+    )
+    assert plan_reader(whole) == "5/1"
+    monkeypatch.delenv("RANK")
+    monkeypatch.delenv("LOCAL_RANK", raising=False)
+    assert plan_reader(whole) == "0/1"
 
 
 PLAN_FIELDS = {"plan": "p", "name": "big", "segments": [0], "total": 1}
