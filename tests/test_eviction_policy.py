@@ -156,3 +156,13 @@ def test_the_cursor_stays_near_the_readers_on_repeated_draws(seed: int, lag: int
         assert plan.cursor <= t + 16
         behind.append(t - plan.cursor)
     assert np.mean(behind) <= lag + 32  # between the two readers, on the whole
+
+
+def test_a_datasets_plans_together_hold_at_most_max_uses_the_newest_kept() -> None:
+    policy = PlannedUses()
+    policy.MAX_USES = 10
+    for rank in range(3):
+        policy.planned("a", np.arange(4), reader=f"{rank}/3")
+    assert list(policy.plan_position("a") or {}) == ["1/3", "2/3"]  # 8 uses; 12 were over
+    policy.planned("a", np.arange(40), reader="0/3")  # one over the limit alone: still kept
+    assert list(policy.plan_position("a") or {}) == ["0/3"]

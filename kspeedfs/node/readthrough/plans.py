@@ -14,7 +14,7 @@ from kspeedfs.format.errors import InvalidArgument
 from kspeedfs.node.readthrough.dataset import Instances
 from kspeedfs.node.readthrough.policy import PlannedUses
 
-MAX_PLAN_USES = 1 << 26  # a plan longer than this many segment uses is refused
+MAX_PLAN_USES = PlannedUses.MAX_USES  # a plan longer than this many segment uses is refused
 
 
 @dataclasses.dataclass
@@ -29,7 +29,9 @@ class PlanTable:
     """Gathers the newest plan of each reader of each dataset. Every DataLoader worker of one
     rank sends the same plan (same `reader`, same `plan` name): the first whole copy goes to
     the policy, repeats are ignored. Per dataset, the plans of at most MAX_READERS readers
-    are kept, taken or in chunks, as the policy keeps them (the oldest goes)."""
+    are kept, taken or in chunks, as the policy keeps them (the oldest goes), and those in
+    chunks hold MAX_PLAN_USES uses in all (a job cannot make the node hold 64 of the
+    largest)."""
 
     MAX_READERS = PlannedUses.MAX_READERS
 
@@ -56,10 +58,12 @@ class PlanTable:
         partial = self._partial.setdefault(ds.name, OrderedDict())
         part = partial.get(reader)
         if part is None or (part.plan, part.uuid) != (request.plan, ds.uuid):
-            empty = np.full(total, -1, dtype=np.int64)
             partial.pop(reader, None)
+            held = sum(len(p.segments) for p in partial.values())
+            while partial and (len(partial) >= self.MAX_READERS or held + total > MAX_PLAN_USES):
+                held -= len(partial.popitem(last=False)[1].segments)  # before allocating
+            empty = np.full(total, -1, dtype=np.int64)
             part = partial[reader] = _Partial(request.plan, ds.uuid, empty, total)
-            _keep_newest(partial, self.MAX_READERS)
         if len(part.segments) != total:
             raise InvalidArgument(f"plan {request.plan!r}: total {total} changed")
         window = part.segments[start : start + len(segs)]

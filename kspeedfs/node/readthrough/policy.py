@@ -225,12 +225,13 @@ class PlannedUses(_Recency):
     Each reader of a dataset (a rank's share of a distributed sampler) sends its own plan and
     keeps its own cursor: a miss, whichever rank it came from, moves the cursors of the plans
     that use its segment near where they are (ReadersPlan.observe ignores the others), and a
-    segment's uses ahead are summed over the plans. At most MAX_READERS plans a dataset: a
-    new reader beyond them drops the one that sent its plan longest ago."""
+    segment's uses ahead are summed over the plans. At most MAX_READERS plans a dataset, of
+    MAX_USES uses in all: a plan beyond them drops the ones sent longest ago."""
 
     name = "plan"
     fair_share = True
     MAX_READERS = 64
+    MAX_USES = 1 << 26  # of a dataset's plans together (one plan longer is refused before)
 
     def __init__(self) -> None:
         super().__init__()
@@ -253,8 +254,9 @@ class PlannedUses(_Recency):
         readers = self.plans.setdefault(name, OrderedDict())
         readers.pop(reader, None)  # a newer plan of the same reader: the newest of all
         readers[reader] = ReadersPlan(segments, horizon)
-        while len(readers) > self.MAX_READERS:
-            readers.popitem(last=False)
+        uses = sum(plan.length for plan in readers.values())
+        while len(readers) > self.MAX_READERS or (uses > self.MAX_USES and len(readers) > 1):
+            uses -= readers.popitem(last=False)[1].length
         self.margins[name] = margin
 
     def dropped_plan(self, name: str) -> None:
