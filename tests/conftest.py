@@ -59,6 +59,7 @@ SLOW_MODULES = frozenset(
         "test_caps.py",  # node and CLI processes per case, a three-node heal
         "test_readthrough_disk.py",  # three epochs per policy, with a disk tier
         "test_tier_views.py",  # a three-node cluster
+        "test_plan_ranks.py",  # two ranks' DataLoaders, three epochs per policy
         "test_webdataset.py",  # a three-node cluster per sampler
         "test_fsspec.py",  # pyarrow and datasets against one and three nodes
     }
