@@ -11,8 +11,8 @@ tier's files/s at least 0.5 of memory's. After the first epoch the source folder
 away: every later epoch reads it whole, so not one byte of it came from the source.
 
 "fast path" reads views (maps, zero-copy) and copies them out; "fast copy" is the fast path's
-copying read (`gather`, what `fetch` and `scratch_view` do): a disk-tier segment copied with
-pread, a memory one from its map. The last lines copy every file of the disk tier both ways,
+copying read (`gather`, what `fetch` and `scratch_view` do): from maps, while the instance has
+fewer than localdata.MAPPED_SEGMENTS of them (then pread for disk-tier segments). The last lines copy every file of the disk tier both ways,
 map and pread, from a fresh instance (as a new DataLoader worker would), on a warm page cache
 and on a cold one (our segments' pages dropped with fadvise).
 """
@@ -95,6 +95,7 @@ def map_against_pread(
     """Best seconds of `rounds` to copy every file of a dataset folder, in `entries`' order,
     out of a fresh map and with pread, the two alternating (None: this tree's LocalDataset
     has no pread). `cold`: the segments' pages dropped from the page cache before each."""
+    from kspeedfs.format import localdata
     from kspeedfs.format.localdata import LocalDataset, read_meta
 
     if not hasattr(LocalDataset, "read_into"):
@@ -109,6 +110,9 @@ def map_against_pread(
             warm_memory(256 << 20)
             if cold:
                 drop_page_cache(seg_dir)
+            mapped = getattr(localdata, "MAPPED_SEGMENTS", None)
+            if mapped is not None:
+                localdata.MAPPED_SEGMENTS = 0  # every copy a pread (none is mapped here)
             started = time.perf_counter()
             for seg, off, n in pieces:
                 if how == "map":
@@ -116,6 +120,8 @@ def map_against_pread(
                 else:
                     local.read_into(seg, off, out[:n])
             took = time.perf_counter() - started
+            if mapped is not None:
+                localdata.MAPPED_SEGMENTS = mapped
             best[how] = min(best.get(how, took), took)
             local.release()
     return best

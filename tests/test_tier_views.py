@@ -159,6 +159,8 @@ def test_copies_of_disk_segments_are_preads_views_are_maps_and_an_old_instance_f
 ) -> None:
     # Fewer open segment files than the dataset has disk segments: the oldest are let go.
     monkeypatch.setattr(localdata, "OPEN_DISK_FILES", 2)
+    # A process with no maps to spare: every copy of a disk segment is a pread.
+    monkeypatch.setattr(localdata, "MAPPED_SEGMENTS", 0)
     disk_dir = tmp_path / "disk"
     node = shm_node(
         tmp_path, token_file, "--spill-dir", str(disk_dir), "--spill", "64MiB", memory="1MiB"
@@ -193,6 +195,14 @@ def test_copies_of_disk_segments_are_preads_views_are_maps_and_an_old_instance_f
         assert bytes(reader.view(entry)) == files[rel]  # zero-copy: a view of the map
     assert maps_under(disk_dir)
     preads_equal_maps(_listed(node, "d")["path"], m.segments)
+
+    # With maps to spare (the default), a copy comes from a map: faster here than pread.
+    path = _listed(node, "d")["path"]
+    monkeypatch.setattr(localdata, "MAPPED_SEGMENTS", 1)
+    fresh = LocalDataset(path)
+    assert fresh.copies_by_pread(0) is False  # no map yet: the first one is made
+    fresh.read_into(0, 0, memoryview(bytearray(10)))
+    assert fresh.copies_by_pread(0) is False and fresh.copies_by_pread(1) is True  # one only
 
     # An instance's copies come from its own folders: loaded again from a changed source, a
     # reader of the old one gets an error for every file it had not read, never the new bytes.
