@@ -49,6 +49,10 @@ class DiskPromoter:
             return True
         failed = False
         for ds in [self.instances.by_name[n] for n in sorted(self.instances.by_name)]:
+            if not ds.on_disk or self.store.memory_free() < ds.seg_len(min(ds.on_disk)):
+                # What every fill's end wakes it for during an epoch, with memory full: no
+                # sort of the disk segments for a move that cannot happen.
+                continue
             moved = False
             for seg in sorted(ds.on_disk):
                 length = ds.seg_len(seg)
