@@ -3,12 +3,54 @@ source, the node's cache counters, memory actually used in a folder."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import random
+import shutil
+import uuid
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 from conftest import MountProcess, NodeProcess
+
+
+def wrong_bytes(got: Any, want: bytes) -> int:
+    """Bytes of `got` that differ from `want` (every byte of the longer one when their lengths
+    differ)."""
+    a = np.frombuffer(bytes(got), dtype=np.uint8)
+    b = np.frombuffer(want, dtype=np.uint8)
+    return int(np.count_nonzero(a != b)) if len(a) == len(b) else max(len(a), len(b))
+
+
+@contextlib.contextmanager
+def policy_nodes(
+    token_file: Path, tmp_path: Path, memory: int, segment: int
+) -> Iterator[Callable[..., NodeProcess]]:
+    """`start(policy, *extra, memory=memory)`: a started node of its own shm folder with that
+    eviction policy; every one stopped and its folder removed at the end."""
+    made: list[NodeProcess] = []
+
+    def start(policy: str, *extra: str, memory: int = memory) -> NodeProcess:
+        shm = Path("/dev/shm") / f"kspeedfs-test-{uuid.uuid4().hex[:10]}"
+        n = NodeProcess(
+            shm,
+            token_file,
+            tmp_path,
+            memory=str(memory),
+            segment_size=str(segment),
+            extra=("--eviction", policy, *extra),
+        )
+        made.append(n)
+        return n.start()
+
+    try:
+        yield start
+    finally:
+        for n in made:
+            n.stop()
+            shutil.rmtree(n.shm_dir, ignore_errors=True)
 
 
 def make_source(

@@ -22,7 +22,7 @@ import pytest
 from conftest import MountProcess, NodeProcess, run_cli, wait_for
 from etcdutil import EtcdCluster
 from hypothesis import HealthCheck, given, settings
-from rt_util import make_source
+from rt_util import make_source, wrong_bytes
 
 from kspeedfs.format.errors import InvalidArgument, KSpeedError
 from kspeedfs.format.localdata import SEGMENT_DIR
@@ -64,10 +64,6 @@ def in_memory(node: NodeProcess, name: str) -> int:
     """Bytes of the dataset's segment files in the node's shm folder: what memory holds."""
     seg_dir = node.shm_dir / "datasets" / name / SEGMENT_DIR
     return sum(f.stat().st_size for f in seg_dir.iterdir())
-
-
-def wrong_bytes(got: bytes, want: bytes) -> int:
-    return sum(a != b for a, b in zip(got, want, strict=False)) + abs(len(got) - len(want))
 
 
 def read_all_fast(node: NodeProcess, src: Path, files: dict[str, bytes]) -> int:

@@ -5,8 +5,6 @@ the fast path; every byte compared with the source."""
 from __future__ import annotations
 
 import os
-import shutil
-import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -15,7 +13,14 @@ import numpy as np
 import pytest
 import torch
 from conftest import NodeProcess, run_cli
-from rt_util import cache_status, mount_source, read_uncached, write_files
+from rt_util import (
+    cache_status,
+    mount_source,
+    policy_nodes,
+    read_uncached,
+    write_files,
+    wrong_bytes,
+)
 
 from kspeedfs.client import admin
 from kspeedfs.format.errors import NoSpace
@@ -32,25 +37,8 @@ StartNode = Callable[..., NodeProcess]
 @pytest.fixture
 def make_node(token_file: Path, tmp_path: Path) -> Iterator[StartNode]:
     """Nodes with a 32 MiB budget, 256 KiB segments and a policy; stopped and removed after."""
-    made: list[NodeProcess] = []
-
-    def start(policy: str, *extra: str, memory: int = BUDGET) -> NodeProcess:
-        shm = Path("/dev/shm") / f"kspeedfs-test-{uuid.uuid4().hex[:10]}"
-        n = NodeProcess(
-            shm,
-            token_file,
-            tmp_path,
-            memory=str(memory),
-            segment_size=str(SEGMENT),
-            extra=("--eviction", policy, *extra),
-        )
-        made.append(n)
-        return n.start()
-
-    yield start
-    for n in made:
-        n.stop()
-        shutil.rmtree(n.shm_dir, ignore_errors=True)
+    with policy_nodes(token_file, tmp_path, BUDGET, SEGMENT) as start:
+        yield start
 
 
 @pytest.fixture(scope="module")
@@ -69,14 +57,6 @@ def open_dataset(node: NodeProcess, src: Path, name: str) -> KSpeedFolder:
 
 def source_bytes(node: NodeProcess, name: str) -> int:
     return int(cache_status(node, name)["source_bytes"])
-
-
-def wrong_bytes(got: Any, want: bytes) -> int:
-    a = np.frombuffer(bytes(got), dtype=np.uint8)
-    b = np.frombuffer(want, dtype=np.uint8)
-    if len(a) != len(b):
-        return max(len(a), len(b))
-    return int(np.count_nonzero(a != b))
 
 
 MakeSampler = Callable[[KSpeedFolder], ClairvoyantSampler]

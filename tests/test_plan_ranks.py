@@ -5,8 +5,6 @@ byte compared with the source. And a hostile `reader` field is refused in one li
 
 from __future__ import annotations
 
-import shutil
-import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -17,7 +15,7 @@ import torch
 from conftest import NodeProcess
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from rt_util import cache_status, write_files
+from rt_util import cache_status, policy_nodes, write_files, wrong_bytes
 
 from kspeedfs.client import admin
 from kspeedfs.format.contract.readthrough import MAX_READER, Plan
@@ -47,39 +45,14 @@ def draws(ds: KSpeedFolder, rank: int) -> ClairvoyantSampler:
 @pytest.fixture
 def start_node(token_file: Path, tmp_path: Path) -> Iterator[Callable[[str], NodeProcess]]:
     """Nodes with a 32 MiB budget, 256 KiB segments and an eviction policy; removed after."""
-    made: list[NodeProcess] = []
-
-    def start(policy: str) -> NodeProcess:
-        shm = Path("/dev/shm") / f"kspeedfs-test-{uuid.uuid4().hex[:10]}"
-        n = NodeProcess(
-            shm,
-            token_file,
-            tmp_path,
-            memory=str(BUDGET),
-            segment_size=str(SEGMENT),
-            extra=("--eviction", policy),
-        )
-        made.append(n)
-        return n.start()
-
-    yield start
-    for n in made:
-        n.stop()
-        shutil.rmtree(n.shm_dir, ignore_errors=True)
+    with policy_nodes(token_file, tmp_path, BUDGET, SEGMENT) as start:
+        yield start
 
 
 @pytest.fixture(scope="module")
 def source(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, bytes]]:
     root = tmp_path_factory.mktemp("src") / "big"
     return root, write_files(root, FILES, SEGMENT)
-
-
-def wrong_bytes(got: Any, want: bytes) -> int:
-    a = np.frombuffer(bytes(got), dtype=np.uint8)
-    b = np.frombuffer(want, dtype=np.uint8)
-    if len(a) != len(b):
-        return max(len(a), len(b))
-    return int(np.count_nonzero(a != b))
 
 
 def ranked_epochs(

@@ -11,7 +11,6 @@ import shutil
 import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 import pytest
@@ -19,7 +18,14 @@ import torch
 from conftest import MountProcess, NodeProcess, preload, run_cli, wait_for
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from rt_util import cache_status, mount_source, read_uncached, write_files
+from rt_util import (
+    cache_status,
+    mount_source,
+    policy_nodes,
+    read_uncached,
+    write_files,
+    wrong_bytes,
+)
 
 from kspeedfs.client import admin
 from kspeedfs.node.readthrough.build import InstanceBuilder
@@ -49,26 +55,13 @@ Files = dict[str, bytes]
 def make_node(token_file: Path, tmp_path: Path) -> Iterator[StartNode]:
     """Nodes with an 8 MiB budget, 256 KiB segments, a policy and a disk tier of `disk`
     bytes (twice the budget by default); stopped and removed after."""
-    made: list[NodeProcess] = []
+    with policy_nodes(token_file, tmp_path, BUDGET, SEGMENT) as nodes:
 
-    def start(policy: str, disk: int = 2 * BUDGET) -> NodeProcess:
-        shm = Path("/dev/shm") / f"kspeedfs-test-{uuid.uuid4().hex[:10]}"
-        spill = tmp_path / f"disk-{uuid.uuid4().hex[:6]}"
-        n = NodeProcess(
-            shm,
-            token_file,
-            tmp_path,
-            memory=str(BUDGET),
-            segment_size=str(SEGMENT),
-            extra=("--eviction", policy, "--spill-dir", str(spill), "--spill", str(disk)),
-        )
-        made.append(n)
-        return n.start()
+        def start(policy: str, disk: int = 2 * BUDGET) -> NodeProcess:
+            spill = tmp_path / f"disk-{uuid.uuid4().hex[:6]}"
+            return nodes(policy, "--spill-dir", str(spill), "--spill", str(disk))
 
-    yield start
-    for n in made:
-        n.stop()
-        shutil.rmtree(n.shm_dir, ignore_errors=True)
+        yield start
 
 
 @pytest.fixture
@@ -81,12 +74,6 @@ def disk_folders(node: NodeProcess) -> list[Path]:
     """The read-through instances' folders on the node's disk tier."""
     tier = Path(node.extra[node.extra.index("--spill-dir") + 1]) / "tier"
     return sorted(p for p in tier.iterdir() if not p.name.startswith("."))
-
-
-def wrong_bytes(got: Any, want: bytes) -> int:
-    a = np.frombuffer(bytes(got), dtype=np.uint8)
-    b = np.frombuffer(want, dtype=np.uint8)
-    return int(np.count_nonzero(a != b)) if len(a) == len(b) else max(len(a), len(b))
 
 
 def fast_epochs(
