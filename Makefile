@@ -7,7 +7,7 @@ STAMP   := $(VENV)/.installed
 PYTHON  ?= python3
 SUDO    := $(shell [ "$$(id -u)" -eq 0 ] || echo sudo)
 APT_PKGS := fuse3 libfuse3-dev pkg-config gcc systemd attr etcd-server etcd-client debootstrap \
-	systemd-container
+	systemd-container dnsmasq-base
 CHECKED := kspeedfs mountd pytorch_ext tests bench
 
 .PHONY: demo test quick lint deps apt bench clean
@@ -49,7 +49,7 @@ $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/pip install -q torch==2.14.1 torchvision==0.29.1
-	$(BIN)/pip install -q -e '.[torch,dev,s3,dali,stacks]'
+	$(BIN)/pip install -q -e '.[torch,dev,s3,dali,stacks,kubernetes]'
 	touch $(STAMP)
 
 clean:

@@ -6,7 +6,7 @@ import argparse
 import sys
 from collections.abc import Callable
 
-from kspeedfs.cli import datasets, mounts, node, security, setup
+from kspeedfs.cli import datasets, kubernetes, mounts, node, security, setup
 from kspeedfs.cli.parser import build_parser
 from kspeedfs.format.errors import KSpeedError
 from kspeedfs.system.logs import setup_logging
@@ -23,6 +23,8 @@ COMMANDS: dict[str, Callable[[argparse.Namespace], int]] = {
     "mount": mounts.cmd_mount,
     "umount": mounts.cmd_umount,
     "mounts": mounts.cmd_mounts,
+    "csi": kubernetes.cmd_csi,
+    "kubernetes": kubernetes.cmd_kubernetes,
     "install-systemd": setup.cmd_install_systemd,
     "shutdown": node.cmd_shutdown,
     "token": security.cmd_token,

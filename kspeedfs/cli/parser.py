@@ -161,6 +161,45 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--state-file", help="mountd's status file (default /run/kspeedfs-mountd/...)")
     p.add_argument("--json", action="store_true", help="machine-readable output")
 
+    p = sub.add_parser(
+        "csi", help="the Kubernetes CSI node plugin (driver csi.kspeedfs.io), on a unix socket"
+    )
+    _client_options(p)
+    p.add_argument(
+        "--endpoint", required=True, help="unix:///PATH/csi.sock (kubelet's CSI_ENDPOINT)"
+    )
+    p.add_argument("--node-id", required=True, help="this node's name (the downward NODE_NAME)")
+    p.add_argument(
+        "--state-dir",
+        default="/var/lib/kspeedfs-csi",
+        help="the records of published volumes, kept across restarts (default /var/lib/kspeedfs-csi)",
+    )
+    p.add_argument(
+        "--mounts-dir",
+        default="/run/kspeedfs-csi/mounts.d",
+        help="mountd's folder of declarations, where volumes are declared (default /run/kspeedfs-csi/mounts.d)",
+    )
+    p.add_argument(
+        "--mountd-state",
+        default="/run/kspeedfs-csi/mountd.json",
+        help="mountd's status file (default /run/kspeedfs-csi/mountd.json)",
+    )
+    p.add_argument(
+        "--publish-timeout",
+        type=float,
+        default=110.0,
+        help="seconds a publish waits for a warm load and its mount (default 110: kubelet waits 120)",
+    )
+
+    p = sub.add_parser("kubernetes", help="Kubernetes: print the manifests to install kspeedfs")
+    ksub = p.add_subparsers(dest="kubernetes_command", required=True, metavar="ACTION")
+    t = ksub.add_parser(
+        "manifests",
+        help="DaemonSet, CSIDriver, RBAC, ConfigMap, Service and examples, as one YAML stream",
+    )
+    t.add_argument("--namespace", default="kspeedfs", help="namespace (default kspeedfs)")
+    t.add_argument("--image", default="ghcr.io/kspeedfs/kspeedfs:0.1.0", help="the kspeedfs image")
+
     p = sub.add_parser("install-systemd", help="install the systemd units and mount helpers")
     p.add_argument("--prefix", default="/", help="install under DIR instead of / (default /)")
     p.add_argument("--exec-prefix", help="where the kspeedfs scripts are (default: this venv)")

@@ -1,0 +1,1 @@
+"""The Kubernetes CSI node plugin (`kspeedfs csi`), its volumes and the manifests that install it."""

@@ -1,0 +1,195 @@
+"""Warm volumes: the dataset of a volume is resident before its pod starts, and leased to it.
+
+A volume that names a `source` the node does not hold is preloaded at publish (KSpeed's active
+preload: lifetime `leased`, or `offline` for lifetime=persistent) and publish answers once the
+load is ready, or fails in one line after the publish timeout while the load goes on (kubelet
+calls again, and the next call waits for the same load). Each volume of a leased dataset holds
+a lease of its own (holder `csi:NODE:VOLUME`), kept in its record and renewed by the plugin;
+its unpublish releases it, and the node unloads the dataset with its last lease. A dataset
+loaded offline (by `kspeedfs preload`, a preload Job, or a persistent volume) is never
+unloaded by a volume.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import threading
+import time
+from typing import Any
+
+from kspeedfs.client import admin
+from kspeedfs.format.config import Settings
+from kspeedfs.format.contract.leases import LeaseAcquire, LeaseRelease, LeaseRenew
+from kspeedfs.format.contract.node import List
+from kspeedfs.format.contract.preload import LoadProgress
+from kspeedfs.format.errors import AlreadyExists, KSpeedError, NotFound
+from kspeedfs.format.tls import client_context
+from kspeedfs.format.units import parse_address
+from kspeedfs.net.connection import NodeClient
+from kspeedfs.sources.source import normalize_source
+
+from .volumes import Volume
+
+log = logging.getLogger(__name__)
+
+
+class NotResident(KSpeedError):
+    """The volume's dataset was not ready within the publish timeout (its load goes on)."""
+
+
+class WarmDatasets:
+    """The node side of publish and unpublish: find, preload, lease and release datasets."""
+
+    def __init__(self, settings: Settings, node_id: str):
+        self.settings = settings
+        self.node_id = node_id
+
+    def _client(self, address: str | None = None) -> NodeClient:
+        if address is None:
+            return admin.connect(self.settings)
+        return NodeClient(
+            parse_address(address),
+            self.settings.credential(),
+            self.settings.timeout,
+            client_context(self.settings),
+        )
+
+    def lookup(self, name: str) -> dict[str, Any] | None:
+        with self._client() as client:
+            reply = client.call(List())
+        for d in reply["datasets"]:
+            if d["name"] == name:
+                return {"node": reply["node"], **d}
+        return None
+
+    def prepare(self, volume: Volume, timeout: float) -> Volume:
+        """The volume with its dataset ready (and its lease, for a leased dataset): NotFound
+        for an unknown dataset and no source, NotResident after `timeout` seconds."""
+        deadline = time.monotonic() + timeout
+        for _ in range(3):  # unloaded between ready and the lease: look again
+            info = self.lookup(volume.dataset)
+            if info is None or info.get("state") == "failed":
+                if not volume.source:
+                    why = f" (its load failed: {info.get('error')})" if info else ""
+                    raise NotFound(
+                        f"dataset {volume.dataset} is not in the cache{why} and the volume "
+                        f"names no source to load it from"
+                    )
+                self._start(volume)
+            info = self._wait_ready(volume, deadline)
+            if info.get("lifetime") != "leased":
+                return volume
+            try:
+                return self._lease(volume, info)
+            except NotFound:
+                continue
+        raise NotResident(f"dataset {volume.dataset} kept being unloaded while it was published")
+
+    def _start(self, volume: Volume) -> None:
+        lifetime = "offline" if volume.lifetime == "persistent" else "leased"
+        with self._client() as client:
+            try:
+                admin.start_preload(
+                    client, volume.dataset, normalize_source(volume.source), lifetime
+                )
+                log.info(
+                    "volume %s: preloading %s as %s (%s)",
+                    volume.volume_id, volume.source, volume.dataset, lifetime,
+                )  # fmt: skip
+            except AlreadyExists:
+                pass  # another volume (or job) started it meanwhile: wait for that load
+
+    def _wait_ready(self, volume: Volume, deadline: float) -> dict[str, Any]:
+        name = volume.dataset
+        with self._client() as client:
+            p = client.call(LoadProgress(name=name))
+            while not admin.preload_done(p, f"preload of {name} from {volume.source}"):
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    done, total = p.get("bytes_done", 0), p.get("bytes_total", 0)
+                    raise NotResident(
+                        f"dataset {name} is not resident yet ({p['state']}, {done} of {total} "
+                        f"bytes): its load goes on, the next publish waits for it"
+                    )
+                seen = int(p.get("version", -1))
+                wait = min(admin.PROGRESS_WAIT_S, max(left, 0.05))
+                p = client.call(LoadProgress(name=name, wait_for_change_after=seen, wait_s=wait))
+        info = self.lookup(name)
+        if info is None:
+            raise NotFound(f"dataset {name} was unloaded as soon as it was ready")
+        return info
+
+    def _lease(self, volume: Volume, info: dict[str, Any]) -> Volume:
+        if volume.lease:
+            return volume
+        home = str((info.get("members") or [info["node"]])[0])
+        holder = f"csi:{self.node_id}:{volume.volume_id}"
+        acquire = LeaseAcquire(name=volume.dataset, uuid=str(info["uuid"]), holder=holder)
+        with self._client(home) as client:
+            reply = client.call(acquire)
+        log.info("volume %s: lease on %s at %s", volume.volume_id, volume.dataset, home)
+        return dataclasses.replace(volume, lease=str(reply["lease"]), lease_home=home)
+
+    def release(self, volume: Volume) -> None:
+        """End the volume's lease (the last one unloads its dataset); a node that forgot it
+        (restarted, or the lease expired) has nothing to release."""
+        if not volume.lease:
+            return
+        try:
+            with self._client(volume.lease_home) as client:
+                client.call(LeaseRelease(lease=volume.lease))
+            log.info("volume %s: released its lease on %s", volume.volume_id, volume.dataset)
+        except NotFound:
+            pass
+
+    def renew(self, volume: Volume) -> Volume:
+        """Renew the volume's lease; a lost one (the node restarted, or the plugin was away
+        past the ttl) is taken again. Returns the volume with the lease it holds now."""
+        try:
+            with self._client(volume.lease_home) as client:
+                client.call(LeaseRenew(lease=volume.lease))
+            return volume
+        except NotFound:
+            info = self.lookup(volume.dataset)
+            if info is None or info.get("state") != "ready":
+                log.warning("volume %s: dataset %s is gone", volume.volume_id, volume.dataset)
+                return dataclasses.replace(volume, lease="", lease_home="")
+            log.warning("volume %s: lease on %s was lost; taking a new one", volume.volume_id,
+                        volume.dataset)  # fmt: skip
+            return self._lease(dataclasses.replace(volume, lease=""), info)
+
+
+class LeaseRenewer:
+    """A daemon thread renewing the leases of every recorded volume, a third of the ttl apart."""
+
+    def __init__(self, warm: WarmDatasets, records: Any, lock: threading.Lock):
+        self.warm = warm
+        self.records = records
+        self.lock = lock
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="kspeedfs-csi-leases", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    def renew_all(self) -> None:
+        with self.lock:
+            volumes = [v for v in self.records.all() if v.lease]
+        for volume in volumes:
+            try:
+                renewed = self.warm.renew(volume)
+            except KSpeedError as e:
+                log.warning("volume %s: cannot renew its lease: %s", volume.volume_id, e)
+                continue
+            if renewed != volume:
+                with self.lock:
+                    if self.records.get(volume.target) == volume:  # not unpublished meanwhile
+                        self.records.put(renewed)
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.warm.settings.lease_ttl / 3):
+            self.renew_all()
