@@ -1,0 +1,415 @@
+"""The CSI node plugin as kubelet drives it: calls in kubelet's order on a unix socket, pods in
+mount namespaces of their own reading with stock ImageFolder, warm volumes, and the plugin
+killed with SIGKILL while a pod reads."""
+
+from __future__ import annotations
+
+import filecmp
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import grpc
+import pytest
+from conftest import NodeProcess, make_tree, preload, wait_for
+from hypothesis import given
+from hypothesis import strategies as st
+
+from kspeedfs.csi import csi_pb2 as pb
+from kspeedfs.csi.harness import (
+    CsiClient,
+    MountdDaemon,
+    PluginDaemon,
+    inline_context,
+    pod_command,
+    run_pod,
+)
+from kspeedfs.csi.volumes import ATTRIBUTES, POD_PREFIX, Volume, volume_from_request
+from kspeedfs.format import auth
+from kspeedfs.format.errors import InvalidArgument
+from kspeedfs.sample import make_sample
+from kspeedfs.system.mountinfo import kspeedfs_mounted, lazy_unmount
+
+CSI_DIR = Path(__file__).parent.parent / "kspeedfs" / "csi"
+
+# The pod's ImageFolder: every sample's path (relative), class and the sha256 of its bytes.
+IMAGEFOLDER = """
+import hashlib, json, sys
+from torchvision.datasets import ImageFolder
+root = sys.argv[1]
+ds = ImageFolder(root, loader=lambda p: open(p, "rb").read())
+out = [(p[len(root) + 1:], c, hashlib.sha256(ds[i][0]).hexdigest()) for i, (p, c) in enumerate(ds.samples)]
+print(json.dumps({"classes": ds.classes, "samples": out}))
+"""
+
+
+def imagefolder_here(root: Path) -> dict[str, object]:
+    """What IMAGEFOLDER prints, computed in this process on `root` (the source)."""
+    out = subprocess.run(
+        [sys.executable, "-c", IMAGEFOLDER, str(root)], capture_output=True, text=True, check=True
+    ).stdout
+    return dict(json.loads(out))
+
+
+# Pure parts: the proto module, the request checks.
+
+
+def test_generated_module_is_the_protos(tmp_path: Path) -> None:
+    protoc = pytest.importorskip("grpc_tools.protoc")
+    well_known = Path(protoc.__file__).parent / "_proto"  # google/protobuf/wrappers.proto
+    code = protoc.main(
+        [
+            "protoc",
+            f"-I{CSI_DIR}",
+            f"-I{well_known}",
+            f"--python_out={tmp_path}",
+            str(CSI_DIR / "csi.proto"),
+        ]
+    )
+    assert code == 0
+    assert filecmp.cmp(tmp_path / "csi_pb2.py", CSI_DIR / "csi_pb2.py", shallow=False), (
+        "kspeedfs/csi/csi_pb2.py is stale: regenerate it (see csi.proto)"
+    )
+
+
+def test_spec_field_numbers() -> None:
+    """The fields kubelet sends, by the numbers of the spec's csi.proto (v1.x)."""
+    expected = {
+        "NodePublishVolumeRequest": {
+            "volume_id": 1,
+            "publish_context": 2,
+            "staging_target_path": 3,
+            "target_path": 4,
+            "volume_capability": 5,
+            "readonly": 6,
+            "secrets": 7,
+            "volume_context": 8,
+        },
+        "NodeUnpublishVolumeRequest": {"volume_id": 1, "target_path": 2},
+        "NodeGetVolumeStatsRequest": {"volume_id": 1, "volume_path": 2, "staging_target_path": 3},
+        "VolumeCapability": {"block": 1, "mount": 2, "access_mode": 3},
+        "NodeGetInfoResponse": {"node_id": 1, "max_volumes_per_node": 2, "accessible_topology": 3},
+        "GetPluginInfoResponse": {"name": 1, "vendor_version": 2, "manifest": 3},
+        "ProbeResponse": {"ready": 1},
+        "VolumeUsage": {"available": 1, "total": 2, "used": 3, "unit": 4},
+    }
+    for message, fields in expected.items():
+        descriptor = getattr(pb, message).DESCRIPTOR
+        assert descriptor.full_name == f"csi.v1.{message}"
+        assert {f.name: f.number for f in descriptor.fields} == fields
+
+
+def test_request_checks() -> None:
+    ctx = inline_context("imagenet", source="/data/imagenet", lifetime="persistent")
+    v = volume_from_request("csi-abc", "/var/lib/kubelet/pods/x/mount/", ctx, True)
+    assert (v.dataset, v.source, v.lifetime, v.ephemeral, v.pod) == (
+        "imagenet",
+        "/data/imagenet",
+        "persistent",
+        True,
+        "default/trainer",
+    )
+    assert v.target == "/var/lib/kubelet/pods/x/mount"
+    pv = volume_from_request("imagenet", "/t", {}, False)  # a PV: the handle names the dataset
+    assert (pv.dataset, pv.ephemeral) == ("imagenet", False)
+    for volume_id, target, context, why in [
+        ("", "/t", {}, "volume_id"),
+        ("v", "", {}, "target_path"),
+        ("v", "rel/path", {}, "absolute"),
+        ("v", "/t", {"dataset": "Bad Name"}, "dataset"),
+        ("v", "/t", {"dataset": "ok", "lifetime": "forever"}, "lifetime"),
+        ("v", "/t", {"dataset": "ok", "decoded": "-1"}, "decoded"),
+        ("v", "/t", {"dataset": "ok", "source": "relative"}, "source"),
+        ("v", "/t", {"dataset": "ok", "colour": "red"}, "unknown volume attribute"),
+        ("v", "/t", {POD_PREFIX + "ephemeral": "true"}, "needs the attribute dataset"),
+    ]:
+        with pytest.raises(InvalidArgument, match=why):
+            volume_from_request(volume_id, target, context, True)
+
+
+@given(
+    st.text(max_size=30),
+    st.text(max_size=40),
+    st.dictionaries(
+        st.sampled_from(sorted(ATTRIBUTES) + [POD_PREFIX + "ephemeral", "x"]),
+        st.text(max_size=20),
+        max_size=5,
+    ),
+)
+def test_hostile_requests_are_refused_in_one_line(
+    volume_id: str, target: str, context: dict[str, str]
+) -> None:
+    try:
+        v = volume_from_request(volume_id, target, context, True)
+    except InvalidArgument as e:
+        assert "\n" not in str(e)
+        return
+    assert isinstance(v, Volume) and os.path.isabs(v.target) and v.dataset
+
+
+# The plugin with a node and mountd: slow.
+
+
+class Stack:
+    """A node, mountd and the plugin, as the DaemonSet runs them, in `root`."""
+
+    def __init__(self, root: Path, node_env: dict[str, str] | None = None):
+        self.root = root
+        token = root / "token"
+        auth.write_token(token, auth.new_admin_token())
+        (root / "empty.toml").write_text("")
+        base = {**os.environ, "KSPEEDFS_CONFIG": str(root / "empty.toml"), **(node_env or {})}
+        self.shm = Path(f"/dev/shm/kspeedfs-test-{uuid.uuid4().hex[:10]}")
+        self.node = NodeProcess(self.shm, token, root, base_env=base, segment_size="256KiB")
+        self.node.start()
+        self.env = self.node.env()
+        self.run = root / "run"
+        self.run.mkdir()
+        self.mountd = MountdDaemon(self.run / "mounts.d", self.run / "mountd.json", self.env, root)
+        self.mountd.start()
+        self.plugin = PluginDaemon(self.run, self.env).start()
+        self.client = CsiClient(self.plugin.socket)
+        self.pods = root / "kubelet" / "pods"
+
+    def target(self, pod: str, volume: str = "data") -> Path:
+        """kubelet's target path for a pod's CSI volume; kubelet makes its parent."""
+        path = self.pods / pod / "volumes" / "kubernetes.io~csi" / volume / "mount"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        return path
+
+    def restart_plugin(self) -> None:
+        self.client.close()
+        self.plugin = PluginDaemon(self.run, self.env).start()
+        self.client = CsiClient(self.plugin.socket)
+
+    def datasets(self) -> dict[str, dict[str, object]]:
+        return {d["name"]: d for d in self.node.request("list")["datasets"]}
+
+    def stop(self) -> None:
+        self.client.close()
+        self.plugin.stop()
+        self.mountd.stop()  # unmounts what is still declared
+        for path in self.pods.glob("*/volumes/*/*/mount"):
+            if kspeedfs_mounted(path):
+                lazy_unmount(path)
+        self.node.stop()
+        shutil.rmtree(self.shm, ignore_errors=True)
+
+
+@pytest.fixture
+def stack(tmp_path: Path) -> Iterator[Stack]:
+    s = Stack(tmp_path)
+    yield s
+    s.stop()
+
+
+def code_of(call: object) -> grpc.StatusCode:
+    try:
+        call()  # type: ignore[operator]
+    except grpc.RpcError as e:
+        return e.code()  # type: ignore[no-any-return]
+    raise AssertionError("the call succeeded")
+
+
+@pytest.mark.slow
+@pytest.mark.fuse
+def test_kubelet_calls_in_order(stack: Stack, tmp_path: Path) -> None:
+    src = tmp_path / "imagenet"
+    make_sample(src, classes=3, per_class=6, file_size=6000, bases=3)
+    preload(stack.node, src, "imagenet")
+    c = stack.client
+
+    assert c.call("Probe").ready.value is True
+    info = c.call("GetPluginInfo")
+    assert info.name == "csi.kspeedfs.io" and info.vendor_version
+    assert c.call("NodeGetInfo").node_id == "node-a"
+    caps = c.call("NodeGetCapabilities").capabilities
+    assert [cap.rpc.type for cap in caps] == [pb.NodeServiceCapability.RPC.GET_VOLUME_STATS]
+    assert list(c.call("GetPluginCapabilities").capabilities) == []
+
+    target = stack.target("pod-1")
+    context = inline_context("imagenet", pod="pod-1")
+    c.publish("csi-0a1b", target, context)
+    c.publish("csi-0a1b", target, context)  # kubelet retries: the same answer, one mount
+    assert kspeedfs_mounted(target)
+    assert len(stack.mountd.log().split("mounted imagenet at")) == 2
+
+    seen = json.loads(run_pod(IMAGEFOLDER, str(target)))
+    assert seen == imagefolder_here(src)
+    assert len(seen["samples"]) == 18
+    # Read-only, even to root in the pod.
+    with pytest.raises(RuntimeError, match="Read-only file system"):
+        run_pod("import sys; open(sys.argv[1] + '/x', 'wb')", str(target))
+
+    stats = c.call("NodeGetVolumeStats", volume_id="csi-0a1b", volume_path=str(target))
+    assert {u.unit for u in stats.usage} == {pb.VolumeUsage.BYTES, pb.VolumeUsage.INODES}
+
+    # Each bad call gets the spec's code, and changes nothing.
+    bad = stack.target("pod-2")
+    ok = inline_context("imagenet")
+    invalid = grpc.StatusCode.INVALID_ARGUMENT
+    assert code_of(lambda: c.publish("", bad, ok)) == invalid
+    assert code_of(lambda: c.publish("v", "", ok)) == invalid
+    assert code_of(lambda: c.publish("v", bad, inline_context("Bad_Name"))) == invalid
+    assert code_of(lambda: c.publish("v", bad, {**ok, "colour": "red"})) == invalid
+    assert code_of(
+        lambda: c.call("NodePublishVolume", volume_id="v", target_path=str(bad))
+    ) == invalid  # fmt: skip
+    assert code_of(lambda: c.publish("v", bad, inline_context("nosuch"))) == (
+        grpc.StatusCode.NOT_FOUND
+    )
+    preload(stack.node, src, "other")
+    assert code_of(lambda: c.publish("csi-0a1b", target, inline_context("other"))) == (
+        grpc.StatusCode.ALREADY_EXISTS
+    )
+    assert code_of(lambda: c.publish("csi-ffff", target, context)) == (
+        grpc.StatusCode.ALREADY_EXISTS
+    )
+    assert code_of(lambda: c.unpublish("", target)) == invalid
+    assert code_of(lambda: c.unpublish("csi-0a1b", "")) == invalid
+    assert code_of(lambda: c.unpublish("csi-ffff", target)) == grpc.StatusCode.NOT_FOUND
+    assert code_of(
+        lambda: c.call("NodeGetVolumeStats", volume_id="csi-0a1b", volume_path=str(bad))
+    ) == grpc.StatusCode.NOT_FOUND  # fmt: skip
+    assert code_of(
+        lambda: c.call("NodeGetVolumeStats", volume_id="", volume_path=str(target))
+    ) == invalid  # fmt: skip
+    assert not bad.exists() and kspeedfs_mounted(target)
+
+    # A PV: its volumeHandle names the dataset, no pod details.
+    pv_target = stack.target("pod-3", "pv")
+    c.publish("other", pv_target, {})
+    assert sorted(os.listdir(pv_target)) == sorted(os.listdir(src))
+    c.unpublish("other", pv_target)
+
+    c.unpublish("csi-0a1b", target)
+    c.unpublish("csi-0a1b", target)
+    assert not target.exists() and not kspeedfs_mounted(target)
+    assert not list((stack.run / "mounts.d").glob("*.toml"))
+    assert not list((stack.run / "state" / "volumes").glob("*.json"))
+
+
+@pytest.fixture
+def short_leases(tmp_path: Path) -> Iterator[Stack]:
+    s = Stack(tmp_path, {"KSPEEDFS_LEASE_TTL": "2"})
+    yield s
+    s.stop()
+
+
+@pytest.mark.slow
+@pytest.mark.fuse
+def test_warm_volumes(short_leases: Stack, tmp_path: Path) -> None:
+    stack, c = short_leases, short_leases.client
+    src = make_tree(tmp_path / "src")
+    assert "warm" not in stack.datasets()
+
+    a, b = stack.target("pod-a"), stack.target("pod-b")
+    context = inline_context("warm", source=str(src))
+    c.publish("vol-a", a, context)
+    # Publish answered once the dataset was resident: ready, leased, this volume's lease.
+    ds = stack.datasets()["warm"]
+    assert (ds["state"], ds["lifetime"], ds["leases"]) == ("ready", "leased", 1)
+    c.publish("vol-b", b, context)  # a second pod on the node: the same load, a lease more
+    assert stack.datasets()["warm"]["leases"] == 2
+    assert (a / "a" / "small.txt").read_bytes() == b"hello kspeedfs\n"
+    assert (b / "big.bin").read_bytes() == (src / "big.bin").read_bytes()
+
+    # The leases are renewed (ttl 2 s): the dataset stays for as long as its volumes.
+    time.sleep(5)
+    assert stack.datasets()["warm"]["leases"] == 2
+    c.unpublish("vol-a", a)
+    assert stack.datasets()["warm"]["leases"] == 1
+    c.unpublish("vol-b", b)  # the last one: the node unloads it
+    wait_for(lambda: "warm" not in stack.datasets(), what="warm unloaded with its last volume")
+
+    # lifetime=persistent: loaded offline, kept after the last unpublish.
+    p = stack.target("pod-p")
+    c.publish("vol-p", p, inline_context("kept", source=str(src), lifetime="persistent"))
+    assert stack.datasets()["kept"]["lifetime"] == "offline"
+    c.unpublish("vol-p", p)
+    time.sleep(3)
+    assert stack.datasets()["kept"]["state"] == "ready"
+
+
+READER = """
+import errno, json, os, sys, time
+root, src, until = sys.argv[1], sys.argv[2], float(sys.argv[3])
+names = sorted(n for n in os.listdir(os.path.join(src, "a")) if os.path.isfile(os.path.join(src, "a", n)))
+reads = wrong = 0
+errors = []
+stamps = []
+while time.time() < until:
+    for name in names:
+        try:
+            with open(os.path.join(root, "a", name), "rb") as f:
+                got = f.read()
+                # Out of the page cache: the mount's processes answer the next round.
+                os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)
+        except OSError as e:
+            errors.append(errno.errorcode.get(e.errno, str(e.errno)))
+            continue
+        with open(os.path.join(src, "a", name), "rb") as f:
+            want = f.read()
+        wrong += sum(x != y for x, y in zip(got, want)) + abs(len(got) - len(want))
+        reads += 1
+        stamps.append(time.time())
+gaps = [b - a for a, b in zip(stamps, stamps[1:])]
+print(json.dumps({"reads": reads, "wrong": wrong, "errors": errors, "stamps": stamps,
+                  "max_gap": max(gaps or [0])}))
+"""
+
+
+@pytest.fixture
+def six_s_leases(tmp_path: Path) -> Iterator[Stack]:
+    s = Stack(tmp_path, {"KSPEEDFS_LEASE_TTL": "6"})
+    yield s
+    s.stop()
+
+
+@pytest.mark.slow
+@pytest.mark.fuse
+def test_plugin_killed_while_a_pod_reads(six_s_leases: Stack, tmp_path: Path) -> None:
+    """mountd holds the mounts, so the pod's reads go on; the plugin started again takes its
+    volumes back from its records: their leases (6 s ttl: the plugin is away ~3 s) and
+    their unpublish."""
+    stack, c = six_s_leases, six_s_leases.client
+    src = make_tree(tmp_path / "src")
+    target = stack.target("pod-r")
+    c.publish("vol-r", target, inline_context("live", source=str(src)))
+    mounts = json.loads(stack.mountd.state_file.read_text())["mounts"]
+    assert [m["state"] for m in mounts] == ["mounted"]
+
+    until = time.time() + 9
+    reader = subprocess.Popen(
+        pod_command([sys.executable, "-c", READER, str(target), str(src), str(until)]),
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    time.sleep(2)
+    killed_at = time.time()
+    stack.plugin.kill9()
+    time.sleep(1)
+    stack.restart_plugin()
+    restarted_at = time.time()
+    c = stack.client
+    out, _ = reader.communicate(timeout=60)
+    result = json.loads(out)
+    assert result["errors"] == [], result["errors"]  # no ENOTCONN, no EIO
+    assert result["wrong"] == 0
+    # Reads went on while the plugin was dead.
+    assert any(killed_at < t < restarted_at for t in result["stamps"])
+    print(f"reads {result['reads']}, longest gap between reads {result['max_gap']:.3f}s")
+
+    # The new plugin adopted the volume: its lease (renewed past a ttl), its unpublish.
+    time.sleep(7)
+    assert stack.datasets()["live"]["leases"] == 1
+    assert c.call("Probe").ready.value is True
+    c.unpublish("vol-r", target)
+    assert not target.exists()
+    wait_for(lambda: "live" not in stack.datasets(), what="live unloaded with its volume")
