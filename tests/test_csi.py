@@ -183,9 +183,9 @@ class Stack:
         path.parent.mkdir(parents=True, exist_ok=True)
         return path
 
-    def restart_plugin(self) -> None:
+    def restart_plugin(self, publish_timeout: float = 60.0) -> None:
         self.client.close()
-        self.plugin = PluginDaemon(self.run, self.env).start()
+        self.plugin = PluginDaemon(self.run, self.env, publish_timeout=publish_timeout).start()
         self.client = CsiClient(self.plugin.socket)
 
     def datasets(self) -> dict[str, dict[str, object]]:
@@ -335,6 +335,23 @@ def test_warm_volumes(short_leases: Stack, tmp_path: Path) -> None:
     c.unpublish("vol-p", p)
     time.sleep(3)
     assert stack.datasets()["kept"]["state"] == "ready"
+
+    # A load longer than the publish timeout: one line, DEADLINE_EXCEEDED (kubelet calls
+    # again), and the load goes on; the next publish finds it.
+    stack.plugin.stop()
+    stack.restart_plugin(publish_timeout=0.001)
+    slow, big = stack.target("pod-s"), tmp_path / "big"
+    big.mkdir()
+    (big / "big.bin").write_bytes(os.urandom(48 << 20))  # far from ready in a millisecond
+    with pytest.raises(grpc.RpcError) as caught:
+        stack.client.publish("vol-s", slow, inline_context("late", source=str(big)))
+    assert caught.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    assert "not resident yet" in caught.value.details() and "\n" not in caught.value.details()
+    assert not kspeedfs_mounted(slow)
+    stack.plugin.stop()
+    stack.restart_plugin()
+    stack.client.publish("vol-s", slow, inline_context("late", source=str(big)))
+    assert (slow / "big.bin").read_bytes() == (big / "big.bin").read_bytes()
 
 
 READER = """
