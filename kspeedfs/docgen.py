@@ -197,7 +197,9 @@ RULE_PHRASES: dict[str, Callable[..., str]] = {
     "_to_address": lambda min_port: (
         "HOST:PORT" + (" (port 0: any free port)" if min_port == 0 else "")
     ),
-    "_to_nodes": lambda: "HOST:PORT, a TOML list of them or a comma-separated string; not empty",
+    "_to_nodes": lambda: (
+        "HOST:PORT or dns:NAME:PORT, a TOML list of them or a comma-separated string; not empty"
+    ),
     "_to_listen_text": lambda: '`""` (off) or HOST:PORT to listen on',
     "_to_path": lambda absolute: ("an absolute path" if absolute else "a path") + " (`~` expanded)",
     "_to_optional_path": lambda absolute: (

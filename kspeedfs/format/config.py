@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from kspeedfs.format.auth import UserLogin
+from kspeedfs.format.discovery import pod_host_node
 from kspeedfs.format.errors import InvalidArgument, NotFound
 from kspeedfs.format.setting_rules import RULES, TOGETHER, memory_share
 from kspeedfs.format.units import Address, parse_size
@@ -47,7 +48,9 @@ class Settings:
             expires; a dataset the job loaded is unloaded with its last lease.
         log_level: the node's log level (`kspeedfs -v node`: debug).
     Clients:
-        nodes: the cluster's nodes (with etcd: the live members, unless given).
+        nodes: the cluster's nodes (with etcd: the live members, unless given): HOST:PORT, or
+            dns:NAME:PORT for every address NAME resolves to (a headless Service); in a
+            Kubernetes pod, unset: the node on the pod's host (HOST_IP).
         timeout: seconds to wait for a node.
         token_file: the token a client proves (and the admin token a node derives every
             role's token from); a one-machine node creates it on first start.
@@ -244,6 +247,10 @@ def load_settings(
             except InvalidArgument as e:
                 raise InvalidArgument(f"{key} from the {where(key)}: {e}") from None
             origins[key] = where(key)
+    if "nodes" not in origins:  # in a pod, no nodes setting: the node on the pod's host
+        host_node = pod_host_node(env)
+        if host_node is not None:
+            settings.nodes = [host_node]
     for group in TOGETHER:
         given = [key for key in group if getattr(settings, key) not in (None, "0")]
         if given and len(given) < len(group):

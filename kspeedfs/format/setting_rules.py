@@ -17,6 +17,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from kspeedfs.format.discovery import DNS_PREFIX, resolve_dns
 from kspeedfs.format.errors import InvalidArgument
 from kspeedfs.format.units import Address, parse_address, parse_size
 
@@ -111,10 +112,17 @@ def _to_address(v: Any, min_port: int = 1) -> Address:
 
 
 def _to_nodes(v: Any) -> list[Address]:
+    """HOST:PORT entries, and dns:NAME:PORT entries that stand for every address of NAME."""
     items = v if isinstance(v, list) else [x for x in _string(v).split(",") if x.strip()]
     if not items:
         raise InvalidArgument("empty node list")
-    return [_to_address(x) for x in items]
+    out: list[Address] = []
+    for x in items:
+        if isinstance(x, str) and x.strip().startswith(DNS_PREFIX):
+            out.extend(a for a in resolve_dns(x.strip()) if a not in out)
+        else:
+            out.append(_to_address(x))
+    return out
 
 
 def _to_listen_text(v: Any) -> str:
