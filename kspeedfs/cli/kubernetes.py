@@ -26,5 +26,5 @@ def cmd_csi(args: argparse.Namespace) -> int:
 def cmd_kubernetes(args: argparse.Namespace) -> int:
     from kspeedfs.csi.manifests import render
 
-    print(render(namespace=args.namespace, image=args.image), end="")
+    print(render(args.namespace, args.image, args.examples, args.fluid), end="")
     return 0

@@ -199,6 +199,16 @@ def build_parser() -> argparse.ArgumentParser:
     )
     t.add_argument("--namespace", default="kspeedfs", help="namespace (default kspeedfs)")
     t.add_argument("--image", default="ghcr.io/kspeedfs/kspeedfs:0.1.0", help="the kspeedfs image")
+    t.add_argument(
+        "--examples",
+        action="store_true",
+        help="also a pod with an inline volume, a PV and PVC, and a preload Job",
+    )
+    t.add_argument(
+        "--fluid",
+        action="store_true",
+        help="instead: a Fluid ThinRuntimeProfile, Dataset and ThinRuntime of kspeedfs",
+    )
 
     p = sub.add_parser("install-systemd", help="install the systemd units and mount helpers")
     p.add_argument("--prefix", default="/", help="install under DIR instead of / (default /)")
