@@ -1,0 +1,185 @@
+"""CSI plugin benchmark: publish-to-ready, read rate in a "pod" against the host, the plugin's memory.
+
+    .venv/bin/python bench/bench_csi.py [--size 1GiB] [--files 1024] [--rounds 3]
+
+Runs a private node, kspeedfs-mountd and `kspeedfs csi` as the DaemonSet does, and drives the
+plugin as kubelet does (kspeedfs/csi/harness.py). Prints:
+1. publish-to-ready of an inline volume whose dataset is cached (the mount only), and of one
+   whose `source` is not (warm: preload, then mount), beside `kspeedfs preload` + `kspeedfs
+   mount` of the same source done by hand (the work a warm publish replaces);
+2. the read rate of every file through the published volume from a "pod" (a process in a
+   mount namespace of its own, `unshare -m`) against the same mount read from the host,
+   alternating, each pass past the page cache (POSIX_FADV_DONTNEED); target pod/host >= 0.95;
+3. the resident memory of the plugin, mountd and the node.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from kspeedfs.csi.harness import (
+    CsiClient,
+    MountdDaemon,
+    PluginDaemon,
+    inline_context,
+    pod_command,
+)
+from kspeedfs.format.units import format_size, parse_size
+from kspeedfs.system.mountinfo import kspeedfs_mounted, lazy_unmount
+from kspeedfs.testing.cache import LocalCache
+
+READ_PASS = """
+import json, os, sys, time
+root = sys.argv[1]
+files = [os.path.join(d, f) for d, _, fs in os.walk(root) for f in fs]
+files.sort()
+total = 0
+start = time.perf_counter()
+for path in files:
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 20):
+            total += len(chunk)
+        os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)
+print(json.dumps({"seconds": time.perf_counter() - start, "bytes": total, "files": len(files)}))
+"""
+
+
+def make_source(root: Path, size: int, files: int) -> Path:
+    """`files` files of random bytes in 16 class folders, `size` bytes in all; kept for reuse."""
+    marker = root / f".made-{size}-{files}"
+    if marker.exists():
+        return root
+    shutil.rmtree(root, ignore_errors=True)
+    each = size // files
+    for i in range(files):
+        folder = root / f"class{i % 16:02d}"
+        folder.mkdir(parents=True, exist_ok=True)
+        (folder / f"{i:06d}.bin").write_bytes(os.urandom(each))
+    marker.write_text("")
+    return root
+
+
+def rss(pid: int) -> int:
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+    return 0
+
+
+def read_pass(root: Path, in_pod: bool) -> dict[str, float]:
+    argv = [sys.executable, "-c", READ_PASS, str(root)]
+    out = subprocess.run(
+        pod_command(argv) if in_pod else argv, capture_output=True, text=True, check=True
+    ).stdout
+    result: dict[str, float] = json.loads(out)
+    return result
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--size", default="1GiB", help="the uncached source's size")
+    parser.add_argument("--files", type=int, default=1024)
+    parser.add_argument("--rounds", type=int, default=3, help="read passes each, alternating")
+    parser.add_argument("--cache", default="/var/tmp/kspeedfs-bench-csi", help="source folder")
+    args = parser.parse_args()
+    size = parse_size(args.size)
+    src = make_source(Path(args.cache), size, args.files)
+    work = Path(tempfile.mkdtemp(prefix="kspeedfs-bench-csi-"))
+    print(
+        f"source: {args.files} files, {format_size(size)} in {src}; load {os.getloadavg()[0]:.1f}"
+    )
+
+    with LocalCache(work, memory=3 * size + (256 << 20), segment_size="64MiB") as cache:
+        env = cache.env()
+        run = work / "run"
+        run.mkdir()
+        mountd = MountdDaemon(run / "mounts.d", run / "mountd.json", env, work).start()
+        plugin = PluginDaemon(run, env, publish_timeout=1800).start()
+        client = CsiClient(plugin.socket, timeout=1900)
+        pods = work / "pods"
+        targets = []
+        try:
+
+            def target(name: str) -> Path:
+                path = pods / name / "volumes" / "kubernetes.io~csi" / "data" / "mount"
+                path.parent.mkdir(parents=True, exist_ok=True)
+                targets.append(path)
+                return path
+
+            print("\n1. publish-to-ready (NodePublishVolume answered, volume readable)")
+            start = time.perf_counter()
+            cache.preload(src, "cached", show_progress=False)
+            by_hand_preload = time.perf_counter() - start
+            hand = work / "by-hand"
+            hand.mkdir()
+            start = time.perf_counter()
+            cache.mount(hand, "--dataset", "cached")
+            by_hand_mount = time.perf_counter() - start
+            cache.unmount(hand)
+
+            cached = target("pod-cached")
+            start = time.perf_counter()
+            client.publish("vol-cached", cached, inline_context("cached"))
+            t_cached = time.perf_counter() - start
+            warm = target("pod-warm")
+            start = time.perf_counter()
+            client.publish("vol-warm", warm, inline_context("warm", source=str(src)))
+            t_warm = time.perf_counter() - start
+            print(
+                f"   cached dataset:        {t_cached:7.2f} s   (kspeedfs mount by hand {by_hand_mount:.2f} s)"
+            )
+            print(
+                f"   uncached {format_size(size):>8} source: {t_warm:7.2f} s   (kspeedfs preload"
+                f" {by_hand_preload:.2f} s + mount {by_hand_mount:.2f} s = "
+                f"{by_hand_preload + by_hand_mount:.2f} s; ratio "
+                f"{t_warm / (by_hand_preload + by_hand_mount):.2f})"
+            )
+
+            print("\n2. read rate of every file, past the page cache: pod vs host, same mount")
+            host_rates, pod_rates = [], []
+            for _ in range(args.rounds):
+                for in_pod, rates in ((False, host_rates), (True, pod_rates)):
+                    r = read_pass(cached, in_pod)
+                    rates.append(r["bytes"] / r["seconds"])
+            host, pod = statistics.median(host_rates), statistics.median(pod_rates)
+            print(
+                f"   host: {format_size(int(host))}/s   (passes: {', '.join(format_size(int(x)) for x in host_rates)})"
+            )
+            print(
+                f"   pod:  {format_size(int(pod))}/s   (passes: {', '.join(format_size(int(x)) for x in pod_rates)})"
+            )
+            print(f"   pod / host: {pod / host:.3f}   (target >= 0.95)")
+
+            print("\n3. resident memory (two volumes published)")
+            assert plugin.proc is not None and mountd.proc is not None
+            assert cache.node.proc is not None
+            print(f"   plugin (kspeedfs csi): {format_size(rss(plugin.proc.pid))}")
+            print(f"   mountd:                {format_size(rss(mountd.proc.pid))}")
+            print(f"   node:                  {format_size(rss(cache.node.proc.pid))}")
+            for volume_id, path in (("vol-cached", cached), ("vol-warm", warm)):
+                client.unpublish(volume_id, path)
+        finally:
+            client.close()
+            plugin.stop()
+            mountd.stop()
+            for path in targets:
+                if kspeedfs_mounted(path):
+                    lazy_unmount(path)
+    shutil.rmtree(work, ignore_errors=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
