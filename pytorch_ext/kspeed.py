@@ -11,7 +11,9 @@ policy, the same preload-and-wait, the same zero-copy views of local data.
   KSpeed's name for it, the root folder's own name (`/data/imagenet/train` -> `train`); a
   dataset of that name loaded from another source is refused in one line.
 - `kspeed_iplist`: a list or a comma-separated string of `host[:port]` (port 7420 when left
-  out); None means the settings (KSPEEDFS_NODES, the config file, or etcd).
+  out); None means the settings (KSPEEDFS_NODES, the config file, or etcd), and in a
+  Kubernetes pod with none of them the node on the pod's own machine (HOST_IP from the
+  downward API; docs/kubernetes.md).
 - `username`/`password`: a user the operator created with `kspeedfs user add`; there is no
   built-in user, so KSpeed's default `admin`/`admin` works only where that user exists.
 - `dl_workers`: KSpeed's hint for its loader processes, checked (an int >= 0) and kept; here

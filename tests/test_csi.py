@@ -125,6 +125,7 @@ def test_request_checks() -> None:
         ("v", "/t", {"dataset": "Bad Name"}, "dataset"),
         ("v", "/t", {"dataset": "ok", "lifetime": "forever"}, "lifetime"),
         ("v", "/t", {"dataset": "ok", "decoded": "-1"}, "decoded"),
+        ("v", "/t", {"dataset": "ok", "decoded": "256"}, "decoded volumes are not served yet"),
         ("v", "/t", {"dataset": "ok", "source": "relative"}, "source"),
         ("v", "/t", {"dataset": "ok", "colour": "red"}, "unknown volume attribute"),
         ("v", "/t", {POD_PREFIX + "ephemeral": "true"}, "needs the attribute dataset"),
