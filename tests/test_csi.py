@@ -7,6 +7,7 @@ from __future__ import annotations
 import filecmp
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -239,7 +240,7 @@ def test_kubelet_calls_in_order(stack: Stack, tmp_path: Path) -> None:
     c.publish("csi-0a1b", target, context)
     c.publish("csi-0a1b", target, context)  # kubelet retries: the same answer, one mount
     assert kspeedfs_mounted(target)
-    assert len(stack.mountd.log().split("mounted imagenet at")) == 2
+    assert len(re.findall(r"supervisor: csi-\w+: mounted imagenet at", stack.mountd.log())) == 1
 
     seen = json.loads(run_pod(IMAGEFOLDER, str(target)))
     assert seen == imagefolder_here(src)
@@ -282,6 +283,14 @@ def test_kubelet_calls_in_order(stack: Stack, tmp_path: Path) -> None:
         lambda: c.call("NodeGetVolumeStats", volume_id="", volume_path=str(target))
     ) == invalid  # fmt: skip
     assert not bad.exists() and kspeedfs_mounted(target)
+    # Bytes that are no NodePublishVolumeRequest: refused, and the plugin serves on.
+    raw = c.channel.unary_unary("/csi.v1.Node/NodePublishVolume")
+    for junk in (b"\xff\xff\xff", b"\x22\x05/tmp", os.urandom(64)):
+        assert code_of(lambda junk=junk: raw(junk, timeout=30)) in (
+            invalid,
+            grpc.StatusCode.INTERNAL,
+        )
+    assert c.call("Probe").ready.value is True
 
     # A PV: its volumeHandle names the dataset, no pod details.
     pv_target = stack.target("pod-3", "pv")
