@@ -86,8 +86,11 @@ def test_what_the_manifests_say() -> None:
     assert mounts["node"]["shm"]["mountPath"] == "/dev/shm"
     host_paths = {v["name"]: v["hostPath"]["path"] for v in pod["volumes"] if "hostPath" in v}
     assert host_paths["shm"] == "/dev/shm"
-    env = {e["name"]: e for e in containers["node"]["env"]}
-    assert {"NODE_NAME", "POD_IP", "HOST_IP"} <= set(env)
+    for name in ("node", "mountd", "csi-plugin"):
+        env = {e["name"]: e for e in containers[name]["env"]}
+        assert {"NODE_NAME", "POD_IP", "HOST_IP", "KSPEEDFS_CONFIG"} <= set(env)
+        # The node listens there, and the mounts know it as this machine's node.
+        assert env["KSPEEDFS_LISTEN"]["value"] == "$(POD_IP):7420"
 
     # What the containers run is what kspeedfs and mountd accept.
     for name in ("node", "csi-plugin"):

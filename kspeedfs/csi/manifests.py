@@ -73,13 +73,19 @@ def install(namespace: str, image: str) -> list[dict[str, Any]]:
         {"name": "config", "mountPath": "/etc/kspeedfs/kspeedfs.toml", "subPath": "kspeedfs.toml"},
         {"name": "token", "mountPath": "/etc/kspeedfs/token", "readOnly": True},
     ]
-    common_env = [*DOWNWARD, {"name": "KSPEEDFS_CONFIG", "value": CONFIG}]
+    common_env = [
+        *DOWNWARD,
+        {"name": "KSPEEDFS_CONFIG", "value": CONFIG},
+        # Where the node listens, and for the mounts and the plugin which node is this
+        # machine's (reads of its segments map them, no copy).
+        {"name": "KSPEEDFS_LISTEN", "value": f"$(POD_IP):{PORT}"},
+    ]
     privileged = {"privileged": True}
     node = {
         "name": "node",
         "image": image,
         "command": ["kspeedfs", "node"],
-        "env": [*common_env, {"name": "KSPEEDFS_LISTEN", "value": f"$(POD_IP):{PORT}"}],
+        "env": common_env,
         "ports": [{"name": "kspeedfs", "containerPort": PORT, "hostPort": PORT}],
         "readinessProbe": {"tcpSocket": {"port": PORT}, "periodSeconds": 5},
         "volumeMounts": [

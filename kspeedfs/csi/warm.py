@@ -19,6 +19,7 @@ import time
 from typing import Any
 
 from kspeedfs.client import admin
+from kspeedfs.client.reader import local_node_for
 from kspeedfs.format.config import Settings
 from kspeedfs.format.contract.leases import LeaseAcquire, LeaseRelease, LeaseRenew
 from kspeedfs.format.contract.node import List
@@ -42,7 +43,10 @@ class WarmDatasets:
     """The node side of publish and unpublish: find, preload, lease and release datasets."""
 
     def __init__(self, settings: Settings, node_id: str):
-        self.settings = settings
+        # This machine's node first (KSPEEDFS_LISTEN): it answers the list and the preloads.
+        local = local_node_for(settings)
+        nodes = sorted(settings.nodes, key=lambda a: str(a) != local)
+        self.settings = dataclasses.replace(settings, nodes=nodes)
         self.node_id = node_id
 
     def _client(self, address: str | None = None) -> NodeClient:
