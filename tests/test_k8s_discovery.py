@@ -39,6 +39,9 @@ def test_settings_without_a_cluster() -> None:
     )
     with pytest.raises(NodeUnreachable, match="does not resolve"):
         load_settings({"nodes": "dns:no-such-name.invalid:7420"}, env={})
+    # A dns: name overridden by the environment or the command line is not looked up.
+    overridden = {"KSPEEDFS_NODES": "dns:no-such-name.invalid:7420"}
+    assert load_settings({"nodes": "10.0.0.9"}, env=overridden).nodes == [Address("10.0.0.9", 7420)]
 
 
 NETNS_SCRIPT = r"""

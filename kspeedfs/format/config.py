@@ -238,10 +238,12 @@ def load_settings(
         ),
     ]
     origins: dict[str, str] = {}
-    for where, values in layers:
+    for i, (where, values) in enumerate(layers):
         for key, value in values.items():
             if key not in RULES:
                 raise InvalidArgument(f"unknown setting {key!r} in the {where(key)}")
+            if key == "nodes" and any(key in later for _, later in layers[i + 1 :]):
+                continue  # overridden: its dns: names are not looked up (they may not resolve)
             try:
                 setattr(settings, key, RULES[key](value))
             except InvalidArgument as e:
