@@ -440,3 +440,36 @@ def test_plugin_killed_while_a_pod_reads(six_s_leases: Stack, tmp_path: Path) ->
     c.unpublish("vol-r", target)
     assert not target.exists()
     wait_for(lambda: "live" not in stack.datasets(), what="live unloaded with its volume")
+
+
+@pytest.mark.slow
+def test_plugin_without_mountd_or_node(tmp_path: Path) -> None:
+    """Nothing to mount with: Probe says not ready, a publish is UNAVAILABLE in one line and
+    leaves nothing behind, an unpublish of what was never published answers OK."""
+    (tmp_path / "empty.toml").write_text("")
+    auth.write_token(tmp_path / "token", auth.new_admin_token())
+    env = {
+        **os.environ,
+        "KSPEEDFS_CONFIG": str(tmp_path / "empty.toml"),
+        "KSPEEDFS_TOKEN_FILE": str(tmp_path / "token"),
+        "KSPEEDFS_NODES": "127.0.0.1:9",  # nobody listens on the discard port
+        "KSPEEDFS_TIMEOUT": "2",
+    }
+    run = tmp_path / "run"
+    run.mkdir()
+    plugin = PluginDaemon(run, env).start()
+    client = CsiClient(plugin.socket, timeout=30)
+    try:
+        assert client.call("Probe").ready.value is False
+        target = tmp_path / "pod" / "mount"
+        target.parent.mkdir()
+        with pytest.raises(grpc.RpcError) as caught:
+            client.publish("v", target, inline_context("imagenet"))
+        assert caught.value.code() == grpc.StatusCode.UNAVAILABLE
+        assert "\n" not in caught.value.details()
+        assert not target.exists() and not list((run / "state" / "volumes").iterdir())
+        client.unpublish("v", target)
+        client.unpublish("v", target)
+    finally:
+        client.close()
+        plugin.stop()
