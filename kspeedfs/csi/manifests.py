@@ -181,7 +181,9 @@ def install(namespace: str, image: str) -> list[dict[str, Any]]:
                         _host_path("kubelet", KUBELET, "Directory"),
                         _host_path("plugin-dir", PLUGIN_DIR, "DirectoryOrCreate"),
                         _host_path("registration-dir", f"{KUBELET}/plugins_registry", "Directory"),
-                        _host_path("run", RUN_DIR, "DirectoryOrCreate"),
+                        # mountd's declarations and status live as long as the pod: a new
+                        # pod's plugin declares its recorded volumes again (state, below).
+                        {"name": "run", "emptyDir": {"medium": "Memory"}},
                         _host_path("state", STATE_DIR, "DirectoryOrCreate"),
                     ],
                 },

@@ -84,9 +84,18 @@ class MountdLink:
         return (self.mounts_dir / f"{mount_name(target)}.toml").exists()
 
     def _reload(self) -> None:
-        state = self._state()
+        pid = int(self._state()["pid"])
+        # A status file left by a mountd that was killed may name a pid since reused by
+        # another process (the node!), which SIGHUP would end: signal only a mountd.
         try:
-            os.kill(int(state["pid"]), signal.SIGHUP)
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                is_mountd = b"mountd" in f.read()
+        except OSError:
+            is_mountd = False
+        if not is_mountd:
+            raise MountdUnavailable(f"mountd is not running (process {pid} is not mountd)")
+        try:
+            os.kill(pid, signal.SIGHUP)
         except ProcessLookupError:
             raise MountdUnavailable("mountd is not running (its process is gone)") from None
 
