@@ -30,7 +30,7 @@ from kspeedfs.format.units import parse_address
 from kspeedfs.net.connection import NodeClient
 from kspeedfs.sources.source import normalize_source
 
-from .volumes import Volume
+from .volumes import Volume, VolumeRecords
 
 log = logging.getLogger(__name__)
 
@@ -167,7 +167,7 @@ class WarmDatasets:
 class LeaseRenewer:
     """A daemon thread renewing the leases of every recorded volume, a third of the ttl apart."""
 
-    def __init__(self, warm: WarmDatasets, records: Any, lock: threading.Lock):
+    def __init__(self, warm: WarmDatasets, records: VolumeRecords, lock: threading.Lock):
         self.warm = warm
         self.records = records
         self.lock = lock
