@@ -21,7 +21,7 @@ class Pong(Wire):
 
 
 @dataclasses.dataclass(frozen=True)
-class Manifest(Request):
+class ManifestReq(Request):
     """A piece of a published dataset's manifest (a client or member that holds none of it
     fetches the whole file piece by piece, with kspeedfs.format.contract.pieces.fetch_all)."""
 
