@@ -36,11 +36,11 @@ from kspeedfs.format.contract.preload import (
     StageManifest,
     StagePush,
     StagePut,
+    StageReq,
     StageResult,
     StageStatus,
     Tier,
 )
-from kspeedfs.format.contract.preload import Stage as StageRequest
 from kspeedfs.format.errors import (
     AlreadyExists,
     DataError,
@@ -155,7 +155,7 @@ class Stager:
         """The member's side of a preload: only a coordinator (an admin) drives it."""
         for request, handler in (
             (StageClaim, self.op_stage_claim),
-            (StageRequest, self.op_stage),
+            (StageReq, self.op_stage),
             (StagePush, self.op_stage_push),
             (StageStatus, self.op_stage_status),
             (StageResult, self.op_stage_result),
@@ -271,7 +271,7 @@ class Stager:
         self.claimed_disk.pop(uuid, None)
         self.store.release(disk_claim(uuid))
 
-    async def op_stage(self, request: StageRequest) -> dict[str, Any]:
+    async def op_stage(self, request: StageReq) -> dict[str, Any]:
         """Stage the held segments of a preload another node coordinates: this member scans
         the source itself, and must see the tree the coordinator saw."""
         self._check_absent(request.name)
@@ -662,11 +662,11 @@ async def start_stages(plan: Plan, ask: Ask, own: Stager) -> set[str]:
         held = plan.assignment[member]
         try:
             if member == own.address:
-                with answering(f"op {StageRequest.OP}"):  # refused as the op would be
+                with answering(f"op {StageReq.OP}"):  # refused as the op would be
                     await own.stage_planned(plan, meta_bytes)
                 return
             try:
-                stage = StageRequest(
+                stage = StageReq(
                     name=plan.name,
                     uuid=plan.uuid,
                     source=plan.source,

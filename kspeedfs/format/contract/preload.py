@@ -92,7 +92,7 @@ class StageClaim(Request):
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class Stage(Request):
+class StageReq(Request):
     """Load the held segments straight from the source (the member scans it itself)."""
 
     OP = "stage"
