@@ -41,7 +41,7 @@ import trio
 from kspeedfs.format.config import Settings
 from kspeedfs.format.contract.readthrough import (
     FillSegment,
-    Plan,
+    PlanReq,
     Refresh,
     RegisterSource,
     Touch,
@@ -138,7 +138,7 @@ class ReadThroughCache:
         ops.add(Refresh, self.watch.op_refresh, ADMIN)
         ops.add(FillSegment, self.filler.op_fill, JOB)
         ops.add(Touch, self.evictor.op_touch, JOB)
-        ops.add(Plan, self.plans.op_plan, JOB)
+        ops.add(PlanReq, self.plans.op_plan, JOB)
 
     def recover(self) -> None:
         """Pick up the read-through datasets the store found; their segments are what is here,
