@@ -28,8 +28,7 @@ from kspeedfs.client.transport import open_transport
 from kspeedfs.format.config import Settings
 from kspeedfs.format.contract import Request
 from kspeedfs.format.contract.node import List, ManifestPiece, ManifestReq
-from kspeedfs.format.contract.pieces import Piece as BlobPiece
-from kspeedfs.format.contract.pieces import fetch_all
+from kspeedfs.format.contract.pieces import BlobPiece, fetch_all
 from kspeedfs.format.contract.readthrough import FillSegment
 from kspeedfs.format.errors import (
     DataError,

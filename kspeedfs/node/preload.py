@@ -26,7 +26,7 @@ import xxhash
 
 from kspeedfs.format import placement
 from kspeedfs.format.contract.node import UnloadLocal
-from kspeedfs.format.contract.pieces import Assembly, Piece, pieces_of
+from kspeedfs.format.contract.pieces import Assembly, BlobPiece, pieces_of
 from kspeedfs.format.contract.preload import (
     Abort,
     Commit,
@@ -544,7 +544,7 @@ def _allocate(stage: Stage, seg_len: dict[int, int]) -> None:
                 os.posix_fallocate(f.fileno(), 0, length)
 
 
-def _write_piece(path: Path, piece: Piece) -> int:
+def _write_piece(path: Path, piece: BlobPiece) -> int:
     """Write one pushed piece of a segment (its total: the segment's length); returns its
     length."""
     fd = os.open(path, os.O_WRONLY)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 
 from kspeedfs.format.contract import Request, Wire, at_least, checked, dataset_name
-from kspeedfs.format.contract.pieces import PIECE, Piece
+from kspeedfs.format.contract.pieces import PIECE, BlobPiece
 from kspeedfs.format.names import validate_name
 
 
@@ -36,7 +36,7 @@ class ManifestReq(Request):
 class ManifestPiece(Wire):
     name: str
     uuid: str
-    piece: Piece
+    piece: BlobPiece
 
 
 @dataclasses.dataclass(frozen=True)
