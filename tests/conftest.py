@@ -54,7 +54,7 @@ SLOW_MODULES = frozenset(
         "test_cli_errors.py",  # a CLI process (about 1.4 s to start) per case
         "test_cli_settings.py",
         "test_sampler_resume.py",  # a StatefulDataLoader resumed in a new process
-        "test_eviction_policies.py",  # three epochs per policy
+        "test_eviction_over_epochs.py",  # three epochs per policy
         "test_tiers.py",  # datasets of hundreds of MiB
         "test_caps.py",  # node and CLI processes per case, a three-node heal
         "test_readthrough_disk.py",  # three epochs per policy, with a disk tier
