@@ -86,6 +86,14 @@ def test_every_docs_page_is_in_the_index() -> None:
     assert pages <= listed, f"pages missing from docs/index.md: {sorted(pages - listed)}"
 
 
+def test_the_readme_links_the_index_for_its_page_list() -> None:
+    """One page list, docs/index.md: the README's documentation section links it alone."""
+    readme = (ROOT / "README.md").read_text()
+    section = readme.split("\n## Documentation\n", 1)[1].split("\n## ", 1)[0]
+    links = [a or b for a, b in LINK.findall(section)]
+    assert links == ["docs/index.md"], f"README.md's documentation section links {links}"
+
+
 def default_lines(reference: str) -> dict[str, str]:
     """Setting -> what follows `- default:` in its section, up to the section's next item."""
     sections = re.findall(r"^### `(\w+)`\n(.*?)(?=^#{1,3} |\Z)", reference, re.M | re.S)
