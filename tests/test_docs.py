@@ -86,6 +86,14 @@ def test_every_docs_page_is_in_the_index() -> None:
     assert pages <= listed, f"pages missing from docs/index.md: {sorted(pages - listed)}"
 
 
+def test_benchmarks_lists_every_bench() -> None:
+    page = (ROOT / "docs" / "benchmarks.md").read_text()
+    benches = sorted(p.name for p in (ROOT / "bench").glob("*.py"))
+    assert benches, "no bench/*.py found"
+    missing = [name for name in benches if f"bench/{name}`" not in page]
+    assert not missing, f"docs/benchmarks.md leaves out {missing}"
+
+
 def test_the_readme_links_the_index_for_its_page_list() -> None:
     """One page list, docs/index.md: the README's documentation section links it alone."""
     readme = (ROOT / "README.md").read_text()
