@@ -26,7 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from kspeedfs.format.contract import Request  # noqa: E402
 from kspeedfs.format.contract.node import Ping  # noqa: E402
-from kspeedfs.format.contract.pieces import Piece  # noqa: E402
+from kspeedfs.format.contract.pieces import BlobPiece  # noqa: E402
 from kspeedfs.format.contract.preload import Preload, StagePut  # noqa: E402
 from kspeedfs.format.contract.readthrough import FillSegment, Touch  # noqa: E402
 from kspeedfs.format.errors import InvalidArgument  # noqa: E402
@@ -52,7 +52,7 @@ def samples() -> list[tuple[str, type[Request], dict[str, Any]]]:
                     name="imagenet",
                     uuid=UUID,
                     segment=3,
-                    piece=Piece.of(0, 1 << 20, bytes(256 << 10)),
+                    piece=BlobPiece.of(0, 1 << 20, bytes(256 << 10)),
                 )
             ),
         ),

@@ -300,7 +300,9 @@ def _default(field: dataclasses.Field[Any], size: bool) -> str:
         value = field.default
     else:
         factory: Callable[[], Any] = field.default_factory  # type: ignore[assignment]
-        if factory.__name__ != "<lambda>":  # computed where it runs: its docstring says how
+        # A named function computes the default where it runs: its docstring says how. A type
+        # (list) or a lambda gives the value itself.
+        if inspect.isfunction(factory) and factory.__name__ != "<lambda>":
             return (inspect.getdoc(factory) or factory.__name__).rstrip(".")
         value = factory()
     if size and isinstance(value, int) and value >= 1024:

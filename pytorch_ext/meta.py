@@ -22,7 +22,7 @@ from torchvision.datasets.folder import default_loader
 
 from kspeedfs.format import metaindex
 from kspeedfs.format.contract.metaindexes import FetchMetaIndex, MetaAdd, MetaIndexPiece
-from kspeedfs.format.contract.pieces import Piece, fetch_all
+from kspeedfs.format.contract.pieces import BlobPiece, fetch_all
 from kspeedfs.format.errors import AuthError, DataError, InvalidArgument, KSpeedError, NotFound
 from kspeedfs.format.metaindex import MetaIndex
 from kspeedfs.format.tarindex import TarIndex
@@ -99,7 +99,7 @@ def _fetch(reader: cache.Reader, meta: str, kind: type[Index]) -> Index:
     cluster = reader.cluster
     first, reply = cluster.live_call(FetchMetaIndex(name=ref.name, uuid=ref.uuid, meta=meta))
 
-    def ask(offset: int) -> Piece:
+    def ask(offset: int) -> BlobPiece:
         nonlocal reply
         if offset:
             request = FetchMetaIndex(name=ref.name, uuid=ref.uuid, meta=meta, offset=offset)

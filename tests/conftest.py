@@ -20,8 +20,8 @@ from kspeedfs.testing.node import NodeProcess as NodeProcess
 # The process helpers live in the package (the demo and the benches use them too); tests import
 # them from here.
 from kspeedfs.testing.process import KSPEEDFS as KSPEEDFS
+from kspeedfs.testing.process import STARTED, wait_until
 from kspeedfs.testing.process import free_port as free_port
-from kspeedfs.testing.process import wait_until
 
 if TYPE_CHECKING:
     from etcdutil import EtcdCluster
@@ -54,7 +54,7 @@ SLOW_MODULES = frozenset(
         "test_cli_errors.py",  # a CLI process (about 1.4 s to start) per case
         "test_cli_settings.py",
         "test_sampler_resume.py",  # a StatefulDataLoader resumed in a new process
-        "test_eviction_policies.py",  # three epochs per policy
+        "test_eviction_over_epochs.py",  # three epochs per policy
         "test_tiers.py",  # datasets of hundreds of MiB
         "test_caps.py",  # node and CLI processes per case, a three-node heal
         "test_readthrough_disk.py",  # three epochs per policy, with a disk tier
@@ -71,6 +71,88 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
         fixtures = getattr(item, "fixturenames", ())
         if SLOW_FIXTURES.intersection(fixtures) or item.path.name in SLOW_MODULES:
             item.add_marker(pytest.mark.slow)
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line(
+        "markers",
+        "tracebacks(*expected): the nodes and mounts the test starts may log tracebacks that "
+        "contain one of `expected` (none given: any traceback)",
+    )
+
+
+TRACEBACK = "Traceback (most recent call last):"
+
+
+def logged_tracebacks(text: str) -> list[str]:
+    """Each traceback in a log (an exception group's with the ones inside it), with the line
+    before it (the log record that printed it) and, after its indented frames, the line of the
+    exception."""
+    lines = text.splitlines()
+    found = []
+    i = 0
+    while i < len(lines):
+        if TRACEBACK not in lines[i]:
+            i += 1
+            continue
+        end = i + 1
+        while end < len(lines) and (not lines[end].strip() or lines[end][0] in " |+"):
+            end += 1
+        if lines[i][0] not in " |+" and end < len(lines):
+            end += 1  # a plain traceback ends with the exception, unindented
+        found.append("\n".join(lines[max(0, i - 1) : end]))
+        i = end
+    return found
+
+
+def log_sizes() -> dict[Path, int]:
+    """The size now of each log of the nodes and mounts started (and not yet forgotten)."""
+    sizes = {}
+    for path, _proc in STARTED:
+        try:
+            sizes[path] = path.stat().st_size
+        except FileNotFoundError:
+            sizes[path] = 0
+    return sizes
+
+
+def tracebacks_since(sizes: dict[Path, int]) -> list[tuple[Path, str]]:
+    """(log, traceback) of each traceback logged past `sizes` (a log not in it: from its
+    start); then forgets the processes that have exited."""
+    found = []
+    for path in dict.fromkeys(path for path, _proc in STARTED):
+        try:
+            with open(path, "rb") as f:
+                f.seek(sizes.get(path, 0))
+                text = f.read().decode(errors="replace")
+        except FileNotFoundError:
+            continue
+        found += [(path, tb) for tb in logged_tracebacks(text)]
+    STARTED[:] = [(path, proc) for path, proc in STARTED if proc.poll() is None]
+    return found
+
+
+@pytest.fixture(autouse=True)
+def no_unexpected_tracebacks(request: pytest.FixtureRequest) -> Iterator[None]:
+    """Fails a test when a node or mount (kspeedfs.testing's NodeProcess, MountProcess) logged
+    a traceback during it, unless its `tracebacks` mark expects it: an error the test never
+    looks at must not pass unseen."""
+    sizes = log_sizes()
+    yield
+    mark = request.node.get_closest_marker("tracebacks")
+    expected: tuple[str, ...] = mark.args if mark is not None else ()
+    unexpected = [
+        f"{path}:\n{tb}"
+        for path, tb in tracebacks_since(sizes)
+        if mark is None or (expected and not any(e in tb for e in expected))
+    ]
+    if unexpected:
+        pytest.fail(
+            "a process this test started logged a traceback (mark the test "
+            "`@pytest.mark.tracebacks(...)` if it provokes it on purpose):\n"
+            + "\n\n".join(unexpected),
+            pytrace=False,
+        )
 
 
 def wait_for(predicate: Callable[[], bool], timeout: float = 20.0, what: str = "condition") -> None:

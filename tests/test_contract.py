@@ -14,7 +14,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from kspeedfs.format.contract import Request, Wire, at_least, dataset_name
-from kspeedfs.format.contract.pieces import Assembly, Piece, fetch_all, pieces_of
+from kspeedfs.format.contract.pieces import Assembly, BlobPiece, fetch_all, pieces_of
 from kspeedfs.format.errors import DataError, InvalidArgument
 
 
@@ -112,7 +112,7 @@ def test_any_json_object_is_a_request_or_one_line_refusal(msg: dict[str, Any]) -
 @settings(deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(st.binary(max_size=5000), st.integers(min_value=1, max_value=700))
 def test_a_blob_in_pieces_comes_back_whole(blob: bytes, size: int) -> None:
-    pieces = [Piece.from_wire(p.to_wire()) for p in pieces_of(blob, size)]
+    pieces = [BlobPiece.from_wire(p.to_wire()) for p in pieces_of(blob, size)]
     whole = Assembly(limit=len(blob))
     for p in pieces:
         whole.add(p)
@@ -134,23 +134,23 @@ def test_a_blob_in_pieces_comes_back_whole(blob: bytes, size: int) -> None:
 )
 def test_a_hostile_piece_is_refused(wire: dict[str, Any], message: str) -> None:
     with pytest.raises(InvalidArgument, match=message.replace("[", r"\[").replace(")", r"\)")):
-        Piece.from_wire(wire)
+        BlobPiece.from_wire(wire)
 
 
 def test_an_assembly_refuses_pieces_out_of_order_changed_or_over_its_limit() -> None:
     whole = Assembly(limit=10)
-    whole.add(Piece.of(0, 6, b"abc"))
+    whole.add(BlobPiece.of(0, 6, b"abc"))
     with pytest.raises(InvalidArgument, match="expected 3"):
-        whole.add(Piece.of(4, 6, b"ef"))
+        whole.add(BlobPiece.of(4, 6, b"ef"))
     with pytest.raises(InvalidArgument, match="differs"):
-        whole.add(Piece.of(3, 7, b"def"))
+        whole.add(BlobPiece.of(3, 7, b"def"))
     with pytest.raises(InvalidArgument, match="over the 10 limit"):
-        Assembly(limit=10).add(Piece.of(0, 11, b""))
+        Assembly(limit=10).add(BlobPiece.of(0, 11, b""))
     assert not whole.done and whole.received == 3
 
 
 def test_fetching_stops_on_a_piece_that_does_not_follow_on() -> None:
     with pytest.raises(DataError, match="got one at 2"):
-        fetch_all(lambda offset: Piece.of(2, 10, b"xy"), lambda data: None)
+        fetch_all(lambda offset: BlobPiece.of(2, 10, b"xy"), lambda data: None)
     with pytest.raises(DataError, match="empty piece"):
-        fetch_all(lambda offset: Piece.of(offset, 10, b""), lambda data: None)
+        fetch_all(lambda offset: BlobPiece.of(offset, 10, b""), lambda data: None)

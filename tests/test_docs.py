@@ -4,6 +4,7 @@ the tables of ops (security.md's roles, internals.md's owners) list every regist
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 import re
 from pathlib import Path
@@ -85,10 +86,58 @@ def test_every_docs_page_is_in_the_index() -> None:
     assert pages <= listed, f"pages missing from docs/index.md: {sorted(pages - listed)}"
 
 
+def test_benchmarks_lists_every_bench() -> None:
+    page = (ROOT / "docs" / "benchmarks.md").read_text()
+    benches = sorted(p.name for p in (ROOT / "bench").glob("*.py"))
+    assert benches, "no bench/*.py found"
+    missing = [name for name in benches if f"bench/{name}`" not in page]
+    assert not missing, f"docs/benchmarks.md leaves out {missing}"
+
+
+def test_the_readme_links_the_index_for_its_page_list() -> None:
+    """One page list, docs/index.md: the README's documentation section links it alone."""
+    readme = (ROOT / "README.md").read_text()
+    section = readme.split("\n## Documentation\n", 1)[1].split("\n## ", 1)[0]
+    links = [a or b for a, b in LINK.findall(section)]
+    assert links == ["docs/index.md"], f"README.md's documentation section links {links}"
+
+
+def default_lines(reference: str) -> dict[str, str]:
+    """Setting -> what follows `- default:` in its section, up to the section's next item."""
+    sections = re.findall(r"^### `(\w+)`\n(.*?)(?=^#{1,3} |\Z)", reference, re.M | re.S)
+    out = {}
+    for name, body in sections:
+        found = re.search(r"^- default: (.*?)\n(?=- |\s*\Z)", body, re.M | re.S)
+        out[name] = found.group(1) if found else ""
+    return out
+
+
+def test_settings_defaults_render_as_values() -> None:
+    """Each default in docs/settings.md is the value a config file would hold, in code, or for
+    one computed where it runs (a named function), one line saying how: never the docstring of
+    the factory's type (`list`'s, once)."""
+    fields = {f.name: f for f in dataclasses.fields(Settings)}
+    defaults = default_lines(docgen.settings_reference())
+    assert sorted(defaults) == sorted(fields)
+    for name, shown in defaults.items():
+        factory = fields[name].default_factory
+        computed = inspect.isfunction(factory) and factory.__name__ != "<lambda>"
+        assert "\n" not in shown, f"settings.md: the default of {name} takes lines: {shown!r}"
+        if not computed:
+            assert re.fullmatch(r"`[^`]+`( \([^)]*\))?", shown), (
+                f"settings.md: the default of {name} is not a value: {shown!r}"
+            )
+        else:
+            assert shown, f"settings.md: {name} shows no default"
+
+
+def test_default_check_sees_a_docstring_default() -> None:
+    page = "### `a`\n\n- default: `[]`\n- accepts: x\n\n### `b`\n\n- default: Built-in.\n\nIf no\n"
+    assert default_lines(page) == {"a": "`[]`", "b": "Built-in.\n\nIf no"}
+
+
 def test_generator_names_an_undocumented_setting(monkeypatch: pytest.MonkeyPatch) -> None:
     """A new setting without its docstring line fails generation, naming it and the fix."""
-    import dataclasses
-
     from kspeedfs.format import config
 
     @dataclasses.dataclass

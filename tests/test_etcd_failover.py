@@ -225,7 +225,7 @@ def test_etcd_stopped_reads_go_on_control_ops_fail_then_converge(
             lines = done.stderr.strip().splitlines()
             assert len(lines) == 1 and "etcd" in lines[0], (args, done.stderr)
         assert all(set(listing(n)) == {"steady"} for n in nodes)
-        time.sleep(3)  # past the members' lease TTL, with etcd away
+        time.sleep(3)  # under test: an etcd outage past the members' lease TTL
 
         cluster.etcd.resume()
         # No restart: the members join again, control ops work, every node follows them.

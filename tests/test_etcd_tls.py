@@ -184,7 +184,7 @@ def test_a_node_etcd_refuses_serves_and_logs_one_line(tls_etcd: TlsEtcd, tmp_pat
     try:
         node.start()  # it serves...
         wait_for(lambda: "TLS with etcd" in node.log(), 20, "the node's warning")
-        time.sleep(2 * 2)  # two member TTLs of trying to join
+        time.sleep(2 * 2)  # under test: two member TTLs of refused joins (one line logged)
         assert node.request("ping")["node"] == node.address  # ...after the refusals too
         said = [line for line in node.log().splitlines() if "kspeedfs.node.control" in line]
         assert len(said) == 1 and "Traceback" not in node.log(), node.log()

@@ -73,7 +73,7 @@ class ToyFS:
 
             def blocking() -> bytes:
                 self.slow_started.set()
-                time.sleep(0.05)
+                time.sleep(0.05)  # under test: a handler that takes a while
                 return DATA[offset : offset + size]
 
             return blocking

@@ -8,7 +8,7 @@ from conftest import NodeProcess, make_tree, run_cli
 
 from kspeedfs.client.reader import ClusterReader
 from kspeedfs.format.config import load_settings
-from kspeedfs.format.contract.pieces import Piece
+from kspeedfs.format.contract.pieces import BlobPiece
 
 
 def test_manifest_fetched_in_pieces_equals_the_file(node: NodeProcess, tmp_path: Path) -> None:
@@ -19,7 +19,7 @@ def test_manifest_fetched_in_pieces_equals_the_file(node: NodeProcess, tmp_path:
     with node.client() as c:
         while True:
             reply = c.request("manifest", name="pieces", offset=len(got), length=1000)
-            piece = Piece.from_wire(reply["piece"])
+            piece = BlobPiece.from_wire(reply["piece"])
             assert piece.total == len(expected) and piece.offset == len(got)
             assert piece.size <= 1000
             got += piece.raw

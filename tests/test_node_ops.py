@@ -13,7 +13,7 @@ from clusterutil import Cluster, running
 from conftest import NodeProcess, make_tree, wait_for
 
 from kspeedfs.format import auth
-from kspeedfs.format.contract.pieces import Piece
+from kspeedfs.format.contract.pieces import BlobPiece
 from kspeedfs.format.errors import AuthError, DataError, InvalidArgument
 from kspeedfs.format.units import Address
 from kspeedfs.net.aconnection import AsyncNodeClient
@@ -120,7 +120,7 @@ def test_a_connection_that_died_with_a_restart_is_retried_once(
 
 
 def piece(offset: int, total: int, data: bytes) -> dict[str, Any]:
-    return Piece.of(offset, total, data).to_wire()
+    return BlobPiece.of(offset, total, data).to_wire()
 
 
 def test_pushed_pieces_out_of_bounds_or_order_are_refused_and_write_nothing(

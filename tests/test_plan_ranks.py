@@ -18,7 +18,7 @@ from hypothesis import strategies as st
 from rt_util import cache_status, policy_nodes, write_files, wrong_bytes
 
 from kspeedfs.client import admin
-from kspeedfs.format.contract.readthrough import MAX_READER, Plan
+from kspeedfs.format.contract.readthrough import MAX_READER, PlanReq
 from kspeedfs.format.errors import InvalidArgument
 from pytorch_ext import ClairvoyantSampler, KSpeedFolder, PrioritySampler
 from pytorch_ext.folder import plan_reader
@@ -144,7 +144,7 @@ NOT_A_STRING = st.none() | st.booleans() | st.integers() | st.lists(st.text(max_
 @given(st.text(min_size=MAX_READER + 1, max_size=200) | NOT_A_STRING)
 def test_a_hostile_reader_is_one_line_invalid_argument(reader: Any) -> None:
     with pytest.raises(InvalidArgument) as refused:
-        Plan.from_wire({"op": "plan", **PLAN_FIELDS, "reader": reader})
+        PlanReq.from_wire({"op": "plan", **PLAN_FIELDS, "reader": reader})
     message = str(refused.value)
     assert message.startswith("op plan: reader") and "\n" not in message, message
 

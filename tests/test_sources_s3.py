@@ -55,7 +55,7 @@ def test_read_verified_from_s3(s3: S3Server, bucket: tuple[Any, str]) -> None:
     with pytest.raises(StaleDataset, match="checksum"):
         src.read_verified(tree, 1, 0, size, whole ^ 1)
 
-    time.sleep(1.1)  # S3 times have one-second steps: the rewrite must get a later one
+    time.sleep(1.1)  # under test: a rewrite S3 dates later (its times step by one second)
     client.put_object(Bucket=BUCKET, Key=key, Body=data[::-1])
     with pytest.raises(StaleDataset):
         src.read_verified(tree, 1, 5, 70_000)

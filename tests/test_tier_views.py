@@ -29,7 +29,8 @@ from kspeedfs.client import admin
 from kspeedfs.client.dataset_reader import CacheRef, Reader
 from kspeedfs.format import localdata
 from kspeedfs.format.errors import DataError, KSpeedError
-from kspeedfs.format.localdata import LocalDataset
+from kspeedfs.format.localdata import MANIFEST_FILE, LocalDataset
+from kspeedfs.format.manifest import Manifest
 from kspeedfs.format.units import format_size
 from pytorch_ext import KSpeedFolder
 
@@ -103,10 +104,13 @@ def test_ls_sums_each_tier_over_the_members_and_marks_one_that_does_not_answer(
         def tiers() -> dict[str, dict]:
             return {n.address: cluster.listing(n)["spread"] for n in cluster.nodes}
 
-        def settled() -> bool:  # small's promotions done: no room for another segment
-            before = tiers()
-            time.sleep(1.2)  # more than two rounds of its promoter (every 0.5 s)
-            return tiers() == before
+        seg_len = Manifest(small.shm_dir / "datasets" / "spread" / MANIFEST_FILE).seg_len
+
+        def settled() -> bool:  # small's promotions done: no segment on its disk fits memory
+            status = small.request("status")  # before the listing: a free figure never too low
+            on_disk = cluster.listing(small)["spread"]["disk"]
+            free = status["budget"] - status["used"]
+            return not status["loading"] and all(seg_len[seg] > free for seg in on_disk)
 
         wait_for(settled, what="the promotions to end")
         own = tiers()
@@ -316,7 +320,8 @@ def test_fast_path_reads_of_a_read_through_dataset_count_as_hits_on_the_node(
 
     reads = len(order) + len(here)
     wait_for(lambda: counted()["hits"] == reads, timeout=10, what=f"{reads} hits")
-    time.sleep(1.5)  # a report more would come within a second: none counts a read twice
+    # No read counted twice: a report more (every second at most) would come within this.
+    time.sleep(1.5)  # under test: nothing to wait for but the time a report more takes
     status = counted()
     assert (status["hits"], status["misses"], status["memory_hits"]) == (reads, len(files), reads)
     metrics = scrape(port)

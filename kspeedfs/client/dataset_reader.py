@@ -19,7 +19,7 @@ from kspeedfs.client.handle import DatasetHandle
 from kspeedfs.client.reader import ClusterReader, count_hit, local_node_for
 from kspeedfs.client.touches import TouchReporter
 from kspeedfs.format.config import Settings
-from kspeedfs.format.contract.readthrough import Plan
+from kspeedfs.format.contract.readthrough import PlanReq
 from kspeedfs.format.errors import DataError, InvalidArgument
 from kspeedfs.format.localdata import LocalDataset
 from kspeedfs.format.manifest import Manifest
@@ -200,7 +200,7 @@ class Reader:
         nodes = h.members if h.members else [self.local_node] if self.local_node else []
         for node in nodes:
             for start in range(0, len(segments), PLAN_CHUNK):
-                request = Plan(
+                request = PlanReq(
                     name=h.name,
                     uuid=h.uuid,
                     plan=name,

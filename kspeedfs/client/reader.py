@@ -27,10 +27,8 @@ from kspeedfs.client.handle import DatasetHandle
 from kspeedfs.client.transport import open_transport
 from kspeedfs.format.config import Settings
 from kspeedfs.format.contract import Request
-from kspeedfs.format.contract.node import List, ManifestPiece
-from kspeedfs.format.contract.node import Manifest as ManifestRequest
-from kspeedfs.format.contract.pieces import Piece as BlobPiece
-from kspeedfs.format.contract.pieces import fetch_all
+from kspeedfs.format.contract.node import List, ManifestPiece, ManifestReq
+from kspeedfs.format.contract.pieces import BlobPiece, fetch_all
 from kspeedfs.format.contract.readthrough import FillSegment
 from kspeedfs.format.errors import (
     DataError,
@@ -202,12 +200,12 @@ class ClusterReader:
     def _fetch_manifest(self, name: str, uuid: str) -> Manifest:
         """The manifest of instance `uuid`, in pieces from the first node that answers (a node
         that holds another instance refuses with StaleDataset)."""
-        node, reply = self.live_call(ManifestRequest(name=name, uuid=uuid))
+        node, reply = self.live_call(ManifestReq(name=name, uuid=uuid))
 
         def ask(offset: int) -> BlobPiece:
             nonlocal reply
             if offset:
-                reply = self.call(node, ManifestRequest(name=name, uuid=uuid, offset=offset))
+                reply = self.call(node, ManifestReq(name=name, uuid=uuid, offset=offset))
             return ManifestPiece.from_wire(reply).piece
 
         fd, path = tempfile.mkstemp(prefix=f"kspeedfs-{name}-", suffix=".ksm")

@@ -137,7 +137,7 @@ def _segment(variant: str, seg: int) -> mmap.mmap:
 
 
 @dataclasses.dataclass
-class Fill:
+class VariantFill:
     """One variant on this node: filling, ready, or failed."""
 
     name: str
@@ -177,7 +177,7 @@ class DecodedVariants:
         self.store = store
         self.address = address
         self.workers = workers or os.cpu_count() or 1
-        self.fills: dict[tuple[str, int], Fill] = {}
+        self.fills: dict[tuple[str, int], VariantFill] = {}
         self._lock = threading.Lock()
         store.on_publish.append(self._found)
         store.before_unload.append(self._unloading)
@@ -258,7 +258,7 @@ class DecodedVariants:
 
     # -- work --
 
-    def start(self, name: str, uuid: str, size: int) -> Fill:
+    def start(self, name: str, uuid: str, size: int) -> VariantFill:
         """Probe the held images, reserve the budget (NoSpace before any decoding), allocate
         the variant, then fill it in the background. An existing variant is returned as is."""
         record = self.store.datasets.get(name)
@@ -268,7 +268,7 @@ class DecodedVariants:
             current = self.fills.get((name, size))
             if current is not None and current.uuid == record.uuid and current.state != "failed":
                 return current
-            fill = Fill(name, record.uuid, size, record.path / fmt.variant_dir(size))
+            fill = VariantFill(name, record.uuid, size, record.path / fmt.variant_dir(size))
             self.fills[(name, size)] = fill
         pool = self._pool()  # one for the header pass and the fill: its workers start once
         try:
@@ -293,7 +293,7 @@ class DecodedVariants:
             self.workers, mp_context=context, initializer=_init_worker, initargs=(os.getpid(),)
         )
 
-    def _plan(self, fill: Fill, pool: concurrent.futures.ProcessPoolExecutor) -> None:
+    def _plan(self, fill: VariantFill, pool: concurrent.futures.ProcessPoolExecutor) -> None:
         ds = self.store.open(fill.name)
         m = ds.manifest
         files = [
@@ -362,7 +362,7 @@ class DecodedVariants:
             format_size(fill.bytes_total),
         )
 
-    def _run(self, fill: Fill, pool: concurrent.futures.ProcessPoolExecutor) -> None:
+    def _run(self, fill: VariantFill, pool: concurrent.futures.ProcessPoolExecutor) -> None:
         work = fill.work
         try:
             index = fmt.VariantIndex(fill.folder / fmt.INDEX_FILE, writable=True)
@@ -415,7 +415,7 @@ class DecodedVariants:
 
     def _mark(
         self,
-        fill: Fill,
+        fill: VariantFill,
         index: fmt.VariantIndex,
         done: set[concurrent.futures.Future[list[tuple[int, int]]]],
     ) -> None:
@@ -425,7 +425,7 @@ class DecodedVariants:
                 fill.files_done += 1
                 fill.undecodable += state == fmt.UNDECODABLE
 
-    def _failed(self, fill: Fill, e: BaseException) -> None:
+    def _failed(self, fill: VariantFill, e: BaseException) -> None:
         fill.state = "failed"
         fill.error = str(e) if isinstance(e, KSpeedError) else f"{type(e).__name__}: {e}"
         fill.elapsed = time.monotonic() - fill.started
@@ -433,7 +433,7 @@ class DecodedVariants:
         if not fill.cancel.is_set():
             log.error("decoded variant %s@%d failed: %s", fill.name, fill.size, fill.error)
 
-    def _remove(self, fill: Fill) -> None:
+    def _remove(self, fill: VariantFill) -> None:
         """Remove the variant's folder and release its budget."""
         self.store.release(variant_key(fill.name, fill.size))
         record = self.store.datasets.get(fill.name)
@@ -483,7 +483,7 @@ class DecodedVariants:
                 counts = index.counts()
                 nbytes = sum(p.stat().st_size for p in (folder / fmt.SEGMENT_DIR).iterdir())
                 nbytes += (folder / fmt.INDEX_FILE).stat().st_size
-                fill = Fill(name, record.uuid, size, folder, state="ready")
+                fill = VariantFill(name, record.uuid, size, folder, state="ready")
                 fill.files_total = counts["ready"] + counts["undecodable"]
                 fill.files_done = fill.files_total
                 fill.undecodable = counts["undecodable"]

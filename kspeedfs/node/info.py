@@ -12,7 +12,7 @@ from typing import Any, Protocol
 import trio
 
 from kspeedfs.format.config import Settings
-from kspeedfs.format.contract.node import List, Manifest, ManifestPiece, Status
+from kspeedfs.format.contract.node import List, ManifestPiece, ManifestReq, Status
 from kspeedfs.format.contract.pieces import read_piece
 from kspeedfs.format.errors import NotFound
 from kspeedfs.format.localdata import MANIFEST_FILE
@@ -60,7 +60,7 @@ class NodeInfo:
     def register_ops(self, ops: OpRegistry) -> None:
         ops.add(Status, self.op_status, READ)
         ops.add(List, self.op_list, READ)
-        ops.add(Manifest, self.op_manifest, READ)
+        ops.add(ManifestReq, self.op_manifest, READ)
 
     async def op_status(self, request: Status) -> dict[str, Any]:
         n = self.node
@@ -114,7 +114,7 @@ class NodeInfo:
         out.extend(n.loads.to_wire())
         return {"node": n.address, "datasets": sorted(out, key=lambda d: d["name"])}
 
-    async def op_manifest(self, request: Manifest) -> ManifestPiece:
+    async def op_manifest(self, request: ManifestReq) -> ManifestPiece:
         """A piece of the manifest, for a client on a machine that holds no part of the
         dataset (a large manifest is far over one control frame)."""
         record = self.node.store.instance(request.name, request.uuid)

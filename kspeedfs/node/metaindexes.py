@@ -28,7 +28,7 @@ from kspeedfs.format.contract.metaindexes import (
     MetaReserve,
     StageMeta,
 )
-from kspeedfs.format.contract.pieces import Piece, read_piece
+from kspeedfs.format.contract.pieces import BlobPiece, read_piece
 from kspeedfs.format.errors import DataError, InvalidArgument, KSpeedError, NotFound, StaleDataset
 from kspeedfs.format.localdata import MANIFEST_FILE
 from kspeedfs.format.manifest import Manifest
@@ -44,7 +44,7 @@ from kspeedfs.sources.source import Source, open_source
 log = logging.getLogger(__name__)
 
 # The request that carries one piece of the index of a meta file to a member.
-PieceRequest = Callable[[str, Piece], Request]
+PieceRequest = Callable[[str, BlobPiece], Request]
 
 
 class Staged(Protocol):
@@ -157,7 +157,7 @@ async def send(
     the stage of preload `ident` (StageMeta), or as `carry` makes the request of each piece
     (MetaPut, into a published instance)."""
 
-    def staged(meta: str, piece: Piece) -> Request:
+    def staged(meta: str, piece: BlobPiece) -> Request:
         return StageMeta(name=ident["name"], uuid=ident["uuid"], meta=meta, piece=piece)
 
     request = carry or staged
@@ -229,7 +229,7 @@ class MetaIndexes:
         return MetaIndexPiece(name=name, uuid=record.uuid, meta=meta, piece=piece)
 
 
-def _write_piece(path: Path, piece: Piece, uuid: str, meta: str) -> int:
+def _write_piece(path: Path, piece: BlobPiece, uuid: str, meta: str) -> int:
     """Write one piece of an index; the last one is checked and put in place. Returns the bytes
     received so far."""
     data = piece.raw
@@ -362,7 +362,7 @@ class AddedIndexes:
         built: list[tuple[str, Path]] = []
         committed: list[str] = []
 
-        def put(meta: str, piece: Piece) -> Request:
+        def put(meta: str, piece: BlobPiece) -> Request:
             return MetaPut(**ident, piece=piece)
 
         try:

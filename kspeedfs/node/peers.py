@@ -22,8 +22,7 @@ import trio
 
 from kspeedfs.format.contract import Request
 from kspeedfs.format.contract.metaindexes import MetaAdd
-from kspeedfs.format.contract.preload import Preload
-from kspeedfs.format.contract.preload import Stage as StageRequest
+from kspeedfs.format.contract.preload import Preload, StageReq
 from kspeedfs.format.errors import KSpeedError
 from kspeedfs.format.units import parse_address
 from kspeedfs.net.aconnection import AsyncNodeClient
@@ -33,7 +32,7 @@ log = logging.getLogger(__name__)
 
 IDLE_PER_MEMBER = 4
 # Ops that scan a whole source (or read and index a meta file) before answering.
-SLOW_OPS = frozenset({StageRequest.OP, Preload.OP, MetaAdd.OP})
+SLOW_OPS = frozenset({StageReq.OP, Preload.OP, MetaAdd.OP})
 
 # An op on a member: (member, op, arguments) -> its answer.
 Call = Callable[[str, str, dict[str, Any]], Awaitable[dict[str, Any]]]

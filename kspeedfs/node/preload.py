@@ -26,7 +26,7 @@ import xxhash
 
 from kspeedfs.format import placement
 from kspeedfs.format.contract.node import UnloadLocal
-from kspeedfs.format.contract.pieces import Assembly, Piece, pieces_of
+from kspeedfs.format.contract.pieces import Assembly, BlobPiece, pieces_of
 from kspeedfs.format.contract.preload import (
     Abort,
     Commit,
@@ -36,11 +36,11 @@ from kspeedfs.format.contract.preload import (
     StageManifest,
     StagePush,
     StagePut,
+    StageReq,
     StageResult,
     StageStatus,
     Tier,
 )
-from kspeedfs.format.contract.preload import Stage as StageRequest
 from kspeedfs.format.errors import (
     AlreadyExists,
     DataError,
@@ -155,7 +155,7 @@ class Stager:
         """The member's side of a preload: only a coordinator (an admin) drives it."""
         for request, handler in (
             (StageClaim, self.op_stage_claim),
-            (StageRequest, self.op_stage),
+            (StageReq, self.op_stage),
             (StagePush, self.op_stage_push),
             (StageStatus, self.op_stage_status),
             (StageResult, self.op_stage_result),
@@ -271,7 +271,7 @@ class Stager:
         self.claimed_disk.pop(uuid, None)
         self.store.release(disk_claim(uuid))
 
-    async def op_stage(self, request: StageRequest) -> dict[str, Any]:
+    async def op_stage(self, request: StageReq) -> dict[str, Any]:
         """Stage the held segments of a preload another node coordinates: this member scans
         the source itself, and must see the tree the coordinator saw."""
         self._check_absent(request.name)
@@ -544,7 +544,7 @@ def _allocate(stage: Stage, seg_len: dict[int, int]) -> None:
                 os.posix_fallocate(f.fileno(), 0, length)
 
 
-def _write_piece(path: Path, piece: Piece) -> int:
+def _write_piece(path: Path, piece: BlobPiece) -> int:
     """Write one pushed piece of a segment (its total: the segment's length); returns its
     length."""
     fd = os.open(path, os.O_WRONLY)
@@ -662,11 +662,11 @@ async def start_stages(plan: Plan, ask: Ask, own: Stager) -> set[str]:
         held = plan.assignment[member]
         try:
             if member == own.address:
-                with answering(f"op {StageRequest.OP}"):  # refused as the op would be
+                with answering(f"op {StageReq.OP}"):  # refused as the op would be
                     await own.stage_planned(plan, meta_bytes)
                 return
             try:
-                stage = StageRequest(
+                stage = StageReq(
                     name=plan.name,
                     uuid=plan.uuid,
                     source=plan.source,

@@ -71,7 +71,7 @@ class Channel(Protocol):
 
 
 @dataclasses.dataclass(frozen=True)
-class Piece:
+class RdmaRead:
     """One RDMA READ: remote bytes to `out[out_offset:out_offset + length]`."""
 
     remote_addr: int
@@ -80,7 +80,7 @@ class Piece:
     out_offset: int
 
 
-def plan_pieces(ranges: Sequence[Range], table: SegmentTable, max_piece: int) -> list[Piece]:
+def plan_pieces(ranges: Sequence[Range], table: SegmentTable, max_piece: int) -> list[RdmaRead]:
     """Ranges of one dataset to READs, checked against the table, none over `max_piece`."""
     pieces = []
     out_offset = 0
@@ -89,7 +89,7 @@ def plan_pieces(ranges: Sequence[Range], table: SegmentTable, max_piece: int) ->
         done = 0
         while done < length:
             n = min(max_piece, length - done)
-            pieces.append(Piece(addr + done, rkey, n, out_offset + done))
+            pieces.append(RdmaRead(addr + done, rkey, n, out_offset + done))
             done += n
         out_offset += length
     return pieces
@@ -133,7 +133,9 @@ class PoolRing:
         return len(self._held)
 
 
-def run_reads(channel: Channel, pieces: Sequence[Piece], out: memoryview, timeout: float) -> None:
+def run_reads(
+    channel: Channel, pieces: Sequence[RdmaRead], out: memoryview, timeout: float
+) -> None:
     """Post the pieces as fast as pool and queue allow, copy each out as it completes."""
     ring = PoolRing(channel.pool_size)
     pool = channel.pool
@@ -295,7 +297,7 @@ class RdmaTransport:
             probe = reply["probe"]
             expected = bytes.fromhex(str(probe["data"]))
             got = bytearray(len(expected))
-            piece = Piece(int(probe["addr"]), int(probe["rkey"]), len(expected), 0)
+            piece = RdmaRead(int(probe["addr"]), int(probe["rkey"]), len(expected), 0)
             run_reads(channel, [piece], memoryview(got), min(self.settings.timeout, 5.0))
         except (KSpeedError, KeyError, ValueError, TypeError) as e:
             return f"RDMA handshake failed: {e}"

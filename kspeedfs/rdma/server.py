@@ -23,7 +23,7 @@ from kspeedfs.format.contract.rdma import RdmaConnect, RdmaSegments
 from kspeedfs.format.errors import InvalidArgument, KSpeedError
 from kspeedfs.format.localdata import LocalDataset
 from kspeedfs.rdma.registry import SegmentRegistry
-from kspeedfs.rdma.verbs import Device, Region, ResponderQP, VerbsError, open_device, probe
+from kspeedfs.rdma.verbs import Device, MemoryRegion, ResponderQP, VerbsError, open_device, probe
 from kspeedfs.rdma.wire import Endpoint, table_to_wire
 
 
@@ -86,7 +86,7 @@ class RdmaService:
         self._store: PublishedDatasets | None = None
         self._cq: Any = None
         self._probe_map: mmap.mmap | None = None
-        self._probe: Region | None = None
+        self._probe: MemoryRegion | None = None
         if device is not None:
             self._cq = device.make_cq(16)
             # A small region of random bytes the client reads back to prove the path works.

@@ -132,7 +132,7 @@ def buffer_address(buffer: Any) -> tuple[int, Any]:
     return int(arr.ctypes.data), arr
 
 
-class Region:
+class MemoryRegion:
     """A registered memory region; `close()` deregisters it (in the process that made it)."""
 
     def __init__(self, mr: Any, addr: int, length: int, keep: Any):
@@ -220,17 +220,17 @@ class Device:
     def label(self) -> str:
         return f"{self.name}:{self.port}"
 
-    def register(self, buffer: Any, length: int) -> Region:
+    def register(self, buffer: Any, length: int) -> MemoryRegion:
         """Register memory for remote reads (a node's segment); the Registrar of a node."""
         pv = _pyverbs()
         return self._register(buffer, length, pv.enums.IBV_ACCESS_REMOTE_READ)
 
-    def register_local(self, buffer: Any, length: int) -> Region:
+    def register_local(self, buffer: Any, length: int) -> MemoryRegion:
         """Register memory that RDMA READs land in (a client's receive pool)."""
         pv = _pyverbs()
         return self._register(buffer, length, pv.enums.IBV_ACCESS_LOCAL_WRITE)
 
-    def _register(self, buffer: Any, length: int, access: int) -> Region:
+    def _register(self, buffer: Any, length: int, access: int) -> MemoryRegion:
         import pyverbs.mr
 
         addr, keep = buffer_address(buffer)
@@ -244,7 +244,7 @@ class Device:
                 f"cannot register {length} bytes with {self.name}: {e} "
                 "(is the locked-memory limit high enough? `ulimit -l`, LimitMEMLOCK=infinity)"
             ) from None
-        return Region(mr, addr, length, keep)
+        return MemoryRegion(mr, addr, length, keep)
 
     def make_cq(self, depth: int) -> Any:
         import pyverbs.cq

@@ -10,7 +10,14 @@ from typing import Self
 
 from kspeedfs.format.errors import MountError
 from kspeedfs.system.mountinfo import lazy_unmount
-from kspeedfs.testing.process import KSPEEDFS, START_TIMEOUT, log_tail, stop_process, wait_until
+from kspeedfs.testing.process import (
+    KSPEEDFS,
+    START_TIMEOUT,
+    STARTED,
+    log_tail,
+    stop_process,
+    wait_until,
+)
 
 
 class MountProcess:
@@ -42,6 +49,7 @@ class MountProcess:
                 env=self.env,
                 start_new_session=self.own_session,
             )
+        STARTED.append((self.log_path, self.proc))
         try:
             wait_until(self._mounted, timeout, f"mount at {self.mountpoint}")
         except TimeoutError:

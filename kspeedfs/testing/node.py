@@ -18,6 +18,7 @@ from kspeedfs.net.connection import NodeClient
 from kspeedfs.testing.process import (
     KSPEEDFS,
     START_TIMEOUT,
+    STARTED,
     STOP_TIMEOUT,
     free_port,
     log_tail,
@@ -115,6 +116,7 @@ class NodeProcess:
                 env=self.env(),
                 start_new_session=self.own_session,
             )
+        STARTED.append((self.log_path, self.proc))
         try:
             wait_until(self._answers, timeout, f"node on {self.address}")
         except TimeoutError:

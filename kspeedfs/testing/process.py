@@ -17,6 +17,11 @@ KSPEEDFS = [sys.executable, "-m", "kspeedfs.cli"]
 START_TIMEOUT = 30.0
 STOP_TIMEOUT = 15.0
 
+# Each node and mount these helpers start, as (its log, its process), so that a test harness
+# can read what they logged (tests/conftest.py fails a test whose processes logged a traceback
+# it did not expect) and forget those that exited.
+STARTED: list[tuple[Path, subprocess.Popen[bytes]]] = []
+
 
 def free_port() -> int:
     """A loopback port nobody listens on now."""

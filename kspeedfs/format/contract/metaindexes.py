@@ -9,7 +9,7 @@ import re
 from typing import Any
 
 from kspeedfs.format.contract import Request, Wire, at_least, checked, dataset_name
-from kspeedfs.format.contract.pieces import Piece
+from kspeedfs.format.contract.pieces import BlobPiece
 from kspeedfs.format.errors import InvalidArgument
 from kspeedfs.format.metaindex import meta_name
 
@@ -17,7 +17,7 @@ from kspeedfs.format.metaindex import meta_name
 MAX_INDEX_BYTES = 1 << 38
 
 
-def _index_piece(piece: Piece) -> Piece:
+def _index_piece(piece: BlobPiece) -> BlobPiece:
     if piece.total > MAX_INDEX_BYTES:
         raise InvalidArgument(f"a meta index of {piece.total} bytes is over the limit")
     return piece
@@ -53,7 +53,7 @@ class StageMeta(Request):
     name: str = dataset_name()
     uuid: str
     meta: str = meta_file()
-    piece: Piece = index_piece()
+    piece: BlobPiece = index_piece()
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -74,7 +74,7 @@ class MetaIndexPiece(Wire):
     name: str
     uuid: str
     meta: str
-    piece: Piece
+    piece: BlobPiece
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -112,7 +112,7 @@ class MetaPut(_OneAdd):
     """A piece of the index, written under the add's temporary name."""
 
     OP = "meta_put"
-    piece: Piece = index_piece()
+    piece: BlobPiece = index_piece()
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

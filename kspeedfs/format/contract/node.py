@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 
 from kspeedfs.format.contract import Request, Wire, at_least, checked, dataset_name
-from kspeedfs.format.contract.pieces import PIECE, Piece
+from kspeedfs.format.contract.pieces import PIECE, BlobPiece
 from kspeedfs.format.names import validate_name
 
 
@@ -21,7 +21,7 @@ class Pong(Wire):
 
 
 @dataclasses.dataclass(frozen=True)
-class Manifest(Request):
+class ManifestReq(Request):
     """A piece of a published dataset's manifest (a client or member that holds none of it
     fetches the whole file piece by piece, with kspeedfs.format.contract.pieces.fetch_all)."""
 
@@ -36,7 +36,7 @@ class Manifest(Request):
 class ManifestPiece(Wire):
     name: str
     uuid: str
-    piece: Piece
+    piece: BlobPiece
 
 
 @dataclasses.dataclass(frozen=True)

@@ -24,7 +24,7 @@ PIECE = 1 << 20
 
 
 @dataclasses.dataclass(frozen=True)
-class Piece(Wire):
+class BlobPiece(Wire):
     """`data` is bytes [offset, offset + len(data)) of a blob of `total` bytes."""
 
     offset: int = at_least(0)
@@ -42,7 +42,7 @@ class Piece(Wire):
         return piece
 
     @classmethod
-    def of(cls, offset: int, total: int, data: bytes | memoryview) -> Piece:
+    def of(cls, offset: int, total: int, data: bytes | memoryview) -> BlobPiece:
         return cls(offset, total, base64.b64encode(data).decode())
 
     @functools.cached_property
@@ -62,22 +62,22 @@ class Piece(Wire):
         return self.offset + self.size
 
 
-def pieces_of(blob: bytes | memoryview, size: int = PIECE) -> Iterator[Piece]:
+def pieces_of(blob: bytes | memoryview, size: int = PIECE) -> Iterator[BlobPiece]:
     """`blob` in pieces of `size` bytes (one empty piece for an empty blob)."""
     view = memoryview(blob)
     total = len(view)
     for offset in range(0, max(total, 1), size):
-        yield Piece.of(offset, total, view[offset : offset + size])
+        yield BlobPiece.of(offset, total, view[offset : offset + size])
 
 
-def read_piece(path: os.PathLike[str] | str, offset: int, size: int = PIECE) -> Piece:
+def read_piece(path: os.PathLike[str] | str, offset: int, size: int = PIECE) -> BlobPiece:
     """The piece of file `path` at `offset` (FileNotFoundError passes through)."""
     with open(path, "rb") as f:
         total = os.fstat(f.fileno()).st_size
         if offset > total:
             raise InvalidArgument(f"offset {offset} is past the end ({total} bytes)")
         f.seek(offset)
-        return Piece.of(offset, total, f.read(max(0, min(size, PIECE, total - offset))))
+        return BlobPiece.of(offset, total, f.read(max(0, min(size, PIECE, total - offset))))
 
 
 class Assembly:
@@ -96,7 +96,7 @@ class Assembly:
     def done(self) -> bool:
         return self.total is not None and len(self.buf) == self.total
 
-    def add(self, piece: Piece) -> int:
+    def add(self, piece: BlobPiece) -> int:
         """Takes the next piece; returns the bytes received so far. A piece out of order, a
         total that changed or one over the limit is refused in one line."""
         if piece.total > self.limit:
@@ -111,7 +111,7 @@ class Assembly:
         return len(self.buf)
 
 
-def fetch_all(ask: Callable[[int], Piece], write: Callable[[bytes], Any]) -> int:
+def fetch_all(ask: Callable[[int], BlobPiece], write: Callable[[bytes], Any]) -> int:
     """Every piece of a blob, asked for with `ask(offset)` from 0 until its total, each
     passed to `write`; returns the total. A piece that does not follow on is a DataError."""
     offset = 0

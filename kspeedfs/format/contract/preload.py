@@ -13,7 +13,7 @@ import dataclasses
 from typing import Any, Literal
 
 from kspeedfs.format.contract import Request, Wire, at_least, checked, dataset_name
-from kspeedfs.format.contract.pieces import Piece
+from kspeedfs.format.contract.pieces import BlobPiece
 from kspeedfs.format.units import MAX_SIZE
 
 Tier = Literal["memory", "disk", "auto"]
@@ -92,7 +92,7 @@ class StageClaim(Request):
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class Stage(Request):
+class StageReq(Request):
     """Load the held segments straight from the source (the member scans it itself)."""
 
     OP = "stage"
@@ -129,7 +129,7 @@ class StagePut(Request):
     name: str = dataset_name()
     uuid: str
     segment: int = at_least(0)
-    piece: Piece
+    piece: BlobPiece
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -166,7 +166,7 @@ class StageManifest(Request):
     OP = "stage_manifest"
     name: str = dataset_name()
     uuid: str
-    piece: Piece
+    piece: BlobPiece
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

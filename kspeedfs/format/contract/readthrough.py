@@ -72,7 +72,7 @@ class Touched(Wire):
     known: bool  # False: the node no longer has this instance
 
 
-MAX_READER = 32  # characters of a Plan's `reader` ("rank/replicas" takes at most 21)
+MAX_READER = 32  # characters of a PlanReq's `reader` ("rank/replicas" takes at most 21)
 
 
 def _reader(reader: str) -> str:
@@ -84,7 +84,7 @@ def _reader(reader: str) -> str:
 
 
 @dataclasses.dataclass(frozen=True)
-class Plan(Request):
+class PlanReq(Request):
     """Part of the upcoming segment order of `reader` (a rank's share of the sampler, as
     "rank/replicas"; "": the only reader) of instance `uuid` of `name`: `segments` go at
     position `start` of a plan of `total` uses that `plan` names (the workers of one rank

@@ -12,8 +12,7 @@ import trio
 
 from kspeedfs.client.clusterstate import Record
 from kspeedfs.format.contract.control import Adopt, Adopted
-from kspeedfs.format.contract.node import Manifest as ManifestRequest
-from kspeedfs.format.contract.node import ManifestPiece
+from kspeedfs.format.contract.node import ManifestPiece, ManifestReq
 from kspeedfs.format.contract.pieces import Assembly
 from kspeedfs.format.errors import DataError, KSpeedError, NotFound
 from kspeedfs.format.readthrough_view import READTHROUGH
@@ -134,7 +133,7 @@ class Adoption:
         that holds another instance)."""
         whole = Assembly(MAX_MANIFEST_BYTES)
         while not whole.done:
-            asked = ManifestRequest(name=name, uuid=uuid, offset=whole.received)
+            asked = ManifestReq(name=name, uuid=uuid, offset=whole.received)
             piece = ManifestPiece.from_wire(await self.ask(peer, asked)).piece
             if not piece.size and piece.total:
                 raise DataError(f"{peer} sent an empty piece of the manifest of {name}")

@@ -41,7 +41,7 @@ import trio
 from kspeedfs.format.config import Settings
 from kspeedfs.format.contract.readthrough import (
     FillSegment,
-    Plan,
+    PlanReq,
     Refresh,
     RegisterSource,
     Touch,
@@ -60,7 +60,7 @@ from kspeedfs.node.readthrough.fill import Filler
 from kspeedfs.node.readthrough.plans import PlanTable
 from kspeedfs.node.readthrough.policy import EvictionPolicy, make_policy
 from kspeedfs.node.readthrough.promote import DiskPromoter
-from kspeedfs.node.readthrough.register import Registrar
+from kspeedfs.node.readthrough.register import SourceRegistrar
 from kspeedfs.node.readthrough.status import cache_status
 from kspeedfs.node.readthrough.watch import SourceWatch
 from kspeedfs.node.spill import SpillArea
@@ -103,7 +103,7 @@ class ReadThroughCache:
             self.disk,
             max(1.0, settings.timeout / 2),
         )
-        self.registrar = Registrar(
+        self.registrar = SourceRegistrar(
             store, self.instances, builder, loads, address, self.evictor.check_cap
         )
         self.watch = SourceWatch(
@@ -138,7 +138,7 @@ class ReadThroughCache:
         ops.add(Refresh, self.watch.op_refresh, ADMIN)
         ops.add(FillSegment, self.filler.op_fill, JOB)
         ops.add(Touch, self.evictor.op_touch, JOB)
-        ops.add(Plan, self.plans.op_plan, JOB)
+        ops.add(PlanReq, self.plans.op_plan, JOB)
 
     def recover(self) -> None:
         """Pick up the read-through datasets the store found; their segments are what is here,

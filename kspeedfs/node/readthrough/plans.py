@@ -9,7 +9,7 @@ from typing import Any
 
 import numpy as np
 
-from kspeedfs.format.contract.readthrough import Plan, Planned
+from kspeedfs.format.contract.readthrough import Planned, PlanReq
 from kspeedfs.format.errors import InvalidArgument
 from kspeedfs.node.readthrough.dataset import Instances
 from kspeedfs.node.readthrough.policy import PlannedUses
@@ -42,7 +42,7 @@ class PlanTable:
         # name -> reader -> (uuid, plan) handed over, oldest first, as the policy holds them
         self._taken: dict[str, OrderedDict[str, tuple[str, str]]] = {}
 
-    async def op_plan(self, request: Plan) -> Planned:
+    async def op_plan(self, request: PlanReq) -> Planned:
         ds = self.instances.find(request.name, request.uuid)
         if not self.uses_plans:
             return Planned(False)

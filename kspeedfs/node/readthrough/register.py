@@ -33,7 +33,7 @@ log = logging.getLogger(__name__)
 FOLLOW_POLL_S = 0.2  # how often a member waits on a listing another member is making
 
 
-class Registrar:
+class SourceRegistrar:
     """Owns the listings: `op_register_source` starts one (or follows another member's),
     `run` runs them."""
 

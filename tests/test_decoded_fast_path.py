@@ -1,6 +1,7 @@
-"""Door 1: KSpeedImageFolder(..., decoded=N) serves `Resize(N)(pil_loader(path))` from the
-node's decoded pixels (PIL over the mapping, or a uint8 tensor view), the same classes, samples
-and targets as ImageFolder, and decodes in the worker what is not decoded (yet, or here)."""
+"""Decoded variants through the fast path (door 1 in docs/decoded.md):
+KSpeedImageFolder(..., decoded=N) serves `Resize(N)(pil_loader(path))` from the node's decoded
+pixels (PIL over the mapping, or a uint8 tensor view), the same classes, samples and targets as
+ImageFolder, and decodes in the worker what is not decoded (yet, or here)."""
 
 from __future__ import annotations
 

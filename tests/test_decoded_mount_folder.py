@@ -1,7 +1,8 @@
-"""Door 2: the mount's `NAME@N/` folder shows every image as a binary PPM of
-`Resize(N)(pil_loader(path))`, so stock ImageFolder on it gets the source's classes, samples
-(with the extension mapping) and targets, and pixel-identical images; undecodable files fail
-as they fail on the source; the folder goes with its instance."""
+"""Decoded variants through the mount (door 2 in docs/decoded.md): the mount's `NAME@N/`
+folder shows every image as a binary PPM of `Resize(N)(pil_loader(path))`, so stock ImageFolder
+on it gets the source's classes, samples (with the extension mapping) and targets, and
+pixel-identical images; undecodable files fail as they fail on the source; the folder goes with
+its instance."""
 
 from __future__ import annotations
 
@@ -29,7 +30,7 @@ from kspeedfs.fuse.variants import VariantFiles
 pytestmark = pytest.mark.slow  # image folders decoded on a node, mounted
 
 
-def make_door2_images(root: Path) -> dict[str, str]:
+def make_folder_images(root: Path) -> dict[str, str]:
     """decoded_images' folder, plus a JPEG whose header reads but whose pixels do not decode,
     and two images sharing a stem (shown as `a.jpg.ppm` and `a.png.ppm`)."""
     kinds = make_images(root)
@@ -65,7 +66,7 @@ def failure(load: Any, path: Path) -> tuple[type, str]:
 @pytest.fixture
 def images(tmp_path: Path) -> tuple[Path, dict[str, str]]:
     root = tmp_path / "images"
-    return root, make_door2_images(root)
+    return root, make_folder_images(root)
 
 
 def preload(node: NodeProcess, src: Path, *extra: str) -> None:
@@ -101,7 +102,7 @@ def check_image_folder(folder: Path, src: Path, kinds: dict[str, str]) -> None:
 
 
 @pytest.mark.parametrize("size", [0, 64])
-def test_door2_pixel_identical_through_the_mount(
+def test_decoded_folder_pixel_identical_through_the_mount(
     node: NodeProcess,
     images: tuple[Path, dict[str, str]],
     mounts: list[MountProcess],

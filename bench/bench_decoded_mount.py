@@ -1,7 +1,7 @@
 """What bounds door 2: stock ImageFolder on a mount's `NAME@N/` folder against the same with an
 unbuffered loader (no isatty(), so no FUSE IOCTL per open) and against door 1.
 
-    .venv/bin/python bench/bench_decoded_door2.py [--rounds 2]
+    .venv/bin/python bench/bench_decoded_mount.py [--rounds 2]
 
 Reuses the image set bench/bench_decoded.py generated (run that first). Prints epoch-2 images/s
 of each loader with 2 DataLoader workers, round after round (the machine is noisy: compare
@@ -67,7 +67,7 @@ def main() -> int:
     args = p.parse_args()
     if not args.source.is_dir():
         raise SystemExit(f"{args.source} is missing: run bench/bench_decoded.py first")
-    work = Path(tempfile.mkdtemp(prefix="kspeedfs-bench-door2-"))
+    work = Path(tempfile.mkdtemp(prefix="kspeedfs-bench-decoded-mount-"))
     with LocalCache(work, 3 << 30) as node:
         node.preload(args.source.parent, "bench", show_progress=False)
         with admin.connect(node.settings) as client:
