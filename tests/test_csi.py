@@ -331,6 +331,7 @@ def test_warm_volumes(short_leases: Stack, tmp_path: Path) -> None:
     assert (b / "big.bin").read_bytes() == (src / "big.bin").read_bytes()
 
     # The leases are renewed (ttl 2 s): the dataset stays for as long as its volumes.
+    # under test: leases renewed over more than two ttls
     time.sleep(5)
     assert stack.datasets()["warm"]["leases"] == 2
     c.unpublish("vol-a", a)
@@ -343,6 +344,7 @@ def test_warm_volumes(short_leases: Stack, tmp_path: Path) -> None:
     c.publish("vol-p", p, inline_context("kept", source=str(src), lifetime="persistent"))
     assert stack.datasets()["kept"]["lifetime"] == "offline"
     c.unpublish("vol-p", p)
+    # under test: a persistent dataset outlives its last volume
     time.sleep(3)
     assert stack.datasets()["kept"]["state"] == "ready"
 
@@ -418,9 +420,11 @@ def test_plugin_killed_while_a_pod_reads(six_s_leases: Stack, tmp_path: Path) ->
         stdout=subprocess.PIPE,
         text=True,
     )
+    # under test: the pod has read for a while before the kill
     time.sleep(2)
     killed_at = time.time()
     stack.plugin.kill9()
+    # under test: the plugin stays down for a second
     time.sleep(1)
     stack.restart_plugin()
     restarted_at = time.time()
@@ -434,6 +438,7 @@ def test_plugin_killed_while_a_pod_reads(six_s_leases: Stack, tmp_path: Path) ->
     print(f"reads {result['reads']}, longest gap between reads {result['max_gap']:.3f}s")
 
     # The new plugin adopted the volume: its lease (renewed past a ttl), its unpublish.
+    # under test: the adopted lease is renewed past a ttl
     time.sleep(7)
     assert stack.datasets()["live"]["leases"] == 1
     assert c.call("Probe").ready.value is True
