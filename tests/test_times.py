@@ -12,7 +12,8 @@ from pathlib import Path
 
 import fsspec
 import pytest
-from conftest import MountProcess, NodeProcess, kw, preload, wait_for
+from conftest import MountProcess, NodeProcess, kw, preload, run_cli, wait_for
+from rt_util import EnvNode, cache_status
 
 from kspeedfs.format.errors import InvalidArgument
 from pytorch_ext import KSpeedFolder
@@ -128,3 +129,55 @@ def test_odd_times_through_every_door(
                 fs.modified(path)
         else:
             assert fs.modified(path) == want, rel
+
+
+def test_a_rewrite_with_its_mtime_put_back_is_refreshed(
+    token_file: Path, tmp_path: Path, mounts: list[MountProcess]
+) -> None:
+    """`refresh` and the source check compare what a fill compares (size, mtime, ctime,
+    inode, device): a file rewritten in place with its mtime put back is a change, and the
+    segment that held its old bytes is not carried to the new instance."""
+    node = EnvNode(
+        Path("/dev/shm") / f"kspeedfs-test-{uuid.uuid4().hex[:10]}",
+        token_file,
+        tmp_path,
+        env_extra={"KSPEEDFS_SOURCE_CHECK_INTERVAL": "0.2"},
+    )
+    try:
+        node.start()
+        src = tmp_path / "src"
+        src.mkdir()
+        # 700 kB each: every file opens a segment of its own (1 MiB segments).
+        old = {name: os.urandom(700_000) for name in ("a.bin", "b.bin")}
+        for name, data in old.items():
+            (src / name).write_bytes(data)
+        m = mount(node, tmp_path / "mnt", mounts, "--source", str(src), "--name", "rt")
+        assert (m / "a.bin").read_bytes() == old["a.bin"]  # a.bin's segment filled, b.bin's not
+        new = {name: os.urandom(len(data)) for name, data in old.items()}
+        for name, data in new.items():
+            before = os.stat(src / name)
+            with open(src / name, "r+b") as f:  # in place: the same inode
+                f.write(data)
+            os.utime(src / name, ns=(before.st_atime_ns, before.st_mtime_ns))
+            after = os.stat(src / name)
+            assert (after.st_size, after.st_mtime_ns, after.st_ino) == (
+                before.st_size,
+                before.st_mtime_ns,
+                before.st_ino,
+            )
+            assert after.st_ctime_ns != before.st_ctime_ns
+        wait_for(lambda: cache_status(node, "rt")["stale"] == 2, what="the change seen")
+        with pytest.raises(OSError):  # its fill sees another version: never served torn
+            (m / "b.bin").read_bytes()
+        done = run_cli("refresh", "rt", env=node.env())
+        assert done.returncode == 0, done.stderr
+        assert done.stdout.startswith("rt: refreshed, 2 files changed, 0 of "), done.stdout
+        assert cache_status(node, "rt")["stale"] == 0
+        fresh = mount(node, tmp_path / "fresh", mounts, "--source", str(src), "--name", "rt")
+        for name, data in new.items():
+            assert (fresh / name).read_bytes() == data
+        done = run_cli("refresh", "rt", env=node.env())
+        assert done.stdout.strip() == "rt: unchanged", done.stdout
+    finally:
+        node.stop()
+        shutil.rmtree(node.shm_dir, ignore_errors=True)

@@ -63,6 +63,7 @@ from kspeedfs.node.ops import ADMIN, OpRegistry, answering
 from kspeedfs.node.peers import Ask
 from kspeedfs.node.store import SegmentStore, disk_claim
 from kspeedfs.node.tasks import Tasks
+from kspeedfs.sources import version
 from kspeedfs.sources.loader import (
     Progress,
     load_segments,
@@ -807,6 +808,7 @@ async def coordinate(
             "replicas": plan.replicas,
             "endpoint": plan.endpoint,
             "digest": plan.digest,
+            "versions": version.digest(tree),  # beside the digest: what the source check reads
             # In the manifest too: a member that adopts the dataset (etcd) keeps its caps.
             **{k: v for k, v in plan.caps().items() if v},
         }
