@@ -191,8 +191,9 @@ def _active_preload(
         label = f"kspeedfs load {name}" if process_rank() == 0 else None
         admin.ensure_loaded(settings, src, name, lifetime="leased", progress_label=label, meta=meta)
     except AuthError as e:
+        # The node's refusal names the role the op needs and the one this client has.
         raise AuthError(
-            f"{source} is not in the cache and loading it needs the admin token: {e}"
+            f"{source} is not in the cache and this client may not load it: {e}"
         ) from None
     except (NoSpace, NotFound, InvalidArgument) as e:
         raise type(e)(f"{source} is not in the cache and cannot be loaded: {e}") from None
