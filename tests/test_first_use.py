@@ -4,6 +4,7 @@ after it stops."""
 
 from __future__ import annotations
 
+import signal
 from pathlib import Path
 
 import pytest
@@ -31,3 +32,19 @@ def test_a_read_roles_active_preload_names_the_role_it_needs_and_has(
     assert done.returncode == 9, done.stderr
     assert "preload needs the job role; this client has read" in done.stderr
     KSpeedFolder(str(src), **kw(node))  # the admin token may
+
+
+def test_a_clean_stop_leaves_no_socket_folder(
+    shm_dir: Path, token_file: Path, tmp_path: Path
+) -> None:
+    run = shm_dir.with_name(shm_dir.name + ".run")  # the socket's folder by default
+    node = NodeProcess(shm_dir, token_file, tmp_path).start()
+    try:
+        assert (run / "fd.sock").is_socket()
+        assert node.proc is not None
+        node.proc.send_signal(signal.SIGTERM)  # not node.stop(): it tidies up after a kill
+        assert node.proc.wait(timeout=30) == 0, node.log()
+        assert not run.exists()
+        assert shm_dir.is_dir()  # what the node holds stays for its next start
+    finally:
+        node.stop()
