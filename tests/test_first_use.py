@@ -4,11 +4,13 @@ after it stops."""
 
 from __future__ import annotations
 
+import os
 import signal
+import subprocess
 from pathlib import Path
 
 import pytest
-from conftest import NodeProcess, kw, make_tree, run_cli
+from conftest import MountProcess, NodeProcess, kw, make_tree, preload, run_cli
 
 from kspeedfs.format import auth
 from kspeedfs.format.errors import AuthError
@@ -48,3 +50,31 @@ def test_a_clean_stop_leaves_no_socket_folder(
         assert shm_dir.is_dir()  # what the node holds stays for its next start
     finally:
         node.stop()
+
+
+@pytest.mark.slow  # a mount
+@pytest.mark.fuse
+def test_folders_on_the_mount_have_the_sources_sizes(
+    node: NodeProcess, tmp_path: Path, mounts: list[MountProcess]
+) -> None:
+    src = make_tree(tmp_path / "src")
+    crowded = src / "crowded"
+    crowded.mkdir()
+    for i in range(300):  # past one block: ext4 grows the folder
+        (crowded / f"a-rather-long-file-name-{i:04d}.txt").write_bytes(b"%d\n" % i)
+    preload(node, src, "sized")
+    m = MountProcess(tmp_path / "mnt", node.env(), tmp_path, args=("--dataset", "sized"))
+    mounts.append(m)
+    m.start()
+    folders = [p for p in src.rglob("*") if p.is_dir() and not p.is_symlink()]
+    assert os.stat(crowded).st_size > 4096
+    for folder in [src, *folders]:
+        rel = folder.relative_to(src)
+        assert os.stat(m.mountpoint / rel).st_size == os.stat(folder).st_size, rel
+    # du -sb adds up the apparent sizes of files, folders and links (a hard link once).
+    du = [run(["du", "-sb", str(path)]).split()[0] for path in (src, m.mountpoint)]
+    assert du[0] == du[1]
+
+
+def run(argv: list[str]) -> str:
+    return subprocess.run(argv, check=True, capture_output=True, text=True, timeout=60).stdout

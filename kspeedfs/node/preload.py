@@ -16,6 +16,7 @@ import dataclasses
 import logging
 import os
 import secrets
+import stat
 import time
 from pathlib import Path
 from typing import Any
@@ -85,11 +86,13 @@ MAX_MANIFEST_BYTES = 1 << 34
 
 
 def tree_digest(tree: Tree) -> str:
-    """Identifies a scan: every member must see the same files with the same sizes."""
+    """Identifies a scan: every member must see the same files with the same sizes. A
+    folder's size counts as 0 (as scans before they recorded it): it changes with its names."""
     h = xxhash.xxh3_128()
     for name, parent, mode, size, mtime in zip(
         tree.names, tree.parent, tree.mode, tree.size, tree.mtime_ns, strict=True
     ):
+        size = 0 if stat.S_ISDIR(mode) else size
         h.update(b"%d\0%d\0%d\0%d\0" % (parent, mode, size, mtime) + name + b"\0")
     return h.hexdigest()
 
