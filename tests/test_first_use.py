@@ -4,6 +4,7 @@ after it stops."""
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -13,7 +14,7 @@ import pytest
 from conftest import MountProcess, NodeProcess, kw, make_tree, preload, run_cli
 
 from kspeedfs.format import auth
-from kspeedfs.format.errors import AuthError
+from kspeedfs.format.errors import AuthError, InvalidArgument
 from pytorch_ext import KSpeedFolder
 
 
@@ -78,3 +79,55 @@ def test_folders_on_the_mount_have_the_sources_sizes(
 
 def run(argv: list[str]) -> str:
     return subprocess.run(argv, check=True, capture_output=True, text=True, timeout=60).stdout
+
+
+@pytest.mark.slow  # two mounts
+@pytest.mark.fuse
+def test_a_path_on_a_mount_is_the_dataset_behind_it(
+    node: NodeProcess, tmp_path: Path, mounts: list[MountProcess]
+) -> None:
+    src = make_tree(tmp_path / "src")
+    preload(node, src, "base")
+    every = MountProcess(tmp_path / "every", node.env(), tmp_path)
+    one = MountProcess(tmp_path / "one", node.env(), tmp_path, args=("--dataset", "base"))
+    mounts += [every, one]
+    every.start()
+    one.start()
+    want = KSpeedFolder(str(src), **kw(node))
+    reads_before = fuse_reads(every.mountpoint)
+    for root, rel in (
+        (every.mountpoint / "base", ""),
+        (one.mountpoint, ""),
+        (one.mountpoint / "a", "a"),
+    ):
+        ds = KSpeedFolder(str(root), **kw(node))
+        assert ds.dataset_name == "base"
+        assert list(ds.files) == [f for f in KSpeedFolder(str(src / rel), **kw(node)).files]
+        for f in ds.files:
+            assert bytes(ds.read(f)) == (src / rel / f).read_bytes()
+    assert fuse_reads(every.mountpoint) == reads_before  # nothing read back through FUSE
+    assert [d["name"] for d in node.request("list")["datasets"]] == ["base"]
+    assert len(want) > 3
+
+    with pytest.raises(InvalidArgument, match="the root of a kspeedfs mount"):
+        KSpeedFolder(str(every.mountpoint), **kw(node))
+    with pytest.raises(InvalidArgument, match="not of dataset other"):
+        KSpeedFolder(str(one.mountpoint), objname="other", **kw(node))
+    # Never listed: a copy made with cp -a does not carry it.
+    assert "user.kspeedfs.dataset" not in os.listxattr(one.mountpoint / "a" / "small.txt")
+    (every.mountpoint / "base" / "a" / "small.txt").read_bytes()
+    assert fuse_reads(every.mountpoint) > reads_before  # the count counts
+
+    done = run_cli("preload", str(every.mountpoint / "base"), env=node.env())
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.startswith("base: ready, cached already"), done.stdout
+    done = run_cli("preload", str(one.mountpoint / "a"), "--name", "sub", env=node.env())
+    assert done.returncode == 5, done.stderr
+    assert f"preload its source: {src / 'a'}" in done.stderr and "\n" not in done.stderr.strip()
+    assert [d["name"] for d in node.request("list")["datasets"]] == ["base"]
+
+
+def fuse_reads(mountpoint: Path) -> int:
+    """READ requests the mount has answered (its serving processes together)."""
+    stats = json.loads(os.getxattr(mountpoint, "user.kspeedfs.stats"))
+    return int(stats.get("read", 0))
