@@ -18,6 +18,7 @@ from kspeedfs.format.errors import AuthError, InvalidArgument
 from pytorch_ext import KSpeedFolder
 
 
+@pytest.mark.slow  # a CLI process
 def test_a_read_roles_active_preload_names_the_role_it_needs_and_has(
     node: NodeProcess, tmp_path: Path
 ) -> None:
