@@ -119,12 +119,21 @@ def test_a_path_on_a_mount_is_the_dataset_behind_it(
     (every.mountpoint / "base" / "a" / "small.txt").read_bytes()
     assert fuse_reads(every.mountpoint) > reads_before  # the count counts
 
-    done = run_cli("preload", str(every.mountpoint / "base"), env=node.env())
+    env = node.env()
+    done = run_cli("preload", str(every.mountpoint / "base"), env=env)
     assert done.returncode == 0, done.stderr
     assert done.stdout.startswith("base: ready, cached already"), done.stdout
     done = run_cli("preload", str(one.mountpoint / "a"), "--name", "sub", env=node.env())
     assert done.returncode == 5, done.stderr
     assert f"preload its source: {src / 'a'}" in done.stderr and "\n" not in done.stderr.strip()
+    assert [d["name"] for d in node.request("list")["datasets"]] == ["base"]
+    # mount --source of a dataset on a mount mounts that dataset; of a folder in it, refused.
+    done = run_cli("mount", str(tmp_path / "no"), "--source", str(one.mountpoint / "a"), env=env)
+    assert done.returncode == 5 and "mount --dataset base" in done.stderr, done.stderr
+    again = MountProcess(tmp_path / "again", env, tmp_path, args=("--source", str(one.mountpoint)))
+    mounts.append(again)
+    again.start()
+    assert sorted(os.listdir(again.mountpoint)) == sorted(os.listdir(src))
     assert [d["name"] for d in node.request("list")["datasets"]] == ["base"]
 
 
