@@ -16,7 +16,7 @@ import threading
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from kspeedfs.client import admin
+from kspeedfs.client import admin, on_mount
 from kspeedfs.client.dataset_reader import CacheRef as CacheRef  # the fast path's names for them
 from kspeedfs.client.dataset_reader import Reader as Reader
 from kspeedfs.client.job_settings import client_settings as client_settings
@@ -114,6 +114,22 @@ def _match(
     return best
 
 
+def _mounted(
+    datasets: list[dict[str, Any]], on: on_mount.MountedPath, node: str
+) -> tuple[dict[str, Any], str]:
+    """The dataset a path on a kspeedfs mount is in, as the nodes list it (by name and
+    source: the mount may be a moment behind a reload), and the path inside it."""
+    for d in datasets:
+        if d["name"] == on.dataset and d.get("state") != "failed":
+            if str(d.get("source", "")) != on.source:
+                break
+            return d, on.rel
+    raise NotFound(
+        f"{on.describe()}, which the nodes of this job ({node}) do not hold: give its source"
+        f" ({os.path.join(on.source, on.rel) if on.rel else on.source}) instead"
+    )
+
+
 def attach(
     path: str,
     *,
@@ -131,10 +147,19 @@ def attach(
     took a lease (release it with `lease.unhold`).
     """
     cluster = ClusterReader(settings, local_node_for(settings))
+    # A path on a kspeedfs mount stands for the dataset behind it: read from the cache, never
+    # back through FUSE into a second copy.
+    on = on_mount.behind(path)
+    if on is not None:
+        on_mount.check_dataset(on, objname)
     preloaded = False
     for _attempt in range(5):
         node, listing = cluster.live_call(List())
-        found = _match(listing["datasets"], path, objname)
+        found = (
+            _match(listing["datasets"], path, objname)
+            if on is None
+            else _mounted(listing["datasets"], on, node)
+        )
         if found is None:
             if preloaded:
                 raise DataError(f"dataset for {path} vanished right after loading it")
@@ -191,8 +216,9 @@ def _active_preload(
         label = f"kspeedfs load {name}" if process_rank() == 0 else None
         admin.ensure_loaded(settings, src, name, lifetime="leased", progress_label=label, meta=meta)
     except AuthError as e:
+        # The node's refusal names the role the op needs and the one this client has.
         raise AuthError(
-            f"{source} is not in the cache and loading it needs the admin token: {e}"
+            f"{source} is not in the cache and this client may not load it: {e}"
         ) from None
     except (NoSpace, NotFound, InvalidArgument) as e:
         raise type(e)(f"{source} is not in the cache and cannot be loaded: {e}") from None

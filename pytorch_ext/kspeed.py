@@ -93,6 +93,32 @@ class Fileset:
         return len(self._images)
 
 
+class ArrayFileset:
+    """KSpeed's handle on a loaded `.npy` dataset: its one file (`files[0]`) by `getBIN` and
+    `get`, its rows by index, `size()` rows."""
+
+    def __init__(self, rows: _Rows):
+        self._rows = rows
+
+    def getBIN(self, path: PathLike) -> memoryview:  # noqa: N802 (KSpeed's name)
+        """The .npy file's bytes (its name as in `files`, or its path): a view where local."""
+        rows = self._rows
+        p = os.fspath(path)
+        if p not in (os.path.basename(os.fspath(rows.root)), os.fspath(rows.root)):
+            raise InvalidArgument(f"{p} is not the file of this dataset ({rows.root})")
+        return rows._bytes(rows._entry)
+
+    def get(self, path: PathLike) -> np.ndarray:
+        return np.frombuffer(self.getBIN(path), dtype=np.uint8)
+
+    def __getitem__(self, index: Any) -> Any:
+        """A row, or the rows of a list of indices."""
+        return self._rows[index]
+
+    def size(self) -> int:
+        return len(self._rows)
+
+
 class _Images(_ImageFolder):
     """The fast path's image folder with KSpeed's rules: its name for a dataset loaded here,
     and paths absolute under root or relative to it."""
@@ -317,6 +343,15 @@ class KSpeedDataset(KSpeedFolder):
         else:
             self._rows = None
             super().__init__(root, objname, dl_workers, kspeed_iplist, username, password)
+
+    def load(self) -> Any:
+        """Open the dataset in this process: a `Fileset` over a folder's files, an
+        `ArrayFileset` over a .npy file's rows."""
+        if self._rows is None:
+            return super().load()
+        if self.dataset is None:
+            self.dataset = ArrayFileset(self._rows)  # type: ignore[assignment]
+        return self.dataset
 
     def __len__(self) -> int:
         return len(self._rows) if self._rows is not None else len(self.files)

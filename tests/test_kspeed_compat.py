@@ -114,6 +114,38 @@ class RecipeCallable(KSpeedDataset):
         return data, np.array([self.labels[i]], dtype=np.int32)
 
 
+class SeedRows(KSpeedDataset):
+    """Seed 000's custom dataset: KSpeed's base call, the dataset opened on first use."""
+
+    def __getitem__(self, index: int) -> tuple[np.ndarray, np.ndarray]:
+        if self.dataset is None:
+            self.load()
+        assert self.dataset is not None
+        return super().__getitem__(index), self.dataset.get(self.files[0])[:6]
+
+
+def test_a_subclass_over_an_array_loads_its_dataset(
+    imagenet: Path, kspeed_iplist: list[str]
+) -> None:
+    filename = imagenet / "features.npy"
+    want = np.load(filename)
+    ds = SeedRows(str(filename), None, 2, "CPU", 1, kspeed_iplist, "admin", "admin")
+    assert ds.dataset is None
+    loader = DataLoader(ds, batch_size=None, num_workers=2)
+    got = list(loader)
+    assert len(got) == len(want)
+    for i, (row, magic) in enumerate(got):
+        assert np.array_equal(np.asarray(row), want[i])
+        assert bytes(np.asarray(magic)) == b"\x93NUMPY"
+    handle = ds.load()
+    assert handle.size() == len(want)
+    assert bytes(handle.getBIN(str(filename))) == filename.read_bytes()
+    assert np.array_equal(handle[[2, 5]], want[[2, 5]])
+    with pytest.raises(InvalidArgument, match="not the file"):
+        handle.getBIN("other.npy")
+    assert pickle.loads(pickle.dumps(ds)).dataset is None
+
+
 @pytest.mark.parametrize("start_method", ["fork", "spawn"])
 def test_a_subclass_pickles_and_attaches_in_each_worker(
     imagenet: Path, kspeed_iplist: list[str], start_method: str

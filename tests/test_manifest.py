@@ -205,3 +205,64 @@ def test_header_without_counts_is_a_data_error(tmp_path: Path) -> None:
     path.write_bytes(MAGIC + struct.pack("<I", len(blob)) + blob)
     with pytest.raises(DataError, match="corrupt manifest"):
         Manifest(path)
+
+
+NS = 1_000_000_000
+# Every time a Linux filesystem can hold: tmpfs holds any 64-bit second.
+TIMES = st.integers(min_value=-(2**63) * NS, max_value=(2**63 - 1) * NS + NS - 1)
+
+
+def dated_tree(times: list[tuple[int, int]]) -> Tree:
+    """A root folder (dated 0) holding one byte files dated (mtime_ns, ctime_ns)."""
+    tree = Tree()
+    tree.append(b"", 0, DIR, 0, 0)
+    tree.first_child[0], tree.child_count[0] = 1, len(times)
+    for i, (mtime, ctime) in enumerate(times):
+        tree.append(b"f%06d" % i, 0, FILE, 1, mtime, ctime_ns=ctime)
+    return tree
+
+
+@settings(max_examples=50, deadline=None)
+@given(st.lists(st.tuples(TIMES, TIMES), min_size=1, max_size=20))
+def test_times_of_the_full_range_round_trip(
+    tmp_path_factory: pytest.TempPathFactory, times: list[tuple[int, int]]
+) -> None:
+    tree = dated_tree(times)
+    m = build(tree, tmp_path_factory.mktemp("t") / "m.ksm")
+    for i, (mtime, ctime) in enumerate(times, start=1):
+        assert m.mtime_ns[i] == mtime
+        assert m.ctime_ns[i] == ctime
+        assert m.stat_fields(i)[4] == mtime
+        assert divmod(mtime, NS) == (int(m.mtime_s[i]), int(m.mtime_nsec[i]))
+
+
+def test_a_format_3_manifest_reads_with_its_times(tmp_path: Path) -> None:
+    """Manifests written before format 4 (kept in the shm folder across an upgrade) kept times
+    as signed 64-bit nanoseconds: they read as the same times."""
+    import numpy as np
+
+    from kspeedfs.format.manifest import write_arrays
+
+    times = [0, -1, -(2**62), 2**62, 1_700_000_000_123_456_789, -NS]
+    tree = dated_tree([(t, t // 3) for t in times])
+    new = build(tree, tmp_path / "new.ksm")
+    arrays = {}
+    for key in new.header["arrays"]:
+        offset, dtype, count = new.header["arrays"][key]
+        arrays[key] = np.frombuffer(new._map, dtype=dtype, count=count, offset=offset).copy()
+    for key in ("mtime", "ctime"):
+        s, nsec = arrays.pop(f"{key}_s"), arrays.pop(f"{key}_nsec")
+        arrays[f"{key}_ns"] = (s * NS + nsec).astype("<i8")
+    header = {k: v for k, v in new.header.items() if k != "arrays"}
+    write_arrays(tmp_path / "old.ksm", arrays, dict(header, format=3))
+    old = Manifest(tmp_path / "old.ksm")
+    assert old.header["format"] == 3
+    for i in range(old.entries):
+        assert old.mtime_ns[i] == new.mtime_ns[i] == tree.mtime_ns[i]
+        assert old.ctime_ns[i] == tree.ctime_ns[i]
+        assert old.stat_fields(i) == new.stat_fields(i)
+    del arrays["ctime_ns"]  # format 2: no ctime yet, read as 0 ("not recorded")
+    write_arrays(tmp_path / "older.ksm", arrays, dict(header, format=2))
+    older = Manifest(tmp_path / "older.ksm")
+    assert [older.mtime_ns[i] for i in range(older.entries)] == tree.mtime_ns
+    assert [older.ctime_ns[i] for i in range(older.entries)] == [0] * older.entries

@@ -16,6 +16,7 @@ import pytest
 from conftest import KSPEEDFS, NodeProcess, free_port, run_cli
 
 from kspeedfs.format import auth
+from kspeedfs.format.errors import AuthError
 
 pytestmark = pytest.mark.slow  # a node start per case
 
@@ -84,6 +85,16 @@ def test_a_fifo_in_place_of_the_token_does_not_hang(node: NodeProcess, tmp_path:
     os.mkfifo(fifo, 0o600)  # nobody writes it: a blocking open would wait forever
     env = {**node.env(), "KSPEEDFS_TOKEN_FILE": str(fifo)}
     assert "is not a regular file" in one_line(run_cli("ls", env=env, timeout=30), 9)
+
+
+def test_a_folder_in_place_of_the_token_is_one_line(node: NodeProcess, tmp_path: Path) -> None:
+    folder = tmp_path / "tokens"
+    folder.mkdir(mode=0o700)
+    env = {**node.env(), "KSPEEDFS_TOKEN_FILE": str(folder)}
+    line = one_line(run_cli("ls", env=env), 9)
+    assert f"the token file {folder} is a folder" in line, line
+    with pytest.raises(AuthError, match="is a folder"):  # the node reads it the same way
+        auth.ensure_token(folder)
 
 
 @pytest.mark.parametrize(

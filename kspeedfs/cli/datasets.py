@@ -4,16 +4,17 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 from typing import Any
 
 from kspeedfs.cli.settings import settings_from
 from kspeedfs.cli.tables import ls_table, print_table
-from kspeedfs.client import admin
+from kspeedfs.client import admin, on_mount
 from kspeedfs.client.tier_bytes import cluster_tiers
 from kspeedfs.format.config import Settings
 from kspeedfs.format.contract.node import List, Rebalance, Unload
 from kspeedfs.format.contract.readthrough import Refresh
-from kspeedfs.format.errors import InvalidArgument, KSpeedError
+from kspeedfs.format.errors import InvalidArgument, KSpeedError, NotFound
 from kspeedfs.format.units import format_size, parse_size
 from kspeedfs.sources.source import name_from_source
 
@@ -24,6 +25,9 @@ def cmd_preload(args: argparse.Namespace) -> int:
         raise InvalidArgument("--replicas must be at least 1")
     if args.decoded is not None and args.no_wait:
         raise InvalidArgument("--decoded waits for the load: leave out --no-wait")
+    on = on_mount.behind(args.source)
+    if on is not None:
+        return _preload_mounted(args, settings, on)
     if args.name is None:  # KSpeed's offline preload: the source folder's own name
         args.name = name_from_source(args.source)
     if args.partial:
@@ -47,6 +51,29 @@ def cmd_preload(args: argparse.Namespace) -> int:
         f"{args.name}: {state}, {result['files_total']} files, {format_size(result['bytes_total'])}"
     )
     if args.decoded is not None:
+        _preload_decoded(args)
+    return 0
+
+
+def _preload_mounted(args: argparse.Namespace, settings: Settings, on: on_mount.MountedPath) -> int:
+    """`preload PATH` of a path on a kspeedfs mount: the dataset behind it is cached already
+    (loading it again would read it back through FUSE into a second copy)."""
+    on_mount.check_dataset(on)
+    source = os.path.join(on.source, on.rel) if on.rel else on.source
+    if args.name is not None and args.name != on.dataset:
+        raise InvalidArgument(
+            f"{on.describe()}, cached already; to make dataset {args.name} of it, preload its"
+            f" source: {source}"
+        )
+    with admin.connect(settings) as client:
+        listed = client.call(List())["datasets"]
+    found = [d for d in listed if d["name"] == on.dataset and d.get("source") == on.source]
+    if not found:
+        raise NotFound(f"{on.describe()}, which these nodes do not hold: preload {source}")
+    d = found[0]
+    print(f"{on.dataset}: {d.get('state')}, cached already ({on.describe()})")
+    if args.decoded is not None:
+        args.name = on.dataset
         _preload_decoded(args)
     return 0
 

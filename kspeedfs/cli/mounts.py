@@ -6,7 +6,7 @@ import argparse
 from pathlib import Path
 
 from kspeedfs.cli.settings import settings_from
-from kspeedfs.client import admin
+from kspeedfs.client import admin, on_mount
 from kspeedfs.format.errors import InvalidArgument
 from kspeedfs.format.units import parse_size
 
@@ -19,6 +19,15 @@ def cmd_mount(args: argparse.Namespace) -> int:
     # node's port.
     settings = settings_from(args, fuse_workers=args.workers, metrics_listen=args.metrics_listen)
     dataset = args.dataset
+    on = on_mount.behind(args.source) if args.source else None
+    if on is not None:  # a dataset on a kspeedfs mount: mount it, not a second copy of it
+        on_mount.check_dataset(on, args.name or args.dataset)
+        if on.rel or args.endpoint or args.max_memory or args.max_disk:
+            raise InvalidArgument(
+                f"{on.describe()}: mount --dataset {on.dataset}, or give its source"
+                f" ({on.source}) to --source"
+            )
+        dataset, args.source = on.dataset, None
     if args.source:
         from kspeedfs.fuse.mount import check_mountpoint
 

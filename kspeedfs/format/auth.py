@@ -95,19 +95,28 @@ def read_private_file(path: Path, what: str, limit: int) -> bytes:
         raise
     except OSError as e:
         raise AuthError(f"cannot read the {what} {path}: {e.strerror}") from None
-    with os.fdopen(fd, "rb") as f:
-        try:
-            st = os.fstat(f.fileno())
-            if not stat.S_ISREG(st.st_mode):
-                raise AuthError(f"the {what} {path} is not a regular file")
-            if st.st_mode & 0o077:
-                raise AuthError(
-                    f"the {what} {path} is open to group or others "
-                    f"(mode {stat.S_IMODE(st.st_mode):04o}): chmod 600 {path}"
-                )
-            data = f.read(limit + 1)
-        except OSError as e:
-            raise AuthError(f"cannot read the {what} {path}: {e.strerror}") from None
+    try:
+        st = os.fstat(fd)
+        if stat.S_ISDIR(st.st_mode):
+            raise AuthError(f"the {what} {path} is a folder: name the file in it")
+        if not stat.S_ISREG(st.st_mode):
+            raise AuthError(f"the {what} {path} is not a regular file")
+        if st.st_mode & 0o077:
+            raise AuthError(
+                f"the {what} {path} is open to group or others "
+                f"(mode {stat.S_IMODE(st.st_mode):04o}): chmod 600 {path}"
+            )
+        # Read off the descriptor: os.fdopen would refuse a folder (a traceback) unchecked.
+        data = b""
+        while len(data) <= limit:
+            chunk = os.read(fd, limit + 1 - len(data))
+            if not chunk:
+                break
+            data += chunk
+    except OSError as e:
+        raise AuthError(f"cannot read the {what} {path}: {e.strerror}") from None
+    finally:
+        os.close(fd)
     if len(data) > limit:
         raise AuthError(f"the {what} {path} is too large")
     return data

@@ -180,13 +180,18 @@ class Layout:
         return out
 
     def signature(self, files: FileTable, seg: int) -> bytes:
-        """Identifies a segment's contents by what is in it (paths, sizes, times, places)."""
+        """Identifies a segment's contents by what is in it: its files' paths, places and whole
+        versions (size, mtime, ctime, ident, dev: a file rewritten with its mtime put back is
+        other contents)."""
         h = xxhash.xxh3_128()
         h.update(b"%d\0" % int(self.seg_len[seg]))
         for p in self.segment_files(seg):
-            size, mtime = int(files.size[p.entry]), int(files.mtime_ns[p.entry])
+            i = p.entry
+            size, mtime, ctime = int(files.size[i]), int(files.mtime_ns[i]), int(files.ctime_ns[i])
+            ident, dev = int(files.ident[i]), int(files.dev[i])
             h.update(
                 b"%d\0%d\0%d\0%d\0%d\0" % (p.file_offset, size, mtime, p.seg_offset, p.length)
-                + files.path(p.entry)
+                + b"%d\0%d\0%d\0" % (ctime, ident, dev)
+                + files.path(i)
             )
         return h.digest()

@@ -13,6 +13,12 @@ preloading the dataset again records the real owners.
 Format 3 added the rest of each file's version (`ctime_ns`, `ident`, `dev`: see
 `kspeedfs.sources.version`), which every copy from the source is checked against; in older
 manifests they read as 0 ("not recorded": size, mtime and the root's device are checked).
+
+Format 4 keeps each time as signed 64-bit seconds and 32-bit nanoseconds (`mtime_s`,
+`mtime_nsec`, `ctime_s`, `ctime_nsec`): every time a Linux filesystem can hold (tmpfs holds
+any 64-bit second, ext4 1901 to 2446), where signed 64-bit nanoseconds end in 1677 and 2262.
+Older manifests' `mtime_ns`/`ctime_ns` read as the same two columns. Format 4 also records a
+folder's size as the source reported it (what `du -sb` adds up); older manifests read 0 there.
 """
 
 from __future__ import annotations
@@ -34,8 +40,9 @@ from kspeedfs.format.layout import plan_layout as plan_layout  # where callers i
 from kspeedfs.format.tree import Tree
 
 MAGIC = b"KSPDMAN1"
-FORMAT_VERSION = 3
-READABLE_VERSIONS = (1, 2, 3)
+FORMAT_VERSION = 4
+READABLE_VERSIONS = (1, 2, 3, 4)
+NS = 1_000_000_000
 _ALIGN = 64
 
 # name -> dtype; every per-entry array has one row per entry.
@@ -44,20 +51,24 @@ ENTRY_ARRAYS = {
     "mode": "<u4",
     "uid": "<u4",
     "gid": "<u4",
-    "size": "<u8",
-    "mtime_ns": "<i8",
+    "size": "<u8",  # file: its bytes; folder: what the source reported; link: its target's
+    "mtime_s": "<i8",
+    "mtime_nsec": "<u4",
     "data": "<u8",  # file: offset in the dataset's byte stream; folder: first child; link: name blob
     "count": "<u4",  # folder: number of children
     "name_off": "<u8",
     "name_len": "<u4",
     "checksum": "<u8",  # xxh3_64 of a file's bytes
-    "ctime_ns": "<i8",
+    "ctime_s": "<i8",
+    "ctime_nsec": "<u4",
     "ident": "<u8",  # inode, or an object's ETag hash
     "dev": "<u8",  # 0: the source root's device
 }
 SEGMENT_ARRAYS = {"seg_len": "<u8", "seg_checksum": "<u8"}
 # Arrays added by a format, read as 0 from manifests written before it.
 ADDED_IN = {2: ("uid", "gid"), 3: ("ctime_ns", "ident", "dev")}
+# Formats 1 to 3 kept each time as signed 64-bit nanoseconds.
+LEGACY_ARRAYS = {"mtime_ns": "<i8", "ctime_ns": "<i8"}
 
 
 def write_manifest(
@@ -69,7 +80,7 @@ def write_manifest(
     seg_checksums: list[int],
     header: dict[str, Any],
 ) -> None:
-    n = len(tree)
+    n, n_seg = len(tree), len(seg_len)
     names = bytearray()
     name_off = np.zeros(n, dtype="<u8")
     name_len = np.zeros(n, dtype="<u4")
@@ -89,20 +100,26 @@ def write_manifest(
         "uid": np.array(tree.uid, dtype="<u4"),
         "gid": np.array(tree.gid, dtype="<u4"),
         "size": np.array(tree.size, dtype="<u8"),
-        "mtime_ns": np.array(tree.mtime_ns, dtype="<i8"),
+        **_seconds_and_nanoseconds("mtime", tree.mtime_ns),
         "data": data,
         "count": np.array(tree.child_count, dtype="<u4"),
         "name_off": name_off,
         "name_len": name_len,
         "checksum": np.array(checksums, dtype="<u8"),
-        "ctime_ns": np.array(tree.ctime_ns, dtype="<i8"),
+        **_seconds_and_nanoseconds("ctime", tree.ctime_ns),
         "ident": np.array(tree.ident, dtype="<u8"),
         "dev": np.array(tree.dev, dtype="<u8"),
         "seg_len": np.array(seg_len, dtype="<u8"),
         "seg_checksum": np.array(seg_checksums, dtype="<u8"),
         "names": np.frombuffer(bytes(names), dtype="u1"),
     }
-    header = dict(header, format=FORMAT_VERSION, entries=n, segments=len(seg_len))
+    write_arrays(path, arrays, dict(header, format=FORMAT_VERSION, entries=n, segments=n_seg))
+
+
+def write_arrays(
+    path: str | os.PathLike[str], arrays: dict[str, np.ndarray], header: dict[str, Any]
+) -> None:
+    """The manifest file of these arrays under this header (which names its format)."""
     # The header records offsets, which change the header's length: lay out twice.
     layout: dict[str, list[Any]] = {}
     for _ in range(2):
@@ -123,8 +140,35 @@ def write_manifest(
     os.replace(tmp, path)
 
 
+def _seconds_and_nanoseconds(key: str, times_ns: list[int]) -> dict[str, np.ndarray]:
+    """`KEY_s` and `KEY_nsec` columns of times in nanoseconds (Python ints: any size)."""
+    try:
+        s, nsec = np.divmod(np.array(times_ns, dtype=np.int64), NS)  # floor, as Python's
+    except OverflowError:  # a time past 1677-2262: each one as a Python int
+        pairs = [divmod(t, NS) for t in times_ns]
+        s = np.array([p[0] for p in pairs], dtype=np.int64)
+        nsec = np.array([p[1] for p in pairs], dtype=np.int64)
+    return {f"{key}_s": s.astype("<i8"), f"{key}_nsec": nsec.astype("<u4")}
+
+
 def _align(n: int) -> int:
     return (n + _ALIGN - 1) // _ALIGN * _ALIGN
+
+
+class Times:
+    """A column of times kept as seconds and nanoseconds: `[i]` is entry i's time in
+    nanoseconds as a Python int (no bound), as `os.stat_result.st_mtime_ns` gives it."""
+
+    __slots__ = ("_nsec", "_s")
+
+    def __init__(self, s: np.ndarray, nsec: np.ndarray):
+        self._s, self._nsec = s.data, nsec.data
+
+    def __getitem__(self, i: int) -> int:
+        return int(self._s[i]) * NS + int(self._nsec[i])
+
+    def __len__(self) -> int:
+        return len(self._s)
 
 
 class Manifest:
@@ -160,10 +204,18 @@ class Manifest:
             n, nseg = int(self.header["entries"]), int(self.header["segments"])
         except (ValueError, KeyError, TypeError, struct.error) as e:
             raise DataError(f"corrupt manifest {self.file}: {e!r}") from None
+        dtypes = ENTRY_ARRAYS | LEGACY_ARRAYS
         for version, keys in ADDED_IN.items():
             if self.header["format"] < version:
                 for key in keys:  # one shared zero, no memory per entry
-                    arrays[key] = np.broadcast_to(np.zeros(1, dtype=ENTRY_ARRAYS[key]), (n,))
+                    arrays[key] = np.broadcast_to(np.zeros(1, dtype=dtypes[key]), (n,))
+        if self.header["format"] < 4:
+            for key in ("mtime", "ctime"):
+                ns = arrays.pop(f"{key}_ns", None)
+                if ns is None or ns.size != n:
+                    raise DataError(f"corrupt manifest {self.file}: {key}_ns has wrong length")
+                s, nsec = np.divmod(ns, NS)
+                arrays[f"{key}_s"], arrays[f"{key}_nsec"] = s, nsec.astype("<u4")
         for key in ENTRY_ARRAYS:
             if key not in arrays or arrays[key].size != n:
                 raise DataError(f"corrupt manifest {self.file}: {key} has wrong length")
@@ -175,13 +227,17 @@ class Manifest:
         self.uid = arrays["uid"]
         self.gid = arrays["gid"]
         self.size = arrays["size"]
-        self.mtime_ns = arrays["mtime_ns"]
+        self.mtime_s = arrays["mtime_s"]
+        self.mtime_nsec = arrays["mtime_nsec"]
+        self.mtime_ns = Times(self.mtime_s, self.mtime_nsec)
         self.data = arrays["data"]
         self.count = arrays["count"]
         self.name_off = arrays["name_off"]
         self.name_len = arrays["name_len"]
         self.checksum = arrays["checksum"]
-        self.ctime_ns = arrays["ctime_ns"]
+        self.ctime_s = arrays["ctime_s"]
+        self.ctime_nsec = arrays["ctime_nsec"]
+        self.ctime_ns = Times(self.ctime_s, self.ctime_nsec)
         self.ident = arrays["ident"]
         self.dev = arrays["dev"]
         self.seg_len = arrays["seg_len"]
@@ -197,7 +253,8 @@ class Manifest:
         self._size_at = self.size.data
         self._uid_at = self.uid.data
         self._gid_at = self.gid.data
-        self._mtime_at = self.mtime_ns.data
+        self._mtime_s_at = self.mtime_s.data
+        self._mtime_nsec_at = self.mtime_nsec.data
         self._data_at = self.data.data
         self._count_at = self.count.data
         self._name_off_at = self.name_off.data
@@ -247,7 +304,7 @@ class Manifest:
             self._size_at[i],
             self._uid_at[i],
             self._gid_at[i],
-            self._mtime_at[i],
+            self._mtime_s_at[i] * NS + self._mtime_nsec_at[i],
         )
 
     def children(self, i: int) -> range:

@@ -28,6 +28,7 @@ import time
 from collections.abc import Callable, Iterator
 from typing import Any, Protocol
 
+from kspeedfs.client import on_mount
 from kspeedfs.client.handle import DatasetHandle
 from kspeedfs.client.reader import ClusterReader
 from kspeedfs.format.errors import DataError, KSpeedError, NotFound
@@ -55,6 +56,7 @@ ENOATTR = errno.ENODATA
 CHECKSUM_XATTR = b"user.kspeedfs.xxh3"
 STATS_XATTR = b"user.kspeedfs.stats"
 SOURCES_XATTR = b"user.kspeedfs.sources"
+DATASET_XATTR = on_mount.DATASET_XATTR.encode()  # what a path on the mount is (on_mount.py)
 SLOT_WAIT = 5.0  # how long a worker waits to hear of an instance another one serves already
 
 
@@ -342,6 +344,15 @@ class KSpeedFS:
             if self.counters is None:
                 return json.dumps(dict(self.reader.stats)).encode()
             return json.dumps(self.counters.sources()).encode()
+        if name == DATASET_XATTR:  # never listed: copies of the files must not carry it
+            if ino == ROOT and not self.single:
+                return on_mount.describe_attr("", "", "", "", False)
+            mounted, idx = self._locate(ino)
+            rel = os.fsdecode(mounted.data.manifest.path(idx))
+            is_variant = mounted.variant is not None
+            return on_mount.describe_attr(
+                mounted.name, mounted.uuid, mounted.data.source, rel, is_variant
+            )
         if name == CHECKSUM_XATTR and ino != ROOT:
             mounted, idx = self._locate(ino)
             if mounted.data.manifest.is_file(idx) and not _shown_decoded(mounted, idx):

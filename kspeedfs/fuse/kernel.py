@@ -93,7 +93,11 @@ FUSE_DEV_IOC_CLONE = 0x8004E500  # _IOR(229, 0, uint32_t)
 
 IN_HEADER = struct.Struct("<IIQQIIIHH")
 OUT_HEADER = struct.Struct("<IiQ")
-_ATTR = "QQQQQQIIIIIIIIII"
+# fuse_attr: ino, size, blocks, atime, mtime, ctime, their nanoseconds, mode, nlink, uid, gid,
+# rdev, blksize, flags. The times are u64 in fuse_kernel.h but the kernel stores them into
+# time64_t (fs/fuse/inode.c, fuse_change_attributes_common) and libfuse fills them from a
+# signed time_t: signed on the wire, so a file dated before 1970 keeps its date.
+_ATTR = "QQQqqqIIIIIIIIII"
 ENTRY_OUT = struct.Struct("<QQQQII" + _ATTR)
 ATTR_OUT = struct.Struct("<QII" + _ATTR)
 INIT_IN = struct.Struct("<IIII")

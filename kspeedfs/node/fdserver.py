@@ -78,6 +78,7 @@ class FdServer:
         self._count = threading.Lock()  # the pool's threads count alike
         self._listener: fdsocket.LocalListener | None = None
         self._bound: tuple[int, int] | None = None  # (st_dev, st_ino) of the socket we bound
+        self._made: list[Path] = []
 
     @property
     def stats(self) -> dict[str, int]:
@@ -88,6 +89,9 @@ class FdServer:
         """Bind the socket and serve it; InvalidArgument (one line) when its path is held by
         another uid or lies where others could bind it first."""
         self.token = token
+        folder = Path(os.path.abspath(self.path.parent))
+        # The folders the bind makes (SHM_DIR.run by default) go again at close when empty.
+        self._made = [p for p in [folder, *folder.parents] if not os.path.lexists(p)]
         sock = fdsocket.bind(self.path)
         st = os.stat(self.path)
         self._bound = (st.st_dev, st.st_ino)
@@ -105,6 +109,11 @@ class FdServer:
                 os.unlink(self.path)
         except OSError:
             pass
+        for folder in self._made:  # deepest first; one that holds anything stays
+            try:
+                os.rmdir(folder)
+            except OSError:
+                break
 
     def greeting(self) -> dict[str, Any]:
         try:

@@ -16,6 +16,7 @@ import dataclasses
 import logging
 import os
 import secrets
+import stat
 import time
 from pathlib import Path
 from typing import Any
@@ -63,6 +64,7 @@ from kspeedfs.node.ops import ADMIN, OpRegistry, answering
 from kspeedfs.node.peers import Ask
 from kspeedfs.node.store import SegmentStore, disk_claim
 from kspeedfs.node.tasks import Tasks
+from kspeedfs.sources import version
 from kspeedfs.sources.loader import (
     Progress,
     load_segments,
@@ -84,11 +86,13 @@ MAX_MANIFEST_BYTES = 1 << 34
 
 
 def tree_digest(tree: Tree) -> str:
-    """Identifies a scan: every member must see the same files with the same sizes."""
+    """Identifies a scan: every member must see the same files with the same sizes. A
+    folder's size counts as 0 (as scans before they recorded it): it changes with its names."""
     h = xxhash.xxh3_128()
     for name, parent, mode, size, mtime in zip(
         tree.names, tree.parent, tree.mode, tree.size, tree.mtime_ns, strict=True
     ):
+        size = 0 if stat.S_ISDIR(mode) else size
         h.update(b"%d\0%d\0%d\0%d\0" % (parent, mode, size, mtime) + name + b"\0")
     return h.hexdigest()
 
@@ -807,6 +811,7 @@ async def coordinate(
             "replicas": plan.replicas,
             "endpoint": plan.endpoint,
             "digest": plan.digest,
+            "versions": version.digest(tree),  # beside the digest: what the source check reads
             # In the manifest too: a member that adopts the dataset (etcd) keeps its caps.
             **{k: v for k, v in plan.caps().items() if v},
         }

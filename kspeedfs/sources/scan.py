@@ -72,7 +72,8 @@ def _scan_error(root: Path, e: OSError) -> KSpeedError:
 def _scan(root_fd: int) -> Tree:
     st = os.fstat(root_fd)
     tree = Tree()
-    tree.append(b"", 0, st.st_mode, 0, st.st_mtime_ns, st.st_uid, st.st_gid)
+    # A folder's size as the source reports it: the mount shows it (what `du -sb` adds up).
+    tree.append(b"", 0, st.st_mode, st.st_size, st.st_mtime_ns, st.st_uid, st.st_gid)
     root_dev = st.st_dev
     queue: list[tuple[int, bytes]] = [(0, b"")]
     head = 0
@@ -104,7 +105,8 @@ def _scan(root_fd: int) -> Tree:
                     continue
                 child = rel + b"/" + name if rel else name
                 if stat.S_ISDIR(mode):
-                    tree.append(name, dir_idx, mode, 0, est.st_mtime_ns, est.st_uid, est.st_gid)
+                    size = est.st_size
+                    tree.append(name, dir_idx, mode, size, est.st_mtime_ns, est.st_uid, est.st_gid)
                     queue.append((idx, child))
                 elif stat.S_ISLNK(mode):
                     target = os.readlink(name, dir_fd=fd)

@@ -578,15 +578,15 @@ def open_source(url: str, endpoint: str = "") -> Source:
 
 
 def diff_counts(m: Manifest, tree: Tree) -> int:
-    """How many files were added, removed or changed (size or time) since the manifest."""
-    old = {}
-    for i in m.iter_files():
-        old[m.path(i)] = (int(m.size[i]), int(m.mtime_ns[i]))
+    """How many files were added, removed or changed since the manifest: another version
+    (size, mtime, ctime, inode or device, as every copy is checked: a file rewritten with its
+    mtime put back is changed)."""
+    old = {m.path(i): version.listed(m, i) for i in m.iter_files()}
     changed = 0
-    for i, (mode, size, mtime) in enumerate(zip(tree.mode, tree.size, tree.mtime_ns, strict=True)):
+    for i, mode in enumerate(tree.mode):
         if not stat.S_ISREG(mode):
             continue
         before = old.pop(tree.path(i), None)
-        if before != (size, mtime):
+        if before is None or version.difference(before, version.listed(tree, i)):
             changed += 1
     return changed + len(old)

@@ -17,6 +17,7 @@ import xxhash
 
 from kspeedfs.format.errors import SourceModified
 from kspeedfs.format.layout import FileTable
+from kspeedfs.format.tree import Tree
 
 Version = tuple[int, int, int, int, int]
 
@@ -42,6 +43,15 @@ def listed(files: FileTable, i: int) -> Version:
         int(files.ident[i]),
         int(files.dev[i]),
     )
+
+
+def digest(tree: Tree) -> str:
+    """Identifies the part of a scan's versions that names, sizes and mtimes leave out (every
+    entry's ctime, ident and dev): a file rewritten with its mtime put back changes it."""
+    h = xxhash.xxh3_128()
+    for ctime, ident, dev in zip(tree.ctime_ns, tree.ident, tree.dev, strict=True):
+        h.update(b"%d\0%d\0%d\0" % (ctime, ident, dev))
+    return h.hexdigest()
 
 
 def difference(want: Version, got: Version) -> str:

@@ -211,7 +211,7 @@ class KSpeedFileSystem(AbstractFileSystem):
             "mode": mode,
             "uid": uid,
             "gid": gid,
-            "mtime": mtime_ns / 1e9,
+            "mtime": _seconds(mtime_ns),
             "islink": kind == "link",
             "dataset": name,
             "instance": reader.ref.uuid,
@@ -263,7 +263,13 @@ class KSpeedFileSystem(AbstractFileSystem):
         mtime = self.info(path).get("mtime")
         if mtime is None:
             raise InvalidArgument(f"kspeedfs://{path} has no modification time")
-        return datetime.datetime.fromtimestamp(mtime, tz=datetime.UTC)
+        try:
+            return datetime.datetime.fromtimestamp(mtime, tz=datetime.UTC)
+        except (OverflowError, ValueError, OSError):
+            raise InvalidArgument(
+                f"kspeedfs://{path}: its modification time ({mtime:.0f} s) is past what a"
+                " Python datetime holds (years 1 to 9999)"
+            ) from None
 
     # Reading.
 
@@ -361,3 +367,9 @@ def _clip(start: int | None, end: int | None, size: int) -> tuple[int, int]:
     lo = 0 if start is None else start + size if start < 0 else start
     hi = size if end is None else end + size if end < 0 else end
     return max(0, min(lo, size)), max(0, min(hi, size))
+
+
+def _seconds(ns: int) -> float:
+    """A time in nanoseconds as float seconds, rounded as `os.stat_result.st_mtime` is."""
+    sec, nsec = divmod(ns, 1_000_000_000)
+    return float(sec) + nsec * 1e-9

@@ -20,6 +20,7 @@ from kspeedfs.node.preload import tree_digest
 from kspeedfs.node.readthrough.dataset import CachedDataset, base_bytes, spilled
 from kspeedfs.node.spill import SpillArea
 from kspeedfs.node.store import SegmentStore
+from kspeedfs.sources import version
 from kspeedfs.sources.source import Source
 
 # What the catalog record of a read-through instance says once it is listed.
@@ -70,6 +71,7 @@ class InstanceBuilder:
             "replicas": 1,
             "readthrough": True,
             "digest": tree_digest(tree),
+            "versions": version.digest(tree),
             # In the manifest: members that adopt it and the instances a refresh makes keep them.
             **{k: v for k, v in caps.items() if v},
         }

@@ -6,6 +6,7 @@ forgotten, with their spilled segments."""
 from __future__ import annotations
 
 import logging
+from typing import Any
 
 import trio
 
@@ -21,6 +22,7 @@ from kspeedfs.node.readthrough.dataset import CachedDataset, Instances, open_ins
 from kspeedfs.node.readthrough.disktier import DiskTier
 from kspeedfs.node.spill import SpillArea
 from kspeedfs.node.store import SegmentStore
+from kspeedfs.sources import version
 from kspeedfs.sources.source import Source, diff_counts, open_source
 
 log = logging.getLogger(__name__)
@@ -86,7 +88,7 @@ class SourceWatch:
                 src = open_source(record.source, str(manifest.header.get("endpoint") or ""))
                 tree = await sourceio.run_sync(src.scan)
                 changed = 0
-                if tree_digest(tree) != manifest.header.get("digest"):
+                if not same_scan(manifest.header, tree):
                     changed = await trio.to_thread.run_sync(diff_counts, manifest, tree)
             except KSpeedError as e:
                 log.warning("cannot check the source of %s: %s", record.name, e)
@@ -119,7 +121,7 @@ class SourceWatch:
         src = open_source(record.source, ds.endpoint)
         tree = await sourceio.run_sync(src.scan)
         changed = await trio.to_thread.run_sync(diff_counts, ds.manifest, tree)
-        if not changed and tree_digest(tree) == ds.manifest.header.get("digest"):
+        if not changed and same_scan(ds.manifest.header, tree):
             self.instances.changed.pop(name, None)
             segments = ds.manifest.segments
             return Refreshed(name, "unchanged", 0, kept=segments, segments=segments)
@@ -180,3 +182,12 @@ class SourceWatch:
         await trio.to_thread.run_sync(self.disk.recover, new, False)
         self.instances.add(new)
         return new, len(carried)
+
+
+def same_scan(header: dict[str, Any], tree: Tree) -> bool:
+    """Whether a scan lists what the manifest of `header` was made from, by its digests (no
+    walk over the files): names, sizes and mtimes, and the rest of the versions where the
+    header records them (manifests made before it lack `versions`)."""
+    if tree_digest(tree) != header.get("digest"):
+        return False
+    return "versions" not in header or version.digest(tree) == header["versions"]
