@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 import pytest
+from hypothesis import settings
 
 from kspeedfs.client import admin
 from kspeedfs.format.config import load_settings
@@ -28,6 +29,11 @@ if TYPE_CHECKING:
 
     from kspeedfs.testing.etcd import EtcdProcess
 
+
+# Examples run beside node and mount processes on a shared 2-core machine: hypothesis's per-example
+# deadline (200 ms) measures that load, not the code, so it is off for every property test.
+settings.register_profile("kspeedfs", deadline=None)
+settings.load_profile("kspeedfs")
 
 # A test that uses one of these is slow (out of `make quick`; `make test` runs it): several
 # nodes, etcd, a booted container, the mount daemon or an S3 server.
