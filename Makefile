@@ -6,7 +6,7 @@ BIN     := $(VENV)/bin
 STAMP   := $(VENV)/.installed
 PYTHON  ?= python3
 SUDO    := $(shell [ "$$(id -u)" -eq 0 ] || echo sudo)
-APT_PKGS := fuse3 libfuse3-dev pkg-config gcc systemd attr etcd-server etcd-client debootstrap \
+APT_PKGS := fuse3 squashfuse squashfs-tools libfuse3-dev pkg-config gcc systemd attr etcd-server etcd-client debootstrap \
 	systemd-container
 CHECKED := kspeedfs mountd pytorch_ext tests bench
 

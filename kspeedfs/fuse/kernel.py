@@ -106,6 +106,7 @@ STATFS_OUT = struct.Struct("<QQQQQIIII24x")
 DIRENT = struct.Struct("<QQII")
 INVAL_ENTRY = struct.Struct("<QII")
 INTERRUPT_IN = struct.Struct("<Q")
+ENOTTY_REPLY = struct.pack("<Ii", OUT_HEADER.size, -errno.ENOTTY)  # then the request's unique
 
 
 class FuseError(Exception):
@@ -274,6 +275,12 @@ class RequestLoop:
                     return
                 if n == 0:
                     return
+                if buf[4] == IOCTL and n >= IN_HEADER.size and not any(buf[5:8]):
+                    # Python's open() asks isatty() of every file (TCGETS): answered here, no
+                    # handler, no exception (see _ioctl).
+                    row[IOCTL] += 1
+                    self._write(0, [ENOTTY_REPLY, view[8:16]])
+                    continue
                 try:
                     self._handle(view[:n], row)
                 except Exception:  # a bug here must not end the loop; the log says what
@@ -460,7 +467,9 @@ class RequestLoop:
 
     def _ioctl(self, ino: int, body: memoryview) -> bytes:
         # Python's open() asks isatty() of every file it opens (TCGETS): one request a file
-        # the kernel does not remember the answer to.
+        # that the kernel forwards every time (fs/fuse/ioctl.c: no flag in INIT or OPEN stops
+        # it, no answer is remembered, ENOSYS is turned into ENOTTY and asked again). _serve
+        # answers it before any handler; this is for a caller of _handle itself.
         raise FuseError(errno.ENOTTY)
 
     def _destroy(self, ino: int, body: memoryview) -> bytes:
