@@ -25,6 +25,7 @@ import os
 import stat
 import threading
 import time
+from collections import OrderedDict
 from collections.abc import Callable, Iterator
 from typing import Any, Protocol
 
@@ -38,16 +39,24 @@ from kspeedfs.fuse.kernel import (
     OPCODE_NAMES,
     ROOT_INODE,
     Attr,
+    Buffer,
     FuseError,
+    PackedListing,
     ReadResult,
     StatFs,
 )
+from kspeedfs.fuse.listings import pack_folder
 from kspeedfs.fuse.variants import VARIANT_OF, VARIANT_SIZE, VariantFiles, is_variant
 
 log = logging.getLogger(__name__)
 
 ROOT = ROOT_INODE
-DATA_TIMEOUT = 86400.0  # dataset contents never change
+# An instance's contents never change, and an unloaded instance's names are forgotten by the
+# kernel (datasets.py) and its inodes answered ESTALE: its entries and attributes may be kept
+# as long as it lives. (The kernel caps the time; a 32-bit count of seconds is 136 years.)
+DATA_TIMEOUT = float((1 << 32) - 1)
+LISTING_BYTES = 64 << 20  # per process: packed folder listings kept (most recently used)
+BLKSIZE = 128 * 1024
 TOP_TIMEOUT = 1.0  # the top-level list changes with preload/unload
 TOP_WAIT = 0.5  # how long a request at the root waits for the node's list
 LOOKUP_WAIT = 2.0  # and a lookup of a name not known yet
@@ -95,6 +104,10 @@ class KSpeedFS:
         # inode of a higher one was handed out by a faster worker, and its "add" is on its way.
         self._slots_heard = 0
         self._slots_changed = threading.Condition(self._tables_lock)
+        # Packed listings by (slot, folder, plus), least recently used first.
+        self._listings: OrderedDict[tuple[int, int, bool], PackedListing] = OrderedDict()
+        self._listings_bytes = 0
+        self._listings_lock = threading.Lock()
 
     # ---- the dataset list, as the supervisor reports it (control thread)
 
@@ -116,6 +129,7 @@ class KSpeedFS:
             old = by_name.get(name)
             if old is not None:
                 del by_slot[old.slot]
+                self._forget_listings(old.slot)
                 _release(old)
             by_slot[slot] = by_name[name] = MountedDataset(slot, name, uuid, data, info, variant)
             self.by_slot, self.by_name = by_slot, by_name
@@ -147,6 +161,7 @@ class KSpeedFS:
             self.by_slot, self.by_name = by_slot, by_name
             self._slots_heard = max(self._slots_heard, slot)
             self._slots_changed.notify_all()
+        self._forget_listings(slot)
         _release(mounted)
 
     def drain_touches(self) -> list[tuple[str, str, list[int], int]]:
@@ -208,7 +223,7 @@ class KSpeedFS:
             uid=uid if self.source_access else self.uid,
             gid=gid if self.source_access else self.gid,
             mtime_ns=mtime_ns,
-            blksize=128 * 1024,
+            blksize=BLKSIZE,
             timeout=(TOP_TIMEOUT if idx == 0 else DATA_TIMEOUT) if final else 0.0,
         )
 
@@ -235,7 +250,7 @@ class KSpeedFS:
         mounted, idx = self._locate(ino)
         return self._attr(mounted, idx)
 
-    def lookup(self, parent: int, name: bytes) -> Attr:
+    def lookup(self, parent: int, name: bytes) -> Attr | Buffer:
         if parent == ROOT and not self.single:
             self.supervisor.ask_refresh(False, TOP_WAIT)
             mounted = self.by_name.get(os.fsdecode(name))
@@ -258,7 +273,53 @@ class KSpeedFS:
             found = mounted.data.manifest.lookup(idx, name)
         if found is None:
             raise FuseError(errno.ENOENT)
+        packed = self._listings.get((mounted.slot, idx, True))
+        if packed is not None:  # the folder was listed: its entry is packed already
+            return packed.entry(found - mounted.data.manifest.children(idx).start)
         return self._attr(mounted, found)
+
+    def listing(self, ino: int, plus: bool) -> PackedListing | None:
+        """A dataset folder's replies, packed at its first listing and kept (LISTING_BYTES);
+        None for the root of a multi-dataset mount and for variants (their sizes change as
+        images are decided): those are packed per reply from `entries`."""
+        if ino == ROOT and not self.single:
+            return None
+        mounted, idx = self._locate(ino)
+        if mounted.variant is not None:
+            return None
+        key = (mounted.slot, idx, plus)
+        with self._listings_lock:
+            packed = self._listings.get(key)
+            if packed is not None:
+                self._listings.move_to_end(key)
+                return packed
+        m = mounted.data.manifest
+        if not m.is_dir(idx):
+            raise FuseError(errno.ENOTDIR)
+        packed = pack_folder(
+            m,
+            idx,
+            mounted.slot << SLOT_SHIFT,
+            plus,
+            self.source_access,
+            self.uid,
+            self.gid,
+            int(DATA_TIMEOUT),
+            BLKSIZE,
+        )
+        with self._listings_lock:
+            if key not in self._listings:
+                self._listings[key] = packed
+                self._listings_bytes += len(packed.data)
+            while self._listings_bytes > LISTING_BYTES and len(self._listings) > 1:
+                _, old = self._listings.popitem(last=False)
+                self._listings_bytes -= len(old.data)
+        return packed
+
+    def _forget_listings(self, slot: int) -> None:
+        with self._listings_lock:
+            for key in [k for k in self._listings if k[0] == slot]:
+                self._listings_bytes -= len(self._listings.pop(key).data)
 
     def opendir(self, ino: int) -> bool:
         if ino == ROOT:
