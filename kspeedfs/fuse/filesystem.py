@@ -46,7 +46,14 @@ from kspeedfs.fuse.kernel import (
     StatFs,
 )
 from kspeedfs.fuse.listings import pack_folder
-from kspeedfs.fuse.variants import VARIANT_OF, VARIANT_SIZE, VariantFiles, is_variant
+from kspeedfs.fuse.variants import (
+    VARIANT_OF,
+    VARIANT_SIZE,
+    TarFiles,
+    VariantFiles,
+    is_tar_view,
+    is_variant,
+)
 
 log = logging.getLogger(__name__)
 
@@ -143,10 +150,12 @@ class KSpeedFS:
 
     def _open_variant(
         self, name: str, uuid: str, info: dict[str, Any]
-    ) -> tuple[DatasetHandle, VariantFiles]:
+    ) -> tuple[DatasetHandle, VariantFiles | TarFiles]:
         base = self.by_name.get(info[VARIANT_OF])
         if base is None or base.uuid != uuid or base.variant is not None:
             raise NotFound(f"no instance {uuid[:8]} of {info[VARIANT_OF]} for {name}")
+        if is_tar_view(info):
+            return base.data, TarFiles(self.reader, base.data)
         return base.data, VariantFiles(self.reader, base.data, int(info[VARIANT_SIZE]))
 
     def drop(self, slot: int) -> None:
@@ -211,10 +220,12 @@ class KSpeedFS:
         return (mounted.slot << SLOT_SHIFT) | (idx + 1)
 
     def _attr(self, mounted: MountedDataset, idx: int, decide: bool = True) -> Attr:
-        mode, size, uid, gid, mtime_ns = mounted.data.manifest.stat_fields(idx)
+        variant = mounted.variant
+        fields = variant.stat_fields(idx) if isinstance(variant, TarFiles) else None
+        mode, size, uid, gid, mtime_ns = fields or mounted.data.manifest.stat_fields(idx)
         final = True
-        if mounted.variant is not None:  # `decide`: a variant's image may be decoded now
-            size, final = mounted.variant.file_size(idx, decide)
+        if isinstance(variant, VariantFiles):  # `decide`: a variant's image may be decoded now
+            size, final = variant.file_size(idx, decide)
         return Attr(
             ino=self._inode(mounted, idx),
             mode=shown_mode(mode, self.source_access),
@@ -266,6 +277,8 @@ class KSpeedFS:
         if name == b"..":
             if idx == 0:
                 return self._root_attr()
+            if isinstance(mounted.variant, TarFiles):
+                return self._attr(mounted, mounted.variant.parent(idx))
             return self._attr(mounted, int(mounted.data.manifest.parent[idx]))
         if mounted.variant is not None:
             found = mounted.variant.lookup(idx, name)
@@ -327,17 +340,26 @@ class KSpeedFS:
             if not self.single:
                 return False  # the top-level list changes: no cached listing
         mounted, idx = self._locate(ino)
-        if not mounted.data.manifest.is_dir(idx):
+        if isinstance(mounted.variant, TarFiles):
+            is_dir = mounted.variant.is_dir(idx)
+        else:
+            is_dir = mounted.data.manifest.is_dir(idx)
+        if not is_dir:
             raise FuseError(errno.ENOTDIR)
         return ino != ROOT  # a dataset's folders never change; the root of --dataset may
 
     def entries(self, ino: int, start: int) -> Iterator[tuple[bytes, Attr]]:
         if ino == ROOT and not self.single:
             by_name = self.by_name
-            for name in sorted(by_name)[start:]:
-                yield name.encode(), self._attr(by_name[name], 0)
+            for top in sorted(by_name)[start:]:
+                yield top.encode(), self._attr(by_name[top], 0)
             return
         mounted, idx = self._locate(ino)
+        if isinstance(mounted.variant, TarFiles):
+            for name, child in mounted.variant.children(idx)[start:]:
+                yield name, self._attr(mounted, child)
+            return
+        assert mounted.variant is None or isinstance(mounted.variant, VariantFiles)
         m = mounted.data.manifest
         kids = m.children(idx)
         named = m.name if mounted.variant is None else mounted.variant.name
@@ -383,6 +405,10 @@ class KSpeedFS:
 
     def readlink(self, ino: int) -> bytes:
         mounted, idx = self._locate(ino)
+        if isinstance(mounted.variant, TarFiles):
+            target = mounted.variant.readlink(idx)
+            if target is not None:
+                return target
         m = mounted.data.manifest
         if not stat.S_ISLNK(int(m.mode[idx])):
             raise FuseError(errno.EINVAL)
@@ -405,14 +431,14 @@ class KSpeedFS:
             return json.dumps(self.counters.sources()).encode()
         if name == CHECKSUM_XATTR and ino != ROOT:
             mounted, idx = self._locate(ino)
-            if mounted.data.manifest.is_file(idx) and not _shown_decoded(mounted, idx):
+            if not _shown_decoded(mounted, idx) and mounted.data.manifest.is_file(idx):
                 return b"%016x" % int(mounted.data.manifest.checksum[idx])
         raise FuseError(ENOATTR)
 
     def listxattr(self, ino: int) -> list[bytes]:
         if ino != ROOT or self.single:
             mounted, idx = self._locate(ino)
-            if mounted.data.manifest.is_file(idx) and not _shown_decoded(mounted, idx):
+            if not _shown_decoded(mounted, idx) and mounted.data.manifest.is_file(idx):
                 return [CHECKSUM_XATTR]
         return []
 
@@ -426,8 +452,12 @@ class KSpeedFS:
 
 
 def _shown_decoded(mounted: MountedDataset, idx: int) -> bool:
-    """A variant's image: its bytes are not the file's (no checksum to give)."""
-    return mounted.variant is not None and mounted.variant.is_image(idx)
+    """A variant's image, a tar view's tar (a folder) or member: its bytes are not those of a
+    dataset file (no checksum to give)."""
+    variant = mounted.variant
+    if isinstance(variant, TarFiles):
+        return not variant.shows_own_bytes(idx)
+    return variant is not None and variant.is_image(idx)
 
 
 def shown_mode(mode: int, source_access: bool) -> int:
