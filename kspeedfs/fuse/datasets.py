@@ -155,11 +155,12 @@ class DatasetList:
             by_name[name] = mounted
             added.append(mounted)
         tar_views = {} if self.single else self._tar_views(ready, by_name)
-        for name, (base, size) in {**offered, **tar_views}.items():  # after their datasets:
-            if name in by_name or base not in by_name:  # workers open them so
+        views: dict[str, tuple[str, int | None]] = {**offered, **tar_views}
+        for name, (base, size) in views.items():  # after their datasets: workers open them so
+            if name in by_name or base not in by_name:
                 continue
             of = by_name[base]
-            if size == 0:
+            if size is None:  # a tar view
                 info = variants.tar_view_info(base, ready[base])
             else:
                 info = variants.variant_info(base, size, ready[base])
@@ -175,9 +176,9 @@ class DatasetList:
 
     def _tar_views(
         self, ready: dict[str, Any], by_name: dict[str, MountedDataset]
-    ) -> dict[str, tuple[str, int]]:
-        """`NAME@tar` for each open dataset that holds a `.tar` file: {name: (NAME, 0)}."""
-        out: dict[str, tuple[str, int]] = {}
+    ) -> dict[str, tuple[str, None]]:
+        """`NAME@tar` for each open dataset that holds a `.tar` file: {name: (NAME, None)}."""
+        out: dict[str, tuple[str, None]] = {}
         for name in ready:
             mounted = by_name.get(name)
             if mounted is None or variants.is_variant(mounted.info):
@@ -186,7 +187,7 @@ class DatasetList:
             if key not in self._has_tars:
                 self._has_tars[key] = bool(variants.tar_entries(mounted.data.manifest).size)
             if self._has_tars[key]:
-                out[variants.tar_folder_name(name)] = (name, 0)
+                out[variants.tar_folder_name(name)] = (name, None)
         return out
 
     def _drop(self, mounted: MountedDataset) -> list[bytes]:
