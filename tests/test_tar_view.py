@@ -4,8 +4,9 @@ In process: hypothesis tars (long names, nested folders, GNU and PAX formats, ha
 links, members replaced by later ones) parsed from their bytes equal `tarfile` extraction;
 damaged headers and truncated tars are refused whole. Through a node (slow): the same tars,
 larger than the node's 1 MiB segments so members straddle them, read through the mount and
-through `kspeedfs://`, equal to extraction; a damaged tar lists nothing; stock ImageFolder over
-the view equals ImageFolder over the extracted tree; WebDataset opens `kspeedfs://` URLs.
+through `kspeedfs://` and the fast path (`KSpeedTarFolder`), equal to extraction; a damaged tar
+lists nothing; stock ImageFolder over the view equals ImageFolder over the extracted tree;
+WebDataset opens `kspeedfs://` URLs.
 """
 
 from __future__ import annotations
@@ -292,6 +293,28 @@ def test_tar_view_through_the_mount_and_kspeedfs_url(
         assert [over_view[i] for i in range(len(over_view))] == [
             over_tree[i] for i in range(len(over_tree))
         ]
+
+    # The fast path's view of one tar: DatasetFolder over its extraction, read from the cache.
+    from pytorch_ext import KSpeedTarFolder
+
+    for shard in ("shard-0000.tar", "shard-0001.tar"):
+        fast = KSpeedTarFolder(
+            src / "tars" / shard,
+            loader=bytes,
+            extensions=(".jpg",),
+            objname="tv",
+            nodes=node.address,
+            token=node.token_file,
+        )
+        over_tree = DatasetFolder(str(src / "extracted" / shard), load, extensions=(".jpg",))
+        assert fast.classes == over_tree.classes
+        assert [os.path.relpath(p, src / "tars" / shard) for p, _ in fast.samples] == [
+            os.path.relpath(p, src / "extracted" / shard) for p, _ in over_tree.samples
+        ]
+        assert [fast[i] for i in range(len(fast))] == [over_tree[i] for i in range(len(over_tree))]
+    with pytest.raises(DataError):
+        KSpeedTarFolder(src / "damaged" / "bad.tar", objname="tv", nodes=node.address,
+                        token=node.token_file)  # fmt: skip
 
     # The same view through kspeedfs://, on the same node.
     fs = fsspec.filesystem(
