@@ -135,6 +135,11 @@ class KSpeedTarFolder(CachedPath, Dataset[Any]):
         r.gather([(self._top, offset, size)], memoryview(out))
         return memoryview(out)
 
+    def __getitems__(self, indices: Sequence[int]) -> list[Any]:
+        """A DataLoader batch, sample by sample (members are ranges of one file: the batch
+        reads of the entry-based datasets do not apply)."""
+        return [self[int(i)] for i in indices]
+
     def __getitem__(self, index: int) -> tuple[Any, Any]:
         sample = self.loader(self.read(index))
         target = self.targets[index]

@@ -312,6 +312,10 @@ def test_tar_view_through_the_mount_and_kspeedfs_url(
             os.path.relpath(p, src / "extracted" / shard) for p, _ in over_tree.samples
         ]
         assert [fast[i] for i in range(len(fast))] == [over_tree[i] for i in range(len(over_tree))]
+    from torch.utils.data import DataLoader
+
+    loader = DataLoader(fast, batch_size=5, num_workers=2, collate_fn=list)
+    assert [s for batch in loader for s in batch] == [fast[i] for i in range(len(fast))]
     with pytest.raises(DataError):
         KSpeedTarFolder(src / "damaged" / "bad.tar", objname="tv", nodes=node.address,
                         token=node.token_file)  # fmt: skip
