@@ -9,6 +9,7 @@ from .meta import KSpeedMetaDataset
 from .mini_epoch import MiniEpochSampler
 from .prefetch import ClairvoyantSampler
 from .priority import PrioritySampler
+from .tar_folder import KSpeedTarFolder
 from .tar_shards import KSpeedWebDataset
 
 __all__ = [
@@ -18,6 +19,7 @@ __all__ = [
     "KSpeedFolder",
     "KSpeedImageFolder",
     "KSpeedMetaDataset",
+    "KSpeedTarFolder",
     "KSpeedWebDataset",
     "MiniEpochSampler",
     "PrioritySampler",

@@ -213,3 +213,26 @@ def test_mount_on_a_missing_folder_is_one_line(tmp_path: Path) -> None:
         session.mount()
     assert "\n" not in str(info.value)
     assert "nope" in str(info.value) or "mount failed" in str(info.value)
+
+
+def test_every_ioctl_is_answered_enotty_before_any_handler(
+    toy: tuple[Path, FuseSession],
+) -> None:
+    """The kernel forwards each isatty() (TCGETS) of Python's open(); the loop answers it
+    ENOTTY on its fast path, one request each, and serves on."""
+    import fcntl
+    import termios
+
+    mnt, session = toy
+    before = session.counts()["ioctl"]
+    fd = os.open(mnt / "file", os.O_RDONLY)
+    try:
+        for _ in range(20):
+            with pytest.raises(OSError) as e:
+                fcntl.ioctl(fd, termios.TCGETS, bytes(64))
+            assert e.value.errno == errno.ENOTTY
+            assert not os.isatty(fd)
+        assert os.read(fd, len(DATA) + 1) == DATA
+    finally:
+        os.close(fd)
+    assert session.counts()["ioctl"] - before == 40

@@ -242,6 +242,7 @@ class Manifest:
         self.dev = arrays["dev"]
         self.seg_len = arrays["seg_len"]
         self.seg_checksum = arrays["seg_checksum"]
+        self.names = arrays["names"]  # every name's bytes, at name_off (uint8)
         self._names_base = int(self.header["arrays"]["names"][0])
         self.segment_size: int = int(self.header["segment_size"])
         self.entries: int = n

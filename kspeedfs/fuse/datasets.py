@@ -38,7 +38,8 @@ class MountedDataset:
     uuid: str
     data: DatasetHandle
     info: dict[str, Any] = field(default_factory=dict)  # the node's listing entry
-    variant: variants.VariantFiles | None = None  # a decoded variant's files (in a worker)
+    # A decoded variant's files or a tar view's (in a worker).
+    variant: variants.VariantFiles | variants.TarFiles | None = None
 
 
 @dataclass
@@ -70,6 +71,7 @@ class DatasetList:
         self.mounted_at_ns = time.time_ns()
         self.node_answers = True
         self._next_slot = 1
+        self._has_tars: dict[tuple[str, str], bool] = {}  # by (dataset, instance)
         self._last_error = ""  # of the last failed refresh: logged once, not every second
         self._lock = trio.Lock()
 
@@ -126,6 +128,10 @@ class DatasetList:
         offered = {} if self.single else variants.offered(ready)
         listed = {n: d["uuid"] for n, d in ready.items()}
         listed.update((v, ready[base]["uuid"]) for v, (base, _size) in offered.items())
+        for name, mounted in self.by_name.items():  # tar views: kept while their dataset is
+            base = mounted.info.get(variants.VARIANT_OF)
+            if variants.is_tar_view(mounted.info) and base in ready:
+                listed[name] = ready[base]["uuid"]
         by_name = dict(self.by_name)
         by_slot = dict(self.by_slot)
         gone = [m for n, m in by_name.items() if listed.get(n) != m.uuid]
@@ -148,11 +154,16 @@ class DatasetList:
             by_slot[mounted.slot] = mounted
             by_name[name] = mounted
             added.append(mounted)
-        for name, (base, size) in offered.items():  # after their datasets: workers open them so
+        tar_views = {} if self.single else self._tar_views(ready, by_name)
+        views: dict[str, tuple[str, int | None]] = {**offered, **tar_views}
+        for name, (base, size) in views.items():  # after their datasets: workers open them so
             if name in by_name or base not in by_name:
                 continue
             of = by_name[base]
-            info = variants.variant_info(base, size, ready[base])
+            if size is None:  # a tar view
+                info = variants.tar_view_info(base, ready[base])
+            else:
+                info = variants.variant_info(base, size, ready[base])
             mounted = MountedDataset(self._next_slot, name, of.uuid, of.data, info)
             self._next_slot += 1
             by_slot[mounted.slot] = mounted
@@ -162,6 +173,22 @@ class DatasetList:
             self.mounted_at_ns = time.time_ns()  # the root's mtime: its listing changed
         self.by_slot, self.by_name = by_slot, by_name
         return Change(gone, added, True, self.mounted_at_ns, forget)
+
+    def _tar_views(
+        self, ready: dict[str, Any], by_name: dict[str, MountedDataset]
+    ) -> dict[str, tuple[str, None]]:
+        """`NAME@tar` for each open dataset that holds a `.tar` file: {name: (NAME, None)}."""
+        out: dict[str, tuple[str, None]] = {}
+        for name in ready:
+            mounted = by_name.get(name)
+            if mounted is None or variants.is_variant(mounted.info):
+                continue
+            key = (name, mounted.uuid)
+            if key not in self._has_tars:
+                self._has_tars[key] = bool(variants.tar_entries(mounted.data.manifest).size)
+            if self._has_tars[key]:
+                out[variants.tar_folder_name(name)] = (name, None)
+        return out
 
     def _drop(self, mounted: MountedDataset) -> list[bytes]:
         """Let go of an instance; returns the names under the root the kernel must forget."""

@@ -25,6 +25,7 @@ import os
 import stat
 import threading
 import time
+from collections import OrderedDict
 from collections.abc import Callable, Iterator
 from typing import Any, Protocol
 
@@ -39,16 +40,31 @@ from kspeedfs.fuse.kernel import (
     OPCODE_NAMES,
     ROOT_INODE,
     Attr,
+    Buffer,
     FuseError,
+    PackedListing,
     ReadResult,
     StatFs,
 )
-from kspeedfs.fuse.variants import VARIANT_OF, VARIANT_SIZE, VariantFiles, is_variant
+from kspeedfs.fuse.listings import pack_folder
+from kspeedfs.fuse.variants import (
+    VARIANT_OF,
+    VARIANT_SIZE,
+    TarFiles,
+    VariantFiles,
+    is_tar_view,
+    is_variant,
+)
 
 log = logging.getLogger(__name__)
 
 ROOT = ROOT_INODE
-DATA_TIMEOUT = 86400.0  # dataset contents never change
+# An instance's contents never change, and an unloaded instance's names are forgotten by the
+# kernel (datasets.py) and its inodes answered ESTALE: its entries and attributes may be kept
+# as long as it lives. (The kernel caps the time; a 32-bit count of seconds is 136 years.)
+DATA_TIMEOUT = float((1 << 32) - 1)
+LISTING_BYTES = 64 << 20  # per process: packed folder listings kept (most recently used)
+BLKSIZE = 128 * 1024
 TOP_TIMEOUT = 1.0  # the top-level list changes with preload/unload
 TOP_WAIT = 0.5  # how long a request at the root waits for the node's list
 LOOKUP_WAIT = 2.0  # and a lookup of a name not known yet
@@ -97,6 +113,10 @@ class KSpeedFS:
         # inode of a higher one was handed out by a faster worker, and its "add" is on its way.
         self._slots_heard = 0
         self._slots_changed = threading.Condition(self._tables_lock)
+        # Packed listings by (slot, folder, plus), least recently used first.
+        self._listings: OrderedDict[tuple[int, int, bool], PackedListing] = OrderedDict()
+        self._listings_bytes = 0
+        self._listings_lock = threading.Lock()
 
     # ---- the dataset list, as the supervisor reports it (control thread)
 
@@ -118,6 +138,7 @@ class KSpeedFS:
             old = by_name.get(name)
             if old is not None:
                 del by_slot[old.slot]
+                self._forget_listings(old.slot)
                 _release(old)
             by_slot[slot] = by_name[name] = MountedDataset(slot, name, uuid, data, info, variant)
             self.by_slot, self.by_name = by_slot, by_name
@@ -131,10 +152,12 @@ class KSpeedFS:
 
     def _open_variant(
         self, name: str, uuid: str, info: dict[str, Any]
-    ) -> tuple[DatasetHandle, VariantFiles]:
+    ) -> tuple[DatasetHandle, VariantFiles | TarFiles]:
         base = self.by_name.get(info[VARIANT_OF])
         if base is None or base.uuid != uuid or base.variant is not None:
             raise NotFound(f"no instance {uuid[:8]} of {info[VARIANT_OF]} for {name}")
+        if is_tar_view(info):
+            return base.data, TarFiles(self.reader, base.data)
         return base.data, VariantFiles(self.reader, base.data, int(info[VARIANT_SIZE]))
 
     def drop(self, slot: int) -> None:
@@ -149,6 +172,7 @@ class KSpeedFS:
             self.by_slot, self.by_name = by_slot, by_name
             self._slots_heard = max(self._slots_heard, slot)
             self._slots_changed.notify_all()
+        self._forget_listings(slot)
         _release(mounted)
 
     def drain_touches(self) -> list[tuple[str, str, list[int], int]]:
@@ -198,10 +222,12 @@ class KSpeedFS:
         return (mounted.slot << SLOT_SHIFT) | (idx + 1)
 
     def _attr(self, mounted: MountedDataset, idx: int, decide: bool = True) -> Attr:
-        mode, size, uid, gid, mtime_ns = mounted.data.manifest.stat_fields(idx)
+        variant = mounted.variant
+        fields = variant.stat_fields(idx) if isinstance(variant, TarFiles) else None
+        mode, size, uid, gid, mtime_ns = fields or mounted.data.manifest.stat_fields(idx)
         final = True
-        if mounted.variant is not None:  # `decide`: a variant's image may be decoded now
-            size, final = mounted.variant.file_size(idx, decide)
+        if isinstance(variant, VariantFiles):  # `decide`: a variant's image may be decoded now
+            size, final = variant.file_size(idx, decide)
         return Attr(
             ino=self._inode(mounted, idx),
             mode=shown_mode(mode, self.source_access),
@@ -210,7 +236,7 @@ class KSpeedFS:
             uid=uid if self.source_access else self.uid,
             gid=gid if self.source_access else self.gid,
             mtime_ns=mtime_ns,
-            blksize=128 * 1024,
+            blksize=BLKSIZE,
             timeout=(TOP_TIMEOUT if idx == 0 else DATA_TIMEOUT) if final else 0.0,
         )
 
@@ -237,7 +263,7 @@ class KSpeedFS:
         mounted, idx = self._locate(ino)
         return self._attr(mounted, idx)
 
-    def lookup(self, parent: int, name: bytes) -> Attr:
+    def lookup(self, parent: int, name: bytes) -> Attr | Buffer:
         if parent == ROOT and not self.single:
             self.supervisor.ask_refresh(False, TOP_WAIT)
             mounted = self.by_name.get(os.fsdecode(name))
@@ -253,6 +279,8 @@ class KSpeedFS:
         if name == b"..":
             if idx == 0:
                 return self._root_attr()
+            if isinstance(mounted.variant, TarFiles):
+                return self._attr(mounted, mounted.variant.parent(idx))
             return self._attr(mounted, int(mounted.data.manifest.parent[idx]))
         if mounted.variant is not None:
             found = mounted.variant.lookup(idx, name)
@@ -260,7 +288,53 @@ class KSpeedFS:
             found = mounted.data.manifest.lookup(idx, name)
         if found is None:
             raise FuseError(errno.ENOENT)
+        packed = self._listings.get((mounted.slot, idx, True))
+        if packed is not None:  # the folder was listed: its entry is packed already
+            return packed.entry(found - mounted.data.manifest.children(idx).start)
         return self._attr(mounted, found)
+
+    def listing(self, ino: int, plus: bool) -> PackedListing | None:
+        """A dataset folder's replies, packed at its first listing and kept (LISTING_BYTES);
+        None for the root of a multi-dataset mount and for variants (their sizes change as
+        images are decided): those are packed per reply from `entries`."""
+        if ino == ROOT and not self.single:
+            return None
+        mounted, idx = self._locate(ino)
+        if mounted.variant is not None:
+            return None
+        key = (mounted.slot, idx, plus)
+        with self._listings_lock:
+            packed = self._listings.get(key)
+            if packed is not None:
+                self._listings.move_to_end(key)
+                return packed
+        m = mounted.data.manifest
+        if not m.is_dir(idx):
+            raise FuseError(errno.ENOTDIR)
+        packed = pack_folder(
+            m,
+            idx,
+            mounted.slot << SLOT_SHIFT,
+            plus,
+            self.source_access,
+            self.uid,
+            self.gid,
+            int(DATA_TIMEOUT),
+            BLKSIZE,
+        )
+        with self._listings_lock:
+            if key not in self._listings:
+                self._listings[key] = packed
+                self._listings_bytes += len(packed.data)
+            while self._listings_bytes > LISTING_BYTES and len(self._listings) > 1:
+                _, old = self._listings.popitem(last=False)
+                self._listings_bytes -= len(old.data)
+        return packed
+
+    def _forget_listings(self, slot: int) -> None:
+        with self._listings_lock:
+            for key in [k for k in self._listings if k[0] == slot]:
+                self._listings_bytes -= len(self._listings.pop(key).data)
 
     def opendir(self, ino: int) -> bool:
         if ino == ROOT:
@@ -268,17 +342,26 @@ class KSpeedFS:
             if not self.single:
                 return False  # the top-level list changes: no cached listing
         mounted, idx = self._locate(ino)
-        if not mounted.data.manifest.is_dir(idx):
+        if isinstance(mounted.variant, TarFiles):
+            is_dir = mounted.variant.is_dir(idx)
+        else:
+            is_dir = mounted.data.manifest.is_dir(idx)
+        if not is_dir:
             raise FuseError(errno.ENOTDIR)
         return ino != ROOT  # a dataset's folders never change; the root of --dataset may
 
     def entries(self, ino: int, start: int) -> Iterator[tuple[bytes, Attr]]:
         if ino == ROOT and not self.single:
             by_name = self.by_name
-            for name in sorted(by_name)[start:]:
-                yield name.encode(), self._attr(by_name[name], 0)
+            for top in sorted(by_name)[start:]:
+                yield top.encode(), self._attr(by_name[top], 0)
             return
         mounted, idx = self._locate(ino)
+        if isinstance(mounted.variant, TarFiles):
+            for name, child in mounted.variant.children(idx)[start:]:
+                yield name, self._attr(mounted, child)
+            return
+        assert mounted.variant is None or isinstance(mounted.variant, VariantFiles)
         m = mounted.data.manifest
         kids = m.children(idx)
         named = m.name if mounted.variant is None else mounted.variant.name
@@ -324,6 +407,10 @@ class KSpeedFS:
 
     def readlink(self, ino: int) -> bytes:
         mounted, idx = self._locate(ino)
+        if isinstance(mounted.variant, TarFiles):
+            target = mounted.variant.readlink(idx)
+            if target is not None:
+                return target
         m = mounted.data.manifest
         if not stat.S_ISLNK(int(m.mode[idx])):
             raise FuseError(errno.EINVAL)
@@ -355,14 +442,14 @@ class KSpeedFS:
             )
         if name == CHECKSUM_XATTR and ino != ROOT:
             mounted, idx = self._locate(ino)
-            if mounted.data.manifest.is_file(idx) and not _shown_decoded(mounted, idx):
+            if not _shown_decoded(mounted, idx) and mounted.data.manifest.is_file(idx):
                 return b"%016x" % int(mounted.data.manifest.checksum[idx])
         raise FuseError(ENOATTR)
 
     def listxattr(self, ino: int) -> list[bytes]:
         if ino != ROOT or self.single:
             mounted, idx = self._locate(ino)
-            if mounted.data.manifest.is_file(idx) and not _shown_decoded(mounted, idx):
+            if not _shown_decoded(mounted, idx) and mounted.data.manifest.is_file(idx):
                 return [CHECKSUM_XATTR]
         return []
 
@@ -376,8 +463,12 @@ class KSpeedFS:
 
 
 def _shown_decoded(mounted: MountedDataset, idx: int) -> bool:
-    """A variant's image: its bytes are not the file's (no checksum to give)."""
-    return mounted.variant is not None and mounted.variant.is_image(idx)
+    """A variant's image, a tar view's tar (a folder) or member: its bytes are not those of a
+    dataset file (no checksum to give)."""
+    variant = mounted.variant
+    if isinstance(variant, TarFiles):
+        return not variant.shows_own_bytes(idx)
+    return variant is not None and variant.is_image(idx)
 
 
 def shown_mode(mode: int, source_access: bool) -> int:

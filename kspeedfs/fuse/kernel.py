@@ -19,6 +19,7 @@ per request), processes do not.
 
 from __future__ import annotations
 
+import bisect
 import errno
 import fcntl
 import logging
@@ -34,7 +35,7 @@ from collections import Counter
 from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import CancelledError, Future, ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
 from kspeedfs.fuse.counters import SLOTS, SharedCounters
 from kspeedfs.system.memory import map_pages
@@ -110,6 +111,7 @@ STATFS_OUT = struct.Struct("<QQQQQIIII24x")
 DIRENT = struct.Struct("<QQII")
 INVAL_ENTRY = struct.Struct("<QII")
 INTERRUPT_IN = struct.Struct("<Q")
+ENOTTY_REPLY = struct.pack("<Ii", OUT_HEADER.size, -errno.ENOTTY)  # then the request's unique
 
 
 class FuseError(Exception):
@@ -169,10 +171,43 @@ Buffer = bytes | bytearray | memoryview
 ReadResult = Buffer | Callable[[], Buffer]
 
 
+class PackedListing:
+    """A folder's READDIR or READDIRPLUS reply stream for all its entries, packed once: entry
+    `i` (offset `i + 1`) is `data[starts[i]:starts[i + 1]]`, and a reply is a slice of it."""
+
+    __slots__ = ("data", "starts", "entry_size", "_ends")
+
+    def __init__(self, data: bytes, starts: Any, entry_size: int):
+        self.data = data
+        self.starts = starts  # numpy int64, one more than the entries
+        self.entry_size = entry_size  # READDIRPLUS: the fuse_entry_out heading each record
+        self._ends = memoryview(starts.astype("<i8").tobytes()).cast("q")
+
+    def __len__(self) -> int:
+        return len(self._ends) - 1
+
+    def reply(self, offset: int, size: int) -> memoryview:
+        """The entries from position `offset` on that fit in `size` bytes (none: the end)."""
+        ends = self._ends
+        if offset >= len(ends) - 1:
+            return memoryview(b"")
+        start = ends[offset]
+        last = bisect.bisect_right(ends, start + size, offset) - 1
+        return memoryview(self.data)[start : ends[last]]
+
+    def entry(self, pos: int) -> memoryview:
+        """The fuse_entry_out of entry `pos` (READDIRPLUS listings): a LOOKUP's reply."""
+        start = self._ends[pos]
+        return memoryview(self.data)[start : start + self.entry_size]
+
+
 class Filesystem(Protocol):
     """What the session asks of a read-only filesystem. Inodes are the filesystem's own."""
 
-    def lookup(self, parent: int, name: bytes) -> Attr: ...
+    def lookup(self, parent: int, name: bytes) -> Attr | Buffer:
+        """The entry's attributes, or its packed fuse_entry_out."""
+        ...
+
     def getattr(self, ino: int) -> Attr: ...
     def readlink(self, ino: int) -> bytes: ...
     def opendir(self, ino: int) -> bool:
@@ -181,6 +216,11 @@ class Filesystem(Protocol):
 
     def entries(self, ino: int, start: int) -> Iterator[tuple[bytes, Attr]]:
         """The folder's entries from position `start` on (no . and ..)."""
+        ...
+
+    def listing(self, ino: int, plus: bool) -> PackedListing | None:
+        """The folder's replies packed whole, or None: the session packs `entries` per reply.
+        (Optional: a filesystem without it is asked for `entries`.)"""
         ...
 
     def read(self, ino: int, offset: int, size: int) -> ReadResult:
@@ -223,6 +263,9 @@ class RequestLoop:
         self._last_overload_log = 0.0
         self.done = threading.Event()
         self.detached = False  # the kernel said ENODEV: unmounted
+        self._listing: Callable[[int, bool], PackedListing | None] | None = getattr(
+            fs, "listing", None
+        )
 
     def start(self) -> None:
         for i, row in enumerate(self.rows):
@@ -278,6 +321,12 @@ class RequestLoop:
                     return
                 if n == 0:
                     return
+                if buf[4] == IOCTL and n >= IN_HEADER.size and not any(buf[5:8]):
+                    # Python's open() asks isatty() of every file (TCGETS): answered here, no
+                    # handler, no exception (see _ioctl).
+                    row[IOCTL] += 1
+                    self._write(0, [ENOTTY_REPLY, view[8:16]])
+                    continue
                 try:
                     self._handle(view[:n], row)
                 except Exception:  # a bug here must not end the loop; the log says what
@@ -400,8 +449,9 @@ class RequestLoop:
             16, 12, MAX_WRITE, 1, MAX_PAGES, 0, 0, 0, 0,
         )  # fmt: skip
 
-    def _lookup(self, ino: int, body: memoryview) -> bytes:
-        return self.fs.lookup(ino, bytes(body[:-1])).pack_entry()
+    def _lookup(self, ino: int, body: memoryview) -> Buffer:
+        found = self.fs.lookup(ino, bytes(body[:-1]))
+        return found.pack_entry() if isinstance(found, Attr) else found
 
     def _getattr(self, ino: int, body: memoryview) -> bytes:
         return self.fs.getattr(ino).pack_attr()
@@ -425,22 +475,14 @@ class RequestLoop:
         _fh, offset, size = READ_IN.unpack_from(body)
         return self.fs.read(ino, offset, size)
 
-    def _readdir(self, ino: int, body: memoryview, plus: bool = False) -> bytes:
+    def _readdir(self, ino: int, body: memoryview, plus: bool = False) -> Buffer:
         _fh, offset, size = READ_IN.unpack_from(body)
-        out = bytearray()
-        pos = offset
-        for name, attr in self.fs.entries(ino, offset):
-            pos += 1
-            dirent = DIRENT.pack(attr.ino, pos, len(name), (attr.mode >> 12) & 0xF) + name
-            dirent += b"\0" * (-len(dirent) % 8)
-            if plus:
-                dirent = attr.pack_entry() + dirent
-            if len(out) + len(dirent) > size:
-                break
-            out += dirent
-        return bytes(out)
+        packed = self._listing(ino, plus) if self._listing is not None else None
+        if packed is not None:
+            return packed.reply(offset, size)
+        return pack_entries(self.fs.entries(ino, offset), offset, size, plus)
 
-    def _readdirplus(self, ino: int, body: memoryview) -> bytes:
+    def _readdirplus(self, ino: int, body: memoryview) -> Buffer:
         return self._readdir(ino, body, plus=True)
 
     def _statfs(self, ino: int, body: memoryview) -> bytes:
@@ -464,7 +506,9 @@ class RequestLoop:
 
     def _ioctl(self, ino: int, body: memoryview) -> bytes:
         # Python's open() asks isatty() of every file it opens (TCGETS): one request a file
-        # the kernel does not remember the answer to.
+        # that the kernel forwards every time (fs/fuse/ioctl.c: no flag in INIT or OPEN stops
+        # it, no answer is remembered, ENOSYS is turned into ENOTTY and asked again). _serve
+        # answers it before any handler; this is for a caller of _handle itself.
         raise FuseError(errno.ENOTTY)
 
     def _destroy(self, ino: int, body: memoryview) -> bytes:
@@ -690,6 +734,25 @@ class FuseSession:
                 f.write(str(kib))
         except OSError as e:
             log.info("read-ahead stays as it is (%s: %s)", path, e.strerror)
+
+
+def pack_entries(
+    entries: Iterable[tuple[bytes, Attr]], offset: int, size: int, plus: bool
+) -> bytes:
+    """A READDIR(PLUS) reply built entry by entry: those from position `offset` (the first of
+    `entries`) that fit in `size` bytes."""
+    out = bytearray()
+    pos = offset
+    for name, attr in entries:
+        pos += 1
+        dirent = DIRENT.pack(attr.ino, pos, len(name), (attr.mode >> 12) & 0xF) + name
+        dirent += b"\0" * (-len(dirent) % 8)
+        if plus:
+            dirent = attr.pack_entry() + dirent
+        if len(out) + len(dirent) > size:
+            break
+        out += dirent
+    return bytes(out)
 
 
 def _sized(value: bytes, size: int) -> bytes:

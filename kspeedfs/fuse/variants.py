@@ -23,14 +23,18 @@ from __future__ import annotations
 import errno
 import logging
 import os
+import stat
 import threading
 from collections import OrderedDict
 from collections.abc import Callable
 from typing import Any
 
+import numpy as np
+
 from kspeedfs.client.handle import DatasetHandle
 from kspeedfs.client.reader import ClusterReader
 from kspeedfs.format import decoded as fmt
+from kspeedfs.format import tarview
 from kspeedfs.format.errors import DataError, KSpeedError, NotFound
 from kspeedfs.format.localdata import LocalDataset
 from kspeedfs.fuse.kernel import Buffer, FuseError, ReadResult
@@ -250,3 +254,207 @@ def _open_local(data: DatasetHandle, size: int) -> fmt.DecodedVariant | None:
 
 def _clip(data: Buffer, offset: int, size: int) -> memoryview:
     return memoryview(data)[offset : offset + size]
+
+
+# ---- the tar view: `NAME@tar/`
+
+TAR_VIEW = "tar_view"  # in a variant's listing info: the tar view rather than a decoded size
+TAR_SUFFIX = "@tar"
+MAX_INDEX = (1 << 32) - 2  # an inode's entry part (inode = slot << 32 | index + 1)
+
+
+def tar_folder_name(name: str) -> str:
+    return f"{name}{TAR_SUFFIX}"
+
+
+def tar_view_info(base: str, info: dict[str, Any]) -> dict[str, Any]:
+    return {**info, VARIANT_OF: base, TAR_VIEW: True}
+
+
+def is_tar_view(info: dict[str, Any]) -> bool:
+    return bool(info.get(TAR_VIEW))
+
+
+def tar_entries(manifest: Any) -> Any:
+    """The manifest indices of the dataset's `.tar` files (numpy, in index order)."""
+    m = manifest
+    files = np.flatnonzero((np.asarray(m.mode) & 0o170000) == stat.S_IFREG)
+    lens = np.asarray(m.name_len)[files].astype(np.int64)
+    files, lens = files[lens >= 4], lens[lens >= 4]
+    if not files.size:
+        return files
+    ends = np.asarray(m.name_off)[files].astype(np.int64) + lens
+    tails = np.stack([m.names[ends - 4 + k] for k in range(4)], axis=1)
+    return files[np.all(tails == np.frombuffer(b".tar", dtype=np.uint8), axis=1)]
+
+
+class TarFiles:
+    """`NAME@tar/` as a serving process shows it: the dataset's tree, each `.tar` file a
+    folder of its members (format/tarview.py), parsed at its first use and kept.
+
+    Indices below the manifest's entry count are the dataset's entries (a tar's is its
+    folder); a tar's other nodes follow all of them, each tar a run of `node_span` numbers in
+    manifest order, so that an index means the same in every process."""
+
+    def __init__(self, reader: ClusterReader, data: DatasetHandle):
+        self.reader = reader
+        self.data = data
+        self.manifest = m = data.manifest
+        self.tars = tar_entries(m)
+        spans = np.array([tarview.node_span(int(m.size[i])) - 1 for i in self.tars], np.int64)
+        self.bases = m.entries + np.concatenate([[0], np.cumsum(spans)]).astype(np.int64)
+        if int(self.bases[-1]) > MAX_INDEX:
+            raise DataError(f"{data.name}: its tars are too large for one tar view")
+        self._tar_at = {int(t): k for k, t in enumerate(self.tars)}
+        self._trees: dict[int, tarview.TarTree | None] = {}  # by tar entry; None: refused
+        self._lock = threading.Lock()
+
+    def close(self) -> None:
+        with self._lock:
+            self._trees.clear()
+
+    # ---- nodes
+
+    def _tree(self, tar: int) -> tarview.TarTree | None:
+        tree = self._trees.get(tar, False)
+        if tree is not False:
+            return tree  # type: ignore[return-value]
+        size = int(self.manifest.size[tar])
+        try:
+            parsed: tarview.TarTree | None = tarview.parse(
+                lambda off, n: self._raw(tar, off, n), size
+            )
+        except DataError as e:
+            path = os.fsdecode(self.manifest.path(tar))
+            log.error("%s@tar: %s is shown empty: %s", self.data.name, path, e)
+            parsed = None
+        with self._lock:
+            self._trees.setdefault(tar, parsed)
+            return self._trees[tar]
+
+    def _raw(self, tar: int, offset: int, size: int) -> Buffer:
+        """Bytes of the tar file (a view of the local segment where it is held here)."""
+        local = self.data.local
+        if local is not None:
+            try:
+                return local.read_view(tar, offset, size)
+            except DataError:
+                pass
+        try:
+            return self.reader.read(self.data, tar, offset, size)
+        except KSpeedError as e:
+            path = os.fsdecode(self.manifest.path(tar))
+            log.error("cannot read %s/%s: %s", self.data.name, path, e)
+            raise FuseError(errno.EIO) from None
+
+    def is_tar(self, idx: int) -> bool:
+        return idx in self._tar_at
+
+    def locate(self, idx: int) -> tuple[int, tarview.TarTree, int] | None:
+        """(tar entry, its tree, node) of an index past the manifest's, or of a tar's own
+        entry (node 0); None for another of the dataset's entries, or a node not in its tar."""
+        if idx < self.manifest.entries:
+            if idx not in self._tar_at:
+                return None
+            tree = self._tree(idx)
+            return None if tree is None else (idx, tree, 0)
+        k = int(np.searchsorted(self.bases, idx, side="right")) - 1
+        if k < 0 or k >= len(self.tars):
+            raise FuseError(errno.ENOENT)
+        tar = int(self.tars[k])
+        tree = self._tree(tar)
+        number = idx - int(self.bases[k]) + 1
+        if tree is None or tree.node(number) is None:
+            raise FuseError(errno.ENOENT)
+        return tar, tree, number
+
+    def index(self, tar: int, number: int) -> int:
+        return tar if number == 0 else int(self.bases[self._tar_at[tar]]) + number - 1
+
+    def stat_fields(self, idx: int) -> tuple[int, int, int, int, int] | None:
+        """(mode, size, uid, gid, mtime_ns) of a node; None for the dataset's own entries
+        (not tars), whose fields are the manifest's. Members take their tar's owners."""
+        found = self.locate(idx)
+        if found is None:
+            if idx in self._tar_at:  # a refused tar: an empty folder
+                _, _, uid, gid, mtime = self.manifest.stat_fields(idx)
+                return stat.S_IFDIR | 0o555, 0, uid, gid, mtime
+            return None
+        tar, tree, number = found
+        _, _, uid, gid, tar_mtime = self.manifest.stat_fields(tar)
+        if number == 0:
+            return stat.S_IFDIR | 0o555, 0, uid, gid, tar_mtime
+        node = tree.nodes[number]
+        size = node.size if node.kind == tarview.FILE else len(node.target)
+        return tarview.shown_mode(node), size, uid, gid, node.mtime * 1_000_000_000
+
+    def is_dir(self, idx: int) -> bool:
+        if idx < self.manifest.entries and idx not in self._tar_at:
+            return self.manifest.is_dir(idx)
+        fields = self.stat_fields(idx)
+        return fields is not None and stat.S_ISDIR(fields[0])
+
+    def parent(self, idx: int) -> int:
+        if idx < self.manifest.entries:
+            return int(self.manifest.parent[idx])
+        found = self.locate(idx)
+        assert found is not None
+        tar, tree, number = found
+        return self.index(tar, tree.nodes[number].parent)
+
+    def lookup(self, parent: int, name: bytes) -> int | None:
+        if parent < self.manifest.entries and parent not in self._tar_at:
+            return self.manifest.lookup(parent, name)
+        found = self.locate(parent)
+        if found is None:
+            return None
+        tar, tree, number = found
+        child = tree.nodes[number].children.get(name)
+        return None if child is None else self.index(tar, child)
+
+    def children(self, idx: int) -> list[tuple[bytes, int]]:
+        m = self.manifest
+        if idx < m.entries and idx not in self._tar_at:
+            return [(m.name(c), c) for c in m.children(idx)]
+        found = self.locate(idx)
+        if found is None:
+            return []
+        tar, tree, number = found
+        return [(name, self.index(tar, c)) for name, c in tree.children(number)]
+
+    def readlink(self, idx: int) -> bytes | None:
+        found = self.locate(idx) if idx >= self.manifest.entries else None
+        if found is None:
+            return None  # the dataset's own: the manifest's
+        _, tree, number = found
+        node = tree.nodes[number]
+        if node.kind != tarview.LINK:
+            raise FuseError(errno.EINVAL)
+        return node.target
+
+    def shows_own_bytes(self, idx: int) -> bool:
+        """A dataset file shown as it is (not a tar, not a member): its checksum holds."""
+        return idx < self.manifest.entries and idx not in self._tar_at
+
+    def read(self, idx: int, offset: int, size: int) -> ReadResult | None:
+        """A member's bytes (a range of its tar); None for the dataset's own files."""
+        if idx < self.manifest.entries:
+            if idx in self._tar_at:
+                raise FuseError(errno.EISDIR)
+            return None
+        found = self.locate(idx)
+        assert found is not None
+        tar, tree, number = found
+        node = tree.nodes[number]
+        if node.kind != tarview.FILE:
+            raise FuseError(errno.EISDIR if node.kind == tarview.DIR else errno.EINVAL)
+        n = max(0, min(size, node.size - offset))
+        if n == 0:
+            return b""
+        local = self.data.local
+        if local is not None:
+            try:
+                return local.read_view(tar, node.offset + offset, n)
+            except DataError:
+                pass
+        return lambda: self._raw(tar, node.offset + offset, n)

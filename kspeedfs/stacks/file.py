@@ -23,14 +23,24 @@ PEEK_BYTES = 64 * 1024
 class KSpeedFile(io.RawIOBase):
     """Read-only, seekable; thread-compatible (one position, like any file object)."""
 
-    def __init__(self, fs: Any, path: str, reader: Reader, entry: int, details: dict[str, Any]):
+    def __init__(
+        self,
+        fs: Any,
+        path: str,
+        reader: Reader,
+        entry: int,
+        details: dict[str, Any],
+        span: tuple[int, int] | None = None,
+    ):
+        """`span`: (offset, size) of this file's bytes inside the entry's (a tar's member);
+        the whole entry by default."""
         super().__init__()
         self.fs = fs
         self.path = path
         self.reader = reader
         self.entry = entry
         self.details = details
-        self.size = int(reader.manifest.size[entry])
+        self.base, self.size = span if span is not None else (0, int(reader.manifest.size[entry]))
         self.mode = "rb"
         self.loc = 0
         self._peeked: tuple[int, bytes] | None = None  # (offset, bytes) of the last remote peek
@@ -87,11 +97,11 @@ class KSpeedFile(io.RawIOBase):
         if peeked is not None and peeked[0] <= offset and offset + n <= peeked[0] + len(peeked[1]):
             at = offset - peeked[0]
             return memoryview(peeked[1])[at : at + n]
-        view = self.reader.range_view(self.entry, offset, n)
+        view = self.reader.range_view(self.entry, self.base + offset, n)
         if view is not None:
             return view
         out = bytearray(n)
-        self.reader.gather([(self.entry, offset, n)], memoryview(out))
+        self.reader.gather([(self.entry, self.base + offset, n)], memoryview(out))
         return out
 
     def read(self, size: int | None = -1) -> bytes:
@@ -123,11 +133,11 @@ class KSpeedFile(io.RawIOBase):
         n = self._span(len(out))
         if n == 0:
             return 0
-        view = self.reader.range_view(self.entry, self.loc, n)
+        view = self.reader.range_view(self.entry, self.base + self.loc, n)
         if view is not None:
             out[:n] = view
         else:
-            self.reader.gather([(self.entry, self.loc, n)], out[:n])
+            self.reader.gather([(self.entry, self.base + self.loc, n)], out[:n])
         self.loc += n
         return n
 

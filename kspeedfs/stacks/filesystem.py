@@ -29,6 +29,7 @@ from fsspec.spec import AbstractFileSystem
 from kspeedfs.client.dataset_reader import CacheRef, Reader
 from kspeedfs.client.job_settings import client_settings
 from kspeedfs.client.reader import ClusterReader, local_node_for
+from kspeedfs.format import tarview
 from kspeedfs.format.errors import (
     DataError,
     InvalidArgument,
@@ -44,6 +45,7 @@ from kspeedfs.stacks.file import KSpeedFile
 log = logging.getLogger(__name__)
 
 REFRESH_S = 5.0
+TAR_VIEW = "@tar"  # NAME@tar: the dataset with each .tar a folder of its members
 MAX_LINKS = 16  # symlinks followed for one open, as a kernel would stop a loop
 
 
@@ -80,6 +82,8 @@ class KSpeedFileSystem(AbstractFileSystem):
         # Folder path -> (reader, entry) of folders looked up since the last listing: a file's
         # lookup is then one search among its folder's children, not one per path component.
         self._folders: dict[str, tuple[Reader, int]] = {}
+        # Parsed tars of the tar views, by (instance, entry); None: refused (damaged).
+        self._tars: dict[tuple[str, int], tarview.TarTree | None] = {}
 
     # Paths.
 
@@ -100,7 +104,7 @@ class KSpeedFileSystem(AbstractFileSystem):
         """(dataset name, path inside it) of a stripped path; a bad name is InvalidArgument."""
         path = self._strip_protocol(path)
         name, _, rel = path.partition("/")
-        validate_name(name)
+        validate_name(name.removesuffix(TAR_VIEW))
         try:
             os.fsencode(rel)
         except UnicodeEncodeError:  # a lone surrogate: no name in any manifest is spelled so
@@ -135,6 +139,7 @@ class KSpeedFileSystem(AbstractFileSystem):
 
     def _reader(self, name: str) -> Reader:
         """This filesystem's reader of the current instance of `name`."""
+        name = name.removesuffix(TAR_VIEW)  # a tar view reads its dataset
         info = self._datasets().get(name) or self._datasets(force=True).get(name)
         for _attempt in range(3):
             if info is None:
@@ -198,6 +203,128 @@ class KSpeedFileSystem(AbstractFileSystem):
             rel = "" if joined == "." else joined
         raise NoSuchPath(f"kspeedfs://{name}/{rel}: too many levels of symbolic links")
 
+    # The tar view: NAME@tar/.../shard.tar/member
+
+    def _tar_tree(self, reader: Reader, entry: int) -> tarview.TarTree | None:
+        key = (reader.ref.uuid, entry)
+        if key not in self._tars:
+
+            def read(offset: int, n: int) -> memoryview | bytearray:
+                view = reader.range_view(entry, offset, n)
+                if view is not None:
+                    return view
+                out = bytearray(n)
+                reader.gather([(entry, offset, n)], memoryview(out))
+                return out
+
+            try:
+                tree: tarview.TarTree | None = tarview.parse(read, int(reader.manifest.size[entry]))
+            except DataError as e:
+                path = os.fsdecode(reader.manifest.path(entry))
+                log.warning("%s%s: %s is shown empty: %s", reader.ref.name, TAR_VIEW, path, e)
+                tree = None
+            self._tars[key] = tree
+        return self._tars[key]
+
+    def _is_tar(self, reader: Reader, entry: int) -> bool:
+        m = reader.manifest
+        return m.is_file(entry) and tarview.is_tar_name(m.name(entry))
+
+    def _tar_spot(self, path: str) -> tuple[str, Reader, int, tarview.TarTree | None, int]:
+        """(view name, reader, manifest entry, the tar's tree or None, node) of a tar view
+        path: node -1 for a dataset entry that is not a tar; else the entry is a tar and the
+        node is in its tree (0: the tar's folder)."""
+        name, rel = self._split(path)
+        reader = self._reader(name)
+        m = reader.manifest
+        entry = 0
+        parts = [os.fsencode(p) for p in rel.split("/") if p]
+        k = 0
+        while k < len(parts) and not self._is_tar(reader, entry):
+            found = m.lookup(entry, parts[k]) if m.is_dir(entry) else None
+            if found is None:
+                raise NoSuchPath(f"no such file: kspeedfs://{name}/{rel}")
+            entry, k = found, k + 1
+        parts_left = parts[k:]
+        if not self._is_tar(reader, entry):
+            return name, reader, entry, None, -1
+        tree = self._tar_tree(reader, entry)
+        node = 0 if tree is None and not parts_left else None
+        if tree is not None:
+            node = tree.resolve(b"/".join(parts_left))
+        if node is None:
+            raise NoSuchPath(f"no such file: kspeedfs://{name}/{rel}")
+        return name, reader, entry, tree, node
+
+    def _describe_tar(
+        self,
+        name: str,
+        reader: Reader,
+        entry: int,
+        tree: tarview.TarTree | None,
+        node: int,
+        path: str,
+    ) -> dict[str, Any]:
+        if node < 0:
+            plain = self._describe(name, reader, entry, path)
+            plain["dataset"] = name
+            return plain
+        _mode, _size, uid, gid, mtime_ns = reader.manifest.stat_fields(entry)
+        n = tree.nodes[node] if tree is not None and node else None
+        kind = "directory" if n is None or n.kind == tarview.DIR else n.kind
+        kind = "link" if kind == tarview.LINK else kind
+        out: dict[str, Any] = {
+            "name": path,
+            "size": n.size if n is not None and kind == "file" else 0,
+            "type": kind,
+            "mode": tarview.shown_mode(n) if n is not None else stat.S_IFDIR | 0o555,
+            "uid": uid,
+            "gid": gid,
+            "mtime": n.mtime if n is not None else mtime_ns / 1e9,
+            "islink": kind == "link",
+            "dataset": name,
+            "instance": reader.ref.uuid,
+        }
+        if kind == "link" and n is not None:
+            out["destination"] = os.fsdecode(n.target)
+        return out
+
+    def _tar_ls(self, path: str) -> list[dict[str, Any]]:
+        name, reader, entry, tree, node = self._tar_spot(path)
+        m = reader.manifest
+        if node < 0:
+            if not m.is_dir(entry):
+                return [self._describe_tar(name, reader, entry, None, -1, path)]
+            out = []
+            for child in m.children(entry):
+                child_path = f"{path}/{os.fsdecode(m.name(child))}"
+                if self._is_tar(reader, child):
+                    out.append(self._describe_tar(name, reader, child, None, 0, child_path))
+                else:
+                    out.append(self._describe_tar(name, reader, child, None, -1, child_path))
+            return out
+        if tree is None:
+            return []
+        if node and tree.nodes[node].kind != tarview.DIR:
+            return [self._describe_tar(name, reader, entry, tree, node, path)]
+        return [
+            self._describe_tar(name, reader, entry, tree, c, f"{path}/{os.fsdecode(n)}")
+            for n, c in tree.children(node)
+        ]
+
+    def _tar_file(self, path: str) -> tuple[Reader, int, int, int, dict[str, Any]]:
+        """(reader, tar entry, offset, size, details) of a member file of a tar view."""
+        name, reader, entry, tree, node = self._tar_spot(path)
+        details = self._describe_tar(name, reader, entry, tree, node, path)
+        if node < 0:
+            if not reader.manifest.is_file(entry):
+                raise IsADirectoryError(f"kspeedfs://{path} is not a regular file")
+            return reader, entry, 0, int(reader.manifest.size[entry]), details
+        n = tree.nodes[node] if tree is not None and node else None
+        if n is None or n.kind != tarview.FILE:
+            raise IsADirectoryError(f"kspeedfs://{path} is not a regular file")
+        return reader, entry, n.offset, n.size, details
+
     # Listing.
 
     def _describe(self, name: str, reader: Reader, entry: int, path: str) -> dict[str, Any]:
@@ -224,6 +351,7 @@ class KSpeedFileSystem(AbstractFileSystem):
         return out
 
     def _root_entries(self) -> list[dict[str, Any]]:
+        """A folder per dataset (the tar views are not listed: open `NAME@tar/` by name)."""
         return [
             {
                 "name": name,
@@ -239,6 +367,9 @@ class KSpeedFileSystem(AbstractFileSystem):
         path = self._strip_protocol(path)
         if path == "":
             return {"name": "", "size": 0, "type": "directory"}
+        if self._split(path)[0].endswith(TAR_VIEW):
+            name, reader, entry, tree, node = self._tar_spot(path)
+            return self._describe_tar(name, reader, entry, tree, node, path)
         reader, entry, name = self._entry(path, follow=False)
         return self._describe(name, reader, entry, path)
 
@@ -246,6 +377,8 @@ class KSpeedFileSystem(AbstractFileSystem):
         path = self._strip_protocol(path)
         if path == "":
             found = self._root_entries()
+        elif self._split(path)[0].endswith(TAR_VIEW):
+            found = self._tar_ls(path)
         else:
             reader, entry, name = self._entry(path, follow=False)
             m = reader.manifest
@@ -276,6 +409,10 @@ class KSpeedFileSystem(AbstractFileSystem):
     def _open(self, path: str, mode: str = "rb", **kwargs: Any) -> KSpeedFile:
         if mode != "rb":
             raise ReadOnlyFileSystem(f"kspeedfs:// is read-only: cannot open {path} for {mode!r}")
+        path = self._strip_protocol(path)
+        if self._split(path)[0].endswith(TAR_VIEW):
+            reader, entry, offset, size, details = self._tar_file(path)
+            return KSpeedFile(self, path, reader, entry, details, (offset, size))
         reader, entry, name = self._entry(path)
         m = reader.manifest
         if not m.is_file(entry):
@@ -285,6 +422,11 @@ class KSpeedFileSystem(AbstractFileSystem):
     def cat_file(
         self, path: str, start: int | None = None, end: int | None = None, **kwargs: Any
     ) -> bytes:
+        if self._split(path)[0].endswith(TAR_VIEW):
+            with self._open(path) as f:
+                lo, hi = _clip(start, end, f.size)
+                f.seek(lo)
+                return f.read(max(0, hi - lo))
         reader, entry = self._file(path)
         size = int(reader.manifest.size[entry])
         if start is None and end is None:
@@ -328,6 +470,9 @@ class KSpeedFileSystem(AbstractFileSystem):
         batches: dict[int, tuple[Reader, list[tuple[int, int, int, int]]]] = {}
         for k, (path, start, end) in enumerate(zip(paths, starts_, ends_, strict=True)):
             try:
+                if self._split(path)[0].endswith(TAR_VIEW):  # a member: its own read
+                    out[k] = self.cat_file(path, start, end)
+                    continue
                 reader, entry = self._file(path)
             except (KSpeedError, OSError) as e:
                 if on_error != "return":

@@ -1,0 +1,359 @@
+"""Small files at ImageNet's shape: the source folder, the mount and squashfuse_ll side by side.
+
+    PYTHONPATH=$PWD .venv/bin/python bench/bench_small_files.py [--walk-files 1281000]
+        [--walk-folders 1000] [--files 2000] [--size 100000] [--no-squashfs] [--no-tar]
+
+One run, one tree, three ways to read it: the source folder (warm page cache), a kspeedfs
+mount of a private node, and squashfuse_ll (C, libfuse low-level) over a squashfs image of the
+same tree (squashfuse and squashfs-tools are installed from Debian where missing; without root
+or apt that column is left out). Printed, with the mount's ratio to each:
+- a fresh mount's first `os.walk` of `--walk-files` empty files in `--walk-folders` folders,
+  names and sizes (lstat) of every entry, and the kernel's requests per file on the mount;
+- per-file `open(p, "rb").read()` with Python's default buffering over `--files` files of
+  `--size` bytes, second pass (page cache warm everywhere), and the requests it costs;
+- passes 1 (fresh mount) and 2 with `os.open`/`os.read`, the same files;
+- ImageFolder (stock torchvision, raw bytes loader) over the mount's tar view `ds@tar/` of tars
+  of those files, against the same over the extracted tree on the same mount (`--no-tar`
+  leaves it out; needs torchvision).
+Run it with PYTHONPATH set to the tree to measure (the bench's own imports follow it), so that
+a "before" is the same script over an older tree: sections that tree lacks print "n/a".
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import shutil
+import subprocess
+import sys
+import tarfile
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+if not os.environ.get("PYTHONPATH"):
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from kspeedfs.testing.cache import LocalCache
+
+STATS_XATTR = "user.kspeedfs.stats"
+TARGETS = {"walk": 0.3, "buffered": 0.35, "squash": 1.5, "tar_imagefolder": 0.9}
+DEBIAN = {"squashfuse_ll": "squashfuse", "mksquashfs": "squashfs-tools"}
+
+
+def make_walk_tree(root: Path, files: int, folders: int) -> None:
+    per = max(1, files // folders)
+    for d in range(folders):
+        folder = root / f"n{d:08d}"
+        folder.mkdir(parents=True)
+        for i in range(per):
+            (folder / f"n{d:08d}_{i}.JPEG").touch()
+
+
+def make_read_tree(root: Path, files: int, size: int, classes: int = 20) -> None:
+    rng = random.Random(0)
+    for i in range(files):
+        path = root / f"class{i % classes:02d}" / f"img{i:06d}.jpg"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_bytes(rng.randbytes(size))
+
+
+def make_tars(tree: Path, out: Path, shards: int) -> None:
+    """The read tree packed into `shards` tars (member paths `classNN/imgNNNNNN.jpg`)."""
+    files = sorted(p for p in tree.rglob("*") if p.is_file())
+    out.mkdir(parents=True)
+    for s in range(shards):
+        with tarfile.open(out / f"shard-{s:04d}.tar", "w", format=tarfile.USTAR_FORMAT) as tar:
+            for p in files[s::shards]:
+                tar.add(p, arcname=str(p.relative_to(tree)))
+
+
+def walk(root: Path) -> tuple[float, int]:
+    """os.walk with an lstat of every entry (what `find -ls` or a file list does)."""
+    started = time.perf_counter()
+    n = 0
+    for dirpath, _dirs, names in os.walk(root):
+        for name in names:
+            os.lstat(os.path.join(dirpath, name))
+            n += 1
+    return time.perf_counter() - started, n
+
+
+def buffered_reads(paths: list[str]) -> float:
+    started = time.perf_counter()
+    for p in paths:
+        with open(p, "rb") as f:
+            f.read()
+    return time.perf_counter() - started
+
+
+def os_reads(paths: list[str]) -> float:
+    started = time.perf_counter()
+    for p in paths:
+        fd = os.open(p, os.O_RDONLY)
+        try:
+            while os.read(fd, 1 << 20):
+                pass
+        finally:
+            os.close(fd)
+    return time.perf_counter() - started
+
+
+def drop_caches() -> None:
+    try:
+        os.sync()
+        Path("/proc/sys/vm/drop_caches").write_text("3")
+    except OSError:
+        pass
+
+
+def stats(mount: Path) -> dict[str, int]:
+    try:
+        raw = os.getxattr(mount, STATS_XATTR)
+    except OSError:
+        return {}
+    return {k: v for k, v in json.loads(raw).items() if isinstance(v, int) and v}
+
+
+def per_file(before: dict[str, int], after: dict[str, int], files: int) -> str:
+    diff = {k: after.get(k, 0) - before.get(k, 0) for k in after}
+    shown = {k: v / files for k, v in diff.items() if v > 0}
+    return ", ".join(f"{k} {v:.3f}" for k, v in sorted(shown.items())) or "none"
+
+
+def ensure_squashfs() -> bool:
+    missing = [pkg for tool, pkg in DEBIAN.items() if shutil.which(tool) is None]
+    if missing:
+        print(f"installing {' '.join(missing)} from Debian ...", flush=True)
+        subprocess.run(["apt-get", "install", "-y", *missing], capture_output=True)
+    return all(shutil.which(tool) for tool in DEBIAN)
+
+
+class Squash:
+    """squashfuse_ll over a squashfs image of `tree`, mounted (again) at `mountpoint`."""
+
+    def __init__(self, tree: Path, image: Path, mountpoint: Path):
+        self.image = image
+        self.mountpoint = mountpoint
+        subprocess.run(
+            ["mksquashfs", str(tree), str(image), "-noappend", "-quiet", "-no-progress"],
+            check=True,
+            capture_output=True,
+        )
+        mountpoint.mkdir(parents=True, exist_ok=True)
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    def mount(self) -> None:
+        self.unmount()
+        self.proc = subprocess.Popen(["squashfuse_ll", "-f", str(self.image), str(self.mountpoint)])
+        deadline = time.monotonic() + 30
+        while not os.path.ismount(self.mountpoint):
+            if time.monotonic() > deadline or self.proc.poll() is not None:
+                raise RuntimeError("squashfuse_ll did not mount")
+            time.sleep(0.02)
+
+    def unmount(self) -> None:
+        if self.proc is not None:
+            subprocess.run(["fusermount3", "-u", "-z", str(self.mountpoint)], capture_output=True)
+            self.proc.wait(10)
+            self.proc = None
+
+
+def row(label: str, values: list[float | None], unit: str) -> None:
+    cells = [f"{v:>12,.0f}" if v is not None else f"{'n/a':>12}" for v in values]
+    print(f"  {label:<34}{''.join(cells)}  {unit}")
+
+
+def ratio(a: float | None, b: float | None) -> str:
+    return f"{a / b:.3f}" if a and b else "n/a"
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--walk-files", type=int, default=1_281_000)
+    p.add_argument("--walk-folders", type=int, default=1000)
+    p.add_argument("--files", type=int, default=2000)
+    p.add_argument("--size", type=int, default=100_000)
+    p.add_argument("--shards", type=int, default=8)
+    p.add_argument("--no-squashfs", action="store_true")
+    p.add_argument("--no-tar", action="store_true")
+    p.add_argument("--repeat", type=int, default=3, help="warm passes timed (best kept)")
+    p.add_argument("--tmp", default=None, help="work folder (default: a temporary one)")
+    args = p.parse_args()
+
+    squash_ok = not args.no_squashfs and ensure_squashfs()
+    with tempfile.TemporaryDirectory(prefix="kspeedfs-bench-small-", dir=args.tmp) as tmp_:
+        tmp = Path(tmp_)
+        src = tmp / "src"
+        print(f"making {args.walk_files:,} empty files in {args.walk_folders} folders ...")
+        make_walk_tree(src / "walk", args.walk_files, args.walk_folders)
+        make_read_tree(src / "read", args.files, args.size)
+        tars = not args.no_tar
+        if tars:
+            make_tars(src / "read", src / "tars", args.shards)
+        walk_files = (args.walk_files // args.walk_folders) * args.walk_folders
+        total = walk_files * 1024 + args.files * args.size * 3 + (512 << 20)
+        cache = LocalCache(tmp / "work", total)
+        squash = Squash(src, tmp / "tree.sqfs", tmp / "sq") if squash_ok else None
+        mnt = tmp / "mnt"
+        mroot = mnt / "ds"
+        with cache:
+            started = time.perf_counter()
+            cache.preload(src, "ds", show_progress=False)
+            print(f"preloaded in {time.perf_counter() - started:.1f}s")
+            read_rel = sorted(
+                str(p.relative_to(src)) for p in (src / "read").rglob("*") if p.is_file()
+            )
+            random.Random(1).shuffle(read_rel)
+            results: dict[str, list[float | None]] = {}
+
+            def three(
+                name: str, fn: Callable[[Path], float | None], fresh: bool = False
+            ) -> list[float | None]:
+                out: list[float | None] = [fn(src)]
+                if fresh:
+                    cache.unmount(mnt)
+                    cache.mount(mnt)
+                out.append(fn(mroot))
+                if squash is not None:
+                    if fresh:
+                        squash.mount()
+                    out.append(fn(squash.mountpoint))
+                else:
+                    out.append(None)
+                results[name] = out
+                return out
+
+            # ---- walk
+            walk(src / "walk")  # the source warm
+            counts: dict[str, Any] = {}
+
+            def walk_rate(root: Path) -> float:
+                if root == mroot:
+                    counts["walk0"] = stats(mnt)
+                seconds, n = walk(root / "walk")
+                if root == mroot:
+                    counts["walk1"] = stats(mnt)
+                assert n == walk_files, (root, n)
+                return n / seconds
+
+            three("walk", walk_rate, fresh=True)
+
+            # ---- reads
+            def read_pass(reader: Callable[[list[str]], float], warm: bool) -> Callable[..., float]:
+                def rate(root: Path) -> float:
+                    paths = [str(root / r) for r in read_rel]
+                    if not warm:
+                        return len(paths) / reader(paths)
+                    reader(paths)
+                    best = min(reader(paths) for _ in range(args.repeat))
+                    return len(paths) / best
+
+                return rate
+
+            cache.unmount(mnt)
+            cache.mount(mnt)
+            if squash is not None:
+                squash.mount()
+            for name, reader in (("pass 1 os.read", os_reads),):
+
+                def first(root: Path, reader: Callable[[list[str]], float] = reader) -> float:
+                    if root == mroot:
+                        counts["p1_0"] = stats(mnt)
+                    r = len(read_rel) / reader([str(root / x) for x in read_rel])
+                    if root == mroot:
+                        counts["p1_1"] = stats(mnt)
+                    return r
+
+                drop_caches()
+                out: list[float | None] = [read_pass(os_reads, True)(src), first(mroot)]
+                out.append(first(squash.mountpoint) if squash is not None else None)
+                results[name] = out
+            three("pass 2 os.read", read_pass(os_reads, True))
+            counts["buf0"] = stats(mnt)
+            three("pass 2 buffered open().read()", read_pass(buffered_reads, True))
+            counts["buf1"] = stats(mnt)
+
+            # ---- ImageFolder over the tar view against the extracted tree, same mount
+            if tars:
+                results["tar"] = imagefolder_tar(mnt, args.repeat)
+            if squash is not None:
+                squash.unmount()
+
+        print(
+            f"\nkspeedfs small files ({walk_files:,} walked; {args.files:,} read of "
+            f"{args.size:,} B); the machine may be shared and loaded"
+        )
+        print(f"  {'':<34}{'source':>12}{'mount':>12}{'squashfuse':>12}")
+        for name in ("walk", "pass 1 os.read", "pass 2 os.read", "pass 2 buffered open().read()"):
+            row(name, results[name], "files/s")
+        print()
+        for name, target in (
+            ("walk", "walk"),
+            ("pass 2 buffered open().read()", "buffered"),
+        ):
+            s, m, _ = results[name]
+            print(f"  {name}: mount/source {ratio(m, s)} (target >= {TARGETS[target]})")
+        for name in ("walk", "pass 1 os.read", "pass 2 os.read", "pass 2 buffered open().read()"):
+            _, m, q = results[name]
+            print(f"  {name}: mount/squashfuse {ratio(m, q)} (target >= {TARGETS['squash']})")
+        n = walk_files
+        print(f"  requests per file, first walk: {per_file(counts['walk0'], counts['walk1'], n)}")
+        print(
+            f"  requests per file, pass 1: {per_file(counts['p1_0'], counts['p1_1'], args.files)}"
+        )
+        reads = args.files * (args.repeat + 1)
+        print(
+            f"  requests per file, buffered pass 2: {per_file(counts['buf0'], counts['buf1'], reads)}"
+        )
+        if tars:
+            view, tree = results["tar"]
+            print(
+                f"  ImageFolder epoch, tar view {view:,.0f} files/s against the extracted tree "
+                f"{tree:,.0f} (same mount): {ratio(view, tree)} "
+                f"(target >= {TARGETS['tar_imagefolder']})"
+                if view
+                else "  ImageFolder over the tar view: n/a (no tar view in this tree)"
+            )
+    return 0
+
+
+def imagefolder_tar(mnt: Path, repeat: int) -> list[float | None]:
+    """Files/s of a stock ImageFolder epoch (raw bytes loader) over `ds@tar/tars/<shard>/`
+    against the same over `read/` of the same mount; None for a tree without the view."""
+    try:
+        from torchvision.datasets import DatasetFolder
+    except ImportError:
+        return [None, None]
+
+    def load(path: str) -> bytes:
+        with open(path, "rb") as f:
+            return f.read()
+
+    def epoch(root: Path) -> float:
+        ds = DatasetFolder(str(root), loader=load, extensions=(".jpg",))
+        started = time.perf_counter()
+        for i in range(len(ds)):
+            ds[i]
+        return len(ds) / (time.perf_counter() - started)
+
+    # The view is a folder at the mount's root beside the dataset's; each shard a folder whose
+    # classes hold 1/shards of the files: files/s over one shard against the whole tree.
+    tars = mnt / "ds@tar" / "tars"
+    tree = mnt / "ds" / "read"
+    if not tars.exists():
+        return [None, epoch(tree)]
+    shard = sorted(tars.iterdir())[0]
+    best_view = best_tree = 0.0
+    for _ in range(repeat + 1):  # the first of each is the cold one: best of the warm kept
+        best_view = max(best_view, epoch(shard))
+        best_tree = max(best_tree, epoch(tree))
+    return [best_view, best_tree]
+
+
+if __name__ == "__main__":
+    sys.exit(main())
