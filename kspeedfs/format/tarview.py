@@ -44,7 +44,7 @@ def node_span(tar_size: int) -> int:
 
 
 @dataclass(slots=True)
-class Node:
+class TarNode:
     kind: str
     mode: int = 0o644  # permission bits from the header (folders without one: 0755)
     mtime: int = 0  # seconds
@@ -58,12 +58,12 @@ class Node:
 class TarTree:
     """The parsed tree of one tar: `nodes` by number; node 0 is the tar's folder."""
 
-    def __init__(self, nodes: dict[int, Node], tar_size: int):
+    def __init__(self, nodes: dict[int, TarNode], tar_size: int):
         self.nodes = nodes
         self.tar_size = tar_size
         self._sorted: dict[int, list[tuple[bytes, int]]] = {}
 
-    def node(self, number: int) -> Node | None:
+    def node(self, number: int) -> TarNode | None:
         return self.nodes.get(number)
 
     def children(self, number: int) -> list[tuple[bytes, int]]:
@@ -144,7 +144,7 @@ def _clean(name: str) -> list[bytes]:
 def parse(read: Callable[[int, int], Reader], size: int) -> TarTree:
     """The tree of the tar of `size` bytes that `read(offset, size)` reads; DataError in one
     line for a damaged or hostile one."""
-    nodes: dict[int, Node] = {0: Node(DIR, 0o755)}
+    nodes: dict[int, TarNode] = {0: TarNode(DIR, 0o755)}
     implied = 1 + size // BLOCK
     by_path: dict[tuple[bytes, ...], int] = {(): 0}
 
@@ -153,7 +153,7 @@ def parse(read: Callable[[int, int], Reader], size: int) -> TarTree:
         if number is None:
             parent = folder(parts[:-1])
             number = implied + len(nodes)  # numbered after every possible header
-            nodes[number] = Node(DIR, 0o755, parent=parent)
+            nodes[number] = TarNode(DIR, 0o755, parent=parent)
             nodes[parent].children[parts[-1]] = number
             by_path[parts] = number
         elif nodes[number].kind != DIR:
@@ -180,18 +180,18 @@ def parse(read: Callable[[int, int], Reader], size: int) -> TarTree:
                             raise DataError(f"{b'/'.join(parts)!r} is a file and a folder")
                         nodes[old].mode, nodes[old].mtime = mode, int(info.mtime)
                         continue
-                    node = Node(DIR, mode, int(info.mtime))
+                    node = TarNode(DIR, mode, int(info.mtime))
                 elif info.isreg():
-                    node = Node(FILE, mode, int(info.mtime), info.offset_data, info.size)
+                    node = TarNode(FILE, mode, int(info.mtime), info.offset_data, info.size)
                 elif info.islnk():
                     target = by_path.get(tuple(_clean(info.linkname)))
                     if target is None or nodes[target].kind != FILE:
                         raise DataError(f"hard link {info.name!r} to no file before it")
                     t = nodes[target]
-                    node = Node(FILE, mode, int(info.mtime), t.offset, t.size)
+                    node = TarNode(FILE, mode, int(info.mtime), t.offset, t.size)
                 elif info.issym():
                     target_bytes = info.linkname.encode("utf-8", _NAMES)
-                    node = Node(LINK, 0o777, int(info.mtime), target=target_bytes)
+                    node = TarNode(LINK, 0o777, int(info.mtime), target=target_bytes)
                 else:
                     continue  # devices, fifos: not extracted
                 parent = folder(parts[:-1])
@@ -223,7 +223,7 @@ def is_tar_name(name: bytes) -> bool:
     return name.endswith(b".tar")
 
 
-def shown_mode(node: Node) -> int:
+def shown_mode(node: TarNode) -> int:
     """The mode the view shows: readable by everyone (the tar's own owners and modes are not
     this machine's), executable files kept executable, never writable."""
     if node.kind == LINK:
