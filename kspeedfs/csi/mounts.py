@@ -49,7 +49,7 @@ class MountdLink:
         nodes = ",".join(str(a) for a in self.settings.nodes)
         lines = [
             f"mountpoint = {_toml_str(volume.target)}",
-            f"dataset = {_toml_str(volume.dataset)}",
+            f"dataset = {_toml_str(volume.mounted)}",
             f"nodes = {_toml_str(nodes)}",
             f"token_file = {_toml_str(str(self.settings.token_file))}",
             # A pod's containers run as any uid; the mount is read-only and the node checks
@@ -125,7 +125,7 @@ class MountdLink:
                 error = entry.get("error") or entry.get("last_error") or entry["state"]
             if time.monotonic() > deadline:
                 raise MountError(
-                    f"{volume.dataset} was not mounted at {volume.target} in {timeout:.0f}s: "
+                    f"{volume.mounted} was not mounted at {volume.target} in {timeout:.0f}s: "
                     f"{error}"
                 )
             time.sleep(POLL_S)
