@@ -46,7 +46,10 @@ class MountdLink:
 
     def declaration(self, volume: Volume) -> str:
         """The TOML mountd reads for a volume: the dataset at the target, for every uid."""
-        nodes = ",".join(str(a) for a in self.settings.nodes)
+        # dns: entries as given: the mount looks them up again (format/discovery.py)
+        nodes = ",".join(
+            str(a) for a in getattr(self.settings.nodes, "entries", self.settings.nodes)
+        )
         lines = [
             f"mountpoint = {_toml_str(volume.target)}",
             f"dataset = {_toml_str(volume.mounted)}",
