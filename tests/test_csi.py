@@ -370,21 +370,36 @@ def test_warm_volumes(short_leases: Stack, tmp_path: Path) -> None:
     assert (slow / "big.bin").read_bytes() == (big / "big.bin").read_bytes()
 
 
-# The pod's stock ImageFolder with its own PIL loader: every decodable sample's pixels.
-PIXELS = """
+# The pod's stock ImageFolder on a decoded volume: with its own PIL loader, each decodable
+# sample's pixels; with a bytes loader, every sample's bytes (as IMAGEFOLDER).
+DECODED_POD = """
 import hashlib, json, sys
 import numpy as np
 from torchvision.datasets import ImageFolder
 root = sys.argv[1]
 ds = ImageFolder(root, is_valid_file=lambda p: p.endswith(".ppm") and "corrupt" not in p)
-out = [(p[len(root) + 1:], c, ds[i][0].size, hashlib.sha256(np.asarray(ds[i][0]).tobytes()).hexdigest())
-       for i, (p, c) in enumerate(ds.samples)]
-print(json.dumps(out))
+pixels = [(p[len(root) + 1:], c, ds[i][0].size, hashlib.sha256(np.asarray(ds[i][0]).tobytes()).hexdigest())
+          for i, (p, c) in enumerate(ds.samples)]
+raw = ImageFolder(root, loader=lambda p: open(p, "rb").read())
+out = [(p[len(root) + 1:], c, hashlib.sha256(raw[i][0]).hexdigest()) for i, (p, c) in enumerate(raw.samples)]
+print(json.dumps({"pixels": pixels, "raw": {"classes": raw.classes, "samples": out}}))
 """
 
 
+def imagefolder_in(root: Path) -> dict[str, object]:
+    """What IMAGEFOLDER prints, computed in this process."""
+    from torchvision.datasets import ImageFolder
+
+    ds = ImageFolder(str(root), loader=lambda p: open(p, "rb").read())  # noqa: SIM115
+    out = [
+        [os.path.relpath(p, root), c, hashlib.sha256(ds[i][0]).hexdigest()]
+        for i, (p, c) in enumerate(ds.samples)
+    ]
+    return {"classes": ds.classes, "samples": out}
+
+
 def resized_here(src: Path, size: int) -> list[list[object]]:
-    """What PIXELS prints for the decoded variant of `src`, computed from the source."""
+    """DECODED_POD's pixels for the decoded variant of `src`, computed from the source."""
     from torchvision import transforms
     from torchvision.datasets import ImageFolder
     from torchvision.datasets.folder import pil_loader
@@ -415,18 +430,19 @@ def test_decoded_volume(stack: Stack, tmp_path: Path) -> None:
     assert "64" in stack.node.request("decode_status", name="imgs")["variants"]
     decl = next((stack.run / "mounts.d").glob("*.toml")).read_text()
     assert 'dataset = "imgs@64"' in decl
-    assert json.loads(run_pod(PIXELS, str(target))) == resized_here(src, 64)
+    seen = json.loads(run_pod(DECODED_POD, str(target)))
+    assert seen["pixels"] == resized_here(src, 64)
     c.publish("vol-d", target, inline_context("imgs", source=str(src), decoded="64"))  # again
     assert code_of(
         lambda: c.publish("vol-d", target, inline_context("imgs", source=str(src)))
     ) == grpc.StatusCode.ALREADY_EXISTS  # fmt: skip
     c.publish("vol-p", plain, inline_context("imgs", source=str(src), decoded="0"))
-    assert json.loads(run_pod(IMAGEFOLDER, str(plain))) == imagefolder_here(src)
+    assert imagefolder_in(plain) == imagefolder_in(src)
     every = MountProcess(tmp_path / "every", stack.env, tmp_path).start()
     try:
         wait_for(lambda: (every.mountpoint / "imgs@64").exists(), what="imgs@64 on the mount")
-        beside = imagefolder_here(every.mountpoint / "imgs@64")
-        assert json.loads(run_pod(IMAGEFOLDER, str(target))) == beside
+        beside = imagefolder_in(every.mountpoint / "imgs@64")
+        assert seen["raw"] == beside
         assert len(beside["samples"]) == 8  # type: ignore[arg-type]
     finally:
         every.stop()
