@@ -20,7 +20,7 @@ import os
 import socket
 import threading
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 from kspeedfs.format.errors import InvalidArgument, KSpeedError, NodeUnreachable
@@ -36,7 +36,7 @@ class ResolvedNodes(list[Address]):
     """A `nodes` setting with dns: entries, as resolved last; `entries` (as given) are what is
     looked up again."""
 
-    def __init__(self, addresses: Sequence[Address], entries: Sequence[Any]):
+    def __init__(self, addresses: Iterable[Address] = (), entries: Sequence[Any] = ()):
         super().__init__(addresses)
         self.entries = tuple(entries)
 
@@ -57,13 +57,13 @@ def resolve_nodes(entries: Sequence[Any], to_address: Callable[[Any], Address]) 
 
 def lookup_again(nodes: Sequence[Address]) -> list[Address]:
     """`nodes` resolved now when it came from dns: entries (as is otherwise)."""
-    if not isinstance(nodes, ResolvedNodes):
+    if not isinstance(nodes, ResolvedNodes) or not nodes.entries:
         return list(nodes)
     return list(resolve_nodes(nodes.entries, lambda x: parse_address(str(x))))
 
 
 def follows_dns(nodes: Sequence[Address], interval: float) -> bool:
-    return isinstance(nodes, ResolvedNodes) and interval > 0
+    return isinstance(nodes, ResolvedNodes) and bool(nodes.entries) and interval > 0
 
 
 class NodeWatch:
