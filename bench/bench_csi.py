@@ -10,7 +10,12 @@ plugin as kubelet does (kspeedfs/csi/harness.py). Prints:
 2. the read rate of every file through the published volume from a "pod" (a process in a
    mount namespace of its own, `unshare -m`) against the same mount read from the host,
    alternating, each pass past the page cache (POSIX_FADV_DONTNEED); target pod/host >= 0.95;
-3. the resident memory of the plugin, mountd and the node.
+3. the resident memory of the plugin, mountd and the node;
+4. a `decoded` volume (`--images` JPEGs, decoded=N): publish-to-ready when the node has no
+   variant yet (the mount starts it), and the images/s of stock ImageFolder (PIL loader) in a
+   pod on it, once the variant is filled, against the all-datasets mount's `NAME@N/` from the
+   host and against the plain (decoded=0) volume, which decodes each JPEG; each pass past the
+   page cache.
 """
 
 from __future__ import annotations
@@ -25,6 +30,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
@@ -87,12 +93,100 @@ def read_pass(root: Path, in_pod: bool) -> dict[str, float]:
     return result
 
 
+IMAGES_PASS = """
+import json, os, sys, time
+from torchvision.datasets import ImageFolder
+ds = ImageFolder(sys.argv[1])
+for path, _ in ds.samples:  # past the page cache, as in 2.
+    with open(path, "rb") as f:
+        os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)
+start = time.perf_counter()
+for i in range(len(ds)):
+    ds[i][0].load()
+print(json.dumps({"seconds": time.perf_counter() - start, "images": len(ds)}))
+"""
+
+
+def make_images(root: Path, count: int) -> Path:
+    """`count` noisy 500x375 JPEGs in 8 class folders; kept for reuse."""
+    import numpy as np
+    from PIL import Image
+
+    marker = root / f".made-{count}"
+    if marker.exists():
+        return root
+    shutil.rmtree(root, ignore_errors=True)
+    rng = np.random.default_rng(0)
+    for i in range(count):
+        folder = root / f"class{i % 8}"
+        folder.mkdir(parents=True, exist_ok=True)
+        pixels = rng.integers(0, 256, (375, 500, 3), dtype="uint8")
+        Image.fromarray(pixels).save(folder / f"img{i:05d}.jpg", "JPEG", quality=85)
+    marker.touch()
+    return root
+
+
+def images_pass(root: Path, in_pod: bool) -> float:
+    argv = [sys.executable, "-c", IMAGES_PASS, str(root)]
+    done = subprocess.run(
+        pod_command(argv) if in_pod else argv, capture_output=True, text=True, check=True
+    )
+    r = json.loads(done.stdout)
+    return float(r["images"] / r["seconds"])
+
+
+def decoded_section(cache: LocalCache, client: CsiClient, target: Any, args: Any) -> None:
+    size = args.decoded
+    images = make_images(Path(args.cache) / "images", args.images)
+    print(f"\n4. a decoded volume: {args.images} JPEGs 500x375, decoded={size}")
+    cache.preload(images, "imgs", show_progress=False)  # no variant yet
+    vol = target("pod-decoded")
+    start = time.perf_counter()
+    client.publish("vol-decoded", vol, inline_context("imgs", decoded=str(size)))
+    t_decoded = time.perf_counter() - start
+    plain = target("pod-plain")
+    start = time.perf_counter()
+    client.publish("vol-plain", plain, inline_context("imgs"))
+    t_plain = time.perf_counter() - start
+    print(
+        f"   publish-to-ready, variant started by the mount: {t_decoded:.2f} s (plain: {t_plain:.2f} s)"
+    )
+    start = time.perf_counter()
+    while cache.request("decode_status", name="imgs")["variants"][str(size)]["state"] != "ready":
+        time.sleep(0.2)
+    print(f"   the variant filled {time.perf_counter() - start:.2f} s after the publish answered")
+    every = Path(tempfile.mkdtemp(prefix="kspeedfs-bench-every-"))
+    cache.mount(every)
+    try:
+        rates: dict[str, list[float]] = {"pod decoded": [], "host imgs@N": [], "pod plain": []}
+        for _ in range(args.rounds):
+            rates["pod decoded"].append(images_pass(vol, True))
+            rates["host imgs@N"].append(images_pass(every / f"imgs@{size}", False))
+            rates["pod plain"].append(images_pass(plain, True))
+        med = {k: statistics.median(v) for k, v in rates.items()}
+        for k, v in rates.items():
+            print(
+                f"   {k:12} {med[k]:8.0f} images/s   (passes: {', '.join(f'{x:.0f}' for x in v)})"
+            )
+        print(
+            f"   pod decoded / host imgs@N: {med['pod decoded'] / med['host imgs@N']:.2f}; "
+            f"pod decoded / pod plain: {med['pod decoded'] / med['pod plain']:.2f}"
+        )
+    finally:
+        cache.unmount(every)
+        shutil.rmtree(every, ignore_errors=True)
+    client.unpublish("vol-decoded", vol)
+    client.unpublish("vol-plain", plain)
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--size", default="1GiB", help="the uncached source's size")
     parser.add_argument("--files", type=int, default=1024)
     parser.add_argument("--rounds", type=int, default=3, help="read passes each, alternating")
     parser.add_argument("--cache", default="/var/tmp/kspeedfs-bench-csi", help="source folder")
+    parser.add_argument("--images", type=int, default=512, help="JPEGs of the decoded volume")
+    parser.add_argument("--decoded", type=int, default=256, help="its decoded size (0: skip)")
     args = parser.parse_args()
     size = parse_size(args.size)
     src = make_source(Path(args.cache), size, args.files)
@@ -170,6 +264,8 @@ def main() -> int:
             print(f"   node:                  {format_size(rss(cache.node.proc.pid))}")
             for volume_id, path in (("vol-cached", cached), ("vol-warm", warm)):
                 client.unpublish(volume_id, path)
+            if args.decoded:
+                decoded_section(cache, client, target, args)
         finally:
             client.close()
             plugin.stop()

@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from kspeedfs.format.errors import InvalidArgument, KSpeedError, NotFound
-from kspeedfs.format.names import validate_name
+from kspeedfs.format.names import validate_mount_name
 from kspeedfs.format.units import parse_address_list
 from kspeedfs.fuse.mount import ALLOWED_OPTIONS
 from kspeedfs.system.mountinfo import normalize
@@ -136,7 +136,7 @@ def _parse(name: str, path: Path, data: dict[str, Any]) -> Declaration:
     if dataset == ALL_DATASETS:
         dataset = None
     elif dataset is not None:
-        validate_name(dataset)
+        validate_mount_name(dataset)
 
     nodes_value = data.get("nodes")
     if isinstance(nodes_value, list) and all(isinstance(n, str) for n in nodes_value):

@@ -18,6 +18,7 @@ import trio
 from kspeedfs.client import admin
 from kspeedfs.format.config import Settings, load_settings
 from kspeedfs.format.errors import KSpeedError, MountError
+from kspeedfs.format.names import split_variant
 from kspeedfs.fuse.mount import check_answers
 from kspeedfs.system.mountinfo import clear_stale, kspeedfs_mounted, require_free_mountpoint
 
@@ -63,7 +64,9 @@ def prepare_mountpoint(decl: Declaration) -> Settings:
 
 
 async def ensure_dataset(settings: Settings, name: str, source: str) -> None:
-    """Preload `name` from `source` unless the node has it; wait until it is ready."""
+    """Preload `name` from `source` unless the node has it; wait until it is ready. For a
+    decoded variant (`NAME@N`) the dataset NAME is preloaded: the mount starts the variant."""
+    name = split_variant(name)[0]
     # The one blocking preload-and-wait, in a thread; a stop (cancel) does not wait for it.
     await trio.to_thread.run_sync(
         functools.partial(admin.ensure_loaded, settings, source, name, lifetime="offline"),

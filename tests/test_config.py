@@ -178,6 +178,7 @@ BAD = {
     "cluster": "a/b",
     "member_ttl": "inf",
     "heal_after": "1e400",
+    "dns_refresh": "-1",
     "metrics_listen": "host:port",
 }
 

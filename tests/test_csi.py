@@ -5,6 +5,7 @@ killed with SIGKILL while a pod reads."""
 from __future__ import annotations
 
 import filecmp
+import hashlib
 import json
 import os
 import re
@@ -18,7 +19,8 @@ from pathlib import Path
 
 import grpc
 import pytest
-from conftest import NodeProcess, make_tree, preload, wait_for
+from conftest import MountProcess, NodeProcess, make_tree, preload, wait_for
+from decoded_images import make_images
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -119,6 +121,10 @@ def test_request_checks() -> None:
     assert v.target == "/var/lib/kubelet/pods/x/mount"
     pv = volume_from_request("imagenet", "/t", {}, False)  # a PV: the handle names the dataset
     assert (pv.dataset, pv.ephemeral) == ("imagenet", False)
+    decoded = volume_from_request("v", "/t", {"dataset": "ok", "decoded": "256"}, True)
+    assert (decoded.dataset, decoded.decoded, decoded.mounted) == ("ok", 256, "ok@256")
+    assert volume_from_request("v", "/t", {"dataset": "ok", "decoded": "0"}, True).mounted == "ok"
+    assert (pv.dataset, pv.ephemeral) == ("imagenet", False)
     for volume_id, target, context, why in [
         ("", "/t", {}, "volume_id"),
         ("v", "", {}, "target_path"),
@@ -126,7 +132,7 @@ def test_request_checks() -> None:
         ("v", "/t", {"dataset": "Bad Name"}, "dataset"),
         ("v", "/t", {"dataset": "ok", "lifetime": "forever"}, "lifetime"),
         ("v", "/t", {"dataset": "ok", "decoded": "-1"}, "decoded"),
-        ("v", "/t", {"dataset": "ok", "decoded": "256"}, "decoded volumes are not served yet"),
+        ("v", "/t", {"dataset": "ok", "decoded": "4097"}, "decoded"),
         ("v", "/t", {"dataset": "ok", "source": "relative"}, "source"),
         ("v", "/t", {"dataset": "ok", "colour": "red"}, "unknown volume attribute"),
         ("v", "/t", {POD_PREFIX + "ephemeral": "true"}, "needs the attribute dataset"),
@@ -364,6 +370,88 @@ def test_warm_volumes(short_leases: Stack, tmp_path: Path) -> None:
     stack.restart_plugin()
     stack.client.publish("vol-s", slow, inline_context("late", source=str(big)))
     assert (slow / "big.bin").read_bytes() == (big / "big.bin").read_bytes()
+
+
+# The pod's stock ImageFolder on a decoded volume: with its own PIL loader, each decodable
+# sample's pixels; with a bytes loader, every sample's bytes (as IMAGEFOLDER).
+DECODED_POD = """
+import hashlib, json, sys
+import numpy as np
+from torchvision.datasets import ImageFolder
+root = sys.argv[1]
+ds = ImageFolder(root, is_valid_file=lambda p: p.endswith(".ppm") and "corrupt" not in p)
+pixels = [(p[len(root) + 1:], c, ds[i][0].size, hashlib.sha256(np.asarray(ds[i][0]).tobytes()).hexdigest())
+          for i, (p, c) in enumerate(ds.samples)]
+raw = ImageFolder(root, loader=lambda p: open(p, "rb").read())
+out = [(p[len(root) + 1:], c, hashlib.sha256(raw[i][0]).hexdigest()) for i, (p, c) in enumerate(raw.samples)]
+print(json.dumps({"pixels": pixels, "raw": {"classes": raw.classes, "samples": out}}))
+"""
+
+
+def imagefolder_in(root: Path) -> dict[str, object]:
+    """What IMAGEFOLDER prints, computed in this process."""
+    from torchvision.datasets import ImageFolder
+
+    ds = ImageFolder(str(root), loader=lambda p: open(p, "rb").read())  # noqa: SIM115
+    out = [
+        [os.path.relpath(p, root), c, hashlib.sha256(ds[i][0]).hexdigest()]
+        for i, (p, c) in enumerate(ds.samples)
+    ]
+    return {"classes": ds.classes, "samples": out}
+
+
+def resized_here(src: Path, size: int) -> list[list[object]]:
+    """DECODED_POD's pixels for the decoded variant of `src`, computed from the source."""
+    from torchvision import transforms
+    from torchvision.datasets import ImageFolder
+    from torchvision.datasets.folder import pil_loader
+
+    valid = lambda p: p.lower().endswith((".jpg", ".jpeg", ".png")) and "corrupt" not in p  # noqa: E731
+    ref = ImageFolder(str(src), is_valid_file=valid)
+    out: list[list[object]] = []
+    for path, c in ref.samples:
+        img = transforms.Resize(size)(pil_loader(path))
+        rel = os.path.relpath(path, src).rsplit(".", 1)[0] + ".ppm"  # no shared stems here
+        digest = hashlib.sha256(img.tobytes()).hexdigest()  # RGB: np.asarray(img).tobytes()
+        out.append([rel, c, list(img.size), digest])
+    return out
+
+
+@pytest.mark.slow
+@pytest.mark.fuse
+def test_decoded_volume(stack: Stack, tmp_path: Path) -> None:
+    """An inline volume with decoded=64 and an uncached source: publish preloads the dataset,
+    the mount starts its decoded variant (the node had none), and the pod's stock ImageFolder
+    reads Resize(64) of each image; the bytes are those the all-datasets mount shows under
+    imgs@64/. A decoded=0 volume of the same dataset shows the files as they are."""
+    src = tmp_path / "images"
+    make_images(src)
+    c = stack.client
+    target, plain = stack.target("pod-d"), stack.target("pod-p")
+    c.publish("vol-d", target, inline_context("imgs", source=str(src), decoded="64"))
+    assert "64" in stack.node.request("decode_status", name="imgs")["variants"]
+    decl = next((stack.run / "mounts.d").glob("*.toml")).read_text()
+    assert 'dataset = "imgs@64"' in decl
+    seen = json.loads(run_pod(DECODED_POD, str(target)))
+    assert seen["pixels"] == resized_here(src, 64)
+    c.publish("vol-d", target, inline_context("imgs", source=str(src), decoded="64"))  # again
+    assert code_of(
+        lambda: c.publish("vol-d", target, inline_context("imgs", source=str(src)))
+    ) == grpc.StatusCode.ALREADY_EXISTS  # fmt: skip
+    c.publish("vol-p", plain, inline_context("imgs", source=str(src), decoded="0"))
+    assert imagefolder_in(plain) == imagefolder_in(src)
+    every = MountProcess(tmp_path / "every", stack.env, tmp_path).start()
+    try:
+        wait_for(lambda: (every.mountpoint / "imgs@64").exists(), what="imgs@64 on the mount")
+        beside = imagefolder_in(every.mountpoint / "imgs@64")
+        assert seen["raw"] == beside
+        assert len(beside["samples"]) == 8  # type: ignore[arg-type]
+    finally:
+        every.stop()
+    c.unpublish("vol-d", target)
+    c.unpublish("vol-p", plain)
+    assert not target.exists() and not plain.exists()
+    wait_for(lambda: "imgs" not in stack.datasets(), what="imgs unloaded with its last volume")
 
 
 READER = """

@@ -222,3 +222,43 @@ def test_unload_removes_the_variant_folder(
     preload(node, src)  # loaded again without the variant: no folder for it
     wait_for(lambda: (mount_all.mountpoint / "imgs").exists(), what="imgs back")
     assert not folder.exists()
+
+
+def test_mount_of_one_variant_at_the_root_starts_it_and_serves_what_name_at_n_serves(
+    node: NodeProcess,
+    images: tuple[Path, dict[str, str]],
+    mounts: list[MountProcess],
+    mount_all: MountProcess,
+    tmp_path: Path,
+) -> None:
+    """`mount --dataset imgs@64` (what a CSI volume with decoded=64 declares): the dataset was
+    loaded without the variant, the mount starts it, and its root is the tree the
+    all-datasets mount shows under imgs@64/, byte for byte; stock ImageFolder reads it."""
+    src, kinds = images
+    preload(node, src)
+    assert node.request("decode_status", name="imgs")["variants"] == {}
+    mount = MountProcess(tmp_path / "one", node.env(), tmp_path, ("--dataset", "imgs@64"))
+    mounts.append(mount.start())
+    assert "64" in node.request("decode_status", name="imgs")["variants"]  # started by the mount
+    root = mount.mountpoint
+    assert sorted(os.listdir(root)) == sorted(os.listdir(src))
+    assert sorted(os.listdir(root / "cat")) == ["a.jpg.ppm", "a.png.ppm", "b.ppm", "c.ppm", "d.ppm"]
+    check_folder(root, src, kinds, 64)
+    check_image_folder(root, src, kinds)
+    wait_for(lambda: (mount_all.mountpoint / "imgs@64").exists(), what="imgs@64 on mount_all")
+    beside = mount_all.mountpoint / "imgs@64"
+    for dirpath, _dirs, files in os.walk(beside):
+        for f in files:
+            rel = os.path.relpath(os.path.join(dirpath, f), beside)
+            assert (root / rel).read_bytes() == (beside / rel).read_bytes(), rel
+    assert "ERROR" not in mount.log()
+
+
+@pytest.mark.parametrize("name", ["imgs@", "imgs@x", "imgs@65536", "@64", "imgs@64@1"])
+def test_mount_refuses_a_malformed_variant_name(name: str) -> None:
+    from kspeedfs.format.errors import InvalidArgument
+    from kspeedfs.format.names import split_variant, validate_mount_name
+
+    with pytest.raises(InvalidArgument):
+        validate_mount_name(name)
+    assert split_variant("imgs@64") == ("imgs", 64) and split_variant("imgs") == ("imgs", None)

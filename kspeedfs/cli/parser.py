@@ -132,7 +132,9 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("mount", help="mount the cache as a read-only filesystem")
     _client_options(p)
     p.add_argument("mountpoint")
-    p.add_argument("--dataset", help="serve one dataset at the root")
+    p.add_argument(
+        "--dataset", help="serve one dataset at the root (NAME@N: its decoded variant of size N)"
+    )
     p.add_argument("--source", help="read-through: serve this folder or s3:// URL, cached as read")
     p.add_argument("--endpoint", help="object store endpoint URL of an s3:// --source")
     p.add_argument("--name", help="dataset name for --source (default: from the source)")

@@ -30,6 +30,7 @@ from kspeedfs.format.contract import Request
 from kspeedfs.format.contract.node import List, ManifestPiece, ManifestReq
 from kspeedfs.format.contract.pieces import BlobPiece, fetch_all
 from kspeedfs.format.contract.readthrough import FillSegment
+from kspeedfs.format.discovery import NodeWatch
 from kspeedfs.format.errors import (
     DataError,
     InvalidArgument,
@@ -71,7 +72,7 @@ class ClusterReader:
 
     def __init__(self, settings: Settings, local_node: str | None = None):
         self.settings = settings
-        self.nodes = [str(a) for a in settings.nodes]
+        self._node_watch = NodeWatch(settings.nodes, settings.dns_refresh)  # dns: followed
         self.local_node = local_node
         self.stats: Counter[str] = Counter()
         self._down_until: dict[str, float] = {}
@@ -80,6 +81,12 @@ class ClusterReader:
         self._pid = os.getpid()
         # Read-through segments a remote owner said it holds: read there with no fill request.
         self._filled: dict[tuple[str, int], str] = {}
+
+    @property
+    def nodes(self) -> list[str]:
+        """The nodes to ask: settings.nodes (dns: entries as looked up last, kspeedfs.format.
+        discovery)."""
+        return [str(a) for a in self._node_watch.current()]
 
     # Node health and connections.
 

@@ -42,6 +42,8 @@ def settings_toml(namespace: str) -> str:
             "# kspeedfs settings (docs/settings.md); the node's listen address comes from",
             "# KSPEEDFS_LISTEN, its pod IP (the host's: it runs on the host network).",
             f'nodes = ["dns:{SERVICE}.{namespace}.svc.cluster.local:{PORT}"]',
+            "# Looked up again this often: a node added to the DaemonSet joins, a gone one leaves.",
+            "dns_refresh = 10",
             f'token_file = "{TOKEN}"',
             'memory = "50%"',
             "# A volume's lease outlives a plugin restart of up to this many seconds.",

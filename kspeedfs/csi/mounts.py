@@ -46,10 +46,13 @@ class MountdLink:
 
     def declaration(self, volume: Volume) -> str:
         """The TOML mountd reads for a volume: the dataset at the target, for every uid."""
-        nodes = ",".join(str(a) for a in self.settings.nodes)
+        # dns: entries as given: the mount looks them up again (format/discovery.py)
+        nodes = ",".join(
+            str(a) for a in getattr(self.settings.nodes, "entries", self.settings.nodes)
+        )
         lines = [
             f"mountpoint = {_toml_str(volume.target)}",
-            f"dataset = {_toml_str(volume.dataset)}",
+            f"dataset = {_toml_str(volume.mounted)}",
             f"nodes = {_toml_str(nodes)}",
             f"token_file = {_toml_str(str(self.settings.token_file))}",
             # A pod's containers run as any uid; the mount is read-only and the node checks
@@ -125,7 +128,7 @@ class MountdLink:
                 error = entry.get("error") or entry.get("last_error") or entry["state"]
             if time.monotonic() > deadline:
                 raise MountError(
-                    f"{volume.dataset} was not mounted at {volume.target} in {timeout:.0f}s: "
+                    f"{volume.mounted} was not mounted at {volume.target} in {timeout:.0f}s: "
                     f"{error}"
                 )
             time.sleep(POLL_S)

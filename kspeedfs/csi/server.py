@@ -160,7 +160,7 @@ class NodePlugin:
                 if not known.compatible(volume):
                     raise VolumeConflict(
                         f"{volume.target} already publishes volume {known.volume_id} "
-                        f"(dataset {known.dataset}), not this one"
+                        f"(dataset {known.mounted}), not this one"
                     )
                 volume = known  # the same volume again: make sure it is mounted, answer OK
             else:
@@ -176,7 +176,7 @@ class NodePlugin:
                 raise
         log.info(
             "published %s (%s) at %s for %s",
-            volume.volume_id, volume.dataset, volume.target, volume.pod or "a pod",
+            volume.volume_id, volume.mounted, volume.target, volume.pod or "a pod",
         )  # fmt: skip
         return pb.NodePublishVolumeResponse()
 

@@ -35,7 +35,7 @@ class Volume:
     dataset: str
     source: str = ""  # preloaded from here at publish when the dataset is not cached
     lifetime: str = "job"  # job: unloaded with the last volume that loaded it
-    decoded: int = 0  # 0: the files as they are (N, the decoded variant, is refused for now)
+    decoded: int = 0  # 0: the files as they are; N: the decoded variant NAME@N at the target
     ephemeral: bool = False
     pod: str = ""  # namespace/name of the pod, for logs
     lease: str = ""  # the lease this volume holds on its dataset ("" none)
@@ -45,6 +45,12 @@ class Volume:
         """A second publish at the same target asks for this same volume (leases aside)."""
         keys = ("volume_id", "target", "dataset", "source", "lifetime", "decoded")
         return all(getattr(self, k) == getattr(other, k) for k in keys)
+
+    @property
+    def mounted(self) -> str:
+        """What the target shows: the dataset, or its decoded variant (`NAME@N`, which the
+        mount starts when the node has none yet)."""
+        return f"{self.dataset}@{self.decoded}" if self.decoded else self.dataset
 
     def to_json(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -91,12 +97,6 @@ def volume_from_request(
     if not decoded_text.isdigit() or not 0 <= int(decoded_text) <= MAX_DECODED:
         raise InvalidArgument(
             f"decoded must be a size in pixels (0-{MAX_DECODED}): {decoded_text!r}"
-        )
-    if int(decoded_text):
-        # A mount of one dataset (--dataset) shows no NAME@N folder yet: refused, not ignored.
-        raise InvalidArgument(
-            "decoded volumes are not served yet: read the decoded variant with the fast path "
-            "(KSpeedImageFolder(..., decoded=N)) or a mount of every dataset"
         )
     pod = context.get(POD_PREFIX + "pod.namespace", "")
     if pod:

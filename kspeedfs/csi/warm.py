@@ -24,6 +24,7 @@ from kspeedfs.format.config import Settings
 from kspeedfs.format.contract.leases import LeaseAcquire, LeaseRelease, LeaseRenew
 from kspeedfs.format.contract.node import List
 from kspeedfs.format.contract.preload import LoadProgress
+from kspeedfs.format.discovery import NodeWatch
 from kspeedfs.format.errors import AlreadyExists, KSpeedError, NotFound
 from kspeedfs.format.tls import client_context
 from kspeedfs.format.units import parse_address
@@ -44,14 +45,15 @@ class WarmDatasets:
 
     def __init__(self, settings: Settings, node_id: str):
         # This machine's node first (KSPEEDFS_LISTEN): it answers the list and the preloads.
-        local = local_node_for(settings)
-        nodes = sorted(settings.nodes, key=lambda a: str(a) != local)
-        self.settings = dataclasses.replace(settings, nodes=nodes)
+        self.local = local_node_for(settings)
+        self.settings = settings
         self.node_id = node_id
+        self.nodes = NodeWatch(settings.nodes, settings.dns_refresh)  # dns: looked up again
 
     def _client(self, address: str | None = None) -> NodeClient:
         if address is None:
-            return admin.connect(self.settings)
+            nodes = sorted(self.nodes.current(), key=lambda a: str(a) != self.local)
+            return admin.connect(dataclasses.replace(self.settings, nodes=nodes))
         return NodeClient(
             parse_address(address),
             self.settings.credential(),

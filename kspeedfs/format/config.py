@@ -51,6 +51,8 @@ class Settings:
         nodes: the cluster's nodes (with etcd: the live members, unless given): HOST:PORT, or
             dns:NAME:PORT for every address NAME resolves to (a headless Service); in a
             Kubernetes pod, unset: the node on the pod's host (HOST_IP).
+        dns_refresh: seconds between lookups of the dns: names of `nodes` by nodes and
+            long-lived clients, so that peers added or gone are followed (0: at start only).
         timeout: seconds to wait for a node.
         token_file: the token a client proves (and the admin token a node derives every
             role's token from); a one-machine node creates it on first start.
@@ -104,6 +106,7 @@ class Settings:
     nodes: list[Address] = dataclasses.field(
         default_factory=lambda: [Address("127.0.0.1", DEFAULT_PORT)]
     )
+    dns_refresh: float = 10.0
     shm_dir: Path = Path("/dev/shm/kspeedfs")
     # Budget for cached data: a size, or a percentage of the shm filesystem.
     memory: str = "50%"

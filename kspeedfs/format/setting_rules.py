@@ -17,7 +17,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from kspeedfs.format.discovery import DNS_PREFIX, resolve_dns
+from kspeedfs.format.discovery import DNS_PREFIX, resolve_nodes
 from kspeedfs.format.errors import InvalidArgument
 from kspeedfs.format.units import Address, parse_address, parse_size
 
@@ -116,13 +116,10 @@ def _to_nodes(v: Any) -> list[Address]:
     items = v if isinstance(v, list) else [x for x in _string(v).split(",") if x.strip()]
     if not items:
         raise InvalidArgument("empty node list")
-    out: list[Address] = []
-    for x in items:
-        if isinstance(x, str) and x.strip().startswith(DNS_PREFIX):
-            out.extend(a for a in resolve_dns(x.strip()) if a not in out)
-        else:
-            out.append(_to_address(x))
-    return out
+    if any(isinstance(x, str) and x.strip().startswith(DNS_PREFIX) for x in items):
+        # Looked up again every dns_refresh seconds by nodes and long-lived clients.
+        return resolve_nodes([x.strip() if isinstance(x, str) else x for x in items], _to_address)
+    return [_to_address(x) for x in items]
 
 
 def _to_listen_text(v: Any) -> str:
@@ -231,6 +228,7 @@ EVICTION_POLICIES = ("stable", "plan", "lru")  # node/readthrough/policy.py
 RULES: dict[str, Callable[[Any], Any]] = {
     "listen": lambda v: _to_address(v, min_port=0),
     "nodes": _to_nodes,
+    "dns_refresh": _to_float,
     "shm_dir": lambda v: _to_path(v, absolute=True),
     "memory": _to_memory,
     "segment_size": lambda v: _to_size(v, minimum=4096),

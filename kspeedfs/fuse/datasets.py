@@ -19,10 +19,13 @@ import trio
 
 from kspeedfs.client.handle import DatasetHandle
 from kspeedfs.client.reader import ClusterReader
+from kspeedfs.format.contract.decoded import Decode
 from kspeedfs.format.contract.node import List
 from kspeedfs.format.errors import KSpeedError, NodeUnreachable, NotFound
+from kspeedfs.format.names import split_variant
 from kspeedfs.fuse import variants
 from kspeedfs.net.aconnection import AsyncNodeClient
+from kspeedfs.net.connection import SCAN_TIMEOUT
 
 log = logging.getLogger(__name__)
 
@@ -65,6 +68,9 @@ class DatasetList:
         self.clients = clients  # the local node first: the list comes from one of them
         self.reader = reader
         self.single = single  # serve this dataset at the root instead of one folder each
+        # NAME@N: the decoded variant of NAME served at the root (NAME is opened too)
+        self.single_base, self.single_size = split_variant(single) if single else ("", None)
+        self._variant_started = ""  # the instance whose variant this mount asked for
         self.by_slot: dict[int, MountedDataset] = {}
         self.by_name: dict[str, MountedDataset] = {}
         self.on_change: Callable[[Change], None] = lambda change: None
@@ -114,6 +120,8 @@ class DatasetList:
         for client in self.clients:
             try:
                 listing = await client.call(List())
+                if self.single_size is not None and await self._start_variant(client, listing):
+                    listing = await client.call(List())
                 break
             except NodeUnreachable as e:
                 error = e
@@ -126,6 +134,9 @@ class DatasetList:
         ready = {d["name"]: d for d in listing["datasets"] if d.get("state") == "ready"}
         # Decoded variants (NAME@N) are instances too: listed with their dataset's uuid.
         offered = {} if self.single else variants.offered(ready)
+        if self.single and self.single_size is not None and self.single_base in ready:
+            # Served from the variant's local pixels where listed, else decoded on demand.
+            offered = {self.single: (self.single_base, self.single_size)}
         listed = {n: d["uuid"] for n, d in ready.items()}
         listed.update((v, ready[base]["uuid"]) for v, (base, _size) in offered.items())
         for name, mounted in self.by_name.items():  # tar views: kept while their dataset is
@@ -142,7 +153,7 @@ class DatasetList:
             forget.extend(self._drop(mounted))
         added = []
         for name, d in ready.items():
-            if name in by_name or (self.single and name != self.single):
+            if name in by_name or (self.single and name != self.single_base):
                 continue
             try:
                 data = await trio.to_thread.run_sync(self.reader.open_dataset, name, d)
@@ -190,6 +201,24 @@ class DatasetList:
                 out[variants.tar_folder_name(name)] = (name, None)
         return out
 
+    async def _start_variant(self, client: AsyncNodeClient, listing: dict[str, Any]) -> bool:
+        """A mount of NAME@N: start the variant where the node has NAME ready but no such
+        variant (as the fast path does), once per instance; True when it was asked for."""
+        size = self.single_size
+        assert size is not None
+        d = next((d for d in listing["datasets"] if d["name"] == self.single_base), None)
+        if d is None or d.get("state") != "ready" or d["uuid"] == self._variant_started:
+            return False
+        self._variant_started = d["uuid"]
+        state = ((d.get("decoded") or {}).get(str(size)) or {}).get("state")
+        if state in variants.SHOWN_STATES:
+            return False
+        log.info("starting the decoded variant %s of instance %s", self.single, d["uuid"][:8])
+        await client.call(
+            Decode(name=self.single_base, size=size, uuid=d["uuid"]), answer_within=SCAN_TIMEOUT
+        )
+        return True
+
     def _drop(self, mounted: MountedDataset) -> list[bytes]:
         """Let go of an instance; returns the names under the root the kernel must forget."""
         log.info("dataset %s (instance %s) is gone from the node", mounted.name, mounted.uuid[:8])
@@ -199,8 +228,15 @@ class DatasetList:
             return [mounted.name.encode()]
         # Served at the root: the kernel would keep its entries (a day) for the old instance,
         # e.g. after a refresh; forget them so lookups reach the new one.
+        if mounted.name != self.single:
+            return []  # the dataset under a variant served at the root: not shown
+        return sorted(self._top_names(mounted))
+
+    def _top_names(self, mounted: MountedDataset) -> set[bytes]:
         m = mounted.data.manifest
-        return [m.name(child) for child in m.children(0)]
+        if variants.is_variant(mounted.info):
+            return variants.top_names(m)
+        return {m.name(child) for child in m.children(0)}
 
     def root_names(self) -> set[bytes]:
         """What the mount's root lists now: a folder per dataset (and variant), or the top
@@ -211,8 +247,7 @@ class DatasetList:
         mounted = self.by_name.get(self.single)
         if mounted is None:
             return set()
-        m = mounted.data.manifest
-        return {m.name(child) for child in m.children(0)}
+        return self._top_names(mounted)
 
     def require(self, name: str) -> None:
         if name not in self.by_name:

@@ -22,7 +22,7 @@ from kspeedfs.client.reader import ClusterReader, local_node_for
 from kspeedfs.format.config import Settings
 from kspeedfs.format.contract.node import Ping
 from kspeedfs.format.errors import ERROR_CLASSES, KSpeedError, MountError
-from kspeedfs.format.names import validate_name
+from kspeedfs.format.names import validate_mount_name
 from kspeedfs.format.tls import client_context
 from kspeedfs.fuse.datasets import DatasetList
 from kspeedfs.fuse.kernel import FuseSession
@@ -215,7 +215,7 @@ def run_mount(
 ) -> None:
     """Mount and serve; in the background unless `foreground`, returning once the mount is up."""
     if dataset is not None:
-        validate_name(dataset)
+        validate_mount_name(dataset)
     path = check_mountpoint(mountpoint)
     opts = fuse_options(options)
     if foreground:

@@ -10,7 +10,7 @@ from typing import Any
 from kspeedfs.client.admin import connect_within
 from kspeedfs.format.config import load_settings
 from kspeedfs.format.errors import InvalidArgument, KSpeedError
-from kspeedfs.format.names import validate_name
+from kspeedfs.format.names import validate_mount_name
 from kspeedfs.fuse.mount import ALLOWED_OPTIONS, check_mountpoint, fuse_options, run_mount
 from kspeedfs.system.logs import setup_logging
 from kspeedfs.system.mountinfo import clear_stale
@@ -100,7 +100,10 @@ def build_parser() -> argparse.ArgumentParser:
         "nofail, rw, ro, noauto, user, x-systemd.*, comment=...) are ignored. Exit codes are "
         "mount(8)'s: 0 mounted, 1 bad usage or option, 32 mount failed.",
     )
-    p.add_argument("source", help="the dataset to mount at DIR, or 'all' for one folder each")
+    p.add_argument(
+        "source",
+        help="the dataset (NAME@N: its decoded variant) to mount at DIR, or 'all' for one folder each",
+    )
     p.add_argument("mountpoint")
     p.add_argument("-o", dest="options", action="append", default=[], help="comma-separated")
     p.add_argument("-s", dest="sloppy", action="store_true", help="ignore unknown options")
@@ -135,7 +138,7 @@ def _mount(args: argparse.Namespace) -> int:
         raise InvalidArgument("mounting in another namespace (-N) is not supported")
     options = [o for text in args.options for o in split_options(text)]
     fuse, values = translate_options(options, args.sloppy)
-    dataset = None if args.source == ALL_DATASETS else validate_name(args.source)
+    dataset = None if args.source == ALL_DATASETS else validate_mount_name(args.source)
     settings = load_settings(
         {
             "nodes": values.get("nodes"),

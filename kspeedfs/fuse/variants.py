@@ -71,6 +71,23 @@ def is_variant(info: dict[str, Any]) -> bool:
     return VARIANT_OF in info
 
 
+def top_names(manifest: Any) -> set[bytes]:
+    """The names a variant shows at its root (VariantFiles.name of each top-level entry), for
+    a mount that serves NAME@N at its root."""
+    kids = [int(c) for c in manifest.children(0)]
+    stems: dict[bytes, int] = {}
+    for c in kids:
+        base = stem(manifest.name(c)) if manifest.is_file(c) else None
+        if base is not None:
+            stems[base] = stems.get(base, 0) + 1
+    out = set()
+    for c in kids:
+        name = manifest.name(c)
+        base = stem(name) if manifest.is_file(c) else None
+        out.add(name if base is None else base + PPM if stems[base] == 1 else name + PPM)
+    return out
+
+
 def stem(name: bytes) -> bytes | None:
     """`a.b` of an image named `a.b.jpg`; None for a name that is not an image's."""
     if not fmt.is_image(name):

@@ -22,6 +22,7 @@ from kspeedfs.format.units import parse_size
 from kspeedfs.node.control import ControlPlane
 from kspeedfs.node.coordinator import PreloadCoordinator
 from kspeedfs.node.decoded import DecodedVariants
+from kspeedfs.node.discovery import follow_dns, placement_list
 from kspeedfs.node.fdserver import FdServer
 from kspeedfs.node.info import NodeInfo
 from kspeedfs.node.leases import LeaseOwner, LeaseTable
@@ -41,9 +42,7 @@ from kspeedfs.rdma.server import RdmaService
 
 def cluster_members(settings: Settings) -> list[str]:
     """The node list this node places data over; just itself when it is not in the list."""
-    me = str(settings.listen)
-    members = [str(a) for a in settings.nodes]
-    return members if me in members else [me]
+    return placement_list([str(a) for a in settings.nodes], str(settings.listen))
 
 
 class Node:
@@ -146,6 +145,8 @@ class Node:
             serve_metrics(self.settings.metrics_listen, self.info.metrics_snapshot, histograms)
         if self.control is None:
             task_status.started()
+            # A dns: node list is followed: peers added to the Service join, gone ones leave.
+            await follow_dns(self.settings, self.members, self.address)
             return
         await self.control.run(self.address, task_status=task_status)
 
