@@ -2,7 +2,7 @@
 
 Keys under /kspeedfs/CLUSTER/:
     members/ADDR   a live node; on the node's lease, so it goes when the node stops renewing.
-                   Its create revision is that registration's fencing token.
+                   Its mod revision is that registration's fencing token.
     known/ADDR     every node that ever joined (so a node that is gone shows as down)
     down/ADDR      a survivor saw ADDR gone: written only in a transaction that finds
                    members/ADDR absent (so never for a live member), removed in the transaction
@@ -68,8 +68,8 @@ def _range_end(prefix: str) -> str:
 
 @dataclasses.dataclass(frozen=True)
 class Registration:
-    """One registration of a node: its lease, and the create revision of its members/ key,
-    the fencing token its catalog writes are compared on."""
+    """One registration of a node: its lease, and the revision that wrote its members/ key
+    (only a registration writes it), the fencing token its catalog writes are compared on."""
 
     address: str
     lease: int
@@ -96,7 +96,7 @@ class Snapshot:
 
     def registered(self, me: Registration | None) -> bool:
         """`me` is still the registration etcd holds (not lapsed, not replaced)."""
-        return me is not None and getattr(self.members.get(me.address), "create", 0) == me.revision
+        return me is not None and getattr(self.members.get(me.address), "mod", 0) == me.revision
 
     def stale_note(self, address: str, me: Registration) -> bool:
         """A down note written before `me` registered: etcd was away meanwhile (every lease
@@ -120,7 +120,7 @@ class Snapshot:
 def member_is(prefix: str, me: Registration) -> dict[str, Any]:
     """`me` is still registered: the fence of a node's catalog writes."""
     key = _b64(prefix + "members/" + me.address)
-    return {"key": key, "result": "EQUAL", "target": "CREATE", "create_revision": me.revision}
+    return {"key": key, "result": "EQUAL", "target": "MOD", "mod_revision": me.revision}
 
 
 def absent(key: str) -> dict[str, Any]:

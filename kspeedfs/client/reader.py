@@ -571,30 +571,39 @@ class ClusterReader:
             deadline = time.monotonic() + self.settings.timeout
         nbytes = sum(r[2] for r in ranges)
         started = time.monotonic()
-        primary = self._open(node)
-        if not _hedgeable(primary) or ds.readthrough:
-            self._release(node, primary)
-            self.read_ranges(node, ds.name, ds.uuid, ranges, out, deadline)
-            return
-        try:
-            rid = primary.send_read(ds.name, ds.uuid, ranges)
-            if primary.wait_readable(min(self.hedge_delay(node, nbytes), deadline - started)):
-                primary.set_timeout(deadline - time.monotonic())
-                primary.receive_read(rid, out)
+        for attempt in (1, 2):
+            try:
+                pooled, primary = self._acquire(node)
+            except NodeUnreachable as e:
+                self.mark_down(node, str(e))
+                raise
+            if not _hedgeable(primary) or ds.readthrough:
                 self._release(node, primary)
-                self.health.observe(node, time.monotonic() - started)
-                self.health.trust(node)
+                self.read_ranges(node, ds.name, ds.uuid, ranges, out, deadline)
                 return
-        except NodeUnreachable as e:
-            primary.close()
-            self.mark_down(node, str(e))
-            raise
-        except BaseException:
-            primary.close()
-            raise
+            try:
+                rid = primary.send_read(ds.name, ds.uuid, ranges)
+                if primary.wait_readable(min(self.hedge_delay(node, nbytes), deadline - started)):
+                    primary.set_timeout(deadline - time.monotonic())
+                    primary.receive_read(rid, out)
+                    self._release(node, primary)
+                    self.health.observe(node, time.monotonic() - started)
+                    self.health.trust(node)
+                    return
+            except NodeUnreachable as e:
+                primary.close()
+                if pooled and attempt == 1 and time.monotonic() - started < HEDGE_FLOOR_S:
+                    continue  # a kept connection the node closed (it restarted): no wait lost
+                self.mark_down(node, str(e))
+                raise
+            except BaseException:
+                primary.close()
+                raise
+            break
         # Late: suspect now, for every reader of the machine; ask the other owners too.
         self.suspect(node, f"no answer within {self.hedge_delay(node, nbytes) * 1000:.0f} ms")
         hedges = self._send_hedges(ds, node, ranges)
+        assert _hedgeable(primary)
         self._race(ds, node, primary, rid, hedges, ranges, out, started, deadline)
 
     def _send_hedges(self, ds: DatasetHandle, node: str, ranges: list[Range]) -> list[_Hedge]:
