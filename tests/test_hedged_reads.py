@@ -3,6 +3,7 @@ timeout; what one process learns of a node every other reader of the machine kno
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import time
@@ -10,7 +11,7 @@ from pathlib import Path
 
 import pytest
 from clusterutil import Cluster, running
-from conftest import make_tree, wait_for
+from conftest import make_tree, run_cli, wait_for
 
 from kspeedfs.client.health import NodeHealth
 from kspeedfs.client.reader import ClusterReader
@@ -97,6 +98,16 @@ def test_a_frozen_node_costs_a_hedge_delay_not_a_timeout(tmp_path: Path, token_f
             hedged = reader.stats["hedged"]
             assert read_all()[0] == 0  # suspect: new reads go to the others first
             assert reader.stats["hedged"] == hedged
+            started = time.monotonic()
+            status = run_cli("status", "--json", env=env)  # never hangs on a silent node
+            assert status.returncode == 0, status.stderr
+            assert time.monotonic() - started < 10  # 2 s per node at most, asked together
+            states = {n["node"]: n["state"] for n in json.loads(status.stdout)["nodes"]}
+            assert states[frozen.address] == "down"
+            assert {states[n.address] for n in cluster.nodes if n is not frozen} <= {
+                "up",
+                "suspect",
+            }
         finally:
             os.kill(frozen.proc.pid, signal.SIGCONT)
         wait_for(lambda: not health.is_suspect(frozen.address), timeout=10, what="the probe")

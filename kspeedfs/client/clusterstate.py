@@ -167,13 +167,13 @@ class ClusterState:
         self._first = 0
 
     @classmethod
-    def of(cls, settings: Settings) -> ClusterState:
+    def of(cls, settings: Settings, timeout: float = 5.0) -> ClusterState:
         tls = None
         if settings.tls() and any(url.startswith("https://") for url in settings.etcd):
             client_context(settings)  # unreadable or mismatched files: one line, before any call
             assert settings.tls_cert and settings.tls_key and settings.tls_ca
             tls = (settings.tls_cert, settings.tls_key, settings.tls_ca)
-        return cls(settings.etcd, settings.cluster, min(settings.timeout, 5.0), tls)
+        return cls(settings.etcd, settings.cluster, min(settings.timeout, timeout), tls)
 
     def _call(self, fn: Callable[[etcd3gw.Etcd3Client], T]) -> T:
         last: Exception | None = None
@@ -337,17 +337,26 @@ class ClusterState:
         )
 
     def member_table(self) -> list[Record]:
-        """Every node that ever joined: {node, state up/down, since}, sorted by address."""
-        live = self.live_members()
-        known = self._prefix("known")
-        down = self._prefix("down")
-        rows = []
-        for address in sorted(set(known) | set(live)):
-            if address in live:
-                rows.append({"node": address, "state": "up", "since": live[address]["since"]})
-            else:
-                since = down.get(address, ({}, 0))[0].get("since")
-                rows.append({"node": address, "state": "down", "since": since})
+        """Every node that ever joined: {node, state, since}, sorted by address. State: up;
+        down (gone from etcd, its grace running: `grace` true); lost (a catalog record
+        declared it lost: its copies were made again elsewhere)."""
+        snap = self.snapshot()
+        lost = {m for record, _rev in snap.datasets.values() for m in record.get("lost", [])}
+        rows: list[Record] = []
+        for address in sorted(snap.known | set(snap.members)):
+            member = snap.members.get(address)
+            if member is not None:
+                rows.append({"node": address, "state": "up", "since": member.value.get("since")})
+                continue
+            note = snap.down.get(address)
+            rows.append(
+                {
+                    "node": address,
+                    "state": "lost" if address in lost else "down",
+                    "since": note.value.get("since") if note else None,
+                    "grace": address in snap.grace,
+                }
+            )
         return rows
 
     def forget(self, address: str) -> None:
