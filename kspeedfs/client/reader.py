@@ -70,6 +70,10 @@ HEDGE_FLOOR_S = 0.03  # the least a read waits for a node before asking another 
 HEDGE_CEILING_S = 1.0  # and the most
 HEDGE_BYTES_PER_S = 500e6  # a large read is given its transfer time at this rate on top
 PROBE_EVERY_S = 0.5  # a suspect or down node is pinged this often (once per machine)
+# An answer that has begun but stops arriving for this long fails (the node is cut off
+# mid-answer) and its ranges go to another owner; a lost packet's retransmission (TCP's
+# 200 ms, 400 ms) stays well under it.
+RECEIVE_STALL_S = 1.0
 # One vectored read stays well under the protocol's frame and range limits.
 MAX_READ_BYTES = 64 * 1024 * 1024
 MAX_READ_RANGES = 4096
@@ -94,6 +98,12 @@ class _Hedge(NamedTuple):
     rid: int
     picks: list[int]
     buf: bytearray
+
+
+def _stall_limit(deadline: float) -> float:
+    """The socket timeout while receiving: RECEIVE_STALL_S without a byte, within the read's
+    deadline."""
+    return min(RECEIVE_STALL_S, deadline - time.monotonic())
 
 
 def _hedgeable(transport: Transport) -> TypeGuard[HedgeableTransport]:
@@ -162,7 +172,8 @@ class ClusterReader:
                         with self._connect(node, min(self.settings.timeout, 1.0)) as c:
                             c.call(Ping())
                     except KSpeedError:
-                        self.health.suspect_for(node, SUSPECT_FOR_S)
+                        # Silent to a ping too: down, tried after every suspect owner.
+                        self.health.down_for(node, DOWN_FOR_S)
                     else:
                         self.health.trust(node)
                         log.info("node %s answers again", node)
@@ -171,6 +182,12 @@ class ClusterReader:
         finally:
             with self._lock:
                 self._probing.discard(node)
+
+    def _rank(self, node: str) -> tuple[bool, bool, float]:
+        """Owners are tried healthy first (in placement order), then suspect ones (the
+        fastest first), then down ones."""
+        suspect = self.is_suspect(node)
+        return self.is_down(node), suspect, self.health.expected(node) if suspect else 0.0
 
     def hedge_delay(self, node: str, nbytes: int) -> float:
         """How long a read of `nbytes` from `node` is waited for before another owner is
@@ -431,13 +448,11 @@ class ClusterReader:
                     return None  # it answered but cannot fill: the source, now
                 tried.add(owner)
             return None
-        usable = [
-            node
-            for node in ds.owners(seg)
-            if node != self.local_node and node not in failed and not self.is_down(node)
-        ]
-        # A suspect owner after the others (it missed a hedge delay, and is being probed).
-        return next((n for n in usable if not self.is_suspect(n)), usable[0] if usable else None)
+        usable = [n for n in ds.owners(seg) if n != self.local_node and n not in failed]
+        # A suspect owner after the others (it missed a hedge delay, and is being probed), a
+        # down one last (a mark may be older than its return; the read's deadline holds).
+        usable.sort(key=self._rank)
+        return usable[0] if usable else None
 
     def _fill_owner(self, ds: DatasetHandle, seg: int, failed: set[str]) -> str | None:
         """Where a read-through segment is filled: the first of its owners by placement over
@@ -534,7 +549,7 @@ class ClusterReader:
         pooled, transport = self._acquire(node)
         try:
             if hasattr(transport, "set_timeout"):
-                transport.set_timeout(deadline - time.monotonic())
+                transport.set_timeout(_stall_limit(deadline))
             transport.read_into(dataset, instance, ranges, out)
         except NodeUnreachable as e:
             transport.close()
@@ -584,7 +599,7 @@ class ClusterReader:
             try:
                 rid = primary.send_read(ds.name, ds.uuid, ranges)
                 if primary.wait_readable(min(self.hedge_delay(node, nbytes), deadline - started)):
-                    primary.set_timeout(deadline - time.monotonic())
+                    primary.set_timeout(_stall_limit(deadline))
                     primary.receive_read(rid, out)
                     self._release(node, primary)
                     self.health.observe(node, time.monotonic() - started)
@@ -679,7 +694,7 @@ class ClusterReader:
                     h = waiting.pop(fd)
                     if h is None:
                         try:
-                            primary.set_timeout(deadline - time.monotonic())
+                            primary.set_timeout(_stall_limit(deadline))
                             primary.receive_read(rid, out)
                         except KSpeedError as e:
                             primary_failed = True
@@ -694,7 +709,7 @@ class ClusterReader:
                         self.health.trust(node)
                         return
                     try:
-                        h.transport.set_timeout(deadline - time.monotonic())
+                        h.transport.set_timeout(_stall_limit(deadline))
                         h.transport.receive_read(h.rid, memoryview(h.buf))
                     except KSpeedError as e:
                         h.transport.close()
@@ -708,6 +723,8 @@ class ClusterReader:
                     if hedges and len(done) == len(hedges):
                         self._scatter(ranges, done, out)
                         self.stats["hedge_won"] += 1
+                        # What `node` took at least: it ranks after faster suspects.
+                        self.health.observe(node, time.monotonic() - started)
                         for h2 in done:
                             self._release(h2.node, h2.transport)
                         done = []

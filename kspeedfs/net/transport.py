@@ -45,8 +45,9 @@ class HedgeableTransport(Transport, Protocol):
     def fileno(self) -> int: ...
 
 
-# Connecting has its own limit, shorter than a read's: a SYN to a cut-off node gets no answer.
-CONNECT_TIMEOUT = 1.0
+# Connecting has its own limit, far shorter than a read's: a SYN to a cut-off node gets no
+# answer, and a lost SYN is sent again only after 1 s; past this the read asks another owner.
+CONNECT_TIMEOUT = 0.25
 
 
 class TcpTransport:
