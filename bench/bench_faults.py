@@ -15,7 +15,7 @@ duplicate (hedged) reads. `--json FILE` writes the same figures (tests/test_netw
 runs this script with short phases and checks them).
 
     .venv/bin/python bench/bench_faults.py                        # this tree
-    cd /work/base && PYTHONPATH=$PWD .venv/bin/python bench/bench_faults.py   # before
+    PYTHONPATH=/work/base .venv/bin/python bench/bench_faults.py     # before: the old code
 """
 
 from __future__ import annotations
@@ -271,7 +271,9 @@ def summarize(r: Readers, start: float, end: float) -> dict[str, Any]:
 
 
 def inside(args: argparse.Namespace) -> int:
-    repo = Path(__file__).resolve().parent.parent
+    # The code under test: PYTHONPATH's first entry (a "before" run points it at another
+    # tree), else the tree this script is in.
+    repo = os.environ.get("PYTHONPATH", "").split(":")[0] or Path(__file__).resolve().parents[1]
     kspeedfs = [sys.executable, "-m", "kspeedfs.cli"]
     work = Path(tempfile.mkdtemp(prefix="kspeedfs-faults-"))
     shm = Path("/dev/shm") / f"kspeedfs-faults-{uuid.uuid4().hex[:8]}"
