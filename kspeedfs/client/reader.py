@@ -805,7 +805,6 @@ class ClusterReader:
 
     def close(self) -> None:
         with self._lock:
-            self._probing.add("")  # (no new probes from a closed reader)
             for pool in self._idle.values():
                 for t in pool:
                     t.close()
