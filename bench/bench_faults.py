@@ -227,7 +227,6 @@ def fast_path_loop(
 
     ds = Timed(str(src), nodes=env["KSPEEDFS_NODES"], token=env["KSPEEDFS_TOKEN_FILE"], local=False)
     files = list(ds.files)
-    ready.set()
     per_worker: dict[int, tuple[int, int]] = {}
     loader = torch.utils.data.DataLoader(
         ds, batch_size=None, num_workers=2, persistent_workers=True, prefetch_factor=4
@@ -241,6 +240,9 @@ def fast_path_loop(
             else:
                 r.add(t0, t1, _wrong(data, want[rel]))
             per_worker[pid] = (hedged, remote)
+            # Its workers are forked by now: the main thread may start processes again
+            # (a fork while another thread forks can hang the child before its exec).
+            ready.set()
             r.hedged = sum(h for h, _ in per_worker.values())
             r.remote = sum(n for _, n in per_worker.values())
             if stop.is_set():

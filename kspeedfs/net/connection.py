@@ -65,7 +65,10 @@ class NodeClient:
             sock = socket.create_connection(
                 (self.address.host, self.address.port), timeout=self.connect_timeout
             )
-            sock.settimeout(self.timeout)
+            # The node speaks first (HELLO): when the ACK of its SYN-ACK is lost it sends
+            # nothing until it repeats the SYN-ACK, a second later. A short connect limit
+            # covers the handshake too, so such a connection fails fast like a lost SYN.
+            sock.settimeout(min(self.timeout, 2 * self.connect_timeout))
         except OSError as e:
             raise NodeUnreachable(
                 f"no kspeedfs node at {self.address} ({e.strerror or e}): is `kspeedfs node` running?"
@@ -79,6 +82,7 @@ class NodeClient:
             self._send(handshake.answer(self._receive_json(HANDSHAKE_ID, MsgType.HELLO)))
             self.role = handshake.check(self._receive_json(HANDSHAKE_ID, MsgType.RESPONSE))
             self.node = handshake.node
+            sock.settimeout(self.timeout)
         except BaseException:
             self.close()
             raise
