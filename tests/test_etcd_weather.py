@@ -10,6 +10,7 @@ import signal
 import threading
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 from conftest import make_tree, wait_for
@@ -70,11 +71,9 @@ def test_lost_is_decided_by_etcds_clock_and_a_stale_note_never_counts(
 
 
 def _reader_loop(
-    cluster: EtcdCluster, src: Path, name: str, stop: threading.Event, out: dict[str, int]
+    reader: ClusterReader, ds: Any, src: Path, stop: threading.Event, out: dict[str, int]
 ) -> None:
     """Read every file again and again until `stop`, counting reads and wrong bytes."""
-    reader = ClusterReader(resolve_nodes(cluster.settings()))
-    ds = reader.open_dataset(name)
     m = ds.manifest
     files = [i for i in range(len(m.size)) if m.is_file(i)]
     while not stop.is_set():
@@ -124,8 +123,11 @@ def test_an_etcd_frozen_under_readers_costs_no_copy(
     held = {n.address: sorted(_held(n, "frozen")) for n in cluster.nodes}
     assert all(held.values())
     stop, counts = threading.Event(), {"reads": 0, "wrong": 0, "errors": 0}
-    reader = threading.Thread(target=_reader_loop, args=(cluster, src, "frozen", stop, counts))
+    client = ClusterReader(resolve_nodes(cluster.settings()))  # the nodes, from etcd, now
+    ds = client.open_dataset("frozen")
+    reader = threading.Thread(target=_reader_loop, args=(client, ds, src, stop, counts))
     reader.start()
+    wait_for(lambda: counts["reads"] > 0, what="the first reads")
     try:
         assert cluster.etcd.proc is not None
         # Frozen far longer than member_ttl + heal_after (2 + 2 s): every lease lapses at once
