@@ -37,27 +37,30 @@ def cmd_node(args: argparse.Namespace) -> int:
     return 0
 
 
-def cmd_status(args: argparse.Namespace) -> int:
-    from kspeedfs.format.tls import client_context
-    from kspeedfs.net.connection import NodeClient
+STATUS_WAIT_S = 2.0  # the most `status` waits for any one node (they are asked together)
 
+
+def cmd_status(args: argparse.Namespace) -> int:
     settings = settings_from(args)
-    tls = client_context(settings)
-    nodes = []
-    for addr in settings.nodes:
-        try:
-            with NodeClient(addr, settings.credential(), settings.timeout, tls) as client:
-                nodes.append({"up": True, **client.call(Status())})
-        except KSpeedError as e:
-            # A refused token is this client's problem, not a node that is down.
-            if len(settings.nodes) == 1 or isinstance(e, AuthError):
-                raise
-            nodes.append({"up": False, "node": str(addr), "error": str(e)})
+    nodes = _ask_status(settings)
+    members, etcd_error = None, ""
+    try:
+        members = _etcd_members(settings)
+    except KSpeedError as e:  # etcd away: the nodes' own answers are still the truth
+        if isinstance(e, AuthError):
+            raise
+        etcd_error = str(e)
+    _judge(nodes, members, settings)
     datasets = _residency(nodes)
     members = _etcd_members(settings)
     if args.json:
-        print(json.dumps({"nodes": nodes, "datasets": datasets, "members": members}, indent=2))
+        out: dict[str, Any] = {"nodes": nodes, "datasets": datasets, "members": members}
+        if etcd_error:
+            out["etcd_error"] = etcd_error
+        print(json.dumps(out, indent=2))
         return 0
+    if etcd_error:
+        print(f"etcd: {etcd_error}\n")
     if members is not None:
         _print_members(members, nodes)
     rows = [
@@ -66,7 +69,7 @@ def cmd_status(args: argparse.Namespace) -> int:
     ]
     for s in nodes:
         if not s["up"]:
-            rows.append((s["node"], "down", "-", "-", "-", "-", "-", s["error"]))
+            rows.append((s["node"], s["state"], "-", "-", "-", "-", "-", s["why"]))
             continue
         mem = f"{format_size(s['used'])} / {format_size(s['budget'])}"
         tier = s.get("disk_tier") or {}
@@ -75,7 +78,7 @@ def cmd_status(args: argparse.Namespace) -> int:
         rows.append(
             (
                 s["node"],
-                "up",
+                s["state"] if s["state"] == "up" else f"{s['state']}: {s['why']}",
                 mem,
                 disk,
                 f"{s['datasets']}{loading}",
@@ -107,6 +110,62 @@ def cmd_status(args: argparse.Namespace) -> int:
     return 0
 
 
+def _ask_status(settings: Settings) -> list[dict[str, Any]]:
+    """Every node's status, asked together, each given STATUS_WAIT_S (a partitioned node
+    costs that once, never the sum); a node that does not answer is a row saying why."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from kspeedfs.format.tls import client_context
+    from kspeedfs.net.connection import NodeClient
+    from kspeedfs.net.transport import CONNECT_TIMEOUT
+
+    tls = client_context(settings)
+    wait = min(settings.timeout, STATUS_WAIT_S)
+
+    def ask(addr: Any) -> dict[str, Any]:
+        try:
+            with NodeClient(
+                addr, settings.credential(), wait, tls, connect_timeout=CONNECT_TIMEOUT
+            ) as client:
+                return {"up": True, **client.call(Status())}
+        except KSpeedError as e:
+            # A refused token is this client's problem, not a node that is down.
+            if len(settings.nodes) == 1 or isinstance(e, AuthError):
+                raise
+            return {"up": False, "node": str(addr), "error": str(e)}
+
+    with ThreadPoolExecutor(max_workers=min(16, max(1, len(settings.nodes)))) as pool:
+        return list(pool.map(ask, settings.nodes))
+
+
+def _judge(
+    nodes: list[dict[str, Any]], members: list[dict[str, Any]] | None, settings: Settings
+) -> None:
+    """Each node's state and why: up; suspect (it answers, but this machine's readers saw it
+    miss a hedge delay: client/health.py); partitioned (etcd has its lease, so it is alive,
+    but it does not answer here); down (neither); lost (a catalog record declared it)."""
+    from kspeedfs.client.health import NodeHealth
+
+    health = NodeHealth().view([s["node"] for s in nodes])
+    in_etcd = {m["node"]: m for m in members or []}
+    for s in nodes:
+        seen = health.get(s["node"], {})
+        member = in_etcd.get(s["node"], {})
+        if s["up"]:
+            if seen.get("down") or seen.get("suspect"):
+                s["state"] = "suspect"
+                s["why"] = "readers on this machine saw it late; probing it"
+            else:
+                s["state"], s["why"] = "up", ""
+        elif member.get("state") == "up":
+            s["state"] = "partitioned"
+            s["why"] = f"etcd holds its lease, but from here: {s['error']}"
+        elif member.get("state") == "lost":
+            s["state"], s["why"] = "lost", f"declared lost: {s['error']}"
+        else:
+            s["state"], s["why"] = "down", s["error"]
+
+
 def _residency(nodes: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
     """Per dataset: the share of its segments that at least one up node holds."""
     held: dict[str, set[int]] = {}
@@ -133,7 +192,7 @@ def _etcd_members(settings: Settings) -> list[dict[str, Any]] | None:
         return None
     from kspeedfs.client.clusterstate import ClusterState
 
-    return ClusterState.of(settings).member_table()
+    return ClusterState.of(settings, STATUS_WAIT_S).member_table()
 
 
 def _print_members(members: list[dict[str, Any]], nodes: list[dict[str, Any]]) -> None:

@@ -1,9 +1,16 @@
 """The cluster's shared state in etcd: members (keys on leases) and the dataset catalog.
 
 Keys under /kspeedfs/CLUSTER/:
-    members/ADDR   a live node; on the node's lease, so it goes when the node stops renewing
+    members/ADDR   a live node; on the node's lease, so it goes when the node stops renewing.
+                   Its mod revision is that registration's fencing token.
     known/ADDR     every node that ever joined (so a node that is gone shows as down)
-    down/ADDR      when a survivor first saw ADDR gone (removed when ADDR registers again)
+    down/ADDR      a survivor saw ADDR gone: written only in a transaction that finds
+                   members/ADDR absent (so never for a live member), removed in the transaction
+                   that registers ADDR again
+    grace/ADDR     written with down/ADDR, on a lease of `heal_after` seconds: when etcd expires
+                   it (etcd's clock, not a node's), ADDR is lost. A note older than the
+                   observer's own registration is stale (etcd itself was away: every lease
+                   lapsed) and is written again, with a new grace, before it can count.
     datasets/NAME  the dataset's record: instance id, state, members, replicas, source, ...
 A preload's record is created on its coordinator's lease (state "loading"), so it vanishes with
 a coordinator that dies; it is made "ready" and unleased in one transaction compared on the
@@ -16,9 +23,11 @@ An https:// endpoint is checked against `tls_ca` (else the system's CAs) and sho
 from __future__ import annotations
 
 import base64
+import dataclasses
 import functools
 import json
 import logging
+import math
 import os
 import socket
 import ssl
@@ -35,7 +44,7 @@ from etcd3gw import exceptions as etcd_errors
 from etcd3gw.lease import Lease
 
 from kspeedfs.format.config import Settings
-from kspeedfs.format.errors import AlreadyExists, AuthError, NodeUnreachable, NotFound
+from kspeedfs.format.errors import AlreadyExists, AuthError, Fenced, NodeUnreachable, NotFound
 from kspeedfs.format.tls import client_context, reason
 from kspeedfs.format.units import Address, parse_address
 
@@ -55,6 +64,71 @@ def _b64(text: str) -> str:
 
 def _range_end(prefix: str) -> str:
     return _b64(prefix[:-1] + chr(ord(prefix[-1]) + 1))
+
+
+@dataclasses.dataclass(frozen=True)
+class Registration:
+    """One registration of a node: its lease, and the revision that wrote its members/ key
+    (only a registration writes it), the fencing token its catalog writes are compared on."""
+
+    address: str
+    lease: int
+    revision: int
+
+
+@dataclasses.dataclass(frozen=True)
+class Key:
+    value: Record
+    create: int  # create revision
+    mod: int  # mod revision
+
+
+@dataclasses.dataclass(frozen=True)
+class Snapshot:
+    """The cluster's keys read at one etcd revision."""
+
+    revision: int
+    members: dict[str, Key]
+    known: set[str]
+    down: dict[str, Key]
+    grace: set[str]  # members whose grace lease etcd has not expired yet
+    datasets: dict[str, tuple[Record, int]]
+
+    def registered(self, me: Registration | None) -> bool:
+        """`me` is still the registration etcd holds (not lapsed, not replaced)."""
+        return me is not None and getattr(self.members.get(me.address), "mod", 0) == me.revision
+
+    def stale_note(self, address: str, me: Registration) -> bool:
+        """A down note written before `me` registered: etcd was away meanwhile (every lease
+        lapsed with it), so its grace tells nothing; it is written again."""
+        note = self.down.get(address)
+        return note is not None and note.mod < me.revision
+
+    def lost(self, address: str, me: Registration) -> bool:
+        """`address` is gone for heal_after by etcd's clock: absent, noted since `me`
+        registered, and its grace lease expired."""
+        note = self.down.get(address)
+        return (
+            address not in self.members
+            and note is not None
+            and note.mod > me.revision
+            and address not in self.grace
+        )
+
+
+# Compares a transaction can be guarded with.
+def member_is(prefix: str, me: Registration) -> dict[str, Any]:
+    """`me` is still registered: the fence of a node's catalog writes."""
+    key = _b64(prefix + "members/" + me.address)
+    return {"key": key, "result": "EQUAL", "target": "MOD", "mod_revision": me.revision}
+
+
+def absent(key: str) -> dict[str, Any]:
+    return {"key": _b64(key), "result": "EQUAL", "target": "CREATE", "create_revision": 0}
+
+
+def mod_is(key: str, revision: int) -> dict[str, Any]:
+    return {"key": _b64(key), "result": "EQUAL", "target": "MOD", "mod_revision": revision}
 
 
 class ClusterState:
@@ -93,13 +167,13 @@ class ClusterState:
         self._first = 0
 
     @classmethod
-    def of(cls, settings: Settings) -> ClusterState:
+    def of(cls, settings: Settings, timeout: float = 5.0) -> ClusterState:
         tls = None
         if settings.tls() and any(url.startswith("https://") for url in settings.etcd):
             client_context(settings)  # unreadable or mismatched files: one line, before any call
             assert settings.tls_cert and settings.tls_key and settings.tls_ca
             tls = (settings.tls_cert, settings.tls_key, settings.tls_ca)
-        return cls(settings.etcd, settings.cluster, min(settings.timeout, 5.0), tls)
+        return cls(settings.etcd, settings.cluster, min(settings.timeout, timeout), tls)
 
     def _call(self, fn: Callable[[etcd3gw.Etcd3Client], T]) -> T:
         last: Exception | None = None
@@ -160,16 +234,24 @@ class ClusterState:
         return out
 
     def _txn(self, txn: dict[str, Any]) -> bool:
-        return bool(self._call(lambda c: c.transaction(txn)).get("succeeded", False))
+        return bool(self._txn_answer(txn).get("succeeded", False))
+
+    def _holds(self, compare: list[dict[str, Any]]) -> bool:
+        """Whether every compare holds now (an empty transaction)."""
+        return self._txn({"compare": compare, "success": [], "failure": []})
+
+    def _txn_answer(self, txn: dict[str, Any]) -> dict[str, Any]:
+        return dict(self._call(lambda c: c.transaction(txn)))
 
     # Membership.
 
-    def register(self, address: str, ttl: float, pid: int) -> int:
-        """Join: a new lease, members/ADDR on it, known/ADDR, down/ADDR gone. Returns the lease."""
+    def register(self, address: str, ttl: float, pid: int) -> Registration:
+        """Join: a new lease, members/ADDR on it, known/ADDR, and ADDR's down note and grace
+        gone, in one transaction."""
         lease = self._call(lambda c: c.lease(max(2, round(ttl))))
         value = json.dumps({"address": address, "since": time.time(), "pid": pid})
         key = self.prefix + "members/" + address
-        self._txn(
+        answer = self._txn_answer(
             {
                 "compare": [],
                 "success": [
@@ -181,11 +263,12 @@ class ClusterState:
                         }
                     },
                     {"request_delete_range": {"key": _b64(self.prefix + "down/" + address)}},
+                    {"request_delete_range": {"key": _b64(self.prefix + "grace/" + address)}},
                 ],
                 "failure": [],
             }
         )
-        return int(lease.id)
+        return Registration(address, int(lease.id), int(answer["header"]["revision"]))
 
     def keep_alive(self, lease_id: int) -> bool:
         """Renew a lease; False when it has expired (the node must register again)."""
@@ -197,41 +280,89 @@ class ClusterState:
     def live_members(self) -> dict[str, Record]:
         return {k: v for k, (v, _rev) in self._prefix("members").items()}
 
-    def note_down(self, address: str, since: float) -> None:
-        """Record when `address` was first seen gone (the first survivor to see it wins)."""
-        key = _b64(self.prefix + "down/" + address)
-        self._txn(
-            {
-                "compare": [
-                    {"key": key, "result": "EQUAL", "target": "CREATE", "create_revision": 0}
-                ],
-                "success": [
-                    {"request_put": {"key": key, "value": _b64(json.dumps({"since": since}))}}
-                ],
-                "failure": [],
-            }
+    def note_down(self, address: str, me: Registration, heal_after: float, stale: int = 0) -> bool:
+        """Note `address` gone, with a grace of `heal_after` seconds kept by etcd: only while
+        members/ADDR is absent and `me` still registered, over no note (`stale` 0) or over the
+        stale note of mod revision `stale`. False: the transaction found otherwise."""
+        down = self.prefix + "down/" + address
+        grace = self.prefix + "grace/" + address
+        value = json.dumps({"since": time.time(), "by": me.address})
+        ops: list[dict[str, Any]] = [
+            {"request_put": {"key": _b64(down), "value": _b64(value)}},
+            {"request_delete_range": {"key": _b64(grace)}},
+        ]
+        lease = None
+        if heal_after > 0:
+            # etcd refuses TTLs under its minimum (about 2 s by default) by raising them.
+            lease = self._call(lambda c: c.lease(max(1, math.ceil(heal_after))))
+            ops[1] = {"request_put": {"key": _b64(grace), "value": "", "lease": lease.id}}
+        compare = [
+            absent(self.prefix + "members/" + address),
+            member_is(self.prefix, me),
+            mod_is(down, stale) if stale else absent(down),
+        ]
+        done = self._txn({"compare": compare, "success": ops, "failure": []})
+        if not done and lease is not None:
+            self._call(lambda c: Lease(lease.id, c).revoke())
+        return done
+
+    def snapshot(self) -> Snapshot:
+        """Every key of the cluster, read at one revision."""
+        start = self.prefix
+        answer = self._call(
+            lambda c: c.post(
+                c.get_url("/kv/range"),
+                json={"key": _b64(start), "range_end": _range_end(start)},
+            )
+        )
+        keys: dict[str, dict[str, Key]] = {}
+        for kv in answer.get("kvs", []):
+            name = base64.b64decode(kv["key"]).decode()[len(start) :]
+            kind, _, tail = name.partition("/")
+            raw = base64.b64decode(kv.get("value", ""))
+            try:
+                value = json.loads(raw) if raw else {}
+            except ValueError:
+                log.warning("ignoring a malformed etcd value at %s%s", start, name)
+                continue
+            found = Key(value, int(kv.get("create_revision", 0)), int(kv.get("mod_revision", 0)))
+            keys.setdefault(kind, {})[tail] = found
+        return Snapshot(
+            revision=int(answer["header"]["revision"]),
+            members=keys.get("members", {}),
+            known=set(keys.get("known", {})),
+            down=keys.get("down", {}),
+            grace=set(keys.get("grace", {})),
+            datasets={n: (k.value, k.mod) for n, k in keys.get("datasets", {}).items()},
         )
 
     def member_table(self) -> list[Record]:
-        """Every node that ever joined: {node, state up/down, since}, sorted by address."""
-        live = self.live_members()
-        known = self._prefix("known")
-        down = self._prefix("down")
-        rows = []
-        for address in sorted(set(known) | set(live)):
-            if address in live:
-                rows.append({"node": address, "state": "up", "since": live[address]["since"]})
-            else:
-                since = down.get(address, ({}, 0))[0].get("since")
-                rows.append({"node": address, "state": "down", "since": since})
+        """Every node that ever joined: {node, state, since}, sorted by address. State: up;
+        down (gone from etcd, its grace running: `grace` true); lost (a catalog record
+        declared it lost: its copies were made again elsewhere)."""
+        snap = self.snapshot()
+        lost = {m for record, _rev in snap.datasets.values() for m in record.get("lost", [])}
+        rows: list[Record] = []
+        for address in sorted(snap.known | set(snap.members)):
+            member = snap.members.get(address)
+            if member is not None:
+                rows.append({"node": address, "state": "up", "since": member.value.get("since")})
+                continue
+            note = snap.down.get(address)
+            rows.append(
+                {
+                    "node": address,
+                    "state": "lost" if address in lost else "down",
+                    "since": note.value.get("since") if note else None,
+                    "grace": address in snap.grace,
+                }
+            )
         return rows
-
-    def down_since(self) -> dict[str, float]:
-        return {k: float(v.get("since", 0)) for k, (v, _rev) in self._prefix("down").items()}
 
     def forget(self, address: str) -> None:
         """Remove a node for good (it shows no more as down)."""
-        for key in (self.prefix + "known/" + address, self.prefix + "down/" + address):
+        for sub in ("known/", "down/", "grace/"):
+            key = self.prefix + sub + address
             self._call(functools.partial(_delete, key=key))
 
     # The catalog.
@@ -243,14 +374,17 @@ class ClusterState:
     def dataset(self, name: str) -> tuple[Record, int] | None:
         return self.datasets().get(name)
 
-    def claim(self, record: Record, lease_id: int) -> None:
+    def claim(self, record: Record, me: Registration) -> None:
         """Create a loading record on the coordinator's lease; AlreadyExists if the name is
-        taken (one of two racing preloads wins)."""
+        taken (one of two racing preloads wins); Fenced when `me` is no longer registered."""
         key = _b64(self.prefix + "datasets/" + record["name"])
+        fence = member_is(self.prefix, me)
+        lease_id = me.lease
         won = self._txn(
             {
                 "compare": [
-                    {"key": key, "result": "EQUAL", "target": "CREATE", "create_revision": 0}
+                    {"key": key, "result": "EQUAL", "target": "CREATE", "create_revision": 0},
+                    fence,
                 ],
                 "success": [
                     {
@@ -265,13 +399,26 @@ class ClusterState:
             }
         )
         if not won:
+            if not self._holds([fence]):
+                raise fenced(me)
             raise AlreadyExists(f"dataset {record['name']!r} is already loaded or loading")
 
-    def update(self, name: str, uuid: str, change: Callable[[Record], Record | None]) -> bool:
+    def update(
+        self,
+        name: str,
+        uuid: str,
+        change: Callable[[Record], Record | None],
+        guard: list[dict[str, Any]] | None = None,
+        fence: Registration | None = None,
+    ) -> bool:
         """Apply `change` to the record of instance `uuid` in a transaction compared on the
-        record read (retried when someone else changed it meanwhile); None from `change`
-        deletes the record. False: that instance is not in the catalog."""
+        record read (retried when someone else changed it meanwhile), on `guard` and on
+        `fence` still being registered (else Fenced); None from `change` deletes the record.
+        False: that instance is not in the catalog, or `guard` failed."""
         key = _b64(self.prefix + "datasets/" + name)
+        extra = list(guard or [])
+        if fence is not None:
+            extra.append(member_is(self.prefix, fence))
         for _attempt in range(20):
             found = self.dataset(name)
             if found is None or found[0].get("uuid") != uuid:
@@ -284,12 +431,23 @@ class ClusterState:
                 else {"request_put": {"key": key, "value": _b64(json.dumps(new))}}
             )
             compare = {"key": key, "result": "EQUAL", "target": "MOD", "mod_revision": revision}
-            if self._txn({"compare": [compare], "success": [op], "failure": []}):
+            if self._txn({"compare": [compare, *extra], "success": [op], "failure": []}):
                 return True
+            if extra and not self._holds(extra):
+                if fence is not None and not self._holds([member_is(self.prefix, fence)]):
+                    raise fenced(fence)
+                return False
         raise NodeUnreachable(f"etcd: the record of {name} kept changing; try again")
 
     def remove(self, name: str, uuid: str) -> bool:
         return self.update(name, uuid, lambda _r: None)
+
+
+def fenced(me: Registration) -> Fenced:
+    return Fenced(
+        f"{me.address} is no longer the member registered at etcd revision {me.revision} "
+        "(its lease lapsed): it joins again before it changes the catalog"
+    )
 
 
 def _delete(client: etcd3gw.Etcd3Client, key: str) -> bool:

@@ -6,28 +6,39 @@ vectored request per node, then the source file; only then it fails. Every read 
 dataset instance it opened: a node holding another instance answers StaleDataset, a local map
 of an unloaded instance cannot be opened, and the source serves only while its file is still
 the one the manifest lists. So a reader gets its instance's bytes, verified source bytes, or an
-error, never another version's bytes. A node that does not answer is marked down for a while.
+error, never another version's bytes.
+
+Network weather (docs/cluster.md#failures): a node's read that has not begun to answer within
+a short delay (its SRTT + 4 RTTVAR, at least HEDGE_FLOOR_S) is sent to the segments' other
+owners too, and the first complete answer wins; the late node is suspect at once, for every
+reader of the machine (client/health.py), and probed in the background until it answers
+again. A suspect node is tried after the others; a down one (refused, or silent for a whole
+read) not at all, until a probe finds it again. Every read has one deadline, `timeout`
+seconds for all its node requests together (connecting has its own CONNECT_TIMEOUT); what is
+not answered by then comes from the source, or fails with one clear error.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import select
 import tempfile
 import threading
 import time
 from collections import Counter
 from collections.abc import Callable, Sequence
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, TypeGuard
 
 import xxhash
 
 from kspeedfs.client import latency, passed
 from kspeedfs.client.handle import DatasetHandle
+from kspeedfs.client.health import NodeHealth
 from kspeedfs.client.transport import open_transport
 from kspeedfs.format.config import Settings
 from kspeedfs.format.contract import Request
-from kspeedfs.format.contract.node import List, ManifestPiece, ManifestReq
+from kspeedfs.format.contract.node import List, ManifestPiece, ManifestReq, Ping
 from kspeedfs.format.contract.pieces import BlobPiece, fetch_all
 from kspeedfs.format.contract.readthrough import FillSegment
 from kspeedfs.format.discovery import NodeWatch
@@ -45,12 +56,23 @@ from kspeedfs.format.readthrough_view import ReadThroughDataset, open_local
 from kspeedfs.format.tls import client_context
 from kspeedfs.format.units import parse_address
 from kspeedfs.net.connection import NodeClient
-from kspeedfs.net.transport import Range, Transport
+from kspeedfs.net.transport import CONNECT_TIMEOUT, HedgeableTransport, Range, Transport
 from kspeedfs.sources.source import open_source
 
 log = logging.getLogger(__name__)
 
-DOWN_FOR_S = 10.0
+DOWN_FOR_S = 10.0  # a node that refused or stayed silent is skipped this long, or until a
+# probe finds it answering again
+SUSPECT_FOR_S = 10.0  # a node late to answer is tried after the others this long, or until
+# a probe finds it answering
+HEDGE_FLOOR_S = 0.03  # the least a read waits for a node before asking another one too
+HEDGE_CEILING_S = 1.0  # and the most
+HEDGE_BYTES_PER_S = 500e6  # a large read is given its transfer time at this rate on top
+PROBE_EVERY_S = 0.5  # a suspect or down node is pinged this often (once per machine)
+# An answer that has begun but stops arriving for this long fails (the node is cut off
+# mid-answer) and its ranges go to another owner; one lost packet's retransmission (TCP's
+# 200 ms at least) stays under it, two in a row (1 in 10,000 at 1% loss) do not.
+RECEIVE_STALL_S = 0.5
 # One vectored read stays well under the protocol's frame and range limits.
 MAX_READ_BYTES = 64 * 1024 * 1024
 MAX_READ_RANGES = 4096
@@ -67,18 +89,46 @@ class Piece(NamedTuple):
     file_off: int  # offset in the file, for a read from the source
 
 
+class _Hedge(NamedTuple):
+    """A hedge in flight: the ranges (by index in the whole request) sent to another owner."""
+
+    node: str
+    transport: HedgeableTransport
+    rid: int
+    picks: list[int]
+    buf: bytearray
+
+
+def _stall_limit(deadline: float) -> float:
+    """The socket timeout while receiving: RECEIVE_STALL_S without a byte, within the read's
+    deadline."""
+    return min(RECEIVE_STALL_S, deadline - time.monotonic())
+
+
+def _hedgeable(transport: Transport) -> TypeGuard[HedgeableTransport]:
+    return hasattr(transport, "send_read") and hasattr(transport, "wait_readable")
+
+
 class ClusterReader:
     """Thread-safe: FUSE worker threads and DataLoader workers (one per process) share one."""
 
-    def __init__(self, settings: Settings, local_node: str | None = None):
+    def __init__(
+        self,
+        settings: Settings,
+        local_node: str | None = None,
+        health: NodeHealth | None = None,
+    ):
+        """`health`: the table of node health shared with the machine's other readers (by
+        default the user's own in /dev/shm)."""
         self.settings = settings
         self._node_watch = NodeWatch(settings.nodes, settings.dns_refresh)  # dns: followed
         self.local_node = local_node
         self.stats: Counter[str] = Counter()
-        self._down_until: dict[str, float] = {}
+        self.health = health if health is not None else NodeHealth()
         self._idle: dict[str, list[Transport]] = {}
         self._lock = threading.Lock()
         self._pid = os.getpid()
+        self._probing: set[str] = set()
         # Read-through segments a remote owner said it holds: read there with no fill request.
         self._filled: dict[tuple[str, int], str] = {}
 
@@ -91,12 +141,64 @@ class ClusterReader:
     # Node health and connections.
 
     def is_down(self, node: str) -> bool:
-        return self._down_until.get(node, 0.0) > time.monotonic()
+        return self.health.is_down(node)
+
+    def is_suspect(self, node: str) -> bool:
+        return self.health.is_suspect(node)
 
     def mark_down(self, node: str, reason: str) -> None:
         if not self.is_down(node):
-            log.warning("node %s marked down for %.0fs: %s", node, DOWN_FOR_S, reason)
-        self._down_until[node] = time.monotonic() + DOWN_FOR_S
+            log.warning("node %s marked down (probed every %.1fs): %s", node, PROBE_EVERY_S, reason)
+        self.health.down_for(node, DOWN_FOR_S)
+        self._probe(node)
+
+    def suspect(self, node: str, reason: str) -> None:
+        if not self.is_suspect(node):
+            log.info("node %s suspect (probed every %.1fs): %s", node, PROBE_EVERY_S, reason)
+        self.health.suspect_for(node, SUSPECT_FOR_S)
+        self._probe(node)
+
+    def _probe(self, node: str) -> None:
+        """Ping `node` in the background until it answers, then trust it again."""
+        self._check_fork()
+        with self._lock:
+            if node in self._probing:
+                return
+            self._probing.add(node)
+        threading.Thread(
+            target=self._probe_loop, args=(node,), name=f"probe-{node}", daemon=True
+        ).start()
+
+    def _probe_loop(self, node: str) -> None:
+        try:
+            while self.is_suspect(node) or self.is_down(node):
+                if self.health.claim_probe(node, PROBE_EVERY_S):
+                    try:
+                        with self._connect(node, min(self.settings.timeout, 1.0)) as c:
+                            c.call(Ping())
+                    except KSpeedError:
+                        # Silent to a ping too: down, tried after every suspect owner.
+                        self.health.down_for(node, DOWN_FOR_S)
+                    else:
+                        self.health.trust(node)
+                        log.info("node %s answers again", node)
+                        return
+                time.sleep(PROBE_EVERY_S)
+        finally:
+            with self._lock:
+                self._probing.discard(node)
+
+    def _rank(self, node: str) -> tuple[bool, bool, float]:
+        """Owners are tried healthy first (in placement order), then suspect ones (the
+        fastest first), then down ones."""
+        suspect = self.is_suspect(node)
+        return self.is_down(node), suspect, self.health.expected(node) if suspect else 0.0
+
+    def hedge_delay(self, node: str, nbytes: int) -> float:
+        """How long a read of `nbytes` from `node` is waited for before another owner is
+        asked too."""
+        typical = self.health.expected(node) or HEDGE_FLOOR_S
+        return min(HEDGE_CEILING_S, max(HEDGE_FLOOR_S, typical) + nbytes / HEDGE_BYTES_PER_S)
 
     def _check_fork(self) -> None:
         # Connections must not be shared across fork: a child starts with none.
@@ -104,6 +206,7 @@ class ClusterReader:
             self._pid = os.getpid()
             self._idle = {}
             self._lock = threading.Lock()
+            self._probing = set()  # the parent's probe threads did not come along
 
     def _acquire(self, node: str) -> tuple[bool, Transport]:
         """A connection to `node`: (True, one from the pool) or (False, a new one)."""
@@ -125,10 +228,14 @@ class ClusterReader:
         with self._connect(node) as c:
             return c.call(request, answer_within=answer_within)
 
-    def _connect(self, node: str) -> NodeClient:
+    def _connect(self, node: str, timeout: float | None = None) -> NodeClient:
         settings = self.settings
         return NodeClient(
-            parse_address(node), settings.credential(), settings.timeout, client_context(settings)
+            parse_address(node),
+            settings.credential(),
+            settings.timeout if timeout is None else timeout,
+            client_context(settings),
+            connect_timeout=CONNECT_TIMEOUT,
         )
 
     def live_call(
@@ -138,7 +245,9 @@ class ClusterReader:
         return self._first_live(lambda node: self.call(node, request, answer_within))
 
     def _first_live(self, ask: Callable[[str], dict[str, Any]]) -> tuple[str, dict[str, Any]]:
-        order = sorted(self.nodes, key=lambda n: (n != self.local_node, self.is_down(n)))
+        order = sorted(
+            self.nodes, key=lambda n: (n != self.local_node, self.is_down(n), self.is_suspect(n))
+        )
         last: KSpeedError | None = None
         for node in order:
             try:
@@ -274,12 +383,17 @@ class ClusterReader:
         if pos != len(out):
             raise InvalidArgument(f"a buffer of {len(out)} bytes for {pos} bytes of reads")
         failed: set[str] = set()
+        deadline = time.monotonic() + self.settings.timeout  # every node request together
         while by_node:
             retry: dict[str, list[Piece]] = {}
             for node, pieces in by_node.items():
+                if time.monotonic() >= deadline:
+                    self.stats["past_deadline"] += 1
+                    from_source += pieces  # or one clear error, when there is no source
+                    continue
                 try:
                     started = time.perf_counter()
-                    self._read_node(ds, node, pieces, out)
+                    self._read_node(ds, node, pieces, out, deadline)
                     latency.observe(self.stats, latency.REMOTE_READ, time.perf_counter() - started)
                     self.stats["remote"] += 1
                     self.stats["remote_bytes"] += sum(p.n for p in pieces)
@@ -339,10 +453,11 @@ class ClusterReader:
                     return None  # it answered but cannot fill: the source, now
                 tried.add(owner)
             return None
-        for node in ds.owners(seg):
-            if node != self.local_node and node not in failed and not self.is_down(node):
-                return node
-        return None
+        usable = [n for n in ds.owners(seg) if n != self.local_node and n not in failed]
+        # A suspect owner after the others (it missed a hedge delay, and is being probed), a
+        # down one last (a mark may be older than its return; the read's deadline holds).
+        usable.sort(key=self._rank)
+        return usable[0] if usable else None
 
     def _fill_owner(self, ds: DatasetHandle, seg: int, failed: set[str]) -> str | None:
         """Where a read-through segment is filled: the first of its owners by placement over
@@ -375,7 +490,12 @@ class ClusterReader:
         return True
 
     def _read_node(
-        self, ds: DatasetHandle, node: str, pieces: list[Piece], out: memoryview
+        self,
+        ds: DatasetHandle,
+        node: str,
+        pieces: list[Piece],
+        out: memoryview,
+        deadline: float | None = None,
     ) -> None:
         """The pieces from one node: merged where adjacent, in requests of bounded size."""
         merged: list[list[int]] = []  # [out pos, seg, off, n]
@@ -405,10 +525,10 @@ class ClusterReader:
             first = chunk[0][0]
             if chunk[-1][0] + chunk[-1][3] - first == total:
                 # Back to back in `out`: received straight into it.
-                self.read_ranges(node, ds.name, ds.uuid, ranges, out[first : first + total])
+                self._read_hedged(ds, node, ranges, out[first : first + total], deadline)
             else:
                 tmp = memoryview(bytearray(total))
-                self.read_ranges(node, ds.name, ds.uuid, ranges, tmp)
+                self._read_hedged(ds, node, ranges, tmp, deadline)
                 at = 0
                 for opos, _seg, _off, n in chunk:
                     out[opos : opos + n] = tmp[at : at + n]
@@ -417,25 +537,228 @@ class ClusterReader:
             start = end
 
     def read_ranges(
-        self, node: str, dataset: str, instance: str, ranges: list[Range], out: memoryview
+        self,
+        node: str,
+        dataset: str,
+        instance: str,
+        ranges: list[Range],
+        out: memoryview,
+        deadline: float | None = None,
     ) -> None:
-        """One vectored read from one node. A pooled connection that turns out dead (the node
-        restarted since) is replaced once before the node is marked down."""
+        """One vectored read from one node, within `deadline` (time.monotonic(); default
+        `timeout` from now). A node that fails or stays silent is marked down at once: no
+        second try on a fresh connection (a pooled one the node closed when it restarted
+        fails at once, and the probe finds the node again within PROBE_EVERY_S)."""
+        if deadline is None:
+            deadline = time.monotonic() + self.settings.timeout
+        pooled, transport = self._acquire(node)
+        try:
+            if hasattr(transport, "set_timeout"):
+                transport.set_timeout(_stall_limit(deadline))
+            transport.read_into(dataset, instance, ranges, out)
+        except NodeUnreachable as e:
+            transport.close()
+            self.mark_down(node, str(e))
+            raise
+        except BaseException:
+            transport.close()
+            raise
+        self._release(node, transport)
+        self.health.trust(node)
+
+    def _open(self, node: str) -> Transport:
+        """A connection to `node` (pooled, else new, with CONNECT_TIMEOUT); a node that cannot
+        be reached is marked down."""
+        try:
+            return self._acquire(node)[1]
+        except NodeUnreachable as e:
+            self.mark_down(node, str(e))
+            raise
+
+    def _read_hedged(
+        self,
+        ds: DatasetHandle,
+        node: str,
+        ranges: list[Range],
+        out: memoryview,
+        deadline: float | None,
+    ) -> None:
+        """The ranges from `node`; if it has not begun to answer within its hedge delay, from
+        the segments' other owners too, the first complete answer winning. The loser's
+        connection is closed (its answer is never read), so nothing writes into `out` after
+        this returns."""
+        if deadline is None:
+            deadline = time.monotonic() + self.settings.timeout
+        nbytes = sum(r[2] for r in ranges)
+        started = time.monotonic()
         for attempt in (1, 2):
-            pooled, transport = self._acquire(node)
             try:
-                transport.read_into(dataset, instance, ranges, out)
+                pooled, primary = self._acquire(node)
             except NodeUnreachable as e:
-                transport.close()
-                if pooled and attempt == 1:
-                    continue
+                self.mark_down(node, str(e))
+                raise
+            if not _hedgeable(primary) or ds.readthrough:
+                self._release(node, primary)
+                self.read_ranges(node, ds.name, ds.uuid, ranges, out, deadline)
+                return
+            try:
+                rid = primary.send_read(ds.name, ds.uuid, ranges)
+                if primary.wait_readable(min(self.hedge_delay(node, nbytes), deadline - started)):
+                    primary.set_timeout(_stall_limit(deadline))
+                    primary.receive_read(rid, out)
+                    self._release(node, primary)
+                    self.health.observe(node, time.monotonic() - started)
+                    self.health.trust(node)
+                    return
+            except NodeUnreachable as e:
+                primary.close()
+                if pooled and attempt == 1 and time.monotonic() - started < HEDGE_FLOOR_S:
+                    continue  # a kept connection the node closed (it restarted): no wait lost
                 self.mark_down(node, str(e))
                 raise
             except BaseException:
-                transport.close()
+                primary.close()
                 raise
-            self._release(node, transport)
-            return
+            break
+        # Late: suspect now, for every reader of the machine; ask the other owners too.
+        self.suspect(node, f"no answer within {self.hedge_delay(node, nbytes) * 1000:.0f} ms")
+        hedges = self._send_hedges(ds, node, ranges)
+        assert _hedgeable(primary)
+        self._race(ds, node, primary, rid, hedges, ranges, out, started, deadline)
+
+    def _send_hedges(self, ds: DatasetHandle, node: str, ranges: list[Range]) -> list[_Hedge]:
+        """The ranges sent to their next owners, one request per owner; [] when some range
+        has no other owner that is not down (then only `node` can answer it: a hedge to a
+        down node would only wait on its connect)."""
+        by_owner: dict[str, list[int]] = {}
+        for k, (seg, _off, _n) in enumerate(ranges):
+            other = self._next_owner(ds, seg, {node})
+            if other is None or self.is_down(other):
+                return []
+            by_owner.setdefault(other, []).append(k)
+        hedges: list[_Hedge] = []
+        for other, picks in by_owner.items():
+            try:
+                transport = self._open(other)
+            except KSpeedError:
+                for h in hedges:
+                    h.transport.close()
+                return []
+            if not _hedgeable(transport):
+                self._release(other, transport)
+                for h in hedges:
+                    h.transport.close()
+                return []
+            part = [ranges[k] for k in picks]
+            try:
+                rid = transport.send_read(ds.name, ds.uuid, part)
+            except KSpeedError as e:
+                transport.close()
+                self.mark_down(other, str(e))
+                for h in hedges:
+                    h.transport.close()
+                return []
+            hedges.append(_Hedge(other, transport, rid, picks, bytearray(sum(r[2] for r in part))))
+        self.stats["hedged"] += 1
+        self.stats["hedged_bytes"] += sum(len(h.buf) for h in hedges)
+        return hedges
+
+    def _race(
+        self,
+        ds: DatasetHandle,
+        node: str,
+        primary: HedgeableTransport,
+        rid: int,
+        hedges: list[_Hedge],
+        ranges: list[Range],
+        out: memoryview,
+        started: float,
+        deadline: float,
+    ) -> None:
+        """Wait for `node`'s answer and the hedges' together, until `deadline`: the first
+        complete answer (the primary's, or every hedge's) fills `out`; the rest are closed."""
+        waiting: dict[int, _Hedge | None] = {primary.fileno(): None}
+        waiting.update({h.transport.fileno(): h for h in hedges})
+        done: list[_Hedge] = []
+        primary_failed = False
+        try:
+            while waiting:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    break
+                ready = [
+                    fd
+                    for fd, h in waiting.items()
+                    if (primary if h is None else h.transport).wait_readable(0)
+                ]
+                if not ready:
+                    poller = select.poll()
+                    for fd in waiting:
+                        poller.register(fd, select.POLLIN)
+                    ready = [fd for fd, _ev in poller.poll(left * 1000)]
+                for fd in ready:
+                    h = waiting.pop(fd)
+                    if h is None:
+                        try:
+                            primary.set_timeout(_stall_limit(deadline))
+                            primary.receive_read(rid, out)
+                        except KSpeedError as e:
+                            primary_failed = True
+                            primary.close()
+                            self.mark_down(node, str(e))
+                            if not hedges or len(done) + len(waiting) < len(hedges):
+                                raise
+                            continue
+                        self.stats["hedge_lost"] += 1
+                        self._release(node, primary)
+                        self.health.observe(node, time.monotonic() - started)
+                        self.health.trust(node)
+                        return
+                    try:
+                        h.transport.set_timeout(_stall_limit(deadline))
+                        h.transport.receive_read(h.rid, memoryview(h.buf))
+                    except KSpeedError as e:
+                        h.transport.close()
+                        self.mark_down(h.node, str(e))
+                        hedges.remove(h)
+                        if primary_failed or not hedges:
+                            raise
+                        hedges = []  # that part has no other answer now: wait for `node`
+                        continue
+                    done.append(h)
+                    if hedges and len(done) == len(hedges):
+                        self._scatter(ranges, done, out)
+                        self.stats["hedge_won"] += 1
+                        # What `node` took at least: it ranks after faster suspects.
+                        self.health.observe(node, time.monotonic() - started)
+                        for h2 in done:
+                            self._release(h2.node, h2.transport)
+                        done = []
+                        if not primary_failed:
+                            primary.close()
+                        return
+            self.mark_down(node, f"no answer within the read's {self.settings.timeout:.1f}s")
+            raise NodeUnreachable(f"node {node} did not answer within {self.settings.timeout}s")
+        finally:
+            for h in waiting.values():
+                (primary if h is None else h.transport).close()
+            for h in done:
+                h.transport.close()
+
+    @staticmethod
+    def _scatter(ranges: list[Range], done: list[_Hedge], out: memoryview) -> None:
+        """The hedges' answers into `out`, each range where it lies in the whole request."""
+        starts = []
+        pos = 0
+        for _seg, _off, n in ranges:
+            starts.append(pos)
+            pos += n
+        for h in done:
+            at = 0
+            for k in h.picks:
+                n = ranges[k][2]
+                out[starts[k] : starts[k] + n] = h.buf[at : at + n]
+                at += n
 
     def _verify_whole_segments(
         self, ds: DatasetHandle, node: str, chunk: list[list[int]], out: memoryview

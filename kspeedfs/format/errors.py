@@ -17,6 +17,11 @@ class NodeUnreachable(KSpeedError):
     exit_code = 3
 
 
+class Fenced(NodeUnreachable):
+    """A node whose etcd registration lapsed (or was replaced) tried to change the catalog:
+    it joins again, then acts from what it reads then."""
+
+
 class NotFound(KSpeedError):
     errno = errno.ENOENT
     exit_code = 4

@@ -22,6 +22,9 @@ SOURCE_SLOTS = {
     "local_bytes": 57,  # and the bytes each path served (the mount's metrics)
     "remote_bytes": 58,
     "source_bytes": 59,
+    "hedged": 56,  # reads sent to a second owner after the first was late (duplicates)
+    "hedge_won": 55,  # of which the second answered first
+    "past_deadline": 54,  # node requests given up at the read's deadline
     **{key: SLOTS + i for i, key in enumerate(latency.keys(latency.REMOTE_READ))},
 }
 assert max(SOURCE_SLOTS.values()) < ROW_SLOTS

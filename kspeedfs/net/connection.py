@@ -9,6 +9,7 @@ certificate checked against the host dialled, and the token handshake runs insid
 from __future__ import annotations
 
 import itertools
+import select
 import socket
 import ssl
 from pathlib import Path
@@ -33,10 +34,14 @@ class NodeClient:
         credential: Path | auth.UserLogin,  # a token file, or a user and password
         timeout: float = 10.0,
         tls: ssl.SSLContext | None = None,
+        connect_timeout: float | None = None,
     ):
+        """`connect_timeout`: how long connecting may take (default `timeout`); a node that is
+        cut off is found out by its own, shorter limit, not by a read's."""
         self.address = address
         self.credential = credential
         self.timeout = timeout
+        self.connect_timeout = timeout if connect_timeout is None else min(connect_timeout, timeout)
         self.tls = tls
         self.role = ""
         self.node = ""
@@ -58,8 +63,12 @@ class NodeClient:
         self.role = ""
         try:
             sock = socket.create_connection(
-                (self.address.host, self.address.port), timeout=self.timeout
+                (self.address.host, self.address.port), timeout=self.connect_timeout
             )
+            # The node speaks first (HELLO): when the ACK of its SYN-ACK is lost it sends
+            # nothing until it repeats the SYN-ACK, a second later. A short connect limit
+            # covers the handshake too, so such a connection fails fast like a lost SYN.
+            sock.settimeout(min(self.timeout, 2 * self.connect_timeout))
         except OSError as e:
             raise NodeUnreachable(
                 f"no kspeedfs node at {self.address} ({e.strerror or e}): is `kspeedfs node` running?"
@@ -73,6 +82,7 @@ class NodeClient:
             self._send(handshake.answer(self._receive_json(HANDSHAKE_ID, MsgType.HELLO)))
             self.role = handshake.check(self._receive_json(HANDSHAKE_ID, MsgType.RESPONSE))
             self.node = handshake.node
+            sock.settimeout(self.timeout)
         except BaseException:
             self.close()
             raise
@@ -125,6 +135,26 @@ class NodeClient:
             )
         )
         return rid
+
+    def wait_readable(self, timeout: float) -> bool:
+        """Whether an answer has begun to arrive within `timeout` seconds (True too when the
+        connection is closed or failed: receiving says how)."""
+        sock = self._sock
+        if sock is None:
+            return True
+        if isinstance(sock, ssl.SSLSocket) and sock.pending():
+            return True
+        poller = select.poll()
+        poller.register(sock, select.POLLIN)
+        return bool(poller.poll(max(0.0, timeout) * 1000))
+
+    def set_timeout(self, seconds: float) -> None:
+        """The limit of each wait on the socket from now on (a read's deadline left)."""
+        if self._sock is not None:
+            self._sock.settimeout(max(0.001, seconds))
+
+    def fileno(self) -> int:
+        return self._sock.fileno() if self._sock is not None else -1
 
     def receive_read(self, rid: int, out: memoryview) -> None:
         """Receive a DATA answer straight into `out`, which must be exactly its length."""

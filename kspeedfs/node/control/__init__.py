@@ -10,9 +10,9 @@ demand), but not healed: a lost owner's segments are filled again by the next on
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
-from typing import Any
 
 import trio
 
@@ -60,7 +60,7 @@ class ControlPlane:
         self.copy_seconds = self.healer.copy_seconds
         self.catalog: dict[str, Record] = {}  # as read at the last sync
         self.reachable = False
-        self._heal_due = 0.0  # when a member down now is to be declared lost (time.time())
+        self.registered = False  # etcd holds this node's registration (at the last sync)
 
     def register_ops(self, ops: OpRegistry) -> None:
         ops.add(Adopt, self.op_adopt, ADMIN)
@@ -138,36 +138,43 @@ class ControlPlane:
                 self.membership.unavailable(e)
             except Exception:
                 log.exception("control plane sync failed; trying again")
-            # Awake when a down member is due to be declared lost: every survivor reads the same
-            # down-since time, so they all start healing then, not up to a sync later.
-            due = self._heal_due - time.time()
-            await trio.sleep(min(SYNC_INTERVAL, due) if due > 0 else SYNC_INTERVAL)
+            await trio.sleep(SYNC_INTERVAL)
 
     async def sync_once(self) -> None:
-        live, down, datasets = await trio.to_thread.run_sync(self._snapshot)
+        """Read the cluster at one revision; while this node's registration is the one etcd
+        holds, note the members gone, then converge and heal. A node whose lease lapsed (etcd
+        was away, or it was cut off) changes nothing until it has joined again: what it read
+        before is an old view (its catalog writes are fenced on its registration too)."""
+        snap = await trio.to_thread.run_sync(self.state.snapshot)
         self.reachable = True
-        self.membership.live = sorted(live)
-        self.catalog = {name: rec for name, (rec, _rev) in datasets.items()}
-        now = time.time()
-        for entry in self.catalog.values():
-            for m in entry.get("members", []):
-                if m not in live and m not in down:
-                    await trio.to_thread.run_sync(self.state.note_down, m, now)
-                    down[m] = now
-        after = self.settings.heal_after
-        due = [t + after for m, t in down.items() if m not in live and t + after > now]
-        self._heal_due = min(due, default=0.0)
+        self.membership.live = sorted(snap.members)
+        self.catalog = {name: rec for name, (rec, _rev) in snap.datasets.items()}
+        me = self.membership.registration
+        if me is None or not snap.registered(me):
+            self.registered = False
+            return
+        self.registered = True
+        gone = {m for e in self.catalog.values() for m in e.get("members", [])} - set(snap.members)
+        for m in sorted(gone - {self.address}):
+            if m in snap.down and not snap.stale_note(m, me):
+                continue
+            stale = snap.down[m].mod if m in snap.down else 0
+            note = functools.partial(self.state.note_down, m, me, self.settings.heal_after, stale)
+            if await trio.to_thread.run_sync(note):
+                log.info(
+                    "%s is gone from etcd; lost unless it joins within %.0fs",
+                    m,
+                    self.settings.heal_after,
+                )
         await self.converger.run_once(self.catalog, self.address)
-        await self.healer.heal(self.catalog, down, now)
-
-    def _snapshot(self) -> tuple[dict[str, Record], dict[str, float], dict[str, Any]]:
-        return self.state.live_members(), self.state.down_since(), self.state.datasets()
+        await self.healer.heal(self.catalog, snap, me)
 
     def status(self) -> Record:
         return {
             "etcd": self.state.endpoints,
             "cluster": self.settings.cluster,
             "reachable": self.reachable,
+            "registered": self.registered,
             "live": self.live,
             "heal": dict(self.healer.stats),
             "under_replicated": dict(self.healer.under_replicated),

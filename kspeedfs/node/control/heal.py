@@ -11,7 +11,14 @@ import time
 import trio
 import xxhash
 
-from kspeedfs.client.clusterstate import ClusterState, Record
+from kspeedfs.client.clusterstate import (
+    ClusterState,
+    Record,
+    Registration,
+    Snapshot,
+    absent,
+    mod_is,
+)
 from kspeedfs.format import placement
 from kspeedfs.format.config import Settings
 from kspeedfs.format.contract.node import List
@@ -89,15 +96,15 @@ class Healer:
     def address(self) -> str:
         return self.membership.address
 
-    async def heal(self, catalog: dict[str, Record], down: dict[str, float], now: float) -> None:
-        """Declare lost the members down longer than heal_after, then make this node's
+    async def heal(self, catalog: dict[str, Record], snap: Snapshot, me: Registration) -> None:
+        """Declare lost the members etcd says are gone for heal_after, then make this node's
         missing copies of every ready dataset and drop the ones it no longer owns."""
-        live = set(self.membership.live)
+        live = set(snap.members)
         self.stats["pending"] = 0
         for name, entry in sorted(catalog.items()):
             if entry.get("state") != "ready":
                 continue
-            lost = await self._declare_lost(name, entry, live, down, now)
+            lost = await self._declare_lost(name, entry, snap, me)
             if lost is None:
                 continue  # unloaded or loaded again meanwhile
             entry = {**entry, "lost": lost}  # healed from this round
@@ -106,32 +113,42 @@ class Healer:
             await self._heal_one(name, entry, live)
 
     async def _declare_lost(
-        self, name: str, entry: Record, live: set[str], down: dict[str, float], now: float
+        self, name: str, entry: Record, snap: Snapshot, me: Registration
     ) -> list[str] | None:
-        """The record's lost members, with those down for heal_after added (None: the record
-        changed meanwhile)."""
+        """The record's lost members, with those etcd says are gone for heal_after added
+        (None: the record changed meanwhile). The change is compared, in one transaction, on
+        each of them still absent with the same note and no grace, and on this node's own
+        registration: a note or a view that went stale in between declares no one."""
         lost = set(entry.get("lost", []))
         gone = [
             m
             for m in entry.get("members", [])
-            if m not in live
-            and m not in lost
-            and now - down.get(m, now) >= self.settings.heal_after
+            if m not in lost and m != me.address and snap.lost(m, me)
         ]
         if not gone:
             return sorted(lost)
-        log.warning(
-            "%s: %s down for %.0fs or more; making its copies again on the others",
-            name,
-            ", ".join(gone),
-            self.settings.heal_after,
-        )
+        prefix = self.state.prefix
+        guard = []
+        for m in gone:
+            guard += [
+                absent(prefix + "members/" + m),
+                mod_is(prefix + "down/" + m, snap.down[m].mod),
+                absent(prefix + "grace/" + m),
+            ]
 
         def lose(r: Record) -> Record:
             return {**r, "lost": sorted(set(r.get("lost", [])) | set(gone))}
 
-        if not await trio.to_thread.run_sync(self.state.update, name, entry["uuid"], lose):
+        update = functools.partial(self.state.update, guard=guard, fence=me)
+        if not await trio.to_thread.run_sync(update, name, entry["uuid"], lose):
             return None
+        log.warning(
+            "%s: %s gone for heal_after (%.0fs by etcd's clock); making its copies again on "
+            "the others",
+            name,
+            ", ".join(gone),
+            self.settings.heal_after,
+        )
         return sorted(lost | set(gone))
 
     async def _heal_one(self, name: str, entry: Record, live: set[str]) -> None:
@@ -288,7 +305,8 @@ class Healer:
             def replace(r: Record) -> Record:
                 return {**r, "members": live, "lost": []}
 
-            if await trio.to_thread.run_sync(self.state.update, n, entry["uuid"], replace):
+            update = functools.partial(self.state.update, fence=self.membership.fence())
+            if await trio.to_thread.run_sync(update, n, entry["uuid"], replace):
                 done.append(n)
         return done, catalog
 

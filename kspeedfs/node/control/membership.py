@@ -2,14 +2,15 @@
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 
 import trio
 
-from kspeedfs.client.clusterstate import UNAVAILABLE, ClusterState, Record
+from kspeedfs.client.clusterstate import UNAVAILABLE, ClusterState, Record, Registration
 from kspeedfs.format.config import Settings
-from kspeedfs.format.errors import KSpeedError, NodeUnreachable
+from kspeedfs.format.errors import Fenced, KSpeedError, NodeUnreachable
 
 log = logging.getLogger(__name__)
 
@@ -22,7 +23,9 @@ class Membership:
         self.settings = settings
         self.state = state
         self.address = ""
-        self.lease_id = 0
+        # The registration etcd holds for this node, as far as it knows: its lease, and the
+        # fencing token every catalog write of this node is compared on.
+        self.registration: Registration | None = None
         self.live: list[str] = []  # as read at the last sync
         self.warned = False  # etcd's absence was said: said again only after a success
 
@@ -35,6 +38,10 @@ class Membership:
             log.warning("%s; serving anyway, joining when it answers", e)
             self.warned = True
 
+    @property
+    def lease_id(self) -> int:
+        return self.registration.lease if self.registration else 0
+
     async def leave(self) -> None:
         """Leaving on purpose: everyone sees it at once, not after the TTL."""
         if self.lease_id:
@@ -44,10 +51,15 @@ class Membership:
                 pass
 
     async def _register(self) -> None:
-        self.lease_id = await trio.to_thread.run_sync(
+        self.registration = await trio.to_thread.run_sync(
             self.state.register, self.address, self.settings.member_ttl, os.getpid()
         )
-        log.info("joined cluster %r in etcd as %s", self.settings.cluster, self.address)
+        log.info(
+            "joined cluster %r in etcd as %s (revision %d)",
+            self.settings.cluster,
+            self.address,
+            self.registration.revision,
+        )
 
     async def keep_alive(self) -> None:
         while True:
@@ -82,10 +94,17 @@ class Membership:
 
     # The catalog's records, claimed under the lease.
 
+    def fence(self) -> Registration:
+        """The registration this node's catalog writes are compared on (Fenced when it has
+        none: it has not joined)."""
+        if self.registration is None:
+            raise Fenced(f"{self.address} has not joined the cluster in etcd yet")
+        return self.registration
+
     async def claim(self, record: Record) -> None:
         if not self.lease_id:
             await self._register()
-        await trio.to_thread.run_sync(self.state.claim, record, self.lease_id)
+        await trio.to_thread.run_sync(self.state.claim, record, self.fence())
 
     async def publish(self, name: str, uuid: str, more: Record) -> None:
         """The preload committed everywhere: the record becomes ready and outlives its
@@ -94,7 +113,8 @@ class Membership:
         def ready(r: Record) -> Record:
             return {**r, **more, "state": "ready"}
 
-        if not await trio.to_thread.run_sync(self.state.update, name, uuid, ready):
+        update = functools.partial(self.state.update, fence=self.fence())
+        if not await trio.to_thread.run_sync(update, name, uuid, ready):
             raise NodeUnreachable(f"etcd: the claim on {name} is gone (lease lost?)")
 
     async def forget(self, name: str, uuid: str) -> bool:
@@ -106,7 +126,8 @@ class Membership:
         def change(r: Record) -> Record:
             return {**r, **more, "state": "ready"}
 
-        return await trio.to_thread.run_sync(self.state.update, name, uuid, change)
+        update = functools.partial(self.state.update, fence=self.fence())
+        return await trio.to_thread.run_sync(update, name, uuid, change)
 
     async def entry_now(self, name: str) -> Record | None:
         """The catalog record of `name` read from etcd now."""

@@ -1,0 +1,185 @@
+"""One view of node health for every reader on a machine: which nodes are suspect or down, and
+how fast each answers, in a small table of shared memory.
+
+A mount's workers and a job's DataLoader workers are separate processes; each used to find a
+dead node by itself, paying its timeout once per process (16 s of stall through a 2-worker
+mount in issue 29). The table is a file in /dev/shm of the user's own (`/dev/shm/kspeedfs-
+health.UID`, 0600, not followed through a symlink, checked to be ours), so a miss seen by one
+reader steers every other one at once. Entries are keyed by node address; a row is a few
+8-byte words written without a lock (a torn read of a float costs one wrong ordering of
+replicas, never a wrong byte: health only orders replicas and sets hedge delays). Times are
+CLOCK_MONOTONIC, one clock for every process of the machine. Where the file cannot be used
+the table is private to the process.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import logging
+import mmap
+import os
+import stat
+import time
+
+import xxhash
+
+log = logging.getLogger(__name__)
+
+SLOTS = 256
+WORDS = 8  # per slot: key, suspect_until, down_until, srtt, rttvar, probe_until, 2 spare
+KEY, SUSPECT, DOWN, SRTT, RTTVAR, PROBE = range(6)
+MAGIC = 0x4B53484C54480001  # "KSHLTH" v1
+TABLE_BYTES = (1 + SLOTS) * WORDS * 8
+
+
+def default_path() -> str:
+    return f"/dev/shm/kspeedfs-health.{os.getuid()}"
+
+
+class NodeHealth:
+    """Per-node suspicion, down marks and latency (SRTT and its variance, as TCP keeps them),
+    shared by every process that opens the same table."""
+
+    def __init__(self, path: str | None = None):
+        self.path = default_path() if path is None else path
+        self._fd = -1
+        self._map = self._open() if self.path else None
+        if self._map is None:
+            self._map = mmap.mmap(-1, TABLE_BYTES)
+        self._q = memoryview(self._map).cast("Q")
+        self._d = memoryview(self._map).cast("d")
+        if self._q[0] != MAGIC:
+            self._q[0] = MAGIC
+        self._slots: dict[str, int] = {}
+
+    def _open(self) -> mmap.mmap | None:
+        try:
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+        except OSError as e:
+            log.debug("node health kept in this process: %s: %s", self.path, e)
+            return None
+        try:
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode) or st.st_uid != os.getuid() or st.st_mode & 0o077:
+                log.warning("%s is not a private file of ours: node health kept here", self.path)
+                os.close(fd)
+                return None
+            if st.st_size < TABLE_BYTES:
+                os.ftruncate(fd, TABLE_BYTES)
+            m = mmap.mmap(fd, TABLE_BYTES)
+        except OSError as e:
+            os.close(fd)
+            log.debug("node health kept in this process: %s: %s", self.path, e)
+            return None
+        self._fd = fd
+        return m
+
+    def _slot(self, node: str) -> int:
+        """The word index of `node`'s row (taken on first use)."""
+        found = self._slots.get(node)
+        if found is not None:
+            return found
+        key = xxhash.xxh3_64_intdigest(node.encode()) | 1
+        start = key % SLOTS
+        for locked in (False, True):
+            if locked and self._fd >= 0:
+                fcntl.flock(self._fd, fcntl.LOCK_EX)
+            try:
+                for k in range(SLOTS):
+                    base = (1 + (start + k) % SLOTS) * WORDS
+                    have = self._q[base + KEY]
+                    if have == key:
+                        self._slots[node] = base
+                        return base
+                    if have == 0:
+                        if not locked:
+                            break  # take it under the lock
+                        for w in range(1, WORDS):
+                            self._d[base + w] = 0.0
+                        self._q[base + KEY] = key
+                        self._slots[node] = base
+                        return base
+            finally:
+                if locked and self._fd >= 0:
+                    fcntl.flock(self._fd, fcntl.LOCK_UN)
+        # Full (256 nodes seen since the file was made): the oldest entries would do as well;
+        # share the first slot's row rather than fail.
+        base = (1 + start) * WORDS
+        self._slots[node] = base
+        return base
+
+    # Suspicion and down marks.
+
+    def suspect_for(self, node: str, seconds: float) -> None:
+        base = self._slot(node)
+        self._d[base + SUSPECT] = max(self._d[base + SUSPECT], time.monotonic() + seconds)
+
+    def down_for(self, node: str, seconds: float) -> None:
+        base = self._slot(node)
+        until = time.monotonic() + seconds
+        self._d[base + DOWN] = max(self._d[base + DOWN], until)
+        self._d[base + SUSPECT] = max(self._d[base + SUSPECT], until)
+
+    def trust(self, node: str) -> None:
+        """It answered: neither suspect nor down any more."""
+        base = self._slot(node)
+        if self._d[base + SUSPECT] or self._d[base + DOWN]:
+            self._d[base + SUSPECT] = 0.0
+            self._d[base + DOWN] = 0.0
+
+    def is_suspect(self, node: str) -> bool:
+        return self._d[self._slot(node) + SUSPECT] > time.monotonic()
+
+    def is_down(self, node: str) -> bool:
+        return self._d[self._slot(node) + DOWN] > time.monotonic()
+
+    def claim_probe(self, node: str, seconds: float) -> bool:
+        """Whether this process probes `node` now (one prober per machine at a time)."""
+        base = self._slot(node)
+        now = time.monotonic()
+        if self._d[base + PROBE] > now:
+            return False
+        self._d[base + PROBE] = now + seconds
+        return True
+
+    # Latency.
+
+    def observe(self, node: str, seconds: float) -> None:
+        """One answer's latency, folded in as TCP folds RTT samples (RFC 6298)."""
+        base = self._slot(node)
+        srtt = self._d[base + SRTT]
+        if srtt <= 0:
+            self._d[base + SRTT] = seconds
+            self._d[base + RTTVAR] = seconds / 2
+            return
+        var = self._d[base + RTTVAR]
+        self._d[base + RTTVAR] = 0.75 * var + 0.25 * abs(srtt - seconds)
+        self._d[base + SRTT] = 0.875 * srtt + 0.125 * seconds
+
+    def expected(self, node: str) -> float:
+        """How long an answer from `node` may take before it is late: SRTT + 4 RTTVAR (0: no
+        sample yet)."""
+        base = self._slot(node)
+        return self._d[base + SRTT] + 4 * self._d[base + RTTVAR]
+
+    def view(self, nodes: list[str]) -> dict[str, dict[str, float | bool]]:
+        """What the table says of `nodes` (for status and tests)."""
+        now = time.monotonic()
+        out: dict[str, dict[str, float | bool]] = {}
+        for node in nodes:
+            base = self._slot(node)
+            out[node] = {
+                "suspect": self._d[base + SUSPECT] > now,
+                "down": self._d[base + DOWN] > now,
+                "srtt_ms": round(self._d[base + SRTT] * 1000, 3),
+            }
+        return out
+
+    def close(self) -> None:
+        self._q.release()
+        self._d.release()
+        if self._map is not None:
+            self._map.close()
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1

@@ -1,0 +1,237 @@
+"""An etcd partitioned from three nodes that stay up (issue 29), run inside a network namespace
+by tests/test_network_weather.py: etcd on 127.0.0.5, nodes on 127.0.0.2-4 (member_ttl and
+heal_after 2 s), a reader thread reading the whole tree from the nodes; every packet to and
+from etcd dropped for 8 s (every lease lapses meanwhile), then healed. Writes JSON: wrong bytes,
+errors, reads during the partition, and whether (and when) membership and the catalog came
+back with no node lost and every node holding exactly the segments it held before."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import uuid
+from pathlib import Path
+from typing import Any
+
+from kspeedfs.client.clusterstate import ClusterState, resolve_nodes
+from kspeedfs.client.reader import ClusterReader
+from kspeedfs.format import auth
+from kspeedfs.format.config import load_settings
+from kspeedfs.format.errors import KSpeedError
+from kspeedfs.format.localdata import SEGMENT_DIR
+
+BENCH = Path(__file__).resolve().parent.parent / "bench" / "bench_faults.py"
+ETCD = "127.0.0.5"
+HOSTS = ["127.0.0.2", "127.0.0.3", "127.0.0.4"]
+
+
+def _bench() -> Any:
+    spec = importlib.util.spec_from_file_location("bench_faults", BENCH)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def main(out: Path, partition_s: float) -> int:
+    shape = _bench()
+    kspeedfs = [sys.executable, "-m", "kspeedfs.cli"]
+    work = Path(tempfile.mkdtemp(prefix="kspeedfs-netns-etcd-"))
+    shm = Path("/dev/shm") / f"kspeedfs-netns-etcd-{uuid.uuid4().hex[:8]}"
+    procs: list[subprocess.Popen[bytes]] = []
+    try:
+        shape.shape_setup()
+        token = work / "token"
+        auth.write_token(token, auth.new_admin_token())
+        (work / "empty.toml").touch()
+        endpoint = f"http://{ETCD}:2379"
+        with open(work / "etcd.log", "wb") as log:
+            procs.append(
+                subprocess.Popen(
+                    [
+                        shutil.which("etcd") or "/usr/bin/etcd",
+                        "--name",
+                        "w",
+                        "--data-dir",
+                        str(work / "etcd"),
+                        "--listen-client-urls",
+                        endpoint,
+                        "--advertise-client-urls",
+                        endpoint,
+                        "--listen-peer-urls",
+                        f"http://{ETCD}:2380",
+                        "--initial-advertise-peer-urls",
+                        f"http://{ETCD}:2380",
+                        "--initial-cluster",
+                        f"w=http://{ETCD}:2380",
+                        "--log-level",
+                        "warn",
+                    ],
+                    stdout=log,
+                    stderr=subprocess.STDOUT,
+                )  # fmt: skip
+            )
+        env = {
+            **os.environ,
+            "KSPEEDFS_CONFIG": str(work / "empty.toml"),
+            "KSPEEDFS_TOKEN_FILE": str(token),
+            "KSPEEDFS_ETCD": endpoint,
+            "KSPEEDFS_CLUSTER": "weather",
+            "KSPEEDFS_MEMBER_TTL": "2",
+            "KSPEEDFS_HEAL_AFTER": "2",
+            "KSPEEDFS_TIMEOUT": "4",
+        }
+        env.pop("KSPEEDFS_NODES", None)
+        env.pop("KSPEEDFS_LISTEN", None)
+        settings = load_settings(env=env)
+        state = ClusterState.of(settings)
+        _wait(lambda: _etcd_up(state), 30, "etcd")
+        addrs = [f"{h}:7420" for h in HOSTS]
+        for i, a in enumerate(addrs):
+            with open(work / f"node{i}.log", "wb") as log:
+                procs.append(
+                    subprocess.Popen(
+                        [
+                            *kspeedfs,
+                            "node",
+                            "--listen",
+                            a,
+                            "--shm-dir",
+                            str(shm / f"n{i}"),
+                            "--memory",
+                            "1GiB",
+                            "--segment-size",
+                            "64KiB",
+                        ],
+                        env=env,
+                        stdout=log,
+                        stderr=subprocess.STDOUT,
+                    )  # fmt: skip
+                )
+        _wait(lambda: len(state.snapshot().members) == 3, 60, "three members")
+        src = work / "src"
+        want = shape.make_tree(src, 120)
+        pre = subprocess.run(
+            [*kspeedfs, "preload", str(src), "--name", "w", "--replicas", "2", "-q"],
+            env=env, capture_output=True, text=True,
+        )  # fmt: skip
+        if pre.returncode != 0:
+            raise SystemExit(f"preload failed: {pre.stderr}")
+
+        def held() -> dict[str, list[int]]:
+            return {
+                a: sorted(int(f) for f in _listdir(shm / f"n{i}" / "datasets" / "w" / SEGMENT_DIR))
+                for i, a in enumerate(addrs)
+            }
+
+        before = held()
+        counts = {"reads": 0, "wrong": 0, "errors": 0}
+        stop = threading.Event()
+        reader = ClusterReader(resolve_nodes(settings))
+        ds = reader.open_dataset("w")
+        m = ds.manifest
+        files = [i for i in range(len(m.size)) if m.is_file(i)]
+
+        def read_loop() -> None:
+            while not stop.is_set():
+                for i in files:
+                    try:
+                        got = reader.read(ds, i, 0, int(m.size[i]))
+                    except KSpeedError:
+                        counts["errors"] += 1
+                        continue
+                    counts["wrong"] += int(got != want[os.fsdecode(m.path(i))])
+                    counts["reads"] += 1
+
+        t = threading.Thread(target=read_loop, daemon=True)
+        t.start()
+        time.sleep(1)
+        shape.partition_on(ETCD)
+        at = counts["reads"]
+        time.sleep(partition_s)
+        reads_during = counts["reads"] - at
+        shape.undrop(20)
+        shape.undrop(21)
+        healed = time.monotonic()
+
+        def sound() -> bool:
+            try:
+                snap = state.snapshot()
+            except KSpeedError:
+                return False
+            record = snap.datasets.get("w", ({}, 0))[0]
+            return (
+                set(snap.members) == set(addrs)
+                and not (set(snap.down) & set(addrs))
+                and not record.get("lost")
+                and held() == before
+            )
+
+        converged_s = None
+        while time.monotonic() - healed < 15:
+            if sound():
+                converged_s = time.monotonic() - healed
+                break
+            time.sleep(0.2)
+        time.sleep(4)  # past heal_after again
+        still = sound()
+        stop.set()
+        t.join(10)
+        snap = state.snapshot()
+        result = {
+            **counts,
+            "reads_during_partition": reads_during,
+            "converged_s": converged_s,
+            "still_sound": still,
+            "lost": snap.datasets.get("w", ({}, 0))[0].get("lost", []),
+            "down_live": sorted(set(snap.down) & set(addrs)),
+            "held_before": before,
+            "held_after": held(),
+        }
+        out.write_text(json.dumps(result, indent=2))
+        print(json.dumps({k: v for k, v in result.items() if not k.startswith("held")}))
+        return 0
+    finally:
+        for p in reversed(procs):
+            p.terminate()
+        for p in procs:
+            try:
+                p.wait(10)
+            except subprocess.TimeoutExpired:
+                p.kill()
+        shutil.rmtree(shm, ignore_errors=True)
+        shutil.rmtree(work, ignore_errors=True)
+
+
+def _listdir(path: Path) -> list[str]:
+    try:
+        return os.listdir(path)
+    except FileNotFoundError:
+        return []
+
+
+def _etcd_up(state: ClusterState) -> bool:
+    try:
+        state.snapshot()
+        return True
+    except KSpeedError:
+        return False
+
+
+def _wait(predicate: Any, timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise SystemExit(f"no {what} within {timeout:.0f}s")
+        time.sleep(0.3)
+
+
+if __name__ == "__main__":
+    sys.exit(main(Path(sys.argv[1]), float(sys.argv[2]) if len(sys.argv) > 2 else 8.0))
