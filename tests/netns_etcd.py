@@ -152,9 +152,11 @@ def main(out: Path, partition_s: float) -> int:
 
         t = threading.Thread(target=read_loop, daemon=True)
         t.start()
+        # under test: the readers run a second before the partition
         time.sleep(1)
         shape.partition_on(ETCD)
         at = counts["reads"]
+        # under test: the partition lasts partition_s
         time.sleep(partition_s)
         reads_during = counts["reads"] - at
         shape.undrop(20)
@@ -180,7 +182,7 @@ def main(out: Path, partition_s: float) -> int:
                 converged_s = time.monotonic() - healed
                 break
             time.sleep(0.2)
-        time.sleep(4)  # past heal_after again
+        time.sleep(4)  # under test: past heal_after again
         still = sound()
         stop.set()
         t.join(10)

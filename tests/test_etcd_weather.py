@@ -133,11 +133,12 @@ def test_an_etcd_frozen_under_readers_costs_no_copy(
         # Frozen far longer than member_ttl + heal_after (2 + 2 s): every lease lapses at once
         # when it wakes up, while every node stayed alive.
         cluster.etcd.proc.send_signal(signal.SIGSTOP)
+        # under test: etcd frozen past member_ttl + heal_after
         time.sleep(8)
         reads_during = counts["reads"]
         cluster.etcd.proc.send_signal(signal.SIGCONT)
         wait_for(lambda: _no_loss(cluster, "frozen", held), timeout=10, what="convergence, no loss")
-        time.sleep(4)  # past heal_after again: nobody lost later either
+        time.sleep(4)  # under test: past heal_after again, nobody lost later either
         assert _no_loss(cluster, "frozen", held)
     finally:
         stop.set()

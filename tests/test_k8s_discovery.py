@@ -64,6 +64,7 @@ def test_node_watch_without_dns() -> None:
         wait_for(lambda: not watch._looking, what="the lookup")
     assert watch.current() == last and "does not resolve" in watch._error
     watch._given = named.nodes  # the name answers again
+    # under test: the refresh interval (0.01 s) passes before the next look
     time.sleep(0.02)
     watch.current()
     wait_for(lambda: watch.current() == list(named.nodes), what="the list followed")
