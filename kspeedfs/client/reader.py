@@ -11,6 +11,7 @@ error, never another version's bytes. A node that does not answer is marked down
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import tempfile
@@ -32,6 +33,7 @@ from kspeedfs.format.contract.node import Manifest as ManifestRequest
 from kspeedfs.format.contract.pieces import Piece as BlobPiece
 from kspeedfs.format.contract.pieces import fetch_all
 from kspeedfs.format.contract.readthrough import FillSegment
+from kspeedfs.format.contract.scrub import ReportDamage
 from kspeedfs.format.errors import (
     DataError,
     InvalidArgument,
@@ -196,8 +198,17 @@ class ClusterReader:
                     except KSpeedError as why:
                         log.info("%s: no local map (%s; %s)", info["name"], e, why)
                         return None
-                return local if local.uuid == info["uuid"] else None
+                if local.uuid != info["uuid"]:
+                    return None
+                local.on_damage = functools.partial(self._report_damage, info["name"], local.uuid)
+                return local
         return None
+
+    def _report_damage(self, name: str, uuid: str, segments: list[int]) -> None:
+        """Tell this machine's node that segments of its copy are damaged (a reader found
+        them not the manifest's): it checks them, quarantines them and fetches them again."""
+        if self.local_node is not None:
+            self.call(self.local_node, ReportDamage(name=name, uuid=uuid, segments=segments))
 
     def _fetch_manifest(self, name: str, uuid: str) -> Manifest:
         """The manifest of instance `uuid`, in pieces from the first node that answers (a node
@@ -307,7 +318,8 @@ class ClusterReader:
         ):
             return False
         try:
-            local.read_into(p.seg, p.off, out[p.pos : p.pos + p.n])  # pread on the disk tier
+            # pread on the disk tier, checked against the file's checksum (localdata)
+            local.read_file_into(p.entry, p.file_off, out[p.pos : p.pos + p.n])
         except DataError as e:
             _note_unmappable(ds, e)
             return False
