@@ -15,5 +15,5 @@ class ReportDamage(Request):
 
     OP = "report_damage"
     name: str = dataset_name()
-    uuid: str = ""
     segments: list[int] = at_least(0)
+    uuid: str = ""
