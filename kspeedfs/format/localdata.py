@@ -17,10 +17,11 @@ are read with pread, and checked against the manifest's checksums (xxh3_64) befo
 bytes are first served in this process. A disk is what fails, and what another process may
 cut short: a map of a file truncated under it kills its reader (SIGBUS) at the next touch of
 a page past the new end, while a pread just comes back short. So:
-- a read of a file with bytes on the disk tier reads the whole file the first time (pread),
-  hashes it and compares it with the file's checksum (a whole-file read, what the fast path
-  and most FUSE reads are, costs only the hash: ~14 GB/s here); later reads in this process
-  pread just the range asked for;
+- a read of a whole file with bytes on the disk tier (what the fast path, kspeedfs:// and
+  most FUSE reads are) hashes the bytes it read and compares them with the file's checksum,
+  every time: it costs only the hash (xxh3_64, ~14 GB/s here), and a byte flipped since an
+  earlier read is never served. A read of part of a file reads and checks the whole file the
+  first time this process reads it; later ones pread just the range asked for;
 - a read by segment range (`view`, `read_into`: the node serving another node) checks the
   whole segment against its checksum the first time instead;
 - a segment whose size is not the manifest's, a read that comes back short, or bytes that fail
@@ -140,6 +141,7 @@ class LocalDataset:
         segments that lay on the disk tier when opened (one promoted since is still read as a
         disk one: checked, by pread, from memory once its disk file is gone)."""
         self._memory_dev = memory_dev
+        self._segment_size = self.manifest.segment_size
         # Per segment: its open file when it lies on the disk tier, None when in memory; the
         # most recent OPEN_DISK_FILES only, so a process reading a large disk tier does not
         # run out of descriptors (one dropped closes when its last reader lets go of it).
@@ -375,14 +377,16 @@ class LocalDataset:
             raise DataError(f"range {offset}+{length} past the end of segment {seg}")
         return memoryview(m)[offset : offset + length]
 
-    # Reads of files. A file with bytes on the disk tier is checked whole the first time.
+    # Reads of files. A whole file with bytes on the disk tier is checked on every read; a
+    # part of one, the first time this process reads the file.
 
-    def _unchecked(self, i: int) -> bool:
-        """Whether file i has bytes on the disk tier that this process has not checked."""
-        if not self.on_disk or self._file_ok[i]:
+    def _unchecked(self, i: int, whole: bool) -> bool:
+        """Whether a read of file i (`whole` or a part) must check the file."""
+        if not self.on_disk or (not whole and self._file_ok[i]):
             return False
-        segs = [seg for seg, _, _ in self.manifest.ranges(i) if seg in self.on_disk]
-        return any(seg not in self._seg_ok for seg in segs)
+        start, size = int(self.manifest.data[i]), int(self.manifest.size[i])
+        first, last = start // self._segment_size, (start + max(size, 1) - 1) // self._segment_size
+        return any(seg in self.on_disk for seg in range(first, last + 1))
 
     def _check_file(self, i: int, data: memoryview | bytes) -> None:
         """The whole of file i against its checksum (DamagedSegment when it fails)."""
@@ -403,8 +407,8 @@ class LocalDataset:
     def read_file_into(self, i: int, offset: int, out: memoryview) -> None:
         """Bytes [offset, offset+len(out)) of file i, copied into `out` (checked as the
         module's docstring says)."""
-        if self._unchecked(i):
-            size = int(self.manifest.size[i])
+        size = int(self.manifest.size[i])
+        if self._unchecked(i, offset == 0 and len(out) == size):
             if offset == 0 and len(out) == size:
                 self._read_checked(i, out)
                 return
@@ -455,7 +459,7 @@ class LocalDataset:
 
     def read(self, i: int, offset: int, length: int) -> bytes:
         """A copy of bytes [offset, offset+length) of file i (what FUSE hands to the kernel)."""
-        if self._unchecked(i):
+        if self._unchecked(i, offset == 0 and length >= int(self.manifest.size[i])):
             pieces = self.manifest.ranges(i)
             whole = (
                 self._copy(*pieces[0])
