@@ -265,17 +265,20 @@ class LocalDataset:
             opened = io.FileIO(fd, "rb", closefd=True)
             st = os.fstat(fd)
             on_disk = st.st_dev != self._memory_dev
-            if st.st_size != int(self.manifest.seg_len[seg]):
+            wrong_size = st.st_size != int(self.manifest.seg_len[seg])
+            if wrong_size:
                 opened.close()
-                if on_disk:
-                    self._found_damaged([seg], "has the wrong size")
-                raise DataError(f"segment {seg} of {self.path.name} has the wrong length")
-            f = opened if on_disk else None
-            if f is None:
-                opened.close()  # moved to memory: mapped
-            self._disk_files[seg] = f
-            while len(self._disk_files) > OPEN_DISK_FILES:
-                self._disk_files.popitem(last=False)  # not closed: a pread may be using it
+            else:
+                f = opened if on_disk else None
+                if f is None:
+                    opened.close()  # moved to memory: mapped
+                self._disk_files[seg] = f
+                while len(self._disk_files) > OPEN_DISK_FILES:
+                    self._disk_files.popitem(last=False)  # not closed: a pread may be using it
+        if wrong_size:  # (outside the lock, which _found_damaged takes)
+            if on_disk:
+                self._found_damaged([seg], "has the wrong size")
+            raise DataError(f"segment {seg} of {self.path.name} has the wrong length")
         return f
 
     def _found_damaged(self, segments: list[int], why: str) -> None:
