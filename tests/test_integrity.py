@@ -79,9 +79,13 @@ def integrity(node: NodeProcess) -> dict[str, Any]:
     return found
 
 
-def damage(path: Path, kind: str, where: float) -> None:
-    """What a failing disk or a stray process does to a segment file, in place."""
-    size = path.stat().st_size
+def damage(path: Path, kind: str, where: float) -> bool:
+    """What a failing disk or a stray process does to a segment file, in place; False when
+    the file is gone (quarantined meanwhile: a reader's earlier report)."""
+    try:
+        size = path.stat().st_size
+    except FileNotFoundError:
+        return False
     if kind == "flip":
         pos = min(size - 1, int(where * size))
         with open(path, "r+b") as f:
@@ -94,6 +98,7 @@ def damage(path: Path, kind: str, where: float) -> None:
     else:
         with open(path, "ab") as f:
             f.write(b"\xff" * (1 + int(where * 4096)))
+    return True
 
 
 def all_sound(tmp_path: Path, node: NodeProcess, name: str) -> bool:
@@ -187,8 +192,7 @@ def test_damaged_disk_segments_never_serve_a_wrong_byte_nor_kill_a_reader(
         reader.start()
         try:
             for seg, (kind, where) in zip(segs, harms, strict=False):
-                damage(disk_segment(tmp_path, current, seg), kind, where)
-                planted += 1
+                planted += damage(disk_segment(tmp_path, current, seg), kind, where)
             order = sorted(files)
             rnd.shuffle(order)
             assert read_every_door(order) == 0
