@@ -17,13 +17,14 @@ are read with pread, and checked against the manifest's checksums (xxh3_64) befo
 bytes are first served in this process. A disk is what fails, and what another process may
 cut short: a map of a file truncated under it kills its reader (SIGBUS) at the next touch of
 a page past the new end, while a pread just comes back short. So:
-- a read of a whole file with bytes on the disk tier (what the fast path, kspeedfs:// and
-  most FUSE reads are) hashes the bytes it read and compares them with the file's checksum,
-  every time: it costs only the hash (xxh3_64, ~14 GB/s here), and a byte flipped since an
-  earlier read is never served. A read of part of a file reads and checks the whole file the
-  first time this process reads it; later ones pread just the range asked for;
+- a read of a file with bytes on the disk tier reads the whole file and checks it against the
+  file's checksum (xxh3_64, ~14 GB/s here) the first time this process reads it, and again
+  whenever one of its disk segments changed since (every read fstats the segment's open file:
+  its size, mtime and ctime, which a write, a truncation or an extension changes); a whole-file
+  read (the fast path, kspeedfs://, most FUSE reads) costs only the hash, since it reads the
+  whole file anyway. Other reads pread just the range asked for;
 - a read by segment range (`view`, `read_into`: the node serving another node) checks the
-  whole segment against its checksum the first time instead;
+  whole segment against its checksum instead, the first time and when it changed;
 - a segment whose size is not the manifest's, a read that comes back short, or bytes that fail
   their checksum raise DamagedSegment (a DataError: readers read elsewhere, from a replica or
   the source) and are reported to `on_damage` (the node quarantines and fetches it again).
@@ -33,6 +34,7 @@ the rest of the cost; the bench compares the doors before and after.
 
 from __future__ import annotations
 
+import array
 import io
 import json
 import logging
@@ -148,7 +150,10 @@ class LocalDataset:
         self._disk_files: OrderedDict[int, io.FileIO | None] = OrderedDict()
         self.on_disk = frozenset(on_disk) if self.checks_disk else frozenset()
         # Per file, per segment: checked in this process (bytes of files on the disk tier).
-        self._file_ok = bytearray(self.manifest.entries) if self.on_disk else bytearray()
+        # (as the generation it was checked in: a disk segment that changes starts a new one)
+        self._file_ok = array.array("I", bytes(4 * self.manifest.entries if self.on_disk else 0))
+        self._generation = 1
+        self._stamps: dict[int, tuple[int, int, int]] = {}  # disk segment: size, mtime, ctime
         self._seg_ok: set[int] = set()
         # Told the segments found damaged (the reader tells the node); from any thread.
         self.on_damage: Callable[[list[int]], None] | None = None
@@ -272,6 +277,8 @@ class LocalDataset:
                 f = opened if on_disk else None
                 if f is None:
                     opened.close()  # moved to memory: mapped
+                else:
+                    self._stamps.setdefault(seg, (st.st_size, st.st_mtime_ns, st.st_ctime_ns))
                 self._disk_files[seg] = f
                 while len(self._disk_files) > OPEN_DISK_FILES:
                     self._disk_files.popitem(last=False)  # not closed: a pread may be using it
@@ -314,7 +321,7 @@ class LocalDataset:
     def _check_segment(self, seg: int, f: io.FileIO) -> None:
         """Disk segment `seg` against its checksum, once per process (whole: a read by
         segment range has no file to check)."""
-        if seg in self._seg_ok:
+        if self._unchanged(seg, f) and seg in self._seg_ok:
             return
         expected = int(self.manifest.seg_checksum[seg])
         length = int(self.manifest.seg_len[seg])
@@ -383,13 +390,39 @@ class LocalDataset:
     # Reads of files. A whole file with bytes on the disk tier is checked on every read; a
     # part of one, the first time this process reads the file.
 
-    def _unchecked(self, i: int, whole: bool) -> bool:
-        """Whether a read of file i (`whole` or a part) must check the file."""
-        if not self.on_disk or (not whole and self._file_ok[i]):
+    def _unchecked(self, i: int) -> bool:
+        """Whether a read of file i must check the file: it has bytes on the disk tier, and
+        this process has not checked it since its disk segments last changed."""
+        if not self.on_disk:
             return False
         start, size = int(self.manifest.data[i]), int(self.manifest.size[i])
         first, last = start // self._segment_size, (start + max(size, 1) - 1) // self._segment_size
-        return any(seg in self.on_disk for seg in range(first, last + 1))
+        checked = self._file_ok[i] == self._generation
+        touches = False
+        for seg in range(first, last + 1):
+            if seg in self.on_disk:
+                touches = True
+                f = self._disk_file(seg)
+                if f is not None and not self._unchanged(seg, f):
+                    checked = False
+        return touches and not checked
+
+    def _unchanged(self, seg: int, f: io.FileIO) -> bool:
+        """Whether disk segment `seg` is as it was when last looked at (size, mtime and ctime:
+        a write, a truncation or an extension changes them); a changed one starts a new
+        generation (every file is checked again), a wrong size is damage."""
+        st = os.fstat(f.fileno())
+        stamp = (st.st_size, st.st_mtime_ns, st.st_ctime_ns)
+        if self._stamps.get(seg) == stamp:
+            return True
+        with self._lock:
+            if self._stamps.get(seg) != stamp:
+                self._stamps[seg] = stamp
+                self._generation += 1
+                self._seg_ok.discard(seg)
+        if st.st_size != int(self.manifest.seg_len[seg]):
+            self._found_damaged([seg], "has the wrong size")
+        return False
 
     def _check_file(self, i: int, data: memoryview | bytes) -> None:
         """The whole of file i against its checksum (DamagedSegment when it fails)."""
@@ -397,7 +430,7 @@ class LocalDataset:
         if expected and xxhash.xxh3_64_intdigest(data) != expected:
             segs = [seg for seg, _, _ in self.manifest.ranges(i) if seg in self.on_disk]
             self._found_damaged(segs, f"fails the checksum of file {i}")
-        self._file_ok[i] = 1
+        self._file_ok[i] = self._generation
 
     def _read_checked(self, i: int, out: memoryview) -> None:
         """The whole of file i into `out`, checked against its checksum."""
@@ -411,7 +444,7 @@ class LocalDataset:
         """Bytes [offset, offset+len(out)) of file i, copied into `out` (checked as the
         module's docstring says)."""
         size = int(self.manifest.size[i])
-        if self._unchecked(i, offset == 0 and len(out) == size):
+        if self._unchecked(i):
             if offset == 0 and len(out) == size:
                 self._read_checked(i, out)
                 return
@@ -462,7 +495,7 @@ class LocalDataset:
 
     def read(self, i: int, offset: int, length: int) -> bytes:
         """A copy of bytes [offset, offset+length) of file i (what FUSE hands to the kernel)."""
-        if self._unchecked(i, offset == 0 and length >= int(self.manifest.size[i])):
+        if self._unchecked(i):
             pieces = self.manifest.ranges(i)
             whole = (
                 self._copy(*pieces[0])
