@@ -390,22 +390,25 @@ class LocalDataset:
     # Reads of files. A whole file with bytes on the disk tier is checked on every read; a
     # part of one, the first time this process reads the file.
 
-    def _unchecked(self, i: int) -> bool:
-        """Whether a read of file i must check the file: it has bytes on the disk tier, and
-        this process has not checked it since its disk segments last changed."""
-        if not self.on_disk:
-            return False
+    def _stale(self, i: int) -> tuple[bool, bool]:
+        """After a read of file i: whether the bytes read must be checked (it has bytes on the
+        disk tier, and this process has not checked it since its disk segments last changed),
+        and whether one of them changed since it was last looked at (then they are read
+        again: what was read may predate the change). Looked at after the read: a write, a
+        truncation or an extension changes a file's times before its bytes, so bytes read
+        before the segment's stamp is seen unchanged are the bytes that were checked."""
         start, size = int(self.manifest.data[i]), int(self.manifest.size[i])
         first, last = start // self._segment_size, (start + max(size, 1) - 1) // self._segment_size
-        checked = self._file_ok[i] == self._generation
-        touches = False
+        touches = changed = False
         for seg in range(first, last + 1):
             if seg in self.on_disk:
                 touches = True
                 f = self._disk_file(seg)
                 if f is not None and not self._unchanged(seg, f):
-                    checked = False
-        return touches and not checked
+                    changed = True
+        if not touches:
+            return False, False
+        return changed or self._file_ok[i] != self._generation, changed
 
     def _unchanged(self, seg: int, f: io.FileIO) -> bool:
         """Whether disk segment `seg` is as it was when last looked at (size, mtime and ctime:
@@ -424,38 +427,40 @@ class LocalDataset:
             self._found_damaged([seg], "has the wrong size")
         return False
 
-    def _check_file(self, i: int, data: memoryview | bytes) -> None:
-        """The whole of file i against its checksum (DamagedSegment when it fails)."""
+    def _check_file(self, i: int, data: memoryview | bytes, generation: int) -> None:
+        """The whole of file i against its checksum (DamagedSegment when it fails); checked
+        for `generation` (the one before `data` was read)."""
         expected = int(self.manifest.checksum[i])
         if expected and xxhash.xxh3_64_intdigest(data) != expected:
             segs = [seg for seg, _, _ in self.manifest.ranges(i) if seg in self.on_disk]
             self._found_damaged(segs, f"fails the checksum of file {i}")
-        self._file_ok[i] = self._generation
+        self._file_ok[i] = generation
 
-    def _read_checked(self, i: int, out: memoryview) -> None:
-        """The whole of file i into `out`, checked against its checksum."""
-        pos = 0
-        for seg, off, n in self.manifest.ranges(i):
-            self._copy_into(seg, off, out[pos : pos + n])
-            pos += n
-        self._check_file(i, out)
-
-    def read_file_into(self, i: int, offset: int, out: memoryview) -> None:
-        """Bytes [offset, offset+len(out)) of file i, copied into `out` (checked as the
-        module's docstring says)."""
-        size = int(self.manifest.size[i])
-        if self._unchecked(i):
-            if offset == 0 and len(out) == size:
-                self._read_checked(i, out)
-                return
-            whole = memoryview(bytearray(size))
-            self._read_checked(i, whole)
-            out[:] = whole[offset : offset + len(out)]
-            return
+    def _copy_file(self, i: int, offset: int, out: memoryview) -> None:
+        """Bytes [offset, offset+len(out)) of file i into `out`, unchecked."""
         pos = 0
         for seg, off, n in self.manifest.ranges(i, offset, len(out)):
             self._copy_into(seg, off, out[pos : pos + n])
             pos += n
+
+    def read_file_into(self, i: int, offset: int, out: memoryview) -> None:
+        """Bytes [offset, offset+len(out)) of file i, copied into `out` (checked as the
+        module's docstring says)."""
+        generation = self._generation
+        self._copy_file(i, offset, out)
+        if not self.on_disk:
+            return
+        stale, changed = self._stale(i)
+        if not stale:
+            return
+        size = int(self.manifest.size[i])
+        whole = out if offset == 0 and len(out) == size else memoryview(bytearray(size))
+        if changed or whole is not out:
+            generation = self._generation  # read again, after the change was seen
+            self._copy_file(i, 0, whole)
+        self._check_file(i, whole, generation)
+        if whole is not out:
+            out[:] = whole[offset : offset + len(out)]
 
     def _copy(self, seg: int, offset: int, length: int) -> bytes:
         """A copy of bytes [offset, offset+length) of segment `seg` (pread on the disk tier;
@@ -495,17 +500,11 @@ class LocalDataset:
 
     def read(self, i: int, offset: int, length: int) -> bytes:
         """A copy of bytes [offset, offset+length) of file i (what FUSE hands to the kernel)."""
-        if self._unchecked(i):
-            pieces = self.manifest.ranges(i)
-            whole = (
-                self._copy(*pieces[0])
-                if len(pieces) == 1
-                else b"".join(self._copy(*p) for p in pieces)
-            )
-            self._check_file(i, whole)
-            return (
-                whole if offset == 0 and length >= len(whole) else whole[offset : offset + length]
-            )
+        if self.on_disk:
+            n = max(0, min(length, int(self.manifest.size[i]) - offset))
+            out = bytearray(n)
+            self.read_file_into(i, offset, memoryview(out))
+            return bytes(out)
         pieces = self.manifest.ranges(i, offset, length)
         if len(pieces) == 1:
             return self._copy(*pieces[0])
