@@ -204,9 +204,11 @@ def test_damaged_disk_segments_never_serve_a_wrong_byte_nor_kill_a_reader(
             reader.join()
         assert sum(background_wrong) == 0
         # Every damaged segment found (the reads touched every file), counted and made again.
-        wait_for(lambda: integrity(node)["damaged"] == planted, what="damage counted")
+        # (a segment damaged again by a later harm while being fetched counts twice: >=)
+        wait_for(lambda: integrity(node)["damaged"] >= planted, what="damage counted")
         wait_for(lambda: all_sound(tmp_path, node, "src"), what="damaged segments fetched again")
-        assert integrity(node)["repaired"] == planted
+        found = integrity(node)
+        assert found["repaired"] == found["damaged"], found
 
     damaged_while_read()  # (the source stays: with no replica, repairs come from it)
     assert os.path.ismount(mount.mountpoint) and mount.proc.poll() is None
