@@ -203,9 +203,14 @@ def test_damaged_disk_segments_never_serve_a_wrong_byte_nor_kill_a_reader(
             stop.set()
             reader.join()
         assert sum(background_wrong) == 0
+
         # Every damaged segment found (the reads touched every file), counted and made again.
         # (a segment damaged again by a later harm while being fetched counts twice: >=)
-        wait_for(lambda: integrity(node)["damaged"] >= planted, what="damage counted")
+        def counted() -> bool:  # readers keep reading: they find what is left, and report it
+            assert read_every_door(sorted(files)) == 0
+            return integrity(node)["damaged"] >= planted
+
+        wait_for(counted, what="damage counted")
         wait_for(lambda: all_sound(tmp_path, node, "src"), what="damaged segments fetched again")
         found = integrity(node)
         assert found["repaired"] == found["damaged"], found

@@ -59,7 +59,8 @@ META_FILE = "meta.json"
 SEGMENT_DIR = "seg"
 OPEN_DISK_FILES = 64  # disk-tier segments a process keeps open for pread
 HASH_CHUNK = 4 << 20  # a whole segment is checked in reads of this size
-DAMAGED_RETRY_S = 10.0  # a damaged segment is read elsewhere this long, then tried again
+DAMAGED_RETRY_S = 10.0  # a damaged segment nobody was told of is read elsewhere this long
+REPORT_EVERY_S = 1.0  # a damaged segment is logged and reported at most this often
 _DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 
 
@@ -157,9 +158,10 @@ class LocalDataset:
         self._seg_ok: set[int] = set()
         # Told the segments found damaged (the reader tells the node); from any thread.
         self.on_damage: Callable[[list[int]], None] | None = None
-        # Segments found damaged in this process, and when: read elsewhere for DAMAGED_RETRY_S
-        # (the node fetches them again meanwhile), then tried here again.
+        # Segments found damaged in this process that the node could not be told of, and when:
+        # read elsewhere for DAMAGED_RETRY_S, then tried here again.
         self.damaged: dict[int, float] = {}
+        self._reported: dict[int, float] = {}  # segment -> when it was last reported
 
     def __del__(self) -> None:
         # Closed only here, never in release(): a thread may still be opening a segment
@@ -295,17 +297,24 @@ class LocalDataset:
             for seg in segments:
                 self._disk_files.pop(seg, None)
                 self._seg_ok.discard(seg)
-            new = [s for s in segments if s not in self.damaged]
             now = time.monotonic()
-            self.damaged.update((s, now) for s in segments)
+            new = [s for s in segments if now - self._reported.get(s, -1e9) >= REPORT_EVERY_S]
+            self._reported.update((s, now) for s in new)
         names = ", ".join(str(s) for s in segments)
         if new:
             log.error("%s: disk-tier segment %s %s; reading elsewhere", self.path.name, names, why)
+            told = False
             if self.on_damage is not None:
                 try:
                     self.on_damage(new)
+                    told = True
                 except Exception as e:  # telling the node is best effort: its scrubber finds it
                     log.warning("%s: could not report damaged segments: %s", self.path.name, e)
+            if not told:
+                # Nobody fetches it again soon: read it elsewhere for a while. (Told, the node
+                # checks it, quarantines it, and the next read here opens its new copy.)
+                with self._lock:
+                    self.damaged.update((s, now) for s in new)
         raise DamagedSegment(f"disk-tier segment {names} of {self.path.name} {why}", segments)
 
     def _pread_into(self, f: io.FileIO, seg: int, offset: int, out: memoryview) -> None:
