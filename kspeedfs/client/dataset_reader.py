@@ -107,12 +107,10 @@ class Reader:
         """File `entry`, which lies on the disk tier: read with pread and checked against its
         checksum (localdata); a damaged copy is read elsewhere by the read policy."""
         assert self.local is not None
-        out = memoryview(bytearray(int(self._size[entry])))
         try:
-            self.local.read_file_into(entry, 0, out)
+            return memoryview(self.local.read(entry, 0, int(self._size[entry])))
         except DataError:
-            self.gather([(entry, 0, len(out))], out)
-        return out
+            return self._copied(entry)
 
     def range_view(self, entry: int, offset: int, length: int) -> memoryview | None:
         """Bytes [offset, offset+length) of file `entry` as a view of its mapped segment, when

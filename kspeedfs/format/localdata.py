@@ -510,7 +510,20 @@ class LocalDataset:
     def read(self, i: int, offset: int, length: int) -> bytes:
         """A copy of bytes [offset, offset+length) of file i (what FUSE hands to the kernel)."""
         if self.on_disk:
-            n = max(0, min(length, int(self.manifest.size[i]) - offset))
+            size = int(self.manifest.size[i])
+            pieces = self.manifest.ranges(i, offset, length)
+            if offset == 0 and len(pieces) == 1 and pieces[0][2] == size:
+                # A whole file in one segment (most): pread's own bytes, no buffer to zero.
+                generation = self._generation
+                data = self._copy(*pieces[0])
+                stale, changed = self._stale(i)
+                if stale:
+                    if changed:
+                        generation = self._generation
+                        data = self._copy(*pieces[0])
+                    self._check_file(i, data, generation)
+                return data
+            n = max(0, min(length, size - offset))
             out = bytearray(n)
             self.read_file_into(i, offset, memoryview(out))
             return bytes(out)
