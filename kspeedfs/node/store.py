@@ -10,7 +10,7 @@ memory budget, under DISK_ROOT/NAME.UUID/seg/NNNNNNNN (staged under DISK_ROOT/.s
 in the dataset's meta.json ("disk", "disk_dir"). They count in the disk budget, not the memory
 one, and move to memory (`promote`) when memory frees up. DISK_ROOT is SPILL_DIR/tier; the
 spill folder and the tier are checked and owned as the shm folder is (safedir), so that readers
-in the group map disk-tier segments as they map memory ones.
+in the group read disk-tier segments (by pread: localdata) as they map memory ones.
 """
 
 from __future__ import annotations
