@@ -63,6 +63,11 @@ class Scrubber:
             "passes": 0,  # complete passes over the disk tier
         }
         self._send, self._receive = trio.open_memory_channel[tuple[str, int, str]](math.inf)
+        # Damage the node's own reads found (SegmentStore.on_damage_found, any thread).
+        self._found_send, self._found_receive = trio.open_memory_channel[tuple[str, list[int]]](
+            math.inf
+        )
+        self._token: trio.lowlevel.TrioToken | None = None
         self._pending: set[tuple[str, int]] = set()
 
     def register_ops(self, ops: OpRegistry) -> None:
@@ -75,8 +80,11 @@ class Scrubber:
         for name, seg in self.store.damaged_at_start:
             self._found(name, seg, "", quarantined=True)
         self.store.damaged_at_start = []
+        self._token = trio.lowlevel.current_trio_token()
+        self.store.on_damage_found.append(self._found_by_node)
         async with trio.open_nursery() as nursery:
             nursery.start_soon(self._repairs)
+            nursery.start_soon(self._checks_of_found)
             if self.rate > 0:
                 nursery.start_soon(self._scrub)
             task_status.started()
@@ -98,23 +106,48 @@ class Scrubber:
         self.stats["damaged"] += 1
         self._send.send_nowait((name, seg, "" if quarantined else why))
 
+    def _found_by_node(self, name: str, segments: list[int]) -> None:
+        """The node's own read of `name` found `segments` damaged: checked like a report."""
+        token = self._token
+        if token is None:
+            return
+        try:
+            token.run_sync_soon(self._found_send.send_nowait, (name, list(segments)))
+        except trio.RunFinishedError:
+            pass  # the node is stopping
+
+    async def _checks_of_found(self) -> None:
+        async for name, segments in self._found_receive:
+            record = self.store.datasets.get(name)
+            if record is not None:
+                await self._check_reported(name, segments)
+
     async def op_report_damage(self, request: ReportDamage) -> dict[str, Any]:
         """A reader found segments damaged: each checked here (a reader's word alone drops
         nothing), the damaged ones quarantined and fetched again."""
         record = self.store.datasets.get(request.name)
         if record is None or (request.uuid and request.uuid != record.uuid):
             raise StaleDataset(f"dataset {request.name!r} was unloaded or loaded again")
+        return {
+            "damaged": await self._check_reported(
+                request.name, request.segments[: max(1, record.segments)]
+            )
+        }
+
+    async def _check_reported(self, name: str, segments: list[int]) -> int:
+        """Each segment checked here; the damaged ones quarantined and fetched again. How
+        many are damaged."""
         found = 0
-        for seg in sorted(set(request.segments))[: max(1, record.segments)]:
+        for seg in sorted(set(segments)):
             self.stats["reported"] += 1
-            if (request.name, seg) in self._pending:
+            if (name, seg) in self._pending:
                 found += 1
                 continue
-            why = await trio.to_thread.run_sync(self.store.verify_segment, request.name, seg)
+            why = await trio.to_thread.run_sync(self.store.verify_segment, name, seg)
             if why:
-                self.damaged(request.name, seg, why)
+                self.damaged(name, seg, why)
                 found += 1
-        return {"damaged": found}
+        return found
 
     async def _repairs(self) -> None:
         async for name, seg, why in self._receive:

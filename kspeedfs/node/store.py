@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import json
 import logging
 import mmap
@@ -159,6 +160,8 @@ class SegmentStore:
         # Promotion waits on it.
         self.on_memory_freed: list[Callable[[], None]] = []
         self._disk_reclaimers: list[Callable[[int], int]] = []
+        # Told (from any thread) the segments the node's own reads found damaged.
+        self.on_damage_found: list[Callable[[str, list[int]], None]] = []
         # Segments recover() found damaged and quarantined: (dataset, segment), to fetch again.
         self.damaged_at_start: list[tuple[str, int]] = []
 
@@ -927,7 +930,13 @@ class SegmentStore:
             if record is None:
                 raise NotFound(f"no dataset named {name!r}")
             ds = self._open[name] = open_local(record.path)
+            # Damage the node's own reads find (serving a peer, decoding): told the scrubber.
+            ds.on_damage = functools.partial(self._damage_found, name)
         return ds
+
+    def _damage_found(self, name: str, segments: list[int]) -> None:
+        for hook in self.on_damage_found:
+            hook(name, segments)
 
 
 DISK_STAGING = ".staging"  # under the disk tier's root: preloads' disk parts in progress
