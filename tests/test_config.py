@@ -161,6 +161,7 @@ BAD = {
     "rdma_gid_index": "-2",
     "spill_dir": "relative/spill",
     "spill": "-1",
+    "scrub_rate": "fast",
     "source_check_interval": "-inf",
     "eviction": "fifo",
     "group": "a\tb",

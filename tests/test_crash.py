@@ -103,19 +103,25 @@ def test_kill_after_preload_serves_without_reloading(
     assert walk(m.mountpoint / "kept") == walk(tree)
 
 
-def test_restart_drops_a_corrupted_dataset(node: NodeProcess, tree: Path) -> None:
-    """A segment changed behind the node's back fails its checksum at start: dropped, not served."""
+def test_restart_keeps_a_dataset_with_a_corrupted_segment(node: NodeProcess, tree: Path) -> None:
+    """A segment changed behind the node's back fails its checksum at start: that segment is
+    quarantined and fetched again from the source, the dataset kept and never served wrong."""
     for name in ("good", "bad"):
         done = run_cli("preload", str(tree), "--name", name, "-q", env=node.env())
         assert done.returncode == 0, done.stderr
     seg = node.shm_dir / "datasets" / "bad" / "seg" / "00000000"
+    original = seg.read_bytes()
     with open(seg, "r+b") as f:
         first = f.read(1)
         f.seek(0)
         f.write(bytes([first[0] ^ 0xFF]))
     node.stop()
     log = restart(node)
-    assert [d["name"] for d in listing(node)] == ["good"]
-    assert "dropping broken dataset bad" in log
-    assert not (node.shm_dir / "datasets" / "bad").exists()
+    assert sorted(d["name"] for d in listing(node)) == ["bad", "good"]
+    assert "segment 0 of bad fails its checksum: quarantined" in log
+    deadline = time.monotonic() + 20
+    while not (seg.exists() and seg.read_bytes() == original):
+        assert time.monotonic() < deadline, "segment 0 of bad was not fetched again"
+        time.sleep(0.1)
+    assert node.request("status")["integrity"]["repaired"] == 1
     assert os.listdir(node.shm_dir / "trash") == []

@@ -95,11 +95,22 @@ class Reader:
                 return self._copied(entry)
         mv = self._seg_views.get(seg)
         if mv is None:
+            if seg in self.local.on_disk:
+                return self._disk_copy(entry)
             try:
                 mv = self._seg_views[seg] = memoryview(self.local.segment(seg))
             except DataError:
                 return self._copied(entry)  # unloaded before we mapped it: the read policy
         return mv[off:end]
+
+    def _disk_copy(self, entry: int) -> memoryview:
+        """File `entry`, which lies on the disk tier: read with pread and checked against its
+        checksum (localdata); a damaged copy is read elsewhere by the read policy."""
+        assert self.local is not None
+        try:
+            return memoryview(self.local.read(entry, 0, int(self._size[entry])))
+        except DataError:
+            return self._copied(entry)
 
     def range_view(self, entry: int, offset: int, length: int) -> memoryview | None:
         """Bytes [offset, offset+length) of file `entry` as a view of its mapped segment, when
@@ -108,8 +119,8 @@ class Reader:
         if local is None or self.handle.readthrough:
             return None  # a read-through segment may leave the map: the policy decides
         seg, off = divmod(int(self._data[entry]) + offset, self._seg_size)
-        if off + length > self._seg_size or not local.holds(seg):
-            return None
+        if off + length > self._seg_size or not local.holds(seg) or seg in local.on_disk:
+            return None  # (disk-tier bytes are copied and checked: never a map)
         mv = self._seg_views.get(seg) if self.all_local else None
         if mv is None:
             try:

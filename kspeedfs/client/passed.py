@@ -25,7 +25,9 @@ class PassedDataset(LocalDataset):
         self._dir_fd = self._seg_fd = -1
         try:
             self.manifest = Manifest(self.path / "manifest.ksm", fd=manifest_fd)
-            self._init_copies(os.fstat(manifest_fd).st_dev)  # the manifest is in memory
+            memory_dev = os.fstat(manifest_fd).st_dev  # the manifest is in memory
+            on_disk = {k for k, fd in segments.items() if os.fstat(fd).st_dev != memory_dev}
+            self._init_copies(memory_dev if on_disk else None, on_disk)
         finally:
             os.close(manifest_fd)  # the mapping keeps what it needs
         self._fds = segments

@@ -20,6 +20,7 @@ not answered by then comes from the source, or fails with one clear error.
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import select
@@ -41,6 +42,7 @@ from kspeedfs.format.contract import Request
 from kspeedfs.format.contract.node import List, ManifestPiece, ManifestReq, Ping
 from kspeedfs.format.contract.pieces import BlobPiece, fetch_all
 from kspeedfs.format.contract.readthrough import FillSegment
+from kspeedfs.format.contract.scrub import ReportDamage
 from kspeedfs.format.discovery import NodeWatch
 from kspeedfs.format.errors import (
     DataError,
@@ -310,8 +312,17 @@ class ClusterReader:
                     except KSpeedError as why:
                         log.info("%s: no local map (%s; %s)", info["name"], e, why)
                         return None
-                return local if local.uuid == info["uuid"] else None
+                if local.uuid != info["uuid"]:
+                    return None
+                local.on_damage = functools.partial(self._report_damage, info["name"], local.uuid)
+                return local
         return None
+
+    def _report_damage(self, name: str, uuid: str, segments: list[int]) -> None:
+        """Tell this machine's node that segments of its copy are damaged (a reader found
+        them not the manifest's): it checks them, quarantines them and fetches them again."""
+        if self.local_node is not None:
+            self.call(self.local_node, ReportDamage(name=name, uuid=uuid, segments=segments))
 
     def _fetch_manifest(self, name: str, uuid: str) -> Manifest:
         """The manifest of instance `uuid`, in pieces from the first node that answers (a node
@@ -426,7 +437,8 @@ class ClusterReader:
         ):
             return False
         try:
-            local.read_into(p.seg, p.off, out[p.pos : p.pos + p.n])  # pread on the disk tier
+            # pread on the disk tier, checked against the file's checksum (localdata)
+            local.read_file_into(p.entry, p.file_off, out[p.pos : p.pos + p.n])
         except DataError as e:
             _note_unmappable(ds, e)
             return False

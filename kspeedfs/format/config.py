@@ -43,7 +43,9 @@ class Settings:
             `shm_dir`; a preload that does not fit is refused before anything is copied.
         segment_size: the unit of placement, replication, transfer and eviction.
         verify_on_start: checksum every segment when a node starts again (off: `kspeedfs node
-            --no-verify`).
+            --no-verify`); a damaged one is quarantined and fetched again, its dataset kept.
+        scrub_rate: bytes per second the node re-reads its disk-tier segments at, checking
+            each against the manifest's checksum (0: no scrubbing; tiers.md).
         lease_ttl: seconds before the lease of a job that stopped renewing it (a crash)
             expires; a dataset the job loaded is unloaded with its last lease.
         log_level: the node's log level (`kspeedfs -v node`: debug).
@@ -118,6 +120,7 @@ class Settings:
     user: str = ""
     password: str = dataclasses.field(default="", repr=False)
     verify_on_start: bool = True
+    scrub_rate: str = "64MiB"  # bytes/s of disk-tier segments re-read and checked; "0": off
     lease_ttl: float = 30.0
     timeout: float = 10.0
     log_level: str = "INFO"

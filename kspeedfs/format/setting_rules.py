@@ -245,6 +245,7 @@ RULES: dict[str, Callable[[Any], Any]] = {
     "rdma_gid_index": lambda v: _to_int(v, -1, 65535),
     "spill_dir": lambda v: _to_optional_path(v, absolute=True),
     "spill": lambda v: str(_to_size(v)),
+    "scrub_rate": lambda v: str(_to_size(v)),
     "source_check_interval": _to_float,
     "eviction": lambda v: _to_choice(v, EVICTION_POLICIES),
     "group": _text,

@@ -26,6 +26,7 @@ from kspeedfs.node.peers import PeerPool
 from kspeedfs.node.preload import Stager
 from kspeedfs.node.promote import Promoter
 from kspeedfs.node.readthrough import ReadThroughCache
+from kspeedfs.node.scrub import Scrubber
 from kspeedfs.node.store import SegmentStore
 from kspeedfs.rdma.server import RdmaService
 
@@ -39,6 +40,7 @@ class NodeParts(Protocol):
     leases: LeaseTable
     stager: Stager
     promoter: Promoter
+    scrubber: Scrubber
     cache: ReadThroughCache
     decoded: DecodedVariants
     rdma: RdmaService
@@ -79,6 +81,7 @@ class NodeInfo:
             "budget": n.store.budget,
             "used": n.store.used(),
             "disk_tier": _disk_tier(n),
+            "integrity": n.scrubber.status(),  # damaged segments found and repaired, scrub
             "datasets": len(n.store.datasets),
             "loading": sorted(name for name, p in n.loads.items() if p.state == "loading"),
             "segments": segments,
@@ -146,6 +149,7 @@ class NodeInfo:
             "budget": n.store.budget,
             "leases": n.leases.total(),
             "disk_tier": _disk_tier(n),
+            "integrity": n.scrubber.status(),
             "datasets": {
                 r.name: (r.stored, len(r.held), r.disk_stored)
                 for r in list(n.store.datasets.values())

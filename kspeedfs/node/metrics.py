@@ -64,6 +64,7 @@ class NodeCollector(Collector):
             "bytes moved from the disk tier to memory",
             tier["promoted"]["bytes"],
         )
+        yield from _integrity(s.get("integrity") or {})
         resident = GaugeMetricFamily(
             "kspeedfs_dataset_resident_bytes",
             "memory a dataset takes on this node",
@@ -208,3 +209,15 @@ def serve_metrics(
     port = int(server.server_address[1])
     log.info("metrics on http://%s:%d/metrics", address.host, port)
     return port
+
+
+def _integrity(i: dict[str, Any]) -> Iterator[CounterMetricFamily]:
+    """Damaged segments found (readers, promotion, start, scrub) and made again; the scrub."""
+    for key, name, doc in (
+        ("damaged", "damaged_segments", "segments found damaged, quarantined and fetched again"),
+        ("repaired", "repaired_segments", "damaged segments fetched again and sound"),
+        ("repair_failed", "repair_failed_segments", "damaged segments no copy could replace"),
+        ("scrubbed_bytes", "scrubbed_bytes", "disk-tier bytes the scrubber re-read and checked"),
+        ("scrub_cpu_seconds", "scrub_cpu_seconds", "CPU time of the scrubber's reads and hashes"),
+    ):
+        yield CounterMetricFamily(f"kspeedfs_node_{name}", doc, i.get(key, 0))

@@ -19,6 +19,7 @@ from collections.abc import Awaitable, Callable
 import trio
 
 from kspeedfs.format.errors import KSpeedError
+from kspeedfs.format.localdata import DamagedSegment
 from kspeedfs.node.store import SegmentStore
 
 log = logging.getLogger(__name__)
@@ -27,8 +28,11 @@ POLL_INTERVAL_S = 10.0
 
 
 class Promoter:
-    def __init__(self, store: SegmentStore):
+    def __init__(self, store: SegmentStore, quarantined: Callable[[str, int], None] | None = None):
         self.store = store
+        # Told a segment that failed its check on the way to memory, once quarantined: it is
+        # fetched again (node/scrub.py).
+        self.quarantined = quarantined
         self.promoted = {"segments": 0, "bytes": 0}
         self._freed = trio.Event()
         self._token: trio.lowlevel.TrioToken | None = None
@@ -69,6 +73,12 @@ class Promoter:
             name, seg = nxt
             try:
                 moved = await trio.to_thread.run_sync(self.store.promote, name, seg)
+            except DamagedSegment as e:
+                # Not into memory: quarantined and fetched again (from a replica or the source).
+                await trio.to_thread.run_sync(self.store.quarantine, name, seg, str(e))
+                if self.quarantined is not None:
+                    self.quarantined(name, seg)
+                continue
             except (KSpeedError, OSError) as e:
                 log.info("segment %d of %s stays on disk for now: %s", seg, name, e)
                 return False

@@ -34,6 +34,7 @@ from kspeedfs.node.peers import PeerPool
 from kspeedfs.node.preload import Stager
 from kspeedfs.node.promote import Promoter
 from kspeedfs.node.readthrough import ReadThroughCache
+from kspeedfs.node.scrub import Scrubber
 from kspeedfs.node.spill import TIER_DIR
 from kspeedfs.node.store import SegmentStore
 from kspeedfs.node.unload import Unloader
@@ -90,10 +91,12 @@ class Node:
             self.ask,
             self.decoded.after_preload,
         )
-        self.promoter = Promoter(self.store)
+        self.scrubber = Scrubber(settings, self.store, lambda: self.address)
+        self.promoter = Promoter(self.store, self.scrubber.quarantined)
         self.promoter.add_mover(self.cache.promoter.promote_what_fits)  # read-through's own
         self.info = NodeInfo(self)
-        for owner in (self.info, self.coordinator, self.lease_owner, self.unloader):
+        owners = (self.info, self.coordinator, self.lease_owner, self.unloader, self.scrubber)
+        for owner in owners:
             owner.register_ops(self.ops)
         self.stager.register_ops(self.ops)
         self.decoded.register_ops(self.ops, self.ask)
@@ -128,6 +131,7 @@ class Node:
                     self.cache,
                     self.coordinator,
                     self.promoter,
+                    self.scrubber,
                 )
                 for owner in owners:
                     await nursery.start(owner.run)

@@ -10,13 +10,14 @@ memory budget, under DISK_ROOT/NAME.UUID/seg/NNNNNNNN (staged under DISK_ROOT/.s
 in the dataset's meta.json ("disk", "disk_dir"). They count in the disk budget, not the memory
 one, and move to memory (`promote`) when memory frees up. DISK_ROOT is SPILL_DIR/tier; the
 spill folder and the tier are checked and owned as the shm folder is (safedir), so that readers
-in the group map disk-tier segments as they map memory ones.
+in the group read disk-tier segments (by pread: localdata) as they map memory ones.
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import json
 import logging
 import mmap
@@ -40,8 +41,10 @@ from kspeedfs.format.errors import (
     StaleDataset,
 )
 from kspeedfs.format.localdata import (
+    HASH_CHUNK,
     MANIFEST_FILE,
     META_FILE,
+    DamagedSegment,
     LocalDataset,
     segment_path,
 )
@@ -157,6 +160,10 @@ class SegmentStore:
         # Promotion waits on it.
         self.on_memory_freed: list[Callable[[], None]] = []
         self._disk_reclaimers: list[Callable[[int], int]] = []
+        # Told (from any thread) the segments the node's own reads found damaged.
+        self.on_damage_found: list[Callable[[str, list[int]], None]] = []
+        # Segments recover() found damaged and quarantined: (dataset, segment), to fetch again.
+        self.damaged_at_start: list[tuple[str, int]] = []
 
     def memory_freed(self) -> None:
         """Tell the followers that memory may have freed up."""
@@ -184,12 +191,18 @@ class SegmentStore:
             try:
                 if stat.S_ISLNK(os.stat(name, dir_fd=datasets_fd, follow_symlinks=False).st_mode):
                     raise DataError("it is a symlink, not a dataset folder")
-                record = self._check(path, verify)
+                record, damaged = self._check(path, verify)
             except (KSpeedError, OSError, ValueError, KeyError) as e:
                 log.error("dropping broken dataset %s: %s", name, e)
                 self._discard(name)
                 continue
             self.datasets[record.name] = record
+            for seg, why in damaged:
+                # That segment, not the dataset: quarantined, and fetched again (the scrubber
+                # takes `damaged_at_start`).
+                log.error("segment %d of %s %s: quarantined, to be fetched again", seg, name, why)
+                self.drop_segment(name, seg)
+                self.damaged_at_start.append((name, seg))
             log.info(
                 "found dataset %s: %d files, %s",
                 record.name,
@@ -258,7 +271,10 @@ class SegmentStore:
                 os.mkdir(key, 0o750, dir_fd=self._fd["tier"])
         return os.open(key, DIR_FLAGS, dir_fd=self._fd["tier"])
 
-    def _check(self, path: Path, verify: bool) -> DatasetRecord:
+    def _check(self, path: Path, verify: bool) -> tuple[DatasetRecord, list[tuple[int, str]]]:
+        """A published dataset found at start, and its held segments that are damaged (the
+        wrong size, or with `verify` the wrong checksum) with why: those cost themselves, not
+        the dataset. DataError (and OSError...) for a dataset that cannot be kept at all."""
         meta = self._read_meta(path.name)
         validate_name(meta["name"])
         if meta["name"] != path.name:
@@ -272,13 +288,16 @@ class SegmentStore:
             raise DataError("its disk-tier segments are not in this node's disk tier")
         if on_disk:  # a real folder of the tier, not a symlink (OSError: dropped as broken)
             os.close(self._open_disk_instance(self._disk_dir(meta).name))
+        damaged = []
         for seg in meta.get("held", range(m.segments)):
             p = segment_path(Path(meta["disk_dir"]) if seg in on_disk else path, seg)
-            if p.stat().st_size != int(m.seg_len[seg]):
-                raise DataError(f"segment {seg} has the wrong size")
-            if verify and xxhash.xxh3_64_intdigest(ds.segment(seg)) != int(m.seg_checksum[seg]):
-                raise DataError(f"segment {seg} fails its checksum")
-        return self._record(path, meta, m.nbytes)
+            try:
+                why = segment_fault(p, int(m.seg_len[seg]), int(m.seg_checksum[seg]) * verify)
+            except FileNotFoundError:
+                why = "is missing"
+            if why:
+                damaged.append((int(seg), why))
+        return self._record(path, meta, m.nbytes), damaged
 
     def _read_meta(self, name: str) -> dict[str, Any]:
         folder = os.open(name, DIR_FLAGS, dir_fd=self._fd["datasets"])
@@ -748,9 +767,12 @@ class SegmentStore:
                 if seg in record.disk:
                     return self._drop_disk_segment(folder, record, seg)
                 seg_fd = os.open("seg", DIR_FLAGS, dir_fd=folder)
+                # What it counts in the budget (a damaged one may be cut short, grown or gone).
+                size = int(self.open(name).manifest.seg_len[seg])
                 try:
-                    size = os.stat(f"{seg:08d}", dir_fd=seg_fd, follow_symlinks=False).st_size
                     os.unlink(f"{seg:08d}", dir_fd=seg_fd)
+                except FileNotFoundError:
+                    pass  # gone already (a damaged one found missing): forgotten only
                 finally:
                     os.close(seg_fd)
                 held = [k for k in record.held if k != seg]
@@ -767,8 +789,9 @@ class SegmentStore:
         """drop_segment of a disk-tier segment. Called under _lock."""
         assert self.disk_root is not None
         path = segment_path(self.disk_root / f"{record.name}.{record.uuid}", seg)
-        size = path.stat().st_size
-        path.unlink()
+        # What it counts in the disk budget (a damaged one's file may be cut short or gone).
+        size = int(self.open(record.name).manifest.seg_len[seg])
+        path.unlink(missing_ok=True)
         held = [k for k in record.held if k != seg]
         disk = [k for k in record.disk if k != seg]
         self._update_meta(
@@ -777,6 +800,36 @@ class SegmentStore:
         record.held, record.disk, record.disk_stored = held, disk, record.disk_stored - size
         self._open.pop(record.name, None)
         return size
+
+    def segment_file(self, name: str, seg: int) -> tuple[Path, int, int] | None:
+        """Where held segment `seg` of static dataset `name` lies, its length and checksum
+        (None: not held here, or a read-through dataset's, whose cache checks its own)."""
+        record = self.datasets.get(name)
+        if record is None or seg not in record.held or record.lifetime == READTHROUGH:
+            return None
+        m = self.open(name).manifest
+        if seg in record.disk and self.disk_root is not None:
+            path = segment_path(self.disk_root / f"{record.name}.{record.uuid}", seg)
+        else:
+            path = segment_path(record.path, seg)
+        return path, int(m.seg_len[seg]), int(m.seg_checksum[seg])
+
+    def verify_segment(self, name: str, seg: int) -> str:
+        """Why held segment `seg` of `name` is damaged ("": sound, or not held here)."""
+        where = self.segment_file(name, seg)
+        if where is None:
+            return ""
+        try:
+            return segment_fault(*where)
+        except FileNotFoundError:
+            return ""  # dropped or moved meanwhile: whoever did it had it sound
+
+    def quarantine(self, name: str, seg: int, why: str) -> int:
+        """Take damaged segment `seg` of `name` out of service: unlinked (a reader that has
+        it open finds it damaged too, and reads elsewhere), forgotten by meta.json and the
+        record, so that it can be fetched again. Returns its bytes (0: not held here)."""
+        log.error("segment %d of %s %s: quarantined, to be fetched again", seg, name, why)
+        return self.drop_segment(name, seg)
 
     def promote(self, name: str, seg: int) -> int:
         """Move disk-tier segment `seg` of `name` into memory: copied into the shm folder
@@ -796,14 +849,20 @@ class SegmentStore:
         self.reserve(reservation, length, what=f"segment {seg} of {name}", evict=False)
         try:
             with open(disk_file, "rb") as src:
+                expected = int(self.open(name).manifest.seg_checksum[seg])
 
                 def fill(view: memoryview) -> None:
+                    """The disk copy into memory, checked before it joins memory."""
                     done = 0
                     while done < len(view):
                         n = src.readinto(view[done:])
                         if not n:
-                            raise DataError(f"segment {seg} of {name} is short on disk")
+                            raise DamagedSegment(f"segment {seg} of {name} is short", [seg])
                         done += n
+                    if src.read(1):
+                        raise DamagedSegment(f"segment {seg} of {name} is too long", [seg])
+                    if expected and xxhash.xxh3_64_intdigest(view) != expected:
+                        raise DamagedSegment(f"segment {seg} of {name} fails its checksum", [seg])
 
                 folder = os.open(name, DIR_FLAGS, dir_fd=self._fd["datasets"])
                 with _closing(folder):
@@ -871,7 +930,13 @@ class SegmentStore:
             if record is None:
                 raise NotFound(f"no dataset named {name!r}")
             ds = self._open[name] = open_local(record.path)
+            # Damage the node's own reads find (serving a peer, decoding): told the scrubber.
+            ds.on_damage = functools.partial(self._damage_found, name)
         return ds
+
+    def _damage_found(self, name: str, segments: list[int]) -> None:
+        for hook in self.on_damage_found:
+            hook(name, segments)
 
 
 DISK_STAGING = ".staging"  # under the disk tier's root: preloads' disk parts in progress
@@ -890,6 +955,28 @@ def _with_caps(meta: dict[str, Any], manifest: Path) -> dict[str, Any]:
     header = Manifest(manifest).header
     caps = {k: int(header[k]) for k in ("max_memory", "max_disk") if header.get(k)}
     return {**meta, **caps} if caps else meta
+
+
+def segment_fault(path: Path, length: int, checksum: int) -> str:
+    """Why the segment file at `path` is damaged: not `length` bytes long, or (when
+    `checksum`) its bytes fail it; "" when sound. Read with pread (never mapped: a file cut
+    short under a map would kill the node). FileNotFoundError when it is gone."""
+    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    try:
+        if os.fstat(fd).st_size != length:
+            return "has the wrong size"
+        if not checksum:
+            return ""
+        h = xxhash.xxh3_64()
+        buf = memoryview(bytearray(min(HASH_CHUNK, length)))
+        for pos in range(0, length, HASH_CHUNK):
+            part = buf[: min(HASH_CHUNK, length - pos)]
+            if os.preadv(fd, [part], pos) != len(part):
+                return "ends early"
+            h.update(part)
+        return "" if h.intdigest() == checksum else "fails its checksum"
+    finally:
+        os.close(fd)
 
 
 def _new_staging_folder(staging_fd: int, name: str) -> str:

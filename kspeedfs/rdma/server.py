@@ -168,7 +168,9 @@ class RdmaService:
             ds = self._store.open(name)
         except KSpeedError:
             return None
-        segments = {k: ds.segment(k) for k in sorted(ds.held)}
+        # Memory segments only: disk-tier ones are never mapped (localdata), their reads go
+        # over TCP, by pread, checked.
+        segments = {k: ds.segment(k) for k in sorted(ds.held) if k not in ds.on_disk}
         table = self.registry.register(name, ds.uuid, ds.manifest.segments, segments, epoch=epoch)
         if table is not None:
             log.info(

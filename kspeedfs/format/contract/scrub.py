@@ -1,0 +1,19 @@
+"""The ops of the node's integrity owner (node/scrub.py): damage a reader found."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from kspeedfs.format.contract import Request, at_least, dataset_name
+
+
+@dataclasses.dataclass(frozen=True)
+class ReportDamage(Request):
+    """Segments of a dataset's local copy whose bytes a reader found not the manifest's
+    (flipped, cut short, grown): the node checks each itself, and quarantines and fetches
+    again those that fail. Answers how many it found damaged."""
+
+    OP = "report_damage"
+    name: str = dataset_name()
+    segments: list[int] = at_least(0)
+    uuid: str = ""
