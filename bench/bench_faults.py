@@ -239,12 +239,7 @@ def inside(args: argparse.Namespace) -> int:
         src = work / "src"
         want = netns.make_tree(src, args.files)
         rels = sorted(want)
-        pre = subprocess.run(
-            [*kspeedfs, "preload", str(src), "--name", "faults", "--replicas", "2", "-q"],
-            env=env, capture_output=True, text=True,
-        )  # fmt: skip
-        if pre.returncode != 0:
-            raise SystemExit(f"preload failed: {pre.stderr}")
+        netns.preload(src, "faults", env)
         fast = Readers("fast path")
         mnt_r = Readers("mount")
         stop = threading.Event()

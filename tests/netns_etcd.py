@@ -32,7 +32,6 @@ HOSTS = ["127.0.0.2", "127.0.0.3", "127.0.0.4"]
 
 
 def main(out: Path, partition_s: float) -> int:
-    kspeedfs = netns.KSPEEDFS
     work = Path(tempfile.mkdtemp(prefix="kspeedfs-netns-etcd-"))
     shm = Path("/dev/shm") / f"kspeedfs-netns-etcd-{uuid.uuid4().hex[:8]}"
     procs: list[subprocess.Popen[bytes]] = []
@@ -63,12 +62,7 @@ def main(out: Path, partition_s: float) -> int:
         _wait(lambda: len(state.snapshot().members) == 3, 60, "three members")
         src = work / "src"
         want = netns.make_tree(src, 120)
-        pre = subprocess.run(
-            [*kspeedfs, "preload", str(src), "--name", "w", "--replicas", "2", "-q"],
-            env=env, capture_output=True, text=True,
-        )  # fmt: skip
-        if pre.returncode != 0:
-            raise SystemExit(f"preload failed: {pre.stderr}")
+        netns.preload(src, "w", env)
 
         def held() -> dict[str, list[int]]:
             return {

@@ -6,8 +6,8 @@ its name, `ip netns del`). Inside: `shape_setup` shapes the namespace's own `lo`
 kernel has no sch_netem and no tc actions, so packets are dropped by u32 filters that send them
 to an htb class whose leaf is the `blackhole` qdisc (`drop`/`undrop`): `partition_on`/`_off`
 (every packet from or to one host), `loss_on`/`_off` (every packet whose IP id ends in seven 0
-bits, 1/128). Then the processes (`start_nodes`, `start_etcd`, `stop_all`), a tree of random
-files (`make_tree`) and a reader that reads it all until stopped (`read_until`).
+bits, 1/128). Then the processes (`start_nodes`, `start_etcd`, `preload`, `stop_all`), a tree
+of random files (`make_tree`) and a reader that reads it all until stopped (`read_until`).
 
 Only the standard library and `kspeedfs.format.errors` at import time: bench_faults loads this
 file by its path when PYTHONPATH points at an older tree (a "before" run).
@@ -155,6 +155,14 @@ def start_etcd(host: str, work: Path) -> subprocess.Popen[bytes]:
            "--listen-peer-urls", peer, "--initial-advertise-peer-urls", peer,
            "--initial-cluster", f"w={peer}", "--log-level", "warn"]  # fmt: skip
     return spawn(cmd, work / "etcd.log")
+
+
+def preload(src: Path, name: str, env: dict[str, str]) -> None:
+    """`kspeedfs preload src --name name --replicas 2`; SystemExit when it fails."""
+    cmd = [*KSPEEDFS, "preload", str(src), "--name", name, "--replicas", "2", "-q"]
+    pre = subprocess.run(cmd, env=env, capture_output=True, text=True)
+    if pre.returncode != 0:
+        raise SystemExit(f"preload failed: {pre.stderr}")
 
 
 def stop_all(procs: list[subprocess.Popen[bytes]]) -> None:
