@@ -21,6 +21,7 @@ runs this script with short phases and checks them).
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import shutil
@@ -33,48 +34,36 @@ import uuid
 from pathlib import Path
 from typing import Any
 
+
+def _harness() -> Any:
+    """kspeedfs.testing.netns: imported, or (a "before" run, PYTHONPATH at an older tree that
+    has no such module) loaded from the tree this script is in."""
+    try:
+        from kspeedfs.testing import netns
+
+        return netns
+    except ImportError:
+        path = Path(__file__).resolve().parents[1] / "kspeedfs" / "testing" / "netns.py"
+        spec = importlib.util.spec_from_file_location("kspeedfs_testing_netns", path)
+        assert spec is not None and spec.loader is not None
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        return module
+
+
+netns = _harness()
+
 HOSTS = ["127.0.0.2", "127.0.0.3", "127.0.0.4"]
 VICTIM = HOSTS[1]
 TIMEOUT_S = 4.0  # the clients' `timeout`: a read's documented bound (docs/cluster.md)
 
 
-def run(*cmd: str, check: bool = True) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(cmd, capture_output=True, text=True, check=check)
-
-
-# ---- outside: the namespace
-
-
-def netns_reason() -> str:
-    """Why a namespace cannot be used here ("" when it can)."""
-    if os.geteuid() != 0:
-        return "needs root (ip netns add)"
-    if shutil.which("ip") is None or shutil.which("tc") is None:
-        return "needs iproute2 (ip, tc)"
-    name = f"ksprobe{uuid.uuid4().hex[:6]}"
-    made = run("ip", "netns", "add", name, check=False)
-    if made.returncode != 0:
-        return f"ip netns add failed: {made.stderr.strip()}"
-    try:
-        qdisc = run(
-            "ip", "netns", "exec", name, "tc", "qdisc", "add", "dev", "lo", "root", "handle",
-            "1:", "htb", "default", "1", check=False,
-        )  # fmt: skip
-        if qdisc.returncode != 0:
-            return f"tc htb unusable: {qdisc.stderr.strip()}"
-    finally:
-        run("ip", "netns", "del", name, check=False)
-    return ""
-
-
 def outside(args: argparse.Namespace) -> int:
-    why = netns_reason()
+    why = netns.netns_reason()
     if why:
         print(f"bench_faults: {why}", file=sys.stderr)
         return 2
-    name = f"ksfaults{uuid.uuid4().hex[:6]}"
-    run("ip", "netns", "add", name)
-    try:
+    with netns.namespace("ksfaults") as name:
         cmd = [
             "ip", "netns", "exec", name, sys.executable, os.path.abspath(__file__), "--inside",
             "--quiet-s", str(args.quiet_s), "--loss-s", str(args.loss_s),
@@ -84,51 +73,6 @@ def outside(args: argparse.Namespace) -> int:
         if args.json:
             cmd += ["--json", args.json]
         return subprocess.run(cmd, check=False).returncode
-    finally:
-        run("ip", "netns", "del", name, check=False)
-
-
-# ---- inside: shaping our own lo
-
-
-def tc(*args: str) -> None:
-    run("tc", *args)
-
-
-def shape_setup() -> None:
-    run("ip", "link", "set", "lo", "up")
-    tc("qdisc", "add", "dev", "lo", "root", "handle", "1:", "htb", "default", "1")
-    tc("class", "add", "dev", "lo", "parent", "1:", "classid", "1:1", "htb", "rate", "100gbit")
-    tc("class", "add", "dev", "lo", "parent", "1:", "classid", "1:2", "htb", "rate", "100gbit")
-    tc("qdisc", "add", "dev", "lo", "parent", "1:2", "handle", "20:", "blackhole")
-
-
-def drop(pref: int, *match: str) -> None:
-    tc("filter", "add", "dev", "lo", "parent", "1:", "protocol", "ip", "pref", str(pref),
-       "u32", *match, "flowid", "1:2")  # fmt: skip
-
-
-def undrop(pref: int) -> None:
-    run("tc", "filter", "del", "dev", "lo", "parent", "1:", "pref", str(pref), check=False)
-
-
-def loss_on() -> None:
-    # IP id (bytes 4-5 of the header) ending in seven 0 bits: 1 packet in 128. An id of 0
-    # (SYN-ACKs and resets carry it) passes, by a filter tried first: else no connection
-    # would ever be made.
-    tc("filter", "add", "dev", "lo", "parent", "1:", "protocol", "ip", "pref", "9",
-       "u32", "match", "u16", "0x0000", "0xffff", "at", "4", "flowid", "1:1")  # fmt: skip
-    drop(10, "match", "u16", "0x0000", "0x007f", "at", "4")
-
-
-def loss_off() -> None:
-    undrop(10)
-    undrop(9)
-
-
-def partition_on(host: str) -> None:
-    drop(20, "match", "ip", "src", f"{host}/32")
-    drop(21, "match", "ip", "dst", f"{host}/32")
 
 
 # ---- inside: the cluster and the readers
@@ -148,17 +92,6 @@ class Readers:
     def add(self, start: float, end: float, wrong: int) -> None:
         with self.lock:
             self.reads.append((start, end, wrong))
-
-
-def make_tree(root: Path, files: int) -> dict[str, bytes]:
-    out = {}
-    for i in range(files):
-        rel = f"c{i % 10}/f{i:05d}.bin"
-        data = os.urandom(20_000 + (i * 7919) % 100_000)
-        (root / rel).parent.mkdir(parents=True, exist_ok=True)
-        (root / rel).write_bytes(data)
-        out[rel] = data
-    return out
 
 
 def mount_loop(
@@ -182,13 +115,7 @@ def mount_loop(
                     r.errors.append((time.monotonic(), f"{rel}: {e}"))
                 continue
             t1 = time.monotonic()
-            r.add(t0, t1, _wrong(got, want[rel]))
-
-
-def _wrong(got: bytes, want: bytes) -> int:
-    if got == want:
-        return 0
-    return sum(a != b for a, b in zip(got, want, strict=False)) + abs(len(got) - len(want))
+            r.add(t0, t1, netns.wrong_bytes(got, want[rel]))
 
 
 def fast_path_loop(
@@ -238,7 +165,7 @@ def fast_path_loop(
                 with r.lock:
                     r.errors.append((t1, f"{rel}: {err}"))
             else:
-                r.add(t0, t1, _wrong(data, want[rel]))
+                r.add(t0, t1, netns.wrong_bytes(data, want[rel]))
             per_worker[pid] = (hedged, remote)
             # Its workers are forked by now: the main thread may start processes again
             # (a fork while another thread forks can hang the child before its exec).
@@ -276,14 +203,14 @@ def inside(args: argparse.Namespace) -> int:
     # The code under test: PYTHONPATH's first entry (a "before" run points it at another
     # tree), else the tree this script is in.
     repo = os.environ.get("PYTHONPATH", "").split(":")[0] or Path(__file__).resolve().parents[1]
-    kspeedfs = [sys.executable, "-m", "kspeedfs.cli"]
+    kspeedfs = netns.KSPEEDFS
     work = Path(tempfile.mkdtemp(prefix="kspeedfs-faults-"))
     shm = Path("/dev/shm") / f"kspeedfs-faults-{uuid.uuid4().hex[:8]}"
     procs: list[subprocess.Popen[bytes]] = []
     mnt = work / "mnt"
     mounted = False
     try:
-        shape_setup()
+        netns.shape_setup()
         from kspeedfs.format import auth
 
         token = work / "token"
@@ -300,27 +227,7 @@ def inside(args: argparse.Namespace) -> int:
             "KSPEEDFS_TIMEOUT": str(TIMEOUT_S),
         }
         env.pop("KSPEEDFS_LISTEN", None)
-        for i, a in enumerate(addrs):
-            with open(work / f"node{i}.log", "wb") as log:  # the child keeps its own fd
-                procs.append(
-                    subprocess.Popen(
-                        [
-                            *kspeedfs,
-                            "node",
-                            "--listen",
-                            a,
-                            "--shm-dir",
-                            str(shm / f"n{i}"),
-                            "--memory",
-                            "1GiB",
-                            "--segment-size",
-                            "256KiB",
-                        ],
-                        env=env,
-                        stdout=log,
-                        stderr=subprocess.STDOUT,
-                    )  # fmt: skip
-                )
+        procs += netns.start_nodes(addrs, shm, work, env, "256KiB")
         deadline = time.monotonic() + 60
         while True:
             done = subprocess.run([*kspeedfs, "status"], env=env, capture_output=True, text=True)
@@ -330,14 +237,9 @@ def inside(args: argparse.Namespace) -> int:
                 raise SystemExit(f"nodes did not start: {done.stderr}")
             time.sleep(0.5)
         src = work / "src"
-        want = make_tree(src, args.files)
+        want = netns.make_tree(src, args.files)
         rels = sorted(want)
-        pre = subprocess.run(
-            [*kspeedfs, "preload", str(src), "--name", "faults", "--replicas", "2", "-q"],
-            env=env, capture_output=True, text=True,
-        )  # fmt: skip
-        if pre.returncode != 0:
-            raise SystemExit(f"preload failed: {pre.stderr}")
+        netns.preload(src, "faults", env)
         fast = Readers("fast path")
         mnt_r = Readers("mount")
         stop = threading.Event()
@@ -352,24 +254,9 @@ def inside(args: argparse.Namespace) -> int:
         # Every byte from the nodes from now on: the source is moved away.
         src.rename(work / "src.away")
         mnt.mkdir()
-        with open(work / "mount.log", "wb") as log:
-            procs.append(
-                subprocess.Popen(
-                    [
-                        *kspeedfs,
-                        "mount",
-                        str(mnt),
-                        "--foreground",
-                        "--workers",
-                        "2",
-                        "--dataset",
-                        "faults",
-                    ],
-                    env=env,
-                    stdout=log,
-                    stderr=subprocess.STDOUT,
-                )  # fmt: skip
-            )
+        mount = [*kspeedfs, "mount", str(mnt), "--foreground", "--workers", "2",
+                 "--dataset", "faults"]  # fmt: skip
+        procs.append(netns.spawn(mount, work / "mount.log", env))
         deadline = time.monotonic() + 30
         while not os.path.ismount(mnt):
             if time.monotonic() > deadline:
@@ -394,14 +281,13 @@ def inside(args: argparse.Namespace) -> int:
 
         phase("quiet", args.quiet_s)
         if args.loss_s > 0:
-            loss_on()
+            netns.loss_on()
             phase("1% loss", args.loss_s)
-            loss_off()
+            netns.loss_off()
         if args.partition_s > 0:
-            partition_on(VICTIM)
+            netns.partition_on(VICTIM)
             phase("partition", args.partition_s)
-            undrop(20)
-            undrop(21)
+            netns.partition_off()
         phase("healed", args.healed_s)
         stop.set()
         # The figures are what completed within the phases: a reader still stuck (old code)
@@ -436,14 +322,8 @@ def inside(args: argparse.Namespace) -> int:
         return 0
     finally:
         if mounted:
-            run("fusermount3", "-u", "-z", str(mnt), check=False)
-        for p in reversed(procs):
-            p.terminate()
-        for p in procs:
-            try:
-                p.wait(10)
-            except subprocess.TimeoutExpired:
-                p.kill()
+            netns.run("fusermount3", "-u", "-z", str(mnt), check=False)
+        netns.stop_all(procs)
         shutil.rmtree(shm, ignore_errors=True)
         shutil.rmtree(work, ignore_errors=True)
 

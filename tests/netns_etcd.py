@@ -7,7 +7,6 @@ back with no node lost and every node holding exactly the segments it held befor
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import shutil
@@ -26,58 +25,23 @@ from kspeedfs.format import auth
 from kspeedfs.format.config import load_settings
 from kspeedfs.format.errors import KSpeedError
 from kspeedfs.format.localdata import SEGMENT_DIR
+from kspeedfs.testing import netns
 
-BENCH = Path(__file__).resolve().parent.parent / "bench" / "bench_faults.py"
 ETCD = "127.0.0.5"
 HOSTS = ["127.0.0.2", "127.0.0.3", "127.0.0.4"]
 
 
-def _bench() -> Any:
-    spec = importlib.util.spec_from_file_location("bench_faults", BENCH)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 def main(out: Path, partition_s: float) -> int:
-    shape = _bench()
-    kspeedfs = [sys.executable, "-m", "kspeedfs.cli"]
     work = Path(tempfile.mkdtemp(prefix="kspeedfs-netns-etcd-"))
     shm = Path("/dev/shm") / f"kspeedfs-netns-etcd-{uuid.uuid4().hex[:8]}"
     procs: list[subprocess.Popen[bytes]] = []
     try:
-        shape.shape_setup()
+        netns.shape_setup()
         token = work / "token"
         auth.write_token(token, auth.new_admin_token())
         (work / "empty.toml").touch()
         endpoint = f"http://{ETCD}:2379"
-        with open(work / "etcd.log", "wb") as log:
-            procs.append(
-                subprocess.Popen(
-                    [
-                        shutil.which("etcd") or "/usr/bin/etcd",
-                        "--name",
-                        "w",
-                        "--data-dir",
-                        str(work / "etcd"),
-                        "--listen-client-urls",
-                        endpoint,
-                        "--advertise-client-urls",
-                        endpoint,
-                        "--listen-peer-urls",
-                        f"http://{ETCD}:2380",
-                        "--initial-advertise-peer-urls",
-                        f"http://{ETCD}:2380",
-                        "--initial-cluster",
-                        f"w=http://{ETCD}:2380",
-                        "--log-level",
-                        "warn",
-                    ],
-                    stdout=log,
-                    stderr=subprocess.STDOUT,
-                )  # fmt: skip
-            )
+        procs.append(netns.start_etcd(ETCD, work))
         env = {
             **os.environ,
             "KSPEEDFS_CONFIG": str(work / "empty.toml"),
@@ -94,36 +58,11 @@ def main(out: Path, partition_s: float) -> int:
         state = ClusterState.of(settings)
         _wait(lambda: _etcd_up(state), 30, "etcd")
         addrs = [f"{h}:7420" for h in HOSTS]
-        for i, a in enumerate(addrs):
-            with open(work / f"node{i}.log", "wb") as log:
-                procs.append(
-                    subprocess.Popen(
-                        [
-                            *kspeedfs,
-                            "node",
-                            "--listen",
-                            a,
-                            "--shm-dir",
-                            str(shm / f"n{i}"),
-                            "--memory",
-                            "1GiB",
-                            "--segment-size",
-                            "64KiB",
-                        ],
-                        env=env,
-                        stdout=log,
-                        stderr=subprocess.STDOUT,
-                    )  # fmt: skip
-                )
+        procs += netns.start_nodes(addrs, shm, work, env, "64KiB")
         _wait(lambda: len(state.snapshot().members) == 3, 60, "three members")
         src = work / "src"
-        want = shape.make_tree(src, 120)
-        pre = subprocess.run(
-            [*kspeedfs, "preload", str(src), "--name", "w", "--replicas", "2", "-q"],
-            env=env, capture_output=True, text=True,
-        )  # fmt: skip
-        if pre.returncode != 0:
-            raise SystemExit(f"preload failed: {pre.stderr}")
+        want = netns.make_tree(src, 120)
+        netns.preload(src, "w", env)
 
         def held() -> dict[str, list[int]]:
             return {
@@ -136,31 +75,18 @@ def main(out: Path, partition_s: float) -> int:
         stop = threading.Event()
         reader = ClusterReader(resolve_nodes(settings))
         ds = reader.open_dataset("w")
-        m = ds.manifest
-        files = [i for i in range(len(m.size)) if m.is_file(i)]
-
-        def read_loop() -> None:
-            while not stop.is_set():
-                for i in files:
-                    try:
-                        got = reader.read(ds, i, 0, int(m.size[i]))
-                    except KSpeedError:
-                        counts["errors"] += 1
-                        continue
-                    counts["wrong"] += int(got != want[os.fsdecode(m.path(i))])
-                    counts["reads"] += 1
-
-        t = threading.Thread(target=read_loop, daemon=True)
+        t = threading.Thread(
+            target=netns.read_until, args=(reader, ds, want.__getitem__, stop, counts), daemon=True
+        )
         t.start()
         # under test: the readers run a second before the partition
         time.sleep(1)
-        shape.partition_on(ETCD)
+        netns.partition_on(ETCD)
         at = counts["reads"]
         # under test: the partition lasts partition_s
         time.sleep(partition_s)
         reads_during = counts["reads"] - at
-        shape.undrop(20)
-        shape.undrop(21)
+        netns.partition_off()
         healed = time.monotonic()
 
         def sound() -> bool:
@@ -201,13 +127,7 @@ def main(out: Path, partition_s: float) -> int:
         print(json.dumps({k: v for k, v in result.items() if not k.startswith("held")}))
         return 0
     finally:
-        for p in reversed(procs):
-            p.terminate()
-        for p in procs:
-            try:
-                p.wait(10)
-            except subprocess.TimeoutExpired:
-                p.kill()
+        netns.stop_all(procs)
         shutil.rmtree(shm, ignore_errors=True)
         shutil.rmtree(work, ignore_errors=True)
 

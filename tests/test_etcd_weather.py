@@ -4,13 +4,11 @@ frozen under readers, and nodes an hour ahead of and behind the others."""
 
 from __future__ import annotations
 
-import os
 import shutil
 import signal
 import threading
 import time
 from pathlib import Path
-from typing import Any
 
 import pytest
 from conftest import make_tree, wait_for
@@ -18,8 +16,9 @@ from etcdutil import EtcdCluster, copies
 
 from kspeedfs.client.clusterstate import ClusterState, resolve_nodes
 from kspeedfs.client.reader import ClusterReader
-from kspeedfs.format.errors import Fenced, KSpeedError
+from kspeedfs.format.errors import Fenced
 from kspeedfs.testing.etcd import EtcdProcess
+from kspeedfs.testing.netns import read_until
 
 pytestmark = pytest.mark.skipif(shutil.which("etcd") is None, reason="etcd-server not installed")
 
@@ -70,25 +69,6 @@ def test_lost_is_decided_by_etcds_clock_and_a_stale_note_never_counts(
     assert not state.snapshot().lost(B, me2)
 
 
-def _reader_loop(
-    reader: ClusterReader, ds: Any, src: Path, stop: threading.Event, out: dict[str, int]
-) -> None:
-    """Read every file again and again until `stop`, counting reads and wrong bytes."""
-    m = ds.manifest
-    files = [i for i in range(len(m.size)) if m.is_file(i)]
-    while not stop.is_set():
-        for i in files:
-            try:
-                got = reader.read(ds, i, 0, int(m.size[i]))
-            except KSpeedError:
-                out["errors"] += 1
-                continue
-            want = (src / os.fsdecode(m.path(i))).read_bytes()
-            out["wrong"] += sum(a != b for a, b in zip(got, want, strict=True))
-            out["reads"] += 1
-    reader.close()
-
-
 def _no_loss(cluster: EtcdCluster, name: str, held: dict[str, list[int]]) -> bool:
     record = cluster.record(name)
     down = cluster.state().snapshot().down
@@ -125,7 +105,11 @@ def test_an_etcd_frozen_under_readers_costs_no_copy(
     stop, counts = threading.Event(), {"reads": 0, "wrong": 0, "errors": 0}
     client = ClusterReader(resolve_nodes(cluster.settings()))  # the nodes, from etcd, now
     ds = client.open_dataset("frozen")
-    reader = threading.Thread(target=_reader_loop, args=(client, ds, src, stop, counts))
+
+    def want(rel: str) -> bytes:
+        return (src / rel).read_bytes()
+
+    reader = threading.Thread(target=read_until, args=(client, ds, want, stop, counts))
     reader.start()
     wait_for(lambda: counts["reads"] > 0, what="the first reads")
     try:
@@ -143,6 +127,7 @@ def test_an_etcd_frozen_under_readers_costs_no_copy(
     finally:
         stop.set()
         reader.join()
+        client.close()
         if cluster.etcd.proc is not None:
             cluster.etcd.proc.send_signal(signal.SIGCONT)
     assert counts["wrong"] == 0 and counts["errors"] == 0

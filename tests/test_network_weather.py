@@ -9,16 +9,16 @@ reported, not asserted (timing belongs in bench/)."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import shutil
 import subprocess
 import sys
-import uuid
 from pathlib import Path
 
 import pytest
+
+from kspeedfs.testing.netns import namespace, netns_reason
 
 pytestmark = pytest.mark.slow  # three nodes, a mount, DataLoader workers, 40 s of weather
 
@@ -26,11 +26,7 @@ BENCH = Path(__file__).resolve().parent.parent / "bench" / "bench_faults.py"
 
 
 def _netns_reason() -> str:
-    spec = importlib.util.spec_from_file_location("bench_faults", BENCH)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    reason: str = module.netns_reason()
+    reason = netns_reason()
     if not reason and not Path("/dev/fuse").exists():
         reason = "needs /dev/fuse"
     return reason
@@ -69,18 +65,14 @@ def test_an_etcd_partition_loses_no_node_and_no_copy(tmp_path: Path) -> None:
     reason = _netns_reason()
     if reason:
         pytest.skip(f"network namespaces unusable here: {reason}")
-    name = f"ksetcd{uuid.uuid4().hex[:6]}"
-    subprocess.run(["ip", "netns", "add", name], check=True)
     out = tmp_path / "etcd.json"
-    try:
-        script = Path(__file__).resolve().parent / "netns_etcd.py"
+    script = Path(__file__).resolve().parent / "netns_etcd.py"
+    with namespace("ksetcd") as name:
         done = subprocess.run(
             ["ip", "netns", "exec", name, sys.executable, str(script), str(out), "8"],
             capture_output=True, text=True, timeout=180,
             env={**os.environ, "PYTHONPATH": str(script.parent.parent)},
         )  # fmt: skip
-    finally:
-        subprocess.run(["ip", "netns", "del", name], check=False)
     print(done.stdout)
     assert done.returncode == 0, done.stderr[-3000:]
     result = json.loads(out.read_text())
