@@ -8,14 +8,13 @@ from __future__ import annotations
 
 import contextlib
 import errno
-import json
 import os
 import stat
-import struct
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 from conftest import MountProcess, NodeProcess, wait_for
 from uidutil import NOBODY, as_user
@@ -24,7 +23,7 @@ import kspeedfs.client.reader  # loaded before the fork: the venv is not readabl
 from kspeedfs.format import auth
 from kspeedfs.format.config import Settings
 from kspeedfs.format.errors import KSpeedError
-from kspeedfs.format.manifest import MAGIC, Manifest, plan_layout, write_manifest
+from kspeedfs.format.manifest import NS, Manifest, plan_layout, write_arrays, write_manifest
 from kspeedfs.format.units import Address
 from kspeedfs.sources.scan import scan_tree, tree_from_listing
 
@@ -173,17 +172,17 @@ def test_manifest_records_owners_and_reads_format_1(public_dir: Path, tmp_path: 
     assert [name for name in FILES if readable[m.resolve(name)]] == ["public.bin"]
     assert readable.sum() == 1 and m.readable_files(0, [0]).sum() == len(FILES)
     assert m.readable_files(NOBODY, [GROUP])[group]
-    # Format 1: the same file without the owner arrays; entries read as root's, with their modes.
-    blob = (tmp_path / "m2.ksm").read_bytes()
-    (length,) = struct.unpack_from("<I", blob, len(MAGIC))
-    head = json.loads(blob[len(MAGIC) + 4 : len(MAGIC) + 4 + length])
-    head["format"] = 1
-    del head["arrays"]["uid"], head["arrays"]["gid"]
-    shorter = json.dumps(head).encode()
-    start = len(MAGIC) + 4 + len(shorter)
-    (tmp_path / "m1.ksm").write_bytes(
-        MAGIC + struct.pack("<I", len(shorter)) + shorter + blob[start:]
-    )
+    # Format 1: the same file without the owner arrays (and with times as nanoseconds, as
+    # formats 1-3 kept them); entries read as root's, with their modes.
+    arrays = {
+        key: np.frombuffer(m._map, dtype=dtype, count=count, offset=offset).copy()
+        for key, (offset, dtype, count) in m.header["arrays"].items()
+    }
+    del arrays["uid"], arrays["gid"], arrays["ctime_s"], arrays["ctime_nsec"]
+    del arrays["ident"], arrays["dev"]
+    arrays["mtime_ns"] = (arrays.pop("mtime_s") * NS + arrays.pop("mtime_nsec")).astype("<i8")
+    header = {k: v for k, v in m.header.items() if k not in ("arrays", "versions")}
+    write_arrays(tmp_path / "m1.ksm", arrays, dict(header, format=1))
     m1 = Manifest(tmp_path / "m1.ksm")
     assert int(m1.gid[m1.resolve("group.bin")]) == 0 and int(m1.uid[0]) == 0
     assert m1.readable_files(NOBODY, [GROUP]).sum() == 1  # group.bin is root's group's now

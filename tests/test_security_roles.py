@@ -33,6 +33,7 @@ NEEDS = {
     "decode_status": "read",
     "rdma_connect": "read",
     "rdma_segments": "read",
+    "report_damage": "read",
     "lease_acquire": "job",
     "lease_renew": "job",
     "lease_release": "job",

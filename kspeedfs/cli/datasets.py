@@ -65,12 +65,9 @@ def _preload_mounted(args: argparse.Namespace, settings: Settings, on: on_mount.
             f"{on.describe()}, cached already; to make dataset {args.name} of it, preload its"
             f" source: {source}"
         )
-    with admin.connect(settings) as client:
-        listed = client.call(List())["datasets"]
-    found = [d for d in listed if d["name"] == on.dataset and d.get("source") == on.source]
-    if not found:
+    d = on_mount.held_here(settings, on)
+    if d is None:
         raise NotFound(f"{on.describe()}, which these nodes do not hold: preload {source}")
-    d = found[0]
     print(f"{on.dataset}: {d.get('state')}, cached already ({on.describe()})")
     if args.decoded is not None:
         args.name = on.dataset

@@ -20,6 +20,8 @@ def cmd_mount(args: argparse.Namespace) -> int:
     settings = settings_from(args, fuse_workers=args.workers, metrics_listen=args.metrics_listen)
     dataset = args.dataset
     on = on_mount.behind(args.source) if args.source else None
+    if on is not None and on.dataset and on_mount.held_here(settings, on) is None:
+        on = None  # another cluster's mount: read through it as any source
     if on is not None:  # a dataset on a kspeedfs mount: mount it, not a second copy of it
         on_mount.check_dataset(on, args.name or args.dataset)
         if on.rel or args.endpoint or args.max_memory or args.max_disk:
