@@ -143,3 +143,24 @@ class PeerPool:
                 total.update(client.stats)
         total["idle"] = sum(c.connected for cs in self._idle.values() for c in cs)
         return {k: int(total[k]) for k in ("connects", "requests", "retries", "idle")}
+
+
+PEER_READ_PIECE = 8 * 1024 * 1024  # a segment is copied from a peer in ranges of this size
+PEER_READ_REQUEST = 64 * 1024 * 1024  # up to this much in one request
+
+
+def read_segment_into(
+    pool: PeerPool, peer: str, name: str, uuid: str, seg: int, out: memoryview
+) -> None:
+    """Segment `seg` of instance `uuid` from `peer` (in a worker thread), received straight
+    into `out` (its length is the segment's); the caller checks its checksum."""
+    length = len(out)
+    ranges = [
+        (seg, pos, min(PEER_READ_PIECE, length - pos)) for pos in range(0, length, PEER_READ_PIECE)
+    ]
+    per_request = max(1, PEER_READ_REQUEST // PEER_READ_PIECE)
+    with pool.reader(peer) as c:
+        for k in range(0, len(ranges), per_request):
+            chunk = ranges[k : k + per_request]
+            start, end = chunk[0][1], chunk[-1][1] + chunk[-1][2]
+            c.receive_read(c.send_read(name, uuid, chunk), out[start:end])

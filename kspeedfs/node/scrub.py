@@ -33,15 +33,13 @@ from kspeedfs.format.tls import client_context
 from kspeedfs.format.units import parse_size
 from kspeedfs.node import sourceio
 from kspeedfs.node.ops import READ, OpRegistry
-from kspeedfs.node.peers import PeerPool
+from kspeedfs.node.peers import PeerPool, read_segment_into
 from kspeedfs.node.store import SegmentStore
 from kspeedfs.sources.source import open_source
 
 log = logging.getLogger(__name__)
 
 IDLE_S = 5.0  # the scrubber looks again this often when there is no disk-tier segment
-READ_PIECE = 8 * 1024 * 1024  # a segment is copied from a peer in ranges of this size,
-PER_REQUEST = 8  # this many ranges a request (as healing copies them)
 
 
 class Scrubber:
@@ -202,13 +200,7 @@ class Scrubber:
     ) -> None:
         """A whole segment from `peer` (in a worker thread), straight into `out`; DataError
         when it fails the manifest's checksum."""
-        length = len(out)
-        ranges = [(seg, pos, min(READ_PIECE, length - pos)) for pos in range(0, length, READ_PIECE)]
-        with self.readers.reader(peer) as c:
-            for k in range(0, len(ranges), PER_REQUEST):
-                chunk = ranges[k : k + PER_REQUEST]
-                start, end = chunk[0][1], chunk[-1][1] + chunk[-1][2]
-                c.receive_read(c.send_read(name, uuid, chunk), out[start:end])
+        read_segment_into(self.readers, peer, name, uuid, seg, out)
         if expected and xxhash.xxh3_64_intdigest(out) != expected:
             raise DataError("its copy fails its checksum too")
 

@@ -30,14 +30,12 @@ from kspeedfs.node import sourceio
 from kspeedfs.node.control.adopt import Adoption
 from kspeedfs.node.control.membership import Membership
 from kspeedfs.node.metrics import segment_seconds
-from kspeedfs.node.peers import Ask, PeerPool
+from kspeedfs.node.peers import Ask, PeerPool, read_segment_into
 from kspeedfs.node.store import SegmentStore
 from kspeedfs.sources.source import open_source
 
 log = logging.getLogger(__name__)
 
-READ_PIECE = 8 * 1024 * 1024  # a segment is copied from a peer in ranges of this size,
-READ_REQUEST = 64 * 1024 * 1024  # up to this much in one request
 # Segment copies in flight per node: receiving one while hashing and storing another overlap
 # (bench_cluster.py on 2 CPUs: 2 in flight healed fastest; 1 and 4 were slower).
 HEAL_PARALLEL = 2
@@ -278,14 +276,7 @@ class Healer:
     ) -> None:
         """A whole segment from `peer` (in a worker thread), received straight into `out`
         (the new segment's mapping); DataError when it fails the manifest's checksum."""
-        length = len(out)
-        ranges = [(seg, pos, min(READ_PIECE, length - pos)) for pos in range(0, length, READ_PIECE)]
-        per_request = max(1, READ_REQUEST // READ_PIECE)
-        with self.readers.reader(peer) as c:
-            for k in range(0, len(ranges), per_request):
-                chunk = ranges[k : k + per_request]
-                start, end = chunk[0][1], chunk[-1][1] + chunk[-1][2]
-                c.receive_read(c.send_read(name, uuid, chunk), out[start:end])
+        read_segment_into(self.readers, peer, name, uuid, seg, out)
         if xxhash.xxh3_64_intdigest(out) != expected:
             raise DataError("it fails its checksum")
 
