@@ -139,6 +139,16 @@ def tracebacks_since(sizes: dict[Path, int]) -> list[tuple[Path, str]]:
 
 
 @pytest.fixture(autouse=True)
+def own_health_table(
+    tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Each test's readers share a node-health table of their own: tests reuse loopback
+    ports, and a node one test killed must not be skipped as down in the next one."""
+    table = tmp_path_factory.mktemp("health") / "table"
+    monkeypatch.setenv("KSPEEDFS_HEALTH_TABLE", str(table))
+
+
+@pytest.fixture(autouse=True)
 def no_unexpected_tracebacks(request: pytest.FixtureRequest) -> Iterator[None]:
     """Fails a test when a node or mount (kspeedfs.testing's NodeProcess, MountProcess) logged
     a traceback during it, unless its `tracebacks` mark expects it: an error the test never

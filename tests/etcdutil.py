@@ -16,7 +16,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from kspeedfs.client.clusterstate import ClusterState
 from kspeedfs.format.config import Settings
 from kspeedfs.testing.etcd import EtcdProcess
-from kspeedfs.testing.process import wait_until
+from kspeedfs.testing.process import is_users_setting, wait_until
 
 
 class EtcdCluster:
@@ -39,7 +39,7 @@ class EtcdCluster:
         self.cluster = f"t{uuid.uuid4().hex[:8]}"
 
     def base_env(self) -> dict[str, str]:
-        env = {k: v for k, v in os.environ.items() if not k.startswith("KSPEEDFS_")}
+        env = {k: v for k, v in os.environ.items() if not is_users_setting(k)}
         config = self.tmp / "empty.toml"
         config.touch()
         env.update(

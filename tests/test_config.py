@@ -180,6 +180,7 @@ BAD = {
     "member_ttl": "inf",
     "heal_after": "1e400",
     "dns_refresh": "-1",
+    "health_table": "relative/health",
     "metrics_listen": "host:port",
 }
 

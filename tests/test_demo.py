@@ -10,13 +10,15 @@ from pathlib import Path
 import pytest
 from conftest import run_cli
 
+from kspeedfs.testing.process import is_users_setting
+
 pytestmark = pytest.mark.slow  # the whole demo
 
 
 @pytest.mark.fuse
 def test_demo_runs_and_cleans_up(tmp_path: Path) -> None:
     workdir = tmp_path / "demo"
-    env = {k: v for k, v in os.environ.items() if not k.startswith("KSPEEDFS_")}
+    env = {k: v for k, v in os.environ.items() if not is_users_setting(k)}
     args = ("demo", "--workdir", str(workdir), "--classes", "2", "--per-class", "6")
     done = run_cli(*args, env=env, timeout=300)
     assert done.returncode == 0, done.stdout + done.stderr

@@ -17,6 +17,7 @@ from etcdutil import EtcdCluster, copies
 
 from kspeedfs.client.reader import ClusterReader
 from kspeedfs.node.control import placed
+from kspeedfs.testing.process import is_users_setting
 
 pytestmark = pytest.mark.skipif(shutil.which("etcd") is None, reason="etcd-server not installed")
 
@@ -40,7 +41,7 @@ def random_tree(root: Path, files: int, size: int = 20_000) -> dict[str, bytes]:
 
 def client_env(cluster: EtcdCluster, monkeypatch: pytest.MonkeyPatch) -> None:
     """This process as a client that knows only etcd (as a training job would)."""
-    for key in [k for k in os.environ if k.startswith("KSPEEDFS_")]:
+    for key in [k for k in os.environ if is_users_setting(k)]:
         monkeypatch.delenv(key)
     for key, value in cluster.client_env().items():
         if key.startswith("KSPEEDFS_"):

@@ -21,6 +21,7 @@ from etcdutil import EtcdCluster
 
 from kspeedfs.format import auth
 from kspeedfs.testing.etcd import EtcdProcess, EtcdTls
+from kspeedfs.testing.process import is_users_setting
 
 pytestmark = pytest.mark.skipif(shutil.which("etcd") is None, reason="etcd-server not installed")
 
@@ -108,7 +109,7 @@ def test_a_preload_and_reads_through_https_etcd(
     assert record["state"] == "ready" and record["members"] == [tls_etcd.node.address]
     # The mount and the fast path know only etcd: they find the node there, over TLS.
     mount = MountProcess(tmp_path / "mnt", cluster.client_env(), tmp_path)
-    for key in [k for k in os.environ if k.startswith("KSPEEDFS_")]:
+    for key in [k for k in os.environ if is_users_setting(k)]:
         monkeypatch.delenv(key)
     for key, value in cluster.client_env().items():
         if key.startswith("KSPEEDFS_"):

@@ -16,6 +16,7 @@ from conftest import make_tree, run_cli, wait_for
 from kspeedfs.client.health import NodeHealth
 from kspeedfs.client.reader import ClusterReader
 from kspeedfs.format.config import load_settings
+from kspeedfs.testing.node import NodeProcess
 
 
 def test_suspicion_is_shared_between_processes(tmp_path: Path) -> None:
@@ -111,4 +112,29 @@ def test_a_frozen_node_costs_a_hedge_delay_not_a_timeout(tmp_path: Path, token_f
         finally:
             os.kill(frozen.proc.pid, signal.SIGCONT)
         wait_for(lambda: not health.is_suspect(frozen.address), timeout=10, what="the probe")
+        reader.close()
+
+
+def test_a_mark_left_by_a_reader_that_is_gone_is_probed_away(
+    node: NodeProcess, tmp_path: Path
+) -> None:
+    """A node marked down by a process that exited (its prober with it), then started again at
+    the same address: the next reader to see the mark probes it and trusts it in about a
+    probe interval, instead of skipping it until the mark runs out."""
+    table = tmp_path / "health"
+    NodeHealth(str(table)).down_for(node.address, 3600)  # the reader that saw it die
+    (tmp_path / "empty.toml").touch()
+    settings = load_settings(
+        env={
+            **node.env(),
+            "KSPEEDFS_CONFIG": str(tmp_path / "empty.toml"),
+            "KSPEEDFS_HEALTH_TABLE": str(table),
+        }
+    )
+    reader = ClusterReader(settings, local_node=None)
+    try:
+        assert reader.is_down(node.address)
+        wait_for(lambda: not reader.is_down(node.address), timeout=5, what="the probe")
+        assert not NodeHealth(str(table)).is_down(node.address)  # every reader sees it
+    finally:
         reader.close()

@@ -80,7 +80,7 @@ from kspeedfs.format.errors import KSpeedError
 root, service, src, JOB = sys.argv[1:5]
 hosts = sys.argv[5:]
 token = os.path.join(root, "token")
-base = {k: v for k, v in os.environ.items() if not k.startswith("KSPEEDFS_")}
+base = {k: v for k, v in os.environ.items() if not is_users_setting(k)}
 base.update(KSPEEDFS_CONFIG=os.path.join(root, "empty.toml"), KSPEEDFS_TOKEN_FILE=token)
 cli = [sys.executable, "-m", "kspeedfs.cli"]
 procs = []
@@ -262,11 +262,12 @@ from kspeedfs.format.contract.node import List
 from kspeedfs.format.units import Address
 from kspeedfs.net.connection import NodeClient
 from kspeedfs.format.errors import KSpeedError
+from kspeedfs.testing.process import is_users_setting
 
 root, service, src, hosts_file, dnsmasq_pid = sys.argv[1:6]
 hosts = sys.argv[6:]
 token = os.path.join(root, "token")
-base = {k: v for k, v in os.environ.items() if not k.startswith("KSPEEDFS_")}
+base = {k: v for k, v in os.environ.items() if not is_users_setting(k)}
 base.update(KSPEEDFS_CONFIG=os.path.join(root, "empty.toml"), KSPEEDFS_TOKEN_FILE=token)
 dns = {"KSPEEDFS_NODES": f"dns:{service}:7420", "KSPEEDFS_DNS_REFRESH": "1"}
 cli = [sys.executable, "-m", "kspeedfs.cli"]

@@ -146,7 +146,7 @@ def _judge(
     but it does not answer here); down (neither); lost (a catalog record declared it)."""
     from kspeedfs.client.health import NodeHealth
 
-    health = NodeHealth().view([s["node"] for s in nodes])
+    health = NodeHealth(settings.health_table).view([s["node"] for s in nodes])
     in_etcd = {m["node"]: m for m in members or []}
     for s in nodes:
         seen = health.get(s["node"], {})

@@ -40,8 +40,8 @@ class NodeHealth:
     """Per-node suspicion, down marks and latency (SRTT and its variance, as TCP keeps them),
     shared by every process that opens the same table."""
 
-    def __init__(self, path: str | None = None):
-        self.path = default_path() if path is None else path
+    def __init__(self, path: str | os.PathLike[str] | None = None):
+        self.path = default_path() if path is None else os.fspath(path)
         self._fd = -1
         self._map = self._open() if self.path else None
         if self._map is None:

@@ -126,7 +126,7 @@ class ClusterReader:
         self._node_watch = NodeWatch(settings.nodes, settings.dns_refresh)  # dns: followed
         self.local_node = local_node
         self.stats: Counter[str] = Counter()
-        self.health = health if health is not None else NodeHealth()
+        self.health = health if health is not None else NodeHealth(settings.health_table)
         self._idle: dict[str, list[Transport]] = {}
         self._lock = threading.Lock()
         self._pid = os.getpid()
@@ -143,10 +143,16 @@ class ClusterReader:
     # Node health and connections.
 
     def is_down(self, node: str) -> bool:
-        return self.health.is_down(node)
+        down = self.health.is_down(node)
+        if down:
+            self._probe(node)  # the mark may be another process's, whose prober is gone
+        return down
 
     def is_suspect(self, node: str) -> bool:
-        return self.health.is_suspect(node)
+        suspect = self.health.is_suspect(node)
+        if suspect:
+            self._probe(node)
+        return suspect
 
     def mark_down(self, node: str, reason: str) -> None:
         if not self.is_down(node):

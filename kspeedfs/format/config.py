@@ -55,6 +55,10 @@ class Settings:
             Kubernetes pod, unset: the node on the pod's host (HOST_IP).
         dns_refresh: seconds between lookups of the dns: names of `nodes` by nodes and
             long-lived clients, so that peers added or gone are followed (0: at start only).
+        health_table: the file in which every reader of this machine shares what it saw of
+            the nodes (down, late, how fast; client/health.py); unset: the user's own
+            /dev/shm/kspeedfs-health.UID. Readers that should not share it (two clusters
+            reusing addresses, a test) each name their own.
         timeout: seconds to wait for a node.
         token_file: the token a client proves (and the admin token a node derives every
             role's token from); a one-machine node creates it on first start.
@@ -109,6 +113,7 @@ class Settings:
         default_factory=lambda: [Address("127.0.0.1", DEFAULT_PORT)]
     )
     dns_refresh: float = 10.0
+    health_table: Path | None = None
     shm_dir: Path = Path("/dev/shm/kspeedfs")
     # Budget for cached data: a size, or a percentage of the shm filesystem.
     memory: str = "50%"

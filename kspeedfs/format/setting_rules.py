@@ -229,6 +229,7 @@ RULES: dict[str, Callable[[Any], Any]] = {
     "listen": lambda v: _to_address(v, min_port=0),
     "nodes": _to_nodes,
     "dns_refresh": _to_float,
+    "health_table": lambda v: _to_optional_path(v, absolute=True),
     "shm_dir": lambda v: _to_path(v, absolute=True),
     "memory": _to_memory,
     "segment_size": lambda v: _to_size(v, minimum=4096),

@@ -56,10 +56,17 @@ def ensure_token(path: Path) -> Path:
     return path
 
 
+def is_users_setting(key: str) -> bool:
+    """Whether a variable is a KSPEEDFS_* setting of the user's, which a test's children must
+    not inherit: all of them but the health table the test chose (tests/conftest.py)."""
+    return key.startswith("KSPEEDFS_") and key != "KSPEEDFS_HEALTH_TABLE"
+
+
 def private_env(config_file: Path) -> dict[str, str]:
     """This environment without KSPEEDFS_* variables and with `config_file` (write it empty)
-    as the config: the children read nothing of the user's."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith("KSPEEDFS_")}
+    as the config: the children read nothing of the user's. KSPEEDFS_HEALTH_TABLE stays: the
+    readers a test starts share the table it chose (tests/conftest.py)."""
+    env = {k: v for k, v in os.environ.items() if not is_users_setting(k)}
     env["KSPEEDFS_CONFIG"] = str(config_file)
     return env
 
