@@ -22,7 +22,6 @@ An https:// endpoint is checked against `tls_ca` (else the system's CAs) and sho
 
 from __future__ import annotations
 
-import base64
 import dataclasses
 import functools
 import json
@@ -44,6 +43,7 @@ from etcd3gw import exceptions as etcd_errors
 from etcd3gw.lease import Lease
 
 from kspeedfs.format.config import Settings
+from kspeedfs.format.contract.pieces import from_base64, to_base64
 from kspeedfs.format.errors import AlreadyExists, AuthError, Fenced, NodeUnreachable, NotFound
 from kspeedfs.format.tls import client_context, reason
 from kspeedfs.format.units import Address, parse_address
@@ -59,7 +59,7 @@ UNAVAILABLE = (NodeUnreachable, AuthError)
 
 
 def _b64(text: str) -> str:
-    return base64.b64encode(text.encode()).decode()
+    return to_base64(text.encode())
 
 
 def _range_end(prefix: str) -> str:
@@ -317,9 +317,9 @@ class ClusterState:
         )
         keys: dict[str, dict[str, Key]] = {}
         for kv in answer.get("kvs", []):
-            name = base64.b64decode(kv["key"]).decode()[len(start) :]
+            name = from_base64(kv["key"], "an etcd key").decode()[len(start) :]
             kind, _, tail = name.partition("/")
-            raw = base64.b64decode(kv.get("value", ""))
+            raw = from_base64(kv.get("value", ""), "an etcd value")
             try:
                 value = json.loads(raw) if raw else {}
             except ValueError:

@@ -11,7 +11,6 @@
 
 from __future__ import annotations
 
-import base64
 import dataclasses
 import logging
 import os
@@ -27,7 +26,7 @@ import xxhash
 
 from kspeedfs.format import placement
 from kspeedfs.format.contract.node import UnloadLocal
-from kspeedfs.format.contract.pieces import Assembly, BlobPiece, pieces_of
+from kspeedfs.format.contract.pieces import Assembly, BlobPiece, from_base64, pieces_of, to_base64
 from kspeedfs.format.contract.preload import (
     Abort,
     Commit,
@@ -106,11 +105,11 @@ def source_modified(e: BaseException) -> bool:
 
 
 def _b64(arr: np.ndarray) -> str:
-    return base64.b64encode(arr.tobytes()).decode()
+    return to_base64(arr.tobytes())
 
 
 def _unb64(text: str, dtype: str) -> np.ndarray:
-    return np.frombuffer(base64.b64decode(text), dtype=dtype)
+    return np.frombuffer(from_base64(text, "a saved column"), dtype=dtype)
 
 
 @dataclasses.dataclass

@@ -2,15 +2,14 @@
 
 from __future__ import annotations
 
-import base64
-import binascii
 import dataclasses
 import ipaddress
 import struct
 import uuid as uuid_mod
 from typing import Any
 
-from kspeedfs.format.errors import DataError, ProtocolError
+from kspeedfs.format.contract.pieces import from_base64, to_base64
+from kspeedfs.format.errors import DataError, InvalidArgument, ProtocolError
 
 TABLE_MAGIC = b"KSRT"
 TABLE_VERSION = 1
@@ -85,16 +84,16 @@ def decode_table(dataset: str, data: bytes) -> SegmentTable:
 
 
 def table_to_wire(table: SegmentTable) -> str:
-    return base64.b64encode(encode_table(table)).decode()
+    return to_base64(encode_table(table))
 
 
 def table_from_wire(dataset: str, text: Any) -> SegmentTable:
     if not isinstance(text, str):
         raise ProtocolError("segment table is not a string")
     try:
-        data = base64.b64decode(text, validate=True)
-    except (binascii.Error, ValueError):
-        raise ProtocolError("segment table is not base64") from None
+        data = from_base64(text, "segment table")
+    except InvalidArgument as e:
+        raise ProtocolError(str(e)) from None
     return decode_table(dataset, data)
 
 

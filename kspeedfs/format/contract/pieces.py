@@ -23,6 +23,20 @@ from kspeedfs.format.errors import DataError, InvalidArgument
 PIECE = 1 << 20
 
 
+def to_base64(data: bytes | memoryview) -> str:
+    """Bytes as text for a JSON frame or an etcd gateway call (this module is the one codec)."""
+    return base64.b64encode(data).decode()
+
+
+def from_base64(text: str | bytes, what: str) -> bytes:
+    """The bytes `text` encodes; InvalidArgument naming `what` when it is not base64 (strict:
+    a non-alphabet character is refused, in C; validate= would be a regex)."""
+    try:
+        return binascii.a2b_base64(text, strict_mode=True)
+    except (binascii.Error, ValueError):
+        raise InvalidArgument(f"{what} is not base64") from None
+
+
 @dataclasses.dataclass(frozen=True)
 class BlobPiece(Wire):
     """`data` is bytes [offset, offset + len(data)) of a blob of `total` bytes."""
@@ -43,15 +57,11 @@ class BlobPiece(Wire):
 
     @classmethod
     def of(cls, offset: int, total: int, data: bytes | memoryview) -> BlobPiece:
-        return cls(offset, total, base64.b64encode(data).decode())
+        return cls(offset, total, to_base64(data))
 
     @functools.cached_property
     def raw(self) -> bytes:  # decoded once (cached_property writes past the frozen fields)
-        try:
-            # strict_mode: a non-alphabet character is refused, in C (validate= is a regex).
-            return binascii.a2b_base64(self.data, strict_mode=True)
-        except (binascii.Error, ValueError):
-            raise InvalidArgument("piece data is not base64") from None
+        return from_base64(self.data, "piece data")
 
     @property
     def size(self) -> int:
