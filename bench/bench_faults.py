@@ -12,7 +12,9 @@ from or to the cut-off node, or (loss) every packet whose IP id ends in seven 0 
 Prints, for each reader and phase: reads, p50 / p99 / max read latency, the longest stall (the
 longest time no read of that reader completed), wrong bytes and errors, and the share of
 duplicate (hedged) reads among the reads that went to a node (`dup`; the quiet phase's is the
-one the issue bounds, at most 5%); then the p99 under loss over the quiet p99. `--json FILE` writes the same figures (tests/test_network_weather.py
+one the issue bounds, at most 5%); then the p99 under loss over the quiet p99, and the
+namespace's TCP counters per phase (retransmissions, timer expiries, tail loss probes,
+spurious timeouts: what held the reads up). `--json FILE` writes the same figures (tests/test_network_weather.py
 runs this script with short phases and checks them).
 
     .venv/bin/python bench/bench_faults.py                        # this tree
@@ -222,6 +224,9 @@ def inside(args: argparse.Namespace) -> int:
         env = {
             **os.environ,
             "PYTHONPATH": str(repo),
+            # `python -m kspeedfs.cli` must not import the tree of the current folder first
+            # (a "before" run started from another tree would run nodes of that one).
+            "PYTHONSAFEPATH": "1",
             "KSPEEDFS_CONFIG": str(work / "empty.toml"),
             "KSPEEDFS_TOKEN_FILE": str(token),
             "KSPEEDFS_NODES": ",".join(addrs),
@@ -277,11 +282,15 @@ def inside(args: argparse.Namespace) -> int:
         # Duplicate reads per phase: (hedged, remote) of each reader at each phase's ends.
         dup: dict[str, dict[str, tuple[int, int]]] = {fast.name: {}, mnt_r.name: {}}
 
+        tcp: dict[str, dict[str, int]] = {}
+
         def phase(name: str, seconds: float) -> None:
             before = {fast.name: (fast.hedged, fast.remote), mnt_r.name: mount_counters(mnt)}
+            kernel = tcp_counters()
             t0 = time.monotonic()
             time.sleep(seconds)
             phases.append((name, t0, time.monotonic()))
+            tcp[name] = {k: v - kernel.get(k, 0) for k, v in tcp_counters().items()}
             after = {fast.name: (fast.hedged, fast.remote), mnt_r.name: mount_counters(mnt)}
             for reader, (h, n) in after.items():
                 dup[reader][name] = (h - before[reader][0], n - before[reader][1])
@@ -302,7 +311,7 @@ def inside(args: argparse.Namespace) -> int:
         for t in threads:
             t.join(2)
         fp.join(2)
-        result: dict[str, Any] = {"timeout_s": TIMEOUT_S, "readers": {}}
+        result: dict[str, Any] = {"timeout_s": TIMEOUT_S, "readers": {}, "tcp": tcp}
         for r, (hedged, remote) in (
             (fast, (fast.hedged, fast.remote)),
             (mnt_r, mount_counters(mnt, 5)),
@@ -321,6 +330,34 @@ def inside(args: argparse.Namespace) -> int:
         netns.stop_all(procs)
         shutil.rmtree(shm, ignore_errors=True)
         shutil.rmtree(work, ignore_errors=True)
+
+
+# The namespace's own TCP counters (/proc/net/netstat and snmp are per network namespace):
+# what delayed the reads of a phase. Timeouts: retransmission timer expiries; LossProbes: tail
+# loss probes sent; SpuriousRTOs: expiries found needless (F-RTO) afterwards.
+TCP_COUNTERS = (
+    "RetransSegs",
+    "TCPTimeouts",
+    "TCPLossProbes",
+    "TCPLossProbeRecovery",
+    "TCPSpuriousRTOs",
+    "TCPSynRetrans",
+    "TCPFastRetrans",
+)
+
+
+def tcp_counters() -> dict[str, int]:
+    out: dict[str, int] = {}
+    for name in ("/proc/net/netstat", "/proc/net/snmp"):
+        try:
+            lines = Path(name).read_text().splitlines()
+        except OSError:
+            continue
+        for head, values in zip(lines[::2], lines[1::2], strict=False):
+            for k, v in zip(head.split()[1:], values.split()[1:], strict=False):
+                if k in TCP_COUNTERS and v.lstrip("-").isdigit():
+                    out[k] = int(v)
+    return out
 
 
 def mount_counters(mnt: Path, wait_s: float = 2.0) -> tuple[int, int]:
@@ -371,6 +408,11 @@ def report(result: dict[str, Any]) -> None:
         for phase, s in r["phases"].items():
             for e in s["first_errors"]:
                 print(f"{name:<10} {phase}: {e}")
+    tcp = result.get("tcp", {})
+    if tcp:
+        print(f"{'TCP (readers and nodes)':<24}" + "".join(f"{k:>21}" for k in TCP_COUNTERS))
+        for phase, counts in tcp.items():
+            print(f"{phase:<24}" + "".join(f"{counts.get(k, 0):>21}" for k in TCP_COUNTERS))
 
 
 def main() -> int:

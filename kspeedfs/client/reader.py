@@ -9,8 +9,9 @@ the one the manifest lists. So a reader gets its instance's bytes, verified sour
 error, never another version's bytes.
 
 Network weather (docs/cluster.md#failures): a node's read that has not begun to answer within
-a short delay (its SRTT + 4 RTTVAR, at least HEDGE_FLOOR_S) is sent to the segments' other
-owners too, and the first complete answer wins; the late node is suspect at once, for every
+a short delay (the time about 3% of the node's answers take to begin, at least HEDGE_MIN_S) is
+sent to the segments' other owners too, and the first complete answer wins (the other is read
+in the background and dropped, its connection kept); the late node is suspect at once, for every
 reader of the machine (client/health.py), and probed in the background until it answers
 again. A suspect node is tried after the others; a down one (refused, or silent for a whole
 read) not at all, until a probe finds it again. Every read has one deadline, `timeout`
@@ -661,11 +662,15 @@ class ClusterReader:
     def _send_hedges(self, ds: DatasetHandle, node: str, ranges: list[Range]) -> list[_Hedge]:
         """The ranges sent to their next owners, one request per owner; [] when some range
         has no other owner that is not down (then only `node` can answer it: a hedge to a
-        down node would only wait on its connect)."""
+        down node would only wait on its connect), or only a suspect one with no open
+        connection (connecting to it could hold this read up to CONNECT_TIMEOUT, far longer
+        than the hedge saves)."""
         by_owner: dict[str, list[int]] = {}
         for k, (seg, _off, _n) in enumerate(ranges):
             other = self._next_owner(ds, seg, {node})
             if other is None or self.is_down(other):
+                return []
+            if self.is_suspect(other) and not self._idle.get(other):
                 return []
             by_owner.setdefault(other, []).append(k)
         hedges: list[_Hedge] = []
