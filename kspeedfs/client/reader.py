@@ -662,15 +662,11 @@ class ClusterReader:
     def _send_hedges(self, ds: DatasetHandle, node: str, ranges: list[Range]) -> list[_Hedge]:
         """The ranges sent to their next owners, one request per owner; [] when some range
         has no other owner that is not down (then only `node` can answer it: a hedge to a
-        down node would only wait on its connect), or only a suspect one with no open
-        connection (connecting to it could hold this read up to CONNECT_TIMEOUT, far longer
-        than the hedge saves)."""
+        down node would only wait on its connect)."""
         by_owner: dict[str, list[int]] = {}
         for k, (seg, _off, _n) in enumerate(ranges):
             other = self._next_owner(ds, seg, {node})
             if other is None or self.is_down(other):
-                return []
-            if self.is_suspect(other) and not self._idle.get(other):
                 return []
             by_owner.setdefault(other, []).append(k)
         hedges: list[_Hedge] = []
