@@ -11,7 +11,10 @@ from or to the cut-off node, or (loss) every packet whose IP id ends in seven 0 
 
 Prints, for each reader and phase: reads, p50 / p99 / max read latency, the longest stall (the
 longest time no read of that reader completed), wrong bytes and errors, and the share of
-duplicate (hedged) reads. `--json FILE` writes the same figures (tests/test_network_weather.py
+duplicate (hedged) reads among the reads that went to a node (`dup`; the quiet phase's is the
+one the issue bounds, at most 5%); then the p99 under loss over the quiet p99, and the
+namespace's TCP counters per phase (retransmissions, timer expiries, tail loss probes,
+spurious timeouts: what held the reads up). `--json FILE` writes the same figures (tests/test_network_weather.py
 runs this script with short phases and checks them).
 
     .venv/bin/python bench/bench_faults.py                        # this tree
@@ -221,6 +224,9 @@ def inside(args: argparse.Namespace) -> int:
         env = {
             **os.environ,
             "PYTHONPATH": str(repo),
+            # `python -m kspeedfs.cli` must not import the tree of the current folder first
+            # (a "before" run started from another tree would run nodes of that one).
+            "PYTHONSAFEPATH": "1",
             "KSPEEDFS_CONFIG": str(work / "empty.toml"),
             "KSPEEDFS_TOKEN_FILE": str(token),
             "KSPEEDFS_NODES": ",".join(addrs),
@@ -273,11 +279,21 @@ def inside(args: argparse.Namespace) -> int:
             t.start()
         time.sleep(3)  # warm: connections made, first latencies seen
         phases: list[tuple[str, float, float]] = []
+        # Duplicate reads per phase: (hedged, remote) of each reader at each phase's ends.
+        dup: dict[str, dict[str, tuple[int, int]]] = {fast.name: {}, mnt_r.name: {}}
+
+        tcp: dict[str, dict[str, int]] = {}
 
         def phase(name: str, seconds: float) -> None:
+            before = {fast.name: (fast.hedged, fast.remote), mnt_r.name: mount_counters(mnt)}
+            kernel = tcp_counters()
             t0 = time.monotonic()
             time.sleep(seconds)
             phases.append((name, t0, time.monotonic()))
+            tcp[name] = {k: v - kernel.get(k, 0) for k, v in tcp_counters().items()}
+            after = {fast.name: (fast.hedged, fast.remote), mnt_r.name: mount_counters(mnt)}
+            for reader, (h, n) in after.items():
+                dup[reader][name] = (h - before[reader][0], n - before[reader][1])
 
         phase("quiet", args.quiet_s)
         if args.loss_s > 0:
@@ -295,27 +311,15 @@ def inside(args: argparse.Namespace) -> int:
         for t in threads:
             t.join(2)
         fp.join(2)
-        sources: dict[str, Any] = {}
-
-        def counters() -> None:
-            try:
-                sources.update(json.loads(os.getxattr(mnt, "user.kspeedfs.sources")))
-            except (OSError, ValueError):
-                pass
-
-        asked = threading.Thread(target=counters, daemon=True)
-        asked.start()
-        asked.join(5)
-        result: dict[str, Any] = {"timeout_s": TIMEOUT_S, "readers": {}}
-        for r, hedged, remote in (
-            (fast, fast.hedged, fast.remote),
-            (mnt_r, int(sources.get("hedged", 0)), int(sources.get("remote", 0))),
+        result: dict[str, Any] = {"timeout_s": TIMEOUT_S, "readers": {}, "tcp": tcp}
+        for r, (hedged, remote) in (
+            (fast, (fast.hedged, fast.remote)),
+            (mnt_r, mount_counters(mnt, 5)),
         ):
-            result["readers"][r.name] = {
-                "phases": {n: summarize(r, a, b) for n, a, b in phases},
-                "hedged": hedged,
-                "remote": remote,
-            }
+            figures = {n: summarize(r, a, b) for n, a, b in phases}
+            for n, s in figures.items():
+                s["hedged"], s["remote"] = dup[r.name][n]
+            result["readers"][r.name] = {"phases": figures, "hedged": hedged, "remote": remote}
         report(result)
         if args.json:
             Path(args.json).write_text(json.dumps(result, indent=2))
@@ -328,23 +332,87 @@ def inside(args: argparse.Namespace) -> int:
         shutil.rmtree(work, ignore_errors=True)
 
 
+# The namespace's own TCP counters (/proc/net/netstat and snmp are per network namespace):
+# what delayed the reads of a phase. Timeouts: retransmission timer expiries; LossProbes: tail
+# loss probes sent; SpuriousRTOs: expiries found needless (F-RTO) afterwards.
+TCP_COUNTERS = (
+    "RetransSegs",
+    "TCPTimeouts",
+    "TCPLossProbes",
+    "TCPLossProbeRecovery",
+    "TCPSpuriousRTOs",
+    "TCPSynRetrans",
+    "TCPFastRetrans",
+)
+
+
+def tcp_counters() -> dict[str, int]:
+    out: dict[str, int] = {}
+    for name in ("/proc/net/netstat", "/proc/net/snmp"):
+        try:
+            lines = Path(name).read_text().splitlines()
+        except OSError:
+            continue
+        for head, values in zip(lines[::2], lines[1::2], strict=False):
+            for k, v in zip(head.split()[1:], values.split()[1:], strict=False):
+                if k in TCP_COUNTERS and v.lstrip("-").isdigit():
+                    out[k] = int(v)
+    return out
+
+
+def mount_counters(mnt: Path, wait_s: float = 2.0) -> tuple[int, int]:
+    """The mount's (hedged, remote) read counters (0, 0 when it does not answer in time: the
+    old code's mount may be stuck on a partitioned node)."""
+    sources: dict[str, Any] = {}
+
+    def ask() -> None:
+        try:
+            sources.update(json.loads(os.getxattr(mnt, "user.kspeedfs.sources")))
+        except (OSError, ValueError):
+            pass
+
+    asked = threading.Thread(target=ask, daemon=True)
+    asked.start()
+    asked.join(wait_s)
+    return int(sources.get("hedged", 0)), int(sources.get("remote", 0))
+
+
 def report(result: dict[str, Any]) -> None:
     print(f"client timeout {result['timeout_s']:.0f} s; 3 nodes, replicas 2, source moved away")
     print(
         f"{'reader':<10} {'phase':<10} {'reads':>6} {'p50 ms':>8} {'p99 ms':>8} "
-        f"{'max ms':>8} {'stall s':>8} {'wrong':>6} {'errors':>6}"
+        f"{'max ms':>8} {'stall s':>8} {'wrong':>6} {'errors':>6} {'dup':>6}"
     )
     for name, r in result["readers"].items():
+        quiet = r["phases"].get("quiet", {}).get("p99_ms", float("nan"))
         for phase, s in r["phases"].items():
+            dup = s["hedged"] / s["remote"] if s.get("remote") else 0.0
             print(
                 f"{name:<10} {phase:<10} {s['reads']:>6} {s['p50_ms']:>8.1f} {s['p99_ms']:>8.1f} "
-                f"{s['max_ms']:>8.1f} {s['stall_s']:>8.2f} {s['wrong']:>6} {s['errors']:>6}"
+                f"{s['max_ms']:>8.1f} {s['stall_s']:>8.2f} {s['wrong']:>6} {s['errors']:>6} "
+                f"{dup:>6.1%}"
+            )
+        if "1% loss" in r["phases"]:
+            loss = r["phases"]["1% loss"]["p99_ms"]
+            print(f"{name:<10} p99 under loss / quiet p99: {loss / quiet:.1f}x (target 3x)")
+        q = r["phases"].get("quiet", {})
+        if q.get("remote"):
+            print(
+                f"{name:<10} duplicate (hedged) reads in the quiet phase: {q['hedged']} of "
+                f"{q['remote']} ({q['hedged'] / q['remote']:.1%}; target at most 5%)"
             )
         share = r["hedged"] / r["remote"] if r["remote"] else 0.0
-        print(f"{name:<10} duplicate (hedged) reads: {r['hedged']} of {r['remote']} ({share:.1%})")
+        print(
+            f"{name:<10} duplicate (hedged) reads, whole run: {r['hedged']} of {r['remote']} ({share:.1%})"
+        )
         for phase, s in r["phases"].items():
             for e in s["first_errors"]:
                 print(f"{name:<10} {phase}: {e}")
+    tcp = result.get("tcp", {})
+    if tcp:
+        print(f"{'TCP (readers and nodes)':<24}" + "".join(f"{k:>21}" for k in TCP_COUNTERS))
+        for phase, counts in tcp.items():
+            print(f"{phase:<24}" + "".join(f"{counts.get(k, 0):>21}" for k in TCP_COUNTERS))
 
 
 def main() -> int:

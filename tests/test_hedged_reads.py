@@ -5,17 +5,26 @@ from __future__ import annotations
 
 import json
 import os
+import random
+import re
 import signal
+import socket
+import subprocess
 import time
 from pathlib import Path
 
 import pytest
 from clusterutil import Cluster, running
 from conftest import make_tree, run_cli, wait_for
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from kspeedfs.client.health import NodeHealth
-from kspeedfs.client.reader import ClusterReader
+from kspeedfs.client.reader import HEDGE_FLOOR_S, HEDGE_MIN_S, ClusterReader
 from kspeedfs.format.config import load_settings
+from kspeedfs.format.contract.node import Ping
+from kspeedfs.format.units import parse_address
+from kspeedfs.net.connection import RTO_MIN_S, TCP_RTO_MIN_US, NodeClient
 from kspeedfs.testing.node import NodeProcess
 
 
@@ -58,6 +67,140 @@ def test_latency_sets_the_hedge_delay(tmp_path: Path) -> None:
     assert 0.0019 < health.expected("n:1") < 0.01
     health.observe("n:1", 0.5)  # one slow answer widens it, as RTTVAR does TCP's RTO
     assert health.expected("n:1") > 0.2
+
+
+def _reader(tmp_path: Path, health: NodeHealth) -> ClusterReader:
+    (tmp_path / "empty.toml").touch()
+    env = {"KSPEEDFS_CONFIG": str(tmp_path / "empty.toml"), "KSPEEDFS_NODES": "127.0.0.1:9"}
+    return ClusterReader(load_settings(env=env), local_node=None, health=health)
+
+
+def _weather(seed: int, n: int, lost: float) -> list[float]:
+    """Times to a first byte: mostly a fraction of a millisecond, a heavy tail (a loaded
+    machine's scheduling), and a share `lost` of 200 ms (a lost packet's retransmission)."""
+    rng = random.Random(seed)
+    out = []
+    for _ in range(n):
+        if rng.random() < lost:
+            out.append(0.2)
+        else:
+            out.append(0.0003 * rng.lognormvariate(0, 1.0) + (rng.random() < 0.01) * 0.02)
+    return out
+
+
+def _hedges(reader: ClusterReader, node: str, firsts: list[float]) -> tuple[int, list[float]]:
+    """What the reader does with each answer: waits its hedge delay; a later first byte is a
+    hedge (and a miss in the table), an earlier one a sample. (hedges, the delays used)."""
+    hedged, delays = 0, []
+    for first in firsts:
+        delay = reader.hedge_delay(node, 0)
+        delays.append(delay)
+        if first > delay:
+            hedged += 1
+            reader.health.missed(node, delay)
+        else:
+            reader.health.first_byte(node, first)
+    return hedged, delays
+
+
+@given(seed=st.integers(0, 2**32 - 1))
+@settings(
+    max_examples=20, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+def test_the_hedge_delay_reads_a_few_in_a_hundred_twice(seed: int, tmp_path: Path) -> None:
+    """In quiet weather the delay settles near the time 3% of first bytes exceed: a few
+    milliseconds here (not the 30 ms floor a node with no history gets), and at most 5% of
+    reads are hedged, whatever the tail's shape."""
+    reader = _reader(tmp_path, NodeHealth(""))  # private to this example
+    node = "127.0.0.1:9"
+    assert reader.hedge_delay(node, 0) == HEDGE_FLOOR_S  # nothing known yet
+    firsts = _weather(seed, 6000, 0.0)
+    hedged, delays = _hedges(reader, node, firsts)
+    assert hedged <= 0.05 * len(firsts)
+    settled = sorted(delays[1000:])[len(delays[1000:]) // 2]
+    assert HEDGE_MIN_S <= settled < 0.01
+    reader.close()
+
+
+@given(seed=st.integers(0, 2**32 - 1))
+@settings(
+    max_examples=20, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+def test_lost_packets_do_not_raise_the_hedge_delay(seed: int, tmp_path: Path) -> None:
+    """1.5% of answers held 200 ms (lost packets) on top of the quiet tail: each is a hedge,
+    at a delay near the quiet answers' p99, never the retransmission's 200 ms."""
+    reader = _reader(tmp_path, NodeHealth(""))  # private to this example
+    node = "127.0.0.1:9"
+    _hedges(reader, node, _weather(seed, 3000, 0.0))
+    firsts = _weather(seed + 1, 6000, 0.015)
+    hedged, delays = _hedges(reader, node, firsts)
+    held = sum(f >= 0.2 for f in firsts)
+    assert held <= hedged <= held + 0.05 * len(firsts)  # every held answer was hedged
+    quiet = sorted(f for f in firsts if f < 0.2)
+    p99 = quiet[int(0.99 * len(quiet))]
+    assert sorted(delays)[len(delays) // 2] < 2 * p99
+    assert max(delays) < 0.1
+    reader.close()
+
+
+def test_a_miss_raises_the_delay_and_answers_bring_it_down(tmp_path: Path) -> None:
+    health = NodeHealth(str(tmp_path / "health"))
+    reader = _reader(tmp_path, health)
+    node = "127.0.0.1:9"
+    for _ in range(500):
+        health.first_byte(node, 0.004)
+    low = reader.hedge_delay(node, 0)
+    assert 0.003 < low < 0.006
+    for _ in range(10):
+        health.missed(node, reader.hedge_delay(node, 0))
+    assert reader.hedge_delay(node, 0) > 2 * low
+    for _ in range(2000):
+        health.first_byte(node, 0.004)
+    assert reader.hedge_delay(node, 0) < 0.006
+    for _ in range(2000):
+        health.first_byte(node, 0.0002)  # a node that answers in 0.2 ms: the least delay
+    assert reader.hedge_delay(node, 0) == HEDGE_MIN_S
+    # A large read is given its transfer time on top.
+    assert reader.hedge_delay(node, 50_000_000) > reader.hedge_delay(node, 0) + 0.09
+    assert NodeHealth(str(tmp_path / "health")).late_after(node) == health.late_after(node)
+    reader.close()
+
+
+def _rto_min_us(sock: socket.socket) -> int:
+    return sock.getsockopt(socket.IPPROTO_TCP, TCP_RTO_MIN_US)
+
+
+def test_both_ends_retransmit_a_lost_packet_in_milliseconds(
+    node: NodeProcess, tmp_path: Path
+) -> None:
+    """A lost request is found only by TCP's retransmission timer (nothing follows it), 200
+    ms by the kernel's floor: the client's connections and the node's accepted ones set a
+    floor of RTO_MIN_S where the kernel has TCP_RTO_MIN_US (Linux 6.15)."""
+    probe = socket.socket()
+    try:
+        probe.setsockopt(socket.IPPROTO_TCP, TCP_RTO_MIN_US, 200_000)
+    except OSError:
+        pytest.skip("this kernel has no TCP_RTO_MIN_US")
+    finally:
+        probe.close()
+    (tmp_path / "empty.toml").touch()
+    config = load_settings(env={**node.env(), "KSPEEDFS_CONFIG": str(tmp_path / "empty.toml")})
+    with NodeClient(parse_address(node.address), config.credential(), 5.0) as c:
+        c.call(Ping())
+        assert c._sock is not None
+        assert RTO_MIN_S * 1e6 <= _rto_min_us(c._sock) < 200_000
+        port = c._sock.getsockname()[1]
+        # The node's end of this connection, as the kernel shows it: its timer under 200 ms.
+        shown = subprocess.run(
+            ["ss", "-tinH", "state", "established", f"( dport = :{port} )"],
+            capture_output=True,
+            text=True,
+            check=False,
+        )
+        if shown.returncode != 0 or "rto:" not in shown.stdout:
+            pytest.skip(f"ss cannot show the node's socket: {shown.stderr.strip()}")
+        rto_ms = float(re.search(r"rto:([\d.]+)", shown.stdout).group(1))  # type: ignore[union-attr]
+        assert rto_ms < 100, shown.stdout
 
 
 @pytest.mark.slow

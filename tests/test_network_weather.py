@@ -4,8 +4,12 @@ fast path (2 DataLoader workers) and a mount (2 workers) read a whole tree from 
 node whose process stays alive. bench/bench_faults.py runs the namespace (it makes it, shapes
 its `lo` with tc u32 filters into a blackhole qdisc, and deletes it) and reports the figures;
 this test checks them: 0 wrong bytes, no error, no read over the documented bound (`timeout`,
-docs/cluster.md#failures), and no stall of either reader over 1 s. The 1% loss p99 is
-reported, not asserted (timing belongs in bench/)."""
+docs/cluster.md#failures), no stall of either reader over 1 s, and at most 5% of the quiet
+phase's node reads read twice (hedged: the hedge delay follows each node's own latency down to
+a few milliseconds, client/health.py). The 1% loss p99 against the quiet p99 (3x at most, the
+issue's target) is printed, not asserted: on a loaded 2-core machine a few seconds' p99 is the
+load's as much as the network's (timing belongs in bench/; tests/test_hedged_reads.py checks
+the mechanism: the delay, the share it hedges, TCP's retransmission floor)."""
 
 from __future__ import annotations
 
@@ -54,6 +58,9 @@ def test_a_partition_and_a_lossy_link_cost_no_byte_and_no_stall(tmp_path: Path) 
             assert s["errors"] == 0, (where, s["first_errors"])
             assert s["max_ms"] <= bound_ms, where
             assert s["stall_s"] <= 1.0, where
+        quiet = figures["phases"]["quiet"]
+        assert quiet["remote"] > 0, reader
+        assert quiet["hedged"] <= 0.05 * quiet["remote"], (reader, quiet)  # duplicate reads
 
 
 @pytest.mark.skipif(shutil.which("etcd") is None, reason="etcd-server not installed")

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import fcntl
 import logging
+import math
 import mmap
 import os
 import stat
@@ -26,8 +27,16 @@ import xxhash
 log = logging.getLogger(__name__)
 
 SLOTS = 256
-WORDS = 8  # per slot: key, suspect_until, down_until, srtt, rttvar, probe_until, 2 spare
-KEY, SUSPECT, DOWN, SRTT, RTTVAR, PROBE = range(6)
+WORDS = 8  # per slot: key, suspect_until, down_until, srtt, rttvar, probe_until, late, 1 spare
+KEY, SUSPECT, DOWN, SRTT, RTTVAR, PROBE, LATE = range(7)
+# LATE tracks the time to an answer's first byte that LATE_SHARE of answers exceed: a quantile
+# followed by stochastic steps in log space (up by LATE_UP when an answer is later, down by
+# LATE_DOWN when it is not), which settle where LATE_SHARE of the steps go up. A reader waits
+# that long before it hedges, so in quiet weather about LATE_SHARE of reads are read twice,
+# whatever the shape of the latency's tail (a mean and variance, as TCP's RTO, say less of it).
+LATE_SHARE = 0.03
+LATE_UP = 0.1
+LATE_DOWN = LATE_UP * LATE_SHARE / (1 - LATE_SHARE)
 MAGIC = 0x4B53484C54480001  # "KSHLTH" v1
 TABLE_BYTES = (1 + SLOTS) * WORDS * 8
 
@@ -156,6 +165,27 @@ class NodeHealth:
         self._d[base + RTTVAR] = 0.75 * var + 0.25 * abs(srtt - seconds)
         self._d[base + SRTT] = 0.875 * srtt + 0.125 * seconds
 
+    def first_byte(self, node: str, seconds: float) -> None:
+        """How long an answer took to begin (an answer that began within the hedge delay)."""
+        base = self._slot(node)
+        late = self._d[base + LATE]
+        if late <= 0:
+            self._d[base + LATE] = 2 * seconds  # a first guess, above: it comes down
+        else:
+            self._d[base + LATE] = late * math.exp(LATE_UP if seconds > late else -LATE_DOWN)
+
+    def missed(self, node: str, seconds: float) -> None:
+        """An answer had not begun after `seconds` (a hedge was sent): later than that."""
+        base = self._slot(node)
+        late = self._d[base + LATE]
+        if seconds >= late > 0:
+            self._d[base + LATE] = late * math.exp(LATE_UP)
+
+    def late_after(self, node: str) -> float:
+        """The time to a first byte that about LATE_SHARE of `node`'s answers exceed (0: no
+        answer seen yet)."""
+        return self._d[self._slot(node) + LATE]
+
     def expected(self, node: str) -> float:
         """How long an answer from `node` may take before it is late: SRTT + 4 RTTVAR (0: no
         sample yet)."""
@@ -172,6 +202,7 @@ class NodeHealth:
                 "suspect": self._d[base + SUSPECT] > now,
                 "down": self._d[base + DOWN] > now,
                 "srtt_ms": round(self._d[base + SRTT] * 1000, 3),
+                "late_ms": round(self._d[base + LATE] * 1000, 3),
             }
         return out
 

@@ -9,8 +9,9 @@ the one the manifest lists. So a reader gets its instance's bytes, verified sour
 error, never another version's bytes.
 
 Network weather (docs/cluster.md#failures): a node's read that has not begun to answer within
-a short delay (its SRTT + 4 RTTVAR, at least HEDGE_FLOOR_S) is sent to the segments' other
-owners too, and the first complete answer wins; the late node is suspect at once, for every
+a short delay (the time about 3% of the node's answers take to begin, at least HEDGE_MIN_S) is
+sent to the segments' other owners too, and the first complete answer wins (the other is read
+in the background and dropped, its connection kept); the late node is suspect at once, for every
 reader of the machine (client/health.py), and probed in the background until it answers
 again. A suspect node is tried after the others; a down one (refused, or silent for a whole
 read) not at all, until a probe finds it again. Every read has one deadline, `timeout`
@@ -67,7 +68,11 @@ DOWN_FOR_S = 10.0  # a node that refused or stayed silent is skipped this long, 
 # probe finds it answering again
 SUSPECT_FOR_S = 10.0  # a node late to answer is tried after the others this long, or until
 # a probe finds it answering
-HEDGE_FLOOR_S = 0.03  # the least a read waits for a node before asking another one too
+# How long a read waits for a node's first byte before it asks another owner too: the time
+# that about 3% of the node's answers exceed (NodeHealth.late_after, from every reader of the
+# machine), at least HEDGE_MIN_S; HEDGE_FLOOR_S while the node's latency is not known yet.
+HEDGE_FLOOR_S = 0.03
+HEDGE_MIN_S = 0.002
 HEDGE_CEILING_S = 1.0  # and the most
 HEDGE_BYTES_PER_S = 500e6  # a large read is given its transfer time at this rate on top
 PROBE_EVERY_S = 0.5  # a suspect or down node is pinged this often (once per machine)
@@ -75,6 +80,10 @@ PROBE_EVERY_S = 0.5  # a suspect or down node is pinged this often (once per mac
 # mid-answer) and its ranges go to another owner; one lost packet's retransmission (TCP's
 # 200 ms at least) stays under it, two in a row (1 in 10,000 at 1% loss) do not.
 RECEIVE_STALL_S = 0.5
+# The losing answer of a hedged read is read and dropped in the background (its connection
+# kept) when it is at most this large, and at most this many at once.
+DRAIN_MAX_BYTES = 4 * 1024 * 1024
+DRAIN_MAX = 8
 # One vectored read stays well under the protocol's frame and range limits.
 MAX_READ_BYTES = 64 * 1024 * 1024
 MAX_READ_RANGES = 4096
@@ -131,6 +140,7 @@ class ClusterReader:
         self._lock = threading.Lock()
         self._pid = os.getpid()
         self._probing: set[str] = set()
+        self._draining = 0  # losing answers of hedged reads being read (ClusterReader._drain)
         # Read-through segments a remote owner said it holds: read there with no fill request.
         self._filled: dict[tuple[str, int], str] = {}
 
@@ -205,8 +215,9 @@ class ClusterReader:
     def hedge_delay(self, node: str, nbytes: int) -> float:
         """How long a read of `nbytes` from `node` is waited for before another owner is
         asked too."""
-        typical = self.health.expected(node) or HEDGE_FLOOR_S
-        return min(HEDGE_CEILING_S, max(HEDGE_FLOOR_S, typical) + nbytes / HEDGE_BYTES_PER_S)
+        late = self.health.late_after(node)
+        wait = max(HEDGE_MIN_S, late) if late > 0 else HEDGE_FLOOR_S
+        return min(HEDGE_CEILING_S, wait + nbytes / HEDGE_BYTES_PER_S)
 
     def _check_fork(self) -> None:
         # Connections must not be shared across fork: a child starts with none.
@@ -215,6 +226,7 @@ class ClusterReader:
             self._idle = {}
             self._lock = threading.Lock()
             self._probing = set()  # the parent's probe threads did not come along
+            self._draining = 0
 
     def _acquire(self, node: str) -> tuple[bool, Transport]:
         """A connection to `node`: (True, one from the pool) or (False, a new one)."""
@@ -621,7 +633,9 @@ class ClusterReader:
                 return
             try:
                 rid = primary.send_read(ds.name, ds.uuid, ranges)
-                if primary.wait_readable(min(self.hedge_delay(node, nbytes), deadline - started)):
+                delay = self.hedge_delay(node, nbytes)
+                if primary.wait_readable(min(delay, deadline - started)):
+                    self.health.first_byte(node, time.monotonic() - started)
                     primary.set_timeout(_stall_limit(deadline))
                     primary.receive_read(rid, out)
                     self._release(node, primary)
@@ -639,7 +653,8 @@ class ClusterReader:
                 raise
             break
         # Late: suspect now, for every reader of the machine; ask the other owners too.
-        self.suspect(node, f"no answer within {self.hedge_delay(node, nbytes) * 1000:.0f} ms")
+        self.health.missed(node, delay)
+        self.suspect(node, f"no answer within {delay * 1000:.1f} ms")
         hedges = self._send_hedges(ds, node, ranges)
         assert _hedgeable(primary)
         self._race(ds, node, primary, rid, hedges, ranges, out, started, deadline)
@@ -731,6 +746,13 @@ class ClusterReader:
                         self._release(node, primary)
                         self.health.observe(node, time.monotonic() - started)
                         self.health.trust(node)
+                        for h2 in done:
+                            self._release(h2.node, h2.transport)
+                        done = []
+                        for late in waiting.values():  # still to answer: their answers dropped
+                            assert late is not None
+                            self._drain(late.node, late.transport, late.rid, len(late.buf))
+                        waiting.clear()
                         return
                     try:
                         h.transport.set_timeout(_stall_limit(deadline))
@@ -753,7 +775,8 @@ class ClusterReader:
                             self._release(h2.node, h2.transport)
                         done = []
                         if not primary_failed:
-                            primary.close()
+                            del waiting[primary.fileno()]
+                            self._drain(node, primary, rid, len(out))
                         return
             self.mark_down(node, f"no answer within the read's {self.settings.timeout:.1f}s")
             raise NodeUnreachable(f"node {node} did not answer within {self.settings.timeout}s")
@@ -762,6 +785,38 @@ class ClusterReader:
                 (primary if h is None else h.transport).close()
             for h in done:
                 h.transport.close()
+
+    def _drain(self, node: str, transport: HedgeableTransport, rid: int, nbytes: int) -> None:
+        """The losing answer of a hedged read, read in the background and dropped, and its
+        connection kept: closing it would cost the next read of that node a new connection
+        (a handshake, and on a lossy link a lost SYN's connect limit). A large answer, or too
+        many at once, is not waited for: its connection is closed."""
+        with self._lock:
+            busy = nbytes > DRAIN_MAX_BYTES or self._draining >= DRAIN_MAX
+            if not busy:
+                self._draining += 1
+        if busy:
+            transport.close()
+            return
+        threading.Thread(
+            target=self._drain_one,
+            args=(node, transport, rid, nbytes),
+            name=f"drain-{node}",
+            daemon=True,
+        ).start()
+
+    def _drain_one(self, node: str, transport: HedgeableTransport, rid: int, nbytes: int) -> None:
+        try:
+            transport.set_timeout(RECEIVE_STALL_S)
+            transport.receive_read(rid, memoryview(bytearray(nbytes)))
+        except Exception:  # whatever the answer was, the connection is not reused
+            transport.close()
+        else:
+            self._release(node, transport)
+            self.stats["drained"] += 1
+        finally:
+            with self._lock:
+                self._draining -= 1
 
     @staticmethod
     def _scatter(ranges: list[Range], done: list[_Hedge], out: memoryview) -> None:

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import os
@@ -25,6 +26,7 @@ from kspeedfs.format.protocol import MsgType
 from kspeedfs.format.tls import server_context
 from kspeedfs.format.units import format_size
 from kspeedfs.net import secure
+from kspeedfs.net.connection import tune
 from kspeedfs.node import sourceio
 from kspeedfs.node.framing import Connection, peer_of, response
 from kspeedfs.node.ops import ADMIN, READ, answering, caller_role, refusal
@@ -67,6 +69,9 @@ class NodeServer:
             listeners = await nursery.start(
                 functools.partial(trio.serve_tcp, self._handle, listen.port, host=listen.host)
             )
+            for listener in listeners:
+                with contextlib.suppress(OSError):
+                    tune(listener.socket)  # accepted connections inherit the options
             self.node.port = listeners[0].socket.getsockname()[1]
             await nursery.start(self.node.join)  # the control plane, once the port is known
             store = self.store
@@ -115,6 +120,8 @@ class NodeServer:
 
     async def _handle(self, tcp: trio.SocketStream) -> None:
         self.stats["connections"] += 1
+        with contextlib.suppress(OSError):
+            tune(tcp.socket)
         stream: trio.abc.Stream = tcp
         if self.tls is not None:
             peer = peer_of(tcp)
