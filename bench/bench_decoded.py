@@ -29,6 +29,7 @@ import multiprocessing
 import os
 import sys
 import tempfile
+import threading
 import time
 import warnings
 from pathlib import Path
@@ -64,24 +65,70 @@ def epoch2(ds: Dataset[Any], workers: int, batch: int) -> float:
     return rate
 
 
-def decode_loop(paths: list[str], size: int) -> float:
+def decode_loop(paths: list[str], size: int) -> tuple[float, float]:
+    """(images/s, CPU seconds per image) of decoding + resizing files already in memory."""
     blobs = [Path(p).read_bytes() for p in paths]
-    started = time.perf_counter()
+    started, cpu = time.perf_counter(), time.process_time()
     for data in blobs:
         fmt.decode_image(data, size)
-    return len(blobs) / (time.perf_counter() - started)
+    return len(blobs) / (time.perf_counter() - started), (time.process_time() - cpu) / len(blobs)
 
 
-def single_process_decode_rate(source: Path, size: int, count: int) -> float:
-    """Images/s of one process decoding + resizing files already in memory, set up as the
-    fill's pool workers are (a forkserver child, the same malloc settings): without them PIL
-    decodes up to ~1.7x slower, and the ratio would flatter the fill."""
+def single_process_decode_rate(source: Path, size: int, count: int) -> tuple[float, float]:
+    """(images/s, CPU s per image) of one process decoding + resizing files already in memory,
+    set up as the fill's pool workers are (a forkserver child, the same malloc settings):
+    without them PIL decodes up to ~1.7x slower, and the ratio would flatter the fill."""
     paths = sorted(str(p) for p in source.rglob("*") if p.is_file())[:count]
     ctx = multiprocessing.get_context("forkserver")
     with concurrent.futures.ProcessPoolExecutor(
         1, mp_context=ctx, initializer=node_decoded._init_worker
     ) as pool:
         return pool.submit(decode_loop, paths, size).result()
+
+
+class SessionCPU:
+    """CPU seconds used by the processes of a session (the node, its pool's workers, the
+    forkserver) while it runs: /proc sampled every 0.2 s, each process's last figure kept (a
+    pool's workers exit with it)."""
+
+    def __init__(self, sid: int):
+        self.sid = sid
+        self.seen: dict[int, float] = {}
+        self.base = self._sample()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _sample(self) -> dict[int, float]:
+        tick = os.sysconf("SC_CLK_TCK")
+        out: dict[int, float] = {}
+        for pid in os.listdir("/proc"):
+            if not pid.isdigit():
+                continue
+            try:
+                fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            if int(fields[3]) == self.sid:
+                out[int(pid)] = (int(fields[11]) + int(fields[12])) / tick
+        return out
+
+    def _run(self) -> None:
+        while not self._stop.wait(0.2):
+            self.seen.update(self._sample())
+
+    def __enter__(self) -> SessionCPU:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+        self.seen.update(self._sample())
+
+    def used(self, pid: int | None = None) -> float:
+        """CPU seconds of every process of the session, or of one."""
+        seen = self.seen if pid is None else {pid: self.seen.get(pid, 0.0)}
+        return sum(cpu - self.base.get(p, 0.0) for p, cpu in seen.items())
 
 
 class ReadyTensors(Dataset[Any]):
@@ -110,6 +157,9 @@ def main() -> None:
     )
     p.add_argument("--batch", type=int, default=32)
     p.add_argument("--cache", default="/var/tmp/kspeedfs-bench-decoded")
+    p.add_argument(
+        "--fill-only", action="store_true", help="the fill line alone (no DataLoader epochs)"
+    )
     args = p.parse_args()
     logging.basicConfig(level=logging.WARNING)
     warnings.filterwarnings("ignore", message="This DataLoader will create")
@@ -125,13 +175,15 @@ def main() -> None:
     print(f"data set: {len(files)} files, {format_size(jpeg_bytes)}, {source}")
     print(f"machine: {os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.2f}")
     cores = os.cpu_count() or 1
-    single = single_process_decode_rate(source, args.size, min(300, len(files)))
+    # The reference just before the fill and again just after (a shared machine's load moves
+    # between the two): the fill is set against their mean.
+    reference = [single_process_decode_rate(source, args.size, min(300, len(files)))]
 
     workdir = Path(tempfile.mkdtemp(prefix="kspeedfs-bench-decoded-"))
     budget = 4 * jpeg_bytes + 3 * len(files) * args.size * args.size * 2 + (256 << 20)
     with LocalCache(workdir, budget) as node:
         node.preload(source.parent, "bench", show_progress=False)
-        with admin.connect(node.settings) as client:
+        with admin.connect(node.settings) as client, SessionCPU(node.node.proc.pid) as cpu:
             started = time.perf_counter()
             decoded_client.start(client, "bench", args.size)
             planned = time.perf_counter()
@@ -139,17 +191,31 @@ def main() -> None:
             fill_s = time.perf_counter() - started
         fill_rate = v["files_total"] / fill_s
         decode_rate = v["files_total"] / (fill_s - (planned - started))
+        reference.append(single_process_decode_rate(source, args.size, min(300, len(files))))
+        single = sum(r for r, _ in reference) / len(reference)
+        ref_cpu = sum(c for _, c in reference) / len(reference)
+        fill_cpu = cpu.used() / v["files_total"]
         print(
             f"\nfill: {v['files_total']} images in {fill_s:.1f}s = {fill_rate:.0f} img/s on "
             f"{cores} cores (header pass + plan {planned - started:.2f}s, then decoding at "
             f"{decode_rate:.0f} img/s); one process decoding+resizing: {single:.0f} img/s "
-            f"(x{cores} = {single * cores:.0f}); ratio {fill_rate / (single * cores):.2f}, "
-            f"decoding alone {decode_rate / (single * cores):.2f} (target >= 0.8)"
+            f"(before {reference[0][0]:.0f}, after {reference[1][0]:.0f}; x{cores} = "
+            f"{single * cores:.0f}); load average {os.getloadavg()[0]:.2f}; ratio "
+            f"{fill_rate / (single * cores):.2f}, decoding alone "
+            f"{decode_rate / (single * cores):.2f} (target >= 0.8)"
+        )
+        print(
+            f"fill CPU: {fill_cpu * 1e3:.2f} ms per image (the node's processes: node, pool, "
+            f"forkserver; {cpu.used():.1f}s, the node's own {cpu.used(cpu.sid):.1f}s) against {ref_cpu * 1e3:.2f} ms decoding+resizing "
+            f"in one process: {ref_cpu / fill_cpu:.2f} of the fill's CPU is decode+resize; "
+            f"the fill had {cpu.used() / fill_s:.2f} of {cores} cores"
         )
         print(
             f"memory: variant {format_size(v['bytes'])} vs JPEG {format_size(jpeg_bytes)} "
             f"({v['bytes'] / jpeg_bytes:.2f}x), {v['undecodable']} undecodable"
         )
+        if args.fill_only:
+            return
 
         kw: dict[str, Any] = {"nodes": str(node.address), "token": str(node.token_file)}
         stock = epoch2(

@@ -157,9 +157,19 @@ class Squash:
             time.sleep(0.02)
 
     def unmount(self) -> None:
+        """Unmount and wait for squashfuse_ll to exit: on a loaded machine that can take more
+        than 10 s after a lazy unmount; it is ended after 60 s."""
         if self.proc is not None:
-            subprocess.run(["fusermount3", "-u", "-z", str(self.mountpoint)], capture_output=True)
-            self.proc.wait(10)
+            done = subprocess.run(["fusermount3", "-u", str(self.mountpoint)], capture_output=True)
+            if done.returncode:
+                subprocess.run(
+                    ["fusermount3", "-u", "-z", str(self.mountpoint)], capture_output=True
+                )
+            try:
+                self.proc.wait(60)
+            except subprocess.TimeoutExpired:
+                self.proc.terminate()
+                self.proc.wait(10)
             self.proc = None
 
 

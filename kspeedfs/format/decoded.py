@@ -77,15 +77,27 @@ def resized_size(width: int, height: int, size: int) -> tuple[int, int]:
     return (new_short, new_long) if width <= height else (new_long, new_short)
 
 
+def _decoded(
+    data: bytes | bytearray | memoryview, size: int
+) -> tuple[Image.Image, tuple[int, int]]:
+    """(the image decoded to RGB and resized, the size its header announced). An image that
+    decodes to RGB is resized (or returned) as decoded: `convert("RGB")` of an RGB image is a
+    copy of the full-size pixels (6-8% of a 110 KB JPEG's decode and resize), the same pixels.
+    Not opened in a `with`: closing an image drops its pixels, and the file is a BytesIO."""
+    img = Image.open(io.BytesIO(data))
+    announced = resized_size(img.width, img.height, size)
+    img.load()
+    rgb = img if img.mode == "RGB" else img.convert("RGB")
+    w, h = resized_size(rgb.width, rgb.height, size)
+    if (w, h) != rgb.size:
+        rgb = rgb.resize((w, h), Image.Resampling.BILINEAR)
+    return rgb, announced
+
+
 def decode_image(data: bytes | memoryview, size: int) -> Image.Image:
     """What `Resize(size)(pil_loader(path))` gives: decode, convert to RGB, resize the shorter
     side with PIL's antialiased bilinear filter (size 0: as is)."""
-    with Image.open(io.BytesIO(data)) as img:
-        rgb = img.convert("RGB")
-    w, h = resized_size(rgb.width, rgb.height, size)
-    if (w, h) == rgb.size:
-        return rgb
-    return rgb.resize((w, h), Image.Resampling.BILINEAR)
+    return _decoded(data, size)[0]
 
 
 def decode_checked(data: bytes | bytearray | memoryview, size: int) -> Image.Image | None:
@@ -93,12 +105,7 @@ def decode_checked(data: bytes | bytearray | memoryview, size: int) -> Image.Ima
     undecodable, for the node's fill and the mount alike: no readable header, a failing decode,
     or a decoded size other than its header announced."""
     try:
-        with Image.open(io.BytesIO(data)) as img:
-            announced = resized_size(img.width, img.height, size)
-            rgb = img.convert("RGB")
-        w, h = resized_size(rgb.width, rgb.height, size)
-        if (w, h) != rgb.size:
-            rgb = rgb.resize((w, h), Image.Resampling.BILINEAR)
+        rgb, announced = _decoded(data, size)
     except Exception:  # anything PIL raises on a bad file
         return None
     return rgb if rgb.size == announced else None

@@ -92,19 +92,21 @@ def pack_folder(
             e["uid"], e["gid"] = uid, gid
         e["blksize"] = blksize
     fixed = head.dtype.itemsize
-    record = fixed + ((name_len + 7) & ~7)
+    padded = (name_len + 7) & ~7
     starts = np.zeros(n + 1, dtype=np.int64)
-    np.cumsum(record, out=starts[1:])
-    out = np.zeros(int(starts[-1]), dtype=np.uint8)
-    # The fixed part of each record at its start, then the names after it.
-    rows = head.view(np.uint8).reshape(n, fixed)
-    out[(starts[:-1, None] + np.arange(fixed)).ravel()] = rows.ravel()
-    total = int(name_len.sum())
-    if total:
-        first = np.zeros(n, dtype=np.int64)
-        np.cumsum(name_len[:-1], out=first[1:])  # where each name starts among all names
-        within = np.arange(total, dtype=np.int64) - np.repeat(first, name_len)
-        src = np.repeat(np.asarray(m.name_off[lo:hi], dtype=np.int64), name_len)
-        dst = np.repeat(starts[:-1] + fixed, name_len)
-        out[dst + within] = m.names[src + within]
+    np.cumsum(fixed + padded, out=starts[1:])
+    # One row per record, as wide as the longest: the fixed part, then the name (zeros after
+    # it); the records are then each row's first `fixed + padded` bytes, in row order (a
+    # boolean mask over the grid), which costs a few passes over the grid and no index array
+    # per byte.
+    longest = int(name_len.max()) if n else 0
+    grid = np.zeros((n, fixed + ((longest + 7) & ~7)), dtype=np.uint8)
+    grid[:, :fixed] = head.view(np.uint8).reshape(n, fixed)
+    if longest:
+        cols = np.arange(longest, dtype=np.int64)
+        at = np.asarray(m.name_off[lo:hi], dtype=np.int64)[:, None] + cols
+        names = m.names[np.minimum(at, len(m.names) - 1)]
+        names[cols >= name_len[:, None]] = 0
+        grid[:, fixed : fixed + longest] = names
+    out = grid[np.arange(grid.shape[1]) < (fixed + padded)[:, None]]
     return PackedListing(out.tobytes(), starts, ENTRY_OUT.size if plus else 0)
