@@ -96,18 +96,25 @@ class Reader:
         mv = self._seg_views.get(seg)
         if mv is None:
             if seg in self.local.on_disk:
-                return self._disk_copy(entry)
+                return self._disk_view(entry, seg, off, end)
             try:
-                mv = self._seg_views[seg] = memoryview(self.local.segment(seg))
+                mv = memoryview(self.local.segment(seg))
             except DataError:
                 return self._copied(entry)  # unloaded before we mapped it: the read policy
+            if not self.local.maps_sealed(seg):
+                return mv[off:end]  # unsealed: its size is checked at each use (localdata)
+            self._seg_views[seg] = mv
         return mv[off:end]
 
-    def _disk_copy(self, entry: int) -> memoryview:
-        """File `entry`, which lies on the disk tier: read with pread and checked against its
-        checksum (localdata); a damaged copy is read elsewhere by the read policy."""
+    def _disk_view(self, entry: int, seg: int, off: int, end: int) -> memoryview:
+        """File `entry`, which lies on the disk tier: a view of its map where the segment is
+        sealed (the immutable flag), else read with pread; checked against its checksum the
+        first time (localdata). A damaged one is read elsewhere by the read policy."""
         assert self.local is not None
         try:
+            view = self.local.mapped_file(entry, seg, off, end)
+            if view is not None:
+                return view
             return memoryview(self.local.read(entry, 0, int(self._size[entry])))
         except DataError:
             return self._copied(entry)
@@ -127,7 +134,7 @@ class Reader:
                 mv = memoryview(local.segment(seg))
             except DataError:
                 return None  # unloaded before we mapped it: the read policy finds another copy
-            if self.all_local:
+            if self.all_local and local.maps_sealed(seg):
                 self._seg_views[seg] = mv
         return mv[off : off + length]
 
