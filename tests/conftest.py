@@ -173,6 +173,19 @@ def own_health_table(
 
 
 @pytest.fixture(autouse=True)
+def no_sealed_leftovers(request: pytest.FixtureRequest) -> Iterator[None]:
+    """Clears the immutable flag of whatever a test's nodes sealed in its tmp_path (spill
+    folders, disk tiers): pytest keeps the last runs' tmp_path, and a later run's cleanup (or
+    another checkout's) could not remove a sealed file."""
+    yield
+    tmp = request.node.funcargs.get("tmp_path") if hasattr(request.node, "funcargs") else None
+    if tmp is not None:
+        from kspeedfs.format.sealing import unseal_tree
+
+        unseal_tree(None, os.fspath(tmp))
+
+
+@pytest.fixture(autouse=True)
 def no_unexpected_tracebacks(request: pytest.FixtureRequest) -> Iterator[None]:
     """Fails a test when a node or mount (kspeedfs.testing's NodeProcess, MountProcess) logged
     a traceback during it, unless its `tracebacks` mark expects it: an error the test never
