@@ -1,8 +1,10 @@
 """One process's access to one dataset instance: zero-copy views where local, the one read
 policy (ClusterReader) for the rest. The fast path and the fsspec filesystem both read this way.
 
-Views are maps; reads that copy (`scratch_view`, `fetch`, `gather`) read a segment of the
-node's disk tier with pread instead (localdata). Reads of a read-through dataset's segments
+Views are maps (a sealed disk-tier segment's too, each file checked once); reads that copy
+(`scratch_view`, `fetch`, `gather`) read an unsealed segment of the node's disk tier with
+pread instead (localdata). Views of unsealed memory segments are not kept across calls: each
+call checks the segment's size first. Reads of a read-through dataset's segments
 through the map are reported to the node (touches), which cannot see them."""
 
 from __future__ import annotations

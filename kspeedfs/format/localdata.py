@@ -1,7 +1,12 @@
 """A dataset held on this node: its manifest and its segments, mapped read-only.
 
-Segments are never truncated while mapped (unload unlinks them), so a mapping stays valid
-even after the dataset is unloaded: no SIGBUS, the memory returns when the last map closes.
+Segments are never truncated by the node while mapped (unload unlinks them), so a mapping
+stays valid even after the dataset is unloaded; the memory returns when the last map closes.
+Against anyone else cutting one short, a node run as root seals its segments (the immutable
+flag: sealing.py): a sealed segment is mapped with nothing more to check; the map of an
+unsealed memory segment has its file's size checked (fstat) at each use, a wrong size being a
+damaged segment (DamagedSegment: read elsewhere), never a SIGBUS, except for a view already
+handed out when the file is cut (docs/tiers.md, "Sealed segments").
 
 One object is one instance: the folder is opened once and every segment is opened relative to
 that folder's descriptor. When the dataset is unloaded and loaded again under the same name,
@@ -12,7 +17,9 @@ A segment on the node's disk tier lies in the folder meta.json names ("disk_dir"
 instance), opened once beside seg/; one moved to memory is renamed into seg/ before it leaves
 the disk, so a lookup tries seg/, then the disk, then seg/ again.
 
-Memory segments are mapped (views are zero-copy). Disk-tier segments are never mapped: they
+Memory segments are mapped (views are zero-copy), and so are sealed disk-tier segments (each
+file checked against its checksum the first time this process reads it; a read by segment
+range checks the whole segment once). Unsealed disk-tier segments are never mapped: they
 are read with pread, and checked against the manifest's checksums (xxh3_64) before their
 bytes are first served in this process. A disk is what fails, and what another process may
 cut short: a map of a file truncated under it kills its reader (SIGBUS) at the next touch of
@@ -28,8 +35,8 @@ a page past the new end, while a pread just comes back short. So:
 - a segment whose size is not the manifest's, a read that comes back short, or bytes that fail
   their checksum raise DamagedSegment (a DataError: readers read elsewhere, from a replica or
   the source) and are reported to `on_damage` (the node quarantines and fetches it again).
-The price, measured in one process on the same folders (issue 28's note): reads of disk-tier
-files run at 0.4-0.6 of the maps they replace (a pread, an fstat and, the first time, the hash,
+The price of the unsealed path, measured in one process on the same folders (issue 28's
+note): reads of disk-tier files run at 0.4-0.6 of the maps they replace (a pread, an fstat and, the first time, the hash,
 against a copy out of a mapped page); memory-tier reads are unchanged.
 """
 
