@@ -27,7 +27,7 @@ import sys
 import threading
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import fsspec
 import hypothesis.strategies as st
@@ -40,6 +40,9 @@ from kspeedfs.format.sealing import is_sealed, sealed_beneath, set_sealed
 from kspeedfs.node.store import segment_fault
 from kspeedfs.testing.node import NO_IMMUTABLE
 from pytorch_ext import KSpeedFolder
+
+if TYPE_CHECKING:
+    from etcdutil import EtcdCluster
 
 MiB = 1 << 20
 pytestmark = pytest.mark.slow
@@ -521,3 +524,49 @@ def test_a_node_killed_and_restarted_leaves_no_sealed_file_behind(
 
     remove_tree(node.shm_dir)
     assert not node.shm_dir.exists()
+
+
+def test_a_damaged_segment_is_fetched_again_from_the_replica_on_another_node(
+    etcd_cluster: EtcdCluster, tmp_path: Path
+) -> None:
+    """Two nodes, two copies on their disk tiers, the source gone: a flip below the flag on
+    one node's segment is found by its scrubber and fetched again from the other node."""
+    cluster = etcd_cluster
+    for i in range(2):
+        node = NodeProcess(
+            cluster.root / f"node{i}",
+            cluster.token_file,
+            tmp_path,
+            memory="8MiB",
+            extra=("--spill-dir", str(tmp_path / f"disk{i}"), "--spill", "64MiB"),
+            base_env={**cluster.base_env(), "KSPEEDFS_SCRUB_RATE": "64MiB"},
+        )
+        cluster.nodes.append(node.start())
+    wait_for(lambda: list(cluster.members().values()) == ["up"] * 2, what="2 members up")
+    src = tmp_path / "src"
+    files = make_source(src, 24, 120_000)
+    flags = ("--name", "rep", "--replicas", "2", "--tier", "disk", "--max-memory", "4KiB", "-q")
+    done = run_cli("preload", str(src), *flags, env=cluster.client_env())
+    assert done.returncode == 0, done.stderr
+    victim, other = cluster.nodes
+    record = listing(victim)["rep"]
+    assert len(record["disk"]) == record["segments"] == len(listing(other)["rep"]["disk"])
+    os.rename(src, tmp_path / "gone")  # the other node's copy is the only good one left
+    seg = record["disk"][-1]
+    path = tmp_path / "disk0" / "tier" / f"rep.{record['uuid']}" / "seg" / f"{seg:08d}"
+    damage(path, "flip", 0.5, below_the_flag=True)
+    wait_for(lambda: integrity(victim)["repaired"] >= 1, timeout=60, what="the repair")
+    found = integrity(victim)
+    assert found["damaged"] == found["repaired"] == 1, found
+    assert found["from_source"] == 0 and found["repair_failed"] == 0, found
+    assert not segment_fault(path, *sizes(victim, record, seg))
+    if can_seal(tmp_path):
+        assert str(path) in sealed_beneath(tmp_path / "disk0")
+    fs = fsspec.filesystem(
+        "kspeedfs", nodes=victim.address, token=str(cluster.token_file), skip_instance_cache=True
+    )
+    wrong = 0
+    for rel, data in files.items():
+        with fs.open(f"rep/{rel}", "rb") as f:
+            wrong += wrong_bytes(f.read(), data)
+    assert wrong == 0
