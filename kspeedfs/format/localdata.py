@@ -603,6 +603,12 @@ class LocalDataset:
         if len(pieces) == 1 and pieces[0][0] not in self.on_disk:
             seg, off, n = pieces[0]
             return memoryview(self.segment(seg))[off : off + n]
+        if (
+            len(pieces) == 1
+            and self._file_ok[i] == self._generation
+            and self._disk_file(pieces[0][0]) is None
+        ):  # a mapped disk one, checked already
+            return self._mapped_view(*pieces[0])
         if len(pieces) == 1 and len(self.manifest.ranges(i)) == 1:
             whole = self.manifest.ranges(i)[0]  # a mapped disk one: checked whole, once
             if self.mapped_file(i, whole[0], whole[1], whole[1] + whole[2]) is not None:
