@@ -78,6 +78,7 @@ class Reader:
         )
         self._scratch = threading.local()
         self._seg_views: dict[int, memoryview] = {}
+        self._disk_views: dict[int, memoryview] = {}  # sealed disk-tier segments' maps
         self._data = self.manifest.data
         self._size = self.manifest.size
         self._seg_size = self.manifest.segment_size
@@ -98,6 +99,9 @@ class Reader:
         mv = self._seg_views.get(seg)
         if mv is None:
             if seg in self.local.on_disk:
+                mv = self._disk_views.get(seg)
+                if mv is not None and self.local.file_checked(entry):
+                    return mv[off:end]
                 return self._disk_view(entry, seg, off, end)
             try:
                 mv = memoryview(self.local.segment(seg))
@@ -116,6 +120,9 @@ class Reader:
         try:
             view = self.local.mapped_file(entry, seg, off, end)
             if view is not None:
+                if self.all_local and self.local.maps_sealed(seg):
+                    # Kept: its next files cost one test each (checked once, localdata).
+                    self._disk_views[seg] = memoryview(self.local.segment(seg))
                 return view
             return memoryview(self.local.read(entry, 0, int(self._size[entry])))
         except DataError:

@@ -280,6 +280,11 @@ class LocalDataset:
         if size != int(self.manifest.seg_len[seg]):
             self._found_damaged([seg], "has the wrong size")
 
+    def file_checked(self, i: int) -> bool:
+        """Whether file i (with bytes on the disk tier) was checked since its segments last
+        changed, in this process."""
+        return self._file_ok[i] == self._generation
+
     def maps_sealed(self, seg: int) -> bool:
         """Whether segment `seg` is mapped with nothing to check before each touch (sealed, or
         not mapped yet): the hot path may keep a view of it."""
