@@ -36,8 +36,9 @@ a page past the new end, while a pread just comes back short. So:
   their checksum raise DamagedSegment (a DataError: readers read elsewhere, from a replica or
   the source) and are reported to `on_damage` (the node quarantines and fetches it again).
 The price of the unsealed path, measured in one process on the same folders (issue 28's
-note): reads of disk-tier files run at 0.4-0.6 of the maps they replace (a pread, an fstat and, the first time, the hash,
-against a copy out of a mapped page); memory-tier reads are unchanged.
+note): reads of disk-tier files run at 0.4-0.6 of the maps they replace (a pread, an fstat
+and, the first time, the hash, against a copy out of a mapped page); memory-tier reads are
+unchanged.
 """
 
 from __future__ import annotations
@@ -168,6 +169,8 @@ class LocalDataset:
         self._generation = 1
         self._stamps: dict[int, tuple[int, int, int]] = {}  # disk segment: size, mtime, ctime
         self._seg_ok: set[int] = set()
+        # Disk-tier segments found sealed: mapped (never dropped like the open files above).
+        self._sealed_disk: set[int] = set()
         # Told the segments found damaged (the reader tells the node); from any thread.
         self.on_damage: Callable[[list[int]], None] | None = None
         # Segments found damaged in this process that the node could not be told of, and when:
@@ -301,8 +304,8 @@ class LocalDataset:
 
     def _disk_file(self, seg: int) -> io.FileIO | None:
         """Segment `seg`'s open file when it lies on the disk tier (read with pread); None
-        when it is in memory (mapped). Its size is checked when it is opened."""
-        if seg not in self.on_disk:
+        when it is in memory or sealed (mapped). Its size is checked when it is opened."""
+        if seg not in self.on_disk or seg in self._sealed_disk:
             return None
         if seg in self._disk_files:
             try:
@@ -321,8 +324,11 @@ class LocalDataset:
                 raise DataError(f"cannot open segment {seg} of {self.path.name}: {e}") from None
             opened = io.FileIO(fd, "rb", closefd=True)
             st = os.fstat(fd)
-            # Sealed (the immutable flag: nobody can cut it short): mapped, as in memory.
-            on_disk = st.st_dev != self._memory_dev and not sealing.is_sealed(fd)
+            on_disk = st.st_dev != self._memory_dev
+            if on_disk and sealing.is_sealed(fd):
+                # Sealed (the immutable flag: nobody can cut it short): mapped, as in memory.
+                on_disk = False
+                self._sealed_disk.add(seg)
             wrong_size = st.st_size != int(self.manifest.seg_len[seg])
             if wrong_size:
                 opened.close()
