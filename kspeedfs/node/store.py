@@ -206,6 +206,9 @@ class SegmentStore:
                 log.error("segment %d of %s %s: quarantined, to be fetched again", seg, name, why)
                 self.drop_segment(name, seg)
                 self.damaged_at_start.append((name, seg))
+            if record.lifetime != READTHROUGH:  # (one a node before sealing left: sealed now)
+                with _closing(os.open(name, DIR_FLAGS, dir_fd=datasets_fd)) as fd:
+                    _seal_segments(fd)
             log.info(
                 "found dataset %s: %d files, %s",
                 record.name,
@@ -253,6 +256,9 @@ class SegmentStore:
             for r in self.datasets.values()
             if r.disk or r.lifetime == READTHROUGH  # read-through: the cache checks its own
         }
+        readthrough = {
+            f"{r.name}.{r.uuid}" for r in self.datasets.values() if r.lifetime == READTHROUGH
+        }
         for name in sorted(os.listdir(tier)):
             if name == DISK_STAGING:
                 continue
@@ -263,6 +269,8 @@ class SegmentStore:
             with _closing(self._open_disk_instance(name)) as fd:
                 claim_dir(fd, self._gid)
                 restrict_files(fd, self._gid)
+                if name not in readthrough:
+                    _seal_segments(fd)
         for leftover in sorted(os.listdir(self._fd["tier_staging"])):
             remove_beneath(self._fd["tier_staging"], leftover)
 
