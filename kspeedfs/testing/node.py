@@ -30,7 +30,12 @@ from kspeedfs.testing.process import (
 
 # A wrapper that starts the node without CAP_LINUX_IMMUTABLE (as root): it cannot seal its
 # segments (the immutable flag), so readers take the unsealed paths (pread, size checks).
-NO_IMMUTABLE = ("setpriv", "--inh-caps=-linux_immutable", "--bounding-set=-linux_immutable", "--")
+# (Not root: nothing to drop, and setpriv could not.)
+NO_IMMUTABLE = (
+    ("setpriv", "--inh-caps=-linux_immutable", "--bounding-set=-linux_immutable", "--")
+    if os.geteuid() == 0
+    else ()
+)
 
 
 def remove_tree(path: str | os.PathLike[str]) -> None:
