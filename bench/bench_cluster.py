@@ -30,7 +30,6 @@ import logging
 import multiprocessing
 import os
 import random
-import shutil
 import socket
 import sys
 import tempfile
@@ -53,7 +52,7 @@ from kspeedfs.net.connection import NodeClient
 from kspeedfs.net.transport import TcpTransport
 from kspeedfs.testing.cluster import LocalCluster
 from kspeedfs.testing.mount import MountProcess
-from kspeedfs.testing.node import NodeProcess
+from kspeedfs.testing.node import NodeProcess, remove_tree
 from kspeedfs.testing.process import ensure_token, private_env
 
 BULK_TARGET = 0.7
@@ -150,7 +149,7 @@ def make_sources(cache: Path, files: int, size: int, big: int) -> tuple[Path, Pa
     rng = random.Random(0)
     if not small.exists():
         tmp = small.with_suffix(".tmp")
-        shutil.rmtree(tmp, ignore_errors=True)
+        remove_tree(tmp)
         block = os.urandom(4 << 20)
         for i in range(files):
             folder = tmp / f"c{i % 50:03d}"
@@ -161,7 +160,7 @@ def make_sources(cache: Path, files: int, size: int, big: int) -> tuple[Path, Pa
         tmp.rename(small)
     if not bulk.exists():
         tmp = bulk.with_suffix(".tmp")
-        shutil.rmtree(tmp, ignore_errors=True)
+        remove_tree(tmp)
         tmp.mkdir(parents=True)
         for i in range(max(1, big // (64 << 20))):
             (tmp / f"part{i}.bin").write_bytes(os.urandom(64 << 20))
@@ -491,7 +490,7 @@ def control_plane(workdir: Path, bulk: Path, segment_size: str, memory: str) -> 
     finally:
         for n in nodes:
             n.stop()
-            shutil.rmtree(n.shm_dir, ignore_errors=True)
+            remove_tree(n.shm_dir)
         etcd.stop()
 
 
@@ -534,7 +533,7 @@ def main() -> int:
             memory = str(2 * warm(bulk) + (256 << 20))
             control_plane(workdir, bulk, args.segment_size, memory)
         finally:
-            shutil.rmtree(workdir, ignore_errors=True)
+            remove_tree(workdir)
         return 0
 
     cache = Path(args.cache)
@@ -680,7 +679,7 @@ def main() -> int:
     finally:
         for c in clusters.values():
             c.close()
-        shutil.rmtree(workdir, ignore_errors=True)
+        remove_tree(workdir)
     return 0
 
 

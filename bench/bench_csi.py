@@ -23,7 +23,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import shutil
 import statistics
 import subprocess
 import sys
@@ -44,6 +43,7 @@ from kspeedfs.csi.harness import (
 from kspeedfs.format.units import format_size, parse_size
 from kspeedfs.system.mountinfo import kspeedfs_mounted, lazy_unmount
 from kspeedfs.testing.cache import LocalCache
+from kspeedfs.testing.node import remove_tree
 
 READ_PASS = """
 import json, os, sys, time
@@ -66,7 +66,7 @@ def make_source(root: Path, size: int, files: int) -> Path:
     marker = root / f".made-{size}-{files}"
     if marker.exists():
         return root
-    shutil.rmtree(root, ignore_errors=True)
+    remove_tree(root)
     each = size // files
     for i in range(files):
         folder = root / f"class{i % 16:02d}"
@@ -115,7 +115,7 @@ def make_images(root: Path, count: int) -> Path:
     marker = root / f".made-{count}"
     if marker.exists():
         return root
-    shutil.rmtree(root, ignore_errors=True)
+    remove_tree(root)
     rng = np.random.default_rng(0)
     for i in range(count):
         folder = root / f"class{i % 8}"
@@ -174,7 +174,7 @@ def decoded_section(cache: LocalCache, client: CsiClient, target: Any, args: Any
         )
     finally:
         cache.unmount(every)
-        shutil.rmtree(every, ignore_errors=True)
+        remove_tree(every)
     client.unpublish("vol-decoded", vol)
     client.unpublish("vol-plain", plain)
 
@@ -273,7 +273,7 @@ def main() -> int:
             for path in targets:
                 if kspeedfs_mounted(path):
                     lazy_unmount(path)
-    shutil.rmtree(work, ignore_errors=True)
+    remove_tree(work)
     return 0
 
 

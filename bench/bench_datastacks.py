@@ -30,7 +30,6 @@ import logging
 import mmap
 import os
 import random
-import shutil
 import sys
 import tempfile
 import time
@@ -50,6 +49,7 @@ from kspeedfs.demo import ensure_sample  # noqa: E402
 from kspeedfs.format.units import format_size  # noqa: E402
 from kspeedfs.stacks.filesystem import KSpeedFileSystem  # noqa: E402
 from kspeedfs.testing.cache import LocalCache  # noqa: E402
+from kspeedfs.testing.node import remove_tree
 from pytorch_ext import KSpeedFolder  # noqa: E402
 
 BUF = bytearray(4 << 20)
@@ -215,7 +215,7 @@ def datasets_section(
             if ds.num_rows != rows:
                 raise SystemExit(f"{side}: loaded {ds.num_rows} rows, not {rows}")
             del ds
-            shutil.rmtree(cache, ignore_errors=True)
+            remove_tree(cache)
             return rows / elapsed
 
         return run
@@ -407,7 +407,7 @@ def main() -> int:
         rows += datasets_section(node, mounted, root, workdir, args)
         rows += objects_section(fs, node, mnt, images, files, args)
     if not os.path.ismount(mnt):  # never descend into a mount left behind
-        shutil.rmtree(workdir, ignore_errors=True)
+        remove_tree(workdir)
     if not args.skip_webdataset:  # its own node and shards (bench/datastacks_wds.py)
         rows += webdataset_section(args)
     print_table(rows)

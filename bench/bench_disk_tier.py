@@ -40,7 +40,7 @@ from bench_fuse import list_files, read_files  # noqa: E402
 from kspeedfs.demo import ensure_sample  # noqa: E402
 from kspeedfs.format.units import format_size  # noqa: E402
 from kspeedfs.testing.mount import MountProcess  # noqa: E402
-from kspeedfs.testing.node import NodeProcess  # noqa: E402
+from kspeedfs.testing.node import NodeProcess, remove_tree  # noqa: E402
 from kspeedfs.testing.process import KSPEEDFS  # noqa: E402
 from pytorch_ext import KSpeedFolder  # noqa: E402
 
@@ -249,8 +249,8 @@ def main() -> int:
         if mount is not None:
             mount.stop()
         node.stop()
-        shutil.rmtree(node.shm_dir, ignore_errors=True)
-        shutil.rmtree(workdir, ignore_errors=True)
+        remove_tree(node.shm_dir)
+        remove_tree(workdir)
     return 0
 
 

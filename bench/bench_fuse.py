@@ -18,7 +18,6 @@ import logging
 import multiprocessing
 import os
 import random
-import shutil
 import sys
 import tempfile
 import time
@@ -30,6 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from kspeedfs.demo import ensure_sample, run_epoch
 from kspeedfs.format.units import format_size
 from kspeedfs.testing.cache import LocalCache
+from kspeedfs.testing.node import remove_tree
 
 TARGETS = {
     "first": 0.06,
@@ -116,7 +116,7 @@ def copy_into_tmpfs(root: Path, files: list[tuple[bytes, int]], pack: int = 64 <
             os.close(out)
         return time.perf_counter() - started
     finally:
-        shutil.rmtree(dest, ignore_errors=True)
+        remove_tree(dest)
 
 
 def disk_read_bytes(pid: int) -> int:
@@ -371,7 +371,7 @@ def main() -> int:
             serving_modes(node, mnt, source.name, shuffled, args.modes.split(","))
 
     if not os.path.ismount(workdir / "mnt"):  # never descend into a mount left behind
-        shutil.rmtree(workdir, ignore_errors=True)
+        remove_tree(workdir)
     plain_rate = data_bytes / t_plain / 1e6
     preload_rate = data_bytes / t_preload / 1e6
     results["preload"] = preload_rate / plain_rate

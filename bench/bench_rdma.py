@@ -28,6 +28,7 @@ from kspeedfs.format.units import format_size, parse_size
 from kspeedfs.net.transport import Range, TcpTransport, Transport
 from kspeedfs.rdma.verbs import probe
 from kspeedfs.testing.cache import LocalCache
+from kspeedfs.testing.node import remove_tree
 
 BULK_FILE = 128 << 20
 BULK_CALL = 64 << 20  # bytes per read_into for bulk reads (the TCP frame limit is 128 MiB)
@@ -41,9 +42,8 @@ def make_dataset(root: Path, bulk: int, files: int, seed: int) -> Path:
     if stamp.exists():
         return src
     import random
-    import shutil
 
-    shutil.rmtree(root, ignore_errors=True)
+    remove_tree(root)
     (src / "bulk").mkdir(parents=True)
     (src / "small").mkdir(parents=True)
     rand = random.Random(seed)

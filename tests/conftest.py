@@ -17,6 +17,7 @@ from kspeedfs.client import admin
 from kspeedfs.format.config import load_settings
 from kspeedfs.testing.mount import MountProcess as MountProcess
 from kspeedfs.testing.node import NodeProcess as NodeProcess
+from kspeedfs.testing.node import remove_tree
 
 # The process helpers live in the package (the demo and the benches use them too); tests import
 # them from here.
@@ -34,6 +35,29 @@ if TYPE_CHECKING:
 # deadline (200 ms) measures that load, not the code, so it is off for every property test.
 settings.register_profile("kspeedfs", deadline=None)
 settings.load_profile("kspeedfs")
+
+
+# Nodes run as root seal the segments they publish (the immutable flag, `chattr +i`): nobody can
+# remove them until the flag is cleared, so a plain rmtree of a node's shm or spill folder (the
+# tests' own, pytest's tmp_path cleanup) would leave them behind. Every rmtree by a path in the
+# test process clears the flags beneath it first (remove_tree); one by a folder descriptor (the
+# node's own code, run in-process) already does.
+_rmtree = shutil.rmtree
+
+
+def _rmtree_unsealed(path, *args, **kwargs):  # type: ignore[no-untyped-def]
+    if kwargs.get("dir_fd") is None:
+        from kspeedfs.format.sealing import unseal_tree
+
+        try:
+            unseal_tree(None, os.fspath(path))
+        except (OSError, TypeError):
+            pass
+    return _rmtree(path, *args, **kwargs)
+
+
+_rmtree_unsealed.avoids_symlink_attacks = _rmtree.avoids_symlink_attacks  # type: ignore[attr-defined]
+shutil.rmtree = _rmtree_unsealed
 
 # A test that uses one of these is slow (out of `make quick`; `make test` runs it): several
 # nodes, etcd, a booted container, the mount daemon or an S3 server.
@@ -149,6 +173,19 @@ def own_health_table(
 
 
 @pytest.fixture(autouse=True)
+def no_sealed_leftovers(request: pytest.FixtureRequest) -> Iterator[None]:
+    """Clears the immutable flag of whatever a test's nodes sealed in its tmp_path (spill
+    folders, disk tiers): pytest keeps the last runs' tmp_path, and a later run's cleanup (or
+    another checkout's) could not remove a sealed file."""
+    yield
+    tmp = request.node.funcargs.get("tmp_path") if hasattr(request.node, "funcargs") else None
+    if tmp is not None:
+        from kspeedfs.format.sealing import unseal_tree
+
+        unseal_tree(None, os.fspath(tmp))
+
+
+@pytest.fixture(autouse=True)
 def no_unexpected_tracebacks(request: pytest.FixtureRequest) -> Iterator[None]:
     """Fails a test when a node or mount (kspeedfs.testing's NodeProcess, MountProcess) logged
     a traceback during it, unless its `tracebacks` mark expects it: an error the test never
@@ -202,7 +239,7 @@ def new_cas(root: Path, *names: str) -> None:
 def shm_dir() -> Iterator[Path]:
     path = Path("/dev/shm") / f"kspeedfs-test-{uuid.uuid4().hex[:10]}"
     yield path
-    shutil.rmtree(path, ignore_errors=True)
+    remove_tree(path)  # (sealed segments too)
 
 
 @pytest.fixture
@@ -298,4 +335,4 @@ def public_dir() -> Iterator[Path]:
     path = Path("/tmp") / f"kspeedfs-public-{uuid.uuid4().hex[:8]}"
     path.mkdir(mode=0o755)
     yield path
-    shutil.rmtree(path, ignore_errors=True)
+    remove_tree(path)

@@ -17,6 +17,7 @@ from etcdutil import EtcdCluster, copies, scrape
 from kspeedfs.client.reader import ClusterReader
 from kspeedfs.format import placement
 from kspeedfs.format.errors import AlreadyExists, InvalidArgument, KSpeedError, NotFound
+from kspeedfs.format.sealing import unseal_tree
 from kspeedfs.format.units import parse_address
 from kspeedfs.node.control import placed
 
@@ -194,6 +195,7 @@ def test_a_heal_refuses_a_corrupt_copy_and_leaves_no_partial_file(
     healer = next(n for n in survivors if n is not holder)
     path = holder.shm_dir / "datasets" / "fix" / "seg" / f"{seg:08d}"
     good = path.read_bytes()
+    unseal_tree(None, str(path))  # (a node run as root sealed it: bit rot ignores that)
     with open(path, "r+b") as f:  # one byte flipped behind the holder's back
         f.write(bytes([good[0] ^ 0xFF]))
     victim.kill9()

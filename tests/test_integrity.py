@@ -7,17 +7,27 @@ the fast path (views and copies), kspeedfs:// and a real mount. Every door serve
 bytes, no reader dies (a SIGBUS would kill this process or the mount), and each damaged
 segment is counted in `status` and /metrics, quarantined and fetched again. The scrubber finds
 a flip no reader touched; a restart with `verify_on_start` keeps the sound segments.
+
+That property runs a node without CAP_LINUX_IMMUTABLE (it cannot seal its segments: readers
+take the pread path). A node run as root seals every segment it publishes (the immutable flag):
+then no harm gets through at all (each attempt is refused, memory and disk tier), and a
+segment whose flag a deliberate root cleared and cut short is found by the size check of a
+reader that maps it afterwards (no SIGBUS), and repaired. Damage below the flag (a failing
+disk: `damage` clears the flag, flips, and puts it back) is found by the scrubber and at start.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import random
 import shutil
+import subprocess
+import sys
 import threading
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import fsspec
 import hypothesis.strategies as st
@@ -26,8 +36,13 @@ from conftest import MountProcess, NodeProcess, run_cli, wait_for
 from hypothesis import HealthCheck, given, settings
 from rt_util import EnvNode, make_source, wrong_bytes
 
+from kspeedfs.format.sealing import is_sealed, sealed_beneath, set_sealed
 from kspeedfs.node.store import segment_fault
+from kspeedfs.testing.node import NO_IMMUTABLE
 from pytorch_ext import KSpeedFolder
+
+if TYPE_CHECKING:
+    from etcdutil import EtcdCluster
 
 MiB = 1 << 20
 pytestmark = pytest.mark.slow
@@ -43,7 +58,11 @@ def nodes() -> Iterator[list[NodeProcess]]:
         shutil.rmtree(n.shm_dir.with_name(n.shm_dir.name + ".run"), ignore_errors=True)
 
 
-def disk_node(tmp_path: Path, token_file: Path, scrub_rate: str) -> NodeProcess:
+def disk_node(
+    tmp_path: Path, token_file: Path, scrub_rate: str, sealing: bool = True
+) -> NodeProcess:
+    """A node with an 8 MiB memory tier and a disk tier; `sealing` False: started without
+    CAP_LINUX_IMMUTABLE (it cannot seal its segments)."""
     shm = Path("/dev/shm") / f"kspeedfs-test-{os.urandom(5).hex()}"
     return EnvNode(
         shm,
@@ -52,7 +71,26 @@ def disk_node(tmp_path: Path, token_file: Path, scrub_rate: str) -> NodeProcess:
         memory="8MiB",
         extra=("--spill-dir", str(tmp_path / "disk"), "--spill", "64MiB"),
         env_extra={"KSPEEDFS_SCRUB_RATE": scrub_rate},
+        wrapper=() if sealing else NO_IMMUTABLE,
     )
+
+
+def can_seal(folder: Path) -> bool:
+    """Whether this process may set the immutable flag in `folder` and /dev/shm (root with
+    CAP_LINUX_IMMUTABLE, on a filesystem that has the flag)."""
+    for where in (folder, Path("/dev/shm")):
+        probe = where / f".seal-probe-{os.getpid()}"
+        probe.write_bytes(b"")
+        fd = os.open(probe, os.O_RDONLY)
+        try:
+            set_sealed(fd, True)
+            set_sealed(fd, False)
+        except OSError:
+            return False
+        finally:
+            os.close(fd)
+            probe.unlink()
+    return True
 
 
 def preload_on_disk(node: NodeProcess, src: Path, name: str) -> dict[str, Any]:
@@ -79,13 +117,33 @@ def integrity(node: NodeProcess) -> dict[str, Any]:
     return found
 
 
-def damage(path: Path, kind: str, where: float) -> bool:
+def damage(path: Path, kind: str, where: float, below_the_flag: bool = False) -> bool:
     """What a failing disk or a stray process does to a segment file, in place; False when
-    the file is gone (quarantined meanwhile: a reader's earlier report)."""
+    the file is gone (quarantined meanwhile: a reader's earlier report). `below_the_flag`: a
+    sealed file's flag is cleared for it (a failing disk, or a deliberate root), and put back
+    after a flip (a disk that fails leaves the flag as it was)."""
     try:
         size = path.stat().st_size
     except FileNotFoundError:
         return False
+    sealed = False
+    if below_the_flag:
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            sealed = is_sealed(fd)
+            if sealed:
+                set_sealed(fd, False)
+            harm(path, kind, where, size)
+            if sealed and kind == "flip":
+                set_sealed(fd, True)
+        finally:
+            os.close(fd)
+        return True
+    harm(path, kind, where, size)
+    return True
+
+
+def harm(path: Path, kind: str, where: float, size: int) -> None:
     if kind == "flip":
         pos = min(size - 1, int(where * size))
         with open(path, "r+b") as f:
@@ -95,10 +153,18 @@ def damage(path: Path, kind: str, where: float) -> bool:
             f.write(bytes([byte ^ 0x5A]))
     elif kind == "truncate":
         os.truncate(path, int(where * size))
-    else:
+    elif kind == "extend":
         with open(path, "ab") as f:
             f.write(b"\xff" * (1 + int(where * 4096)))
-    return True
+    elif kind == "unlink":
+        path.unlink()
+    else:  # "replace": another file renamed over it
+        other = path.with_name(f".harm-{os.getpid()}")
+        other.write_bytes(b"\0" * size)
+        try:
+            os.rename(other, path)
+        finally:
+            other.unlink(missing_ok=True)
 
 
 def all_sound(tmp_path: Path, node: NodeProcess, name: str) -> bool:
@@ -130,7 +196,9 @@ def sizes(node: NodeProcess, record: dict[str, Any], seg: int) -> tuple[int, int
 def test_damaged_disk_segments_never_serve_a_wrong_byte_nor_kill_a_reader(
     tmp_path: Path, token_file: Path, nodes: list[NodeProcess], mounts: list[MountProcess]
 ) -> None:
-    node = disk_node(tmp_path, token_file, scrub_rate="0")  # readers, not the scrub, find it
+    # Readers, not the scrub, find it; a node that cannot seal its segments (as one not run
+    # as root): they are read by pread, checked, and a harm to them is caught by the check.
+    node = disk_node(tmp_path, token_file, scrub_rate="0", sealing=False)
     nodes.append(node.start())
     src = tmp_path / "src"
     files = make_source(src, 40, 120_000)  # ~4 MiB: 5 segments of 1 MiB on the disk tier
@@ -233,12 +301,14 @@ def test_the_scrubber_finds_a_planted_flip_with_no_reader(
     record = preload_on_disk(node, src, "src")
     wait_for(lambda: integrity(node)["passes"] >= 1, what="a first scrub pass")
     seg = record["disk"][len(record["disk"]) // 2]
-    damage(disk_segment(tmp_path, record, seg), "flip", 0.5)
+    damage(disk_segment(tmp_path, record, seg), "flip", 0.5, below_the_flag=True)
     # A pass over ~3 MiB at 64 MiB/s takes well under a second; the wait allows for a slow box.
     wait_for(lambda: integrity(node)["damaged"] == 1, what="the scrubber finding the flip")
     wait_for(lambda: all_sound(tmp_path, node, "src"), what="the segment fetched again")
     status = integrity(node)
     assert status["repaired"] == 1 and status["scrubbed_bytes"] > 0, status
+    if can_seal(tmp_path):  # the one fetched again is sealed as the rest
+        assert len(sealed_beneath(tmp_path / "disk")) == len(record["disk"])
     ds = KSpeedFolder(str(src), nodes=node.env()["KSPEEDFS_NODES"], token=str(token_file))
     assert sum(wrong_bytes(bytes(ds.read(rel)), data) for rel, data in files.items()) == 0
 
@@ -253,7 +323,7 @@ def test_a_restart_with_one_damaged_segment_keeps_the_others(
     record = preload_on_disk(node, src, "src")
     node.stop()
     seg = record["disk"][0]
-    damage(disk_segment(tmp_path, record, seg), "flip", 0.3)
+    damage(disk_segment(tmp_path, record, seg), "flip", 0.3, below_the_flag=True)
     others = {k: disk_segment(tmp_path, record, k).stat().st_ino for k in record["disk"][1:]}
     node.start()  # verify_on_start (the default)
     after = listing(node).get("src")
@@ -266,3 +336,237 @@ def test_a_restart_with_one_damaged_segment_keeps_the_others(
     assert status["damaged"] == 1 and status["repaired"] == 1, status
     ds = KSpeedFolder(str(src), nodes=node.env()["KSPEEDFS_NODES"], token=str(token_file))
     assert sum(wrong_bytes(bytes(ds.read(rel)), data) for rel, data in files.items()) == 0
+
+
+READER = """
+import json, os, sys
+from pytorch_ext import KSpeedFolder
+src, rels = sys.argv[1], json.loads(sys.argv[2])
+fast = KSpeedFolder(src, nodes=os.environ["KSPEEDFS_NODES"], token=os.environ["KSPEEDFS_TOKEN_FILE"])
+reader = fast._reader
+out = {}
+for rel in rels:
+    entry = reader.manifest.resolve(os.fsencode(rel))
+    out[rel] = [bytes(fast.read(rel)).hex(), bytes(reader.fetch([entry])[entry]).hex()]
+print(json.dumps(out))
+"""
+
+
+def read_in_a_new_process(node: NodeProcess, src: Path, files: dict[str, bytes]) -> int:
+    """Wrong bytes a new fast-path reader (views and copies) gets; it must not die."""
+    done = subprocess.run(
+        [sys.executable, "-c", READER, str(src), json.dumps(sorted(files))],
+        env=node.env(),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 0, (done.returncode, done.stderr[-2000:])  # -7: a SIGBUS
+    got = json.loads(done.stdout)
+    return sum(wrong_bytes(bytes.fromhex(h), files[rel]) for rel in files for h in got[rel])
+
+
+def test_sealed_segments_refuse_every_harm_and_a_deliberate_root_is_caught_by_the_size_check(
+    tmp_path: Path, token_file: Path, nodes: list[NodeProcess], mounts: list[MountProcess]
+) -> None:
+    if not can_seal(tmp_path):
+        pytest.skip("needs root (CAP_LINUX_IMMUTABLE) and filesystems with the immutable flag")
+    node = disk_node(tmp_path, token_file, scrub_rate="0")  # root: it seals its segments
+    nodes.append(node.start())
+    files: dict[str, dict[str, bytes]] = {}
+    for name, n in (("mem", 24), ("dsk", 24)):
+        files[name] = make_source(tmp_path / name, n, 120_000, seed=len(name) + n)
+    done = run_cli("preload", str(tmp_path / "mem"), "--name", "mem", "-q", env=node.env())
+    assert done.returncode == 0, done.stderr
+    preload_on_disk(node, tmp_path / "dsk", "dsk")
+    shown = listing(node)
+    assert not shown["mem"]["disk"], shown["mem"]
+    segments = {
+        "mem": sorted(Path(shown["mem"]["path"]).glob("seg/*")),
+        "dsk": sorted((tmp_path / "disk" / "tier").glob("dsk.*/seg/*")),
+    }
+    assert len(segments["mem"]) == shown["mem"]["segments"] >= 2
+    assert len(segments["dsk"]) == shown["dsk"]["segments"] >= 2
+    every = sorted(str(p) for ps in segments.values() for p in ps)
+    assert sorted(sealed_beneath(node.shm_dir) + sealed_beneath(tmp_path / "disk")) == every
+
+    env = node.env()
+    fast = {
+        name: KSpeedFolder(str(tmp_path / name), nodes=env["KSPEEDFS_NODES"], token=str(token_file))
+        for name in files
+    }
+    fs = fsspec.filesystem(
+        "kspeedfs", nodes=env["KSPEEDFS_NODES"], token=str(token_file), skip_instance_cache=True
+    )
+    mount = MountProcess(tmp_path / "mnt", env, tmp_path)
+    mounts.append(mount.start())
+
+    def read_every_door(name: str, rels: list[str]) -> int:
+        wrong = 0
+        reader = fast[name]._reader
+        for rel in rels:
+            want = files[name][rel]
+            wrong += wrong_bytes(bytes(fast[name].read(rel)), want)  # views (maps)
+            entry = reader.manifest.resolve(os.fsencode(rel))
+            wrong += wrong_bytes(bytes(reader.fetch([entry])[entry]), want)  # copies
+            with fs.open(f"{name}/{rel}", "rb") as f:
+                wrong += wrong_bytes(f.read(), want)
+            wrong += wrong_bytes((mount.mountpoint / name / rel).read_bytes(), want)
+        return wrong
+
+    stop = threading.Event()
+    background_wrong: list[int] = []
+
+    def keep_reading() -> None:
+        while not stop.is_set():
+            background_wrong.append(sum(read_every_door(n, sorted(files[n])[:4]) for n in files))
+
+    @settings(
+        max_examples=6,
+        deadline=None,
+        derandomize=True,
+        suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
+    )
+    @given(
+        st.lists(
+            st.tuples(
+                st.sampled_from(sorted(files)),
+                st.integers(0, 1 << 10),
+                st.sampled_from(["flip", "truncate", "extend", "unlink", "replace"]),
+                st.floats(0.0, 0.999),
+            ),
+            min_size=1,
+            max_size=4,
+        )
+    )
+    def harmed_while_read(harms: list[tuple[str, int, str, float]]) -> None:
+        stop.clear()
+        reader = threading.Thread(target=keep_reading)
+        reader.start()
+        try:
+            for name, k, kind, where in harms:
+                path = segments[name][k % len(segments[name])]
+                with pytest.raises(PermissionError):  # even as root: the flag refuses it
+                    damage(path, kind, where)
+            for name in files:
+                assert read_every_door(name, sorted(files[name])) == 0
+        finally:
+            stop.set()
+            reader.join()
+        assert sum(background_wrong) == 0
+
+    harmed_while_read()
+    assert sorted(sealed_beneath(node.shm_dir) + sealed_beneath(tmp_path / "disk")) == every
+    assert integrity(node)["damaged"] == 0  # nothing got through
+
+    # A deliberate root clears the flag of a memory segment and cuts it short: outside what
+    # the flag guards. This process and the mount mapped it while it was sealed (no check:
+    # they must not touch it again, a SIGBUS would follow); a reader that maps it now finds
+    # the wrong size before any touch (no SIGBUS), reads elsewhere (the source), and its
+    # report has the node quarantine it and fetch it again, sealed.
+    cut = segments["mem"][0]
+    damage(cut, "truncate", 0.5, below_the_flag=True)
+    assert read_in_a_new_process(node, tmp_path / "mem", files["mem"]) == 0
+    wait_for(lambda: integrity(node)["repaired"] >= 1, what="the cut segment fetched again")
+    assert str(cut) in sealed_beneath(node.shm_dir)  # its new copy, sealed
+    assert read_in_a_new_process(node, tmp_path / "mem", files["mem"]) == 0
+    found = integrity(node)
+    assert found["damaged"] == found["repaired"] == 1 and found["repair_failed"] == 0, found
+    assert read_every_door("dsk", sorted(files["dsk"])) == 0
+    assert os.path.ismount(mount.mountpoint) and mount.proc.poll() is None
+
+
+def test_a_node_killed_and_restarted_leaves_no_sealed_file_behind(
+    tmp_path: Path, token_file: Path, nodes: list[NodeProcess]
+) -> None:
+    """kill -9 leaves sealed segments (published, staged, being promoted): the restart keeps
+    the published ones sealed, removes the rest, and an unload removes every one of them; the
+    test's own cleanup (remove_tree, the rmtree of conftest) removes what a node left."""
+    if not can_seal(tmp_path):
+        pytest.skip("needs root (CAP_LINUX_IMMUTABLE) and filesystems with the immutable flag")
+    node = disk_node(tmp_path, token_file, scrub_rate="0")
+    nodes.append(node.start())
+    src = tmp_path / "src"
+    files = make_source(src, 20, 150_000)
+    record = preload_on_disk(node, src, "src")
+    done = run_cli("preload", str(src), "--name", "mem", "-q", env=node.env())
+    assert done.returncode == 0, done.stderr
+    assert len(sealed_beneath(tmp_path / "disk")) == len(record["disk"])
+    held = sealed_beneath(node.shm_dir)
+    assert held, "no memory segment sealed"
+    # What a node killed mid-work leaves: a sealed segment in staging and in the trash.
+    for leftover in (
+        node.shm_dir / "staging" / "x.0" / "seg",
+        node.shm_dir / "trash" / "y" / "seg",
+    ):
+        leftover.mkdir(parents=True)
+        (leftover / "00000000").write_bytes(b"left")
+        fd = os.open(leftover / "00000000", os.O_RDONLY)
+        set_sealed(fd, True)
+        os.close(fd)
+    node.kill9()
+    node.start()
+    assert sorted(sealed_beneath(node.shm_dir)) == sorted(held)  # kept; leftovers removed
+    assert not (node.shm_dir / "staging" / "x.0").exists()
+    assert not (node.shm_dir / "trash" / "y").exists()
+    ds = KSpeedFolder(str(src), nodes=node.env()["KSPEEDFS_NODES"], token=str(token_file))
+    assert sum(wrong_bytes(bytes(ds.read(rel)), data) for rel, data in files.items()) == 0
+    for name in ("src", "mem"):
+        done = run_cli("unload", name, env=node.env())
+        assert done.returncode == 0, done.stderr
+    assert sealed_beneath(node.shm_dir) == [] and sealed_beneath(tmp_path / "disk") == []
+    # A node killed with its datasets loaded: the harness's cleanup removes them all.
+    done = run_cli("preload", str(src), "--name", "again", "-q", env=node.env())
+    assert done.returncode == 0, done.stderr
+    assert sealed_beneath(node.shm_dir)
+    node.kill9()
+    from kspeedfs.testing.node import remove_tree
+
+    remove_tree(node.shm_dir)
+    assert not node.shm_dir.exists()
+
+
+def test_a_damaged_segment_is_fetched_again_from_the_replica_on_another_node(
+    etcd_cluster: EtcdCluster, tmp_path: Path
+) -> None:
+    """Two nodes, two copies on their disk tiers, the source gone: a flip below the flag on
+    one node's segment is found by its scrubber and fetched again from the other node."""
+    cluster = etcd_cluster
+    for i in range(2):
+        node = NodeProcess(
+            cluster.root / f"node{i}",
+            cluster.token_file,
+            tmp_path,
+            memory="8MiB",
+            extra=("--spill-dir", str(tmp_path / f"disk{i}"), "--spill", "64MiB"),
+            base_env={**cluster.base_env(), "KSPEEDFS_SCRUB_RATE": "64MiB"},
+        )
+        cluster.nodes.append(node.start())
+    wait_for(lambda: list(cluster.members().values()) == ["up"] * 2, what="2 members up")
+    src = tmp_path / "src"
+    files = make_source(src, 24, 120_000)
+    flags = ("--name", "rep", "--replicas", "2", "--tier", "disk", "--max-memory", "4KiB", "-q")
+    done = run_cli("preload", str(src), *flags, env=cluster.client_env())
+    assert done.returncode == 0, done.stderr
+    victim, other = cluster.nodes
+    record = listing(victim)["rep"]
+    assert len(record["disk"]) == record["segments"] == len(listing(other)["rep"]["disk"])
+    os.rename(src, tmp_path / "gone")  # the other node's copy is the only good one left
+    seg = record["disk"][-1]
+    path = tmp_path / "disk0" / "tier" / f"rep.{record['uuid']}" / "seg" / f"{seg:08d}"
+    damage(path, "flip", 0.5, below_the_flag=True)
+    wait_for(lambda: integrity(victim)["repaired"] >= 1, timeout=60, what="the repair")
+    found = integrity(victim)
+    assert found["damaged"] == found["repaired"] == 1, found
+    assert found["from_source"] == 0 and found["repair_failed"] == 0, found
+    assert not segment_fault(path, *sizes(victim, record, seg))
+    if can_seal(tmp_path):
+        assert str(path) in sealed_beneath(tmp_path / "disk0")
+    fs = fsspec.filesystem(
+        "kspeedfs", nodes=victim.address, token=str(cluster.token_file), skip_instance_cache=True
+    )
+    wrong = 0
+    for rel, data in files.items():
+        with fs.open(f"rep/{rel}", "rb") as f:
+            wrong += wrong_bytes(f.read(), data)
+    assert wrong == 0

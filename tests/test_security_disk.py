@@ -21,6 +21,7 @@ from uidutil import NOBODY, as_user
 import kspeedfs.client.reader  # noqa: F401  (loaded before the fork: uid 65534 cannot read the venv)
 from kspeedfs.format import auth
 from kspeedfs.format.errors import InvalidArgument
+from kspeedfs.format.sealing import sealed_beneath, unseal_tree
 
 pytestmark = pytest.mark.slow  # a node start per case, readers forked as uid 65534
 
@@ -214,6 +215,7 @@ def test_a_restart_gives_an_older_tier_the_group_and_modes(
         seg_dir = _preload_on_disk(node, public_dir)
     finally:
         node.stop()
+    unseal_tree(None, str(seg_dir))  # (a node before sealing left them unsealed too)
     for path in [seg_dir.parent, seg_dir, *seg_dir.iterdir()]:  # as a node before them left it
         os.chown(path, 0, 0)
         os.chmod(path, 0o750 if path.is_dir() else 0o600)
@@ -224,6 +226,8 @@ def test_a_restart_gives_an_older_tier_the_group_and_modes(
         node.stop()
     assert out["held"] == [0, 1] and out["direct"] == SECRET.hex()
     _assert_the_groups(spill)
+    if os.geteuid() == 0:  # the restarted node (root) sealed what it found unsealed
+        assert len(sealed_beneath(seg_dir)) == 2
 
 
 def test_outside_the_group_disk_segments_cannot_be_opened(

@@ -17,6 +17,7 @@ import time
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import hypothesis.strategies as st
 import pytest
@@ -32,7 +33,9 @@ from kspeedfs.format import localdata
 from kspeedfs.format.errors import DataError, KSpeedError
 from kspeedfs.format.localdata import MANIFEST_FILE, LocalDataset
 from kspeedfs.format.manifest import Manifest
+from kspeedfs.format.sealing import sealed_beneath, set_sealed
 from kspeedfs.format.units import format_size
+from kspeedfs.testing.node import NO_IMMUTABLE
 from pytorch_ext import KSpeedFolder
 
 KiB, MiB = 1 << 10, 1 << 20
@@ -51,7 +54,7 @@ def make_source(root: Path, files: int, size: int, seed: int = 0) -> dict[str, b
     return made
 
 
-def shm_node(tmp_path: Path, token_file: Path, *extra: str, **kw: str) -> NodeProcess:
+def shm_node(tmp_path: Path, token_file: Path, *extra: str, **kw: Any) -> NodeProcess:
     shm = Path("/dev/shm") / f"kspeedfs-test-{os.urandom(5).hex()}"
     return NodeProcess(shm, token_file, tmp_path, extra=extra, **kw)
 
@@ -159,14 +162,31 @@ def maps_under(folder: Path) -> list[str]:
         return [line for line in f if str(folder) in line]
 
 
-def test_disk_segments_are_read_by_pread_never_mapped_and_an_old_instance_fails(
-    tmp_path: Path, token_file: Path, nodes: list[NodeProcess], monkeypatch: pytest.MonkeyPatch
+@pytest.mark.parametrize("sealed", [False, True], ids=["unsealed", "sealed"])
+def test_disk_segments_are_read_by_pread_unless_sealed_and_an_old_instance_fails(
+    tmp_path: Path,
+    token_file: Path,
+    nodes: list[NodeProcess],
+    monkeypatch: pytest.MonkeyPatch,
+    sealed: bool,
 ) -> None:
+    """A node without CAP_LINUX_IMMUTABLE (unsealed): disk segments are read by pread, never
+    mapped. A node with it (root): every segment it published is sealed (the immutable flag:
+    nobody can cut one short), and disk ones are mapped as memory ones are."""
+    if sealed and not can_seal(tmp_path):
+        pytest.skip("needs root (CAP_LINUX_IMMUTABLE) and a filesystem with the immutable flag")
     # Fewer open segment files than the dataset has disk segments: the oldest are let go.
     monkeypatch.setattr(localdata, "OPEN_DISK_FILES", 2)
     disk_dir = tmp_path / "disk"
     node = shm_node(
-        tmp_path, token_file, "--spill-dir", str(disk_dir), "--spill", "64MiB", memory="1MiB"
+        tmp_path,
+        token_file,
+        "--spill-dir",
+        str(disk_dir),
+        "--spill",
+        "64MiB",
+        memory="1MiB",
+        wrapper=() if sealed else NO_IMMUTABLE,
     )
     nodes.append(node.start())
     src = tmp_path / "src"
@@ -189,14 +209,31 @@ def test_disk_segments_are_read_by_pread_never_mapped_and_an_old_instance_fails(
         assert reader.cluster.read(reader.handle, entry, 7, n) == files[rel][7:], rel
         assert bytes(reader.fetch([entry])[entry]) == files[rel], rel
     assert reader.cluster.stats["local"] > 0 and not reader.cluster.stats["source"]
-    assert maps_under(disk_dir) == []  # every copy was a pread: no segment mapped
-    assert 0 < len(fds_under(disk_dir)) <= 2  # of the 7 segments read, 2 stay open
+    segments = sorted(disk_dir.glob("tier/*/seg/*")) + sorted(node.shm_dir.glob("*/*/seg/*"))
+    assert len(segments) == m.segments
+    if sealed:
+        assert sorted(map(Path, sealed_beneath(disk_dir))) == sorted(disk_dir.glob("tier/*/seg/*"))
+        assert len(sealed_beneath(node.shm_dir)) == m.segments - len(sealed_beneath(disk_dir))
+        for path in segments[:1] + segments[-1:]:  # a stray root process cannot cut one short
+            for harm in (
+                lambda p: os.truncate(p, 10),
+                os.unlink,
+                lambda p: os.open(p, os.O_WRONLY),
+            ):
+                with pytest.raises(PermissionError):
+                    harm(path)
+        assert maps_under(disk_dir)  # mapped: a view, as in memory
+    else:
+        assert sealed_beneath(disk_dir) == [] and sealed_beneath(node.shm_dir) == []
+        assert maps_under(disk_dir) == []  # every copy was a pread: no segment mapped
+        assert 0 < len(fds_under(disk_dir)) <= 2  # of the 7 segments read, 2 stay open
 
     spans = [e for e in entries.values() if len(m.ranges(e)) > 1]
     assert spans, "no file spans two segments"
     for rel, entry in entries.items():
-        assert bytes(reader.view(entry)) == files[rel]  # a checked copy, not a map
-    assert maps_under(disk_dir) == []  # a map of a disk file cut short would kill us (SIGBUS)
+        assert bytes(reader.view(entry)) == files[rel]  # a checked copy or a sealed map
+    if not sealed:  # a map of a disk file cut short would kill us (SIGBUS)
+        assert maps_under(disk_dir) == []
     preads_equal_source(_listed(node, "d")["path"], m.segments, src, m)
 
     # An instance's copies come from its own folders: loaded again from a changed source, a
@@ -217,6 +254,26 @@ def test_disk_segments_are_read_by_pread_never_mapped_and_an_old_instance_fails(
             continue
         assert out == files[rel], rel  # only ever the old instance's bytes
     assert refused == len(files)
+    # The unload cleared the flags of what it removed: none of the old instance's is left.
+    old_files = {str(p) for p in segments}
+    assert not old_files & set(sealed_beneath(disk_dir) + sealed_beneath(node.shm_dir))
+
+
+def can_seal(folder: Path) -> bool:
+    """Whether this process may set the immutable flag on a file in `folder` (and /dev/shm)."""
+    for where in (folder, Path("/dev/shm")):
+        probe = where / f".seal-probe-{os.getpid()}"
+        probe.write_bytes(b"")
+        fd = os.open(probe, os.O_RDONLY)
+        try:
+            set_sealed(fd, True)
+            set_sealed(fd, False)
+        except OSError:
+            return False
+        finally:
+            os.close(fd)
+            probe.unlink()
+    return True
 
 
 def fds_under(folder: Path) -> list[str]:

@@ -1,8 +1,10 @@
 """One process's access to one dataset instance: zero-copy views where local, the one read
 policy (ClusterReader) for the rest. The fast path and the fsspec filesystem both read this way.
 
-Views are maps; reads that copy (`scratch_view`, `fetch`, `gather`) read a segment of the
-node's disk tier with pread instead (localdata). Reads of a read-through dataset's segments
+Views are maps (a sealed disk-tier segment's too, each file checked once); reads that copy
+(`scratch_view`, `fetch`, `gather`) read an unsealed segment of the node's disk tier with
+pread instead (localdata). Views of unsealed memory segments are not kept across calls: each
+call checks the segment's size first. Reads of a read-through dataset's segments
 through the map are reported to the node (touches), which cannot see them."""
 
 from __future__ import annotations
@@ -76,6 +78,7 @@ class Reader:
         )
         self._scratch = threading.local()
         self._seg_views: dict[int, memoryview] = {}
+        self._disk_views: dict[int, memoryview] = {}  # sealed disk-tier segments' maps
         self._data = self.manifest.data
         self._size = self.manifest.size
         self._seg_size = self.manifest.segment_size
@@ -96,18 +99,31 @@ class Reader:
         mv = self._seg_views.get(seg)
         if mv is None:
             if seg in self.local.on_disk:
-                return self._disk_copy(entry)
+                mv = self._disk_views.get(seg)
+                if mv is not None and self.local.file_checked(entry):
+                    return mv[off:end]
+                return self._disk_view(entry, seg, off, end)
             try:
-                mv = self._seg_views[seg] = memoryview(self.local.segment(seg))
+                mv = memoryview(self.local.segment(seg))
             except DataError:
                 return self._copied(entry)  # unloaded before we mapped it: the read policy
+            if not self.local.maps_sealed(seg):
+                return mv[off:end]  # unsealed: its size is checked at each use (localdata)
+            self._seg_views[seg] = mv
         return mv[off:end]
 
-    def _disk_copy(self, entry: int) -> memoryview:
-        """File `entry`, which lies on the disk tier: read with pread and checked against its
-        checksum (localdata); a damaged copy is read elsewhere by the read policy."""
+    def _disk_view(self, entry: int, seg: int, off: int, end: int) -> memoryview:
+        """File `entry`, which lies on the disk tier: a view of its map where the segment is
+        sealed (the immutable flag), else read with pread; checked against its checksum the
+        first time (localdata). A damaged one is read elsewhere by the read policy."""
         assert self.local is not None
         try:
+            view = self.local.mapped_file(entry, seg, off, end)
+            if view is not None:
+                if self.all_local and self.local.maps_sealed(seg):
+                    # Kept: its next files cost one test each (checked once, localdata).
+                    self._disk_views[seg] = memoryview(self.local.segment(seg))
+                return view
             return memoryview(self.local.read(entry, 0, int(self._size[entry])))
         except DataError:
             return self._copied(entry)
@@ -127,7 +143,7 @@ class Reader:
                 mv = memoryview(local.segment(seg))
             except DataError:
                 return None  # unloaded before we mapped it: the read policy finds another copy
-            if self.all_local:
+            if self.all_local and local.maps_sealed(seg):
                 self._seg_views[seg] = mv
         return mv[off : off + length]
 

@@ -32,6 +32,7 @@ class PassedDataset(LocalDataset):
             os.close(manifest_fd)  # the mapping keeps what it needs
         self._fds = segments
         self._maps = {}
+        self._watched = {}
         self._lock = threading.Lock()
         self.held = frozenset(segments)
 

@@ -1,7 +1,12 @@
 """A dataset held on this node: its manifest and its segments, mapped read-only.
 
-Segments are never truncated while mapped (unload unlinks them), so a mapping stays valid
-even after the dataset is unloaded: no SIGBUS, the memory returns when the last map closes.
+Segments are never truncated by the node while mapped (unload unlinks them), so a mapping
+stays valid even after the dataset is unloaded; the memory returns when the last map closes.
+Against anyone else cutting one short, a node run as root seals its segments (the immutable
+flag: sealing.py): a sealed segment is mapped with nothing more to check; the map of an
+unsealed memory segment has its file's size checked (fstat) at each use, a wrong size being a
+damaged segment (DamagedSegment: read elsewhere), never a SIGBUS, except for a view already
+handed out when the file is cut (docs/tiers.md, "Sealed segments").
 
 One object is one instance: the folder is opened once and every segment is opened relative to
 that folder's descriptor. When the dataset is unloaded and loaded again under the same name,
@@ -12,7 +17,9 @@ A segment on the node's disk tier lies in the folder meta.json names ("disk_dir"
 instance), opened once beside seg/; one moved to memory is renamed into seg/ before it leaves
 the disk, so a lookup tries seg/, then the disk, then seg/ again.
 
-Memory segments are mapped (views are zero-copy). Disk-tier segments are never mapped: they
+Memory segments are mapped (views are zero-copy), and so are sealed disk-tier segments (each
+file checked against its checksum the first time this process reads it; a read by segment
+range checks the whole segment once). Unsealed disk-tier segments are never mapped: they
 are read with pread, and checked against the manifest's checksums (xxh3_64) before their
 bytes are first served in this process. A disk is what fails, and what another process may
 cut short: a map of a file truncated under it kills its reader (SIGBUS) at the next touch of
@@ -28,9 +35,10 @@ a page past the new end, while a pread just comes back short. So:
 - a segment whose size is not the manifest's, a read that comes back short, or bytes that fail
   their checksum raise DamagedSegment (a DataError: readers read elsewhere, from a replica or
   the source) and are reported to `on_damage` (the node quarantines and fetches it again).
-The price, measured in one process on the same folders (issue 28's note): reads of disk-tier
-files run at 0.4-0.6 of the maps they replace (a pread, an fstat and, the first time, the hash,
-against a copy out of a mapped page); memory-tier reads are unchanged.
+The price of the unsealed path, measured in one process on the same folders (issue 28's
+note): reads of disk-tier files run at 0.4-0.6 of the maps they replace (a pread, an fstat
+and, the first time, the hash, against a copy out of a mapped page); memory-tier reads are
+unchanged.
 """
 
 from __future__ import annotations
@@ -50,6 +58,7 @@ from typing import Any
 
 import xxhash
 
+from kspeedfs.format import sealing
 from kspeedfs.format.errors import DataError, NotFound
 from kspeedfs.format.manifest import Manifest
 
@@ -133,6 +142,9 @@ class LocalDataset:
             except OSError:
                 pass  # unloaded meanwhile: its segments are gone from both tiers
         self._maps: dict[int, mmap.mmap] = {}
+        # Mapped segments without the immutable flag (sealing.py), by their open file: each use
+        # of the map checks the file's size first (a short one is damaged, never a SIGBUS).
+        self._watched: dict[int, io.FileIO] = {}
         self._lock = threading.Lock()
         # Published datasets never change, so which segments are here is known once and for all.
         disk = _segments_in(self._disk_fd)
@@ -157,6 +169,8 @@ class LocalDataset:
         self._generation = 1
         self._stamps: dict[int, tuple[int, int, int]] = {}  # disk segment: size, mtime, ctime
         self._seg_ok: set[int] = set()
+        # Disk-tier segments found sealed: mapped (never dropped like the open files above).
+        self._sealed_disk: set[int] = set()
         # Told the segments found damaged (the reader tells the node); from any thread.
         self.on_damage: Callable[[list[int]], None] | None = None
         # Segments found damaged in this process that the node could not be told of, and when:
@@ -217,13 +231,18 @@ class LocalDataset:
         return self.manifest.uuid
 
     def segment(self, seg: int) -> mmap.mmap:
-        """A map of memory segment `seg` (DataError for a disk-tier one: those are read by
-        pread, see the module's docstring)."""
+        """A map of segment `seg`: a memory one, or a sealed disk-tier one (DataError for an
+        unsealed disk-tier one: those are read by pread, see the module's docstring). The map
+        of an unsealed segment has its file's size checked at each call (DamagedSegment when
+        it is not the manifest's: cut short, a touch of the map could SIGBUS)."""
         m = self._maps.get(seg)
         if m is not None:
+            if seg in self._watched:
+                self._check_size(seg)
             return m
         if seg in self.on_disk and self._disk_file(seg) is not None:
             raise DataError(f"segment {seg} of {self.path.name} is on the disk tier: not mapped")
+        wrong_size = False
         with self._lock:
             m = self._maps.get(seg)
             if m is None:
@@ -233,27 +252,60 @@ class LocalDataset:
                     fd = self._open_segment(seg)
                     try:
                         m = mmap.mmap(fd, 0, prot=mmap.PROT_READ)
-                    finally:
+                    except BaseException:
                         os.close(fd)
+                        raise
                 except (OSError, ValueError) as e:
                     raise DataError(f"cannot map segment {seg} of {self.path.name}: {e}") from None
                 if len(m) != int(self.manifest.seg_len[seg]):
-                    raise DataError(f"segment {seg} of {self.path.name} has the wrong length")
-                self._maps[seg] = m
+                    os.close(fd)
+                    wrong_size = True
+                else:
+                    if sealing.is_sealed(fd):
+                        os.close(fd)  # nobody can cut it short: the map is safe to touch
+                    else:  # (closed when the last user lets go of it)
+                        self._watched[seg] = io.FileIO(fd, "rb", closefd=True)
+                    self._maps[seg] = m
+        if wrong_size:  # (outside the lock, which _found_damaged takes)
+            self._found_damaged([seg], "has the wrong size")
         return m
+
+    def _check_size(self, seg: int) -> None:
+        """An unsealed mapped segment's file is still the manifest's length (DamagedSegment
+        when not: its map is dropped, the read goes elsewhere)."""
+        f = self._watched.get(seg)
+        if f is None:
+            return
+        try:
+            size = os.fstat(f.fileno()).st_size
+        except (OSError, ValueError):
+            return
+        if size != int(self.manifest.seg_len[seg]):
+            self._found_damaged([seg], "has the wrong size")
+
+    def file_checked(self, i: int) -> bool:
+        """Whether file i (with bytes on the disk tier) was checked since its segments last
+        changed, in this process."""
+        return self._file_ok[i] == self._generation
+
+    def maps_sealed(self, seg: int) -> bool:
+        """Whether segment `seg` is mapped with nothing to check before each touch (sealed, or
+        not mapped yet): the hot path may keep a view of it."""
+        return seg not in self._watched
 
     def release(self) -> None:
         """Stop using this instance (it was unloaded): its maps and files are dropped, not
         closed, since a reader may still hold one; each closes when its last reference goes."""
         with self._lock:
             self._maps.clear()
+            self._watched.clear()
             self._disk_files.clear()
             self.held = frozenset()
 
     def _disk_file(self, seg: int) -> io.FileIO | None:
         """Segment `seg`'s open file when it lies on the disk tier (read with pread); None
-        when it is in memory (mapped). Its size is checked when it is opened."""
-        if seg not in self.on_disk:
+        when it is in memory or sealed (mapped). Its size is checked when it is opened."""
+        if seg not in self.on_disk or seg in self._sealed_disk:
             return None
         if seg in self._disk_files:
             try:
@@ -273,6 +325,10 @@ class LocalDataset:
             opened = io.FileIO(fd, "rb", closefd=True)
             st = os.fstat(fd)
             on_disk = st.st_dev != self._memory_dev
+            if on_disk and sealing.is_sealed(fd):
+                # Sealed (the immutable flag: nobody can cut it short): mapped, as in memory.
+                on_disk = False
+                self._sealed_disk.add(seg)
             wrong_size = st.st_size != int(self.manifest.seg_len[seg])
             if wrong_size:
                 opened.close()
@@ -286,24 +342,24 @@ class LocalDataset:
                 while len(self._disk_files) > OPEN_DISK_FILES:
                     self._disk_files.popitem(last=False)  # not closed: a pread may be using it
         if wrong_size:  # (outside the lock, which _found_damaged takes)
-            if on_disk:
-                self._found_damaged([seg], "has the wrong size")
-            raise DataError(f"segment {seg} of {self.path.name} has the wrong length")
+            self._found_damaged([seg], "has the wrong size")
         return f
 
     def _found_damaged(self, segments: list[int], why: str) -> None:
-        """Bytes of disk-tier `segments` are not the manifest's: forget their open files
-        (the node fetches them again), tell on_damage once, raise DamagedSegment."""
+        """Bytes of `segments` are not the manifest's: forget their open files and maps (the
+        node fetches them again), tell on_damage once, raise DamagedSegment."""
         with self._lock:
             for seg in segments:
                 self._disk_files.pop(seg, None)
                 self._seg_ok.discard(seg)
+                if self._watched.pop(seg, None) is not None:  # a map cut short: left alone
+                    self._maps.pop(seg, None)
             now = time.monotonic()
             new = [s for s in segments if now - self._reported.get(s, -1e9) >= REPORT_EVERY_S]
             self._reported.update((s, now) for s in new)
         names = ", ".join(str(s) for s in segments)
         if new:
-            log.error("%s: disk-tier segment %s %s; reading elsewhere", self.path.name, names, why)
+            log.error("%s: segment %s %s; reading elsewhere", self.path.name, names, why)
             told = False
             if self.on_damage is not None:
                 try:
@@ -316,7 +372,7 @@ class LocalDataset:
                 # checks it, quarantines it, and the next read here opens its new copy.)
                 with self._lock:
                     self.damaged.update((s, now) for s in new)
-        raise DamagedSegment(f"disk-tier segment {names} of {self.path.name} {why}", segments)
+        raise DamagedSegment(f"segment {names} of {self.path.name} {why}", segments)
 
     def _pread_into(self, f: io.FileIO, seg: int, offset: int, out: memoryview) -> None:
         """Bytes of disk segment `seg` by pread; DamagedSegment when they come back short."""
@@ -344,6 +400,21 @@ class LocalDataset:
             self._pread_into(f, seg, pos, part)
             h.update(part)
         if expected and h.intdigest() != expected:
+            self._found_damaged([seg], "fails its checksum")
+        self._seg_ok.add(seg)
+
+    def _mapped_view(self, seg: int, offset: int, length: int) -> memoryview:
+        """Bytes [offset, offset+length) of mapped segment `seg`, unchecked (for reads of
+        files, which check the file)."""
+        m = self.segment(seg)
+        if offset < 0 or length < 0 or offset + length > len(m):
+            raise DataError(f"range {offset}+{length} past the end of segment {seg}")
+        return memoryview(m)[offset : offset + length]
+
+    def _check_mapped(self, seg: int) -> None:
+        """Mapped disk-tier segment `seg` (sealed) against its checksum, once per process."""
+        expected = int(self.manifest.seg_checksum[seg])
+        if expected and xxhash.xxh3_64_intdigest(self.segment(seg)) != expected:
             self._found_damaged([seg], "fails its checksum")
         self._seg_ok.add(seg)
 
@@ -378,7 +449,7 @@ class LocalDataset:
         """read_into, unchecked: for reads of files, which check the file."""
         f = self._disk_file(seg)
         if f is None:
-            out[:] = self.view(seg, offset, len(out))
+            out[:] = self._mapped_view(seg, offset, len(out))
         else:
             self._pread_into(f, seg, offset, out)
 
@@ -392,6 +463,8 @@ class LocalDataset:
                 out = memoryview(bytearray(length))
                 self._pread_into(f, seg, offset, out)
                 return out
+            if seg not in self._seg_ok:  # mapped (sealed): checked whole, once
+                self._check_mapped(seg)
         m = self.segment(seg)
         if offset < 0 or length < 0 or offset + length > len(m):
             raise DataError(f"range {offset}+{length} past the end of segment {seg}")
@@ -494,7 +567,7 @@ class LocalDataset:
         unchecked: for reads of files, which check the file)."""
         f = self._disk_file(seg)
         if f is None:
-            return self.view(seg, offset, length).tobytes()
+            return self._mapped_view(seg, offset, length).tobytes()
         self._check_range(seg, offset, length)
         try:
             data = os.pread(f.fileno(), length, offset)
@@ -504,13 +577,31 @@ class LocalDataset:
             self._found_damaged([seg], "ends early")
         return data
 
+    def mapped_file(self, i: int, seg: int, off: int, end: int) -> memoryview | None:
+        """File i, which lies whole in segment `seg` (one that lay on the disk tier) at
+        [off, end): a view of its map when the segment is mapped (sealed on the disk tier, or
+        moved to memory), checked against the file's checksum the first time this process
+        reads it; None when it is read by pread (unsealed on the disk tier)."""
+        if self._disk_file(seg) is not None:
+            return None
+        view = memoryview(self.segment(seg))[off:end]
+        generation = self._generation
+        if self._file_ok[i] != generation:
+            self._check_file(i, view, generation)
+        return view
+
     def file_view(self, i: int) -> memoryview:
-        """The bytes of file i: a view of shared memory when it lies in one memory segment,
+        """The bytes of file i: a view of shared memory when it lies in one mapped segment,
         else a (checked) copy."""
         pieces = self.manifest.ranges(i)
         if not pieces:
             return memoryview(b"")
         if self.on_disk and any(seg in self.on_disk for seg, _, _ in pieces):
+            if len(pieces) == 1:
+                seg, off, n = pieces[0]
+                view = self.mapped_file(i, seg, off, off + n)
+                if view is not None:
+                    return view
             return memoryview(self.read(i, 0, int(self.manifest.size[i])))
         if len(pieces) == 1:
             return self.view(*pieces[0])
@@ -523,6 +614,17 @@ class LocalDataset:
         if len(pieces) == 1 and pieces[0][0] not in self.on_disk:
             seg, off, n = pieces[0]
             return memoryview(self.segment(seg))[off : off + n]
+        if (
+            len(pieces) == 1
+            and self._file_ok[i] == self._generation
+            and self._disk_file(pieces[0][0]) is None
+        ):  # a mapped disk one, checked already
+            return self._mapped_view(*pieces[0])
+        if len(pieces) == 1 and len(self.manifest.ranges(i)) == 1:
+            whole = self.manifest.ranges(i)[0]  # a mapped disk one: checked whole, once
+            if self.mapped_file(i, whole[0], whole[1], whole[1] + whole[2]) is not None:
+                seg, off, n = pieces[0]
+                return memoryview(self.segment(seg))[off : off + n]
         return self.read(i, offset, length)
 
     def read(self, i: int, offset: int, length: int) -> bytes:
@@ -535,6 +637,11 @@ class LocalDataset:
                 f = self._disk_file(seg)
                 if f is not None:
                     return self._read_whole(i, f, seg, off, size)
+                generation = self._generation  # mapped (sealed): checked once
+                data = self._mapped_view(seg, off, size).tobytes()
+                if self._file_ok[i] != generation:
+                    self._check_file(i, data, generation)
+                return data
             n = max(0, min(length, size - offset))
             out = bytearray(n)
             self.read_file_into(i, offset, memoryview(out))

@@ -10,13 +10,16 @@ everything inside is opened relative to a descriptor with O_NOFOLLOW.
 
 from __future__ import annotations
 
+import errno
 import grp
 import logging
 import os
 import shutil
 import stat
+import threading
 from pathlib import Path
 
+from kspeedfs.format import sealing
 from kspeedfs.format.errors import InvalidArgument
 
 log = logging.getLogger(__name__)
@@ -108,10 +111,18 @@ def _give(fd: int, gid: int, mode: int) -> None:
     the group: a chown may clear the setgid bit."""
     st = os.fstat(fd)
     chowned = gid >= 0 and st.st_gid != gid
-    if chowned:
-        os.fchown(fd, -1, gid)
-    if chowned or stat.S_IMODE(st.st_mode) != mode:
+    if not chowned and stat.S_IMODE(st.st_mode) == mode:
+        return
+    resealed = stat.S_ISREG(st.st_mode) and sealing.is_sealed(fd)
+    if resealed:  # a sealed segment (found at start): its flag forbids a chmod too
+        sealing.set_sealed(fd, False)
+    try:
+        if chowned:
+            os.fchown(fd, -1, gid)
         os.fchmod(fd, mode)
+    finally:
+        if resealed:
+            sealing.set_sealed(fd, True)
 
 
 def _check_above(path: Path, uid: int, what: str) -> None:
@@ -183,19 +194,81 @@ def open_subdir(parent_fd: int, name: str, shown: Path, what: str = "shm folder"
 
 def remove_beneath(dir_fd: int, name: str) -> None:
     """Remove entry `name` of dir_fd: a folder with everything in it, never what a symlink in
-    it points to (shutil.rmtree with dir_fd walks by descriptors)."""
+    it points to (shutil.rmtree with dir_fd walks by descriptors). Sealed segments in it (the
+    immutable flag: see seal_segment) are unsealed first, also those a killed node left."""
     try:
         st = os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
     except FileNotFoundError:
         return
     if stat.S_ISDIR(st.st_mode):
+        _unseal(dir_fd, name, tree=True)
         assert shutil.rmtree.avoids_symlink_attacks
         shutil.rmtree(name, dir_fd=dir_fd, onerror=_log_rm_error)
     else:
         try:
-            os.unlink(name, dir_fd=dir_fd)
+            unlink_segment(dir_fd, name)
         except FileNotFoundError:
             pass
+
+
+# Sealed segments: a published segment file gets the immutable flag (FS_IMMUTABLE_FL) when the
+# node may set it (CAP_LINUX_IMMUTABLE) and its filesystem has it, so that nobody (root
+# included, short of clearing the flag first) can cut it short under a reader's map. Every path
+# that unlinks, renames over or rewrites a segment goes through unlink_segment, unseal_segment
+# or remove_beneath, which clear the flag first.
+_can_seal: dict[int, bool] = {}  # by device: whether the flag could be set there (tried once)
+_seal_lock = threading.Lock()
+
+
+def seal_segment(fd: int) -> bool:
+    """Give open segment file `fd` the immutable flag, where the node can (tried once per
+    filesystem and remembered); whether it is sealed."""
+    dev = os.fstat(fd).st_dev
+    if _can_seal.get(dev) is False:
+        return False
+    try:
+        sealing.set_sealed(fd, True)
+    except OSError as e:
+        with _seal_lock:
+            if dev not in _can_seal:
+                why = "no CAP_LINUX_IMMUTABLE" if e.errno == errno.EPERM else e.strerror
+                log.info(
+                    "segments on device %d:%d are not sealed (immutable flag: %s); readers "
+                    "read them by pread or check their size before each use",
+                    os.major(dev),
+                    os.minor(dev),
+                    why,
+                )
+            _can_seal[dev] = False
+        return False
+    _can_seal[dev] = True
+    return True
+
+
+def seals(dev: int) -> bool | None:
+    """Whether the node seals segments on device `dev` (None: not tried yet)."""
+    return _can_seal.get(dev)
+
+
+def unseal_segment(dir_fd: int | None, name: str) -> None:
+    """Clear the immutable flag of file `name` (before it is replaced or rewritten)."""
+    _unseal(dir_fd, name, tree=False)
+
+
+def unlink_segment(dir_fd: int | None, name: str) -> None:
+    """os.unlink of a segment file that may be sealed: its flag cleared first."""
+    _unseal(dir_fd, name, tree=False)
+    os.unlink(name, dir_fd=dir_fd)
+
+
+def _unseal(dir_fd: int | None, name: str, tree: bool) -> None:
+    try:
+        if tree:
+            sealing.unseal_tree(dir_fd, name)
+        else:
+            sealing.unseal_at(dir_fd, name)
+    except OSError as e:  # EPERM: the node lost the right; the unlink after says what failed
+        log.warning("cannot clear the immutable flag of %s: %s", name, e.strerror)
 
 
 def _log_rm_error(func: object, path: str, exc: object) -> None:

@@ -62,6 +62,9 @@ from kspeedfs.node.safedir import (
     remove_beneath,
     resolve_group,
     restrict_files,
+    seal_segment,
+    unlink_segment,
+    unseal_segment,
 )
 
 log = logging.getLogger(__name__)
@@ -203,6 +206,9 @@ class SegmentStore:
                 log.error("segment %d of %s %s: quarantined, to be fetched again", seg, name, why)
                 self.drop_segment(name, seg)
                 self.damaged_at_start.append((name, seg))
+            if record.lifetime != READTHROUGH:  # (one a node before sealing left: sealed now)
+                with _closing(os.open(name, DIR_FLAGS, dir_fd=datasets_fd)) as fd:
+                    _seal_segments(fd)
             log.info(
                 "found dataset %s: %d files, %s",
                 record.name,
@@ -250,6 +256,9 @@ class SegmentStore:
             for r in self.datasets.values()
             if r.disk or r.lifetime == READTHROUGH  # read-through: the cache checks its own
         }
+        readthrough = {
+            f"{r.name}.{r.uuid}" for r in self.datasets.values() if r.lifetime == READTHROUGH
+        }
         for name in sorted(os.listdir(tier)):
             if name == DISK_STAGING:
                 continue
@@ -260,6 +269,8 @@ class SegmentStore:
             with _closing(self._open_disk_instance(name)) as fd:
                 claim_dir(fd, self._gid)
                 restrict_files(fd, self._gid)
+                if name not in readthrough:
+                    _seal_segments(fd)
         for leftover in sorted(os.listdir(self._fd["tier_staging"])):
             remove_beneath(self._fd["tier_staging"], leftover)
 
@@ -508,11 +519,14 @@ class SegmentStore:
         if disk_staging is None and meta.get("lifetime") == READTHROUGH and self.disk_root:
             disk_staging = self.new_disk_staging(name)  # where its fills land when memory is full
         disk_final = None
+        seal = meta.get("lifetime") != READTHROUGH  # (a read-through one's come and go)
         if disk_staging is not None:
             staged, disk_final = self._disk_staged_name(disk_staging), self._disk_dir(meta)
             with _closing(os.open(staged, DIR_FLAGS, dir_fd=self._fd["tier_staging"])) as fd:
                 claim_dir(fd, self._gid)  # readers in the group map these segments too
                 restrict_files(fd, self._gid)
+                if seal:
+                    _seal_segments(fd)
             os.rename(
                 staged,
                 disk_final.name,
@@ -526,6 +540,8 @@ class SegmentStore:
             with os.fdopen(os.open(META_FILE, flags, FILE_MODE, dir_fd=staging_fd), "w") as f:
                 json.dump(meta, f)
             restrict_files(staging_fd)
+            if seal:
+                _seal_segments(staging_fd)
         finally:
             os.close(staging_fd)
         final = self.datasets_dir / name
@@ -720,7 +736,7 @@ class SegmentStore:
         assert self.disk_root is not None
         disk_dir = self.disk_root / f"{record.name}.{record.uuid}"
         with _closing(self._open_disk_instance(disk_dir.name, create=True)) as disk_fd:
-            self._put_segment(disk_fd, seg, length, fill)
+            self._put_segment(disk_fd, seg, length, fill, seal=True)
         folder = os.open(record.name, DIR_FLAGS, dir_fd=self._fd["datasets"])
         with _closing(folder), self._lock:
             held = sorted(set(record.held) | {seg})
@@ -743,7 +759,7 @@ class SegmentStore:
         name = record.name
         folder = os.open(name, DIR_FLAGS, dir_fd=self._fd["datasets"])
         try:
-            self._put_segment(folder, seg, length, fill)
+            self._put_segment(folder, seg, length, fill, seal=record.lifetime != READTHROUGH)
             with self._lock:
                 held = sorted(set(record.held) | {seg})
                 self._update_meta(folder, name, length, held=held)
@@ -770,7 +786,7 @@ class SegmentStore:
                 # What it counts in the budget (a damaged one may be cut short, grown or gone).
                 size = int(self.open(name).manifest.seg_len[seg])
                 try:
-                    os.unlink(f"{seg:08d}", dir_fd=seg_fd)
+                    unlink_segment(seg_fd, f"{seg:08d}")
                 except FileNotFoundError:
                     pass  # gone already (a damaged one found missing): forgotten only
                 finally:
@@ -791,7 +807,8 @@ class SegmentStore:
         path = segment_path(self.disk_root / f"{record.name}.{record.uuid}", seg)
         # What it counts in the disk budget (a damaged one's file may be cut short or gone).
         size = int(self.open(record.name).manifest.seg_len[seg])
-        path.unlink(missing_ok=True)
+        with contextlib.suppress(FileNotFoundError):
+            unlink_segment(None, str(path))
         held = [k for k in record.held if k != seg]
         disk = [k for k in record.disk if k != seg]
         self._update_meta(
@@ -866,12 +883,12 @@ class SegmentStore:
 
                 folder = os.open(name, DIR_FLAGS, dir_fd=self._fd["datasets"])
                 with _closing(folder):
-                    self._put_segment(folder, seg, length, fill)
+                    self._put_segment(folder, seg, length, fill, seal=True)
                     with self._lock:
                         if self.datasets.get(name) is not record or seg not in record.disk:
                             # Unloaded, or the segment dropped (a rebalance), meanwhile.
                             with contextlib.suppress(FileNotFoundError):
-                                os.unlink(f"seg/{seg:08d}", dir_fd=folder)
+                                unlink_segment(folder, f"seg/{seg:08d}")
                             return 0
                         disk = [k for k in record.disk if k != seg]
                         self._update_meta(
@@ -881,16 +898,23 @@ class SegmentStore:
                         record.stored += length
                         self.reserved.pop(reservation, None)
                         self._open.pop(name, None)
-                        disk_file.unlink()
+                        unlink_segment(None, str(disk_file))
         finally:
             self.release(reservation)
         return length
 
     def _put_segment(
-        self, folder: int, seg: int, length: int, fill: Callable[[memoryview], None]
+        self,
+        folder: int,
+        seg: int,
+        length: int,
+        fill: Callable[[memoryview], None],
+        seal: bool,
     ) -> None:
         """Write segment `seg` into dataset folder `folder`'s seg/: made beside it, filled
-        by `fill`, renamed in (a reader never sees part of one)."""
+        by `fill`, renamed in (a reader never sees part of one; one there already, a
+        leftover, is unsealed first), then sealed when `seal` (a sealed file cannot be
+        renamed: a reader that opens it in between finds it unsealed, and reads it as one)."""
         with contextlib.suppress(FileExistsError):
             os.mkdir("seg", 0o750, dir_fd=folder)
         tmp = f".seg-{seg}.{uuid.uuid4().hex[:12]}"
@@ -899,7 +923,10 @@ class SegmentStore:
         try:
             _fill_file(fd, length, fill)
             with _closing(os.open("seg", DIR_FLAGS, dir_fd=folder)) as seg_fd:
+                unseal_segment(seg_fd, f"{seg:08d}")
                 os.rename(tmp, f"{seg:08d}", src_dir_fd=folder, dst_dir_fd=seg_fd)
+            if seal:
+                seal_segment(fd)
         except BaseException:
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(tmp, dir_fd=folder)
@@ -977,6 +1004,23 @@ def segment_fault(path: Path, length: int, checksum: int) -> str:
         return "" if h.intdigest() == checksum else "fails its checksum"
     finally:
         os.close(fd)
+
+
+def _seal_segments(folder: int) -> None:
+    """Seal (the immutable flag, where the node can) each segment in seg/ of `folder`."""
+    try:
+        seg_fd = os.open("seg", DIR_FLAGS, dir_fd=folder)
+    except FileNotFoundError:
+        return
+    with _closing(seg_fd):
+        for entry in os.scandir(seg_fd):
+            if not entry.is_file(follow_symlinks=False):
+                continue
+            with _closing(
+                os.open(entry.name, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=seg_fd)
+            ) as fd:
+                if not seal_segment(fd):
+                    return  # not here: none will be
 
 
 def _new_staging_folder(staging_fd: int, name: str) -> str:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import logging
-import shutil
 import uuid
 from pathlib import Path
 from typing import Any
@@ -12,7 +11,7 @@ from kspeedfs.client import admin
 from kspeedfs.format.units import Address
 from kspeedfs.system.mountinfo import lazy_unmount
 from kspeedfs.testing.mount import MountProcess
-from kspeedfs.testing.node import NodeProcess
+from kspeedfs.testing.node import NodeProcess, remove_tree
 from kspeedfs.testing.process import ensure_token, private_env
 
 log = logging.getLogger(__name__)
@@ -93,7 +92,7 @@ class LocalCache:
             except Exception as e:  # keep cleaning up the rest
                 log.error("cannot unmount %s: %s", mountpoint, e)
         self.node.stop()
-        shutil.rmtree(self.shm_dir, ignore_errors=True)
+        remove_tree(self.shm_dir)
 
     def __enter__(self) -> LocalCache:
         try:

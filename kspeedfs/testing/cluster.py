@@ -3,14 +3,13 @@
 from __future__ import annotations
 
 import os
-import shutil
 import signal
 import uuid
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Self
 
-from kspeedfs.testing.node import NodeProcess
+from kspeedfs.testing.node import NodeProcess, remove_tree
 from kspeedfs.testing.process import free_ports
 
 
@@ -59,7 +58,7 @@ class LocalCluster:
                 n.proc.send_signal(signal.SIGTERM)
         for n in self.nodes:
             n.stop()
-        shutil.rmtree(self.root, ignore_errors=True)
+        remove_tree(self.root)
 
     def env(
         self, local: NodeProcess | None = None, first: NodeProcess | None = None

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import shutil
 import signal
 import subprocess
 from collections.abc import Mapping
@@ -12,6 +13,7 @@ from typing import Any, Self
 
 from kspeedfs.format.config import Settings
 from kspeedfs.format.errors import KSpeedError, NodeUnreachable
+from kspeedfs.format.sealing import unseal_tree
 from kspeedfs.format.tls import client_context
 from kspeedfs.format.units import Address
 from kspeedfs.net.connection import NodeClient
@@ -25,6 +27,23 @@ from kspeedfs.testing.process import (
     stop_process,
     wait_until,
 )
+
+# A wrapper that starts the node without CAP_LINUX_IMMUTABLE (as root): it cannot seal its
+# segments (the immutable flag), so readers take the unsealed paths (pread, size checks).
+# (Not root: nothing to drop, and setpriv could not.)
+NO_IMMUTABLE = (
+    ("setpriv", "--inh-caps=-linux_immutable", "--bounding-set=-linux_immutable", "--")
+    if os.geteuid() == 0
+    else ()
+)
+
+
+def remove_tree(path: str | os.PathLike[str]) -> None:
+    """shutil.rmtree of a node's folder (shm, spill), also when it holds sealed segments (the
+    immutable flag: a node stopped, or killed with -9, leaves its published ones sealed)."""
+    with contextlib.suppress(OSError):
+        unseal_tree(None, os.fspath(path))
+    shutil.rmtree(path, ignore_errors=True)
 
 
 def _env_path(env: Mapping[str, str], name: str) -> Path | None:
@@ -51,6 +70,7 @@ class NodeProcess:
         base_env: Mapping[str, str] | None = None,
         own_session: bool = False,
         client_timeout: float = 10.0,
+        wrapper: tuple[str, ...] = (),
     ):
         self.shm_dir = shm_dir
         self.token_file = token_file
@@ -61,6 +81,7 @@ class NodeProcess:
         self.base_env = base_env
         self.own_session = own_session
         self.client_timeout = client_timeout
+        self.wrapper = wrapper  # a command the node runs under (NO_IMMUTABLE)
         self.log_path = log_dir / f"node-{self.port}.log"
         self.proc: subprocess.Popen[bytes] | None = None
 
@@ -92,6 +113,7 @@ class NodeProcess:
 
     def command(self) -> list[str]:
         return [
+            *self.wrapper,
             *KSPEEDFS,
             "node",
             "--listen",
