@@ -328,6 +328,9 @@ def inside(args: argparse.Namespace) -> int:
         if mounted:
             netns.run("fusermount3", "-u", "-z", str(mnt), check=False)
         netns.stop_all(procs)
+        # The nodes' sealed segments (the immutable flag) first; chattr, so that a "before" run
+        # of a tree without kspeedfs.testing.node.remove_tree cleans up the same way.
+        subprocess.run(["chattr", "-R", "-i", str(shm)], check=False, capture_output=True)
         shutil.rmtree(shm, ignore_errors=True)
         shutil.rmtree(work, ignore_errors=True)
 
