@@ -1,15 +1,27 @@
-"""An etcd partitioned from three nodes that stay up (issue 29), run inside a network namespace
-by tests/test_network_weather.py: etcd on 127.0.0.5, nodes on 127.0.0.2-4 (member_ttl and
-heal_after 2 s), a reader thread reading the whole tree from the nodes; every packet to and
-from etcd dropped for 8 s (every lease lapses meanwhile), then healed. Writes JSON: wrong bytes,
-errors, reads during the partition, and whether (and when) membership and the catalog came
-back with no node lost and every node holding exactly the segments it held before."""
+"""etcd outages under readers and an in-flight preload (issue 29), run inside a network
+namespace by tests/test_etcd_weather.py (and, with one partition only, by
+tests/test_network_weather.py): etcd on 127.0.0.5, nodes on 127.0.0.2-4 (member_ttl and
+heal_after 2 s, so every lease lapses many times over), a reader thread reading a ready
+dataset from the nodes the whole time.
+
+Each outage (`partition`: every packet to and from etcd dropped; `freeze`: etcd SIGSTOPped)
+starts while a preload of a second tree is in flight and lasts OUTAGE seconds. Then, within
+10 s of etcd's return, `kspeedfs ls --json` and `kspeedfs status --json` must say what they
+said before the outage (plus the new dataset when its preload finished), no down note may
+name a live member, nobody may be lost, and every node must hold exactly the segments it
+held. The in-flight preload must finish, or fail with one line and leave nothing behind (no
+catalog record, no node holding it); a retry after etcd's return must work.
+
+Usage: netns_etcd.py OUT.json PARTITION_S [FREEZE_S [--preload]]. Writes JSON: per outage
+what happened, and the reader's counts (wrong bytes, errors, reads during each outage,
+longest read)."""
 
 from __future__ import annotations
 
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -29,107 +41,287 @@ from kspeedfs.testing import netns
 
 ETCD = "127.0.0.5"
 HOSTS = ["127.0.0.2", "127.0.0.3", "127.0.0.4"]
+CONVERGE_S = 10.0  # the issue's bound on convergence after etcd's return
+PRELOAD_FILES = 240  # about 17 MB: a few seconds of staging here, so it is in flight
 
 
-def main(out: Path, partition_s: float) -> int:
-    work = Path(tempfile.mkdtemp(prefix="kspeedfs-netns-etcd-"))
-    shm = Path("/dev/shm") / f"kspeedfs-netns-etcd-{uuid.uuid4().hex[:8]}"
-    procs: list[subprocess.Popen[bytes]] = []
-    try:
-        netns.shape_setup()
+class World:
+    def __init__(self, work: Path, shm: Path):
+        self.work, self.shm = work, shm
+        self.procs: list[subprocess.Popen[bytes]] = []
         token = work / "token"
         auth.write_token(token, auth.new_admin_token())
         (work / "empty.toml").touch()
-        endpoint = f"http://{ETCD}:2379"
-        procs.append(netns.start_etcd(ETCD, work))
-        env = {
+        self.env = {
             **os.environ,
             "KSPEEDFS_CONFIG": str(work / "empty.toml"),
             "KSPEEDFS_TOKEN_FILE": str(token),
-            "KSPEEDFS_ETCD": endpoint,
+            "KSPEEDFS_ETCD": f"http://{ETCD}:2379",
             "KSPEEDFS_CLUSTER": "weather",
             "KSPEEDFS_MEMBER_TTL": "2",
             "KSPEEDFS_HEAL_AFTER": "2",
             "KSPEEDFS_TIMEOUT": "4",
         }
-        env.pop("KSPEEDFS_NODES", None)
-        env.pop("KSPEEDFS_LISTEN", None)
-        settings = load_settings(env=env)
-        state = ClusterState.of(settings)
-        _wait(lambda: _etcd_up(state), 30, "etcd")
-        addrs = [f"{h}:7420" for h in HOSTS]
-        procs += netns.start_nodes(addrs, shm, work, env, "64KiB")
-        _wait(lambda: len(state.snapshot().members) == 3, 60, "three members")
+        self.env.pop("KSPEEDFS_NODES", None)
+        self.env.pop("KSPEEDFS_LISTEN", None)
+        self.settings = load_settings(env=self.env)
+        self.state = ClusterState.of(self.settings)
+        self.addrs = [f"{h}:7420" for h in HOSTS]
+        self.last_error = ""  # the last CLI failure of `view`
+
+    def held(self, name: str) -> dict[str, list[int]]:
+        return {
+            a: sorted(
+                int(f) for f in _listdir(self.shm / f"n{i}" / "datasets" / name / SEGMENT_DIR)
+            )
+            for i, a in enumerate(self.addrs)
+        }
+
+    def holders(self, name: str) -> list[str]:
+        """The nodes with a folder for `name` (a staged or published part of it)."""
+        return [
+            a for i, a in enumerate(self.addrs) if (self.shm / f"n{i}" / "datasets" / name).exists()
+        ]
+
+    def cli(self, *args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            [*netns.KSPEEDFS, *args], env=self.env, capture_output=True, text=True, timeout=timeout
+        )
+
+    def view(self) -> dict[str, Any] | None:
+        """What `ls --json` and `status --json` say, without what changes by itself (bytes
+        used, times, latencies); None when either fails."""
+        ls, st = self.cli("ls", "--json", timeout=20), self.cli("status", "--json", timeout=20)
+        if ls.returncode != 0 or st.returncode != 0:
+            self.last_error = (ls.stderr + st.stderr).strip()
+            return None
+        try:
+            datasets, status = json.loads(ls.stdout), json.loads(st.stdout)
+        except ValueError:
+            return None
+        return {
+            "datasets": sorted(
+                (
+                    d["name"],
+                    d.get("uuid"),
+                    d.get("state"),
+                    d.get("segments"),
+                    tuple(d.get("members") or ()),
+                    tuple(d.get("lost") or ()),
+                )
+                for d in datasets
+            ),
+            "nodes": sorted((n.get("node"), n.get("up"), n.get("state")) for n in status["nodes"]),
+            "members": sorted(
+                (m["node"], m.get("state"), bool(m.get("lost")))
+                for m in status.get("members") or []
+            ),
+            "etcd_error": status.get("etcd_error", ""),
+        }
+
+    def down_live(self) -> list[str]:
+        return sorted(set(self.state.snapshot().down) & set(self.addrs))
+
+    def lost(self) -> list[str]:
+        snap = self.state.snapshot()
+        return sorted({m for rec, _rev in snap.datasets.values() for m in rec.get("lost", [])})
+
+
+def main(out: Path, partition_s: float, freeze_s: float, with_preload: bool) -> int:
+    work = Path(tempfile.mkdtemp(prefix="kspeedfs-netns-etcd-"))
+    shm = Path("/dev/shm") / f"kspeedfs-netns-etcd-{uuid.uuid4().hex[:8]}"
+    w = World(work, shm)
+    reader: ClusterReader | None = None
+    stop = threading.Event()
+    t: threading.Thread | None = None
+    try:
+        netns.shape_setup()
+        etcd = netns.start_etcd(ETCD, work)
+        w.procs.append(etcd)
+        _wait(lambda: _etcd_up(w.state), 30, "etcd")
+        w.procs += netns.start_nodes(w.addrs, shm, work, w.env, "64KiB")
+        _wait(lambda: len(w.state.snapshot().members) == 3, 60, "three members")
         src = work / "src"
         want = netns.make_tree(src, 120)
-        netns.preload(src, "w", env)
+        netns.preload(src, "w", w.env)
+        more = work / "more"
+        netns.make_tree(more, PRELOAD_FILES)
 
-        def held() -> dict[str, list[int]]:
-            return {
-                a: sorted(int(f) for f in _listdir(shm / f"n{i}" / "datasets" / "w" / SEGMENT_DIR))
-                for i, a in enumerate(addrs)
-            }
-
-        before = held()
         counts = {"reads": 0, "wrong": 0, "errors": 0}
-        stop = threading.Event()
-        reader = ClusterReader(resolve_nodes(settings))
+        reader = ClusterReader(resolve_nodes(w.settings))
         ds = reader.open_dataset("w")
         t = threading.Thread(
             target=netns.read_until, args=(reader, ds, want.__getitem__, stop, counts), daemon=True
         )
         t.start()
-        # under test: the readers run a second before the partition
-        time.sleep(1)
-        netns.partition_on(ETCD)
-        at = counts["reads"]
-        # under test: the partition lasts partition_s
-        time.sleep(partition_s)
-        reads_during = counts["reads"] - at
-        netns.partition_off()
-        healed = time.monotonic()
-
-        def sound() -> bool:
-            try:
-                snap = state.snapshot()
-            except KSpeedError:
-                return False
-            record = snap.datasets.get("w", ({}, 0))[0]
-            return (
-                set(snap.members) == set(addrs)
-                and not (set(snap.down) & set(addrs))
-                and not record.get("lost")
-                and held() == before
-            )
-
-        converged_s = None
-        while time.monotonic() - healed < 15:
-            if sound():
-                converged_s = time.monotonic() - healed
-                break
-            time.sleep(0.2)
-        time.sleep(4)  # under test: past heal_after again
-        still = sound()
+        _wait(lambda: counts["reads"] > 0, 30, "the first reads")
+        outages: list[dict[str, Any]] = []
+        plan = [("partition", partition_s), ("freeze", freeze_s)]
+        for n, (kind, seconds) in enumerate(plan):
+            if seconds <= 0:
+                continue
+            outages.append(_outage(w, etcd, kind, seconds, f"p{n}", more, with_preload, counts))
         stop.set()
         t.join(10)
-        snap = state.snapshot()
-        result = {
-            **counts,
-            "reads_during_partition": reads_during,
-            "converged_s": converged_s,
-            "still_sound": still,
-            "lost": snap.datasets.get("w", ({}, 0))[0].get("lost", []),
-            "down_live": sorted(set(snap.down) & set(addrs)),
-            "held_before": before,
-            "held_after": held(),
-        }
+        result: dict[str, Any] = {**counts, "outages": outages}
+        if outages:  # the first outage's figures at the top, as tests/test_network_weather reads
+            first = outages[0]
+            result["reads_during_partition"] = first["reads_during"]
+            for key in (
+                "converged_s",
+                "still_sound",
+                "lost",
+                "down_live",
+                "held_before",
+                "held_after",
+            ):
+                result[key] = first[key]
         out.write_text(json.dumps(result, indent=2))
-        print(json.dumps({k: v for k, v in result.items() if not k.startswith("held")}))
+        print(json.dumps(result))
         return 0
     finally:
-        netns.stop_all(procs)
+        stop.set()
+        if t is not None:
+            t.join(10)
+        if reader is not None:
+            reader.close()
+        for p in w.procs:  # nothing left frozen
+            if p.poll() is None:
+                p.send_signal(signal.SIGCONT)
+        netns.partition_off()
+        netns.stop_all(w.procs)
         shutil.rmtree(shm, ignore_errors=True)
-        shutil.rmtree(work, ignore_errors=True)
+        if os.environ.get("KSPEEDFS_KEEP_WORK"):
+            print(f"kept {work}", file=sys.stderr)
+        else:
+            shutil.rmtree(work, ignore_errors=True)
+
+
+def _outage(
+    w: World,
+    etcd: subprocess.Popen[bytes],
+    kind: str,
+    seconds: float,
+    name: str,
+    more: Path,
+    with_preload: bool,
+    counts: dict[str, int],
+) -> dict[str, Any]:
+    """One outage of etcd (`kind`: partition or freeze) lasting `seconds`, a preload of `more`
+    as `name` in flight at its start: what the cluster said and did."""
+    before = w.view()
+    held = w.held("w")
+    pre: subprocess.Popen[str] | None = None
+    if with_preload:
+        cmd = [*netns.KSPEEDFS, "preload", str(more), "--name", name, "--replicas", "2", "-q"]
+        pre = subprocess.Popen(
+            cmd, env=w.env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+        )
+        # In flight: its name claimed in the catalog, its members staging.
+        _wait(lambda: _claimed(w.state, name) or pre.poll() is not None, 30, f"{name} claimed")
+    at = counts["reads"]
+    if kind == "partition":
+        netns.partition_on(ETCD)
+    else:
+        etcd.send_signal(signal.SIGSTOP)
+    in_flight = pre is not None and pre.poll() is None
+    # under test: the outage lasts `seconds`
+    time.sleep(seconds)
+    reads_during = counts["reads"] - at
+    if kind == "partition":
+        netns.partition_off()
+    else:
+        etcd.send_signal(signal.SIGCONT)
+    back = time.monotonic()
+    preload: dict[str, Any] = {}
+    if pre is not None:
+        try:
+            stdout, stderr = pre.communicate(timeout=60)
+        except subprocess.TimeoutExpired:
+            pre.kill()
+            stdout, stderr = pre.communicate()
+            stderr += "\n(still running 60 s after etcd came back: killed)"
+        preload = {
+            "in_flight_at_start": in_flight,
+            "rc": pre.returncode,
+            "stdout": stdout.strip(),
+            "stderr": stderr.strip(),
+            "ended_after_return_s": round(time.monotonic() - back, 1),
+        }
+
+    def published() -> bool:
+        return preload.get("rc") == 0
+
+    def sound() -> bool:
+        try:
+            now = w.view()
+            if now is None or before is None or w.down_live() or w.lost():
+                return False
+        except KSpeedError:
+            return False
+        if w.held("w") != held:
+            return False
+        if published():  # the new dataset is there, every segment on two nodes
+            rest = [d for d in now["datasets"] if d[0] != name]
+            mine = [d for d in now["datasets"] if d[0] == name]
+            copies = sum(len(v) for v in w.held(name).values())
+            return (
+                {**now, "datasets": rest} == before
+                and len(mine) == 1
+                and mine[0][2] == "ready"
+                and copies == 2 * int(mine[0][3] or 0)
+            )
+        # Failed: nothing left of it anywhere; the coordinator lists the failed load (no
+        # instance) for FAILED_KEPT_S, so that whoever waits on it reads why.
+        rest = [d for d in now["datasets"] if d[0] != name]
+        mine = [d for d in now["datasets"] if d[0] == name]
+        return (
+            {**now, "datasets": rest} == before
+            and all(d[1] is None and d[2] == "failed" for d in mine)
+            and not w.holders(name)
+        )
+
+    converged_s = None
+    while time.monotonic() - back < CONVERGE_S + 5:
+        if sound():
+            converged_s = round(time.monotonic() - back, 1)
+            break
+        time.sleep(0.3)
+    last = w.view()
+    time.sleep(3)  # under test: past heal_after again, nothing changes later either
+    still = sound()
+    retry: dict[str, Any] = {}
+    if pre is not None and not published():
+        again = w.cli("preload", str(more), "--name", name, "--replicas", "2", "-q", timeout=120)
+        retry = {"rc": again.returncode, "stderr": again.stderr.strip()}
+        copies = sum(len(v) for v in w.held(name).values())
+        retry["copies"] = copies
+    if pre is not None:  # the next outage starts from the same catalog
+        w.cli("unload", name, timeout=60)
+        _wait(lambda: not w.holders(name), 30, f"{name} unloaded everywhere")
+    return {
+        "kind": kind,
+        "seconds": seconds,
+        "reads_during": reads_during,
+        "preload": preload,
+        "converged_s": converged_s,
+        "still_sound": still,
+        "before": before,
+        "after": last,
+        "cli_error": w.last_error if last is None else "",
+        "down_live": w.down_live(),
+        "lost": w.lost(),
+        "held_before": held,
+        "held_after": w.held("w"),
+        "retry": retry,
+    }
+
+
+def _claimed(state: ClusterState, name: str) -> bool:
+    try:
+        return state.dataset(name) is not None
+    except KSpeedError:
+        return False
 
 
 def _listdir(path: Path) -> list[str]:
@@ -152,8 +344,16 @@ def _wait(predicate: Any, timeout: float, what: str) -> None:
     while not predicate():
         if time.monotonic() > deadline:
             raise SystemExit(f"no {what} within {timeout:.0f}s")
-        time.sleep(0.3)
+        time.sleep(0.2)
 
 
 if __name__ == "__main__":
-    sys.exit(main(Path(sys.argv[1]), float(sys.argv[2]) if len(sys.argv) > 2 else 8.0))
+    args = [a for a in sys.argv[1:] if not a.startswith("--")]
+    sys.exit(
+        main(
+            Path(args[0]),
+            float(args[1]) if len(args) > 1 else 8.0,
+            float(args[2]) if len(args) > 2 else 0.0,
+            "--preload" in sys.argv,
+        )
+    )
