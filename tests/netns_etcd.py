@@ -62,6 +62,9 @@ class World:
             "KSPEEDFS_HEAL_AFTER": "2",
             "KSPEEDFS_TIMEOUT": "4",
         }
+        # Readers' health table: the test's own (tests/conftest.py), else one of this run's:
+        # other runs on the machine use the same addresses in their namespaces.
+        self.env.setdefault("KSPEEDFS_HEALTH_TABLE", f"{shm}.health")
         self.env.pop("KSPEEDFS_NODES", None)
         self.env.pop("KSPEEDFS_LISTEN", None)
         self.settings = load_settings(env=self.env)
@@ -191,6 +194,7 @@ def main(out: Path, partition_s: float, freeze_s: float, with_preload: bool) -> 
         netns.partition_off()
         netns.stop_all(w.procs)
         shutil.rmtree(shm, ignore_errors=True)
+        Path(f"{shm}.health").unlink(missing_ok=True)
         if os.environ.get("KSPEEDFS_KEEP_WORK"):
             print(f"kept {work}", file=sys.stderr)
         else:
