@@ -42,7 +42,8 @@ from kspeedfs.testing import netns
 ETCD = "127.0.0.5"
 HOSTS = ["127.0.0.2", "127.0.0.3", "127.0.0.4"]
 CONVERGE_S = 10.0  # the issue's bound on convergence after etcd's return
-PRELOAD_FILES = 240  # about 17 MB: a few seconds of staging here, so it is in flight
+# The preload in flight: 48 MB, staged in a few seconds here (with 64 KiB segments).
+PRELOAD_FILES, PRELOAD_FILE_BYTES = 48, 1 << 20
 
 
 class World:
@@ -148,7 +149,9 @@ def main(out: Path, partition_s: float, freeze_s: float, with_preload: bool) -> 
         want = netns.make_tree(src, 120)
         netns.preload(src, "w", w.env)
         more = work / "more"
-        netns.make_tree(more, PRELOAD_FILES)
+        for i in range(PRELOAD_FILES):  # big files: staging takes a few seconds here
+            (more / f"d{i % 4}").mkdir(parents=True, exist_ok=True)
+            (more / f"d{i % 4}" / f"m{i:03d}.bin").write_bytes(os.urandom(PRELOAD_FILE_BYTES))
 
         counts = {"reads": 0, "wrong": 0, "errors": 0}
         reader = ClusterReader(resolve_nodes(w.settings))
@@ -222,7 +225,9 @@ def _outage(
             cmd, env=w.env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
         )
         # In flight: its name claimed in the catalog, its members staging.
-        _wait(lambda: _claimed(w.state, name) or pre.poll() is not None, 30, f"{name} claimed")
+        _wait(
+            lambda: _claimed(w.state, name) or pre.poll() is not None, 30, f"{name} claimed", 0.05
+        )
     at = counts["reads"]
     if kind == "partition":
         netns.partition_on(ETCD)
@@ -256,39 +261,51 @@ def _outage(
     def published() -> bool:
         return preload.get("rc") == 0
 
-    def sound() -> bool:
+    def settled() -> bool:
+        """etcd and the nodes' folders, read directly (a fraction of a second): every node a
+        member, no down note for one, nobody lost, `w` held as before, and the new dataset
+        ready on two copies of each segment, or gone from the catalog and from every node."""
         try:
-            now = w.view()
-            if now is None or before is None or w.down_live() or w.lost():
-                return False
+            snap = w.state.snapshot()
         except KSpeedError:
             return False
-        if w.held("w") != held:
+        if set(snap.members) != set(w.addrs) or set(snap.down) & set(w.addrs):
             return False
-        if published():  # the new dataset is there, every segment on two nodes
-            rest = [d for d in now["datasets"] if d[0] != name]
-            mine = [d for d in now["datasets"] if d[0] == name]
+        if any(rec.get("lost") for rec, _rev in snap.datasets.values()) or w.held("w") != held:
+            return False
+        record = snap.datasets.get(name, ({}, 0))[0]
+        if published():
             copies = sum(len(v) for v in w.held(name).values())
-            return (
-                {**now, "datasets": rest} == before
-                and len(mine) == 1
-                and mine[0][2] == "ready"
-                and copies == 2 * int(mine[0][3] or 0)
-            )
-        # Failed: nothing left of it anywhere; the coordinator lists the failed load (no
-        # instance) for FAILED_KEPT_S, so that whoever waits on it reads why.
+            return record.get("state") == "ready" and copies == 2 * int(record["segments"])
+        return not record and not w.holders(name)
+
+    def sound() -> bool:
+        """`settled`, and `ls --json` and `status --json` as before (plus the new dataset,
+        ready; or its failed load, listed by its coordinator with no instance for
+        FAILED_KEPT_S, so that whoever waits on it reads why)."""
+        now = w.view()
+        if now is None or before is None or not settled():
+            return False
         rest = [d for d in now["datasets"] if d[0] != name]
         mine = [d for d in now["datasets"] if d[0] == name]
-        return (
-            {**now, "datasets": rest} == before
-            and all(d[1] is None and d[2] == "failed" for d in mine)
-            and not w.holders(name)
-        )
+        if {**now, "datasets": rest} != before:
+            return False
+        if published():
+            return len(mine) == 1 and mine[0][2] == "ready"
+        return all(d[1] is None and d[2] == "failed" for d in mine)
 
-    converged_s = None
+    # converged_s: when etcd and the nodes' folders first show it settled (polled every 0.2 s);
+    # seen_s: when the CLI's views first say the same as before (each check runs two commands,
+    # a few seconds here).
+    converged_s = seen_s = None
     while time.monotonic() - back < CONVERGE_S + 5:
-        if sound():
+        if settled():
             converged_s = round(time.monotonic() - back, 1)
+            break
+        time.sleep(0.2)
+    while converged_s is not None and time.monotonic() - back < CONVERGE_S + 10:
+        if sound():
+            seen_s = round(time.monotonic() - back, 1)
             break
         time.sleep(0.3)
     last = w.view()
@@ -309,6 +326,7 @@ def _outage(
         "reads_during": reads_during,
         "preload": preload,
         "converged_s": converged_s,
+        "seen_s": seen_s,
         "still_sound": still,
         "before": before,
         "after": last,
@@ -343,12 +361,12 @@ def _etcd_up(state: ClusterState) -> bool:
         return False
 
 
-def _wait(predicate: Any, timeout: float, what: str) -> None:
+def _wait(predicate: Any, timeout: float, what: str, every: float = 0.2) -> None:
     deadline = time.monotonic() + timeout
     while not predicate():
         if time.monotonic() > deadline:
             raise SystemExit(f"no {what} within {timeout:.0f}s")
-        time.sleep(0.2)
+        time.sleep(every)
 
 
 if __name__ == "__main__":
