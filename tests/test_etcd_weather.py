@@ -140,6 +140,50 @@ def test_etcd_partitioned_then_frozen_30s_under_readers_and_a_preload(tmp_path: 
 
 
 @pytest.mark.slow
+def test_a_preload_failed_while_etcd_was_frozen_leaves_no_claim(
+    etcd_cluster: EtcdCluster, tmp_path: Path
+) -> None:
+    """etcd frozen under a preload in flight, shorter than the coordinator's lease (20 s) but
+    longer than its publish and its attempt to remove the claim (2 s each): the preload fails
+    in one line naming etcd, and once etcd is back the claim is removed (it would otherwise
+    stay `loading` for the coordinator's life, with every member's part, and a retry would
+    find the name taken); the retry works."""
+    cluster = etcd_cluster
+    for _ in range(2):
+        cluster.add(KSPEEDFS_MEMBER_TTL="20", KSPEEDFS_TIMEOUT="2")
+    src = tmp_path / "big"
+    src.mkdir()
+    for i in range(12):  # 48 MB: staged in a few seconds here, so it is in flight
+        (src / f"m{i:02d}.bin").write_bytes(os.urandom(4 << 20))
+    cmd = [sys.executable, "-m", "kspeedfs.cli", "preload", str(src), "--name", "big",
+           "--replicas", "2", "-q"]  # fmt: skip
+    pre = subprocess.Popen(
+        cmd, env=cluster.client_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
+    assert cluster.etcd.proc is not None
+    try:
+        wait_for(lambda: cluster.record("big").get("state") == "loading", timeout=30)
+        cluster.etcd.proc.send_signal(signal.SIGSTOP)
+        _out, err = pre.communicate(timeout=60)
+        # under test: the coordinator's attempt to remove the claim times out too (2 s)
+        time.sleep(3)
+    finally:
+        cluster.etcd.proc.send_signal(signal.SIGCONT)
+        if pre.poll() is None:
+            pre.kill()
+    assert pre.returncode != 0
+    assert len(err.strip().splitlines()) == 1 and "etcd" in err, err
+    wait_for(lambda: not cluster.record("big"), timeout=10, what="the claim removed")
+    wait_for(
+        lambda: not any((n.shm_dir / "datasets" / "big").exists() for n in cluster.nodes),
+        timeout=10,
+        what="every member's part dropped",
+    )
+    cluster.preload(src, "big", replicas=2)
+    assert cluster.record("big").get("state") == "ready"
+
+
+@pytest.mark.slow
 @pytest.mark.skipif(not LIBFAKETIME.exists(), reason="libfaketime not installed (faketime)")
 def test_clocks_an_hour_off_declare_nobody_lost_before_heal_after(
     etcd_cluster: EtcdCluster, tmp_path: Path
