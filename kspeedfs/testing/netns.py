@@ -1,13 +1,14 @@
-"""Network weather in a network namespace, for bench/bench_faults.py, tests/netns_etcd.py and
-tests/test_network_weather.py (needs root and iproute2).
+"""Network weather in a network namespace, for bench/bench_faults.py, tests/netns_etcd.py,
+tests/netns_nemesis.py and tests/test_network_weather.py (needs root and iproute2).
 
 Outside: `netns_reason` (why a namespace cannot be used here) and `namespace` (`ip netns add`,
 its name, `ip netns del`). Inside: `shape_setup` shapes the namespace's own `lo` with tc: this
 kernel has no sch_netem and no tc actions, so packets are dropped by u32 filters that send them
 to an htb class whose leaf is the `blackhole` qdisc (`drop`/`undrop`): `partition_on`/`_off`
-(every packet between one host and the others), `loss_on`/`_off` (every packet whose IP id ends in seven 0
-bits, 1/128). Then the processes (`start_nodes`, `start_etcd`, `preload`, `stop_all`), a tree
-of random files (`make_tree`) and a reader that reads it all until stopped (`read_until`).
+(every packet between one host and the others), `loss_on`/`_off` (every packet whose IP id
+ends in seven 0 bits, 1/128). Then the processes (`start_node(s)`, `start_etcd`, a 3-member
+cluster's `start_etcd_member`, `preload`, `stop_all`), a tree of random files (`make_tree`)
+and a reader that reads it all until stopped (`read_until`).
 
 Only the standard library and `kspeedfs.format.errors` at import time: bench_faults loads this
 file by its path when PYTHONPATH points at an older tree (a "before" run).
