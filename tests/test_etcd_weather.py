@@ -137,6 +137,7 @@ def test_etcd_partitioned_then_frozen_30s_under_readers_and_a_preload(tmp_path: 
         assert o["still_sound"], where
         assert o["lost"] == [] and o["down_live"] == [], where
         assert o["held_after"] == o["held_before"], where
+        assert o["dropped"] == {}, where  # at no moment, either
 
 
 @pytest.mark.slow
