@@ -337,7 +337,13 @@ def _outage(
     if pre is not None:  # the next outage starts from the same catalog
         w.cli("unload", name, timeout=60)
         _wait(lambda: not w.holders(name), 30, f"{name} unloaded everywhere")
+    logs = {}
+    if converged_s is None or seen_s is None:  # what etcd and a node said, for the record
+        for log_name in ("etcd.log", "node0.log"):
+            text = (w.work / log_name).read_text(errors="replace").splitlines()
+            logs[log_name] = [line for line in text if "not held" not in line][-15:]
     return {
+        "logs": logs,
         "kind": kind,
         "seconds": seconds,
         "reads_during": reads_during,
