@@ -115,7 +115,12 @@ class World:
                 )
                 for d in datasets
             ),
-            "nodes": sorted((n.get("node"), n.get("up"), n.get("state")) for n in status["nodes"]),
+            # `suspect`: this machine's readers saw the node late a moment ago (a hedge on a busy
+            # machine); it answered: as `up` here, a transient opinion, not the cluster's state.
+            "nodes": sorted(
+                (n.get("node"), n.get("up"), _settled_state(n.get("state")))
+                for n in status["nodes"]
+            ),
             "members": sorted(
                 (m["node"], m.get("state"), bool(m.get("lost")))
                 for m in status.get("members") or []
@@ -256,7 +261,14 @@ def _outage(
         netns.partition_off()
     else:
         etcd.send_signal(signal.SIGCONT)
+    healed = time.monotonic()
+    # etcd's return: when it answers a new client again. After a partition that can lag the
+    # heal by its gateway's gRPC reconnect backoff (up to ~25 s): the gateway dials etcd's own
+    # address from 127.0.0.1, like every client here, so the partition cuts it too (on a real
+    # machine it is loopback); the nodes are timed from etcd's return, the lag is recorded.
+    _wait(lambda: _etcd_up(w.state), 60, "etcd answering again", 0.1)
     back = time.monotonic()
+    etcd_back_s = round(back - healed, 1)
     preload: dict[str, Any] = {}
     if pre is not None:
         try:
@@ -345,6 +357,7 @@ def _outage(
     return {
         "logs": logs,
         "kind": kind,
+        "etcd_back_s": etcd_back_s,
         "seconds": seconds,
         "reads_during": reads_during,
         "preload": preload,
@@ -361,6 +374,10 @@ def _outage(
         "held_after": w.held("w"),
         "retry": retry,
     }
+
+
+def _settled_state(state: str | None) -> str | None:
+    return "up" if state == "suspect" else state
 
 
 def _claimed(state: ClusterState, name: str) -> bool:

@@ -149,7 +149,11 @@ class Cluster:
                 [d["name"], d.get("uuid"), d.get("state"), d.get("segments"), d.get("lost") or []]
                 for d in datasets
             ),
-            "nodes": sorted([n.get("node"), n.get("state")] for n in status["nodes"]),
+            # `suspect` (this machine's readers saw it late a moment ago; it answered) as `up`
+            "nodes": sorted(
+                [n.get("node"), "up" if n.get("state") == "suspect" else n.get("state")]
+                for n in status["nodes"]
+            ),
             "members": sorted([m["node"], m.get("state")] for m in status.get("members") or []),
         }
 
