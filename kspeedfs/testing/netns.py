@@ -115,9 +115,11 @@ def loss_off() -> None:
 
 
 def partition_on(host: str) -> None:
-    """Every packet between `host` and the others dropped; what `host` sends itself passes, as
-    on a real machine cut off from the network (etcd's HTTP gateway calls its own gRPC port:
-    cut, it would stay away for its reconnect backoff, tens of seconds, after the heal)."""
+    """Every packet between `host` and the others dropped; what `host` sends from its own
+    address to itself passes, as on a real machine cut off from the network. (Connections
+    opened here to any 127.0.0.x come from 127.0.0.1, so etcd's HTTP gateway, which dials
+    etcd's own address, is cut too: after a long partition it may answer only after its
+    gRPC reconnect backoff, up to ~25 s; tests/netns_etcd.py times from etcd's answer.)"""
     tc("filter", "add", "dev", "lo", "parent", "1:", "protocol", "ip", "pref", "19", "u32",
        "match", "ip", "src", f"{host}/32", "match", "ip", "dst", f"{host}/32", "flowid", "1:1")  # fmt: skip
     drop(20, "match", "ip", "src", f"{host}/32")
