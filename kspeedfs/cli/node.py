@@ -52,7 +52,6 @@ def cmd_status(args: argparse.Namespace) -> int:
         etcd_error = str(e)
     _judge(nodes, members, settings)
     datasets = _residency(nodes)
-    members = _etcd_members(settings)
     if args.json:
         out: dict[str, Any] = {"nodes": nodes, "datasets": datasets, "members": members}
         if etcd_error:

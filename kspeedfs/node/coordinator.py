@@ -210,6 +210,6 @@ class PreloadCoordinator:
         if self.control is None:
             return
         try:
-            await self.control.forget(name, uuid)
+            await self.control.forget_failed(name, uuid)
         except KSpeedError as e:
             log.warning("could not remove %s from the catalog: %s", name, e)

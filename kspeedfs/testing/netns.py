@@ -1,13 +1,14 @@
-"""Network weather in a network namespace, for bench/bench_faults.py, tests/netns_etcd.py and
-tests/test_network_weather.py (needs root and iproute2).
+"""Network weather in a network namespace, for bench/bench_faults.py, tests/netns_etcd.py,
+tests/netns_nemesis.py and tests/test_network_weather.py (needs root and iproute2).
 
 Outside: `netns_reason` (why a namespace cannot be used here) and `namespace` (`ip netns add`,
 its name, `ip netns del`). Inside: `shape_setup` shapes the namespace's own `lo` with tc: this
 kernel has no sch_netem and no tc actions, so packets are dropped by u32 filters that send them
 to an htb class whose leaf is the `blackhole` qdisc (`drop`/`undrop`): `partition_on`/`_off`
-(every packet from or to one host), `loss_on`/`_off` (every packet whose IP id ends in seven 0
-bits, 1/128). Then the processes (`start_nodes`, `start_etcd`, `preload`, `stop_all`), a tree
-of random files (`make_tree`) and a reader that reads it all until stopped (`read_until`).
+(every packet between one host and the others), `loss_on`/`_off` (every packet whose IP id
+ends in seven 0 bits, 1/128). Then the processes (`start_node(s)`, `start_etcd`, a 3-member
+cluster's `start_etcd_member`, `preload`, `stop_all`), a tree of random files (`make_tree`)
+and a reader that reads it all until stopped (`read_until`).
 
 Only the standard library and `kspeedfs.format.errors` at import time: bench_faults loads this
 file by its path when PYTHONPATH points at an older tree (a "before" run).
@@ -114,6 +115,13 @@ def loss_off() -> None:
 
 
 def partition_on(host: str) -> None:
+    """Every packet between `host` and the others dropped; what `host` sends from its own
+    address to itself passes, as on a real machine cut off from the network. (Connections
+    opened here to any 127.0.0.x come from 127.0.0.1, so etcd's HTTP gateway, which dials
+    etcd's own address, is cut too: after a long partition it may answer only after its
+    gRPC reconnect backoff, up to ~25 s; tests/netns_etcd.py times from etcd's answer.)"""
+    tc("filter", "add", "dev", "lo", "parent", "1:", "protocol", "ip", "pref", "19", "u32",
+       "match", "ip", "src", f"{host}/32", "match", "ip", "dst", f"{host}/32", "flowid", "1:1")  # fmt: skip
     drop(20, "match", "ip", "src", f"{host}/32")
     drop(21, "match", "ip", "dst", f"{host}/32")
 
@@ -121,28 +129,33 @@ def partition_on(host: str) -> None:
 def partition_off() -> None:
     undrop(20)
     undrop(21)
+    undrop(19)
 
 
 # ---- inside: the processes
 
 
 def spawn(cmd: list[str], log: Path, env: dict[str, str] | None = None) -> subprocess.Popen[bytes]:
-    """`cmd` started with its output to `log` (the child keeps its own fd)."""
-    with open(log, "wb") as out:
+    """`cmd` started with its output appended to `log` (the child keeps its own fd)."""
+    with open(log, "ab") as out:
         return subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT)
+
+
+def start_node(
+    i: int, addr: str, shm: Path, work: Path, env: dict[str, str], segment_size: str
+) -> subprocess.Popen[bytes]:
+    """`kspeedfs node` number `i` on `addr`: 1 GiB, its shm folder `shm`/n<i>, its log
+    `work`/node<i>.log (started again on the same folder, it serves what it held)."""
+    cmd = [*KSPEEDFS, "node", "--listen", addr, "--shm-dir", str(shm / f"n{i}"),
+           "--memory", "1GiB", "--segment-size", segment_size]  # fmt: skip
+    return spawn(cmd, work / f"node{i}.log", env)
 
 
 def start_nodes(
     addrs: list[str], shm: Path, work: Path, env: dict[str, str], segment_size: str
 ) -> list[subprocess.Popen[bytes]]:
-    """One `kspeedfs node` per address: 1 GiB, its shm folder `shm`/n<i>, its log
-    `work`/node<i>.log."""
-    procs = []
-    for i, a in enumerate(addrs):
-        cmd = [*KSPEEDFS, "node", "--listen", a, "--shm-dir", str(shm / f"n{i}"),
-               "--memory", "1GiB", "--segment-size", segment_size]  # fmt: skip
-        procs.append(spawn(cmd, work / f"node{i}.log", env))
-    return procs
+    """One `start_node` per address."""
+    return [start_node(i, a, shm, work, env, segment_size) for i, a in enumerate(addrs)]
 
 
 def start_etcd(host: str, work: Path) -> subprocess.Popen[bytes]:
@@ -155,6 +168,21 @@ def start_etcd(host: str, work: Path) -> subprocess.Popen[bytes]:
            "--listen-peer-urls", peer, "--initial-advertise-peer-urls", peer,
            "--initial-cluster", f"w={peer}", "--log-level", "warn"]  # fmt: skip
     return spawn(cmd, work / "etcd.log")
+
+
+def start_etcd_member(hosts: list[str], i: int, work: Path) -> subprocess.Popen[bytes]:
+    """Member `i` of an etcd cluster with one member per host of `hosts` (clients on :2379,
+    peers on :2380, named e0, e1...), data in `work`/etcd<i>, log `work`/etcd<i>.log. Started
+    again on its data, it rejoins as the same member."""
+    etcd = shutil.which("etcd") or "/usr/bin/etcd"
+    cluster = ",".join(f"e{k}=http://{h}:2380" for k, h in enumerate(hosts))
+    endpoint, peer = f"http://{hosts[i]}:2379", f"http://{hosts[i]}:2380"
+    cmd = [etcd, "--name", f"e{i}", "--data-dir", str(work / f"etcd{i}"),
+           "--listen-client-urls", endpoint, "--advertise-client-urls", endpoint,
+           "--listen-peer-urls", peer, "--initial-advertise-peer-urls", peer,
+           "--initial-cluster", cluster, "--initial-cluster-state", "new",
+           "--initial-cluster-token", "kspeedfs-nemesis", "--log-level", "warn"]  # fmt: skip
+    return spawn(cmd, work / f"etcd{i}.log")
 
 
 def preload(src: Path, name: str, env: dict[str, str]) -> None:

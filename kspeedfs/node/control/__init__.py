@@ -61,6 +61,9 @@ class ControlPlane:
         self.catalog: dict[str, Record] = {}  # as read at the last sync
         self.reachable = False
         self.registered = False  # etcd holds this node's registration (at the last sync)
+        # Catalog records of preloads that failed here while etcd was away (name -> instance):
+        # removed at the next sync that reaches etcd, so none stays "loading" for ever.
+        self.unclaimed: dict[str, str] = {}
 
     def register_ops(self, ops: OpRegistry) -> None:
         ops.add(Adopt, self.op_adopt, ADMIN)
@@ -107,6 +110,25 @@ class ControlPlane:
     async def forget(self, name: str, uuid: str) -> bool:
         return await self.membership.forget(name, uuid)
 
+    async def forget_failed(self, name: str, uuid: str) -> None:
+        """Remove the catalog record of a preload that failed here (instance `uuid`): now,
+        or, while etcd does not answer, at the next sync that reaches it (a claim left
+        "loading" would hold the name, and every member's published part, for as long as
+        this node's lease lives). Never raises for an etcd away."""
+        try:
+            await self.membership.forget(name, uuid)
+            self.unclaimed.pop(name, None)
+        except UNAVAILABLE as e:
+            log.warning("%s: removing the claim on %s once etcd answers", e, name)
+            self.unclaimed[name] = uuid
+
+    async def _forget_unclaimed(self) -> None:
+        for name, uuid in list(self.unclaimed.items()):
+            await self.membership.forget(name, uuid)  # compared on the instance: a new one stays
+            if self.unclaimed.get(name) == uuid:
+                del self.unclaimed[name]
+            log.info("removed the claim of the failed preload of %s (instance %s)", name, uuid[:8])
+
     async def replace(self, name: str, uuid: str, more: Record) -> bool:
         return await self.membership.replace(name, uuid, more)
 
@@ -147,6 +169,9 @@ class ControlPlane:
         before is an old view (its catalog writes are fenced on its registration too)."""
         snap = await trio.to_thread.run_sync(self.state.snapshot)
         self.reachable = True
+        if self.unclaimed:
+            await self._forget_unclaimed()
+            snap = await trio.to_thread.run_sync(self.state.snapshot)
         self.membership.live = sorted(snap.members)
         self.catalog = {name: rec for name, (rec, _rev) in snap.datasets.items()}
         me = self.membership.registration
