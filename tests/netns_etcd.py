@@ -38,6 +38,7 @@ from kspeedfs.format.config import load_settings
 from kspeedfs.format.errors import KSpeedError
 from kspeedfs.format.localdata import SEGMENT_DIR
 from kspeedfs.testing import netns
+from kspeedfs.testing.node import remove_tree
 
 ETCD = "127.0.0.5"
 HOSTS = ["127.0.0.2", "127.0.0.3", "127.0.0.4"]
@@ -201,7 +202,7 @@ def main(out: Path, partition_s: float, freeze_s: float, with_preload: bool) -> 
                 p.send_signal(signal.SIGCONT)
         netns.partition_off()
         netns.stop_all(w.procs)
-        shutil.rmtree(shm, ignore_errors=True)
+        remove_tree(shm)  # its nodes' sealed segments too (this runs outside the test process)
         Path(f"{shm}.health").unlink(missing_ok=True)
         if os.environ.get("KSPEEDFS_KEEP_WORK"):
             print(f"kept {work}", file=sys.stderr)

@@ -49,6 +49,7 @@ from kspeedfs.format.config import load_settings
 from kspeedfs.format.errors import KSpeedError
 from kspeedfs.format.localdata import SEGMENT_DIR
 from kspeedfs.testing import netns
+from kspeedfs.testing.node import remove_tree
 
 NODE_HOSTS = ["127.0.0.2", "127.0.0.3", "127.0.0.4"]
 ETCD_HOSTS = ["127.0.0.5", "127.0.0.6", "127.0.0.7"]
@@ -323,7 +324,7 @@ def main(out: Path, seed: int, steps: int) -> int:
             if p.poll() is None:
                 p.send_signal(signal.SIGCONT)
         netns.stop_all(c.all_procs())
-        shutil.rmtree(shm, ignore_errors=True)
+        remove_tree(shm)  # its nodes' sealed segments too (this runs outside the test process)
         Path(f"{shm}.health").unlink(missing_ok=True)
         if os.environ.get("KSPEEDFS_KEEP_WORK"):
             print(f"kept {work}", file=sys.stderr)

@@ -11,9 +11,9 @@ error, never another version's bytes.
 Network weather (docs/cluster.md#failures): a node's read that has not begun to answer within
 a short delay (the time about 3% of the node's answers take to begin, at least HEDGE_MIN_S) is
 sent to the segments' other owners too, and the first complete answer wins (the other is read
-in the background and dropped, its connection kept); the late node is suspect at once, for every
-reader of the machine (client/health.py), and probed in the background until it answers
-again. A suspect node is tried after the others; a down one (refused, or silent for a whole
+in the background and dropped, its connection kept). A node later than HEDGE_FLOOR_S, or whose
+raced answer never comes, is suspect, for every reader of the machine (client/health.py),
+and probed in the background until it answers again. A suspect node is tried after the others; a down one (refused, or silent for a whole
 read) not at all, until a probe finds it again. Every read has one deadline, `timeout`
 seconds for all its node requests together (connecting has its own CONNECT_TIMEOUT); what is
 not answered by then comes from the source, or fails with one clear error.
@@ -74,6 +74,9 @@ SUSPECT_FOR_S = 10.0  # a node late to answer is tried after the others this lon
 HEDGE_FLOOR_S = 0.03
 HEDGE_MIN_S = 0.002
 HEDGE_CEILING_S = 1.0  # and the most
+# A late read that no other owner could take (all down, or none holds it) tries again this
+# often while it waits: an owner may be back (a probe trusts it) before the read's deadline.
+REHEDGE_EVERY_S = 0.25
 HEDGE_BYTES_PER_S = 500e6  # a large read is given its transfer time at this rate on top
 PROBE_EVERY_S = 0.5  # a suspect or down node is pinged this often (once per machine)
 # An answer that has begun but stops arriving for this long fails (the node is cut off
@@ -168,6 +171,13 @@ class ClusterReader:
         if not self.is_down(node):
             log.warning("node %s marked down (probed every %.1fs): %s", node, PROBE_EVERY_S, reason)
         self.health.down_for(node, DOWN_FOR_S)
+        # Its other kept connections are as dead as the one that failed (a restarted node
+        # closed them all): the next read after the probe connects afresh.
+        self._check_fork()
+        with self._lock:
+            stale = self._idle.pop(node, [])
+        for transport in stale:
+            transport.close()
         self._probe(node)
 
     def suspect(self, node: str, reason: str) -> None:
@@ -206,11 +216,14 @@ class ClusterReader:
             with self._lock:
                 self._probing.discard(node)
 
-    def _rank(self, node: str) -> tuple[bool, bool, float]:
+    def _rank(self, node: str, placed: bool = True) -> tuple[bool, bool, bool, float]:
         """Owners are tried healthy first (in placement order), then suspect ones (the
-        fastest first), then down ones."""
+        fastest first), then down ones; among the nodes not down, the segment's placed owners
+        before the candidates where a healing cluster would re-make a lost owner's copies
+        (which hold it only once that has happened)."""
         suspect = self.is_suspect(node)
-        return self.is_down(node), suspect, self.health.expected(node) if suspect else 0.0
+        expected = self.health.expected(node) if suspect else 0.0
+        return self.is_down(node), not placed, suspect, expected
 
     def hedge_delay(self, node: str, nbytes: int) -> float:
         """How long a read of `nbytes` from `node` is waited for before another owner is
@@ -411,7 +424,8 @@ class ClusterReader:
                     remote_entries.add(entry)
         if pos != len(out):
             raise InvalidArgument(f"a buffer of {len(out)} bytes for {pos} bytes of reads")
-        failed: set[str] = set()
+        failed: set[str] = set()  # nodes that could not be heard
+        lacking: set[tuple[str, int]] = set()  # (node, segment) a node said it does not serve
         deadline = time.monotonic() + self.settings.timeout  # every node request together
         while by_node:
             retry: dict[str, list[Piece]] = {}
@@ -428,10 +442,15 @@ class ClusterReader:
                     self.stats["remote_bytes"] += sum(p.n for p in pieces)
                 except KSpeedError as e:
                     log.warning("%s: read from %s failed (%s); trying elsewhere", ds.name, node, e)
-                    failed.add(node)
+                    refused = isinstance(e, DataError)  # it answered: only these segments
+                    if not refused:
+                        failed.add(node)
                     for p in pieces:
                         self._filled.pop((ds.uuid, p.seg), None)  # evicted there, maybe
-                        nxt = self._next_owner(ds, p.seg, failed, p.n)
+                        if refused:
+                            lacking.add((node, p.seg))
+                        tried = failed | {n for n, s in lacking if s == p.seg}
+                        nxt = self._next_owner(ds, p.seg, tried, p.n)
                         (retry.setdefault(nxt, []) if nxt else from_source).append(p)
             by_node = retry
         for p in from_source:
@@ -483,10 +502,12 @@ class ClusterReader:
                     return None  # it answered but cannot fill: the source, now
                 tried.add(owner)
             return None
-        usable = [n for n in ds.owners(seg) if n != self.local_node and n not in failed]
+        owners = ds.owners(seg)
+        placed = set(owners[: ds.replicas])
+        usable = [n for n in owners if n != self.local_node and n not in failed]
         # A suspect owner after the others (it missed a hedge delay, and is being probed), a
         # down one last (a mark may be older than its return; the read's deadline holds).
-        usable.sort(key=self._rank)
+        usable.sort(key=lambda n: self._rank(n, n in placed))
         return usable[0] if usable else None
 
     def _fill_owner(self, ds: DatasetHandle, seg: int, failed: set[str]) -> str | None:
@@ -654,18 +675,29 @@ class ClusterReader:
             break
         # Late: suspect now, for every reader of the machine; ask the other owners too.
         self.health.missed(node, delay)
-        self.suspect(node, f"no answer within {delay * 1000:.1f} ms")
+        if delay >= HEDGE_FLOOR_S:
+            # A few ms late is weather (a lost packet, a busy machine), not a sign of this node:
+            # suspicion reorders every reader's owners, so it waits for a real delay, or for
+            # the drained answer to fail (_drain_one).
+            self.suspect(node, f"no answer within {delay * 1000:.1f} ms")
         hedges = self._send_hedges(ds, node, ranges)
         assert _hedgeable(primary)
         self._race(ds, node, primary, rid, hedges, ranges, out, started, deadline)
 
-    def _send_hedges(self, ds: DatasetHandle, node: str, ranges: list[Range]) -> list[_Hedge]:
-        """The ranges sent to their next owners, one request per owner; [] when some range
-        has no other owner that is not down (then only `node` can answer it: a hedge to a
-        down node would only wait on its connect)."""
+    def _send_hedges(
+        self,
+        ds: DatasetHandle,
+        node: str,
+        ranges: list[Range],
+        refused: frozenset[str] = frozenset(),
+    ) -> list[_Hedge]:
+        """The ranges sent to their next owners (never `node`, nor a node in `refused`: it
+        said it does not hold one of them), one request per owner; [] when some range has no
+        other owner that is not down (then only `node` can answer it: a hedge to a down node
+        would only wait on its connect)."""
         by_owner: dict[str, list[int]] = {}
         for k, (seg, _off, _n) in enumerate(ranges):
-            other = self._next_owner(ds, seg, {node})
+            other = self._next_owner(ds, seg, {node, *refused})
             if other is None or self.is_down(other):
                 return []
             by_owner.setdefault(other, []).append(k)
@@ -713,6 +745,7 @@ class ClusterReader:
         waiting: dict[int, _Hedge | None] = {primary.fileno(): None}
         waiting.update({h.transport.fileno(): h for h in hedges})
         done: list[_Hedge] = []
+        refused: frozenset[str] = frozenset()
         primary_failed = False
         try:
             while waiting:
@@ -728,7 +761,14 @@ class ClusterReader:
                     poller = select.poll()
                     for fd in waiting:
                         poller.register(fd, select.POLLIN)
-                    ready = [fd for fd, _ev in poller.poll(left * 1000)]
+                    alone = not hedges and not primary_failed
+                    wait = min(left, REHEDGE_EVERY_S) if alone else left
+                    ready = [fd for fd, _ev in poller.poll(wait * 1000)]
+                    if not ready and alone:
+                        # No other owner could be asked (down, or refused): one may be back.
+                        hedges = self._send_hedges(ds, node, ranges, refused)
+                        waiting.update({h2.transport.fileno(): h2 for h2 in hedges})
+                        continue
                 for fd in ready:
                     h = waiting.pop(fd)
                     if h is None:
@@ -738,7 +778,7 @@ class ClusterReader:
                         except KSpeedError as e:
                             primary_failed = True
                             primary.close()
-                            self.mark_down(node, str(e))
+                            self._answer_failed(node, e)
                             if not hedges or len(done) + len(waiting) < len(hedges):
                                 raise
                             continue
@@ -759,11 +799,25 @@ class ClusterReader:
                         h.transport.receive_read(h.rid, memoryview(h.buf))
                     except KSpeedError as e:
                         h.transport.close()
-                        self.mark_down(h.node, str(e))
-                        hedges.remove(h)
-                        if primary_failed or not hedges:
+                        self._answer_failed(h.node, e)
+                        if primary_failed:
                             raise
-                        hedges = []  # that part has no other answer now: wait for `node`
+                        # The hedges start again without it (a node that said it does not
+                        # hold a range: a placement candidate), or, with no one else, the
+                        # read waits for `node` alone.
+                        for h2 in done:
+                            self._release(h2.node, h2.transport)
+                        done = []
+                        for fd2, pending in list(waiting.items()):
+                            if pending is not None:
+                                del waiting[fd2]
+                                pending.transport.close()
+                        if isinstance(e, DataError):
+                            refused = refused | {h.node}
+                            hedges = self._send_hedges(ds, node, ranges, refused)
+                        else:
+                            hedges = []
+                        waiting.update({h2.transport.fileno(): h2 for h2 in hedges})
                         continue
                     done.append(h)
                     if hedges and len(done) == len(hedges):
@@ -785,6 +839,15 @@ class ClusterReader:
                 (primary if h is None else h.transport).close()
             for h in done:
                 h.transport.close()
+
+    def _answer_failed(self, node: str, e: KSpeedError) -> None:
+        """A read's answer from `node` failed: down when the node could not be heard (the
+        connection, a stall, a bad frame); a refusal it answered (a segment it does not hold,
+        as a placement candidate of a healing cluster may not yet) says it is up."""
+        if isinstance(e, DataError):
+            log.info("node %s could not serve a read: %s", node, e)
+        else:
+            self.mark_down(node, str(e))
 
     def _drain(self, node: str, transport: HedgeableTransport, rid: int, nbytes: int) -> None:
         """The losing answer of a hedged read, read in the background and dropped, and its
@@ -809,8 +872,10 @@ class ClusterReader:
         try:
             transport.set_timeout(RECEIVE_STALL_S)
             transport.receive_read(rid, memoryview(bytearray(nbytes)))
-        except Exception:  # whatever the answer was, the connection is not reused
+        except Exception as e:  # whatever the answer was, the connection is not reused
             transport.close()
+            if not isinstance(e, DataError):
+                self.suspect(node, f"the answer a hedge raced never came: {e}")
         else:
             self._release(node, transport)
             self.stats["drained"] += 1
