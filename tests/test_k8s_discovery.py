@@ -76,6 +76,7 @@ from kspeedfs.format.contract.node import List
 from kspeedfs.format.units import Address
 from kspeedfs.net.connection import NodeClient
 from kspeedfs.format.errors import KSpeedError
+from kspeedfs.testing.process import is_users_setting
 
 root, service, src, JOB = sys.argv[1:5]
 hosts = sys.argv[5:]
