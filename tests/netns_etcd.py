@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import signal
 import subprocess
 import sys
@@ -38,7 +37,6 @@ from kspeedfs.format.config import load_settings
 from kspeedfs.format.errors import KSpeedError
 from kspeedfs.format.localdata import SEGMENT_DIR
 from kspeedfs.testing import netns
-from kspeedfs.testing.node import remove_tree
 
 ETCD = "127.0.0.5"
 HOSTS = ["127.0.0.2", "127.0.0.3", "127.0.0.4"]
@@ -197,17 +195,8 @@ def main(out: Path, partition_s: float, freeze_s: float, with_preload: bool) -> 
             t.join(10)
         if reader is not None:
             reader.close()
-        for p in w.procs:  # nothing left frozen
-            if p.poll() is None:
-                p.send_signal(signal.SIGCONT)
         netns.partition_off()
-        netns.stop_all(w.procs)
-        remove_tree(shm)  # its nodes' sealed segments too (this runs outside the test process)
-        Path(f"{shm}.health").unlink(missing_ok=True)
-        if os.environ.get("KSPEEDFS_KEEP_WORK"):
-            print(f"kept {work}", file=sys.stderr)
-        else:
-            shutil.rmtree(work, ignore_errors=True)
+        netns.clean_up(w.procs, shm, work)
 
 
 def _outage(

@@ -31,7 +31,6 @@ from __future__ import annotations
 import json
 import os
 import random
-import shutil
 import signal
 import subprocess
 import sys
@@ -49,7 +48,6 @@ from kspeedfs.format.config import load_settings
 from kspeedfs.format.errors import KSpeedError
 from kspeedfs.format.localdata import SEGMENT_DIR
 from kspeedfs.testing import netns
-from kspeedfs.testing.node import remove_tree
 
 NODE_HOSTS = ["127.0.0.2", "127.0.0.3", "127.0.0.4"]
 ETCD_HOSTS = ["127.0.0.5", "127.0.0.6", "127.0.0.7"]
@@ -320,16 +318,7 @@ def main(out: Path, seed: int, steps: int) -> int:
     finally:
         if reader is not None:
             reader.close()
-        for p in c.all_procs():
-            if p.poll() is None:
-                p.send_signal(signal.SIGCONT)
-        netns.stop_all(c.all_procs())
-        remove_tree(shm)  # its nodes' sealed segments too (this runs outside the test process)
-        Path(f"{shm}.health").unlink(missing_ok=True)
-        if os.environ.get("KSPEEDFS_KEEP_WORK"):
-            print(f"kept {work}", file=sys.stderr)
-        else:
-            shutil.rmtree(work, ignore_errors=True)
+        netns.clean_up(c.all_procs(), shm, work)
 
 
 def _step(

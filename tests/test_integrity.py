@@ -38,7 +38,7 @@ from rt_util import EnvNode, make_source, wrong_bytes
 
 from kspeedfs.format.sealing import is_sealed, sealed_beneath, set_sealed
 from kspeedfs.node.store import segment_fault
-from kspeedfs.testing.node import NO_IMMUTABLE
+from kspeedfs.testing.node import NO_IMMUTABLE, can_seal
 from pytorch_ext import KSpeedFolder
 
 if TYPE_CHECKING:
@@ -73,24 +73,6 @@ def disk_node(
         env_extra={"KSPEEDFS_SCRUB_RATE": scrub_rate},
         wrapper=() if sealing else NO_IMMUTABLE,
     )
-
-
-def can_seal(folder: Path) -> bool:
-    """Whether this process may set the immutable flag in `folder` and /dev/shm (root with
-    CAP_LINUX_IMMUTABLE, on a filesystem that has the flag)."""
-    for where in (folder, Path("/dev/shm")):
-        probe = where / f".seal-probe-{os.getpid()}"
-        probe.write_bytes(b"")
-        fd = os.open(probe, os.O_RDONLY)
-        try:
-            set_sealed(fd, True)
-            set_sealed(fd, False)
-        except OSError:
-            return False
-        finally:
-            os.close(fd)
-            probe.unlink()
-    return True
 
 
 def preload_on_disk(node: NodeProcess, src: Path, name: str) -> dict[str, Any]:

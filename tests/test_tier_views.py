@@ -33,9 +33,9 @@ from kspeedfs.format import localdata
 from kspeedfs.format.errors import DataError, KSpeedError
 from kspeedfs.format.localdata import MANIFEST_FILE, LocalDataset
 from kspeedfs.format.manifest import Manifest
-from kspeedfs.format.sealing import sealed_beneath, set_sealed
+from kspeedfs.format.sealing import sealed_beneath
 from kspeedfs.format.units import format_size
-from kspeedfs.testing.node import NO_IMMUTABLE
+from kspeedfs.testing.node import NO_IMMUTABLE, can_seal
 from pytorch_ext import KSpeedFolder
 
 KiB, MiB = 1 << 10, 1 << 20
@@ -257,23 +257,6 @@ def test_disk_segments_are_read_by_pread_unless_sealed_and_an_old_instance_fails
     # The unload cleared the flags of what it removed: none of the old instance's is left.
     old_files = {str(p) for p in segments}
     assert not old_files & set(sealed_beneath(disk_dir) + sealed_beneath(node.shm_dir))
-
-
-def can_seal(folder: Path) -> bool:
-    """Whether this process may set the immutable flag on a file in `folder` (and /dev/shm)."""
-    for where in (folder, Path("/dev/shm")):
-        probe = where / f".seal-probe-{os.getpid()}"
-        probe.write_bytes(b"")
-        fd = os.open(probe, os.O_RDONLY)
-        try:
-            set_sealed(fd, True)
-            set_sealed(fd, False)
-        except OSError:
-            return False
-        finally:
-            os.close(fd)
-            probe.unlink()
-    return True
 
 
 def fds_under(folder: Path) -> list[str]:

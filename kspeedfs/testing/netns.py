@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import threading
@@ -202,6 +203,24 @@ def stop_all(procs: list[subprocess.Popen[bytes]]) -> None:
             p.wait(10)
         except subprocess.TimeoutExpired:
             p.kill()
+
+
+def clean_up(procs: list[subprocess.Popen[bytes]], shm: Path, work: Path) -> None:
+    """After a run: the processes woken (none left frozen) and stopped, the nodes' folders
+    removed (their sealed segments too), and `work` unless KSPEEDFS_KEEP_WORK asks to keep it."""
+    # (here, not at the top: bench_faults loads this file over an older tree's package too)
+    from kspeedfs.testing.node import remove_tree
+
+    for p in procs:
+        if p.poll() is None:
+            p.send_signal(signal.SIGCONT)
+    stop_all(procs)
+    remove_tree(shm)
+    Path(f"{shm}.health").unlink(missing_ok=True)
+    if os.environ.get("KSPEEDFS_KEEP_WORK"):
+        print(f"kept {work}", file=sys.stderr)
+    else:
+        shutil.rmtree(work, ignore_errors=True)
 
 
 # ---- inside: the data and its readers

@@ -13,7 +13,7 @@ from typing import Any, Self
 
 from kspeedfs.format.config import Settings
 from kspeedfs.format.errors import KSpeedError, NodeUnreachable
-from kspeedfs.format.sealing import unseal_tree
+from kspeedfs.format.sealing import set_sealed, unseal_tree
 from kspeedfs.format.tls import client_context
 from kspeedfs.format.units import Address
 from kspeedfs.net.connection import NodeClient
@@ -36,6 +36,24 @@ NO_IMMUTABLE = (
     if os.geteuid() == 0
     else ()
 )
+
+
+def can_seal(folder: Path) -> bool:
+    """Whether this process may set the immutable flag in `folder` and /dev/shm (root with
+    CAP_LINUX_IMMUTABLE, on a filesystem that has the flag): what a node it starts can seal."""
+    for where in (folder, Path("/dev/shm")):
+        probe = where / f".seal-probe-{os.getpid()}"
+        probe.write_bytes(b"")
+        fd = os.open(probe, os.O_RDONLY)
+        try:
+            set_sealed(fd, True)
+            set_sealed(fd, False)
+        except OSError:
+            return False
+        finally:
+            os.close(fd)
+            probe.unlink()
+    return True
 
 
 def remove_tree(path: str | os.PathLike[str]) -> None:
