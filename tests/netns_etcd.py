@@ -215,19 +215,7 @@ def _outage(
     held = w.held("w")
     # No healthy node drops a copy at any moment (a drop healed by the end would not show in
     # held_after): the folders sampled every 0.3 s through the outage and the convergence.
-    dropped: dict[str, list[int]] = {}
-    watching = threading.Event()
-
-    def watch() -> None:
-        while not watching.is_set():
-            for a, segs in w.held("w").items():
-                gone = sorted(set(held[a]) - set(segs))
-                if gone:
-                    dropped.setdefault(a, gone)
-            watching.wait(0.3)
-
-    watcher = threading.Thread(target=watch, daemon=True)
-    watcher.start()
+    drops = netns.DropWatch(lambda: w.held("w"), held)
     pre: subprocess.Popen[str] | None = None
     if with_preload:
         cmd = [*netns.KSPEEDFS, "preload", str(more), "--name", name, "--replicas", "2", "-q"]
@@ -325,8 +313,7 @@ def _outage(
             seen_s = round(time.monotonic() - back, 1)
             break
         time.sleep(0.3)
-    watching.set()
-    watcher.join()
+    dropped = drops.stop()
     last = w.view()
     time.sleep(3)  # under test: past heal_after again, nothing changes later either
     still = sound()

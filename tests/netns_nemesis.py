@@ -325,19 +325,7 @@ def _step(
     c: Cluster, step: dict[str, Any], reader: Reader, held: dict[str, list[int]]
 ) -> tuple[str, dict[str, Any]]:
     """One fault and the checks after it: (the first failed check or "", what was seen)."""
-    dropped: dict[str, list[int]] = {}
-    watching = threading.Event()
-
-    def watch() -> None:  # no sound copy dropped, at any moment
-        while not watching.is_set():
-            for a, segs in c.held("n").items():
-                gone = sorted(set(held[a]) - set(segs))
-                if gone:
-                    dropped.setdefault(a, gone)
-            watching.wait(0.3)
-
-    watcher = threading.Thread(target=watch, daemon=True)
-    watcher.start()
+    drops = netns.DropWatch(lambda: c.held("n"), held)
     reads = reader.reads
     from_source, hedged = reader.reader.stats["source"], reader.reader.stats["hedged"]
     inflict(c, step)
@@ -352,8 +340,7 @@ def _step(
         if not why:
             why = ["segments held differ from the start"]
         time.sleep(0.3)
-    watching.set()
-    watcher.join()
+    dropped = drops.stop()
     record = {
         **step,
         "reads": reader.reads - reads,

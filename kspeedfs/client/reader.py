@@ -157,13 +157,13 @@ class ClusterReader:
 
     def is_down(self, node: str) -> bool:
         down = self.health.is_down(node)
-        if down:
+        if down and node not in self._probing:
             self._probe(node)  # the mark may be another process's, whose prober is gone
         return down
 
     def is_suspect(self, node: str) -> bool:
         suspect = self.health.is_suspect(node)
-        if suspect:
+        if suspect and node not in self._probing:
             self._probe(node)
         return suspect
 

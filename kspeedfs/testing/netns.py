@@ -223,6 +223,33 @@ def clean_up(procs: list[subprocess.Popen[bytes]], shm: Path, work: Path) -> Non
         shutil.rmtree(work, ignore_errors=True)
 
 
+class DropWatch:
+    """From its start until `stop()`, what each node holds (`held_now()`, sampled every
+    0.3 s) compared with `held`: the segments a node stopped holding at any moment (a drop
+    healed by the end would not show in a last look)."""
+
+    def __init__(self, held_now: Callable[[], dict[str, list[int]]], held: dict[str, list[int]]):
+        self.held_now, self.held = held_now, held
+        self.dropped: dict[str, list[int]] = {}
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._watch, daemon=True)
+        self._thread.start()
+
+    def _watch(self) -> None:
+        while not self._stop.is_set():
+            for a, segs in self.held_now().items():
+                gone = sorted(set(self.held[a]) - set(segs))
+                if gone:
+                    self.dropped.setdefault(a, gone)
+            self._stop.wait(0.3)
+
+    def stop(self) -> dict[str, list[int]]:
+        """The segments dropped, by node."""
+        self._stop.set()
+        self._thread.join()
+        return self.dropped
+
+
 # ---- inside: the data and its readers
 
 
