@@ -186,6 +186,16 @@ class NetNamespace:
                 ]
             )
         )
+        self.dnsmasq_log = root / "dnsmasq.log"
+        # Ready once its socket is bound: a query before that is refused at once (CI saw it).
+        wait_for(self.dnsmasq_is_listening, 20, "dnsmasq to listen on 127.0.0.1:53")
+
+    def dnsmasq_is_listening(self) -> bool:
+        if self.dnsmasq.poll() is not None:
+            log = self.dnsmasq_log.read_text() if self.dnsmasq_log.exists() else ""
+            raise AssertionError(f"dnsmasq exited {self.dnsmasq.returncode}: {log[-500:]}")
+        bound = self.exec(["ss", "-Hlun", "sport = :53"], capture_output=True).stdout
+        return "127.0.0.1:53" in bound
 
     def command(self, argv: list[str]) -> list[str]:
         return ["ip", "netns", "exec", self.name, *argv]
@@ -365,10 +375,7 @@ def test_a_node_added_to_the_service_joins_and_a_gone_one_leaves(tmp_path: Path)
     netns = NetNamespace(root, SERVICE, HOSTS[:2], hosts_file)
     try:
         wait_pid = root / "dnsmasq.pid"
-        for _ in range(100):
-            if wait_pid.exists() and wait_pid.read_text().strip():
-                break
-            time.sleep(0.1)
+        wait_for(lambda: wait_pid.exists() and bool(wait_pid.read_text().strip()), 10, "its pid")
         done = subprocess.run(
             netns.command(
                 [
