@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import argparse
 import logging
-import mmap
 import os
 import sys
 import tempfile
@@ -55,6 +54,7 @@ from kspeedfs.client import decoded as decoded_client  # noqa: E402
 from kspeedfs.demo import ensure_sample, train_transform  # noqa: E402
 from kspeedfs.format import users  # noqa: E402
 from kspeedfs.format.units import format_size  # noqa: E402
+from kspeedfs.testing.bench import warm_memory  # noqa: E402
 from kspeedfs.testing.cache import LocalCache  # noqa: E402
 from pytorch_ext import KSpeedCallable, KSpeedImageFolder, kspeed  # noqa: E402
 from pytorch_ext import transforms as kt  # noqa: E402
@@ -104,15 +104,6 @@ def kspeed_image_folder(source: Path, transform: Any, kw: dict[str, Any]) -> Dat
     return kspeed.KSpeedImageFolder(
         str(source), None, 2, [kw["nodes"]], "bench", "bench", transform
     )
-
-
-def warm_memory(nbytes: int) -> None:
-    """Touch every page of a buffer and free it: the side that runs next finds the memory the
-    previous one used returned and faulted in once, not its own first-touch cost."""
-    buf = mmap.mmap(-1, nbytes)
-    for off in range(0, nbytes, mmap.PAGESIZE):
-        buf[off] = 1
-    buf.close()
 
 
 def torch_epochs(ds: Dataset[Any], args: argparse.Namespace, uint8: bool) -> Batches:

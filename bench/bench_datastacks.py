@@ -27,7 +27,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import logging
-import mmap
 import os
 import random
 import sys
@@ -48,6 +47,7 @@ from datastacks_wds import add_arguments, webdataset_section  # noqa: E402
 from kspeedfs.demo import ensure_sample  # noqa: E402
 from kspeedfs.format.units import format_size  # noqa: E402
 from kspeedfs.stacks.filesystem import KSpeedFileSystem  # noqa: E402
+from kspeedfs.testing.bench import warm_memory  # noqa: E402
 from kspeedfs.testing.cache import LocalCache  # noqa: E402
 from kspeedfs.testing.node import remove_tree
 from pytorch_ext import KSpeedFolder  # noqa: E402
@@ -66,15 +66,6 @@ class Row:
 
 
 SIDES = ("source", "mount", "kspeedfs://", "fast path")
-
-
-def warm_memory(nbytes: int) -> None:
-    """Touch every page of a buffer and free it: the side that runs next finds the memory the
-    previous one used returned and faulted in once, not its own first-touch cost."""
-    buf = mmap.mmap(-1, nbytes)
-    for off in range(0, nbytes, mmap.PAGESIZE):
-        buf[off] = 1
-    buf.close()
 
 
 def best_of(

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import logging
-import mmap
 import os
 import random
 import shutil
@@ -39,6 +38,7 @@ from bench_fuse import list_files, read_files  # noqa: E402
 
 from kspeedfs.demo import ensure_sample  # noqa: E402
 from kspeedfs.format.units import format_size  # noqa: E402
+from kspeedfs.testing.bench import warm_memory  # noqa: E402
 from kspeedfs.testing.mount import MountProcess  # noqa: E402
 from kspeedfs.testing.node import NodeProcess, remove_tree  # noqa: E402
 from kspeedfs.testing.process import KSPEEDFS  # noqa: E402
@@ -46,14 +46,6 @@ from pytorch_ext import KSpeedFolder  # noqa: E402
 
 TARGET = 0.5
 BUF = bytearray(64 << 20)
-
-
-def warm_memory(nbytes: int) -> None:
-    """Touch every page of a buffer and free it: the next side finds memory faulted in once."""
-    buf = mmap.mmap(-1, nbytes)
-    for off in range(0, nbytes, mmap.PAGESIZE):
-        buf[off] = 1
-    buf.close()
 
 
 def read_fast(ds: KSpeedFolder, order: Sequence[int]) -> float:

@@ -20,7 +20,6 @@ import argparse
 import dataclasses
 import json
 import logging
-import mmap
 import os
 import sys
 import tempfile
@@ -36,6 +35,7 @@ from torch.utils.data import DataLoader  # noqa: E402
 
 from kspeedfs.format.units import format_size, parse_size  # noqa: E402
 from kspeedfs.sample import make_shards  # noqa: E402
+from kspeedfs.testing.bench import warm_memory  # noqa: E402
 from kspeedfs.testing.cache import LocalCache  # noqa: E402
 from pytorch_ext import ClairvoyantSampler, KSpeedWebDataset  # noqa: E402
 
@@ -71,14 +71,6 @@ def ensure_shards(dest: Path, shards: int, samples: int, size: int) -> list[Path
     made = make_shards(dest, shards, samples // shards, size)
     stamp.write_text(json.dumps(want))
     return made
-
-
-def warm_memory(nbytes: int) -> None:
-    """Touch every page of a buffer and free it, before each side."""
-    buf = mmap.mmap(-1, nbytes)
-    for off in range(0, nbytes, mmap.PAGESIZE):
-        buf[off] = 1
-    buf.close()
 
 
 def sizes(batch: list[dict[str, Any]]) -> int:

@@ -14,7 +14,6 @@ import dataclasses
 import functools
 import io
 import logging
-import mmap
 import multiprocessing
 import os
 import select
@@ -112,25 +111,22 @@ def fill_chunk(
             out.append((e, fmt.UNDECODABLE))
             continue
         header = fmt.ppm_header(w, h)
-        target = _segment(variant, seg)
-        target[off - len(header) : off] = header
-        # Image.tobytes into the mapping: the one copy, into memory fallocate claimed.
-        target[off : off + w * h * 3] = img.tobytes()
+        # Written, not stored through a map: the kernel copies into the pages fallocate
+        # claimed with no page fault per 4 KiB (measured: a map's faults were ~10% of a fill).
+        os.pwritev(_segment(variant, seg), [header, img.tobytes()], off - len(header))
         out.append((e, fmt.READY))
     return out
 
 
-def _segment(variant: str, seg: int) -> mmap.mmap:
+def _segment(variant: str, seg: int) -> int:
+    """An open descriptor of the variant's segment `seg`, kept for the worker's life."""
     key = f"{variant}\0{seg}"
-    m = _worker_cache.get(key)
-    if m is None:
-        fd = os.open(fmt.segment_path(Path(variant), seg), os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC)
-        try:
-            m = _worker_cache[key] = mmap.mmap(fd, 0)
-        finally:
-            os.close(fd)
-    assert isinstance(m, mmap.mmap)
-    return m
+    fd = _worker_cache.get(key)
+    if fd is None:
+        path = fmt.segment_path(Path(variant), seg)
+        fd = _worker_cache[key] = os.open(path, os.O_WRONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    assert isinstance(fd, int)
+    return fd
 
 
 # ---- the node's side ----
