@@ -45,11 +45,14 @@ class Tally:
     files_done: int = 0
     lock: threading.Lock = field(default_factory=threading.Lock)
 
-    def compare(self, got: bytes, expected: bytes) -> None:
+    def compare(self, got: bytes, expected: bytes, cut_by_error: bool = False) -> None:
+        """Every byte got against the version opened; a read an error cut short is checked
+        as far as it got (the bytes it never delivered are that error, not wrong bytes)."""
         wrong = sum(a != b for a, b in zip(got, expected, strict=False))
-        wrong += abs(len(got) - len(expected))
+        if not cut_by_error:
+            wrong += abs(len(got) - len(expected))
         with self.lock:
-            self.checked += len(expected)
+            self.checked += len(got) if cut_by_error else len(expected)
             self.wrong += wrong
 
     def error(self, what: str) -> None:
@@ -69,6 +72,23 @@ def make_source(root: Path, seed: int) -> dict[str, bytes]:
     return files
 
 
+def read_piece(fd: int, off: int, want: int) -> tuple[bytes, str | None]:
+    """Up to `want` bytes at `off`, reading on after a short read, and the error that ended
+    it. A read whose later pages fail returns the pages before them (POSIX's partial read:
+    the kernel's page cache held them), and the next read gets the error; a read that ends
+    early with no error (end of file before the file's end) comes back short."""
+    got = bytearray()
+    while len(got) < want:
+        try:
+            chunk = os.pread(fd, want - len(got), off + len(got))
+        except OSError as e:
+            return bytes(got), errno.errorcode.get(e.errno, str(e.errno))
+        if not chunk:
+            break
+        got += chunk
+    return bytes(got), None
+
+
 def fuse_reader(mnt: Path, versions: dict[str, bytes], tally: Tally) -> Callable[[], None]:
     fds = {rel: os.open(mnt / "ds" / rel, os.O_RDONLY) for rel in versions}  # opened first
 
@@ -76,12 +96,10 @@ def fuse_reader(mnt: Path, versions: dict[str, bytes], tally: Tally) -> Callable
         try:
             for rel, expected in versions.items():
                 for off in range(0, len(expected), PIECE):
-                    try:
-                        got = os.pread(fds[rel], PIECE, off)
-                    except OSError as e:
-                        tally.error(f"fuse {rel}@{off}: {errno.errorcode.get(e.errno)}")
-                        continue
-                    tally.compare(got, expected[off : off + PIECE])
+                    got, failed = read_piece(fds[rel], off, PIECE)
+                    if failed:
+                        tally.error(f"fuse {rel}@{off + len(got)}: {failed}")
+                    tally.compare(got, expected[off : off + PIECE], cut_by_error=bool(failed))
                 with tally.lock:
                     tally.files_done += 1
         finally:
