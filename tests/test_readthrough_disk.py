@@ -28,6 +28,7 @@ from rt_util import (
 )
 
 from kspeedfs.client import admin
+from kspeedfs.format.sealing import unseal_at
 from kspeedfs.node.readthrough.build import InstanceBuilder
 from kspeedfs.node.readthrough.dataset import (
     CachedDataset,
@@ -37,6 +38,7 @@ from kspeedfs.node.readthrough.dataset import (
 )
 from kspeedfs.node.readthrough.disktier import DiskTier
 from kspeedfs.node.readthrough.policy import make_policy
+from kspeedfs.node.safedir import unlink_file
 from kspeedfs.node.store import SegmentStore
 from kspeedfs.sources.source import open_source
 from pytorch_ext import ClairvoyantSampler, KSpeedFolder
@@ -181,7 +183,7 @@ def test_a_source_changed_after_its_segments_landed_on_disk_is_refused_never_ser
     (folder,) = disk_folders(node)
     lost = sorted((folder / "seg").iterdir())[::2]
     for path in lost:
-        path.unlink()
+        unlink_file(path)  # lost below the immutable flag (the node seals what it fills)
     m = mount_source(node, tmp_path, mounts, src, "--name", "big")
     refused = wrong = 0
     for rel, data in files.items():
@@ -261,6 +263,7 @@ def test_a_restarted_node_keeps_its_sound_disk_tier_segments(
     cut = sorted((folder / "seg").glob("0*"))[0]
     # Replaced, not truncated: this process maps the file (a cut mapped file is SIGBUS).
     (folder / "short").write_bytes(cut.read_bytes()[: SEGMENT // 2])
+    unseal_at(None, os.fspath(cut))  # (below the immutable flag the node sets)
     os.rename(folder / "short", cut)
     node.kill9()
     node.start()

@@ -8,11 +8,13 @@ an eviction really returns the memory.
 
 from __future__ import annotations
 
+import io
 import mmap
 import os
 import struct
 from pathlib import Path
 
+from kspeedfs.format import sealing
 from kspeedfs.format.errors import DataError
 from kspeedfs.format.localdata import LocalDataset, read_meta
 
@@ -43,6 +45,9 @@ class ReadThroughDataset(LocalDataset):
         super().__init__(path)
         self._present: set[int] = set(self.held)
         self._inodes: dict[int, int] = {}
+        # Mapped segments without the immutable flag (a node that cannot seal), by their open
+        # file: each use checks its size first (cut short, a touch of the map could SIGBUS).
+        self._unsealed: dict[int, io.FileIO] = {}
         self._epoch = _map_epoch(self.path / EPOCH_FILE)
         self._epoch_seen = self._read_epoch()
         self.touched: set[int] = set()  # segments read since the last report to the node
@@ -68,12 +73,14 @@ class ReadThroughDataset(LocalDataset):
                     self._inodes.pop(seg, None)
                     # Dropped, not closed: a thread reading it still holds a reference.
                     self._maps.pop(seg, None)
+                    self._unsealed.pop(seg, None)
             self.held = frozenset(self._present)
 
     def release(self) -> None:
         with self._lock:
             self._present.clear()
             self._inodes.clear()
+            self._unsealed.clear()
         super().release()
 
     def _appeared(self, seg: int) -> bool:
@@ -105,26 +112,52 @@ class ReadThroughDataset(LocalDataset):
                 m = self._maps.get(seg)
                 if m is None:
                     m = self._map(seg)
+        if seg in self._unsealed:
+            self._check_length(seg)
         self.touched.add(seg)
         return m
 
+    def _check_length(self, seg: int) -> None:
+        """An unsealed mapped segment's file is still its full length (DataError when not:
+        the map is dropped and the read goes to the node or the source)."""
+        f = self._unsealed.get(seg)
+        try:
+            size = os.fstat(f.fileno()).st_size if f is not None else None
+        except (OSError, ValueError):
+            return
+        if size is not None and size != int(self.manifest.seg_len[seg]):
+            with self._lock:
+                self._maps.pop(seg, None)
+                self._unsealed.pop(seg, None)
+                self._present.discard(seg)
+                self.held = frozenset(self._present)
+            raise DataError(f"segment {seg} of {self.path.name} was cut short")
+
     def _map(self, seg: int) -> mmap.mmap:
+        kept: io.FileIO | None = None
         try:
             fd = self._open_segment(seg)
             try:
                 m = mmap.mmap(fd, 0, prot=mmap.PROT_READ)
                 ino = os.fstat(fd).st_ino
+                # Sealed (the node set the immutable flag): nobody can cut it short.
+                kept = None if sealing.is_sealed(fd) else io.FileIO(fd, "rb", closefd=True)
             finally:
-                os.close(fd)
+                if kept is None:
+                    os.close(fd)
         except FileNotFoundError:
             self._present.discard(seg)
             raise DataError(f"segment {seg} of {self.path.name} was just evicted") from None
         except (OSError, ValueError) as e:
             raise DataError(f"cannot map segment {seg} of {self.path.name}: {e}") from None
         if len(m) != int(self.manifest.seg_len[seg]):
+            if kept is not None:
+                kept.close()
             raise DataError(f"segment {seg} of {self.path.name} has the wrong length")
         self._maps[seg] = m
         self._inodes[seg] = ino
+        if kept is not None:
+            self._unsealed[seg] = kept
         return m
 
     def read(self, i: int, offset: int, length: int) -> bytes:

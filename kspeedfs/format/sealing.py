@@ -58,36 +58,58 @@ def set_sealed(fd: int, sealed: bool) -> bool:
     return True
 
 
-def unseal_at(dir_fd: int | None, name: str) -> bool:
+def unseal_at(dir_fd: int | None, name: str, shared: list[int] | None = None) -> bool:
     """Clear the immutable flag of regular file `name` (relative to dir_fd; never through a
-    symlink); whether it had it. A missing file, or one whose flag cannot be asked, is left."""
+    symlink); whether it had it. A missing file, or one whose flag cannot be asked, is left.
+    `shared`: a sealed file with other links (an instance's segment carried into the next by
+    a hard link: the flag is the file's, not the name's) has a descriptor added there, for
+    reseal_shared once this name is gone."""
     try:
         fd = os.open(name, _FILE_FLAGS, dir_fd=dir_fd)
     except OSError:
         return False
     try:
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
             return False
         try:
-            return set_sealed(fd, False)
+            cleared = set_sealed(fd, False)
         except OSError as e:
             if e.errno in UNSUPPORTED:
                 return False
             raise
+        if cleared and shared is not None and st.st_nlink > 1:
+            shared.append(os.dup(fd))
+        return cleared
     finally:
         os.close(fd)
 
 
-def unseal_tree(dir_fd: int | None, name: str) -> int:
+def reseal_shared(shared: list[int]) -> None:
+    """Seal again each file unseal_at put in `shared` that still has a link (its other
+    names' readers map it), and close the descriptors."""
+    for fd in shared:
+        try:
+            if os.fstat(fd).st_nlink > 0:
+                set_sealed(fd, True)
+        except OSError:
+            pass  # the flag cannot be set here any more: readers check its size instead
+        finally:
+            os.close(fd)
+    shared.clear()
+
+
+def unseal_tree(dir_fd: int | None, name: str, shared: list[int] | None = None) -> int:
     """Clear the immutable flag of every regular file at or beneath `name` (a file or a
     folder, relative to dir_fd), walked by descriptors, never through a symlink; how many had
-    it. For removing a folder of segments: an unlink of a sealed file fails, even as root."""
+    it. For removing a folder of segments: an unlink of a sealed file fails, even as root.
+    `shared` as in unseal_at."""
     try:
         st = os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
     except OSError:
         return 0
     if stat.S_ISREG(st.st_mode):
-        return int(unseal_at(dir_fd, name))
+        return int(unseal_at(dir_fd, name, shared))
     if not stat.S_ISDIR(st.st_mode):
         return 0
     try:
@@ -99,9 +121,9 @@ def unseal_tree(dir_fd: int | None, name: str) -> int:
         with contextlib.suppress(OSError):
             for entry in os.scandir(fd):
                 if entry.is_dir(follow_symlinks=False):
-                    cleared += unseal_tree(fd, entry.name)
+                    cleared += unseal_tree(fd, entry.name, shared)
                 elif entry.is_file(follow_symlinks=False):
-                    cleared += int(unseal_at(fd, entry.name))
+                    cleared += int(unseal_at(fd, entry.name, shared))
     finally:
         os.close(fd)
     return cleared

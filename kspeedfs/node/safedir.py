@@ -201,9 +201,12 @@ def remove_beneath(dir_fd: int, name: str) -> None:
     except FileNotFoundError:
         return
     if stat.S_ISDIR(st.st_mode):
-        _unseal(dir_fd, name, tree=True)
+        shared = _unseal(dir_fd, name, tree=True)
         assert shutil.rmtree.avoids_symlink_attacks
-        shutil.rmtree(name, dir_fd=dir_fd, onerror=_log_rm_error)
+        try:
+            shutil.rmtree(name, dir_fd=dir_fd, onerror=_log_rm_error)
+        finally:
+            sealing.reseal_shared(shared)
     else:
         try:
             unlink_segment(dir_fd, name)
@@ -252,23 +255,59 @@ def seals(dev: int) -> bool | None:
 
 def unseal_segment(dir_fd: int | None, name: str) -> None:
     """Clear the immutable flag of file `name` (before it is replaced or rewritten)."""
-    _unseal(dir_fd, name, tree=False)
+    for fd in _unseal(dir_fd, name, tree=False):
+        os.close(fd)  # (a file with other names: those are left unsealed)
 
 
 def unlink_segment(dir_fd: int | None, name: str) -> None:
     """os.unlink of a segment file that may be sealed: its flag cleared first."""
-    _unseal(dir_fd, name, tree=False)
-    os.unlink(name, dir_fd=dir_fd)
+    shared = _unseal(dir_fd, name, tree=False)
+    try:
+        os.unlink(name, dir_fd=dir_fd)
+    finally:
+        sealing.reseal_shared(shared)  # its other names (a later instance's) stay sealed
 
 
-def _unseal(dir_fd: int | None, name: str, tree: bool) -> None:
+def seal_file(path: Path) -> bool:
+    """seal_segment of the file at `path` (never through a symlink); whether it is sealed."""
+    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    try:
+        return seal_segment(fd)
+    finally:
+        os.close(fd)
+
+
+def unlink_file(path: Path) -> None:
+    """unlink_segment of the file at `path`, which may be sealed; a missing one is left."""
+    try:
+        unlink_segment(None, os.fspath(path))
+    except FileNotFoundError:
+        pass
+
+
+def link_segment(src: Path, dest: Path) -> None:
+    """os.link of a segment that may be sealed (a sealed file cannot be linked): its flag is
+    cleared for the link and set again after, on the one file both names now share."""
+    was_sealed = sealing.unseal_at(None, os.fspath(src))
+    try:
+        os.link(src, dest)
+    finally:
+        if was_sealed:
+            seal_file(src)
+
+
+def _unseal(dir_fd: int | None, name: str, tree: bool) -> list[int]:
+    """Clear the flag of `name` (or of everything beneath it); the files that have other
+    links, to seal again once this name is gone (sealing.reseal_shared)."""
+    shared: list[int] = []
     try:
         if tree:
-            sealing.unseal_tree(dir_fd, name)
+            sealing.unseal_tree(dir_fd, name, shared)
         else:
-            sealing.unseal_at(dir_fd, name)
+            sealing.unseal_at(dir_fd, name, shared)
     except OSError as e:  # EPERM: the node lost the right; the unlink after says what failed
         log.warning("cannot clear the immutable flag of %s: %s", name, e.strerror)
+    return shared
 
 
 def _log_rm_error(func: object, path: str, exc: object) -> None:

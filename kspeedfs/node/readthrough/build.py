@@ -3,7 +3,6 @@ files, and (on a refresh) the old instance's segments whose contents did not cha
 
 from __future__ import annotations
 
-import os
 import secrets
 import time
 from pathlib import Path
@@ -18,6 +17,7 @@ from kspeedfs.format.readthrough_view import EPOCH_FILE, READTHROUGH, SEGSUMS_FI
 from kspeedfs.format.tree import Tree
 from kspeedfs.node.preload import tree_digest
 from kspeedfs.node.readthrough.dataset import CachedDataset, base_bytes, spilled
+from kspeedfs.node.safedir import link_segment
 from kspeedfs.node.spill import SpillArea
 from kspeedfs.node.store import SegmentStore
 from kspeedfs.sources import version
@@ -96,7 +96,7 @@ class InstanceBuilder:
                     sums[n] = old.sums[o]
                     if o in old.resident:
                         try:
-                            os.link(segment_path(old.record.path, o), segment_path(staging, n))
+                            link_segment(segment_path(old.record.path, o), segment_path(staging, n))
                         except OSError:  # evicted meanwhile: from the spill, else read again
                             if not spilled(self.spill, old, o):
                                 sums[n] = 0

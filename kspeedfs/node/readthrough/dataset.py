@@ -20,6 +20,7 @@ from kspeedfs.format.localdata import MANIFEST_FILE
 from kspeedfs.format.manifest import Manifest
 from kspeedfs.format.readthrough_view import EPOCH_FILE, SEGSUMS_FILE
 from kspeedfs.node.readthrough.policy import EvictionPolicy
+from kspeedfs.node.safedir import unlink_file
 from kspeedfs.node.spill import SpillArea
 from kspeedfs.node.store import DatasetRecord, SegmentStore
 
@@ -124,7 +125,7 @@ def open_instance(record: DatasetRecord, verify: bool) -> tuple[CachedDataset, d
             ok = False
         if not ok:
             log.warning("dropping unsound cached segment %s of %s", fname, record.name)
-            path.unlink(missing_ok=True)
+            unlink_file(path)
             continue
         ds.resident.add(seg)
         mtimes[seg] = st.st_mtime

@@ -20,10 +20,12 @@ import os
 import shutil
 from pathlib import Path
 
+from kspeedfs.format import sealing
 from kspeedfs.format.errors import AlreadyExists, NoSpace
 from kspeedfs.format.localdata import SEGMENT_DIR, read_meta, segment_path
 from kspeedfs.format.units import format_size
 from kspeedfs.node.readthrough.dataset import CachedDataset, Instances, file_checksum
+from kspeedfs.node.safedir import link_segment, unlink_file
 from kspeedfs.node.spill import SpillArea
 from kspeedfs.node.store import SegmentStore
 
@@ -94,7 +96,7 @@ class DiskTier:
                 break
             ds = max(candidates, key=lambda d: d.disk_bytes)
             seg = max(ds.on_disk)
-            segment_path(self.folder(ds), seg).unlink(missing_ok=True)
+            unlink_file(segment_path(self.folder(ds), seg))
             # Under the store's lock: its claim is dropped in place, not through release().
             self.store.reserved.pop(ds.disk_claim(seg), None)
             ds.on_disk.discard(seg)
@@ -122,7 +124,7 @@ class DiskTier:
         for o, n in carried.items():
             if o in old.on_disk:
                 try:
-                    os.link(segment_path(self.folder(old), o), segment_path(staging, n))
+                    link_segment(segment_path(self.folder(old), o), segment_path(staging, n))
                 except OSError as e:  # gone meanwhile: filled again when read
                     log.info("segment %d of %s not carried from disk: %s", o, old.name, e)
         return staging
@@ -149,7 +151,7 @@ class DiskTier:
             path = folder / SEGMENT_DIR / fname
             if not self._sound(ds, fname, path, verify) or not self.claim(ds, int(fname)):
                 log.warning("dropping disk-tier segment %s of %s", fname, ds.name)
-                path.unlink(missing_ok=True)
+                unlink_file(path)
                 continue
             ds.on_disk.add(int(fname))
 
@@ -169,6 +171,9 @@ class DiskTier:
 
 def _remove(path: Path) -> None:
     if path.is_dir() and not path.is_symlink():
+        shared: list[int] = []
+        sealing.unseal_tree(None, os.fspath(path), shared)
         shutil.rmtree(path, ignore_errors=True)
+        sealing.reseal_shared(shared)
     else:
-        path.unlink(missing_ok=True)
+        unlink_file(path)

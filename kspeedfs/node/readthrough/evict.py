@@ -21,6 +21,7 @@ from kspeedfs.format.errors import InvalidArgument, NoSpace, NotFound
 from kspeedfs.format.localdata import segment_path
 from kspeedfs.format.units import format_size
 from kspeedfs.node.readthrough.dataset import CachedDataset, Instances, spilled
+from kspeedfs.node.safedir import unlink_file
 from kspeedfs.node.spill import SpillArea
 from kspeedfs.node.store import SegmentStore
 
@@ -212,7 +213,7 @@ class Evictor:
                 ds.stats["spilled"] += 1
         if seg in ds.resident and self.instances.current(ds):
             path = segment_path(ds.record.path, seg)
-            await trio.to_thread.run_sync(functools.partial(path.unlink, missing_ok=True))
+            await trio.to_thread.run_sync(unlink_file, path)
         self._drop(ds, seg, why)
 
     def _drop(self, ds: CachedDataset, seg: int, why: str) -> int:
@@ -222,7 +223,7 @@ class Evictor:
         if self.instances.current(ds):
             # tmpfs: one unlink, no I/O; reclaim() runs inside the store's reserve, which is
             # synchronous, so a preload's reservation frees memory at once.
-            segment_path(ds.record.path, seg).unlink(missing_ok=True)
+            unlink_file(segment_path(ds.record.path, seg))
         ds.resident.discard(seg)
         try:
             ds.record.held.remove(seg)

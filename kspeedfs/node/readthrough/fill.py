@@ -34,6 +34,7 @@ from kspeedfs.node.metrics import segment_seconds
 from kspeedfs.node.readthrough.dataset import CachedDataset, Instances, file_checksum, spilled
 from kspeedfs.node.readthrough.disktier import DiskTier
 from kspeedfs.node.readthrough.evict import Evictor, NotAdmitted
+from kspeedfs.node.safedir import seal_file
 from kspeedfs.node.spill import SpillArea
 from kspeedfs.node.store import SegmentStore
 from kspeedfs.node.tasks import Tasks
@@ -169,11 +170,13 @@ class Filler:
                 if to_disk:
                     final = segment_path(self.disk.folder(ds), seg)
                     await trio.to_thread.run_sync(os.rename, tmp, final)
+                    await trio.to_thread.run_sync(seal_file, final)  # nobody cuts it short
                     ds.on_disk.add(seg)
                     ds.stats["fills_disk"] += 1
                 else:
                     final = segment_path(ds.record.path, seg)
                     await trio.to_thread.run_sync(os.rename, tmp, final)
+                    await trio.to_thread.run_sync(seal_file, final)
                     ds.resident.add(seg)
                     ds.record.held.append(seg)
                     ds.record.stored += length

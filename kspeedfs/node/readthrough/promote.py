@@ -26,6 +26,7 @@ from kspeedfs.format.localdata import segment_path
 from kspeedfs.node.readthrough.dataset import CachedDataset, Instances, file_checksum
 from kspeedfs.node.readthrough.disktier import DiskTier
 from kspeedfs.node.readthrough.evict import Evictor
+from kspeedfs.node.safedir import seal_file, unlink_file
 from kspeedfs.node.store import SegmentStore
 
 log = logging.getLogger(__name__)
@@ -83,16 +84,18 @@ class DiskPromoter:
                 if checksum != int(ds.sums[seg]):
                     log.warning("disk-tier segment %d of %s fails its checksum", seg, ds.name)
                     self.disk.release(ds, seg)
-                    await trio.to_thread.run_sync(functools.partial(disk_file.unlink, True))
+                    await trio.to_thread.run_sync(unlink_file, disk_file)
                     return False
-                await trio.to_thread.run_sync(tmp.rename, segment_path(ds.record.path, seg))
+                final = segment_path(ds.record.path, seg)
+                await trio.to_thread.run_sync(tmp.rename, final)
+                await trio.to_thread.run_sync(seal_file, final)
                 ds.resident.add(seg)
                 ds.record.held.append(seg)
                 ds.record.stored += length
                 self.store.release(reservation)
                 self.evictor.admitted(ds, seg)
                 self.disk.release(ds, seg)
-                await trio.to_thread.run_sync(functools.partial(disk_file.unlink, True))
+                await trio.to_thread.run_sync(unlink_file, disk_file)
         finally:
             self.store.release(reservation)
             with trio.CancelScope(shield=True):
