@@ -369,8 +369,12 @@ def test_sealed_segments_refuse_every_harm_and_a_deliberate_root_is_caught_by_th
     }
     assert len(segments["mem"]) == shown["mem"]["segments"] >= 2
     assert len(segments["dsk"]) == shown["dsk"]["segments"] >= 2
-    every = sorted(str(p) for ps in segments.values() for p in ps)
+    manifests = [str(Path(shown[name]["path"]) / "manifest.ksm") for name in segments]
+    every = sorted([str(p) for ps in segments.values() for p in ps] + manifests)
     assert sorted(sealed_beneath(node.shm_dir) + sealed_beneath(tmp_path / "disk")) == every
+    for manifest in manifests:  # readers map it too
+        with pytest.raises(PermissionError):
+            os.truncate(manifest, 0)
 
     env = node.env()
     fast = {

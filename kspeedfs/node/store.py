@@ -1007,7 +1007,16 @@ def segment_fault(path: Path, length: int, checksum: int) -> str:
 
 
 def _seal_segments(folder: int) -> None:
-    """Seal (the immutable flag, where the node can) each segment in seg/ of `folder`."""
+    """Seal (the immutable flag, where the node can) each segment in seg/ of `folder`, and its
+    manifest (readers map it too)."""
+    try:
+        with _closing(
+            os.open(MANIFEST_FILE, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=folder)
+        ) as fd:
+            if not seal_segment(fd):
+                return  # not here: no segment will be
+    except FileNotFoundError:
+        pass  # a disk-tier folder: segments only
     try:
         seg_fd = os.open("seg", DIR_FLAGS, dir_fd=folder)
     except FileNotFoundError:
