@@ -21,7 +21,7 @@ from kspeedfs.format.contract.node import Ping
 from kspeedfs.format.contract.preload import LoadProgress, Preload, PreloadStarted
 from kspeedfs.format.errors import AlreadyExists, AuthError, KSpeedError
 from kspeedfs.format.units import format_size
-from kspeedfs.node.control import ControlPlane, loading_record
+from kspeedfs.node.control import Control, loading_record
 from kspeedfs.node.loads import LoadTable, answer_on_change, failure_reason
 from kspeedfs.node.ops import ADMIN, JOB, READ, OpRegistry, caller_role, refusal
 from kspeedfs.node.peers import Ask
@@ -51,7 +51,7 @@ class PreloadCoordinator:
         store: SegmentStore,
         loads: LoadTable,
         stager: Stager,
-        members: list[str],
+        control: Control,
         ask: Ask,
         after_preload: AfterPreload,
     ):
@@ -59,10 +59,9 @@ class PreloadCoordinator:
         self.store = store
         self.loads = loads
         self.stager = stager  # this node's own part of the preloads it coordinates
-        self.members = members  # the static node list (without a control plane)
+        self.control = control  # the members; claims and publishes in the catalog (etcd)
         self.ask = ask
         self.after_preload = after_preload
-        self.control: ControlPlane | None = None  # claims and publishes in the catalog
         self.tasks = Tasks()  # the preloads under way
 
     def register_ops(self, ops: OpRegistry) -> None:
@@ -131,7 +130,7 @@ class PreloadCoordinator:
 
     async def live_members(self) -> list[str]:
         live = []
-        members = await self.control.members_now() if self.control is not None else self.members
+        members = await self.control.members_now()
         for member in members:
             try:
                 await self.ask(member, Ping())
@@ -146,9 +145,9 @@ class PreloadCoordinator:
         try:
             live = await self.live_members()
             plan = await plan_preload(request, self.settings.segment_size, live)
-            if self.control is not None:  # control plane: one of two racing preloads wins
-                await self.control.claim(loading_record(plan, self.stager.address))
-                claimed = plan.uuid
+            # With etcd, one of two racing preloads of a name wins.
+            await self.control.claim(loading_record(plan, self.stager.address))
+            claimed = plan.uuid
             pushed = await start_stages(plan, self.ask, self.stager)
         except BaseException:
             if claimed:
@@ -176,13 +175,11 @@ class PreloadCoordinator:
                         LOAD_ATTEMPTS,
                         failure_reason(e),
                     )
-                if self.control is not None:
-                    await self._forget_claim(plan.name, plan.uuid)
+                await self._forget_claim(plan.name, plan.uuid)
                 plan, pushed = await self._start_preload(request)
                 progress.files_total = plan.tree.file_count
                 progress.bytes_total = plan.tree.data_bytes
-            if self.control is not None:  # control plane: visible to everyone, unleased
-                await self.control.publish(plan.name, plan.uuid, {})
+            await self.control.publish(plan.name, plan.uuid, {})  # etcd: seen by every node
             progress.state = "ready"
             self.loads.finish(plan.name)
             elapsed = time.monotonic() - progress.started
@@ -199,16 +196,13 @@ class PreloadCoordinator:
             unplanned = isinstance(e, Exception) and refusal(e) is None  # a bug: its traceback
             reason = self.loads.fail(plan.name, e)
             log.error("preload of %s failed: %s", plan.name, reason, exc_info=unplanned)
-            if self.control is not None:
-                with trio.CancelScope(shield=True):
-                    await self._forget_claim(plan.name, plan.uuid)
+            with trio.CancelScope(shield=True):
+                await self._forget_claim(plan.name, plan.uuid)
             if not isinstance(e, Exception):
                 raise
 
     async def _forget_claim(self, name: str, uuid: str) -> None:
-        """Control plane: drop a failed preload's catalog record (its lease would, later)."""
-        if self.control is None:
-            return
+        """Drop a failed preload's catalog record (its lease would, later)."""
         try:
             await self.control.forget_failed(name, uuid)
         except KSpeedError as e:

@@ -16,7 +16,7 @@ from kspeedfs.format.contract.node import List, ManifestPiece, ManifestReq, Stat
 from kspeedfs.format.contract.pieces import read_piece
 from kspeedfs.format.errors import NotFound
 from kspeedfs.format.localdata import MANIFEST_FILE
-from kspeedfs.node.control import ControlPlane
+from kspeedfs.node.control import Control
 from kspeedfs.node.decoded import DecodedVariants
 from kspeedfs.node.fdserver import FdServer
 from kspeedfs.node.leases import LeaseTable
@@ -46,7 +46,7 @@ class NodeParts(Protocol):
     rdma: RdmaService
     fds: FdServer
     peers: PeerPool
-    control: ControlPlane | None
+    control: Control
     members: list[str]
     stats: dict[str, int]
     started: float
@@ -94,8 +94,8 @@ class NodeInfo:
             "cache": n.cache.status(),
             "loaded": dict(n.stager.loaded),
             "decoded": {r: n.decoded.local_status(r) for r in n.store.datasets},
-            "members": n.control.members() if n.control is not None else n.members,
-            "control": n.control.status() if n.control is not None else None,
+            "members": n.control.members(),
+            "control": n.control.status(),
             "peers": n.peers.statistics(),
             "held": {
                 r.name: {"held": r.held, "segments": r.segments} for r in n.store.datasets.values()
@@ -134,8 +134,7 @@ class NodeInfo:
         """Where an instance's segments are placed now, when the catalog says: the members of
         its last rebalance and the lost ones (a heal or a rebalance changes them after the
         load)."""
-        control = self.node.control
-        entry = control.catalog.get(name) if control is not None else None
+        entry = self.node.control.catalog.get(name)
         if not entry or entry.get("uuid") != uuid:
             return {}
         return {"placed": entry.get("members", []), "lost": entry.get("lost", [])}
@@ -154,7 +153,7 @@ class NodeInfo:
                 r.name: (r.stored, len(r.held), r.disk_stored)
                 for r in list(n.store.datasets.values())
             },
-            "control": n.control.status() if n.control is not None else None,
+            "control": n.control.status(),
             "cache": n.cache.status(),  # read-through: hits, fills, evictions by policy
             "dataset_leases": {name: n.leases.count(name) for name in list(n.store.datasets)},
         }

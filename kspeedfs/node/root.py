@@ -15,21 +15,20 @@ import trio
 from kspeedfs.format import auth, users
 from kspeedfs.format.config import Settings
 from kspeedfs.format.contract import Request
-from kspeedfs.format.contract.node import Rebalance
-from kspeedfs.format.errors import NotFound
 from kspeedfs.format.tls import client_context
 from kspeedfs.format.units import parse_size
-from kspeedfs.node.control import ControlPlane
+from kspeedfs.node.control import Control, ControlPlane
+from kspeedfs.node.control.static import StaticControl
 from kspeedfs.node.coordinator import PreloadCoordinator
 from kspeedfs.node.decoded import DecodedVariants
-from kspeedfs.node.discovery import follow_dns, placement_list
+from kspeedfs.node.discovery import placement_list
 from kspeedfs.node.fdserver import FdServer
 from kspeedfs.node.info import NodeInfo
 from kspeedfs.node.leases import LeaseOwner, LeaseTable
 from kspeedfs.node.loads import LoadTable
 from kspeedfs.node.metaindexes import AddedIndexes
 from kspeedfs.node.metrics import serve_metrics
-from kspeedfs.node.ops import ADMIN, OpRegistry
+from kspeedfs.node.ops import OpRegistry
 from kspeedfs.node.peers import PeerPool
 from kspeedfs.node.preload import Stager
 from kspeedfs.node.promote import Promoter
@@ -76,8 +75,23 @@ class Node:
         self.cache = ReadThroughCache(self.store, settings, self.address, self.loads)
         self.decoded = DecodedVariants(self.store, self.address, settings.decode_workers)
         self.meta_indexes = AddedIndexes(self.store, self.address)
+        # The control plane: etcd's (membership, catalog, healing), or the static node list.
+        self.control: Control = (
+            ControlPlane(
+                settings,
+                self.store,
+                self.ask,
+                lambda name, uuid: self.unloader.unload_local(name, uuid),
+                self.stager,
+                self.cache,
+            )
+            if settings.etcd
+            else StaticControl(settings, self.members)
+        )
+        if isinstance(self.control, ControlPlane):
+            self.cache.use_cluster(self.control)  # read-through datasets span the members
         self.unloader = Unloader(
-            self.store, self.loads, self.leases, lambda: self.address, self.ask
+            self.store, self.loads, self.leases, lambda: self.address, self.ask, self.control
         )
         self.lease_owner = LeaseOwner(
             self.leases, self.store, lambda: self.address, self.unloader.unload
@@ -87,7 +101,7 @@ class Node:
             self.store,
             self.loads,
             self.stager,
-            self.members,
+            self.control,
             self.ask,
             self.decoded.after_preload,
         )
@@ -95,7 +109,14 @@ class Node:
         self.promoter = Promoter(self.store, self.scrubber.quarantined)
         self.promoter.add_mover(self.cache.promoter.promote_what_fits)  # read-through's own
         self.info = NodeInfo(self)
-        owners = (self.info, self.coordinator, self.lease_owner, self.unloader, self.scrubber)
+        owners = (
+            self.info,
+            self.coordinator,
+            self.lease_owner,
+            self.unloader,
+            self.scrubber,
+            self.control,
+        )
         for owner in owners:
             owner.register_ops(self.ops)
         self.stager.register_ops(self.ops)
@@ -103,16 +124,6 @@ class Node:
         self.meta_indexes.register_ops(self.ops, self.ask)
         self.rdma.register_ops(self.ops)
         self.cache.register_ops(self.ops)
-        # Control plane (etcd): membership, catalog, healing; None with a static node list.
-        self.control: ControlPlane | None = None
-        if settings.etcd:
-            self.control = ControlPlane(
-                settings, self.store, self.ask, self.unloader.unload_local, self.stager, self.cache
-            )
-            self.cache.use_cluster(self.control)  # read-through datasets span the members
-            self.coordinator.control = self.unloader.control = self.control
-            self.ops.add(Rebalance, self.op_rebalance, ADMIN)
-            self.control.register_ops(self.ops)
 
     @property
     def address(self) -> str:
@@ -143,15 +154,8 @@ class Node:
     async def join(self, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         """Once the port is known: the control plane joins the cluster, the metrics serve."""
         if self.settings.metrics_listen:  # Prometheus /metrics, its own thread
-            histograms = [self.cache.fill_seconds]
-            if self.control is not None:
-                histograms.append(self.control.copy_seconds)
+            histograms = [self.cache.fill_seconds, *self.control.histograms]
             serve_metrics(self.settings.metrics_listen, self.info.metrics_snapshot, histograms)
-        if self.control is None:
-            task_status.started()
-            # A dns: node list is followed: peers added to the Service join, gone ones leave.
-            await follow_dns(self.settings, self.members, self.address)
-            return
         await self.control.run(self.address, task_status=task_status)
 
     def cancel_loads(self) -> None:
@@ -163,11 +167,3 @@ class Node:
         if member == self.address:
             return await self.ops.call(request)
         return await self.peers.ask(member, request)
-
-    async def op_rebalance(self, request: Rebalance) -> dict[str, Any]:
-        """Control plane: place datasets over the members live now (one, or all)."""
-        assert self.control is not None  # registered only with one
-        done = await self.control.rebalance(request.name or None)
-        if request.name and not done:
-            raise NotFound(f"no ready dataset named {request.name!r} in the catalog")
-        return {"datasets": done, "members": self.control.members()}

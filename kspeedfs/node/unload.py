@@ -11,7 +11,7 @@ import trio
 
 from kspeedfs.format.contract.node import Unload, UnloadLocal
 from kspeedfs.format.errors import KSpeedError
-from kspeedfs.node.control import ControlPlane
+from kspeedfs.node.control import Control
 from kspeedfs.node.leases import LeaseTable
 from kspeedfs.node.loads import LoadTable
 from kspeedfs.node.ops import ADMIN, OpRegistry
@@ -29,13 +29,14 @@ class Unloader:
         leases: LeaseTable,
         address: Callable[[], str],
         ask: Ask,
+        control: Control,
     ):
         self.store = store
         self.loads = loads
         self.leases = leases
         self.address = address
         self.ask = ask
-        self.control: ControlPlane | None = None  # the catalog, with etcd
+        self.control = control  # the catalog (with etcd: gone for everyone, even nodes now down)
 
     def register_ops(self, ops: OpRegistry) -> None:
         ops.add(Unload, self.op_unload, ADMIN)
@@ -54,8 +55,7 @@ class Unloader:
             progress.cancel.set()
             return {"name": name, "state": "cancelled"}
         record = self.store.instance(name)
-        if self.control is not None:  # control plane: gone for everyone, even nodes now down
-            await self.control.forget(name, record.uuid)
+        await self.control.forget(name, record.uuid)
         for member in record.members:
             if member != self.address():
                 try:

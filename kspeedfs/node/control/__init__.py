@@ -13,12 +13,15 @@ from __future__ import annotations
 import functools
 import logging
 import time
+from typing import Any, Protocol
 
 import trio
 
 from kspeedfs.client.clusterstate import UNAVAILABLE, ClusterState, Record
 from kspeedfs.format.config import Settings
 from kspeedfs.format.contract.control import Adopt, Adopted
+from kspeedfs.format.contract.node import Rebalance
+from kspeedfs.format.errors import NotFound
 from kspeedfs.format.manifest import plan_layout
 from kspeedfs.node.control.adopt import Adoption, Unload
 from kspeedfs.node.control.converge import Converger
@@ -30,11 +33,39 @@ from kspeedfs.node.preload import Plan, Stager
 from kspeedfs.node.readthrough import ReadThroughCache
 from kspeedfs.node.store import SegmentStore
 
-__all__ = ["ControlPlane", "loading_record", "placed"]
+__all__ = ["Control", "ControlPlane", "loading_record", "placed"]
 
 log = logging.getLogger(__name__)
 
 SYNC_INTERVAL = 0.5  # seconds between reads of the members and the catalog
+
+
+class Control(Protocol):
+    """What the preload coordinator, the unloader and the status ops ask of a control plane:
+    the etcd one (ControlPlane) or a static node list (control.static.StaticControl)."""
+
+    catalog: dict[str, Record]  # as read at the last sync ({} without etcd)
+    histograms: list[Any]  # the metrics it adds to /metrics
+
+    def register_ops(self, ops: OpRegistry) -> None: ...
+
+    async def run(
+        self, address: str, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED
+    ) -> None: ...
+
+    def members(self) -> list[str]: ...
+
+    async def members_now(self) -> list[str]: ...
+
+    async def claim(self, record: Record) -> None: ...
+
+    async def publish(self, name: str, uuid: str, more: Record) -> None: ...
+
+    async def forget(self, name: str, uuid: str) -> bool: ...
+
+    async def forget_failed(self, name: str, uuid: str) -> None: ...
+
+    def status(self) -> Record | None: ...
 
 
 class ControlPlane:
@@ -57,7 +88,7 @@ class ControlPlane:
         self.adoption = Adoption(store, ask, self.membership, unload, readthrough)
         self.converger = Converger(store, self.state, self.adoption, unload, stager)
         self.healer = Healer(settings, store, self.state, ask, self.membership, self.adoption)
-        self.copy_seconds = self.healer.copy_seconds
+        self.histograms = [self.healer.copy_seconds]
         self.catalog: dict[str, Record] = {}  # as read at the last sync
         self.reachable = False
         self.registered = False  # etcd holds this node's registration (at the last sync)
@@ -67,6 +98,14 @@ class ControlPlane:
 
     def register_ops(self, ops: OpRegistry) -> None:
         ops.add(Adopt, self.op_adopt, ADMIN)
+        ops.add(Rebalance, self.op_rebalance, ADMIN)
+
+    async def op_rebalance(self, request: Rebalance) -> dict[str, Any]:
+        """Place datasets over the members live now (one, or all)."""
+        done = await self.rebalance(request.name or None)
+        if request.name and not done:
+            raise NotFound(f"no ready dataset named {request.name!r} in the catalog")
+        return {"datasets": done, "members": self.members()}
 
     async def run(
         self, address: str, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED
