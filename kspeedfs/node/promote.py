@@ -14,7 +14,7 @@ mover (`add_mover`), so both wake on the same event.
 from __future__ import annotations
 
 import logging
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 
 import trio
 
@@ -28,7 +28,15 @@ POLL_INTERVAL_S = 10.0
 
 
 class Promoter:
-    def __init__(self, store: SegmentStore, quarantined: Callable[[str, int], None] | None = None):
+    def __init__(
+        self,
+        store: SegmentStore,
+        quarantined: Callable[[str, int], None] | None = None,
+        other_movers: Sequence[Callable[[], Awaitable[bool]]] = (),
+    ):
+        """`other_movers`: the other owners of disk-tier segments (read-through's): each
+        `mover()` moves what fits in memory now and returns False when a move failed (the
+        poll, not the next wake, tries again)."""
         self.store = store
         # Told a segment that failed its check on the way to memory, once quarantined: it is
         # fetched again (node/scrub.py).
@@ -36,12 +44,7 @@ class Promoter:
         self.promoted = {"segments": 0, "bytes": 0}
         self._freed = trio.Event()
         self._token: trio.lowlevel.TrioToken | None = None
-        self._movers: list[Callable[[], Awaitable[bool]]] = [self._promote_what_fits]
-
-    def add_mover(self, mover: Callable[[], Awaitable[bool]]) -> None:
-        """Another owner of disk-tier segments: `mover()` moves what fits in memory now and
-        returns False when a move failed (the poll, not the next wake, tries again)."""
-        self._movers.append(mover)
+        self._movers = [self._promote_what_fits, *other_movers]
 
     def wake(self) -> None:
         """Memory may have freed up: look now. Safe from any thread, also once the node's

@@ -106,8 +106,9 @@ class Node:
             self.decoded.after_preload,
         )
         self.scrubber = Scrubber(settings, self.store, lambda: self.address)
-        self.promoter = Promoter(self.store, self.scrubber.quarantined)
-        self.promoter.add_mover(self.cache.promoter.promote_what_fits)  # read-through's own
+        self.promoter = Promoter(
+            self.store, self.scrubber.quarantined, [self.cache.promoter.promote_what_fits]
+        )
         self.info = NodeInfo(self)
         owners = (
             self.info,
