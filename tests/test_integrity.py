@@ -3,9 +3,9 @@
 A real node with a memory tier and a disk tier (`spill_dir`), a dataset preloaded onto the
 disk tier (`--tier disk --max-memory 4KiB`, so that nothing moves to memory): random bytes of
 random disk segments flipped, segments cut short or grown, while this process reads through
-the fast path (views and copies), kspeedfs:// and a real mount. Every door serves 0 wrong
-bytes, no reader dies (a SIGBUS would kill this process or the mount), and each damaged
-segment is counted in `status` and /metrics, quarantined and fetched again. The scrubber finds
+the fast path (views and copies), the fast path over TCP (no local node, as from another
+machine), kspeedfs:// and a real mount. Every door serves 0 wrong bytes, no reader dies (a
+SIGBUS would kill this process or the mount), and each damaged segment is counted in `status` and /metrics, quarantined and fetched again. The scrubber finds
 a flip no reader touched; a restart with `verify_on_start` keeps the sound segments.
 
 That property runs a node without CAP_LINUX_IMMUTABLE (it cannot seal its segments: readers
@@ -189,6 +189,8 @@ def test_damaged_disk_segments_never_serve_a_wrong_byte_nor_kill_a_reader(
     record = preload_on_disk(node, src, "src")
     env = node.env()
     fast = KSpeedFolder(str(src), nodes=env["KSPEEDFS_NODES"], token=str(token_file))
+    # No local node: every read over TCP, as a reader on another machine reads.
+    tcp = KSpeedFolder(str(src), nodes=env["KSPEEDFS_NODES"], token=str(token_file), local=False)
     fs = fsspec.filesystem(
         "kspeedfs", nodes=env["KSPEEDFS_NODES"], token=str(token_file), skip_instance_cache=True
     )
@@ -204,6 +206,7 @@ def test_damaged_disk_segments_never_serve_a_wrong_byte_nor_kill_a_reader(
             wrong += wrong_bytes(bytes(fast.read(rel)), want)  # the view door
             entry = reader.manifest.resolve(os.fsencode(rel))
             wrong += wrong_bytes(bytes(reader.fetch([entry])[entry]), want)  # copies
+            wrong += wrong_bytes(bytes(tcp.read(rel)), want)  # TCP
             with fs.open(f"src/{rel}", "rb") as f:
                 wrong += wrong_bytes(f.read(), want)
         return wrong
@@ -381,6 +384,12 @@ def test_sealed_segments_refuse_every_harm_and_a_deliberate_root_is_caught_by_th
         name: KSpeedFolder(str(tmp_path / name), nodes=env["KSPEEDFS_NODES"], token=str(token_file))
         for name in files
     }
+    tcp = {  # no local node: every read over TCP, as a reader on another machine reads
+        name: KSpeedFolder(
+            str(tmp_path / name), nodes=env["KSPEEDFS_NODES"], token=str(token_file), local=False
+        )
+        for name in files
+    }
     fs = fsspec.filesystem(
         "kspeedfs", nodes=env["KSPEEDFS_NODES"], token=str(token_file), skip_instance_cache=True
     )
@@ -395,6 +404,7 @@ def test_sealed_segments_refuse_every_harm_and_a_deliberate_root_is_caught_by_th
             wrong += wrong_bytes(bytes(fast[name].read(rel)), want)  # views (maps)
             entry = reader.manifest.resolve(os.fsencode(rel))
             wrong += wrong_bytes(bytes(reader.fetch([entry])[entry]), want)  # copies
+            wrong += wrong_bytes(bytes(tcp[name].read(rel)), want)
             with fs.open(f"{name}/{rel}", "rb") as f:
                 wrong += wrong_bytes(f.read(), want)
             wrong += wrong_bytes((mount.mountpoint / name / rel).read_bytes(), want)
