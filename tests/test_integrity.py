@@ -5,8 +5,9 @@ disk tier (`--tier disk --max-memory 4KiB`, so that nothing moves to memory): ra
 random disk segments flipped, segments cut short or grown, while this process reads through
 the fast path (views and copies), the fast path over TCP (no local node, as from another
 machine), kspeedfs:// and a real mount. Every door serves 0 wrong bytes, no reader dies (a
-SIGBUS would kill this process or the mount), and each damaged segment is counted in `status` and /metrics, quarantined and fetched again. The scrubber finds
-a flip no reader touched; a restart with `verify_on_start` keeps the sound segments.
+SIGBUS would kill this process or the mount), and each damaged segment is counted in `status`
+and /metrics, quarantined and fetched again. The scrubber finds a flip no reader touched; a
+restart with `verify_on_start` keeps the sound segments.
 
 That property runs a node without CAP_LINUX_IMMUTABLE (it cannot seal its segments: readers
 take the pread path). A node run as root seals every segment it publishes (the immutable flag):
