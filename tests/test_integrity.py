@@ -277,6 +277,46 @@ def test_damaged_disk_segments_never_serve_a_wrong_byte_nor_kill_a_reader(
     assert record["uuid"] == listing(node)["src"]["uuid"]  # the same instance throughout
 
 
+def test_a_flip_after_a_file_was_checked_is_caught_by_the_next_copy_of_it(
+    tmp_path: Path, token_file: Path, nodes: list[NodeProcess]
+) -> None:
+    """Copies (gather) of a file checked once are a pread and an fstat of its unsealed disk
+    segment: a byte flipped in place afterwards changes the segment's times, and the next copy,
+    whole or a part, reads the file again and checks it (the source serves it meanwhile)."""
+    node = disk_node(tmp_path, token_file, scrub_rate="0", sealing=False)
+    nodes.append(node.start())
+    src = tmp_path / "src"
+    files = make_source(src, 20, 150_000)
+    record = preload_on_disk(node, src, "src")
+    reader = KSpeedFolder(str(src), nodes=node.env()["KSPEEDFS_NODES"], token=str(token_file))
+    r = reader._reader
+    m = r.manifest
+    entries = {rel: m.resolve(os.fsencode(rel)) for rel in files}
+
+    def copied(rel: str, offset: int = 0) -> bytes:
+        out = bytearray(len(files[rel]) - offset)
+        r.gather([(entries[rel], offset, len(out))], memoryview(out))
+        return bytes(out)
+
+    for _ in range(2):  # checked, then copied with nothing but the segment's stamp looked at
+        assert sum(wrong_bytes(copied(rel), data) for rel, data in files.items()) == 0
+    assert not r.cluster.stats["source"]
+    seg_of = {rel: int(m.data[e]) // m.segment_size for rel, e in entries.items()}
+    whole = sorted(files)[3]  # and one in another segment (the first one's is fetched again)
+    part = next(rel for rel in sorted(files) if seg_of[rel] != seg_of[whole])
+    for rel, offset in ((whole, 0), (part, 7)):
+        seg, off = divmod(int(m.data[entries[rel]]), m.segment_size)
+        with open(disk_segment(tmp_path, record, seg), "r+b") as f:
+            pos = off + len(files[rel]) // 2
+            f.seek(pos)
+            byte = f.read(1)[0]
+            f.seek(pos)
+            f.write(bytes([byte ^ 0x5A]))
+        assert wrong_bytes(copied(rel, offset), files[rel][offset:]) == 0, rel
+    assert r.cluster.stats["source"] >= 2  # both read elsewhere, not from the flipped copy
+    assert sum(wrong_bytes(copied(rel), data) for rel, data in files.items()) == 0
+
+
 def test_the_scrubber_finds_a_planted_flip_with_no_reader(
     tmp_path: Path, token_file: Path, nodes: list[NodeProcess]
 ) -> None:

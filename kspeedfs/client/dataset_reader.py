@@ -98,10 +98,10 @@ class Reader:
                 return self._copied(entry)
         mv = self._seg_views.get(seg)
         if mv is None:
+            mv = self._disk_views.get(seg)  # (only disk-tier segments are in it)
+            if mv is not None and self.local.file_checked(entry):
+                return mv[off:end]
             if seg in self.local.on_disk:
-                mv = self._disk_views.get(seg)
-                if mv is not None and self.local.file_checked(entry):
-                    return mv[off:end]
                 return self._disk_view(entry, seg, off, end)
             try:
                 mv = memoryview(self.local.segment(seg))

@@ -33,6 +33,7 @@ class PassedDataset(LocalDataset):
         self._fds = segments
         self._maps = {}
         self._watched = {}
+        self._plain = {}
         self._lock = threading.Lock()
         self.held = frozenset(segments)
 

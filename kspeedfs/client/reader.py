@@ -424,6 +424,8 @@ class ClusterReader:
                     remote_entries.add(entry)
         if pos != len(out):
             raise InvalidArgument(f"a buffer of {len(out)} bytes for {pos} bytes of reads")
+        if not by_node and not from_source:
+            return  # all copied here (the common case)
         failed: set[str] = set()  # nodes that could not be heard
         lacking: set[tuple[str, int]] = set()  # (node, segment) a node said it does not serve
         deadline = time.monotonic() + self.settings.timeout  # every node request together
@@ -475,7 +477,7 @@ class ClusterReader:
             return False
         try:
             # pread on the disk tier, checked against the file's checksum (localdata)
-            local.read_file_into(p.entry, p.file_off, out[p.pos : p.pos + p.n])
+            local.read_piece_into(p.entry, p.file_off, p.seg, p.off, out[p.pos : p.pos + p.n])
         except DataError as e:
             _note_unmappable(ds, e)
             return False

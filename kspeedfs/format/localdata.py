@@ -145,6 +145,10 @@ class LocalDataset:
         # Mapped segments without the immutable flag (sealing.py), by their open file: each use
         # of the map checks the file's size first (a short one is damaged, never a SIGBUS).
         self._watched: dict[int, io.FileIO] = {}
+        # The maps with nothing to look at before a touch (sealed; a disk-tier one's file
+        # still checked once): a gather's copy out of one is a dict lookup (read_piece_into).
+        # Only LocalDataset.segment adds to it (a read-through dataset's maps are not in it).
+        self._plain: dict[int, mmap.mmap] = {}
         self._lock = threading.Lock()
         # Published datasets never change, so which segments are here is known once and for all.
         disk = _segments_in(self._disk_fd)
@@ -263,6 +267,7 @@ class LocalDataset:
                 else:
                     if sealing.is_sealed(fd):
                         os.close(fd)  # nobody can cut it short: the map is safe to touch
+                        self._plain[seg] = m
                     else:  # (closed when the last user lets go of it)
                         self._watched[seg] = io.FileIO(fd, "rb", closefd=True)
                     self._maps[seg] = m
@@ -299,6 +304,7 @@ class LocalDataset:
         with self._lock:
             self._maps.clear()
             self._watched.clear()
+            self._plain.clear()
             self._disk_files.clear()
             self.held = frozenset()
 
@@ -529,6 +535,14 @@ class LocalDataset:
     def read_file_into(self, i: int, offset: int, out: memoryview) -> None:
         """Bytes [offset, offset+len(out)) of file i, copied into `out` (checked as the
         module's docstring says)."""
+        pieces = self.manifest.ranges(i, offset, len(out))
+        if len(pieces) == 1:
+            self.read_piece_into(i, offset, pieces[0][0], pieces[0][1], out)
+        else:
+            self._read_checked(i, offset, out)
+
+    def _read_checked(self, i: int, offset: int, out: memoryview) -> None:
+        """read_file_into, each piece through the checks of the whole file."""
         generation = self._generation
         self._copy_file(i, offset, out)
         if not self.on_disk:
@@ -544,6 +558,32 @@ class LocalDataset:
         self._check_file(i, whole, generation)
         if whole is not out:
             out[:] = whole[offset : offset + len(out)]
+
+    def read_piece_into(self, i: int, offset: int, seg: int, off: int, out: memoryview) -> None:
+        """read_file_into for bytes of file i that lie in one segment: `seg` at `off`, as
+        manifest.ranges gave them (the gather's pieces). The same checks, with the per-read
+        work kept to a dict lookup for a sealed map (on the disk tier, once the file was
+        checked in this generation), or a pread and an fstat for an unsealed disk-tier
+        segment (its stamp looked at after the read, as _stale does)."""
+        n = len(out)
+        m = self._plain.get(seg)
+        if m is not None and (seg not in self.on_disk or self._file_ok[i] == self._generation):
+            if off < 0 or off + n > len(m):
+                raise DataError(f"range {off}+{n} past the end of segment {seg}")
+            out[:] = memoryview(m)[off : off + n]
+            return
+        if seg not in self.on_disk:  # an unsealed memory map (its size checked), or not mapped yet
+            out[:] = self.view(seg, off, n)
+            return
+        if self._file_ok[i] == self._generation:
+            f = self._disk_files.get(seg)
+            if f is not None:  # unsealed on the disk tier: pread, then its stamp looked at
+                self._pread_into(f, seg, off, out)
+                st = os.fstat(f.fileno())
+                if self._stamps.get(seg) == (st.st_size, st.st_mtime_ns, st.st_ctime_ns):
+                    return
+                # changed since: read and checked again, below
+        self._read_checked(i, offset, out)
 
     def _read_whole(self, i: int, f: io.FileIO, seg: int, off: int, size: int) -> bytes:
         """File i, which lies whole in disk segment `seg` at `off`, checked (as read_file_into
@@ -611,20 +651,20 @@ class LocalDataset:
         """Bytes [offset, offset+length) of file i: a view of the segment where they lie in one
         memory segment (no copy: what FUSE writes to the kernel), else a joined copy."""
         pieces = self.manifest.ranges(i, offset, length)
-        if len(pieces) == 1 and pieces[0][0] not in self.on_disk:
-            seg, off, n = pieces[0]
+        if len(pieces) != 1:
+            return self.read(i, offset, length)
+        seg, off, n = pieces[0]
+        if seg not in self.on_disk:
             return memoryview(self.segment(seg))[off : off + n]
-        if (
-            len(pieces) == 1
-            and self._file_ok[i] == self._generation
-            and self._disk_file(pieces[0][0]) is None
+        if self._file_ok[i] == self._generation and (
+            seg in self._sealed_disk or self._disk_file(seg) is None
         ):  # a mapped disk one, checked already
-            return self._mapped_view(*pieces[0])
-        if len(pieces) == 1 and len(self.manifest.ranges(i)) == 1:
-            whole = self.manifest.ranges(i)[0]  # a mapped disk one: checked whole, once
-            if self.mapped_file(i, whole[0], whole[1], whole[1] + whole[2]) is not None:
-                seg, off, n = pieces[0]
-                return memoryview(self.segment(seg))[off : off + n]
+            return self._mapped_view(seg, off, n)
+        whole = self.manifest.ranges(i)
+        if len(whole) == 1 and (  # a mapped disk one: checked whole, once
+            self.mapped_file(i, seg, whole[0][1], whole[0][1] + whole[0][2]) is not None
+        ):
+            return memoryview(self.segment(seg))[off : off + n]
         return self.read(i, offset, length)
 
     def read(self, i: int, offset: int, length: int) -> bytes:
