@@ -21,7 +21,7 @@ from kspeedfs.format.contract.node import Ping
 from kspeedfs.format.contract.preload import LoadProgress, Preload, PreloadStarted
 from kspeedfs.format.errors import AlreadyExists, AuthError, KSpeedError
 from kspeedfs.format.units import format_size
-from kspeedfs.node.control import Control, loading_record
+from kspeedfs.node.control import ClusterControl
 from kspeedfs.node.loads import LoadTable, answer_on_change, failure_reason
 from kspeedfs.node.ops import ADMIN, JOB, READ, OpRegistry, caller_role, refusal
 from kspeedfs.node.peers import Ask
@@ -51,7 +51,7 @@ class PreloadCoordinator:
         store: SegmentStore,
         loads: LoadTable,
         stager: Stager,
-        control: Control,
+        control: ClusterControl,
         ask: Ask,
         after_preload: AfterPreload,
     ):
@@ -145,8 +145,7 @@ class PreloadCoordinator:
         try:
             live = await self.live_members()
             plan = await plan_preload(request, self.settings.segment_size, live)
-            # With etcd, one of two racing preloads of a name wins.
-            await self.control.claim(loading_record(plan, self.stager.address))
+            await self.control.claim_preload(plan, self.stager.address)  # etcd: one wins
             claimed = plan.uuid
             pushed = await start_stages(plan, self.ask, self.stager)
         except BaseException:

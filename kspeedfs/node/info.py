@@ -16,7 +16,7 @@ from kspeedfs.format.contract.node import List, ManifestPiece, ManifestReq, Stat
 from kspeedfs.format.contract.pieces import read_piece
 from kspeedfs.format.errors import NotFound
 from kspeedfs.format.localdata import MANIFEST_FILE
-from kspeedfs.node.control import Control
+from kspeedfs.node.control import ClusterControl
 from kspeedfs.node.decoded import DecodedVariants
 from kspeedfs.node.fdserver import FdServer
 from kspeedfs.node.leases import LeaseTable
@@ -46,7 +46,7 @@ class NodeParts(Protocol):
     rdma: RdmaService
     fds: FdServer
     peers: PeerPool
-    control: Control
+    control: ClusterControl
     members: list[str]
     stats: dict[str, int]
     started: float

@@ -17,7 +17,7 @@ from kspeedfs.format.config import Settings
 from kspeedfs.format.contract import Request
 from kspeedfs.format.tls import client_context
 from kspeedfs.format.units import parse_size
-from kspeedfs.node.control import Control, ControlPlane
+from kspeedfs.node.control import ClusterControl, ControlPlane
 from kspeedfs.node.control.static import StaticControl
 from kspeedfs.node.coordinator import PreloadCoordinator
 from kspeedfs.node.decoded import DecodedVariants
@@ -76,7 +76,7 @@ class Node:
         self.decoded = DecodedVariants(self.store, self.address, settings.decode_workers)
         self.meta_indexes = AddedIndexes(self.store, self.address)
         # The control plane: etcd's (membership, catalog, healing), or the static node list.
-        self.control: Control = (
+        self.control: ClusterControl = (
             ControlPlane(
                 settings,
                 self.store,

@@ -11,7 +11,7 @@ import trio
 
 from kspeedfs.format.contract.node import Unload, UnloadLocal
 from kspeedfs.format.errors import KSpeedError
-from kspeedfs.node.control import Control
+from kspeedfs.node.control import ClusterControl
 from kspeedfs.node.leases import LeaseTable
 from kspeedfs.node.loads import LoadTable
 from kspeedfs.node.ops import ADMIN, OpRegistry
@@ -29,7 +29,7 @@ class Unloader:
         leases: LeaseTable,
         address: Callable[[], str],
         ask: Ask,
-        control: Control,
+        control: ClusterControl,
     ):
         self.store = store
         self.loads = loads

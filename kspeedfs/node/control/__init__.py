@@ -33,14 +33,14 @@ from kspeedfs.node.preload import Plan, Stager
 from kspeedfs.node.readthrough import ReadThroughCache
 from kspeedfs.node.store import SegmentStore
 
-__all__ = ["Control", "ControlPlane", "loading_record", "placed"]
+__all__ = ["ClusterControl", "ControlPlane", "loading_record", "placed"]
 
 log = logging.getLogger(__name__)
 
 SYNC_INTERVAL = 0.5  # seconds between reads of the members and the catalog
 
 
-class Control(Protocol):
+class ClusterControl(Protocol):
     """What the preload coordinator, the unloader and the status ops ask of a control plane:
     the etcd one (ControlPlane) or a static node list (control.static.StaticControl)."""
 
@@ -57,7 +57,7 @@ class Control(Protocol):
 
     async def members_now(self) -> list[str]: ...
 
-    async def claim(self, record: Record) -> None: ...
+    async def claim_preload(self, plan: Plan, coordinator: str) -> None: ...
 
     async def publish(self, name: str, uuid: str, more: Record) -> None: ...
 
@@ -142,6 +142,10 @@ class ControlPlane:
 
     async def claim(self, record: Record) -> None:
         await self.membership.claim(record)
+
+    async def claim_preload(self, plan: Plan, coordinator: str) -> None:
+        """Claim a preload's name in the catalog: of two racing preloads of it, one wins."""
+        await self.claim(loading_record(plan, coordinator))
 
     async def publish(self, name: str, uuid: str, more: Record) -> None:
         await self.membership.publish(name, uuid, more)

@@ -16,6 +16,7 @@ from kspeedfs.client.clusterstate import Record
 from kspeedfs.format.config import Settings
 from kspeedfs.node.discovery import follow_dns
 from kspeedfs.node.ops import OpRegistry
+from kspeedfs.node.preload import Plan
 
 
 class StaticControl:
@@ -46,7 +47,7 @@ class StaticControl:
     async def members_now(self) -> list[str]:
         return self._members
 
-    async def claim(self, record: Record) -> None:
+    async def claim_preload(self, plan: Plan, coordinator: str) -> None:
         """Nothing to claim: no other coordinator shares the name."""
 
     async def publish(self, name: str, uuid: str, more: Record) -> None:
