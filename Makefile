@@ -18,9 +18,10 @@ demo: deps
 test: deps lint
 	$(BIN)/pytest -q
 
-# The quick loop while changing code: no multi-node, etcd, nspawn, DALI or 1M-line tests.
+# The quick loop while changing code: no multi-node, etcd, nspawn, DALI or 1M-line tests,
+# spread over the cores (pytest-xdist; each test has its own ports, folders and health table).
 quick: deps
-	$(BIN)/pytest -q -m "not slow"
+	$(BIN)/pytest -q -m "not slow" -n auto
 
 lint: deps
 	$(BIN)/ruff check $(CHECKED)
