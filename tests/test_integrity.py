@@ -339,6 +339,47 @@ def test_the_scrubber_finds_a_planted_flip_with_no_reader(
     assert sum(wrong_bytes(bytes(ds.read(rel)), data) for rel, data in files.items()) == 0
 
 
+def test_a_reader_maps_a_repaired_sealed_segment_again(
+    tmp_path: Path, token_file: Path, nodes: list[NodeProcess]
+) -> None:
+    """A sealed disk segment damaged below the flag (a failing disk) fails the checksum of
+    the file a long-lived reader reads from it: the reader gets the right bytes elsewhere (the
+    source), the node fetches the segment again, and the same reader then reads that
+    segment's files from its new copy here (mapped again; with the source gone, to be sure),
+    not from elsewhere for the rest of its life."""
+    if not can_seal(tmp_path):
+        pytest.skip("needs root (CAP_LINUX_IMMUTABLE) and filesystems with the immutable flag")
+    node = disk_node(tmp_path, token_file, scrub_rate="0")
+    nodes.append(node.start())
+    src = tmp_path / "src"
+    files = make_source(src, 20, 150_000)
+    record = preload_on_disk(node, src, "src")
+    ds = KSpeedFolder(str(src), nodes=node.env()["KSPEEDFS_NODES"], token=str(token_file))
+    reader = ds._reader
+    seg = record["disk"][0]
+    in_seg = [
+        rel
+        for rel in sorted(files)
+        if any(
+            s == seg
+            for s, _, _ in reader.manifest.ranges(reader.manifest.resolve(os.fsencode(rel)))
+        )
+    ]
+    first, rest = in_seg[0], [rel for rel in files if rel not in in_seg]
+    assert sum(wrong_bytes(bytes(ds.read(rel)), files[rel]) for rel in rest) == 0  # maps kept
+    path = disk_segment(tmp_path, record, seg)
+    ranges = reader.manifest.ranges(reader.manifest.resolve(os.fsencode(first)))
+    (_, off, n) = next(r for r in ranges if r[0] == seg)
+    damage(path, "flip", (off + n // 2) / path.stat().st_size, below_the_flag=True)
+    assert wrong_bytes(bytes(ds.read(first)), files[first]) == 0  # read elsewhere: checked
+    wait_for(lambda: integrity(node)["repaired"] >= 1, what="the segment fetched again")
+    shutil.move(src, tmp_path / "gone")  # nothing else to read them from
+    served = node.request("status")["stats"]["reads"]
+    for rel in in_seg:
+        assert wrong_bytes(bytes(ds.read(rel)), files[rel]) == 0
+    assert node.request("status")["stats"]["reads"] == served  # all read here, from the new copy
+
+
 def test_a_restart_with_one_damaged_segment_keeps_the_others(
     tmp_path: Path, token_file: Path, nodes: list[NodeProcess]
 ) -> None:

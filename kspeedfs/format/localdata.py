@@ -358,8 +358,13 @@ class LocalDataset:
             for seg in segments:
                 self._disk_files.pop(seg, None)
                 self._seg_ok.discard(seg)
-                if self._watched.pop(seg, None) is not None:  # a map cut short: left alone
+                # A map cut short (left alone), or a sealed disk one damaged below the flag:
+                # dropped, so that the next read maps the file again (the node's new copy
+                # once it fetched one; a reader's view of the old map keeps it alive).
+                if self._watched.pop(seg, None) is not None or seg in self._sealed_disk:
                     self._maps.pop(seg, None)
+                    self._plain.pop(seg, None)
+                    self._sealed_disk.discard(seg)
             now = time.monotonic()
             new = [s for s in segments if now - self._reported.get(s, -1e9) >= REPORT_EVERY_S]
             self._reported.update((s, now) for s in new)
