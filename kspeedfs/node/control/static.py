@@ -22,13 +22,12 @@ from kspeedfs.node.preload import Plan
 class StaticControl:
     """Membership from the settings; claims, publishes and forgets that have no one to tell."""
 
-    # No catalog without etcd: listings show no placement beyond the record's own members.
-    catalog: dict[str, Record] = {}
-    histograms: list[Any] = []  # the metrics it adds (the etcd one: its copies' durations)
-
     def __init__(self, settings: Settings, members: list[str]):
         self.settings = settings
         self._members = members  # the node's list: follow_dns updates it in place
+        # No catalog without etcd: listings show no placement beyond the record's members.
+        self.catalog: dict[str, Record] = {}
+        self.histograms: list[Any] = []  # the metrics it adds (etcd's: its copies' durations)
 
     def register_ops(self, ops: OpRegistry) -> None:
         """None: rebalance and adopt need a catalog."""
