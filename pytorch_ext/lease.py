@@ -8,7 +8,13 @@ import socket
 import threading
 
 from kspeedfs.format.config import Settings
-from kspeedfs.format.contract.leases import LeaseAcquire, LeaseRelease, LeaseRenew
+from kspeedfs.format.contract.leases import (
+    LeaseAcquire,
+    LeaseHeld,
+    LeaseRelease,
+    LeaseReleased,
+    LeaseRenew,
+)
 from kspeedfs.format.errors import KSpeedError, NotFound
 from kspeedfs.format.tls import client_context
 from kspeedfs.format.units import parse_address
@@ -39,10 +45,10 @@ class LeaseKeeper:
     def acquire(self) -> None:
         """Take the lease; raises NotFound when the dataset is gone (or being unloaded)."""
         with self._lock:
-            reply = self._client.call(self._acquire)
-        self.lease_id = str(reply["lease"])
-        self.ttl = float(reply.get("ttl", self.ttl))
-        log.debug("lease on %s at %s: %s (ttl %.1fs)", self.name, self.home, reply, self.ttl)
+            held = LeaseHeld.from_wire(self._client.call(self._acquire))
+        self.lease_id = held.lease
+        self.ttl = held.ttl or self.ttl
+        log.debug("lease on %s at %s: %s (ttl %.1fs)", self.name, self.home, held, self.ttl)
         if self._thread is None:
             self._thread = threading.Thread(
                 target=self._renew_loop, name=f"kspeedfs-lease-{self.name}", daemon=True
@@ -61,8 +67,8 @@ class LeaseKeeper:
                         self._client.call(LeaseRenew(lease=self.lease_id))
                     except NotFound:
                         # The node restarted or we stalled past the ttl: take a new one.
-                        reply = self._client.call(self._acquire)
-                        self.lease_id = str(reply["lease"])
+                        held = LeaseHeld.from_wire(self._client.call(self._acquire))
+                        self.lease_id = held.lease
                         log.warning("lease on %s was lost; took a new one", self.name)
                 if failing:
                     log.warning("lease on %s renewed again", self.name)
@@ -82,8 +88,10 @@ class LeaseKeeper:
         self._stop.set()
         try:
             with self._lock:
-                reply = self._client.call(LeaseRelease(lease=self.lease_id))
-            log.debug("released the lease on %s: %s", self.name, reply)
+                released = LeaseReleased.from_wire(
+                    self._client.call(LeaseRelease(lease=self.lease_id))
+                )
+            log.debug("released the lease on %s: %s", self.name, released)
         except KSpeedError as e:
             log.warning(
                 "could not release the lease on %s (it expires by itself): %s", self.name, e

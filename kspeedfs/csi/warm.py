@@ -21,7 +21,12 @@ from typing import Any
 from kspeedfs.client import admin
 from kspeedfs.client.reader import local_node_for
 from kspeedfs.format.config import Settings
-from kspeedfs.format.contract.leases import LeaseAcquire, LeaseRelease, LeaseRenew
+from kspeedfs.format.contract.leases import (
+    LeaseAcquire,
+    LeaseHeld,
+    LeaseRelease,
+    LeaseRenew,
+)
 from kspeedfs.format.contract.node import List
 from kspeedfs.format.contract.preload import LoadProgress
 from kspeedfs.format.discovery import NodeWatch
@@ -133,9 +138,9 @@ class WarmDatasets:
         holder = f"csi:{self.node_id}:{volume.volume_id}"
         acquire = LeaseAcquire(name=volume.dataset, uuid=str(info["uuid"]), holder=holder)
         with self._client(home) as client:
-            reply = client.call(acquire)
+            held = LeaseHeld.from_wire(client.call(acquire))
         log.info("volume %s: lease on %s at %s", volume.volume_id, volume.dataset, home)
-        return dataclasses.replace(volume, lease=str(reply["lease"]), lease_home=home)
+        return dataclasses.replace(volume, lease=held.lease, lease_home=home)
 
     def release(self, volume: Volume) -> None:
         """End the volume's lease (the last one unloads its dataset); a node that forgot it

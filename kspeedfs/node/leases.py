@@ -16,7 +16,13 @@ from typing import Any
 
 import trio
 
-from kspeedfs.format.contract.leases import LeaseAcquire, LeaseRelease, LeaseRenew
+from kspeedfs.format.contract.leases import (
+    LeaseAcquire,
+    LeaseHeld,
+    LeaseRelease,
+    LeaseReleased,
+    LeaseRenew,
+)
 from kspeedfs.format.errors import InvalidArgument, KSpeedError, NotFound
 from kspeedfs.node.ops import JOB, OpRegistry
 from kspeedfs.node.store import SegmentStore
@@ -32,14 +38,17 @@ class Lease:
     holder: str  # who holds it, for logs and listings ("host:pid")
     expires: float
 
-    def to_wire(self, now: float) -> dict[str, object]:
-        return {
-            "lease": self.id,
-            "name": self.name,
-            "uuid": self.instance,
-            "holder": self.holder,
-            "expires_in": max(0.0, self.expires - now),
-        }
+    def held(self, now: float, ttl: float = 0.0, leases: int = 0) -> LeaseHeld:
+        """The answer that names this lease (`ttl` and `leases` when it was just taken)."""
+        return LeaseHeld(
+            lease=self.id,
+            name=self.name,
+            uuid=self.instance,
+            holder=self.holder,
+            expires_in=max(0.0, self.expires - now),
+            ttl=ttl,
+            leases=leases,
+        )
 
 
 class LeaseTable:
@@ -161,29 +170,29 @@ class LeaseOwner:
         task_status.started()
         await self._expire_leases()
 
-    async def op_lease_acquire(self, request: LeaseAcquire) -> dict[str, Any]:
+    async def op_lease_acquire(self, request: LeaseAcquire) -> LeaseHeld:
         record = self.store.instance(request.name, request.uuid)
         lease = self.table.acquire(record.name, record.uuid, request.holder)
         count = self.table.count(record.name)
         log.info("lease on %s taken by %s (%d held)", record.name, lease.holder, count)
-        return {**lease.to_wire(self.table.clock()), "ttl": self.table.ttl, "leases": count}
+        return lease.held(self.table.clock(), ttl=self.table.ttl, leases=count)
 
-    async def op_lease_renew(self, request: LeaseRenew) -> dict[str, Any]:
+    async def op_lease_renew(self, request: LeaseRenew) -> LeaseHeld:
         lease = self.table.renew(request.lease)
         record = self.store.datasets.get(lease.name)
         if record is None or record.uuid != lease.instance:
             self.table.release(lease.id)
             raise NotFound(f"the instance of {lease.name!r} this lease kept is gone")
-        return lease.to_wire(self.table.clock())
+        return lease.held(self.table.clock())
 
-    async def op_lease_release(self, request: LeaseRelease) -> dict[str, Any]:
+    async def op_lease_release(self, request: LeaseRelease) -> LeaseReleased:
         lease = self.table.release(request.lease)
         left = self.table.count(lease.name)
         log.info("lease on %s released by %s (%d left)", lease.name, lease.holder, left)
         unloaded = False
         if not left:
             unloaded = await self._unload_unleased(lease.name, "its last lease was released")
-        return {"name": lease.name, "leases": left, "unloaded": unloaded}
+        return LeaseReleased(name=lease.name, leases=left, unloaded=unloaded)
 
     def _lease_home(self, name: str) -> bool:
         # One node keeps a dataset's leases (the first it was placed over), so that only
