@@ -12,7 +12,7 @@ from kspeedfs.cli.tables import ls_table, print_table
 from kspeedfs.client import admin, on_mount
 from kspeedfs.client.tier_bytes import cluster_tiers
 from kspeedfs.format.config import Settings
-from kspeedfs.format.contract.node import List, Rebalance, Unload
+from kspeedfs.format.contract.node import List, Rebalance, Unload, Unloaded
 from kspeedfs.format.contract.readthrough import Refresh
 from kspeedfs.format.errors import InvalidArgument, KSpeedError, NotFound
 from kspeedfs.format.units import format_size, parse_size
@@ -140,8 +140,8 @@ def _add_decoded(client: Any, datasets: list[dict[str, Any]]) -> None:
 
 def cmd_unload(args: argparse.Namespace) -> int:
     with admin.connect(settings_from(args)) as client:
-        result = client.call(Unload(name=args.name))
-    print(f"{args.name}: {result['state']}")
+        result = Unloaded.from_wire(client.call(Unload(name=args.name)))
+    print(f"{args.name}: {result.state}")
     return 0
 
 

@@ -5,11 +5,10 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
-from typing import Any
 
 import trio
 
-from kspeedfs.format.contract.node import Unload, UnloadLocal
+from kspeedfs.format.contract.node import Unload, Unloaded, UnloadLocal
 from kspeedfs.format.errors import KSpeedError
 from kspeedfs.node.control import ClusterControl
 from kspeedfs.node.leases import LeaseTable
@@ -42,18 +41,18 @@ class Unloader:
         ops.add(Unload, self.op_unload, ADMIN)
         ops.add(UnloadLocal, self.op_unload_local, ADMIN)
 
-    async def op_unload(self, request: Unload) -> dict[str, Any]:
+    async def op_unload(self, request: Unload) -> Unloaded:
         return await self.unload(request.name)
 
-    async def unload(self, name: str) -> dict[str, Any]:
+    async def unload(self, name: str) -> Unloaded:
         """Unload everywhere (a load under way is cancelled, a failed one forgotten)."""
         progress = self.loads.get(name)
         if progress is not None and progress.state == "failed":
             self.loads.finish(name)
-            return {"name": name, "state": "forgotten"}
+            return Unloaded(name=name, state="forgotten")
         if progress is not None:
             progress.cancel.set()
-            return {"name": name, "state": "cancelled"}
+            return Unloaded(name=name, state="cancelled")
         record = self.store.instance(name)
         await self.control.forget(name, record.uuid)
         for member in record.members:
@@ -63,11 +62,11 @@ class Unloader:
                 except KSpeedError as e:
                     log.warning("could not unload %s on %s: %s", name, member, e)
         await self.unload_local(name, record.uuid)
-        return {"name": name, "state": "unloaded", "bytes": record.stored}
+        return Unloaded(name=name, state="unloaded", bytes=record.stored)
 
-    async def op_unload_local(self, request: UnloadLocal) -> dict[str, Any]:
+    async def op_unload_local(self, request: UnloadLocal) -> Unloaded:
         unloaded = await self.unload_local(request.name, request.uuid)
-        return {"name": request.name, "state": "unloaded" if unloaded else "absent"}
+        return Unloaded(name=request.name, state="unloaded" if unloaded else "absent")
 
     async def unload_local(self, name: str, uuid: str = "") -> bool:
         """Unload this member's part of `name` (of instance `uuid` only, when given)."""

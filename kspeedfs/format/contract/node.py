@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+from typing import Literal
 
 from kspeedfs.format.contract import Request, Wire, at_least, checked, dataset_name
 from kspeedfs.format.contract.pieces import PIECE, BlobPiece
@@ -59,6 +60,17 @@ class Unload(Request):
 
     OP = "unload"
     name: str = dataset_name()
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Unloaded(Wire):
+    """What an unload did: "unloaded" (`bytes` freed, on this member for unload_local),
+    "absent" (unload_local: this member held no part of that instance), "cancelled" (a load
+    under way was stopped) or "forgotten" (a failed load's record dropped)."""
+
+    name: str
+    state: Literal["unloaded", "absent", "cancelled", "forgotten"]
+    bytes: int = at_least(0, default=0)
 
 
 @dataclasses.dataclass(frozen=True)
