@@ -12,7 +12,7 @@ from kspeedfs.cli.tables import ls_table, print_table
 from kspeedfs.client import admin, on_mount
 from kspeedfs.client.tier_bytes import cluster_tiers
 from kspeedfs.format.config import Settings
-from kspeedfs.format.contract.node import List, Rebalance, Unload, Unloaded
+from kspeedfs.format.contract.node import List, Rebalance, Rebalanced, Unload, Unloaded
 from kspeedfs.format.contract.readthrough import Refresh
 from kspeedfs.format.errors import InvalidArgument, KSpeedError, NotFound
 from kspeedfs.format.units import format_size, parse_size
@@ -175,7 +175,7 @@ def cmd_rebalance(args: argparse.Namespace) -> int:
     if not settings.etcd:
         raise InvalidArgument("rebalance needs the etcd control plane (--etcd or KSPEEDFS_ETCD)")
     with admin.connect(settings) as client:
-        reply = client.call(Rebalance(name=args.name or ""))
-    done = ", ".join(reply["datasets"]) or "nothing"
-    print(f"rebalanced {done} over {len(reply['members'])} members")
+        reply = Rebalanced.from_wire(client.call(Rebalance(name=args.name or "")))
+    done = ", ".join(reply.datasets) or "nothing"
+    print(f"rebalanced {done} over {len(reply.members)} members")
     return 0

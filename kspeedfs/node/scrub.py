@@ -27,7 +27,7 @@ import xxhash
 
 from kspeedfs.format import placement
 from kspeedfs.format.config import Settings
-from kspeedfs.format.contract.scrub import ReportDamage
+from kspeedfs.format.contract.scrub import DamageChecked, ReportDamage
 from kspeedfs.format.errors import DataError, KSpeedError, StaleDataset
 from kspeedfs.format.tls import client_context
 from kspeedfs.format.units import parse_size
@@ -120,17 +120,16 @@ class Scrubber:
             if record is not None:
                 await self._check_reported(name, segments)
 
-    async def op_report_damage(self, request: ReportDamage) -> dict[str, Any]:
+    async def op_report_damage(self, request: ReportDamage) -> DamageChecked:
         """A reader found segments damaged: each checked here (a reader's word alone drops
         nothing), the damaged ones quarantined and fetched again."""
         record = self.store.datasets.get(request.name)
         if record is None or (request.uuid and request.uuid != record.uuid):
             raise StaleDataset(f"dataset {request.name!r} was unloaded or loaded again")
-        return {
-            "damaged": await self._check_reported(
-                request.name, request.segments[: max(1, record.segments)]
-            )
-        }
+        found = await self._check_reported(
+            request.name, request.segments[: max(1, record.segments)]
+        )
+        return DamageChecked(damaged=found)
 
     async def _check_reported(self, name: str, segments: list[int]) -> int:
         """Each segment checked here; the damaged ones quarantined and fetched again. How

@@ -14,7 +14,7 @@ import trio
 
 from kspeedfs.format import auth, protocol, users
 from kspeedfs.format.config import Settings
-from kspeedfs.format.contract.node import Ping, Pong, Shutdown
+from kspeedfs.format.contract.node import Ping, Pong, Shutdown, Stopping
 from kspeedfs.format.errors import (
     AuthError,
     InvalidArgument,
@@ -241,10 +241,10 @@ class NodeServer:
     async def op_ping(self, request: Ping) -> Pong:
         return Pong(self.address, protocol.VERSION)
 
-    async def op_shutdown(self, request: Shutdown) -> dict[str, Any]:
+    async def op_shutdown(self, request: Shutdown) -> Stopping:
         self.node.cancel_loads()
         self._stop.set()
-        return {"node": self.address, "state": "stopping"}
+        return Stopping(node=self.address)
 
 
 async def _send_direct(stream: trio.abc.Stream, data: memoryview) -> None:

@@ -87,6 +87,14 @@ class Shutdown(Request):
     OP = "shutdown"
 
 
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Stopping(Wire):
+    """The node that was asked to shut down, stopping."""
+
+    node: str
+    state: Literal["stopping"] = "stopping"
+
+
 def _name_or_all(value: str) -> str:
     return validate_name(value) if value else value
 
@@ -97,3 +105,11 @@ class Rebalance(Request):
 
     OP = "rebalance"
     name: str = checked(_name_or_all, default="")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Rebalanced(Wire):
+    """The datasets placed again, and the members they were placed over."""
+
+    datasets: list[str]
+    members: list[str]

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from kspeedfs.format.contract import Request, at_least, dataset_name
+from kspeedfs.format.contract import Request, Wire, at_least, dataset_name
 
 
 @dataclasses.dataclass(frozen=True)
@@ -17,3 +17,10 @@ class ReportDamage(Request):
     name: str = dataset_name()
     segments: list[int] = at_least(0)
     uuid: str = ""
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class DamageChecked(Wire):
+    """How many of the reported segments the node found damaged (and quarantined)."""
+
+    damaged: int = at_least(0)

@@ -20,7 +20,7 @@ import trio
 from kspeedfs.client.clusterstate import UNAVAILABLE, ClusterState, Record
 from kspeedfs.format.config import Settings
 from kspeedfs.format.contract.control import Adopt, Adopted
-from kspeedfs.format.contract.node import Rebalance
+from kspeedfs.format.contract.node import Rebalance, Rebalanced
 from kspeedfs.format.errors import NotFound
 from kspeedfs.format.manifest import plan_layout
 from kspeedfs.node.control.adopt import Adoption, Unload
@@ -100,12 +100,12 @@ class ControlPlane:
         ops.add(Adopt, self.op_adopt, ADMIN)
         ops.add(Rebalance, self.op_rebalance, ADMIN)
 
-    async def op_rebalance(self, request: Rebalance) -> dict[str, Any]:
+    async def op_rebalance(self, request: Rebalance) -> Rebalanced:
         """Place datasets over the members live now (one, or all)."""
         done = await self.rebalance(request.name or None)
         if request.name and not done:
             raise NotFound(f"no ready dataset named {request.name!r} in the catalog")
-        return {"datasets": done, "members": self.members()}
+        return Rebalanced(datasets=done, members=self.members())
 
     async def run(
         self, address: str, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED
