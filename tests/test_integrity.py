@@ -76,6 +76,22 @@ def disk_node(
     )
 
 
+def dataset_on_disk(
+    tmp_path: Path,
+    token_file: Path,
+    nodes: list[NodeProcess],
+    scrub_rate: str,
+    sealing: bool = True,
+) -> tuple[NodeProcess, Path, dict[str, bytes], dict[str, Any]]:
+    """A started disk_node (in `nodes`) with 20 files of about 150 KB preloaded onto its disk
+    tier as "src": the node, the source folder, its files and the dataset's record."""
+    node = disk_node(tmp_path, token_file, scrub_rate, sealing)
+    nodes.append(node.start())
+    src = tmp_path / "src"
+    files = make_source(src, 20, 150_000)
+    return node, src, files, preload_on_disk(node, src, "src")
+
+
 def preload_on_disk(node: NodeProcess, src: Path, name: str) -> dict[str, Any]:
     done = run_cli(
         "preload", str(src), "--name", name, "--tier", "disk", "--max-memory", "4KiB", "-q",
@@ -283,11 +299,9 @@ def test_a_flip_after_a_file_was_checked_is_caught_by_the_next_copy_of_it(
     """Copies (gather) of a file checked once are a pread and an fstat of its unsealed disk
     segment: a byte flipped in place afterwards changes the segment's times, and the next copy,
     whole or a part, reads the file again and checks it (the source serves it meanwhile)."""
-    node = disk_node(tmp_path, token_file, scrub_rate="0", sealing=False)
-    nodes.append(node.start())
-    src = tmp_path / "src"
-    files = make_source(src, 20, 150_000)
-    record = preload_on_disk(node, src, "src")
+    node, src, files, record = dataset_on_disk(
+        tmp_path, token_file, nodes, scrub_rate="0", sealing=False
+    )
     reader = KSpeedFolder(str(src), nodes=node.env()["KSPEEDFS_NODES"], token=str(token_file))
     r = reader._reader
     m = r.manifest
@@ -320,11 +334,7 @@ def test_a_flip_after_a_file_was_checked_is_caught_by_the_next_copy_of_it(
 def test_the_scrubber_finds_a_planted_flip_with_no_reader(
     tmp_path: Path, token_file: Path, nodes: list[NodeProcess]
 ) -> None:
-    node = disk_node(tmp_path, token_file, scrub_rate="64MiB")
-    nodes.append(node.start())
-    src = tmp_path / "src"
-    files = make_source(src, 20, 150_000)
-    record = preload_on_disk(node, src, "src")
+    node, src, files, record = dataset_on_disk(tmp_path, token_file, nodes, scrub_rate="64MiB")
     wait_for(lambda: integrity(node)["passes"] >= 1, what="a first scrub pass")
     seg = record["disk"][len(record["disk"]) // 2]
     damage(disk_segment(tmp_path, record, seg), "flip", 0.5, below_the_flag=True)
@@ -349,11 +359,7 @@ def test_a_reader_maps_a_repaired_sealed_segment_again(
     not from elsewhere for the rest of its life."""
     if not can_seal(tmp_path):
         pytest.skip("needs root (CAP_LINUX_IMMUTABLE) and filesystems with the immutable flag")
-    node = disk_node(tmp_path, token_file, scrub_rate="0")
-    nodes.append(node.start())
-    src = tmp_path / "src"
-    files = make_source(src, 20, 150_000)
-    record = preload_on_disk(node, src, "src")
+    node, src, files, record = dataset_on_disk(tmp_path, token_file, nodes, scrub_rate="0")
     ds = KSpeedFolder(str(src), nodes=node.env()["KSPEEDFS_NODES"], token=str(token_file))
     reader = ds._reader
     seg = record["disk"][0]
@@ -383,11 +389,7 @@ def test_a_reader_maps_a_repaired_sealed_segment_again(
 def test_a_restart_with_one_damaged_segment_keeps_the_others(
     tmp_path: Path, token_file: Path, nodes: list[NodeProcess]
 ) -> None:
-    node = disk_node(tmp_path, token_file, scrub_rate="0")
-    nodes.append(node.start())
-    src = tmp_path / "src"
-    files = make_source(src, 20, 150_000)
-    record = preload_on_disk(node, src, "src")
+    node, src, files, record = dataset_on_disk(tmp_path, token_file, nodes, scrub_rate="0")
     node.stop()
     seg = record["disk"][0]
     damage(disk_segment(tmp_path, record, seg), "flip", 0.3, below_the_flag=True)
@@ -562,11 +564,7 @@ def test_a_node_killed_and_restarted_leaves_no_sealed_file_behind(
     test's own cleanup (remove_tree, the rmtree of conftest) removes what a node left."""
     if not can_seal(tmp_path):
         pytest.skip("needs root (CAP_LINUX_IMMUTABLE) and filesystems with the immutable flag")
-    node = disk_node(tmp_path, token_file, scrub_rate="0")
-    nodes.append(node.start())
-    src = tmp_path / "src"
-    files = make_source(src, 20, 150_000)
-    record = preload_on_disk(node, src, "src")
+    node, src, files, record = dataset_on_disk(tmp_path, token_file, nodes, scrub_rate="0")
     done = run_cli("preload", str(src), "--name", "mem", "-q", env=node.env())
     assert done.returncode == 0, done.stderr
     assert len(sealed_beneath(tmp_path / "disk")) == len(record["disk"])
