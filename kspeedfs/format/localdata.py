@@ -276,8 +276,8 @@ class LocalDataset:
         return m
 
     def _check_size(self, seg: int) -> None:
-        """An unsealed mapped segment's file is still the manifest's length (DamagedSegment
-        when not: its map is dropped, the read goes elsewhere)."""
+        """An unsealed mapped segment's file is still the manifest's length (_cut_short
+        when not)."""
         f = self._watched.get(seg)
         if f is None:
             return
@@ -286,7 +286,12 @@ class LocalDataset:
         except (OSError, ValueError):
             return
         if size != int(self.manifest.seg_len[seg]):
-            self._found_damaged([seg], "has the wrong size")
+            self._cut_short(seg)
+
+    def _cut_short(self, seg: int) -> None:
+        """Mapped segment `seg`'s file is not its length: a damaged segment (DamagedSegment:
+        its map is dropped, the read goes elsewhere, the node is told)."""
+        self._found_damaged([seg], "has the wrong size")
 
     def file_checked(self, i: int) -> bool:
         """Whether file i (with bytes on the disk tier) was checked since its segments last

@@ -45,9 +45,6 @@ class ReadThroughDataset(LocalDataset):
         super().__init__(path)
         self._present: set[int] = set(self.held)
         self._inodes: dict[int, int] = {}
-        # Mapped segments without the immutable flag (a node that cannot seal), by their open
-        # file: each use checks its size first (cut short, a touch of the map could SIGBUS).
-        self._unsealed: dict[int, io.FileIO] = {}
         self._epoch = _map_epoch(self.path / EPOCH_FILE)
         self._epoch_seen = self._read_epoch()
         self.touched: set[int] = set()  # segments read since the last report to the node
@@ -73,14 +70,13 @@ class ReadThroughDataset(LocalDataset):
                     self._inodes.pop(seg, None)
                     # Dropped, not closed: a thread reading it still holds a reference.
                     self._maps.pop(seg, None)
-                    self._unsealed.pop(seg, None)
+                    self._watched.pop(seg, None)
             self.held = frozenset(self._present)
 
     def release(self) -> None:
         with self._lock:
             self._present.clear()
             self._inodes.clear()
-            self._unsealed.clear()
         super().release()
 
     def _appeared(self, seg: int) -> bool:
@@ -112,26 +108,20 @@ class ReadThroughDataset(LocalDataset):
                 m = self._maps.get(seg)
                 if m is None:
                     m = self._map(seg)
-        if seg in self._unsealed:
-            self._check_length(seg)
+        if seg in self._watched:  # unsealed (a node that cannot seal): its size first
+            self._check_size(seg)
         self.touched.add(seg)
         return m
 
-    def _check_length(self, seg: int) -> None:
-        """An unsealed mapped segment's file is still its full length (DataError when not:
-        the map is dropped and the read goes to the node or the source)."""
-        f = self._unsealed.get(seg)
-        try:
-            size = os.fstat(f.fileno()).st_size if f is not None else None
-        except (OSError, ValueError):
-            return
-        if size is not None and size != int(self.manifest.seg_len[seg]):
-            with self._lock:
-                self._maps.pop(seg, None)
-                self._unsealed.pop(seg, None)
-                self._present.discard(seg)
-                self.held = frozenset(self._present)
-            raise DataError(f"segment {seg} of {self.path.name} was cut short")
+    def _cut_short(self, seg: int) -> None:
+        """Not a damaged segment to report (its fill checked what it wrote; a node evicts
+        and fills again): the map is dropped and the read goes to the node or the source."""
+        with self._lock:
+            self._maps.pop(seg, None)
+            self._watched.pop(seg, None)
+            self._present.discard(seg)
+            self.held = frozenset(self._present)
+        raise DataError(f"segment {seg} of {self.path.name} was cut short")
 
     def _map(self, seg: int) -> mmap.mmap:
         kept: io.FileIO | None = None
@@ -157,7 +147,7 @@ class ReadThroughDataset(LocalDataset):
         self._maps[seg] = m
         self._inodes[seg] = ino
         if kept is not None:
-            self._unsealed[seg] = kept
+            self._watched[seg] = kept
         return m
 
     def read(self, i: int, offset: int, length: int) -> bytes:
