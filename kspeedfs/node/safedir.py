@@ -192,10 +192,11 @@ def open_subdir(parent_fd: int, name: str, shown: Path, what: str = "shm folder"
     return fd
 
 
-def remove_beneath(dir_fd: int, name: str) -> None:
-    """Remove entry `name` of dir_fd: a folder with everything in it, never what a symlink in
-    it points to (shutil.rmtree with dir_fd walks by descriptors). Sealed segments in it (the
-    immutable flag: see seal_segment) are unsealed first, also those a killed node left."""
+def remove_beneath(dir_fd: int | None, name: str) -> None:
+    """Remove entry `name` of dir_fd (None: `name` is a path): a folder with everything in
+    it, never what a symlink in it points to (shutil.rmtree with dir_fd walks by
+    descriptors). Sealed segments in it (the immutable flag: see seal_segment) are unsealed
+    first, also those a killed node left."""
     try:
         st = os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
     except FileNotFoundError:

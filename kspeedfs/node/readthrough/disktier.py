@@ -17,15 +17,13 @@ from __future__ import annotations
 
 import logging
 import os
-import shutil
 from pathlib import Path
 
-from kspeedfs.format import sealing
 from kspeedfs.format.errors import AlreadyExists, NoSpace
 from kspeedfs.format.localdata import SEGMENT_DIR, read_meta, segment_path
 from kspeedfs.format.units import format_size
 from kspeedfs.node.readthrough.dataset import CachedDataset, Instances, file_checksum
-from kspeedfs.node.safedir import link_segment, unlink_file
+from kspeedfs.node.safedir import link_segment, remove_beneath, unlink_file
 from kspeedfs.node.spill import SpillArea
 from kspeedfs.node.store import SegmentStore
 
@@ -144,7 +142,7 @@ class DiskTier:
             return
         for entry in folder.iterdir():
             if entry.name != SEGMENT_DIR or not named:
-                _remove(entry)  # an unfinished fill
+                remove_beneath(None, os.fspath(entry))  # an unfinished fill (sealed ones too)
         if not named:
             return
         for fname in sorted(os.listdir(folder / SEGMENT_DIR)):
@@ -167,13 +165,3 @@ class DiskTier:
             return not verify or file_checksum(path) == int(ds.sums[seg])
         except OSError:
             return False
-
-
-def _remove(path: Path) -> None:
-    if path.is_dir() and not path.is_symlink():
-        shared: list[int] = []
-        sealing.unseal_tree(None, os.fspath(path), shared)
-        shutil.rmtree(path, ignore_errors=True)
-        sealing.reseal_shared(shared)
-    else:
-        unlink_file(path)
