@@ -232,6 +232,38 @@ class Filesystem(Protocol):
     def listxattr(self, ino: int) -> list[bytes]: ...
 
 
+class BurstPoll:
+    """Keeps one serving thread awake through a burst of requests.
+
+    A thread blocked in read(2) of /dev/fuse is woken by the kernel for each request; when its
+    CPU went idle meanwhile, on a VM that wake-up is a halted virtual CPU brought back (tens of
+    us, more than the request itself: docs/mounts.md). So after answering a request that came
+    within `window` seconds of the one before (a burst: a reader opening file after file),
+    the thread polls the fd for up to `window` before it blocks again. Requests further apart
+    cost nothing extra: no polling after them."""
+
+    def __init__(self, fd: int, window: float):
+        self.window = window
+        self._poller = select.poll()
+        self._poller.register(fd, select.POLLIN)
+        self._answered = 0.0  # when the last request was answered
+        self._in_burst = False  # the last request came within `window` of the one before
+        self._until = 0.0  # poll until then before blocking
+
+    def wait(self) -> None:
+        """Returns when a request is there, or the window has passed (read(2) then blocks)."""
+        clock, poll, until = time.perf_counter, self._poller.poll, self._until
+        while clock() < until and not poll(0):
+            pass
+
+    def arrived(self) -> None:
+        self._in_burst = time.perf_counter() - self._answered < self.window
+
+    def answered(self) -> None:
+        self._answered = now = time.perf_counter()
+        self._until = now + self.window if self._in_burst else 0.0
+
+
 class RequestLoop:
     """Serves one /dev/fuse fd (the mount's own, or a clone) with `len(rows)` threads, each
     counting its requests in its own row of shared counters.
@@ -249,12 +281,14 @@ class RequestLoop:
         rows: list[memoryview],
         on_stray_interrupt: Callable[[int], None] | None = None,
         deadline: float | None = None,
+        poll_window: float = 0.0,
     ):
         self.fs = fs
         self.fd = fd
         self.rows = rows
         self.on_stray_interrupt = on_stray_interrupt
         self.deadline = deadline
+        self.poll_window = poll_window  # seconds thread 0 polls for the next request of a burst
         self._pool = ThreadPoolExecutor(max_workers=POOL_THREADS, thread_name_prefix="fuse-pool")
         self._pending: dict[int, float] = {}  # unique -> when it went to the pool
         self._interrupted: dict[int, None] = {}  # interrupts that came before their request
@@ -269,7 +303,10 @@ class RequestLoop:
 
     def start(self) -> None:
         for i, row in enumerate(self.rows):
-            t = threading.Thread(target=self._serve, args=(row,), name=f"fuse-{i}", daemon=True)
+            polls = self.poll_window if i == 0 else 0.0
+            t = threading.Thread(
+                target=self._serve, args=(row, polls), name=f"fuse-{i}", daemon=True
+            )
             t.start()
             self._threads.append(t)
         if self.deadline is not None:
@@ -304,11 +341,14 @@ class RequestLoop:
 
     # ---- the request loop
 
-    def _serve(self, row: memoryview) -> None:
+    def _serve(self, row: memoryview, poll_window: float = 0.0) -> None:
         buf = bytearray(READ_BUFFER)
         view = memoryview(buf)
+        burst = BurstPoll(self.fd, poll_window) if poll_window > 0 else None
         try:
             while True:
+                if burst is not None:
+                    burst.wait()
                 try:
                     n = os.readv(self.fd, [buf])
                 except OSError as e:
@@ -321,16 +361,20 @@ class RequestLoop:
                     return
                 if n == 0:
                     return
+                if burst is not None:
+                    burst.arrived()
                 if buf[4] == IOCTL and n >= IN_HEADER.size and not any(buf[5:8]):
                     # Python's open() asks isatty() of every file (TCGETS): answered here, no
                     # handler, no exception (see _ioctl).
                     row[IOCTL] += 1
                     self._write(0, [ENOTTY_REPLY, view[8:16]])
-                    continue
-                try:
-                    self._handle(view[:n], row)
-                except Exception:  # a bug here must not end the loop; the log says what
-                    log.exception("FUSE request failed")
+                else:
+                    try:
+                        self._handle(view[:n], row)
+                    except Exception:  # a bug here must not end the loop; the log says what
+                        log.exception("FUSE request failed")
+                if burst is not None:
+                    burst.answered()
         finally:
             self.done.set()
 
