@@ -90,6 +90,8 @@ def progressing(progress: Progress) -> Progressing:
 
 
 class Versioned(Protocol):
+    """A long-polled answer: the version of the state it carries."""
+
     @property
     def version(self) -> int: ...
 
