@@ -12,17 +12,23 @@ import logging
 import os
 import time
 from collections.abc import Awaitable, Callable
-from typing import Any
 
 import trio
 
 from kspeedfs.format.config import Settings
 from kspeedfs.format.contract.node import Ping
-from kspeedfs.format.contract.preload import LoadProgress, Preload, PreloadStarted
+from kspeedfs.format.contract.preload import (
+    LoadProgress,
+    Preload,
+    PreloadStarted,
+    Progressing,
+    Published,
+    state_version,
+)
 from kspeedfs.format.errors import AlreadyExists, AuthError, KSpeedError
 from kspeedfs.format.units import format_size
 from kspeedfs.node.control import ClusterControl
-from kspeedfs.node.loads import LoadTable, answer_on_change, failure_reason
+from kspeedfs.node.loads import LoadTable, answer_on_change, failure_reason, progressing
 from kspeedfs.node.ops import ADMIN, JOB, READ, OpRegistry, caller_role, refusal
 from kspeedfs.node.peers import Ask
 from kspeedfs.node.preload import (
@@ -102,15 +108,16 @@ class PreloadCoordinator:
             nodes=plan.members,
         )
 
-    async def op_progress(self, request: LoadProgress) -> dict[str, Any]:
+    async def op_progress(self, request: LoadProgress) -> Progressing | Published:
         """A load's progress (or its dataset's record once published), long-polled: answered
         when its state changes from the version the client saw, or after wait_s."""
 
-        def read() -> dict[str, Any]:
+        def read() -> Progressing | Published:
             progress = self.loads.get(request.name)
             if progress is not None:
-                return progress.to_wire()
-            return self.store.instance(request.name).to_wire()
+                return progressing(progress)
+            record = self.store.instance(request.name).to_wire()
+            return Published(**record, version=state_version("ready"))
 
         return await answer_on_change(read, request.wait_for_change_after, request.wait_s)
 

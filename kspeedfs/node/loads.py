@@ -9,18 +9,15 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import Any, Protocol, TypeVar
 
 import trio
 
-from kspeedfs.format.contract.preload import MAX_WAIT_S
+from kspeedfs.format.contract.preload import MAX_WAIT_S, Progressing, state_version
 from kspeedfs.format.errors import AlreadyExists, KSpeedError
 from kspeedfs.sources.loader import Progress
 
 FAILED_KEPT_S = 600.0
-# The states of a load (a coordinator's or a member's part), in the order they come; a
-# long-polled answer's `version` is its state's place here.
-STATES = ("scanning", "receiving", "loading", "staged", "ready", "failed")
 # How often a long-polled answer looks at the state it waits on: a look is a read of an
 # attribute in this process, not a request.
 WATCH_TICK_S = 0.02
@@ -87,23 +84,29 @@ def failure_reason(error: BaseException) -> str:
     return f"{type(error).__name__}: {error}"
 
 
-def state_version(state: str) -> int:
-    """The version of a state (1 on, in the order of STATES; 0 for one not listed)."""
-    return STATES.index(state) + 1 if state in STATES else 0
+def progressing(progress: Progress) -> Progressing:
+    """A load's progress as `progress` and `stage_status` answer it, with its state's version."""
+    return Progressing(**progress.to_wire(), version=state_version(progress.state))
 
 
-async def answer_on_change(
-    read: Callable[[], dict[str, Any]], after: int, wait_s: float
-) -> dict[str, Any]:
-    """`read()` with its `version`, once that is not `after` (at once for -1) or after `wait_s`
-    seconds (at most MAX_WAIT_S), whichever is first: a caller long-polls instead of asking
-    again and again."""
+class Versioned(Protocol):
+    """A long-polled answer: the version of the state it carries."""
+
+    @property
+    def version(self) -> int: ...
+
+
+Answer = TypeVar("Answer", bound=Versioned)
+
+
+async def answer_on_change(read: Callable[[], Answer], after: int, wait_s: float) -> Answer:
+    """`read()` once its `version` is not `after` (at once for -1) or after `wait_s` seconds
+    (at most MAX_WAIT_S), whichever is first: a caller long-polls instead of asking again and
+    again."""
     with trio.move_on_after(min(wait_s, MAX_WAIT_S)):
         while True:
             answer = read()
-            version = state_version(str(answer.get("state", "")))
-            if after < 0 or version != after:
-                return {**answer, "version": version}
+            if after < 0 or answer.version != after:
+                return answer
             await trio.sleep(WATCH_TICK_S)
-    answer = read()
-    return {**answer, "version": state_version(str(answer.get("state", "")))}
+    return read()

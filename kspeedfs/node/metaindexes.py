@@ -12,7 +12,7 @@ import secrets
 import stat
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, Literal, Protocol
 
 import trio
 
@@ -20,8 +20,15 @@ from kspeedfs.format import metaindex
 from kspeedfs.format.contract import Request
 from kspeedfs.format.contract.metaindexes import (
     FetchMetaIndex,
+    IndexAddAborted,
+    IndexAdded,
+    IndexCommitted,
+    IndexPiecePut,
+    IndexPieceStaged,
+    IndexReserved,
     MetaAbort,
     MetaAdd,
+    MetaAdded,
     MetaCommit,
     MetaIndexPiece,
     MetaPut,
@@ -204,7 +211,7 @@ class MetaIndexes:
         ops.add(StageMeta, self.op_stage_meta, ADMIN)
         ops.add(FetchMetaIndex, self.op_meta_index, READ)
 
-    async def op_stage_meta(self, request: StageMeta) -> dict[str, Any]:
+    async def op_stage_meta(self, request: StageMeta) -> IndexPieceStaged:
         stage = self.stage_of(request.name, request.uuid)
         if stage.staging is None:
             raise InvalidArgument("no staging folder for this preload")
@@ -212,7 +219,7 @@ class MetaIndexes:
         received = await trio.to_thread.run_sync(
             _write_piece, path, request.piece, stage.uuid, request.meta
         )
-        return {"received": received}
+        return IndexPieceStaged(received=received)
 
     async def op_meta_index(self, request: FetchMetaIndex) -> MetaIndexPiece:
         """A piece of a published index's bytes (the client maps the whole file)."""
@@ -307,7 +314,7 @@ class AddedIndexes:
 
     # -- the coordinator --
 
-    async def op_meta_add(self, request: MetaAdd) -> dict[str, Any]:
+    async def op_meta_add(self, request: MetaAdd) -> MetaAdded:
         """Index meta files of a published dataset on every member; one already there is left as
         it is. Every name is checked before anything is built."""
         name, raw = request.name, request.meta
@@ -323,7 +330,7 @@ class AddedIndexes:
         if members[0] != self.address and not via:
             # Forwarded by the node asked, which gets the index too (admin: a peer).
             forward = MetaAdd(name=name, uuid=record.uuid, meta=raw, via=self.address)
-            return await self._ask(members[0], forward)
+            return MetaAdded.from_wire(await self._ask(members[0], forward))
         m = self.store.open(name).manifest
         if m.uuid != record.uuid:
             raise StaleDataset(f"dataset {name!r} was loaded again: the instance asked for is gone")
@@ -336,11 +343,11 @@ class AddedIndexes:
             indexes = [await self._add(record, m, meta, members) for meta in metas]
         except OSError as e:  # the scratch folder, the source: one line, the node stays up
             raise DataError(f"indexing meta files of {name} failed: {e}") from None
-        return {"name": name, "uuid": record.uuid, "indexes": indexes}
+        return MetaAdded(name=name, uuid=record.uuid, indexes=indexes)
 
     async def _add(
         self, record: DatasetRecord, m: Manifest, meta: str, members: list[str]
-    ) -> dict[str, Any]:
+    ) -> IndexAdded:
         """One index; a second request for it waits for the first, then finds it there."""
         key = (record.name, record.uuid, meta)
         lock = self._locks.setdefault(key, trio.Lock())
@@ -353,7 +360,7 @@ class AddedIndexes:
 
     async def _add_locked(
         self, record: DatasetRecord, m: Manifest, meta: str, members: list[str]
-    ) -> dict[str, Any]:
+    ) -> IndexAdded:
         name, uuid = record.name, record.uuid
         self.store.instance(name, uuid)  # it may have gone while this waited
         add = secrets.token_hex(8)
@@ -367,8 +374,8 @@ class AddedIndexes:
 
         try:
             estimate = tarindexes.index_size_estimate(meta, size)
-            present = await self._on_members(members, MetaReserve(**ident, bytes=estimate))
-            need = [member for member in members if not present[member]["present"]]
+            reserved = await self._reserve_on(members, MetaReserve(**ident, bytes=estimate))
+            need = [member for member in members if not reserved[member].present]
             if not need:
                 idx = tarindexes.open_index(record.path / metaindex.index_file(meta), meta)
                 return _described(meta, "present", idx.header, idx.nbytes, 0)
@@ -384,10 +391,9 @@ class AddedIndexes:
             header = await trio.to_thread.run_sync(_header, path, meta)
             nbytes = path.stat().st_size
             # The exact size replaces the estimate (short lines make an index outgrow it).
-            await self._on_members(need, MetaReserve(**ident, bytes=nbytes))
+            await self._reserve_on(need, MetaReserve(**ident, bytes=nbytes))
             await send(need, ident, built, self._ask, put)
-            answers = await self._on_members(need, MetaCommit(**ident), committed)
-            added = sum(1 for a in answers.values() if a["added"])
+            added = await self._commit_on(need, MetaCommit(**ident), committed)
             return _described(meta, "added", header, nbytes, added)
         except BaseException:
             with trio.CancelScope(shield=True):
@@ -401,21 +407,30 @@ class AddedIndexes:
         finally:
             discard(built)
 
-    async def _on_members(
-        self, members: Sequence[str], request: Request, done: list[str] | None = None
-    ) -> dict[str, dict[str, Any]]:
+    async def _reserve_on(
+        self, members: Sequence[str], request: MetaReserve
+    ) -> dict[str, IndexReserved]:
         """`request` on every member at once; the first refusal is raised once all have
-        answered. `done` collects the members whose index went in place (MetaCommit)."""
+        answered."""
         answers, errors = await ask_all(self._ask, members, request)
-        if done is not None:
-            done.extend(m for m, a in answers.items() if a.get("added"))
         if errors:
             raise errors[0]
-        return answers
+        return {member: IndexReserved.from_wire(a) for member, a in answers.items()}
+
+    async def _commit_on(self, members: Sequence[str], request: MetaCommit, done: list[str]) -> int:
+        """`request` on every member at once; `done` collects the members whose index went
+        in place (before the first refusal is raised, once all have answered). Returns how
+        many they are."""
+        answers, errors = await ask_all(self._ask, members, request)
+        put = [member for member, a in answers.items() if IndexCommitted.from_wire(a).added]
+        done.extend(put)
+        if errors:
+            raise errors[0]
+        return len(put)
 
     # -- every member --
 
-    async def op_meta_reserve(self, request: MetaReserve) -> dict[str, Any]:
+    async def op_meta_reserve(self, request: MetaReserve) -> IndexReserved:
         """Reserve an index's bytes here (NoSpace in one line), unless it is here already."""
         name, uuid, meta, add = request.name, request.uuid, request.meta, request.add
         nbytes = request.bytes
@@ -431,9 +446,9 @@ class AddedIndexes:
         present = await trio.to_thread.run_sync(reserve)
         if not present:
             self._reserved.setdefault(name, set()).add(key)
-        return {"node": self.address, "present": present}
+        return IndexReserved(node=self.address, present=present)
 
-    async def op_meta_put(self, request: MetaPut) -> dict[str, Any]:
+    async def op_meta_put(self, request: MetaPut) -> IndexPiecePut:
         """A piece of the index, written under the add's temporary name; the last is checked."""
         name, uuid, meta, add = request.name, request.uuid, request.meta, request.add
         offset, total, data = request.piece.offset, request.piece.total, request.piece.raw
@@ -446,13 +461,13 @@ class AddedIndexes:
                 self.store.write_into, name, uuid, metaindex.INDEX_DIR, tmp, offset, data
             )
             if offset + len(data) < total:
-                return {"node": self.address, "received": offset + len(data)}
+                return IndexPiecePut(node=self.address, received=offset + len(data))
             await trio.to_thread.run_sync(_check_index, folder / tmp, size, total, uuid, meta)
         except OSError as e:
             raise DataError(f"index of {meta} on {self.address}: {e}") from None
-        return {"node": self.address, "received": total}
+        return IndexPiecePut(node=self.address, received=total)
 
-    async def op_meta_commit(self, request: MetaCommit) -> dict[str, Any]:
+    async def op_meta_commit(self, request: MetaCommit) -> IndexCommitted:
         """Put the received index in place (one rename) and count it instead of its reservation."""
         name, uuid, meta, add = request.name, request.uuid, request.meta, request.add
         key = _reservation(name, meta, add)
@@ -471,9 +486,9 @@ class AddedIndexes:
         self._reserved.get(name, set()).discard(key)
         if added:
             log.info("added the index of %s to %s: %s", meta, name, format_size(added))
-        return {"node": self.address, "added": added > 0, "bytes": added}
+        return IndexCommitted(node=self.address, added=added > 0, bytes=added)
 
-    async def op_meta_abort(self, request: MetaAbort) -> dict[str, Any]:
+    async def op_meta_abort(self, request: MetaAbort) -> IndexAddAborted:
         """Undo an add here: its temporary file and reservation; with `drop`, the index it put
         in place too (another member failed to)."""
         name, uuid, meta, add = request.name, request.uuid, request.meta, request.add
@@ -491,7 +506,7 @@ class AddedIndexes:
             await trio.to_thread.run_sync(undo)
         except StaleDataset:
             pass  # the instance went, and its files with it
-        return {"node": self.address}
+        return IndexAddAborted(node=self.address)
 
     def _unloading(self, name: str) -> None:
         """Before the dataset's files go: the reservations of its adds in flight end."""
@@ -518,16 +533,16 @@ def _header(path: Path, meta: str) -> dict[str, Any]:
 
 
 def _described(
-    meta: str, state: str, header: dict[str, Any], nbytes: int, nodes: int
-) -> dict[str, Any]:
+    meta: str, state: Literal["added", "present"], header: dict[str, Any], nbytes: int, nodes: int
+) -> IndexAdded:
     """One index in a meta_add reply."""
-    return {
-        "meta": meta,
-        "state": state,
-        "rows": int(header["rows"]),
-        "samples": int(header["samples"]),
-        "bad": int(header["bad"]),
-        "missing": int(header["missing"]),
-        "bytes": nbytes,
-        "nodes": nodes,
-    }
+    return IndexAdded(
+        meta=meta,
+        state=state,
+        rows=int(header["rows"]),
+        samples=int(header["samples"]),
+        bad=int(header["bad"]),
+        missing=int(header["missing"]),
+        bytes=nbytes,
+        nodes=nodes,
+    )

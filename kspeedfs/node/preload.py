@@ -18,26 +18,34 @@ import secrets
 import stat
 import time
 from pathlib import Path
-from typing import Any
 
-import numpy as np
 import trio
 import xxhash
 
 from kspeedfs.format import placement
 from kspeedfs.format.contract.node import UnloadLocal
-from kspeedfs.format.contract.pieces import Assembly, BlobPiece, from_base64, pieces_of, to_base64
+from kspeedfs.format.contract.pieces import Assembly, BlobPiece, pieces_of
 from kspeedfs.format.contract.preload import (
     Abort,
+    Aborted,
+    Checksummed,
     Commit,
+    Committed,
+    ManifestPieceTaken,
+    ManifestPlaced,
     Preload,
+    Progressing,
+    PushStaged,
+    SegmentPiecePut,
     StageClaim,
+    StageClaimed,
     StageDone,
     StageManifest,
     StagePush,
     StagePut,
     StageReq,
     StageResult,
+    StageStarted,
     StageStatus,
     Tier,
 )
@@ -58,7 +66,7 @@ from kspeedfs.format.manifest import Manifest, plan_layout, write_manifest
 from kspeedfs.format.tree import Tree
 from kspeedfs.format.units import format_size
 from kspeedfs.node import metaindexes, sourceio
-from kspeedfs.node.loads import answer_on_change
+from kspeedfs.node.loads import answer_on_change, progressing
 from kspeedfs.node.ops import ADMIN, OpRegistry, answering
 from kspeedfs.node.peers import Ask
 from kspeedfs.node.store import SegmentStore, disk_claim
@@ -102,14 +110,6 @@ def source_modified(e: BaseException) -> bool:
     if isinstance(e, BaseExceptionGroup):
         return any(source_modified(x) for x in e.exceptions)
     return isinstance(e, SourceModified)
-
-
-def _b64(arr: np.ndarray) -> str:
-    return to_base64(arr.tobytes())
-
-
-def _unb64(text: str, dtype: str) -> np.ndarray:
-    return np.frombuffer(from_base64(text, "a saved column"), dtype=dtype)
 
 
 @dataclasses.dataclass
@@ -192,7 +192,7 @@ class Stager:
         if current is not None and current.progress.state != "failed":
             raise AlreadyExists(f"dataset {name!r} is already loading on {self.address}")
 
-    async def op_stage_claim(self, request: StageClaim) -> dict[str, Any]:
+    async def op_stage_claim(self, request: StageClaim) -> StageClaimed:
         """Admission: claim this member's part of a preload (NoSpace when it cannot fit)
         before any member loads; its stage takes the claim over, an abort gives it back."""
         self._check_absent(request.name)
@@ -203,7 +203,7 @@ class Stager:
         disk = self.claimed_disk.get(request.uuid, set())
         lengths = dict(zip(request.segments, request.lengths, strict=True))
         disk_bytes = sum(lengths[k] for k in disk)
-        return {"node": self.address, "memory": request.bytes - disk_bytes, "disk": disk_bytes}
+        return StageClaimed(node=self.address, memory=request.bytes - disk_bytes, disk=disk_bytes)
 
     def _claim_tiers(self, request: StageClaim) -> None:
         """Claim the part on the tiers `request.tier` asks for: with "auto", the held segments
@@ -274,7 +274,7 @@ class Stager:
         self.claimed_disk.pop(uuid, None)
         self.store.release(disk_claim(uuid))
 
-    async def op_stage(self, request: StageReq) -> dict[str, Any]:
+    async def op_stage(self, request: StageReq) -> StageStarted:
         """Stage the held segments of a preload another node coordinates: this member scans
         the source itself, and must see the tree the coordinator saw."""
         self._check_absent(request.name)
@@ -298,7 +298,7 @@ class Stager:
             raise
         return await self._start_load(stage, src, tree, laid, request.meta_bytes)
 
-    async def stage_planned(self, plan: Plan, meta_bytes: int) -> dict[str, Any]:
+    async def stage_planned(self, plan: Plan, meta_bytes: int) -> StageStarted:
         """Stage this node's part of a preload it coordinates: from the plan's own scan and
         layout, nothing scanned or laid out again."""
         self._check_absent(plan.name)
@@ -310,7 +310,7 @@ class Stager:
 
     async def _start_load(
         self, stage: Stage, src: Source, tree: Tree, laid: LaidOut, meta_bytes: int
-    ) -> dict[str, Any]:
+    ) -> StageStarted:
         """Reserve the stage's bytes, make its staging folder, start its load."""
         try:
             seg_len = laid.seg_len
@@ -334,9 +334,9 @@ class Stager:
             raise
         stage.progress.state = "loading"
         self.tasks.start_soon(self._load, stage, src, tree, laid.layout)
-        return {"node": self.address, "segments": len(stage.held), "bytes": held_bytes}
+        return StageStarted(node=self.address, segments=len(stage.held), bytes=held_bytes)
 
-    async def op_stage_push(self, request: StagePush) -> dict[str, Any]:
+    async def op_stage_push(self, request: StagePush) -> StageStarted:
         """Allocate the held segments; the coordinator then writes them with stage_put."""
         self._check_absent(request.name)
         if len(request.segments) != len(request.lengths):
@@ -361,7 +361,7 @@ class Stager:
             if isinstance(e, OSError):
                 raise DataError(f"cannot allocate staging on {self.address}: {e}") from None
             raise
-        return {"node": self.address, "segments": len(seg_len), "bytes": progress.bytes_total}
+        return StageStarted(node=self.address, segments=len(seg_len), bytes=progress.bytes_total)
 
     def _take_claim(self, stage: Stage, seg_len: dict[int, int]) -> None:
         """Reserve the stage's memory bytes in place of its preload's admission claim (none
@@ -372,16 +372,16 @@ class Stager:
         self.store.reserve(stage.name, memory, written=stage.written, instead_of=_claim(stage.uuid))
         self.claims.pop(stage.uuid, None)
 
-    async def op_stage_put(self, request: StagePut) -> dict[str, Any]:
+    async def op_stage_put(self, request: StagePut) -> SegmentPiecePut:
         stage = self._get(request.name, request.uuid)
         seg = request.segment
         if stage.staging is None or seg not in stage.held or stage.progress.state != "receiving":
             raise InvalidArgument(f"segment {seg} is not expected here")
         written = await trio.to_thread.run_sync(_write_piece, stage.seg_path(seg), request.piece)
         stage.progress.bytes_done += written
-        return {"node": self.address}
+        return SegmentPiecePut(node=self.address)
 
-    async def op_stage_done(self, request: StageDone) -> dict[str, Any]:
+    async def op_stage_done(self, request: StageDone) -> PushStaged:
         stage = self._get(request.name, request.uuid)
         if stage.staging is None or stage.progress.state != "receiving":
             raise InvalidArgument(f"{stage.name} is {stage.progress.state}, not receiving")
@@ -389,7 +389,7 @@ class Stager:
         stage.progress.state = "staged"
         self.loaded["segments"] += len(stage.held)
         self.loaded["bytes"] += stage.progress.bytes_done
-        return {"node": self.address}
+        return PushStaged(node=self.address)
 
     async def _load(self, stage: Stage, src: Source, tree: Tree, layout: Layout) -> None:
         assert stage.staging is not None
@@ -430,27 +430,23 @@ class Stager:
         stage.progress.error_kind = type(e).__name__ if isinstance(e, KSpeedError) else ""
         log.error("staging %s failed: %s", stage.name, stage.progress.error)
 
-    async def op_stage_status(self, request: StageStatus) -> dict[str, Any]:
+    async def op_stage_status(self, request: StageStatus) -> Progressing:
         """The stage's progress, long-polled: answered when its state changes from the
         version the coordinator saw, or after wait_s."""
         stage = self._get(request.name, request.uuid)
         return await answer_on_change(
-            stage.progress.to_wire, request.wait_for_change_after, request.wait_s
+            lambda: progressing(stage.progress), request.wait_for_change_after, request.wait_s
         )
 
-    async def op_stage_result(self, request: StageResult) -> dict[str, Any]:
+    async def op_stage_result(self, request: StageResult) -> Checksummed:
         stage = self._get(request.name, request.uuid)
         if stage.progress.state != "staged":
             raise InvalidArgument(f"{stage.name} is {stage.progress.state}, not staged")
-        idx = np.array(sorted(stage.checksums), dtype="<u4")
-        sums = np.array([stage.checksums[int(i)] for i in idx], dtype="<u8")
-        return {
-            "files": _b64(idx),
-            "sums": _b64(sums),
-            "segments": {str(k): v for k, v in stage.seg_checksums.items()},
-        }
+        return Checksummed.of(stage.checksums, stage.seg_checksums)
 
-    async def op_stage_manifest(self, request: StageManifest) -> dict[str, Any]:
+    async def op_stage_manifest(
+        self, request: StageManifest
+    ) -> ManifestPieceTaken | ManifestPlaced:
         stage = self._get(request.name, request.uuid)
         if stage.staging is None or stage.progress.state != "staged":
             raise InvalidArgument(f"{stage.name} is {stage.progress.state}, not staged")
@@ -458,12 +454,12 @@ class Stager:
             stage.manifest = Assembly(MAX_MANIFEST_BYTES)
         received = stage.manifest.add(request.piece)
         if not stage.manifest.done:
-            return {"node": self.address, "received": received}
+            return ManifestPieceTaken(node=self.address, received=received)
         blob, stage.manifest = bytes(stage.manifest.buf), None
         await trio.to_thread.run_sync(_put_manifest, stage, blob)
-        return {"node": self.address}
+        return ManifestPlaced(node=self.address)
 
-    async def op_commit(self, request: Commit) -> dict[str, Any]:
+    async def op_commit(self, request: Commit) -> Committed:
         stage = self._get(request.name, request.uuid)
         staging = stage.staging
         if staging is None:
@@ -484,11 +480,11 @@ class Stager:
         await trio.to_thread.run_sync(publish)
         self.stages.pop(stage.name, None)
         log.info("published %s: %d segments held here", stage.name, len(stage.held))
-        return {"node": self.address}
+        return Committed(node=self.address)
 
-    async def op_abort(self, request: Abort) -> dict[str, Any]:
+    async def op_abort(self, request: Abort) -> Aborted:
         await self.abort(request.name, request.uuid)
-        return {"node": self.address}
+        return Aborted(node=self.address)
 
     async def abort(self, name: str, uuid: str) -> None:
         """Drop preload `uuid`'s claim and its staged part of `name` here, if any."""
@@ -751,7 +747,7 @@ async def coordinate(
     offsets, seg_len, layout = plan.laid.offsets, plan.laid.seg_len, plan.laid.layout
     source = open_source(plan.source, plan.endpoint)
     member_progress: dict[str, tuple[int, int]] = {}
-    results: dict[str, dict[str, Any]] = {}
+    results: dict[str, Checksummed] = {}
     ident = {"name": plan.name, "uuid": plan.uuid}
     indexes: list[tuple[str, Path]] = []
 
@@ -765,19 +761,20 @@ async def coordinate(
             status = StageStatus(
                 name=plan.name, uuid=plan.uuid, wait_for_change_after=seen, wait_s=STATUS_WAIT_S
             )
-            p = await ask(member, status)
-            seen = p["version"]
-            member_progress[member] = (p["bytes_done"], p["bytes_total"])
+            p = Progressing.from_wire(await ask(member, status))
+            seen = p.version
+            member_progress[member] = (p.bytes_done, p.bytes_total)
             done = sum(d for d, _ in member_progress.values())
             total = sum(t for _, t in member_progress.values()) or 1
             progress.bytes_done = int(progress.bytes_total * done / total)
             progress.files_done = int(progress.files_total * done / total)
-            if p["state"] == "staged":
+            if p.state == "staged":
                 break
-            if p["state"] == "failed":
-                kind = p.get("error_kind") or "DataError"
-                raise error_from_wire(kind, f"node {member}: {p['error']}")
-        results[member] = await ask(member, StageResult(name=plan.name, uuid=plan.uuid))
+            if p.state == "failed":
+                kind = p.error_kind or "DataError"
+                raise error_from_wire(kind, f"node {member}: {p.error}")
+        result = await ask(member, StageResult(name=plan.name, uuid=plan.uuid))
+        results[member] = Checksummed.from_wire(result)
 
     async def push_segment(member: str, seg: int) -> None:
         data = await sourceio.run_sync(source.read_segment, tree, layout, seg)
@@ -791,11 +788,12 @@ async def coordinate(
         checksums = [0] * len(tree)
         seg_checksums = [0] * len(seg_len)
         for res in results.values():
-            for i, s in zip(_unb64(res["files"], "<u4"), _unb64(res["sums"], "<u8"), strict=True):
+            files, sums = res.columns
+            for i, s in zip(files, sums, strict=True):
                 checksums[int(i)] = int(s)
-            for k, s in res["segments"].items():
-                seg_checksums[int(k)] = int(s)
-        covered = {int(i) for res in results.values() for i in _unb64(res["files"], "<u4")}
+            for k, s in res.segments.items():
+                seg_checksums[int(k)] = s
+        covered = {int(i) for res in results.values() for i in res.columns[0]}
         for i, (mode, size) in enumerate(zip(tree.mode, tree.size, strict=True)):
             if size and i not in covered and (mode & 0o170000) == 0o100000:
                 # Its segments sit on different nodes: checksum it from the source.

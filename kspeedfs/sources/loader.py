@@ -19,6 +19,7 @@ from typing import Any
 
 import xxhash
 
+from kspeedfs.format.contract.preload import LoadState
 from kspeedfs.format.errors import DataError, KSpeedError
 from kspeedfs.format.layout import FilePiece, FileTable, Layout
 from kspeedfs.format.localdata import segment_path
@@ -33,7 +34,7 @@ class Progress:
     files_done: int = 0
     bytes_done: int = 0
     started: float = dataclasses.field(default_factory=time.monotonic)
-    state: str = "loading"
+    state: LoadState = "loading"
     source: str = ""
     error: str = ""
     error_kind: str = ""  # the error's class, so a coordinator re-raises the same one

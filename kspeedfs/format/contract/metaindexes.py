@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import re
-from typing import Any
+from typing import Any, Literal
 
 from kspeedfs.format.contract import Request, Wire, at_least, checked, dataset_name
 from kspeedfs.format.contract.pieces import BlobPiece
@@ -128,3 +128,68 @@ class MetaAbort(_OneAdd):
 
     OP = "meta_abort"
     drop: bool = False
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class IndexPieceStaged(Wire):
+    """stage_meta: a piece of an index written into the stage; the bytes received so far."""
+
+    received: int = at_least(0)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class IndexAdded(Wire):
+    """One meta file of a meta_add: "added" (built and put on `nodes` members) or "present"
+    (indexed there already), with what its index holds."""
+
+    meta: str
+    state: Literal["added", "present"]
+    rows: int = at_least(0)
+    samples: int = at_least(0)
+    bad: int = at_least(0)
+    missing: int = at_least(0)
+    bytes: int = at_least(0)
+    nodes: int = at_least(0)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class MetaAdded(Wire):
+    """meta_add: each meta file asked for, indexed on every member of instance `uuid`."""
+
+    name: str
+    uuid: str
+    indexes: list[IndexAdded]
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class IndexReserved(Wire):
+    """meta_reserve: the index's bytes reserved on `node`, or `present` there already (and
+    nothing reserved)."""
+
+    node: str
+    present: bool
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class IndexPiecePut(Wire):
+    """meta_put: a piece written under the add's temporary name; the bytes received so far."""
+
+    node: str
+    received: int = at_least(0)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class IndexCommitted(Wire):
+    """meta_commit: whether the index went in place on `node` (not when it was there
+    already), and its bytes counted in the instance."""
+
+    node: str
+    added: bool
+    bytes: int = at_least(0)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class IndexAddAborted(Wire):
+    """meta_abort: the add undone on `node`."""
+
+    node: str

@@ -16,6 +16,8 @@ import os
 from collections.abc import Callable, Iterator
 from typing import Any, Self
 
+import numpy as np
+
 from kspeedfs.format.contract import Wire, at_least
 from kspeedfs.format.errors import DataError, InvalidArgument
 
@@ -136,3 +138,17 @@ def fetch_all(ask: Callable[[int], BlobPiece], write: Callable[[bytes], Any]) ->
             return piece.total
         if not data:
             raise DataError(f"an empty piece at {offset} of {piece.total}")
+
+
+def column_to_base64(column: np.ndarray) -> str:
+    """A numpy column (a stage's file indexes or checksums) as text for a JSON answer."""
+    return to_base64(column.tobytes())
+
+
+def column_from_base64(text: str, dtype: str, what: str) -> np.ndarray:
+    """The column of `dtype` that `text` encodes; InvalidArgument naming `what` when it is not
+    base64 or not a whole number of values."""
+    raw = from_base64(text, what)
+    if len(raw) % np.dtype(dtype).itemsize:
+        raise InvalidArgument(f"{what} is not a whole number of {dtype} values")
+    return np.frombuffer(raw, dtype=dtype)

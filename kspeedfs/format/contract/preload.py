@@ -10,16 +10,30 @@ saw in `wait_for_change_after` and the answer comes when the state changes or af
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Literal
+import functools
+from typing import Any, Literal, Self, get_args
+
+import numpy as np
 
 from kspeedfs.format.contract import Request, Wire, at_least, checked, dataset_name
-from kspeedfs.format.contract.pieces import BlobPiece
+from kspeedfs.format.contract.pieces import BlobPiece, column_from_base64, column_to_base64
+from kspeedfs.format.errors import InvalidArgument
 from kspeedfs.format.units import MAX_SIZE
 
 Tier = Literal["memory", "disk", "auto"]
 
+# The states of a load (a coordinator's or a member's part), in the order they come; a
+# long-polled answer's `version` is its state's place here (state_version).
+LoadState = Literal["scanning", "receiving", "loading", "staged", "ready", "failed"]
+LOAD_STATES: tuple[LoadState, ...] = get_args(LoadState)
+
 # The longest a long-polled answer is held back: well inside a client's timeout.
 MAX_WAIT_S = 5.0
+
+
+def state_version(state: str) -> int:
+    """The version of a state (1 on, in the order of LOAD_STATES; 0 for one not listed)."""
+    return LOAD_STATES.index(state) + 1 if state in LOAD_STATES else 0
 
 
 def _size_or_none(value: int | None) -> int | None:
@@ -186,3 +200,150 @@ class Abort(Request):
     OP = "abort"
     name: str = dataset_name()
     uuid: str
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Progressing(Wire):
+    """A load under way (or failed): `progress` while the coordinator loads, `stage_status`
+    of a member's part; `version` is its state's (state_version)."""
+
+    state: LoadState
+    source: str
+    files_total: int = at_least(0)
+    bytes_total: int = at_least(0)
+    files_done: int = at_least(0)
+    bytes_done: int = at_least(0)
+    elapsed: float = at_least(0)
+    error: str  # why it failed, in one line
+    error_kind: str  # the error's class, so a coordinator raises the same one
+    version: int = at_least(0)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Published(Wire):
+    """`progress` of a published dataset: its record (node.store.DatasetRecord) and the counts
+    of a finished load."""
+
+    name: str
+    uuid: str
+    source: str
+    lifetime: str  # "offline", "leased" or "readthrough"
+    replicas: int
+    files: int
+    bytes: int
+    stored: int
+    created: float
+    path: str
+    segments: int
+    held: list[int]
+    members: list[str]
+    disk: list[int]
+    disk_stored: int
+    max_memory: int
+    max_disk: int
+    state: Literal["ready"] = "ready"
+    files_total: int
+    bytes_total: int
+    files_done: int
+    bytes_done: int
+    elapsed: float
+    error: str
+    version: int = at_least(0)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class StageClaimed(Wire):
+    """A member's part of a preload claimed: its bytes in memory and on the disk tier."""
+
+    node: str
+    memory: int = at_least(0)
+    disk: int = at_least(0)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class StageStarted(Wire):
+    """A member's stage begun (stage: loading from the source; stage_push: allocated for the
+    coordinator's pieces): its held segments and their bytes."""
+
+    node: str
+    segments: int = at_least(0)
+    bytes: int = at_least(0)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class SegmentPiecePut(Wire):
+    """stage_put: a piece of a pushed segment written."""
+
+    node: str
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class PushStaged(Wire):
+    """stage_done: every pushed segment received and checksummed."""
+
+    node: str
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Checksummed(Wire):
+    """stage_result: the checksums of a staged part. `files` and `sums` are columns (a file's
+    index, <u4, and its checksum, <u8) in base64: a million files in one answer."""
+
+    files: str
+    sums: str
+    segments: dict[str, int]  # a held segment's number (as text: a JSON key) -> its checksum
+
+    @classmethod
+    def of(cls, files: dict[int, int], segments: dict[int, int]) -> Checksummed:
+        """The answer of a stage whose whole files have checksums `files` (index -> sum)."""
+        idx = np.array(sorted(files), dtype="<u4")
+        sums = np.array([files[int(i)] for i in idx], dtype="<u8")
+        return cls(
+            files=column_to_base64(idx),
+            sums=column_to_base64(sums),
+            segments={str(k): v for k, v in segments.items()},
+        )
+
+    @classmethod
+    def from_wire(cls, msg: Any) -> Self:
+        answer = super().from_wire(msg)
+        _ = answer.columns  # decodes: bad base64, or columns that differ, refused here once
+        return answer
+
+    @functools.cached_property
+    def columns(self) -> tuple[np.ndarray, np.ndarray]:
+        """The files' indexes and their checksums (decoded once)."""
+        files = column_from_base64(self.files, "<u4", "stage_result files")
+        sums = column_from_base64(self.sums, "<u8", "stage_result sums")
+        if len(files) != len(sums):
+            raise InvalidArgument(f"stage_result: {len(files)} files but {len(sums)} sums")
+        return files, sums
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ManifestPieceTaken(Wire):
+    """stage_manifest of a piece that is not the last: the bytes received so far."""
+
+    node: str
+    received: int = at_least(0)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ManifestPlaced(Wire):
+    """stage_manifest of the last piece: the whole manifest checked and put in place."""
+
+    node: str
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Committed(Wire):
+    """commit: the staged part published here."""
+
+    node: str
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Aborted(Wire):
+    """abort: the preload's claim and staged part dropped here (if there were any)."""
+
+    node: str
