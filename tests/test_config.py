@@ -174,6 +174,7 @@ BAD = {
     "tls_ca": "ca\x00",
     "fuse_workers": "100000",
     "fuse_read_ahead": "lots",
+    "fuse_poll_us": "200000",
     "decode_workers": "-1",
     "etcd": "http://etcd:99999",
     "cluster": "a/b",
