@@ -16,6 +16,8 @@ import dataclasses
 import functools
 import json
 import os
+import shutil
+import tempfile
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from types import SimpleNamespace
@@ -29,8 +31,8 @@ from etcd3gw import Etcd3Client
 from etcd3gw import exceptions as etcd_errors
 
 from kspeedfs.format.contract import Request
-from kspeedfs.format.contract.node import List
-from kspeedfs.format.contract.pieces import from_base64, to_base64
+from kspeedfs.format.contract.node import List, ManifestPiece, ManifestReq
+from kspeedfs.format.contract.pieces import from_base64, read_piece, to_base64
 from kspeedfs.format.errors import NodeUnreachable, NotFound, StaleDataset
 from kspeedfs.format.manifest import Manifest, plan_layout, write_manifest
 from kspeedfs.node.peers import PeerPool
@@ -274,9 +276,11 @@ class StoredDataset:
 
 class MemoryStore:
     """The part of SegmentStore the control plane uses: published datasets, their manifests,
-    and the segments held, as bytes."""
+    and the segments held, as bytes. `root`: where adopted manifests are written (adoption
+    stages and publishes one)."""
 
-    def __init__(self) -> None:
+    def __init__(self, root: Path | None = None) -> None:
+        self.root = root
         self.datasets: dict[str, StoredDataset] = {}
         self.segments: dict[tuple[str, int], bytes] = {}
         self.dropped: list[tuple[str, int]] = []  # in the order drop_segment was called
@@ -306,6 +310,18 @@ class MemoryStore:
         self.segments[name, seg] = bytes(buf)
         record.held = sorted(set(record.held) | {seg})
 
+    def new_staging(self, name: str) -> Path:
+        assert self.root is not None, "MemoryStore(root) to stage into"
+        return Path(tempfile.mkdtemp(prefix=f"{name}.", dir=self.root))
+
+    def publish(self, staging: Path, meta: dict[str, Any]) -> None:
+        self.datasets[meta["name"]] = StoredDataset(
+            meta["name"], meta["uuid"], staging / "manifest.ksm", list(meta["held"])
+        )
+
+    def discard_staging(self, staging: Path) -> None:
+        shutil.rmtree(staging)
+
     def drop_segment(self, name: str, seg: int) -> int:
         record = self.datasets.get(name)
         if record is None or seg not in record.held:
@@ -317,14 +333,15 @@ class MemoryStore:
 
 class MemoryPeers(PeerPool):
     """The members' stores by address, reached without a network: segment reads (heal's
-    copies) through `reader`, requests through `ask` (List only). `reads` counts the reads
-    served, by member."""
+    copies) through `reader`, requests through `ask` (List and ManifestReq; every request
+    asked is kept in `asked`). `reads` counts the segment reads served, by member."""
 
     def __init__(self, stores: dict[str, MemoryStore]):
         super().__init__(Path("/nonexistent/token"), 1.0)
         self.stores = stores
         self.down: set[str] = set()  # members that do not answer
         self.reads: dict[str, int] = {}
+        self.asked: list[tuple[str, Request]] = []
 
     def _store(self, member: str) -> MemoryStore:
         if member in self.down or member not in self.stores:
@@ -337,9 +354,16 @@ class MemoryPeers(PeerPool):
 
     async def ask(self, member: str, request: Request) -> dict[str, Any]:
         await trio.lowlevel.checkpoint()
+        self.asked.append((member, request))
         store = self._store(member)
+        if isinstance(request, ManifestReq):
+            found = store.datasets.get(request.name)
+            if found is None or (request.uuid and request.uuid != found.uuid):
+                raise StaleDataset(f"{member} has no instance {request.uuid[:8]} of {request.name}")
+            piece = read_piece(found.path, request.offset, request.length)
+            return ManifestPiece(name=found.name, uuid=found.uuid, piece=piece).to_wire()
         if not isinstance(request, List):
-            raise AssertionError(f"MemoryPeers answers list only, not {request.OP}")
+            raise AssertionError(f"MemoryPeers answers list and manifest, not {request.OP}")
         return {
             "datasets": [
                 {"name": d.name, "uuid": d.uuid, "state": "ready", "held": list(d.held)}

@@ -85,8 +85,10 @@ class Healer:
         self.under_replicated: dict[str, int] = {}
         # Heal copies read whole segments from worker threads over kept connections (None: the
         # node's own pool; unit tests pass one that reads from in-memory members).
-        self.readers = readers or PeerPool(
-            settings.token_file, settings.timeout, tls=client_context(settings)
+        self.readers = (
+            readers
+            if readers is not None
+            else PeerPool(settings.token_file, settings.timeout, tls=client_context(settings))
         )
         self.copy_seconds = segment_seconds(
             "kspeedfs_heal_copy_seconds",
