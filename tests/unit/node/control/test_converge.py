@@ -9,11 +9,13 @@ from __future__ import annotations
 from pathlib import Path
 from types import SimpleNamespace
 
+import pytest
 import trio
 from controlfakes import ETCD_URL, MemoryEtcd, MemoryPeers, MemoryStore, local_dataset, run
 
 from kspeedfs.format.config import Settings
-from kspeedfs.format.contract.node import ManifestReq
+from kspeedfs.format.contract.node import ManifestReq, Rebalance, Rebalanced
+from kspeedfs.format.errors import NotFound
 from kspeedfs.node.control import ControlPlane, placed
 
 TTL = 3.0
@@ -176,5 +178,58 @@ def test_a_node_whose_lease_lapsed_changes_nothing_until_it_joins_again(
         assert a.control.registered
         assert a.unloaded == [("ds", ds.uuid)]
         assert etcd.has(PREFIX + "down/c:1")
+
+    run(main)
+
+
+def test_a_failed_preloads_claim_made_while_etcd_was_away_is_removed_once_it_answers(
+    etcd: MemoryEtcd,
+) -> None:
+    a = Node("a:1", MemoryStore(), MemoryPeers({}))
+    record = {"name": "ds", "uuid": "u1", "state": "loading", "members": ["a:1"]}
+
+    async def main() -> None:
+        await a.join()
+        await a.control.claim(record)
+        etcd.answering = False
+        await a.control.forget_failed("ds", "u1")  # does not raise: kept for later
+        assert a.control.unclaimed == {"ds": "u1"}
+        etcd.answering = True
+        await a.control.sync_once()
+        assert not etcd.has(PREFIX + "datasets/ds")
+        assert a.control.unclaimed == {}
+        assert "ds" not in a.control.catalog  # the sync read the catalog after removing it
+
+    run(main)
+
+
+def test_a_later_instance_of_the_name_is_not_removed_with_the_failed_claim(
+    etcd: MemoryEtcd,
+) -> None:
+    a = Node("a:1", MemoryStore(), MemoryPeers({}))
+
+    async def main() -> None:
+        await a.join()
+        etcd.answering = False
+        await a.control.forget_failed("ds", "u1")
+        etcd.answering = True
+        await a.control.claim({"name": "ds", "uuid": "u2", "state": "loading"})
+        await a.control.sync_once()
+        assert etcd.value(PREFIX + "datasets/ds")["uuid"] == "u2"
+        assert a.control.unclaimed == {}
+
+    run(main)
+
+
+def test_rebalancing_a_name_the_catalog_lacks_is_refused(etcd: MemoryEtcd) -> None:
+    a = Node("a:1", MemoryStore(), MemoryPeers({}))
+
+    async def main() -> None:
+        await a.join()
+        with pytest.raises(NotFound):
+            await a.control.op_rebalance(Rebalance(name="nothing"))
+        assert await a.control.op_rebalance(Rebalance(name="")) == Rebalanced(
+            datasets=[], members=["a:1"]
+        )
 
     run(main)
