@@ -14,6 +14,7 @@ import trio
 from controlfakes import ETCD_URL, MemoryEtcd, MemoryPeers, MemoryStore, local_dataset, run
 
 from kspeedfs.format.config import Settings
+from kspeedfs.format.contract.control import Adopt, Adopted
 from kspeedfs.format.contract.node import ManifestReq, Rebalance, Rebalanced
 from kspeedfs.format.errors import NotFound
 from kspeedfs.node.control import ControlPlane, placed
@@ -231,5 +232,32 @@ def test_rebalancing_a_name_the_catalog_lacks_is_refused(etcd: MemoryEtcd) -> No
         assert await a.control.op_rebalance(Rebalance(name="")) == Rebalanced(
             datasets=[], members=["a:1"]
         )
+
+    run(main)
+
+
+def test_adopt_takes_the_catalogs_instance_dropping_another_held_here(
+    etcd: MemoryEtcd, tmp_path: Path
+) -> None:
+    ds = local_dataset(tmp_path / "new", "ds", 2)
+    old = local_dataset(tmp_path / "old", "ds", 2, uuid="old-instance")
+    etcd.put(PREFIX + "datasets/ds", ds.record(["a:1"], replicas=1))
+    peers = MemoryPeers({})
+    a = Node("a:1", MemoryStore(), peers)
+    a.store.put(ds, [0, 1])
+    (tmp_path / "b").mkdir()
+    b = Node("b:1", MemoryStore(tmp_path / "b"), peers)
+    b.store.put(old, [0, 1])  # refreshed elsewhere: b holds the instance before
+
+    async def main() -> None:
+        await a.join()
+        await b.join()
+        with pytest.raises(NotFound):
+            await b.control.op_adopt(Adopt(name="ds", uuid="not-in-etcd"))
+        assert b.unloaded == []  # a refused adopt changes nothing
+        answer = await b.control.op_adopt(Adopt(name="ds", uuid=ds.uuid))
+        assert answer == Adopted(name="ds", adopted=True)
+        assert b.unloaded == [("ds", "old-instance")]
+        assert b.store.datasets["ds"].uuid == ds.uuid and b.store.datasets["ds"].held == []
 
     run(main)

@@ -10,7 +10,7 @@ from controlfakes import ETCD_URL, MemoryEtcd, run
 
 from kspeedfs.client.clusterstate import ClusterState
 from kspeedfs.format.config import Settings
-from kspeedfs.format.errors import AlreadyExists, Fenced
+from kspeedfs.format.errors import AlreadyExists, Fenced, NodeUnreachable
 from kspeedfs.node.control.membership import Membership
 
 TTL = 3.0
@@ -159,5 +159,19 @@ def test_catalog_writes_are_fenced_once_the_lease_lapsed(etcd: MemoryEtcd) -> No
         await a.join("a:1")  # joined again: a new registration writes again
         assert await a.replace("ds", "u1", {"segments": 3})
         assert etcd.value(PREFIX + "datasets/ds")["segments"] == 3
+
+    run(main)
+
+
+def test_publishing_a_claim_that_died_with_the_lease_fails(etcd: MemoryEtcd) -> None:
+    async def main() -> None:
+        a = member()
+        await a.join("a:1")
+        await a.claim(loading("ds"))
+        await trio.sleep(2 * TTL)  # under test: the lease, and the claim on it, lapse
+        await a.join("a:1")
+        with pytest.raises(NodeUnreachable, match="claim on ds is gone"):
+            await a.publish("ds", "u1", {})
+        assert a.state.datasets() == {}  # not made ready out of nothing
 
     run(main)
