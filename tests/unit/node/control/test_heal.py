@@ -142,7 +142,9 @@ def test_a_lost_members_copies_are_made_again_from_the_members_holding_them_afte
         async with trio.open_nursery() as nursery:
             for p, address in zip(planes, ("a:1", "b:1"), strict=True):
                 await nursery.start(p.run, address)
-            await trio.sleep(TTL + 1)  # under test: c's lease lapses; a survivor notes it down
+            await trio.sleep(TTL - 0.5)  # under test: c's lease still runs
+            assert not etcd.has(PREFIX + "down/c:1")
+            await trio.sleep(1.5)  # under test: c's lease lapses; a survivor notes it down
             assert etcd.has(PREFIX + "down/c:1") and etcd.has(PREFIX + "grace/c:1")
             await trio.sleep(HEAL_AFTER - 2)  # under test: still within heal_after
             assert etcd.value(RECORD).get("lost", []) == []

@@ -6,11 +6,12 @@ from __future__ import annotations
 
 import pytest
 import trio
-from controlfakes import ETCD_URL, MemoryEtcd, run
+from controlfakes import ETCD_URL, MemoryEtcd, MemoryPeers, MemoryStore, run
 
 from kspeedfs.client.clusterstate import ClusterState
 from kspeedfs.format.config import Settings
 from kspeedfs.format.errors import AlreadyExists, Fenced, NodeUnreachable
+from kspeedfs.node.control import ControlPlane
 from kspeedfs.node.control.membership import Membership
 
 TTL = 3.0
@@ -173,5 +174,24 @@ def test_publishing_a_claim_that_died_with_the_lease_fails(etcd: MemoryEtcd) -> 
         with pytest.raises(NodeUnreachable, match="claim on ds is gone"):
             await a.publish("ds", "u1", {})
         assert a.state.datasets() == {}  # not made ready out of nothing
+
+    run(main)
+
+
+def test_a_control_plane_that_stops_leaves_at_once(etcd: MemoryEtcd) -> None:
+    async def main() -> None:
+        peers = MemoryPeers({})
+
+        async def unload(name: str, uuid: str) -> None:
+            """Nothing is held here to unload."""
+
+        control = ControlPlane(settings(), MemoryStore(), peers.ask, unload, readers=peers)  # type: ignore[arg-type]
+        async with trio.open_nursery() as nursery:
+            await nursery.start(control.run, "a:1")
+            assert live(control.state) == ["a:1"]
+            nursery.cancel_scope.cancel()
+        stopped = trio.current_time()
+        assert live(control.state) == []
+        assert trio.current_time() == stopped  # gone without waiting for its TTL
 
     run(main)
