@@ -204,11 +204,9 @@ class MemoryEtcd:
         return answer
 
     def _write(self, ops: list[dict[str, Any]]) -> int:
-        """The ops at one new revision (none when nothing changes); the keys deleted."""
-        if not ops:
-            return 0
+        """The ops at one new revision (as etcd: none when nothing changes); the keys deleted."""
         revision = self.revision + 1
-        deleted = 0
+        deleted = changed = 0
         for op in ops:
             if "request_put" in op:
                 put = op["request_put"]
@@ -224,11 +222,13 @@ class MemoryEtcd:
                     old.version + 1 if old else 1,
                     lease,
                 )
+                changed += 1
             elif "request_delete_range" in op:
                 for key in self._selected(op["request_delete_range"]):
                     del self.keys[key]
                     deleted += 1
-        self.revision = revision
+        if changed or deleted:
+            self.revision = revision
         return deleted
 
 
