@@ -69,6 +69,14 @@ class _Key:
     lease: int
 
 
+# A compare's target: the field of a key it reads, and the field of the compare it is held to.
+_TARGETS = {
+    "CREATE": ("create", "create_revision"),
+    "MOD": ("mod", "mod_revision"),
+    "VERSION": ("version", "version"),
+}
+
+
 @dataclasses.dataclass
 class _Lease:
     ttl: int
@@ -176,20 +184,14 @@ class MemoryEtcd:
     def _holds(self, compare: dict[str, Any]) -> bool:
         found = self.keys.get(from_base64(compare["key"], "a key"))
         target = compare.get("target", "VERSION")
-        field = {"CREATE": "create_revision", "MOD": "mod_revision", "VERSION": "version"}[target]
-        have = (
-            0
-            if found is None
-            else {"CREATE": found.create, "MOD": found.mod}.get(target, found.version)
-        )
-        want = int(compare.get(field, 0))
-        result = compare.get("result", "EQUAL")
+        have = getattr(found, _TARGETS[target][0]) if found else 0  # absent: every one is 0
+        want = int(compare.get(_TARGETS[target][1], 0))
         return {
             "EQUAL": have == want,
             "NOT_EQUAL": have != want,
             "GREATER": have > want,
             "LESS": have < want,
-        }[result]
+        }[compare.get("result", "EQUAL")]
 
     def _txn(self, body: dict[str, Any]) -> dict[str, Any]:
         ok = all(self._holds(c) for c in body.get("compare", []))
@@ -244,7 +246,7 @@ class MemoryEtcdClient(Etcd3Client):
         return self.etcd.handle(url.partition("/v3/")[2], body)
 
 
-def _json_loads(text: str) -> Any:
+def _json_loads(text: str) -> Any:  # `post`'s own `json` argument hides the module there
     return json.loads(text)
 
 
