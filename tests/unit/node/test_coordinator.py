@@ -40,7 +40,7 @@ class Members:
     """The other members' answers: Ping from those up, StageClaim refused by `full`, the
     rest (rollback's Abort and UnloadLocal) answered empty; every request kept in `asked`."""
 
-    def __init__(self, down: set[str] = frozenset(), full: set[str] = frozenset()):  # type: ignore[assignment]
+    def __init__(self, down: frozenset[str] = frozenset(), full: frozenset[str] = frozenset()):
         self.down, self.full = down, full
         self.asked: list[tuple[str, Request]] = []
 
@@ -118,7 +118,7 @@ def test_a_job_preload_is_held_to_source_roots_and_a_lease(tmp_path: Path) -> No
 
 
 def test_members_that_do_not_answer_are_left_out(tmp_path: Path) -> None:
-    members = Members(down={"b:1"})
+    members = Members(down=frozenset({"b:1"}))
 
     async def main() -> None:
         c = coordinator(StaticControl(settings(), MEMBERS), members, tmp_path)
@@ -132,7 +132,7 @@ def test_a_preload_a_member_refuses_is_rolled_back_everywhere_and_unclaimed(
     etcd: MemoryEtcd, tmp_path: Path
 ) -> None:
     data = source(tmp_path)
-    members = Members(full={"b:1"})
+    members = Members(full=frozenset({"b:1"}))
 
     async def main() -> None:
         c = coordinator(await etcd_control(), members, tmp_path)
