@@ -28,7 +28,7 @@ from kspeedfs.node.control.converge import Converger
 from kspeedfs.node.control.heal import Healer, placed
 from kspeedfs.node.control.membership import Membership
 from kspeedfs.node.ops import ADMIN, OpRegistry
-from kspeedfs.node.peers import Ask
+from kspeedfs.node.peers import Ask, PeerPool
 from kspeedfs.node.preload import Plan, Stager
 from kspeedfs.node.readthrough import ReadThroughCache
 from kspeedfs.node.store import SegmentStore
@@ -79,7 +79,10 @@ class ControlPlane:
         unload: Unload,
         stager: Stager | None = None,
         readthrough: ReadThroughCache | None = None,
+        readers: PeerPool | None = None,
     ):
+        """`readers`: the connections heal copies are read over (None: the healer opens its
+        own)."""
         self.settings = settings
         self.state = ClusterState.of(settings)
         self.store = store
@@ -87,7 +90,9 @@ class ControlPlane:
         self.membership = Membership(settings, self.state)
         self.adoption = Adoption(store, ask, self.membership, unload, readthrough)
         self.converger = Converger(store, self.state, self.adoption, unload, stager)
-        self.healer = Healer(settings, store, self.state, ask, self.membership, self.adoption)
+        self.healer = Healer(
+            settings, store, self.state, ask, self.membership, self.adoption, readers
+        )
         self.histograms = [self.healer.copy_seconds]
         self.catalog: dict[str, Record] = {}  # as read at the last sync
         self.reachable = False

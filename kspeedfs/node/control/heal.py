@@ -64,6 +64,7 @@ class Healer:
         ask: Ask,
         membership: Membership,
         adoption: Adoption,
+        readers: PeerPool | None = None,
     ):
         self.settings = settings
         self.store = store
@@ -82,8 +83,13 @@ class Healer:
             "from_source": 0,  # copies no live member could give (read from the source)
         }
         self.under_replicated: dict[str, int] = {}
-        # Heal copies read whole segments from worker threads over kept connections.
-        self.readers = PeerPool(settings.token_file, settings.timeout, tls=client_context(settings))
+        # Heal copies read whole segments from worker threads over kept connections (None: the
+        # node's own pool; unit tests pass one that reads from in-memory members).
+        self.readers = (
+            readers
+            if readers is not None
+            else PeerPool(settings.token_file, settings.timeout, tls=client_context(settings))
+        )
         self.copy_seconds = segment_seconds(
             "kspeedfs_heal_copy_seconds",
             "time to copy one segment for healing or rebalance, by where it came from",
