@@ -18,8 +18,15 @@ from typing import Any, Protocol
 import trio
 
 from kspeedfs.format.config import Settings
-from kspeedfs.format.contract import Request
-from kspeedfs.format.contract.rdma import RdmaConnect, RdmaSegments
+from kspeedfs.format.contract import Request, Wire
+from kspeedfs.format.contract.rdma import (
+    RdmaConnect,
+    RdmaConnected,
+    RdmaProbe,
+    RdmaRefused,
+    RdmaSegments,
+    RdmaSegmentTable,
+)
 from kspeedfs.format.errors import InvalidArgument, KSpeedError
 from kspeedfs.format.localdata import LocalDataset
 from kspeedfs.rdma.registry import SegmentRegistry
@@ -42,7 +49,7 @@ class OpTable(Protocol):
     def add(
         self,
         op: type[Request],
-        handler: Callable[[Any], Awaitable[dict[str, Any]]],
+        handler: Callable[[Any], Awaitable[Wire]],
         role: str,
     ) -> None: ...
 
@@ -189,53 +196,50 @@ class RdmaService:
         _current_peers.set(peers)
         return peers
 
-    async def op_connect(self, request: RdmaConnect) -> dict[str, Any]:
+    async def op_connect(self, request: RdmaConnect) -> RdmaConnected | RdmaRefused:
         if self.device is None:
-            return {"available": False, "reason": self.reason}
+            return RdmaRefused(reason=self.reason)
         peers = _current_peers.get()
         if peers is None:
-            return {"available": False, "reason": "this node cannot tie RDMA to connections"}
+            return RdmaRefused(reason="this node cannot tie RDMA to connections")
         client = Endpoint.from_wire(request.endpoint)
         # One queue pair per connection: a reconnect (after an error) replaces the old one.
         self._drop(peers)
         with self._lock:
             if self._peer_count >= MAX_PEERS:
-                return {"available": False, "reason": f"node has {MAX_PEERS} RDMA peers already"}
+                return RdmaRefused(reason=f"node has {MAX_PEERS} RDMA peers already")
             self._peer_count += 1
         try:
             qp = ResponderQP(self.device, self._cq, client)
         except KSpeedError as e:
             with self._lock:
                 self._peer_count -= 1
-            return {"available": False, "reason": str(e)}
+            return RdmaRefused(reason=str(e))
         peers.qps.append(qp)
         assert self._probe is not None and self._probe_map is not None
-        return {
-            "available": True,
-            "endpoint": qp.endpoint.to_wire(),
-            "probe": {
-                "addr": self._probe.addr,
-                "rkey": self._probe.rkey,
-                "length": PROBE_BYTES,
-                "data": bytes(self._probe_map[:PROBE_BYTES]).hex(),
-            },
-        }
+        probe = RdmaProbe(
+            addr=self._probe.addr,
+            rkey=self._probe.rkey,
+            length=PROBE_BYTES,
+            data=bytes(self._probe_map[:PROBE_BYTES]).hex(),
+        )
+        return RdmaConnected(endpoint=qp.endpoint.to_wire(), probe=probe)
 
-    async def op_segments(self, request: RdmaSegments) -> dict[str, Any]:
+    async def op_segments(self, request: RdmaSegments) -> RdmaSegmentTable | RdmaRefused:
         name = request.name
         if self._store is not None:
             self._store.open(name)  # NotFound for a dataset this node does not have
         if self.registry is None:
-            return {"available": False, "reason": self.reason}
+            return RdmaRefused(reason=self.reason)
         table = self.registry.table(name)
         if table is None:
             try:
                 table = await trio.to_thread.run_sync(self.register, name)
             except KSpeedError as e:
-                return {"available": False, "reason": str(e)}
+                return RdmaRefused(reason=str(e))
         if table is None:
-            return {"available": False, "reason": f"dataset {name} is being unloaded"}
-        return {"available": True, "uuid": table.uuid, "table": table_to_wire(table)}
+            return RdmaRefused(reason=f"dataset {name} is being unloaded")
+        return RdmaSegmentTable(uuid=table.uuid, table=table_to_wire(table))
 
     def _drop(self, peers: PeerSet) -> None:
         qps, peers.qps = peers.qps, []
