@@ -181,17 +181,17 @@ class VariantFill:
 class DecodedVariants:
     """The variants this node holds: fills them, lists them, drops them with their dataset."""
 
-    def __init__(self, store: SegmentStore, address: str, workers: int | None = None):
+    def __init__(self, store: SegmentStore, address: str, ask: Ask, workers: int | None = None):
         self.store = store
         self.address = address
+        self._ask = ask  # a request on a member (this node's own answered in process)
         self.workers = workers or os.cpu_count() or 1
         self.fills: dict[tuple[str, int], VariantFill] = {}
         self._lock = threading.Lock()
         store.on_publish.append(self._found)
         store.before_unload.append(self._unloading)
 
-    def register_ops(self, ops: OpRegistry, ask: Ask) -> None:
-        self._ask = ask
+    def register_ops(self, ops: OpRegistry) -> None:
         ops.add(Decode, self.op_decode, JOB)
         ops.add(DecodeLocal, self.op_decode_local, ADMIN)
         ops.add(DecodeDrop, self.op_decode_drop, ADMIN)
