@@ -31,12 +31,13 @@ from kspeedfs.format.errors import InvalidArgument, NotFound
 from kspeedfs.format.localdata import META_FILE, LocalDataset, read_meta
 from kspeedfs.format.units import Address
 from kspeedfs.node.ops import ADMIN
+from kspeedfs.node.root import RdmaFactory
 from kspeedfs.node.server import NodeServer
 from kspeedfs.rdma import client as rdma_client
 from kspeedfs.rdma import verbs
 from kspeedfs.rdma.client import RdmaTransport
 from kspeedfs.rdma.registry import SegmentRegistry
-from kspeedfs.rdma.server import RdmaService
+from kspeedfs.rdma.server import PublishedDatasets, RdmaService
 
 
 @pytest.fixture(autouse=True)
@@ -76,8 +77,18 @@ def shm(template: tuple[Path, Path, Path]) -> Iterator[Path]:
     shutil.rmtree(path, ignore_errors=True)
 
 
+def with_fake_device(registrar: FakeRegistrar) -> RdmaFactory:
+    """The node's RDMA service as it is with a device, the device being the stand-in."""
+
+    def make(store: PublishedDatasets) -> RdmaService:
+        device = FakeDevice(registrar)
+        return RdmaService(store, device=device, registry=SegmentRegistry(registrar))  # type: ignore[arg-type]
+
+    return make
+
+
 def make_server(
-    shm: Path, token: Path, registrar: FakeRegistrar, rdma: RdmaService | None = None
+    shm: Path, token: Path, registrar: FakeRegistrar, rdma: RdmaFactory | None = None
 ) -> NodeServer:
     settings = Settings(
         listen=Address("127.0.0.1", 0),
@@ -87,10 +98,7 @@ def make_server(
         token_file=token,
         transport="tcp",
     )
-    if rdma is None:
-        # The node as it is with a device, the device being the stand-in.
-        rdma = RdmaService(device=FakeDevice(registrar), registry=SegmentRegistry(registrar))  # type: ignore[arg-type]
-    return NodeServer(settings, rdma=rdma)
+    return NodeServer(settings, rdma=rdma or with_fake_device(registrar))
 
 
 class InProcessControl:
@@ -169,13 +177,16 @@ def republish(server: NodeServer, template_shm: Path, name: str) -> None:
     (staging / META_FILE).unlink()
 
     async def publish() -> None:
-        server.store.publish(staging, meta)
-        # Registration goes on in a worker thread while the node keeps serving.
-        registry = server.rdma.registry
-        assert registry is not None
-        with trio.fail_after(30):
-            while registry.table(name) is None:
-                await trio.sleep(0.01)
+        async with trio.open_nursery() as nursery:
+            await nursery.start(server.rdma.run)  # as the node runs it
+            server.store.publish(staging, meta)
+            # Registration goes on in a worker thread while the node keeps serving.
+            registry = server.rdma.registry
+            assert registry is not None
+            with trio.fail_after(30):
+                while registry.table(name) is None:
+                    await trio.sleep(0.01)  # under test: registration in a worker thread
+            nursery.cancel_scope.cancel()
 
     trio.run(publish)
 
@@ -338,7 +349,9 @@ def test_forced_rdma_refuses_a_node_without_it(
     shm: Path, template: tuple[Path, Path, Path]
 ) -> None:
     fake = FakeRegistrar()
-    server = make_server(shm, template[2], fake, rdma=RdmaService("no RDMA device"))
+    server = make_server(
+        shm, template[2], fake, rdma=lambda store: RdmaService(store, "no RDMA device")
+    )
     server.store.recover(verify=False)
     t, _, _ = new_transport(server, fake, transport="rdma")
     ranges, expected = all_files(shm, template[1])

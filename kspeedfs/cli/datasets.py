@@ -133,7 +133,8 @@ def _add_decoded(client: Any, datasets: list[dict[str, Any]]) -> None:
     for d in datasets:
         if d.get("state") == "ready" and (d.get("decoded") or len(d.get("members") or []) > 1):
             try:
-                d["decoded_variants"] = status(client, d["name"])
+                variants = status(client, d["name"])
+                d["decoded_variants"] = {size: v.to_wire() for size, v in variants.items()}
             except KSpeedError:
                 pass
 

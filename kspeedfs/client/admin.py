@@ -8,7 +8,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from kspeedfs.format.config import Settings
-from kspeedfs.format.contract.node import Unload
+from kspeedfs.format.contract.node import NodeStatus, Status, Unload
 from kspeedfs.format.contract.preload import LoadProgress, Preload
 from kspeedfs.format.contract.readthrough import FillSegment, RegisterSource
 from kspeedfs.format.errors import (
@@ -205,11 +205,11 @@ def preload_partial(
         typical = -(-int(record.get("bytes", 0)) // max(segments, 1))  # a segment, rounded up
         held: set[int] = set()
         for seg in range(segments):
-            status = client.request("status")
+            status = NodeStatus.from_wire(client.call(Status()))
             held = _resident(status, name)
             if seg in held:
                 continue
-            if status["budget"] - status["used"] < typical:
+            if status.budget - status.used < typical:
                 break  # full: the rest is read through
             while True:
                 reply = client.call(FillSegment(name=name, segment=seg, uuid=record["uuid"]))
@@ -219,15 +219,16 @@ def preload_partial(
                 raise DataError(f"partial preload of {name}: segment {seg}: {reply['error']}")
             if reply["state"] == "source":
                 break  # not kept: its cap (its share of memory) is full
-            before, held = held, _resident(client.request("status"), name)
+            before, held = held, _resident(NodeStatus.from_wire(client.call(Status())), name)
             if len(held) <= len(before):
                 break  # kept in place of one of its own (an lru node at the cap): full
     return {**record, "segments_loaded": len(held)}
 
 
-def _resident(status: dict[str, Any], name: str) -> set[int]:
+def _resident(status: NodeStatus, name: str) -> set[int]:
     """The segments of `name` in the node's memory, from its `status`."""
-    return set(status.get("held", {}).get(name, {}).get("held", []))
+    part = status.held.get(name)
+    return set(part.held) if part is not None else set()
 
 
 def register_source(

@@ -5,7 +5,13 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from kspeedfs.format.contract.decoded import Decode, DecodeStatus
+from kspeedfs.format.contract.decoded import (
+    DatasetVariants,
+    Decode,
+    DecodeStarted,
+    DecodeStatus,
+    VariantSummary,
+)
 from kspeedfs.format.errors import DataError
 from kspeedfs.net.connection import SCAN_TIMEOUT, NodeClient
 from kspeedfs.system.progress import ProgressBar
@@ -13,22 +19,23 @@ from kspeedfs.system.progress import ProgressBar
 POLL_S = 0.2
 
 
-def start(client: NodeClient, name: str, size: int, uuid: str = "") -> dict[str, Any]:
+def start(client: NodeClient, name: str, size: int, uuid: str = "") -> DecodeStarted:
     """Ask every member to decode the images it holds (NoSpace, one line, before any decoding
     when a member's budget cannot take it). An existing variant is left as it is."""
-    return client.call(Decode(name=name, size=size, uuid=uuid), answer_within=SCAN_TIMEOUT)
+    reply = client.call(Decode(name=name, size=size, uuid=uuid), answer_within=SCAN_TIMEOUT)
+    return DecodeStarted.from_wire(reply)
 
 
-def status(client: NodeClient, name: str) -> dict[str, Any]:
+def status(client: NodeClient, name: str) -> dict[str, VariantSummary]:
     """{size: summary over the members} of a dataset's variants (see node.decoded.summarize)."""
-    variants: dict[str, Any] = client.call(DecodeStatus(name=name))["variants"]
-    return variants
+    return DatasetVariants.from_wire(client.call(DecodeStatus(name=name))).variants
 
 
 def wait(
     client: NodeClient, name: str, size: int, progress_label: str | None = None
 ) -> dict[str, Any]:
-    """Poll until the variant is ready on every member (DataError when one failed)."""
+    """Poll until the variant is ready on every member (DataError when one failed); its
+    summary's fields, as `describe` and `ls --json` show them."""
     bar = ProgressBar(progress_label) if progress_label else None
     try:
         while True:
@@ -36,11 +43,11 @@ def wait(
             if v is None:
                 raise DataError(f"dataset {name} has no decoded variant at {size}")
             if bar is not None:
-                bar.update(v["files_done"], v["files_total"], v["files_done"], v["files_total"])
-            if v["state"] == "failed":
-                raise DataError(f"decoding {name} at {size} failed: {v['error']}")
-            if v["state"] == "ready":
-                return v
+                bar.update(v.files_done, v.files_total, v.files_done, v.files_total)
+            if v.state == "failed":
+                raise DataError(f"decoding {name} at {size} failed: {v.error}")
+            if v.state == "ready":
+                return v.to_wire()
             time.sleep(POLL_S)
     finally:
         if bar is not None:

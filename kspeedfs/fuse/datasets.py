@@ -3,8 +3,9 @@
 A slot is one loaded instance of a dataset, numbered here and nowhere else, so an inode
 (slot << 32 | entry + 1) means the same in every serving process; a dataset unloaded and loaded
 again gets a new slot and never reuses the old inodes. Each refresh replaces the tables whole
-and hands what changed to `on_change` (the supervisor sends it to every worker). A refresh that
-fails in any way logs one line and is tried again: the mount serves on with what it knows.
+and hands what changed to the `on_change` its caller passes (the supervisor's, which sends it
+to every worker). A refresh that fails in any way logs one line and is tried again: the mount
+serves on with what it knows.
 """
 
 from __future__ import annotations
@@ -58,6 +59,14 @@ class Change:
     forget: list[bytes] = field(default_factory=list)
 
 
+# Told what a refresh changed (the supervisor sends it to every worker).
+OnChange = Callable[[Change], None]
+
+
+def _unheard(change: Change) -> None:
+    """The first refresh's change: no worker serves yet (each is told every dataset first)."""
+
+
 class DatasetList:
     """The ready datasets of the node, each opened once here (so that a dataset a worker is
     told about is one that opens) and numbered with its slot."""
@@ -73,7 +82,6 @@ class DatasetList:
         self._variant_started = ""  # the instance whose variant this mount asked for
         self.by_slot: dict[int, MountedDataset] = {}
         self.by_name: dict[str, MountedDataset] = {}
-        self.on_change: Callable[[Change], None] = lambda change: None
         self.mounted_at_ns = time.time_ns()
         self.node_answers = True
         self._next_slot = 1
@@ -81,9 +89,10 @@ class DatasetList:
         self._last_error = ""  # of the last failed refresh: logged once, not every second
         self._lock = trio.Lock()
 
-    async def refresh(self, strict: bool = False) -> None:
+    async def refresh(self, on_change: OnChange = _unheard, strict: bool = False) -> None:
         """Sync with the node. Errors are logged and the known datasets kept; `strict` (the
-        first refresh) raises them. Always ends with an on_change (workers wait for it)."""
+        first refresh, before any worker) raises them. Always ends with an on_change (workers
+        wait for it), in the order of the refreshes."""
         async with self._lock:  # two interleaved refreshes would each open a dataset
             change = Change([], [], self.node_answers, self.mounted_at_ns)
             try:
@@ -100,19 +109,19 @@ class DatasetList:
                 if self._last_error:
                     log.info("the dataset list is refreshed again")
                     self._last_error = ""
-            self.on_change(change)
+            on_change(change)
 
-    async def refresh_unless_running(self) -> None:
+    async def refresh_unless_running(self, on_change: OnChange) -> None:
         """A worker asks: a refresh under way answers it too (its on_change reaches all)."""
         if not self._lock.locked():
-            await self.refresh()
+            await self.refresh(on_change)
 
-    async def keep_refreshed(self) -> None:
+    async def keep_refreshed(self, on_change: OnChange) -> None:
         """Notice unloads even when nobody looks at the root: their memory is freed only once
         the mount's processes let go of their maps."""
         while True:
             await trio.sleep(BACKGROUND_REFRESH)
-            await self.refresh()
+            await self.refresh(on_change)
 
     async def _refresh(self) -> Change:
         listing = None

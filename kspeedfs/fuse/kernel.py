@@ -282,6 +282,7 @@ class RequestLoop:
         on_stray_interrupt: Callable[[int], None] | None = None,
         deadline: float | None = None,
         poll_window: float = 0.0,
+        done: threading.Event | None = None,
     ):
         self.fs = fs
         self.fd = fd
@@ -295,7 +296,7 @@ class RequestLoop:
         self._lock = threading.Lock()
         self._threads: list[threading.Thread] = []
         self._last_overload_log = 0.0
-        self.done = threading.Event()
+        self.done = done or threading.Event()  # set when it stops serving (its session's)
         self.detached = False  # the kernel said ENODEV: unmounted
         self._listing: Callable[[int, bool], PackedListing | None] | None = getattr(
             fs, "listing", None
@@ -573,7 +574,8 @@ _HANDLERS: dict[int, Callable[[RequestLoop, int, memoryview], ReadResult]] = {
 class FuseSession:
     """One mount: the /dev/fuse fd, notifications to the kernel, and (in-process serving, as
     the toy tests and `--workers 0` do) a RequestLoop of `threads` threads on that fd. The
-    multi-process mount serves from clones of the fd instead (`clone_fd`)."""
+    multi-process mount serves from clones of the fd instead (`clone_fd`); its serving
+    processes count their requests in `counters` (in-process serving makes its own)."""
 
     def __init__(
         self,
@@ -581,6 +583,7 @@ class FuseSession:
         mountpoint: str,
         options: Iterable[str],
         threads: int = THREADS,
+        counters: SharedCounters | None = None,
     ):
         self.fs = fs
         self.mountpoint = mountpoint
@@ -588,7 +591,7 @@ class FuseSession:
         self.threads = threads
         self.fd = -1
         self.loop: RequestLoop | None = None
-        self.counters: SharedCounters | None = None
+        self.counters = counters
         self._keep: socket.socket | None = None  # auto_unmount: fusermount3 watches this end
         self._fusermount: subprocess.Popen[str] | None = None
         self._notify = ThreadPoolExecutor(max_workers=1, thread_name_prefix="fuse-notify")
@@ -636,8 +639,7 @@ class FuseSession:
         assert self.fs is not None
         self.counters = SharedCounters.create(self.threads)
         rows = [self.counters.row(i) for i in range(self.threads)]
-        self.loop = RequestLoop(self.fs, self.fd, rows)
-        self.loop.done = self.done
+        self.loop = RequestLoop(self.fs, self.fd, rows, done=self.done)
         self.loop.start()
 
     def connected(self) -> bool:

@@ -24,6 +24,7 @@ from kspeedfs.format.contract.node import Ping
 from kspeedfs.format.errors import ERROR_CLASSES, KSpeedError, MountError
 from kspeedfs.format.names import validate_mount_name
 from kspeedfs.format.tls import client_context
+from kspeedfs.fuse.counters import SharedCounters
 from kspeedfs.fuse.datasets import DatasetList
 from kspeedfs.fuse.kernel import FuseSession
 from kspeedfs.fuse.metrics import serve_mount_metrics
@@ -101,23 +102,25 @@ async def serve_mount(
     check_here = not _automount_point(Path(mountpoint))
     # Held until this process exits, however it ends: `umount` waits for that.
     mountlock.hold(mountpoint)
-    session = FuseSession(None, str(mountpoint), options)
+    counters = SharedCounters.create(count)  # a row for each serving process
+    session = FuseSession(None, str(mountpoint), options, counters=counters)
     try:
         session.mount()
     except OSError as e:
+        counters.close()
         raise MountError(e.strerror or str(e)) from None
     on_mounted()
     if settings.fuse_read_ahead:
         session.set_read_ahead(settings.fuse_read_ahead // 1024)
-    pool = Workers(session, datasets, settings, dataset, count, clients)
+    pool = Workers(session, datasets, settings, dataset, count, clients, counters)
     if settings.metrics_listen:  # metrics: Prometheus /metrics over the shared counters
-        serve_mount_metrics(settings.metrics_listen, pool.counters)
+        serve_mount_metrics(settings.metrics_listen, counters)
     error: MountError | None = None
     try:
         with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT, signal.SIGHUP) as signals:
             async with trio.open_nursery() as nursery:
                 await nursery.start(pool.run)
-                nursery.start_soon(datasets.keep_refreshed)
+                nursery.start_soon(datasets.keep_refreshed, pool.on_change)
                 nursery.start_soon(_unmount_on_signal, signals, session, pool)
                 if check_here:
                     error = await _answering(session, datasets, settings.timeout + READY_WAIT)
@@ -135,7 +138,7 @@ async def serve_mount(
             await pool.stop()
         session.unmount()
         session.close()
-        pool.counters.close()
+        counters.close()
         reader.close()
         for client in clients:
             await client.aclose()

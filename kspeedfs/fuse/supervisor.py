@@ -43,7 +43,9 @@ def default_workers() -> int:
 
 
 class Workers:
-    """`count` worker processes serving `session`, fed from `datasets`."""
+    """`count` worker processes serving `session`, fed from `datasets` (each refresh's change
+    comes to `on_change`), each counting its requests in its row of `counters` (the
+    session's)."""
 
     def __init__(
         self,
@@ -53,6 +55,7 @@ class Workers:
         dataset: str | None,
         count: int,
         clients: list[AsyncNodeClient],
+        counters: SharedCounters,
     ):
         self.session = session
         self.datasets = datasets
@@ -60,8 +63,7 @@ class Workers:
         self.dataset = dataset
         self.count = count
         self.clients = clients
-        self.counters = SharedCounters.create(count)
-        session.counters = self.counters
+        self.counters = counters
         self.finished = trio.Event()  # the mount is gone (a worker saw ENODEV)
         self.stopping = False
         self._links: dict[int, trio.MemorySendChannel[tuple[Any, ...]]] = {}
@@ -74,7 +76,6 @@ class Workers:
         self._refresh_queued = False
         self._nursery: trio.Nursery | None = None
         self._token = trio.lowlevel.current_trio_token()
-        datasets.on_change = self.on_change
 
     async def run(self, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         """Start every worker, report started once all serve, then keep them running."""
@@ -258,7 +259,7 @@ class Workers:
 
     async def _refresh(self) -> None:
         self._refresh_queued = False
-        await self.datasets.refresh_unless_running()
+        await self.datasets.refresh_unless_running(self.on_change)
 
     async def _report_touch(self, name: str, uuid: str, segments: list[int], hits: int) -> None:
         """Tell the node which read-through segments were read (its LRU cannot see mmap hits)."""

@@ -47,7 +47,6 @@ class SupervisorLink:
 
     def __init__(self, sock: socket.socket):
         self.sock = sock
-        self.fs: KSpeedFS | None = None
         self.node_answers = True
         self._send_lock = threading.Lock()
         self._state = threading.Condition()
@@ -104,20 +103,20 @@ class SupervisorLink:
         message: tuple[Any, ...] = pickle.loads(data)
         return message
 
-    def apply(self, message: tuple[Any, ...], loop: RequestLoop | None) -> None:
+    def apply(self, message: tuple[Any, ...], fs: KSpeedFS, loop: RequestLoop | None) -> None:
+        """Apply a message of the supervisor to `fs` (an interrupt: to `loop`, once it serves)."""
         kind = message[0]
-        assert self.fs is not None
         if kind == "add":
             _, slot, name, uuid, info = message
-            self.fs.add(slot, name, uuid, info)
+            fs.add(slot, name, uuid, info)
         elif kind == "drop":
             _, slot, invalidation = message
             with self._state:
                 self._invalidations_wanted = max(self._invalidations_wanted, invalidation)
-            self.fs.drop(slot)
+            fs.drop(slot)
         elif kind == "refreshed":
             _, node_answers, mounted_at_ns, change = message
-            self.fs.mounted_at_ns = mounted_at_ns
+            fs.mounted_at_ns = mounted_at_ns
             with self._state:
                 self.node_answers = node_answers
                 self._refreshes += 1
@@ -143,14 +142,13 @@ def serve(fuse_fd: int, control_fd: int, counters_fd: int) -> int:
     counters = SharedCounters(counters_fd, rows)
     reader = ClusterReader(settings, local_node_for(settings))
     fs = KSpeedFS(reader, link, dataset, counters, index)
-    link.fs = fs
     # The datasets the supervisor knows, up to its first "refreshed": then serve.
     while True:
         message = link.receive(60.0)
         if message is None:
             log.error("the supervisor sent no dataset list")
             return 1
-        link.apply(message, None)
+        link.apply(message, fs, None)
         if message[0] == "refreshed":
             break
     loop = RequestLoop(
@@ -170,7 +168,7 @@ def serve(fuse_fd: int, control_fd: int, counters_fd: int) -> int:
         while not loop.done.is_set():
             message = link.receive(TOUCH_INTERVAL / 2)
             if message is not None:
-                link.apply(message, loop)
+                link.apply(message, fs, loop)
             if time.monotonic() - last_touch >= TOUCH_INTERVAL:
                 last_touch = time.monotonic()
                 for touch in fs.drain_touches():

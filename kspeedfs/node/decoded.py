@@ -28,7 +28,19 @@ import trio
 from PIL import Image
 
 from kspeedfs.format import decoded as fmt
-from kspeedfs.format.contract.decoded import Decode, DecodeDrop, DecodeLocal, DecodeStatus
+from kspeedfs.format.contract.decoded import (
+    DatasetVariants,
+    Decode,
+    DecodeDrop,
+    DecodeDropped,
+    DecodeLocal,
+    DecodeStarted,
+    DecodeStatus,
+    MemberVariants,
+    VariantProgress,
+    VariantState,
+    VariantSummary,
+)
 from kspeedfs.format.errors import InvalidArgument, KSpeedError, NoSpace, NotFound, StaleDataset
 from kspeedfs.format.localdata import LocalDataset
 from kspeedfs.format.units import format_size
@@ -144,7 +156,7 @@ class VariantFill:
     files_done: int = 0
     undecodable: int = 0
     bytes_total: int = 0  # pixels + index
-    state: str = "probing"  # probing, filling, ready, failed
+    state: VariantState = "probing"
     error: str = ""
     started: float = dataclasses.field(default_factory=time.monotonic)
     elapsed: float = 0.0
@@ -153,41 +165,41 @@ class VariantFill:
     # (entry, segment, offset, width, height) of each image to decode
     work: list[tuple[int, int, int, int, int]] = dataclasses.field(default_factory=list)
 
-    def to_wire(self) -> dict[str, Any]:
-        return {
-            "size": self.size,
-            "state": self.state,
-            "error": self.error,
-            "files_total": self.files_total,
-            "files_done": self.files_done,
-            "undecodable": self.undecodable,
-            "bytes": self.bytes_total,
-            "elapsed": self.elapsed if self.finished.is_set() else time.monotonic() - self.started,
-        }
+    def progress(self) -> VariantProgress:
+        return VariantProgress(
+            size=self.size,
+            state=self.state,
+            error=self.error,
+            files_total=self.files_total,
+            files_done=self.files_done,
+            undecodable=self.undecodable,
+            bytes=self.bytes_total,
+            elapsed=self.elapsed if self.finished.is_set() else time.monotonic() - self.started,
+        )
 
 
 class DecodedVariants:
     """The variants this node holds: fills them, lists them, drops them with their dataset."""
 
-    def __init__(self, store: SegmentStore, address: str, workers: int | None = None):
+    def __init__(self, store: SegmentStore, address: str, ask: Ask, workers: int | None = None):
         self.store = store
         self.address = address
+        self._ask = ask  # a request on a member (this node's own answered in process)
         self.workers = workers or os.cpu_count() or 1
         self.fills: dict[tuple[str, int], VariantFill] = {}
         self._lock = threading.Lock()
         store.on_publish.append(self._found)
         store.before_unload.append(self._unloading)
 
-    def register_ops(self, ops: OpRegistry, ask: Ask) -> None:
-        self._ask = ask
+    def register_ops(self, ops: OpRegistry) -> None:
         ops.add(Decode, self.op_decode, JOB)
         ops.add(DecodeLocal, self.op_decode_local, ADMIN)
         ops.add(DecodeDrop, self.op_decode_drop, ADMIN)
         ops.add(DecodeStatus, self.op_decode_status, READ)
 
-    def local_status(self, name: str) -> dict[str, Any]:
+    def local_status(self, name: str) -> dict[str, VariantProgress]:
         """{size: fill state} of a dataset's variants here (for `list`)."""
-        return {str(s): f.to_wire() for (n, s), f in list(self.fills.items()) if n == name}
+        return {str(s): f.progress() for (n, s), f in list(self.fills.items()) if n == name}
 
     async def after_preload(self, name: str, uuid: str, size: Any) -> None:
         """`preload --decoded N`: start the variant once the dataset is published (a refusal
@@ -199,7 +211,7 @@ class DecodedVariants:
 
     # -- ops --
 
-    async def op_decode(self, request: Decode) -> dict[str, Any]:
+    async def op_decode(self, request: Decode) -> DecodeStarted:
         """Start the variant on every member of the dataset; a member that refuses (budget)
         makes it be dropped everywhere."""
         name, size = request.name, request.size
@@ -218,39 +230,44 @@ class DecodedVariants:
                 except KSpeedError as e:
                     log.warning("dropping the variant %s@%d on %s: %s", name, size, member, e)
             raise errors[0]
-        return {
-            "name": name,
-            "uuid": record.uuid,
-            "size": size,
-            "files_total": sum(a["files_total"] for a in answers.values()),
-            "bytes": sum(a["bytes"] for a in answers.values()),
-            "nodes": answers,
-        }
+        parts = {member: VariantProgress.from_wire(a) for member, a in answers.items()}
+        return DecodeStarted(
+            name=name,
+            uuid=record.uuid,
+            size=size,
+            files_total=sum(p.files_total for p in parts.values()),
+            bytes=sum(p.bytes for p in parts.values()),
+            nodes=parts,
+        )
 
-    async def op_decode_local(self, request: DecodeLocal) -> dict[str, Any]:
+    async def op_decode_local(self, request: DecodeLocal) -> VariantProgress:
         fill = await trio.to_thread.run_sync(self.start, request.name, request.uuid, request.size)
-        return fill.to_wire()
+        return fill.progress()
 
-    async def op_decode_drop(self, request: DecodeDrop) -> dict[str, Any]:
+    async def op_decode_drop(self, request: DecodeDrop) -> DecodeDropped:
         await trio.to_thread.run_sync(self.drop, request.name, request.size)
-        return {"node": self.address}
+        return DecodeDropped(node=self.address)
 
-    async def op_decode_status(self, request: DecodeStatus) -> dict[str, Any]:
+    async def op_decode_status(self, request: DecodeStatus) -> MemberVariants | DatasetVariants:
         """This node's variants of a dataset (`local`), or every member's."""
         name = request.name
         if request.local:
-            return {"node": self.address, "variants": self.local_status(name)}
+            return MemberVariants(node=self.address, variants=self.local_status(name))
         record = self.store.datasets.get(name)
         if record is None:
             raise NotFound(f"no dataset named {name!r}")
         here = DecodeStatus(name=name, local=True)
-        nodes: dict[str, Any] = {}
+        held: list[dict[str, VariantProgress]] = []
+        nodes: dict[str, dict[str, Any]] = {}
         for member in record.members or [self.address]:
             try:
-                nodes[member] = (await self._ask(member, here))["variants"]
+                variants = MemberVariants.from_wire(await self._ask(member, here)).variants
             except KSpeedError as e:
                 nodes[member] = {"error": str(e)}
-        return {"name": name, "uuid": record.uuid, "nodes": nodes, "variants": summarize(nodes)}
+                continue
+            held.append(variants)
+            nodes[member] = {size: v.to_wire() for size, v in variants.items()}
+        return DatasetVariants(name=name, uuid=record.uuid, nodes=nodes, variants=summarize(held))
 
     # -- work --
 
@@ -499,30 +516,22 @@ class DecodedVariants:
                     os.close(fd)
 
 
-def summarize(nodes: dict[str, Any]) -> dict[str, Any]:
-    """Per size, over the nodes: files done / total, bytes, the worst state."""
-    out: dict[str, dict[str, Any]] = {}
+def summarize(members: list[dict[str, VariantProgress]]) -> dict[str, VariantSummary]:
+    """Per size, over the members' variants: files done / total, bytes, the worst state."""
+    out: dict[str, VariantSummary] = {}
     rank = {"ready": 0, "filling": 1, "probing": 2, "failed": 3}
-    for variants in nodes.values():
-        if not isinstance(variants, dict) or "error" in variants:
-            continue
+    for variants in members:
         for size, v in variants.items():
-            s = out.setdefault(
-                size,
-                {
-                    "size": int(size),
-                    "state": "ready",
-                    "error": "",
-                    "files_total": 0,
-                    "files_done": 0,
-                    "undecodable": 0,
-                    "bytes": 0,
-                    "nodes": 0,
-                },
+            s = out.get(size) or VariantSummary(size=int(size), state="ready")
+            worst = rank[v.state] > rank[s.state]
+            out[size] = dataclasses.replace(
+                s,
+                state=v.state if worst else s.state,
+                error=v.error if worst else s.error,
+                files_total=s.files_total + v.files_total,
+                files_done=s.files_done + v.files_done,
+                undecodable=s.undecodable + v.undecodable,
+                bytes=s.bytes + v.bytes,
+                nodes=s.nodes + 1,
             )
-            for key in ("files_total", "files_done", "undecodable", "bytes"):
-                s[key] += int(v[key])
-            s["nodes"] += 1
-            if rank.get(v["state"], 3) > rank.get(s["state"], 3):
-                s["state"], s["error"] = v["state"], v["error"]
     return out

@@ -12,7 +12,17 @@ from typing import Any, Protocol
 import trio
 
 from kspeedfs.format.config import Settings
-from kspeedfs.format.contract.node import List, ManifestPiece, ManifestReq, Status
+from kspeedfs.format.contract.node import (
+    DatasetEntry,
+    DatasetListing,
+    HeldSegments,
+    List,
+    LoadingEntry,
+    ManifestPiece,
+    ManifestReq,
+    NodeStatus,
+    Status,
+)
 from kspeedfs.format.contract.pieces import read_piece
 from kspeedfs.format.errors import NotFound
 from kspeedfs.format.localdata import MANIFEST_FILE
@@ -64,7 +74,7 @@ class NodeInfo:
         ops.add(List, self.op_list, READ)
         ops.add(ManifestReq, self.op_manifest, READ)
 
-    async def op_status(self, request: Status) -> dict[str, Any]:
+    async def op_status(self, request: Status) -> NodeStatus:
         n = self.node
         folders = [r.path / "seg" for r in n.store.datasets.values()]
         if n.store.disk_root is not None:  # and the disk tier's
@@ -74,48 +84,51 @@ class NodeInfo:
                 if r.disk
             ]
         segments = await trio.to_thread.run_sync(_count_files, folders)
-        return {
-            "node": n.address,
-            "pid": os.getpid(),
-            "shm_dir": str(n.settings.shm_dir),
-            "budget": n.store.budget,
-            "used": n.store.used(),
-            "disk_tier": _disk_tier(n),
-            "integrity": n.scrubber.status(),  # damaged segments found and repaired, scrub
-            "datasets": len(n.store.datasets),
-            "loading": sorted(name for name, p in n.loads.items() if p.state == "loading"),
-            "segments": segments,
-            "uptime": time.time() - n.started,
-            "stats": dict(n.stats),
-            "local_socket": {"path": str(n.fds.path), **n.fds.stats},
-            "transport": n.rdma.label,
-            "rdma": n.rdma.status(),
-            "leases": n.leases.total(),
-            "cache": n.cache.status(),
-            "loaded": dict(n.stager.loaded),
-            "decoded": {r: n.decoded.local_status(r) for r in n.store.datasets},
-            "members": n.control.members(),
-            "control": n.control.status(),
-            "peers": n.peers.statistics(),
-            "held": {
-                r.name: {"held": r.held, "segments": r.segments} for r in n.store.datasets.values()
+        return NodeStatus(
+            node=n.address,
+            pid=os.getpid(),
+            shm_dir=str(n.settings.shm_dir),
+            budget=n.store.budget,
+            used=n.store.used(),
+            disk_tier=_disk_tier(n),
+            integrity=n.scrubber.status(),  # damaged segments found and repaired, scrub
+            datasets=len(n.store.datasets),
+            loading=sorted(name for name, p in n.loads.items() if p.state == "loading"),
+            segments=segments,
+            uptime=time.time() - n.started,
+            stats=dict(n.stats),
+            local_socket={"path": str(n.fds.path), **n.fds.stats},
+            transport=n.rdma.label,
+            rdma=n.rdma.status(),
+            leases=n.leases.total(),
+            cache=n.cache.status(),
+            loaded=dict(n.stager.loaded),
+            decoded={r: n.decoded.local_status(r) for r in n.store.datasets},
+            members=n.control.members(),
+            control=n.control.status(),
+            peers=n.peers.statistics(),
+            held={
+                r.name: HeldSegments(held=r.held, segments=r.segments)
+                for r in n.store.datasets.values()
             },
-        }
+        )
 
-    async def op_list(self, request: List) -> dict[str, Any]:
+    async def op_list(self, request: List) -> DatasetListing:
         n = self.node
-        out = [
-            {
-                **r.to_wire(),
-                **_readthrough_disk(n.cache.disk_stored(r.name, r.uuid)),
-                "leases": n.leases.count(r.name),
-                "decoded": n.decoded.local_status(r.name),
-                **self._placement(r.name, r.uuid),
-            }
+        out: list[DatasetEntry | LoadingEntry] = [
+            DatasetEntry(
+                **{
+                    **r.to_wire(),
+                    **_readthrough_disk(n.cache.disk_stored(r.name, r.uuid)),
+                    "leases": n.leases.count(r.name),
+                    "decoded": n.decoded.local_status(r.name),
+                    **self._placement(r.name, r.uuid),
+                }
+            )
             for r in n.store.datasets.values()
         ]
-        out.extend(n.loads.to_wire())
-        return {"node": n.address, "datasets": sorted(out, key=lambda d: d["name"])}
+        out.extend(LoadingEntry.from_wire(load) for load in n.loads.to_wire())
+        return DatasetListing(node=n.address, datasets=sorted(out, key=lambda d: d.name))
 
     async def op_manifest(self, request: ManifestReq) -> ManifestPiece:
         """A piece of the manifest, for a client on a machine that holds no part of the

@@ -296,16 +296,16 @@ class AddedIndexes:
     into the instance's meta/ folder under a temporary name, checks it, and publishes it with
     one rename that also counts it in the instance's stored bytes."""
 
-    def __init__(self, store: SegmentStore, address: str):
+    def __init__(self, store: SegmentStore, address: str, ask: Ask):
         self.store = store
         self.address = address
+        self._ask = ask  # a request on a member (this node's own answered in process)
         self._locks: dict[tuple[str, str, str], trio.Lock] = {}
         self._reserved: dict[str, set[str]] = {}  # dataset -> reservations of adds in flight
         store.on_publish.append(self._found)
         store.before_unload.append(self._unloading)
 
-    def register_ops(self, ops: OpRegistry, ask: Ask) -> None:
-        self._ask = ask
+    def register_ops(self, ops: OpRegistry) -> None:
         ops.add(MetaAdd, self.op_meta_add, JOB)
         ops.add(MetaReserve, self.op_meta_reserve, ADMIN)
         ops.add(MetaPut, self.op_meta_put, ADMIN)

@@ -7,7 +7,9 @@ once it listens, and the control plane then joins.
 
 from __future__ import annotations
 
+import functools
 import time
+from collections.abc import Callable
 from typing import Any
 
 import trio
@@ -39,6 +41,10 @@ from kspeedfs.node.store import SegmentStore
 from kspeedfs.node.unload import Unloader
 from kspeedfs.rdma.server import RdmaService
 
+# Makes the node's RDMA service over its store: RdmaService.start unless given (a test's is
+# over a stand-in device).
+RdmaFactory = Callable[[SegmentStore], RdmaService]
+
 
 def cluster_members(settings: Settings) -> list[str]:
     """The node list this node places data over; just itself when it is not in the list."""
@@ -46,7 +52,7 @@ def cluster_members(settings: Settings) -> list[str]:
 
 
 class Node:
-    def __init__(self, settings: Settings, rdma: RdmaService | None = None):
+    def __init__(self, settings: Settings, rdma: RdmaFactory | None = None):
         self.settings = settings
         # First: a token file that is refused (open to others, not UTF-8) starts nothing.
         self.token = auth.ensure_token(settings.token_file)
@@ -65,16 +71,15 @@ class Node:
         self.loads = LoadTable()
         self.leases = LeaseTable(settings.lease_ttl)
         self.peers = PeerPool(settings.token_file, settings.timeout, tls=client_context(settings))
-        self.rdma = rdma if rdma is not None else RdmaService.start(settings)
-        self.rdma.follow(self.store)
+        self.rdma = (rdma or functools.partial(RdmaService.start, settings))(self.store)
         self.users = users.UsersFile(settings.users_path())
         self.fds = FdServer(
             self.store, settings.socket_path(), settings.access, settings.timeout, self.users
         )
         self.stager = Stager(self.store, self.address)
         self.cache = ReadThroughCache(self.store, settings, self.address, self.loads)
-        self.decoded = DecodedVariants(self.store, self.address, settings.decode_workers)
-        self.meta_indexes = AddedIndexes(self.store, self.address)
+        self.decoded = DecodedVariants(self.store, self.address, self.ask, settings.decode_workers)
+        self.meta_indexes = AddedIndexes(self.store, self.address, self.ask)
         # The control plane: etcd's (membership, catalog, healing), or the static node list.
         self.control: ClusterControl = (
             ControlPlane(
@@ -117,14 +122,14 @@ class Node:
             self.unloader,
             self.scrubber,
             self.control,
+            self.stager,
+            self.decoded,
+            self.meta_indexes,
+            self.rdma,
+            self.cache,
         )
         for owner in owners:
             owner.register_ops(self.ops)
-        self.stager.register_ops(self.ops)
-        self.decoded.register_ops(self.ops, self.ask)
-        self.meta_indexes.register_ops(self.ops, self.ask)
-        self.rdma.register_ops(self.ops)
-        self.cache.register_ops(self.ops)
 
     @property
     def address(self) -> str:
@@ -144,6 +149,7 @@ class Node:
                     self.coordinator,
                     self.promoter,
                     self.scrubber,
+                    self.rdma,
                 )
                 for owner in owners:
                     await nursery.start(owner.run)

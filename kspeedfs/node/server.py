@@ -30,8 +30,7 @@ from kspeedfs.net.connection import tune
 from kspeedfs.node import sourceio
 from kspeedfs.node.framing import Connection, peer_of, response
 from kspeedfs.node.ops import ADMIN, READ, answering, caller_role, refusal
-from kspeedfs.node.root import Node
-from kspeedfs.rdma.server import RdmaService
+from kspeedfs.node.root import Node, RdmaFactory
 from kspeedfs.system.memory import return_large_buffers
 from kspeedfs.system.notify import notify, watchdog_interval
 
@@ -47,7 +46,7 @@ Range = tuple[int, int, int]  # segment, offset, length
 class NodeServer:
     """The listener over a Node: the handshake, the dispatch of its ops, the read path."""
 
-    def __init__(self, settings: Settings, rdma: RdmaService | None = None):
+    def __init__(self, settings: Settings, rdma: RdmaFactory | None = None):
         self.node = Node(settings, rdma)
         self.settings = settings
         node = self.node

@@ -18,7 +18,13 @@ from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
 from kspeedfs.format.config import Settings
-from kspeedfs.format.contract.rdma import RdmaConnect, RdmaSegments
+from kspeedfs.format.contract.rdma import (
+    RdmaConnect,
+    RdmaConnected,
+    RdmaRefused,
+    RdmaSegments,
+    RdmaSegmentTable,
+)
 from kspeedfs.format.errors import (
     DataError,
     InvalidArgument,
@@ -290,14 +296,15 @@ class RdmaTransport:
             reply = self._tcp.client.call(RdmaConnect(endpoint=channel.endpoint.to_wire()))
         except InvalidArgument as e:
             return f"node does not offer RDMA ({e})"
-        if not reply.get("available"):
-            return f"node has no RDMA: {reply.get('reason', 'no reason given')}"
         try:
-            channel.connect(Endpoint.from_wire(reply.get("endpoint")))
-            probe = reply["probe"]
-            expected = bytes.fromhex(str(probe["data"]))
+            if not reply.get("available"):
+                return f"node has no RDMA: {RdmaRefused.from_wire(reply).reason}"
+            connected = RdmaConnected.from_wire(reply)
+            channel.connect(Endpoint.from_wire(connected.endpoint))
+            probe = connected.probe
+            expected = bytes.fromhex(probe.data)
             got = bytearray(len(expected))
-            piece = RdmaRead(int(probe["addr"]), int(probe["rkey"]), len(expected), 0)
+            piece = RdmaRead(probe.addr, probe.rkey, len(expected), 0)
             run_reads(channel, [piece], memoryview(got), min(self.settings.timeout, 5.0))
         except (KSpeedError, KeyError, ValueError, TypeError) as e:
             return f"RDMA handshake failed: {e}"
@@ -321,15 +328,11 @@ class RdmaTransport:
             return None
         reply = self._tcp.client.call(RdmaSegments(name=dataset))
         if not reply.get("available"):
-            log.info(
-                "node %s: reading %s over TCP: %s",
-                self.address,
-                dataset,
-                reply.get("reason", "not registered"),
-            )
+            reason = RdmaRefused.from_wire(reply).reason
+            log.info("node %s: reading %s over TCP: %s", self.address, dataset, reason)
             self._tables[dataset] = time.monotonic() + NO_TABLE_RETRY_S
             return None
-        table = table_from_wire(dataset, reply.get("table"))
+        table = table_from_wire(dataset, RdmaSegmentTable.from_wire(reply).table)
         self._tables[dataset] = table
         return table
 

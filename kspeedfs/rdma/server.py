@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextvars
 import logging
+import math
 import mmap
 import os
 import threading
@@ -18,8 +19,15 @@ from typing import Any, Protocol
 import trio
 
 from kspeedfs.format.config import Settings
-from kspeedfs.format.contract import Request
-from kspeedfs.format.contract.rdma import RdmaConnect, RdmaSegments
+from kspeedfs.format.contract import Request, Wire
+from kspeedfs.format.contract.rdma import (
+    RdmaConnect,
+    RdmaConnected,
+    RdmaProbe,
+    RdmaRefused,
+    RdmaSegments,
+    RdmaSegmentTable,
+)
 from kspeedfs.format.errors import InvalidArgument, KSpeedError
 from kspeedfs.format.localdata import LocalDataset
 from kspeedfs.rdma.registry import SegmentRegistry
@@ -42,7 +50,7 @@ class OpTable(Protocol):
     def add(
         self,
         op: type[Request],
-        handler: Callable[[Any], Awaitable[dict[str, Any]]],
+        handler: Callable[[Any], Awaitable[Wire]],
         role: str,
     ) -> None: ...
 
@@ -70,10 +78,13 @@ _current_peers: contextvars.ContextVar[PeerSet | None] = contextvars.ContextVar(
 
 
 class RdmaService:
-    """Enabled with a device; otherwise a stand-in that says why and answers "not available"."""
+    """Enabled with a device; otherwise a stand-in that says why and answers "not available".
+    Serves the datasets `store` publishes: registers each one published, deregisters it
+    before it goes."""
 
     def __init__(
         self,
+        store: PublishedDatasets,
         reason: str = "",
         device: Device | None = None,
         registry: SegmentRegistry | None = None,
@@ -83,7 +94,12 @@ class RdmaService:
         self.registry = registry
         self._lock = threading.Lock()
         self._peer_count = 0
-        self._store: PublishedDatasets | None = None
+        self._store = store
+        # Datasets published on the event loop, registered in worker threads by `run`.
+        self._published, self._to_register = trio.open_memory_channel[str](math.inf)
+        if self.enabled:
+            store.on_publish.append(self.dataset_published)
+            store.before_unload.append(self.dataset_unloading)
         self._cq: Any = None
         self._probe_map: mmap.mmap | None = None
         self._probe: MemoryRegion | None = None
@@ -95,23 +111,23 @@ class RdmaService:
             self._probe = device.register(self._probe_map, PROBE_BYTES)
 
     @classmethod
-    def start(cls, settings: Settings) -> RdmaService:
+    def start(cls, settings: Settings, store: PublishedDatasets) -> RdmaService:
         """Open the device the settings allow; without one, TCP only (an error if forced)."""
         if settings.transport == "tcp":
-            return cls("RDMA disabled by the transport setting")
+            return cls(store, "RDMA disabled by the transport setting")
         found = probe(settings.rdma_device)
         device: Device | None = None
         reason = found.reason
         if found.usable:
             try:
                 device = open_device(found.device, found.port, settings.rdma_gid_index)
-                return cls(device=device, registry=SegmentRegistry(device))
+                return cls(store, device=device, registry=SegmentRegistry(device))
             except VerbsError as e:
                 reason = str(e)
         if settings.transport == "rdma":
             raise InvalidArgument(f"transport is rdma, but this node cannot use RDMA: {reason}")
         log.info("RDMA off (%s): serving over TCP only", reason)
-        return cls(reason)
+        return cls(store, reason)
 
     @property
     def enabled(self) -> bool:
@@ -127,18 +143,20 @@ class RdmaService:
         ops.add(RdmaConnect, self.op_connect, "read")
         ops.add(RdmaSegments, self.op_segments, "read")
 
-    def follow(self, store: PublishedDatasets) -> None:
-        """Register each dataset the store publishes; deregister it before it goes."""
-        self._store = store
-        if self.enabled:
-            store.on_publish.append(self.dataset_published)
-            store.before_unload.append(self.dataset_unloading)
-
     # Memory registration.
+
+    async def run(self, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        """Register each dataset published on the event loop, each in a worker thread, in
+        the nursery this opens, until cancelled (started by the node with `nursery.start`)."""
+        async with trio.open_nursery() as nursery:
+            task_status.started()
+            async for name in self._to_register:
+                nursery.start_soon(trio.to_thread.run_sync, self._register_logged, name)
 
     def dataset_published(self, name: str) -> None:
         """Register a dataset that became visible: now when off the event loop (start-up
-        recovery runs in a worker thread), else in a worker thread of its own."""
+        recovery runs in a worker thread), else in a worker thread started by `run` (one not
+        registered yet is registered by the first `rdma_segments` that asks for it)."""
         if not self.enabled:
             return
         try:
@@ -146,7 +164,7 @@ class RdmaService:
         except RuntimeError:
             self._register_logged(name)
             return
-        trio.lowlevel.spawn_system_task(trio.to_thread.run_sync, self._register_logged, name)
+        self._published.send_nowait(name)
 
     def dataset_unloading(self, name: str) -> None:
         """Before the files go: no remote read reaches the segments once this returns."""
@@ -161,7 +179,7 @@ class RdmaService:
 
     def register(self, name: str) -> Any:
         """Register a dataset's held segments (idempotent); its table, or None if it is gone."""
-        assert self.registry is not None and self._store is not None
+        assert self.registry is not None
         # Read before the lookup: an unload in between then makes the registration undo itself.
         epoch = self.registry.epoch(name)
         try:
@@ -189,53 +207,49 @@ class RdmaService:
         _current_peers.set(peers)
         return peers
 
-    async def op_connect(self, request: RdmaConnect) -> dict[str, Any]:
+    async def op_connect(self, request: RdmaConnect) -> RdmaConnected | RdmaRefused:
         if self.device is None:
-            return {"available": False, "reason": self.reason}
+            return RdmaRefused(reason=self.reason)
         peers = _current_peers.get()
         if peers is None:
-            return {"available": False, "reason": "this node cannot tie RDMA to connections"}
+            return RdmaRefused(reason="this node cannot tie RDMA to connections")
         client = Endpoint.from_wire(request.endpoint)
         # One queue pair per connection: a reconnect (after an error) replaces the old one.
         self._drop(peers)
         with self._lock:
             if self._peer_count >= MAX_PEERS:
-                return {"available": False, "reason": f"node has {MAX_PEERS} RDMA peers already"}
+                return RdmaRefused(reason=f"node has {MAX_PEERS} RDMA peers already")
             self._peer_count += 1
         try:
             qp = ResponderQP(self.device, self._cq, client)
         except KSpeedError as e:
             with self._lock:
                 self._peer_count -= 1
-            return {"available": False, "reason": str(e)}
+            return RdmaRefused(reason=str(e))
         peers.qps.append(qp)
         assert self._probe is not None and self._probe_map is not None
-        return {
-            "available": True,
-            "endpoint": qp.endpoint.to_wire(),
-            "probe": {
-                "addr": self._probe.addr,
-                "rkey": self._probe.rkey,
-                "length": PROBE_BYTES,
-                "data": bytes(self._probe_map[:PROBE_BYTES]).hex(),
-            },
-        }
+        probe = RdmaProbe(
+            addr=self._probe.addr,
+            rkey=self._probe.rkey,
+            length=PROBE_BYTES,
+            data=bytes(self._probe_map[:PROBE_BYTES]).hex(),
+        )
+        return RdmaConnected(endpoint=qp.endpoint.to_wire(), probe=probe)
 
-    async def op_segments(self, request: RdmaSegments) -> dict[str, Any]:
+    async def op_segments(self, request: RdmaSegments) -> RdmaSegmentTable | RdmaRefused:
         name = request.name
-        if self._store is not None:
-            self._store.open(name)  # NotFound for a dataset this node does not have
+        self._store.open(name)  # NotFound for a dataset this node does not have
         if self.registry is None:
-            return {"available": False, "reason": self.reason}
+            return RdmaRefused(reason=self.reason)
         table = self.registry.table(name)
         if table is None:
             try:
                 table = await trio.to_thread.run_sync(self.register, name)
             except KSpeedError as e:
-                return {"available": False, "reason": str(e)}
+                return RdmaRefused(reason=str(e))
         if table is None:
-            return {"available": False, "reason": f"dataset {name} is being unloaded"}
-        return {"available": True, "uuid": table.uuid, "table": table_to_wire(table)}
+            return RdmaRefused(reason=f"dataset {name} is being unloaded")
+        return RdmaSegmentTable(uuid=table.uuid, table=table_to_wire(table))
 
     def _drop(self, peers: PeerSet) -> None:
         qps, peers.qps = peers.qps, []

@@ -4,8 +4,9 @@ one, drop it, and what the members hold."""
 from __future__ import annotations
 
 import dataclasses
+from typing import Any, Literal
 
-from kspeedfs.format.contract import Request, checked, dataset_name
+from kspeedfs.format.contract import Request, Wire, at_least, checked, dataset_name
 from kspeedfs.format.decoded import check_size
 
 
@@ -45,3 +46,77 @@ class DecodeStatus(Request):
     OP = "decode_status"
     name: str = dataset_name()
     local: bool = False
+
+
+# A variant's fill on one member, from probing its images' headers to ready (or failed).
+VariantState = Literal["probing", "filling", "ready", "failed"]
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class VariantProgress(Wire):
+    """One variant on one member (decode_local's answer, and each variant a member lists):
+    its state, images decoded of those it holds, the bytes it takes, seconds it has taken."""
+
+    size: int
+    state: VariantState
+    error: str = ""
+    files_total: int = at_least(0)
+    files_done: int = at_least(0)
+    undecodable: int = at_least(0)
+    bytes: int = at_least(0)
+    elapsed: float
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class DecodeStarted(Wire):
+    """A variant started on every member of an instance: the images and bytes it takes over
+    them all, and each member's part."""
+
+    name: str
+    uuid: str
+    size: int
+    files_total: int = at_least(0)
+    bytes: int = at_least(0)
+    nodes: dict[str, VariantProgress]
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class DecodeDropped(Wire):
+    """The member that stopped and removed a variant (or held none)."""
+
+    node: str
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class MemberVariants(Wire):
+    """The variants of a dataset on one member, by size (decode_status with `local`)."""
+
+    node: str
+    variants: dict[str, VariantProgress]
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class VariantSummary(Wire):
+    """One variant over the members: their counts added up, the worst state (and its error),
+    and how many members answered for it."""
+
+    size: int
+    state: VariantState
+    error: str = ""
+    files_total: int = at_least(0, default=0)
+    files_done: int = at_least(0, default=0)
+    undecodable: int = at_least(0, default=0)
+    bytes: int = at_least(0, default=0)
+    nodes: int = at_least(0, default=0)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class DatasetVariants(Wire):
+    """The variants of an instance on every member (decode_status): each member's answer
+    ({size: VariantProgress's fields}, or {"error": why it did not answer}) and the summary
+    by size."""
+
+    name: str
+    uuid: str
+    nodes: dict[str, dict[str, Any]]
+    variants: dict[str, VariantSummary]

@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import dataclasses
-from typing import Literal
+from typing import Any, Literal
 
 from kspeedfs.format.contract import Request, Wire, at_least, checked, dataset_name
+from kspeedfs.format.contract.decoded import VariantProgress
 from kspeedfs.format.contract.pieces import PIECE, BlobPiece
 from kspeedfs.format.names import validate_name
 
@@ -47,11 +48,124 @@ class Status(Request):
     OP = "status"
 
 
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class HeldSegments(Wire):
+    """The segments of a dataset this node holds, of the `segments` in the whole dataset."""
+
+    held: list[int] = at_least(0)
+    segments: int = at_least(0)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class NodeStatus(Wire):
+    """What a node holds and does. The figures of each subsystem (disk tier, integrity, local
+    socket, RDMA, read-through cache, control plane, peers) are that subsystem's own
+    `status()`, passed through as it gives them."""
+
+    node: str
+    pid: int
+    shm_dir: str
+    budget: int
+    used: int
+    disk_tier: dict[str, Any] | None  # None: the node has no disk tier
+    integrity: dict[str, Any]
+    datasets: int = at_least(0)
+    loading: list[str]  # the names being loaded
+    segments: int = at_least(0)  # segment files on this node, both tiers
+    uptime: float
+    stats: dict[str, int]
+    local_socket: dict[str, Any]
+    transport: str
+    rdma: dict[str, Any]
+    leases: int = at_least(0)
+    cache: dict[str, Any]
+    loaded: dict[str, int]  # what this node loaded from sources
+    decoded: dict[str, dict[str, VariantProgress]]  # dataset -> size -> its variant here
+    members: list[str]
+    control: dict[str, Any] | None  # None: no control plane (a static node list)
+    peers: dict[str, int]
+    held: dict[str, HeldSegments]
+
+
 @dataclasses.dataclass(frozen=True)
 class List(Request):
     """Every dataset the node holds or is loading."""
 
     OP = "list"
+
+
+# The states of a dataset's load, in the order they come (node.loads.STATES); a published
+# dataset is "ready".
+DatasetState = Literal["scanning", "receiving", "loading", "staged", "ready", "failed"]
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class DatasetEntry(Wire):
+    """A published dataset in `list`: its record on this node (node.store.DatasetRecord), a
+    finished load's progress, its leases and decoded variants here, and, when the catalog
+    says, where its segments are placed now (`placed`, `lost`: absent otherwise)."""
+
+    name: str
+    uuid: str
+    source: str
+    lifetime: str
+    replicas: int
+    files: int = at_least(0)
+    bytes: int = at_least(0)
+    stored: int = at_least(0)  # bytes of memory it takes here
+    created: float
+    path: str
+    segments: int = at_least(0)
+    held: list[int] = at_least(0)
+    members: list[str]  # the nodes it was placed over at its load
+    disk: list[int] = at_least(0)  # held segments on the disk tier
+    disk_stored: int = at_least(0)
+    max_memory: int = at_least(0)
+    max_disk: int = at_least(0)
+    state: DatasetState = "ready"
+    files_total: int = at_least(0)
+    bytes_total: int = at_least(0)
+    files_done: int = at_least(0)
+    bytes_done: int = at_least(0)
+    elapsed: float = 0.0
+    error: str = ""
+    leases: int = at_least(0)
+    decoded: dict[str, VariantProgress]  # size -> its variant here
+    placed: list[str] | None = None
+    lost: list[str] | None = None
+
+    def to_wire(self) -> dict[str, Any]:
+        wire = super().to_wire()
+        if self.placed is None:
+            del wire["placed"]
+        if self.lost is None:
+            del wire["lost"]
+        return wire
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class LoadingEntry(Wire):
+    """A dataset in `list` that is not published yet: its load's progress (a failed one is
+    listed for a while, with why; `error_kind` is the error's class)."""
+
+    name: str
+    state: DatasetState
+    source: str
+    files_total: int = at_least(0)
+    bytes_total: int = at_least(0)
+    files_done: int = at_least(0)
+    bytes_done: int = at_least(0)
+    elapsed: float
+    error: str = ""
+    error_kind: str = ""
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class DatasetListing(Wire):
+    """Every dataset a node holds or is loading, by name."""
+
+    node: str
+    datasets: list[DatasetEntry | LoadingEntry]
 
 
 @dataclasses.dataclass(frozen=True)

@@ -4,9 +4,9 @@ dataset's registered segment table."""
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from typing import Any, Literal
 
-from kspeedfs.format.contract import Request, dataset_name
+from kspeedfs.format.contract import Request, Wire, dataset_name
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -24,3 +24,42 @@ class RdmaSegments(Request):
 
     OP = "rdma_segments"
     name: str = dataset_name()
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class RdmaRefused(Wire):
+    """No RDMA for this connection or dataset, and why (the client reads over TCP)."""
+
+    available: Literal[False] = False
+    reason: str
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class RdmaProbe(Wire):
+    """A small registered region of random bytes (`data`, in hex) that the client reads back
+    to prove the path works before it reads any segment."""
+
+    addr: int
+    rkey: int
+    length: int
+    data: str
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class RdmaConnected(Wire):
+    """The responder queue pair tied to this connection (`endpoint`, checked by
+    kspeedfs.rdma.wire.Endpoint) and the probe region to read first."""
+
+    available: Literal[True] = True
+    endpoint: dict[str, Any]
+    probe: RdmaProbe
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class RdmaSegmentTable(Wire):
+    """A dataset's registered segment table (kspeedfs.rdma.wire.table_to_wire's text) for
+    instance `uuid`."""
+
+    available: Literal[True] = True
+    uuid: str
+    table: str

@@ -21,7 +21,7 @@ from kspeedfs.client.clusterstate import (
 )
 from kspeedfs.format import placement
 from kspeedfs.format.config import Settings
-from kspeedfs.format.contract.node import List
+from kspeedfs.format.contract.node import DatasetEntry, DatasetListing, List
 from kspeedfs.format.errors import DataError, KSpeedError, NoSpace
 from kspeedfs.format.manifest import Manifest
 from kspeedfs.format.readthrough_view import READTHROUGH
@@ -192,13 +192,13 @@ class Healer:
             if peer not in self.membership.live:
                 continue
             try:
-                listing = await self.ask(peer, List())
+                listing = DatasetListing.from_wire(await self.ask(peer, List()))
             except KSpeedError as e:
                 log.debug("%s: cannot ask %s what it holds: %s", name, peer, e)
                 continue
-            for d in listing.get("datasets", []):
-                if d.get("name") == name and d.get("uuid") == uuid and d.get("state") == "ready":
-                    held_by[peer] = set(d.get("held", []))
+            for d in listing.datasets:
+                if isinstance(d, DatasetEntry) and d.name == name and d.uuid == uuid:
+                    held_by[peer] = set(d.held)  # published: ready
         dropped = 0
         for seg in unowned:
             owners = where.owners(seg)
