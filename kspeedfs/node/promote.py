@@ -1,7 +1,7 @@
 """Moving disk-tier segments to memory once it frees up (an unload, a lease's end, an eviction).
 
 One small owner with its own task: the store tells it when memory may have freed up
-(`SegmentStore.on_memory_freed`, from any thread) and it looks at once; a slow poll
+(`Budgets.on_memory_freed`, from any thread) and it looks at once; a slow poll
 (POLL_INTERVAL_S) catches what nobody reports (another user of the shm filesystem freeing
 room). It moves segments one at a time, in dataset then segment order, while the memory budget
 has room for the next one and the dataset's memory cap (`--max-memory`) too. A segment moves by
@@ -58,7 +58,7 @@ class Promoter:
 
     async def run(self, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         self._token = trio.lowlevel.current_trio_token()
-        self.store.on_memory_freed.append(self.wake)
+        self.store.budgets.on_memory_freed.append(self.wake)
         task_status.started()
         while True:  # a first look at once: a restarted node may have room already
             self._freed = trio.Event()  # what frees from now on wakes the next look
@@ -95,7 +95,7 @@ class Promoter:
         waiting = [r for _, r in sorted(self.store.datasets.items()) if r.disk]
         if not waiting:
             return None
-        free = self.store.memory_free()
+        free = self.store.budgets.memory_free()
         for record in waiting:
             seg = record.disk[0]
             try:

@@ -1,4 +1,4 @@
-"""The node's shared-memory folder: published datasets, staging, the budget, recovery.
+"""The node's shared-memory folder: published datasets, staging, recovery (its budgets: budget.py).
 
 Layout under shm_dir:
     datasets/NAME/   published datasets (meta.json, manifest.ksm, seg/NNNNNNNN)
@@ -23,7 +23,6 @@ import logging
 import mmap
 import os
 import stat
-import threading
 import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -52,6 +51,7 @@ from kspeedfs.format.manifest import Manifest
 from kspeedfs.format.names import validate_name
 from kspeedfs.format.readthrough_view import READTHROUGH, open_local
 from kspeedfs.format.units import format_size
+from kspeedfs.node.budget import Budgets
 from kspeedfs.node.safedir import (
     DIR_FLAGS,
     FILE_MODE,
@@ -109,20 +109,6 @@ class DatasetRecord:
         return d
 
 
-@dataclasses.dataclass
-class Reservation:
-    """Budget claimed by work in progress (a load, a fill, a variant, an index), before it
-    writes: counted in the budget at once, and against the free space of the shm filesystem
-    for the part it has not written yet, so that two claims never count on the same bytes."""
-
-    nbytes: int
-    written: Callable[[], int] | None = None  # how much of it is on the filesystem already
-    tier: str = "memory"  # or "disk": counted in the disk tier's budget
-
-    def unwritten(self) -> int:
-        return max(0, self.nbytes - (self.written() if self.written is not None else 0))
-
-
 class SegmentStore:
     """The shm folder. Owned by the node (checked at start), readable by its uid and `group`;
     everything in it is reached through descriptors of its three folders, never a symlink."""
@@ -136,12 +122,10 @@ class SegmentStore:
         disk_budget: int = 0,
     ):
         self.root = root
-        self.budget = budget
         self.group = group
         # None: no disk tier. Its parent is the spill folder, which the read-through spill
         # shares (and its budget, where the spill gives way).
         self.disk_root = disk_root
-        self.disk_budget = disk_budget
         # "datasets", "staging", "trash" (of the shm folder), "tier" and "tier_staging" (of the
         # disk tier) -> open folder
         self._fd: dict[str, int] = {}
@@ -150,34 +134,19 @@ class SegmentStore:
         self.staging_dir = root / "staging"
         self.trash_dir = root / "trash"
         self.datasets: dict[str, DatasetRecord] = {}
-        self.reserved: dict[str, Reservation] = {}  # by name: work that has not published
-        self._lock = threading.Lock()
+        # The memory and disk budgets: they count these datasets, and their lock is the
+        # store's (a claim becomes a dataset's bytes under it).
+        self.budgets = Budgets(root, budget, self.datasets, disk_root, disk_budget)
+        self._lock = self.budgets.lock
         self._open: dict[str, LocalDataset] = {}
         # Followers of the datasets (the RDMA registration): called with a dataset's name once
         # it is visible (also for each one found at start), and before its files are unlinked.
         self.on_publish: list[Callable[[str], None]] = []
         self.before_unload: list[Callable[[str], None]] = []
-        self._reclaimers: list[Callable[[int], int]] = []
-        # Called from any thread (maybe under the lock: a hook must not take it) when memory
-        # may have freed up: an unload, a segment dropped or evicted, a reservation given back.
-        # Promotion waits on it.
-        self.on_memory_freed: list[Callable[[], None]] = []
-        self._disk_reclaimers: list[Callable[[int], int]] = []
         # Told (from any thread) the segments the node's own reads found damaged.
         self.on_damage_found: list[Callable[[str, list[int]], None]] = []
         # Segments recover() found damaged and quarantined: (dataset, segment), to fetch again.
         self.damaged_at_start: list[tuple[str, int]] = []
-
-    def memory_freed(self) -> None:
-        """Tell the followers that memory may have freed up."""
-        for hook in self.on_memory_freed:
-            hook()
-
-    def add_reclaimer(self, reclaim: Callable[[int], int], tier: str = "memory") -> None:
-        """Someone holding evictable (read-through) memory, or disk-tier bytes with `tier`
-        "disk": when a reservation does not fit, `reclaim(nbytes)` is asked to free that much
-        (called under the store's lock) and returns the bytes it freed."""
-        (self._disk_reclaimers if tier == "disk" else self._reclaimers).append(reclaim)
 
     def recover(self, verify: bool) -> None:
         """Check and open the folders; find the datasets a previous daemon published; drop
@@ -341,32 +310,6 @@ class SegmentStore:
             max_disk=int(meta.get("max_disk", 0)),
         )
 
-    def used(self) -> int:
-        """Bytes of the memory budget taken (datasets and claims)."""
-        reserved = sum(r.nbytes for r in self.reserved.values() if r.tier == "memory")
-        return sum(r.stored for r in self.datasets.values()) + reserved
-
-    def disk_used(self) -> int:
-        """Bytes of the disk budget the tier takes: its datasets' segments and claims."""
-        reserved = sum(r.nbytes for r in self.reserved.values() if r.tier == "disk")
-        return sum(r.disk_stored for r in self.datasets.values()) + reserved
-
-    def memory_free(self) -> int:
-        """What a claim on the memory budget could take now, without evicting anything."""
-        with self._lock:
-            fs_free, promised = self._fs_room()
-            return max(0, min(self.budget - self.used(), fs_free - promised))
-
-    def disk_free(self) -> int:
-        """What a claim on the disk tier could take now (0 without a disk tier)."""
-        if self.disk_root is None:
-            return 0
-        with self._lock:
-            promised = sum(r.nbytes for r in self.reserved.values() if r.tier == "disk")
-            st = os.statvfs(self.disk_root)
-            fs_free = st.f_bavail * st.f_frsize - promised
-            return max(0, min(self.disk_budget - self.disk_used(), fs_free))
-
     def memory_cap_room(self, record: DatasetRecord) -> int | None:
         """Bytes of segments a preloaded dataset may still add to memory under its cap (None:
         no cap; a read-through dataset's cap is the read-through cache's to keep)."""
@@ -379,109 +322,6 @@ class SegmentStore:
     def _disk_dir(self, meta: dict[str, Any]) -> Path:
         assert self.disk_root is not None
         return self.disk_root / f"{validate_name(meta['name'])}.{meta['uuid']}"
-
-    def reserve(
-        self,
-        name: str,
-        nbytes: int,
-        what: str = "dataset",
-        written: Callable[[], int] | None = None,
-        instead_of: str = "",
-        evict: bool = True,
-        tier: str = "memory",
-    ) -> None:
-        """Claim budget for work before it starts; refuse what cannot fit (`what` names it in
-        the refusal). One check and claim under the lock: of two claims that do not both fit,
-        the second is refused. `written` says how much of the claim is on the filesystem
-        already (default: nothing until it is published or released). `instead_of` names an
-        earlier claim for the same work (a preload's admission) that this one replaces: its
-        bytes count as free here, and it stays when this one is refused. `evict` lets the
-        reclaimers (read-through eviction, which lives on the event loop) make room. `tier`
-        "disk" claims the disk tier's budget instead (NoSpace when the node has none)."""
-        with self._lock:
-            if name in self.datasets or name in self.reserved:
-                raise AlreadyExists(f"dataset {name!r} is already loaded or loading")
-            earlier = self.reserved.pop(instead_of, None)
-            try:
-                if tier == "disk":
-                    self._check_disk_fits(nbytes, what, self._disk_reclaimers if evict else [])
-                else:
-                    self._check_fits(nbytes, what, self._reclaimers if evict else [])
-            except BaseException:
-                if earlier is not None:
-                    self.reserved[instead_of] = earlier
-                raise
-            self.reserved[name] = Reservation(nbytes, written, tier)
-
-    def _check_disk_fits(
-        self, nbytes: int, what: str, reclaimers: list[Callable[[int], int]]
-    ) -> None:
-        """Refuse (NoSpace) a claim the disk tier's budget or filesystem cannot hold, once
-        `reclaimers` freed what they could."""
-        if self.disk_root is None:
-            raise NoSpace(f"{what} needs a disk tier, and this node has none (spill_dir)")
-        for reclaim in reclaimers:
-            if self.disk_budget - self.disk_used() >= nbytes:
-                break
-            reclaim(nbytes - (self.disk_budget - self.disk_used()))
-        free = self.disk_budget - self.disk_used()
-        if free < nbytes:
-            raise NoSpace(
-                f"{what} needs {format_size(nbytes)} of disk on this node but only "
-                f"{format_size(max(free, 0))} of its {format_size(self.disk_budget)} disk tier"
-                " is free"
-            )
-        st = os.statvfs(self.disk_root)
-        promised = sum(r.nbytes for r in self.reserved.values() if r.tier == "disk")
-        if nbytes > st.f_bavail * st.f_frsize - promised:
-            raise NoSpace(
-                f"{what} needs {format_size(nbytes)} but {self.disk_root} has only "
-                f"{format_size(st.f_bavail * st.f_frsize)} free"
-            )
-
-    def _check_fits(self, nbytes: int, what: str, reclaimers: list[Callable[[int], int]]) -> None:
-        """Refuse (NoSpace) a claim of nbytes that the budget or the filesystem cannot hold
-        beside the claims made, once `reclaimers` freed what they could. Called under _lock."""
-        for reclaim in reclaimers:
-            if self.budget - self.used() >= nbytes:
-                break
-            reclaim(nbytes - (self.budget - self.used()))
-        if self.budget - self.used() < nbytes:
-            self._raise_no_space(nbytes, what)
-        # The filesystem may hold less than the budget (other users of /dev/shm, a small
-        # tmpfs): its free space, less what earlier claims are still to write; evictable
-        # memory gives way to it as it does to the budget.
-        fs_free, promised = self._fs_room()
-        for reclaim in reclaimers:
-            if nbytes <= fs_free - promised:
-                break
-            reclaim(nbytes - (fs_free - promised))
-            fs_free, promised = self._fs_room()
-        if nbytes > fs_free - promised:
-            also = f", {format_size(promised)} of it promised to work in progress"
-            raise NoSpace(
-                f"{what} needs {format_size(nbytes)} but {self.root} has only "
-                f"{format_size(fs_free)} free{also if promised else ''}"
-            )
-
-    def _fs_room(self) -> tuple[int, int]:
-        """The shm filesystem's free bytes, and how many of them claims have yet to write."""
-        st = os.statvfs(self.root)
-        promised = sum(r.unwritten() for r in self.reserved.values() if r.tier == "memory")
-        return st.f_bavail * st.f_frsize, promised
-
-    def _raise_no_space(self, nbytes: int, what: str = "dataset") -> None:
-        free = self.budget - self.used()
-        raise NoSpace(
-            f"{what} needs {format_size(nbytes)} on this node but only "
-            f"{format_size(max(free, 0))} of its {format_size(self.budget)} budget is free"
-        )
-
-    def release(self, name: str) -> None:
-        with self._lock:
-            given_back = self.reserved.pop(name, None)
-        if given_back is not None and given_back.tier == "memory":
-            self.memory_freed()
 
     def new_staging(self, name: str) -> Path:
         return self.staging_dir / _new_staging_folder(self._fd["staging"], name)
@@ -556,8 +396,8 @@ class SegmentStore:
                 raise AlreadyExists(f"dataset {name!r} appeared while loading: {e}") from None
             record = self._record(final, meta, (final / MANIFEST_FILE).stat().st_size)
             self.datasets[name] = record
-            self.reserved.pop(name, None)
-            self.reserved.pop(disk_claim(record.uuid), None)
+            self.budgets.drop_claim(name)
+            self.budgets.drop_claim(disk_claim(record.uuid))
         for hook in self.on_publish:
             hook(name)
         return record
@@ -574,7 +414,7 @@ class SegmentStore:
         if self.disk_root is not None:  # also a folder whose segments all moved to memory
             # Unlinked: a reader's map of a disk segment keeps its pages, as in memory.
             remove_beneath(self._fd["tier"], f"{record.name}.{record.uuid}")
-        self.memory_freed()
+        self.budgets.memory_freed()
         return record
 
     def _discard(self, name: str) -> None:
@@ -652,7 +492,7 @@ class SegmentStore:
                     self._update_meta(folder, name, size)
                     os.rename(tmp, final, src_dir_fd=sub_fd, dst_dir_fd=sub_fd)
             self.datasets[name].stored += size
-            self.reserved.pop(reservation, None)
+            self.budgets.drop_claim(reservation)
         return size
 
     def remove_file(self, name: str, instance: str, sub: str, filename: str, counted: bool) -> int:
@@ -671,7 +511,7 @@ class SegmentStore:
                     self._update_meta(folder, name, -size)
                     self.datasets[name].stored -= size
         if counted and size:
-            self.memory_freed()
+            self.budgets.memory_freed()
         return size
 
     def files_in(self, name: str, instance: str, sub: str) -> list[str]:
@@ -707,22 +547,22 @@ class SegmentStore:
             if room is not None and length > room:
                 raise NoSpace(f"{what} would take it past its --max-memory on this node")
             # Called in a thread: no eviction (the read-through cache is the event loop's).
-            self.reserve(reservation, length, what=what, evict=False)
+            self.budgets.reserve(reservation, length, what=what, evict=False)
         except NoSpace:
             if self.disk_root is None or record.lifetime == READTHROUGH:
                 raise
             if record.max_disk and record.disk_stored + length > record.max_disk:
                 raise NoSpace(f"{what} would take it past its --max-disk on this node") from None
-            self.reserve(reservation, length, what=what, tier="disk", evict=False)
+            self.budgets.reserve(reservation, length, what=what, tier="disk", evict=False)
             try:
                 self._add_disk_segment(record, seg, length, fill, reservation)
             finally:
-                self.release(reservation)
+                self.budgets.release(reservation)
             return
         try:
             self._add_segment(record, seg, length, fill, reservation)
         finally:
-            self.release(reservation)
+            self.budgets.release(reservation)
 
     def _add_disk_segment(
         self,
@@ -745,7 +585,7 @@ class SegmentStore:
             changes = {"held": held, "disk": disk, "disk_stored": stored}
             self._update_meta(folder, record.name, 0, **changes, disk_dir=str(disk_dir))
             record.held, record.disk, record.disk_stored = held, disk, stored
-            self.reserved.pop(reservation, None)
+            self.budgets.drop_claim(reservation)
             self._open.pop(record.name, None)
 
     def _add_segment(
@@ -765,7 +605,7 @@ class SegmentStore:
                 self._update_meta(folder, name, length, held=held)
                 record.held = held
                 record.stored += length
-                self.reserved.pop(reservation, None)
+                self.budgets.drop_claim(reservation)
                 self._open.pop(name, None)
         finally:
             os.close(folder)
@@ -798,7 +638,7 @@ class SegmentStore:
                 self._open.pop(name, None)
         finally:
             os.close(folder)
-        self.memory_freed()
+        self.budgets.memory_freed()
         return size
 
     def _drop_disk_segment(self, folder: int, record: DatasetRecord, seg: int) -> int:
@@ -863,7 +703,7 @@ class SegmentStore:
         if room is not None and length > room:
             raise NoSpace(f"segment {seg} of {name} would take it past its --max-memory")
         reservation = f"promote:{name}:{seg}:{uuid.uuid4().hex[:12]}"
-        self.reserve(reservation, length, what=f"segment {seg} of {name}", evict=False)
+        self.budgets.reserve(reservation, length, what=f"segment {seg} of {name}", evict=False)
         try:
             with open(disk_file, "rb") as src:
                 expected = int(self.open(name).manifest.seg_checksum[seg])
@@ -896,11 +736,11 @@ class SegmentStore:
                         )
                         record.disk, record.disk_stored = disk, record.disk_stored - length
                         record.stored += length
-                        self.reserved.pop(reservation, None)
+                        self.budgets.drop_claim(reservation)
                         self._open.pop(name, None)
                         unlink_segment(None, str(disk_file))
         finally:
-            self.release(reservation)
+            self.budgets.release(reservation)
         return length
 
     def _put_segment(

@@ -191,7 +191,7 @@ class Instances:
         if self.current(ds):
             del self.by_name[ds.name]
         for seg in ds.disk_claims:
-            self.store.release(ds.disk_claim(seg))
+            self.store.budgets.release(ds.disk_claim(seg))
         ds.disk_claims.clear()
         ds.on_disk.clear()
         for seg in ds.resident:

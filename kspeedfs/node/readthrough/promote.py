@@ -50,14 +50,14 @@ class DiskPromoter:
             return True
         failed = False
         for ds in [self.instances.by_name[n] for n in sorted(self.instances.by_name)]:
-            if not ds.on_disk or self.store.memory_free() < ds.seg_len(min(ds.on_disk)):
+            if not ds.on_disk or self.store.budgets.memory_free() < ds.seg_len(min(ds.on_disk)):
                 # What every fill's end wakes it for during an epoch, with memory full: no
                 # sort of the disk segments for a move that cannot happen.
                 continue
             moved = False
             for seg in sorted(ds.on_disk):
                 length = ds.seg_len(seg)
-                if self.store.memory_free() < length:
+                if self.store.budgets.memory_free() < length:
                     break
                 if ds.max_memory and self.evictor.held(ds) + length > ds.max_memory:
                     break
@@ -75,7 +75,9 @@ class DiskPromoter:
         reservation = f"fill:{ds.name}:{ds.uuid}:{seg}"  # a fill's: not counted as a load
         tmp = self.store.staging_dir / f"promote.{ds.name}.{seg:08d}.{uuid.uuid4().hex[:8]}"
         disk_file = segment_path(self.disk.folder(ds), seg)
-        self.store.reserve(reservation, length, what=f"segment {seg} of {ds.name}", evict=False)
+        self.store.budgets.reserve(
+            reservation, length, what=f"segment {seg} of {ds.name}", evict=False
+        )
         try:
             checksum = await trio.to_thread.run_sync(_copy, disk_file, tmp)
             async with ds.lock:
@@ -92,12 +94,12 @@ class DiskPromoter:
                 ds.resident.add(seg)
                 ds.record.held.append(seg)
                 ds.record.stored += length
-                self.store.release(reservation)
+                self.store.budgets.release(reservation)
                 self.evictor.admitted(ds, seg)
                 self.disk.release(ds, seg)
                 await trio.to_thread.run_sync(unlink_file, disk_file)
         finally:
-            self.store.release(reservation)
+            self.store.budgets.release(reservation)
             with trio.CancelScope(shield=True):
                 await trio.to_thread.run_sync(functools.partial(tmp.unlink, True))
         self.promoted["segments"] += 1
