@@ -38,7 +38,8 @@ from kspeedfs.format.units import format_size
 from kspeedfs.node import sourceio, tarindexes
 from kspeedfs.node.ops import ADMIN, JOB, READ, OpRegistry, caller_role
 from kspeedfs.node.peers import Ask, ask_all
-from kspeedfs.node.store import DatasetRecord, SegmentStore
+from kspeedfs.node.records import DatasetRecord
+from kspeedfs.node.store import SegmentStore
 from kspeedfs.sources.source import Source, open_source
 
 log = logging.getLogger(__name__)

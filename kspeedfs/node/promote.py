@@ -5,7 +5,7 @@ One small owner with its own task: the store tells it when memory may have freed
 (POLL_INTERVAL_S) catches what nobody reports (another user of the shm filesystem freeing
 room). It moves segments one at a time, in dataset then segment order, while the memory budget
 has room for the next one and the dataset's memory cap (`--max-memory`) too. A segment moves by
-copy, rename into the shm folder and unlink from disk (SegmentStore.promote): its readers see
+copy, rename into the shm folder and unlink from disk (HeldSegments.promote, node/segments.py): its readers see
 one copy or the other, never part of one. The read-through cache moves its own disk segments
 (readthrough/promote.py, whose places are the cache's, not meta.json's): it adds itself as a
 mover (`add_mover`), so both wake on the same event.
@@ -75,10 +75,10 @@ class Promoter:
         while (nxt := self._next()) is not None:
             name, seg = nxt
             try:
-                moved = await trio.to_thread.run_sync(self.store.promote, name, seg)
+                moved = await trio.to_thread.run_sync(self.store.segments.promote, name, seg)
             except DamagedSegment as e:
                 # Not into memory: quarantined and fetched again (from a replica or the source).
-                await trio.to_thread.run_sync(self.store.quarantine, name, seg, str(e))
+                await trio.to_thread.run_sync(self.store.segments.quarantine, name, seg, str(e))
                 if self.quarantined is not None:
                     self.quarantined(name, seg)
                 continue
@@ -100,7 +100,7 @@ class Promoter:
             seg = record.disk[0]
             try:
                 length = int(self.store.open(record.name).manifest.seg_len[seg])
-                room = self.store.memory_cap_room(record)
+                room = self.store.segments.memory_cap_room(record)
             except KSpeedError:
                 continue  # unloaded meanwhile
             if length <= free and (room is None or length <= room):

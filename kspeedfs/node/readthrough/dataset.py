@@ -20,9 +20,11 @@ from kspeedfs.format.localdata import MANIFEST_FILE
 from kspeedfs.format.manifest import Manifest
 from kspeedfs.format.readthrough_view import EPOCH_FILE, SEGSUMS_FILE
 from kspeedfs.node.readthrough.policy import EvictionPolicy
+from kspeedfs.node.records import DatasetRecord
 from kspeedfs.node.safedir import unlink_file
+from kspeedfs.node.segments import HeldSegments
 from kspeedfs.node.spill import SpillArea
-from kspeedfs.node.store import DatasetRecord, SegmentStore
+from kspeedfs.node.store import SegmentStore
 
 log = logging.getLogger(__name__)
 
@@ -129,8 +131,7 @@ def open_instance(record: DatasetRecord, verify: bool) -> tuple[CachedDataset, d
             continue
         ds.resident.add(seg)
         mtimes[seg] = st.st_mtime
-    record.held = sorted(ds.resident)
-    record.stored = base + sum(ds.seg_len(k) for k in ds.resident)
+    HeldSegments.found(record, sorted(ds.resident), base + sum(ds.seg_len(k) for k in ds.resident))
     return ds, mtimes
 
 

@@ -225,12 +225,8 @@ class Evictor:
             # synchronous, so a preload's reservation frees memory at once.
             unlink_file(segment_path(ds.record.path, seg))
         ds.resident.discard(seg)
-        try:
-            ds.record.held.remove(seg)
-        except ValueError:
-            pass
         length = ds.seg_len(seg)
-        ds.record.stored -= length
+        self.store.segments.evicted(ds.record, seg, length)
         ds.epoch[0] += 1  # readers drop their maps of it: the memory really returns
         ds.stats["evictions"] += 1
         self.instances.stats["evictions"] += 1

@@ -92,8 +92,7 @@ class DiskPromoter:
                 await trio.to_thread.run_sync(tmp.rename, final)
                 await trio.to_thread.run_sync(seal_file, final)
                 ds.resident.add(seg)
-                ds.record.held.append(seg)
-                ds.record.stored += length
+                self.store.segments.cached(ds.record, seg, length)
                 self.store.budgets.release(reservation)
                 self.evictor.admitted(ds, seg)
                 self.disk.release(ds, seg)
