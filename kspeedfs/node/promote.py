@@ -7,8 +7,9 @@ room). It moves segments one at a time, in dataset then segment order, while the
 has room for the next one and the dataset's memory cap (`--max-memory`) too. A segment moves by
 copy, rename into the shm folder and unlink from disk (HeldSegments.promote, node/segments.py): its readers see
 one copy or the other, never part of one. The read-through cache moves its own disk segments
-(readthrough/promote.py, whose places are the cache's, not meta.json's): it adds itself as a
-mover (`add_mover`), so both wake on the same event.
+(readthrough/promote.py, whose places are the cache's, not meta.json's) with the same checked
+copy (HeldSegments.copy_from_disk): it is one of the other movers, so both wake on the same
+event.
 """
 
 from __future__ import annotations

@@ -12,6 +12,7 @@ that mapped it keeps valid pages).
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import mmap
 import os
@@ -253,40 +254,25 @@ class HeldSegments:
         reservation = f"promote:{name}:{seg}:{uuid.uuid4().hex[:12]}"
         self.budgets.reserve(reservation, length, what=f"segment {seg} of {name}", evict=False)
         try:
-            with open(disk_file, "rb") as src:
-                expected = int(self.open(name).manifest.seg_checksum[seg])
-
-                def fill(view: memoryview) -> None:
-                    """The disk copy into memory, checked before it joins memory."""
-                    done = 0
-                    while done < len(view):
-                        n = src.readinto(view[done:])
-                        if not n:
-                            raise DamagedSegment(f"segment {seg} of {name} is short", [seg])
-                        done += n
-                    if src.read(1):
-                        raise DamagedSegment(f"segment {seg} of {name} is too long", [seg])
-                    if expected and xxhash.xxh3_64_intdigest(view) != expected:
-                        raise DamagedSegment(f"segment {seg} of {name} fails its checksum", [seg])
-
-                folder = self._dataset_folder(name)
-                with closing_fd(folder):
-                    self._put_segment(folder, seg, length, fill, seal=True)
-                    with self._lock:
-                        if self.datasets.get(name) is not record or seg not in record.disk:
-                            # Unloaded, or the segment dropped (a rebalance), meanwhile.
-                            with contextlib.suppress(FileNotFoundError):
-                                unlink_segment(folder, f"seg/{seg:08d}")
-                            return 0
-                        disk = [k for k in record.disk if k != seg]
-                        rewrite_meta(
-                            folder, length, disk=disk, disk_stored=record.disk_stored - length
-                        )
-                        record.disk, record.disk_stored = disk, record.disk_stored - length
-                        record.stored += length
-                        self.budgets.drop_claim(reservation)
-                        self._reopen(name)
-                        unlink_segment(None, str(disk_file))
+            expected = int(self.open(name).manifest.seg_checksum[seg])
+            what = f"segment {seg} of {name}"
+            fill = functools.partial(_copy_checked, disk_file, seg, expected, what)
+            folder = self._dataset_folder(name)
+            with closing_fd(folder):
+                self._put_segment(folder, seg, length, fill, seal=True)
+                with self._lock:
+                    if self.datasets.get(name) is not record or seg not in record.disk:
+                        # Unloaded, or the segment dropped (a rebalance), meanwhile.
+                        with contextlib.suppress(FileNotFoundError):
+                            unlink_segment(folder, f"seg/{seg:08d}")
+                        return 0
+                    disk = [k for k in record.disk if k != seg]
+                    rewrite_meta(folder, length, disk=disk, disk_stored=record.disk_stored - length)
+                    record.disk, record.disk_stored = disk, record.disk_stored - length
+                    record.stored += length
+                    self.budgets.drop_claim(reservation)
+                    self._reopen(name)
+                    unlink_segment(None, str(disk_file))
         finally:
             self.budgets.release(reservation)
         return length
@@ -321,6 +307,18 @@ class HeldSegments:
             raise
         finally:
             os.close(fd)
+
+    @staticmethod
+    def copy_from_disk(
+        disk_file: Path, dest: Path, seg: int, length: int, checksum: int, what: str
+    ) -> None:
+        """The copy of a read-through promotion, which the cache renames in itself: disk-tier
+        segment `seg`, file `disk_file`, into new file `dest` of the shm folder, as `promote`
+        copies a preload's (through a mapping, checked on the way: DamagedSegment, where
+        `what` names it). Its caller removes `dest` when this fails."""
+        flags = os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+        with closing_fd(os.open(dest, flags, FILE_MODE)) as fd:
+            _fill_file(fd, length, functools.partial(_copy_checked, disk_file, seg, checksum, what))
 
     # The read-through cache's segments: their places are the cache's (its fills, evictions
     # and promotions, on its event loop), not meta.json's; only the record counts them here.
@@ -377,6 +375,22 @@ def segment_fault(path: Path, length: int, checksum: int) -> str:
         return "" if h.intdigest() == checksum else "fails its checksum"
     finally:
         os.close(fd)
+
+
+def _copy_checked(path: Path, seg: int, checksum: int, what: str, view: memoryview) -> None:
+    """Fill `view` with the disk copy at `path`, checked before it joins memory: DamagedSegment
+    (naming `what`) when it is shorter or longer than `view` or fails `checksum` (0: none)."""
+    with open(path, "rb") as src:
+        done = 0
+        while done < len(view):
+            n = src.readinto(view[done:])
+            if not n:
+                raise DamagedSegment(f"{what} is short", [seg])
+            done += n
+        if src.read(1):
+            raise DamagedSegment(f"{what} is too long", [seg])
+    if checksum and xxhash.xxh3_64_intdigest(view) != checksum:
+        raise DamagedSegment(f"{what} fails its checksum", [seg])
 
 
 def _fill_file(fd: int, length: int, fill: Callable[[memoryview], None]) -> None:
