@@ -38,7 +38,7 @@ from hypothesis import HealthCheck, given, settings
 from rt_util import EnvNode, make_source, wrong_bytes
 
 from kspeedfs.format.sealing import is_sealed, sealed_beneath, set_sealed
-from kspeedfs.node.store import segment_fault
+from kspeedfs.node.segments import segment_fault
 from kspeedfs.testing.node import NO_IMMUTABLE, can_seal
 from pytorch_ext import KSpeedFolder
 

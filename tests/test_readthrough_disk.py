@@ -384,4 +384,4 @@ def test_recovery_keeps_exactly_the_sound_disk_segments(
     assert sorted(os.listdir(folder)) == ["seg"]
     assert sorted(os.listdir(folder / "seg")) == sorted(f"{seg:08d}" for seg in sound)
     assert ds.on_disk == ds.disk_claims == sound
-    assert disk.store.disk_used() == len(sound) * SMALL
+    assert disk.store.budgets.disk_used() == len(sound) * SMALL

@@ -344,7 +344,7 @@ class DecodedVariants:
         fill.files_done = fill.undecodable  # no header: nothing to decode
         fill.bytes_total = sum(seg_len) + fmt.index_bytes(m.entries)
         allocated = [0]  # the variant's files are allocated here, before any decoding
-        self.store.reserve(
+        self.store.budgets.reserve(
             variant_key(fill.name, fill.size), fill.bytes_total, written=lambda: allocated[0]
         )
         try:
@@ -448,7 +448,7 @@ class DecodedVariants:
 
     def _remove(self, fill: VariantFill) -> None:
         """Remove the variant's folder and release its budget."""
-        self.store.release(variant_key(fill.name, fill.size))
+        self.store.budgets.release(variant_key(fill.name, fill.size))
         record = self.store.datasets.get(fill.name)
         if record is None or record.uuid != fill.uuid:
             return  # the dataset went, and the variant with it
@@ -479,7 +479,7 @@ class DecodedVariants:
                 del self.fills[k]
         for k, f in fills:
             f.cancel.set()
-            self.store.release(variant_key(*k))
+            self.store.budgets.release(variant_key(*k))
 
     def _found(self, name: str) -> None:
         """A dataset became visible (published, or found at start): take its complete variants
@@ -504,7 +504,7 @@ class DecodedVariants:
                 fill.finished.set()
                 # Found complete: all of it is on the filesystem.
                 on_disk = functools.partial(int, nbytes)
-                self.store.reserve(variant_key(name, size), nbytes, written=on_disk)
+                self.store.budgets.reserve(variant_key(name, size), nbytes, written=on_disk)
                 self.fills[(name, size)] = fill
                 log.info("found decoded variant %s@%d: %s", name, size, format_size(nbytes))
             except (KSpeedError, OSError, ValueError) as e:

@@ -88,8 +88,8 @@ class NodeInfo:
             node=n.address,
             pid=os.getpid(),
             shm_dir=str(n.settings.shm_dir),
-            budget=n.store.budget,
-            used=n.store.used(),
+            budget=n.store.budgets.memory,
+            used=n.store.budgets.used(),
             disk_tier=_disk_tier(n),
             integrity=n.scrubber.status(),  # damaged segments found and repaired, scrub
             datasets=len(n.store.datasets),
@@ -157,8 +157,8 @@ class NodeInfo:
         n = self.node
         return {
             "stats": dict(n.stats),
-            "used": n.store.used(),
-            "budget": n.store.budget,
+            "used": n.store.budgets.used(),
+            "budget": n.store.budgets.memory,
             "leases": n.leases.total(),
             "disk_tier": _disk_tier(n),
             "integrity": n.scrubber.status(),
@@ -184,8 +184,8 @@ def _disk_tier(n: NodeParts) -> dict[str, Any] | None:
         return None
     return {
         "dir": str(store.disk_root),
-        "budget": store.disk_budget,
-        "used": store.disk_used(),
+        "budget": store.budgets.disk,
+        "used": store.budgets.disk_used(),
         "promoted": dict(n.promoter.promoted),
     }
 

@@ -45,7 +45,8 @@ from kspeedfs.format.units import format_size
 from kspeedfs.node import sourceio, tarindexes
 from kspeedfs.node.ops import ADMIN, JOB, READ, OpRegistry, caller_role
 from kspeedfs.node.peers import Ask, ask_all
-from kspeedfs.node.store import DatasetRecord, SegmentStore
+from kspeedfs.node.records import DatasetRecord
+from kspeedfs.node.store import SegmentStore
 from kspeedfs.sources.source import Source, open_source
 
 log = logging.getLogger(__name__)
@@ -439,8 +440,8 @@ class AddedIndexes:
         def reserve() -> bool:
             if _final(meta) in self.store.files_in(name, uuid, metaindex.INDEX_DIR):
                 return True
-            self.store.release(key)  # a reservation of this add again: the exact size
-            self.store.reserve(key, nbytes, what=f"the index of {meta}")
+            self.store.budgets.release(key)  # a reservation of this add again: the exact size
+            self.store.budgets.reserve(key, nbytes, what=f"the index of {meta}")
             return False
 
         present = await trio.to_thread.run_sync(reserve)
@@ -493,7 +494,7 @@ class AddedIndexes:
         in place too (another member failed to)."""
         name, uuid, meta, add = request.name, request.uuid, request.meta, request.add
         key = _reservation(name, meta, add)
-        self.store.release(key)
+        self.store.budgets.release(key)
         self._reserved.get(name, set()).discard(key)
 
         def undo() -> None:
@@ -511,7 +512,7 @@ class AddedIndexes:
     def _unloading(self, name: str) -> None:
         """Before the dataset's files go: the reservations of its adds in flight end."""
         for key in list(self._reserved.pop(name, ())):
-            self.store.release(key)
+            self.store.budgets.release(key)
 
     def _found(self, name: str) -> None:
         """A dataset became visible (published, or found at start): an add the node stopped in

@@ -225,9 +225,9 @@ class Stager:
                     f"{request.name} holds {format_size(sum(request.lengths))} on "
                     f"{self.address}, more than its --max-memory {format_size(cap)} ({why})"
                 )
-            self.store.reserve(_claim(request.uuid), request.bytes)
+            self.store.budgets.reserve(_claim(request.uuid), request.bytes)
             return
-        room = min(self.store.memory_free() - overhead, cap) if tier == "auto" else 0
+        room = min(self.store.budgets.memory_free() - overhead, cap) if tier == "auto" else 0
         disk: set[int] = set()
         for seg, length in sorted(lengths.items()):
             if length <= room and not disk:
@@ -242,11 +242,11 @@ class Stager:
             )
         what = f"the disk part of {request.name}"
         if disk:
-            self.store.reserve(disk_claim(request.uuid), disk_bytes, what=what, tier="disk")
+            self.store.budgets.reserve(disk_claim(request.uuid), disk_bytes, what=what, tier="disk")
         try:
-            self.store.reserve(_claim(request.uuid), request.bytes - disk_bytes)
+            self.store.budgets.reserve(_claim(request.uuid), request.bytes - disk_bytes)
         except BaseException:
-            self.store.release(disk_claim(request.uuid))
+            self.store.budgets.release(disk_claim(request.uuid))
             raise
         if disk:
             self.claimed_disk[request.uuid] = disk
@@ -259,8 +259,8 @@ class Stager:
         if request.max_disk and tier == "memory":
             raise InvalidArgument("--max-disk goes with --tier auto or disk, not memory")
         for cap, free, flag, where in (
-            (request.max_memory, self.store.memory_free(), "--max-memory", "memory"),
-            (request.max_disk, self.store.disk_free(), "--max-disk", "disk tier"),
+            (request.max_memory, self.store.budgets.memory_free(), "--max-memory", "memory"),
+            (request.max_disk, self.store.budgets.disk_free(), "--max-disk", "disk tier"),
         ):
             if cap > free:
                 raise NoSpace(
@@ -270,9 +270,9 @@ class Stager:
 
     def _drop_claim(self, uuid: str) -> None:
         if self.claims.pop(uuid, None) is not None:
-            self.store.release(_claim(uuid))
+            self.store.budgets.release(_claim(uuid))
         self.claimed_disk.pop(uuid, None)
-        self.store.release(disk_claim(uuid))
+        self.store.budgets.release(disk_claim(uuid))
 
     async def op_stage(self, request: StageReq) -> StageStarted:
         """Stage the held segments of a preload another node coordinates: this member scans
@@ -369,7 +369,9 @@ class Stager:
         part stays claimed as it was until the publish (or a failure) gives it back."""
         stage.disk = self.claimed_disk.pop(stage.uuid, set()) & set(seg_len)
         memory = stage.stored - sum(seg_len[k] for k in stage.disk)
-        self.store.reserve(stage.name, memory, written=stage.written, instead_of=_claim(stage.uuid))
+        self.store.budgets.reserve(
+            stage.name, memory, written=stage.written, instead_of=_claim(stage.uuid)
+        )
         self.claims.pop(stage.uuid, None)
 
     async def op_stage_put(self, request: StagePut) -> SegmentPiecePut:
@@ -423,8 +425,8 @@ class Stager:
                 await trio.to_thread.run_sync(self.store.discard_staging, stage.staging)
             if stage.disk_staging is not None:
                 await trio.to_thread.run_sync(self.store.discard_disk_staging, stage.disk_staging)
-        self.store.release(stage.name)
-        self.store.release(disk_claim(stage.uuid))
+        self.store.budgets.release(stage.name)
+        self.store.budgets.release(disk_claim(stage.uuid))
         stage.progress.state = "failed"
         stage.progress.error = str(e) if isinstance(e, KSpeedError) else f"{type(e).__name__}: {e}"
         stage.progress.error_kind = type(e).__name__ if isinstance(e, KSpeedError) else ""

@@ -1,14 +1,15 @@
 """Moving disk-tier segments to memory once it frees up (an unload, a lease's end, an eviction).
 
 One small owner with its own task: the store tells it when memory may have freed up
-(`SegmentStore.on_memory_freed`, from any thread) and it looks at once; a slow poll
+(`Budgets.on_memory_freed`, from any thread) and it looks at once; a slow poll
 (POLL_INTERVAL_S) catches what nobody reports (another user of the shm filesystem freeing
 room). It moves segments one at a time, in dataset then segment order, while the memory budget
 has room for the next one and the dataset's memory cap (`--max-memory`) too. A segment moves by
-copy, rename into the shm folder and unlink from disk (SegmentStore.promote): its readers see
+copy, rename into the shm folder and unlink from disk (SegmentPlaces.promote, node/segments.py): its readers see
 one copy or the other, never part of one. The read-through cache moves its own disk segments
-(readthrough/promote.py, whose places are the cache's, not meta.json's): it adds itself as a
-mover (`add_mover`), so both wake on the same event.
+(readthrough/promote.py, whose places are the cache's, not meta.json's) with the same checked
+copy (SegmentPlaces.copy_from_disk): it is one of the other movers, so both wake on the same
+event.
 """
 
 from __future__ import annotations
@@ -58,7 +59,7 @@ class Promoter:
 
     async def run(self, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         self._token = trio.lowlevel.current_trio_token()
-        self.store.on_memory_freed.append(self.wake)
+        self.store.budgets.on_memory_freed.append(self.wake)
         task_status.started()
         while True:  # a first look at once: a restarted node may have room already
             self._freed = trio.Event()  # what frees from now on wakes the next look
@@ -75,10 +76,10 @@ class Promoter:
         while (nxt := self._next()) is not None:
             name, seg = nxt
             try:
-                moved = await trio.to_thread.run_sync(self.store.promote, name, seg)
+                moved = await trio.to_thread.run_sync(self.store.segments.promote, name, seg)
             except DamagedSegment as e:
                 # Not into memory: quarantined and fetched again (from a replica or the source).
-                await trio.to_thread.run_sync(self.store.quarantine, name, seg, str(e))
+                await trio.to_thread.run_sync(self.store.segments.quarantine, name, seg, str(e))
                 if self.quarantined is not None:
                     self.quarantined(name, seg)
                 continue
@@ -95,12 +96,12 @@ class Promoter:
         waiting = [r for _, r in sorted(self.store.datasets.items()) if r.disk]
         if not waiting:
             return None
-        free = self.store.memory_free()
+        free = self.store.budgets.memory_free()
         for record in waiting:
             seg = record.disk[0]
             try:
                 length = int(self.store.open(record.name).manifest.seg_len[seg])
-                room = self.store.memory_cap_room(record)
+                room = self.store.segments.memory_cap_room(record)
             except KSpeedError:
                 continue  # unloaded meanwhile
             if length <= free and (room is None or length <= room):

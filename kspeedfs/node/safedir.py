@@ -10,6 +10,7 @@ everything inside is opened relative to a descriptor with O_NOFOLLOW.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import grp
 import logging
@@ -17,6 +18,7 @@ import os
 import shutil
 import stat
 import threading
+from collections.abc import Iterator
 from pathlib import Path
 
 from kspeedfs.format import sealing
@@ -27,6 +29,15 @@ log = logging.getLogger(__name__)
 DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 DIR_MODE = 0o2750  # setgid: files made inside belong to the readers' group
 FILE_MODE = 0o640
+
+
+@contextlib.contextmanager
+def closing_fd(fd: int) -> Iterator[int]:
+    """A descriptor, closed when the block ends."""
+    try:
+        yield fd
+    finally:
+        os.close(fd)
 
 
 def resolve_group(name: str) -> int:

@@ -2,7 +2,7 @@
 
 Damage is found four ways: a reader's check of disk-tier bytes before it serves them
 (localdata; the reader reports it with `report_damage` and the node checks again itself),
-promotion (SegmentStore.promote checks a segment before it joins memory), a restart with
+promotion (SegmentPlaces.promote checks a segment before it joins memory), a restart with
 `verify_on_start` (SegmentStore.recover keeps the dataset, and names the damaged segments in
 `damaged_at_start`), and the scrubber: a task that re-reads every disk-tier segment of the
 preloaded datasets, by pread, at `scrub_rate` bytes per second, and checks it against the
@@ -140,7 +140,7 @@ class Scrubber:
             if (name, seg) in self._pending:
                 found += 1
                 continue
-            why = await trio.to_thread.run_sync(self.store.verify_segment, name, seg)
+            why = await trio.to_thread.run_sync(self.store.segments.verify_segment, name, seg)
             if why:
                 self.damaged(name, seg, why)
                 found += 1
@@ -150,7 +150,7 @@ class Scrubber:
         async for name, seg, why in self._receive:
             try:
                 if why:
-                    await trio.to_thread.run_sync(self.store.quarantine, name, seg, why)
+                    await trio.to_thread.run_sync(self.store.segments.quarantine, name, seg, why)
                 await self._fetch_again(name, seg)
             finally:
                 self._pending.discard((name, seg))
@@ -170,7 +170,9 @@ class Scrubber:
             for peer in [p for p in where.ranked(seg, len(record.members)) if p != me]:
                 read = functools.partial(self._read_peer, peer, name, record.uuid, seg, expected)
                 try:
-                    await trio.to_thread.run_sync(self.store.add_segment, name, seg, length, read)
+                    await trio.to_thread.run_sync(
+                        self.store.segments.add_segment, name, seg, length, read
+                    )
                 except (KSpeedError, OSError) as e:
                     log.info("segment %d of %s not from %s: %s", seg, name, peer, e)
                     continue
@@ -184,7 +186,11 @@ class Scrubber:
             if expected and xxhash.xxh3_64_intdigest(data) != expected:
                 raise DataError("the source no longer matches the manifest")
             await trio.to_thread.run_sync(
-                self.store.add_segment, name, seg, length, functools.partial(_copy_in, data)
+                self.store.segments.add_segment,
+                name,
+                seg,
+                length,
+                functools.partial(_copy_in, data),
             )
         except (KSpeedError, OSError) as e:
             self.stats["repair_failed"] += 1
@@ -230,8 +236,8 @@ class Scrubber:
         """Why disk segment `seg` of `name` is damaged ("": sound), the bytes read and the CPU
         seconds it took (in a worker thread)."""
         started = time.thread_time()
-        where = self.store.segment_file(name, seg)
-        why = self.store.verify_segment(name, seg) if where is not None else ""
+        where = self.store.segments.segment_file(name, seg)
+        why = self.store.segments.verify_segment(name, seg) if where is not None else ""
         return why, where[1] if where is not None else 0, time.thread_time() - started
 
 

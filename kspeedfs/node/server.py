@@ -79,8 +79,8 @@ class NodeServer:
                 self.address,
                 " (mutual TLS)" if self.tls else "",
                 len(store.datasets),
-                format_size(store.used()),
-                format_size(store.budget),
+                format_size(store.budgets.used()),
+                format_size(store.budgets.memory),
                 self.settings.shm_dir,
             )
             nursery.start_soon(self._stop_when_asked, nursery.cancel_scope)

@@ -1,4 +1,4 @@
-"""The node's shared-memory folder: published datasets, staging, the budget, recovery.
+"""The node's shared-memory folder: published datasets, staging, publishing, recovery.
 
 Layout under shm_dir:
     datasets/NAME/   published datasets (meta.json, manifest.ksm, seg/NNNNNNNN)
@@ -8,28 +8,23 @@ Layout under shm_dir:
 The disk tier (a node with `spill_dir`): segments of preloaded datasets that did not fit the
 memory budget, under DISK_ROOT/NAME.UUID/seg/NNNNNNNN (staged under DISK_ROOT/.staging/), named
 in the dataset's meta.json ("disk", "disk_dir"). They count in the disk budget, not the memory
-one, and move to memory (`promote`) when memory frees up. DISK_ROOT is SPILL_DIR/tier; the
-spill folder and the tier are checked and owned as the shm folder is (safedir), so that readers
-in the group read disk-tier segments (by pread: localdata) as they map memory ones.
+one, and move to memory when memory frees up (segments.py places segments). DISK_ROOT is
+SPILL_DIR/tier; the spill folder and the tier are checked and owned as the shm folder is
+(safedir), so that readers in the group read disk-tier segments (by pread: localdata) as they
+map memory ones.
 """
 
 from __future__ import annotations
 
-import contextlib
-import dataclasses
 import functools
 import json
 import logging
-import mmap
 import os
 import stat
-import threading
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
-
-import xxhash
 
 from kspeedfs.format.errors import (
     AlreadyExists,
@@ -41,10 +36,8 @@ from kspeedfs.format.errors import (
     StaleDataset,
 )
 from kspeedfs.format.localdata import (
-    HASH_CHUNK,
     MANIFEST_FILE,
     META_FILE,
-    DamagedSegment,
     LocalDataset,
     segment_path,
 )
@@ -52,10 +45,13 @@ from kspeedfs.format.manifest import Manifest
 from kspeedfs.format.names import validate_name
 from kspeedfs.format.readthrough_view import READTHROUGH, open_local
 from kspeedfs.format.units import format_size
+from kspeedfs.node.budget import Budgets
+from kspeedfs.node.records import DatasetRecord, load_meta, rewrite_meta
 from kspeedfs.node.safedir import (
     DIR_FLAGS,
     FILE_MODE,
     claim_dir,
+    closing_fd,
     open_owned_dir,
     open_owned_subdir,
     open_subdir,
@@ -63,64 +59,10 @@ from kspeedfs.node.safedir import (
     resolve_group,
     restrict_files,
     seal_segment,
-    unlink_segment,
-    unseal_segment,
 )
+from kspeedfs.node.segments import SegmentPlaces, open_disk_instance, segment_fault
 
 log = logging.getLogger(__name__)
-
-
-@dataclasses.dataclass
-class DatasetRecord:
-    name: str
-    uuid: str
-    source: str
-    lifetime: str  # "offline" (until unload) or "leased" (until the last lease ends)
-    replicas: int
-    files: int
-    bytes: int  # file bytes in the dataset
-    stored: int  # bytes of memory it takes (segments + manifest)
-    created: float
-    path: Path
-    segments: int = 0  # segments in the whole dataset
-    held: list[int] = dataclasses.field(default_factory=list)  # the ones this node holds
-    members: list[str] = dataclasses.field(default_factory=list)  # nodes it was placed over
-    disk: list[int] = dataclasses.field(default_factory=list)  # held ones on the disk tier
-    disk_stored: int = 0  # bytes of the disk tier it takes
-    # Caps on this node (0: none): the most bytes of its segments in memory and on the disk
-    # tier (a read-through dataset's: its spill folder share, kept by the read-through cache).
-    max_memory: int = 0
-    max_disk: int = 0
-
-    def to_wire(self) -> dict[str, Any]:
-        """The one shape of a published dataset on the wire (list, progress): its record, and
-        the fields of a finished load's progress."""
-        d = dataclasses.asdict(self)
-        d["path"] = str(self.path)
-        d.update(
-            state="ready",
-            files_total=self.files,
-            bytes_total=self.bytes,
-            files_done=self.files,
-            bytes_done=self.bytes,
-            elapsed=0.0,
-            error="",
-        )
-        return d
-
-
-@dataclasses.dataclass
-class Reservation:
-    """Budget claimed by work in progress (a load, a fill, a variant, an index), before it
-    writes: counted in the budget at once, and against the free space of the shm filesystem
-    for the part it has not written yet, so that two claims never count on the same bytes."""
-
-    nbytes: int
-    written: Callable[[], int] | None = None  # how much of it is on the filesystem already
-    tier: str = "memory"  # or "disk": counted in the disk tier's budget
-
-    def unwritten(self) -> int:
-        return max(0, self.nbytes - (self.written() if self.written is not None else 0))
 
 
 class SegmentStore:
@@ -136,12 +78,10 @@ class SegmentStore:
         disk_budget: int = 0,
     ):
         self.root = root
-        self.budget = budget
         self.group = group
         # None: no disk tier. Its parent is the spill folder, which the read-through spill
         # shares (and its budget, where the spill gives way).
         self.disk_root = disk_root
-        self.disk_budget = disk_budget
         # "datasets", "staging", "trash" (of the shm folder), "tier" and "tier_staging" (of the
         # disk tier) -> open folder
         self._fd: dict[str, int] = {}
@@ -150,34 +90,23 @@ class SegmentStore:
         self.staging_dir = root / "staging"
         self.trash_dir = root / "trash"
         self.datasets: dict[str, DatasetRecord] = {}
-        self.reserved: dict[str, Reservation] = {}  # by name: work that has not published
-        self._lock = threading.Lock()
+        # The memory and disk budgets: they count these datasets, and their lock is the
+        # store's (a claim becomes a dataset's bytes under it).
+        self.budgets = Budgets(root, budget, self.datasets, disk_root, disk_budget)
+        self._lock = self.budgets.lock
         self._open: dict[str, LocalDataset] = {}
+        # Which segments each dataset holds, and where: their one owner.
+        self.segments = SegmentPlaces(
+            self.datasets, self.budgets, self._fd, self.open, self._reopen, disk_root
+        )
         # Followers of the datasets (the RDMA registration): called with a dataset's name once
         # it is visible (also for each one found at start), and before its files are unlinked.
         self.on_publish: list[Callable[[str], None]] = []
         self.before_unload: list[Callable[[str], None]] = []
-        self._reclaimers: list[Callable[[int], int]] = []
-        # Called from any thread (maybe under the lock: a hook must not take it) when memory
-        # may have freed up: an unload, a segment dropped or evicted, a reservation given back.
-        # Promotion waits on it.
-        self.on_memory_freed: list[Callable[[], None]] = []
-        self._disk_reclaimers: list[Callable[[int], int]] = []
         # Told (from any thread) the segments the node's own reads found damaged.
         self.on_damage_found: list[Callable[[str, list[int]], None]] = []
         # Segments recover() found damaged and quarantined: (dataset, segment), to fetch again.
         self.damaged_at_start: list[tuple[str, int]] = []
-
-    def memory_freed(self) -> None:
-        """Tell the followers that memory may have freed up."""
-        for hook in self.on_memory_freed:
-            hook()
-
-    def add_reclaimer(self, reclaim: Callable[[int], int], tier: str = "memory") -> None:
-        """Someone holding evictable (read-through) memory, or disk-tier bytes with `tier`
-        "disk": when a reservation does not fit, `reclaim(nbytes)` is asked to free that much
-        (called under the store's lock) and returns the bytes it freed."""
-        (self._disk_reclaimers if tier == "disk" else self._reclaimers).append(reclaim)
 
     def recover(self, verify: bool) -> None:
         """Check and open the folders; find the datasets a previous daemon published; drop
@@ -204,10 +133,10 @@ class SegmentStore:
                 # That segment, not the dataset: quarantined, and fetched again (the scrubber
                 # takes `damaged_at_start`).
                 log.error("segment %d of %s %s: quarantined, to be fetched again", seg, name, why)
-                self.drop_segment(name, seg)
+                self.segments.drop_segment(name, seg)
                 self.damaged_at_start.append((name, seg))
             if record.lifetime != READTHROUGH:  # (one a node before sealing left: sealed now)
-                with _closing(os.open(name, DIR_FLAGS, dir_fd=datasets_fd)) as fd:
+                with closing_fd(os.open(name, DIR_FLAGS, dir_fd=datasets_fd)) as fd:
                     _seal_segments(fd)
             log.info(
                 "found dataset %s: %d files, %s",
@@ -266,21 +195,13 @@ class SegmentStore:
                 log.info("removing disk-tier data of a dataset that is gone: %s", name)
                 remove_beneath(tier, name)
                 continue
-            with _closing(self._open_disk_instance(name)) as fd:
+            with closing_fd(open_disk_instance(self._fd["tier"], name)) as fd:
                 claim_dir(fd, self._gid)
                 restrict_files(fd, self._gid)
                 if name not in readthrough:
                     _seal_segments(fd)
         for leftover in sorted(os.listdir(self._fd["tier_staging"])):
             remove_beneath(self._fd["tier_staging"], leftover)
-
-    def _open_disk_instance(self, key: str, create: bool = False) -> int:
-        """A descriptor of the disk tier's folder `key` (NAME.UUID), made when `create`; never
-        through a symlink (OSError)."""
-        if create:
-            with contextlib.suppress(FileExistsError):
-                os.mkdir(key, 0o750, dir_fd=self._fd["tier"])
-        return os.open(key, DIR_FLAGS, dir_fd=self._fd["tier"])
 
     def _check(self, path: Path, verify: bool) -> tuple[DatasetRecord, list[tuple[int, str]]]:
         """A published dataset found at start, and its held segments that are damaged (the
@@ -298,7 +219,7 @@ class SegmentStore:
         if on_disk and (self.disk_root is None or Path(meta["disk_dir"]) != self._disk_dir(meta)):
             raise DataError("its disk-tier segments are not in this node's disk tier")
         if on_disk:  # a real folder of the tier, not a symlink (OSError: dropped as broken)
-            os.close(self._open_disk_instance(self._disk_dir(meta).name))
+            os.close(open_disk_instance(self._fd["tier"], self._disk_dir(meta).name))
         damaged = []
         for seg in meta.get("held", range(m.segments)):
             p = segment_path(Path(meta["disk_dir"]) if seg in on_disk else path, seg)
@@ -311,14 +232,8 @@ class SegmentStore:
         return self._record(path, meta, m.nbytes), damaged
 
     def _read_meta(self, name: str) -> dict[str, Any]:
-        folder = os.open(name, DIR_FLAGS, dir_fd=self._fd["datasets"])
-        try:
-            fd = os.open(META_FILE, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=folder)
-        finally:
-            os.close(folder)
-        with os.fdopen(fd) as f:
-            meta: dict[str, Any] = json.load(f)
-        return meta
+        with closing_fd(os.open(name, DIR_FLAGS, dir_fd=self._fd["datasets"])) as folder:
+            return load_meta(folder)
 
     def _record(self, path: Path, meta: dict[str, Any], manifest_bytes: int) -> DatasetRecord:
         return DatasetRecord(
@@ -341,147 +256,9 @@ class SegmentStore:
             max_disk=int(meta.get("max_disk", 0)),
         )
 
-    def used(self) -> int:
-        """Bytes of the memory budget taken (datasets and claims)."""
-        reserved = sum(r.nbytes for r in self.reserved.values() if r.tier == "memory")
-        return sum(r.stored for r in self.datasets.values()) + reserved
-
-    def disk_used(self) -> int:
-        """Bytes of the disk budget the tier takes: its datasets' segments and claims."""
-        reserved = sum(r.nbytes for r in self.reserved.values() if r.tier == "disk")
-        return sum(r.disk_stored for r in self.datasets.values()) + reserved
-
-    def memory_free(self) -> int:
-        """What a claim on the memory budget could take now, without evicting anything."""
-        with self._lock:
-            fs_free, promised = self._fs_room()
-            return max(0, min(self.budget - self.used(), fs_free - promised))
-
-    def disk_free(self) -> int:
-        """What a claim on the disk tier could take now (0 without a disk tier)."""
-        if self.disk_root is None:
-            return 0
-        with self._lock:
-            promised = sum(r.nbytes for r in self.reserved.values() if r.tier == "disk")
-            st = os.statvfs(self.disk_root)
-            fs_free = st.f_bavail * st.f_frsize - promised
-            return max(0, min(self.disk_budget - self.disk_used(), fs_free))
-
-    def memory_cap_room(self, record: DatasetRecord) -> int | None:
-        """Bytes of segments a preloaded dataset may still add to memory under its cap (None:
-        no cap; a read-through dataset's cap is the read-through cache's to keep)."""
-        if not record.max_memory or record.lifetime == READTHROUGH:
-            return None
-        seg_len = self.open(record.name).manifest.seg_len
-        on_disk = set(record.disk)
-        return record.max_memory - sum(int(seg_len[k]) for k in record.held if k not in on_disk)
-
     def _disk_dir(self, meta: dict[str, Any]) -> Path:
         assert self.disk_root is not None
         return self.disk_root / f"{validate_name(meta['name'])}.{meta['uuid']}"
-
-    def reserve(
-        self,
-        name: str,
-        nbytes: int,
-        what: str = "dataset",
-        written: Callable[[], int] | None = None,
-        instead_of: str = "",
-        evict: bool = True,
-        tier: str = "memory",
-    ) -> None:
-        """Claim budget for work before it starts; refuse what cannot fit (`what` names it in
-        the refusal). One check and claim under the lock: of two claims that do not both fit,
-        the second is refused. `written` says how much of the claim is on the filesystem
-        already (default: nothing until it is published or released). `instead_of` names an
-        earlier claim for the same work (a preload's admission) that this one replaces: its
-        bytes count as free here, and it stays when this one is refused. `evict` lets the
-        reclaimers (read-through eviction, which lives on the event loop) make room. `tier`
-        "disk" claims the disk tier's budget instead (NoSpace when the node has none)."""
-        with self._lock:
-            if name in self.datasets or name in self.reserved:
-                raise AlreadyExists(f"dataset {name!r} is already loaded or loading")
-            earlier = self.reserved.pop(instead_of, None)
-            try:
-                if tier == "disk":
-                    self._check_disk_fits(nbytes, what, self._disk_reclaimers if evict else [])
-                else:
-                    self._check_fits(nbytes, what, self._reclaimers if evict else [])
-            except BaseException:
-                if earlier is not None:
-                    self.reserved[instead_of] = earlier
-                raise
-            self.reserved[name] = Reservation(nbytes, written, tier)
-
-    def _check_disk_fits(
-        self, nbytes: int, what: str, reclaimers: list[Callable[[int], int]]
-    ) -> None:
-        """Refuse (NoSpace) a claim the disk tier's budget or filesystem cannot hold, once
-        `reclaimers` freed what they could."""
-        if self.disk_root is None:
-            raise NoSpace(f"{what} needs a disk tier, and this node has none (spill_dir)")
-        for reclaim in reclaimers:
-            if self.disk_budget - self.disk_used() >= nbytes:
-                break
-            reclaim(nbytes - (self.disk_budget - self.disk_used()))
-        free = self.disk_budget - self.disk_used()
-        if free < nbytes:
-            raise NoSpace(
-                f"{what} needs {format_size(nbytes)} of disk on this node but only "
-                f"{format_size(max(free, 0))} of its {format_size(self.disk_budget)} disk tier"
-                " is free"
-            )
-        st = os.statvfs(self.disk_root)
-        promised = sum(r.nbytes for r in self.reserved.values() if r.tier == "disk")
-        if nbytes > st.f_bavail * st.f_frsize - promised:
-            raise NoSpace(
-                f"{what} needs {format_size(nbytes)} but {self.disk_root} has only "
-                f"{format_size(st.f_bavail * st.f_frsize)} free"
-            )
-
-    def _check_fits(self, nbytes: int, what: str, reclaimers: list[Callable[[int], int]]) -> None:
-        """Refuse (NoSpace) a claim of nbytes that the budget or the filesystem cannot hold
-        beside the claims made, once `reclaimers` freed what they could. Called under _lock."""
-        for reclaim in reclaimers:
-            if self.budget - self.used() >= nbytes:
-                break
-            reclaim(nbytes - (self.budget - self.used()))
-        if self.budget - self.used() < nbytes:
-            self._raise_no_space(nbytes, what)
-        # The filesystem may hold less than the budget (other users of /dev/shm, a small
-        # tmpfs): its free space, less what earlier claims are still to write; evictable
-        # memory gives way to it as it does to the budget.
-        fs_free, promised = self._fs_room()
-        for reclaim in reclaimers:
-            if nbytes <= fs_free - promised:
-                break
-            reclaim(nbytes - (fs_free - promised))
-            fs_free, promised = self._fs_room()
-        if nbytes > fs_free - promised:
-            also = f", {format_size(promised)} of it promised to work in progress"
-            raise NoSpace(
-                f"{what} needs {format_size(nbytes)} but {self.root} has only "
-                f"{format_size(fs_free)} free{also if promised else ''}"
-            )
-
-    def _fs_room(self) -> tuple[int, int]:
-        """The shm filesystem's free bytes, and how many of them claims have yet to write."""
-        st = os.statvfs(self.root)
-        promised = sum(r.unwritten() for r in self.reserved.values() if r.tier == "memory")
-        return st.f_bavail * st.f_frsize, promised
-
-    def _raise_no_space(self, nbytes: int, what: str = "dataset") -> None:
-        free = self.budget - self.used()
-        raise NoSpace(
-            f"{what} needs {format_size(nbytes)} on this node but only "
-            f"{format_size(max(free, 0))} of its {format_size(self.budget)} budget is free"
-        )
-
-    def release(self, name: str) -> None:
-        with self._lock:
-            given_back = self.reserved.pop(name, None)
-        if given_back is not None and given_back.tier == "memory":
-            self.memory_freed()
 
     def new_staging(self, name: str) -> Path:
         return self.staging_dir / _new_staging_folder(self._fd["staging"], name)
@@ -522,7 +299,7 @@ class SegmentStore:
         seal = meta.get("lifetime") != READTHROUGH  # (a read-through one's come and go)
         if disk_staging is not None:
             staged, disk_final = self._disk_staged_name(disk_staging), self._disk_dir(meta)
-            with _closing(os.open(staged, DIR_FLAGS, dir_fd=self._fd["tier_staging"])) as fd:
+            with closing_fd(os.open(staged, DIR_FLAGS, dir_fd=self._fd["tier_staging"])) as fd:
                 claim_dir(fd, self._gid)  # readers in the group map these segments too
                 restrict_files(fd, self._gid)
                 if seal:
@@ -556,8 +333,8 @@ class SegmentStore:
                 raise AlreadyExists(f"dataset {name!r} appeared while loading: {e}") from None
             record = self._record(final, meta, (final / MANIFEST_FILE).stat().st_size)
             self.datasets[name] = record
-            self.reserved.pop(name, None)
-            self.reserved.pop(disk_claim(record.uuid), None)
+            self.budgets.drop_claim(name)
+            self.budgets.drop_claim(disk_claim(record.uuid))
         for hook in self.on_publish:
             hook(name)
         return record
@@ -574,7 +351,7 @@ class SegmentStore:
         if self.disk_root is not None:  # also a folder whose segments all moved to memory
             # Unlinked: a reader's map of a disk segment keeps its pages, as in memory.
             remove_beneath(self._fd["tier"], f"{record.name}.{record.uuid}")
-        self.memory_freed()
+        self.budgets.memory_freed()
         return record
 
     def _discard(self, name: str) -> None:
@@ -587,17 +364,6 @@ class SegmentStore:
             remove_beneath(self._fd["datasets"], name)
             return
         remove_beneath(self._fd["trash"], dest)
-
-    def _update_meta(self, folder: int, name: str, stored_delta: int, **changes: Any) -> None:
-        """Replace meta.json of a published dataset (its folder `folder`) in one rename: its
-        `stored` bytes moved by `stored_delta`, `changes` set. Called under _lock."""
-        meta = self._read_meta(name)
-        meta.update(changes, stored=int(meta["stored"]) + stored_delta)
-        tmp = f".meta.{uuid.uuid4().hex[:12]}"
-        flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
-        with os.fdopen(os.open(tmp, flags, FILE_MODE, dir_fd=folder), "w") as f:
-            json.dump(meta, f)
-        os.rename(tmp, META_FILE, src_dir_fd=folder, dst_dir_fd=folder)
 
     # Files added to a published instance (a meta index built after its preload): written under
     # a temporary name in a subfolder, put in place with one rename and counted then.
@@ -618,15 +384,15 @@ class SegmentStore:
         its folder, when absent; emptied when offset is 0). Returns the file's size after."""
         with self._lock:
             folder = self._instance_dir(name, instance)
-        with _closing(folder):
+        with closing_fd(folder):
             try:
                 os.mkdir(sub, 0o750, dir_fd=folder)
             except FileExistsError:
                 pass
-            with _closing(os.open(sub, DIR_FLAGS, dir_fd=folder)) as sub_fd:
+            with closing_fd(os.open(sub, DIR_FLAGS, dir_fd=folder)) as sub_fd:
                 flags = os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC
                 flags |= os.O_TRUNC if offset == 0 else 0
-                with _closing(os.open(filename, flags, FILE_MODE, dir_fd=sub_fd)) as fd:
+                with closing_fd(os.open(filename, flags, FILE_MODE, dir_fd=sub_fd)) as fd:
                     done = 0
                     while done < len(data):
                         done += os.pwrite(fd, data[done:], offset + done)
@@ -641,7 +407,7 @@ class SegmentStore:
         when `final` is there already (tmp removed: nothing is counted twice)."""
         with self._lock:
             folder = self._instance_dir(name, instance)
-            with _closing(folder), _closing(os.open(sub, DIR_FLAGS, dir_fd=folder)) as sub_fd:
+            with closing_fd(folder), closing_fd(os.open(sub, DIR_FLAGS, dir_fd=folder)) as sub_fd:
                 size = os.stat(tmp, dir_fd=sub_fd, follow_symlinks=False).st_size
                 if _exists(final, sub_fd):
                     os.unlink(tmp, dir_fd=sub_fd)
@@ -649,10 +415,10 @@ class SegmentStore:
                 else:
                     # Counted before the rename: a crash between leaves the budget
                     # over-counted (safe), never a file it does not count.
-                    self._update_meta(folder, name, size)
+                    rewrite_meta(folder, size)
                     os.rename(tmp, final, src_dir_fd=sub_fd, dst_dir_fd=sub_fd)
-            self.datasets[name].stored += size
-            self.reserved.pop(reservation, None)
+            SegmentPlaces.files_counted(self.datasets[name], size)
+            self.budgets.drop_claim(reservation)
         return size
 
     def remove_file(self, name: str, instance: str, sub: str, filename: str, counted: bool) -> int:
@@ -660,279 +426,30 @@ class SegmentStore:
         `counted` one leaves its stored bytes too. Returns its size (0 when it is absent)."""
         with self._lock:
             folder = self._instance_dir(name, instance)
-            with _closing(folder):
+            with closing_fd(folder):
                 try:
-                    with _closing(os.open(sub, DIR_FLAGS, dir_fd=folder)) as sub_fd:
+                    with closing_fd(os.open(sub, DIR_FLAGS, dir_fd=folder)) as sub_fd:
                         size = os.stat(filename, dir_fd=sub_fd, follow_symlinks=False).st_size
                         os.unlink(filename, dir_fd=sub_fd)
                 except FileNotFoundError:
                     return 0  # no such folder, or no such file in it
                 if counted:
-                    self._update_meta(folder, name, -size)
-                    self.datasets[name].stored -= size
+                    rewrite_meta(folder, -size)
+                    SegmentPlaces.files_counted(self.datasets[name], -size)
         if counted and size:
-            self.memory_freed()
+            self.budgets.memory_freed()
         return size
 
     def files_in(self, name: str, instance: str, sub: str) -> list[str]:
         """The names in folder `sub` of an instance ([] when it has none)."""
         with self._lock:
             folder = self._instance_dir(name, instance)
-        with _closing(folder):
+        with closing_fd(folder):
             try:
-                with _closing(os.open(sub, DIR_FLAGS, dir_fd=folder)) as sub_fd:
+                with closing_fd(os.open(sub, DIR_FLAGS, dir_fd=folder)) as sub_fd:
                     return sorted(os.listdir(sub_fd))
             except FileNotFoundError:
                 return []
-
-    # Control plane (healing, rebalance): one more segment in a published dataset.
-    def add_segment(
-        self, name: str, seg: int, length: int, fill: Callable[[memoryview], None]
-    ) -> None:
-        """Add a segment this node did not hold to a published dataset: `fill` writes its
-        `length` bytes straight into the new file's mapping (a heal receives from a peer into
-        it: no buffer between the socket and tmpfs) and raises to have it thrown away. Made
-        beside the segment folder, then renamed into it, so a reader never sees part of one;
-        meta.json and the record learn it; the next open() maps it. When memory has no room
-        for it, it goes to the disk tier (where there is one)."""
-        record = self.datasets.get(name)
-        if record is None:
-            raise NotFound(f"no dataset named {name!r}")
-        # Reserved while it arrives, so that a preload admitted meanwhile does not count on
-        # the same bytes; counted in the dataset's bytes once it is in place.
-        reservation = f"segment:{name}:{seg}:{uuid.uuid4().hex[:12]}"
-        what = f"segment {seg} of {name}"
-        try:
-            room = self.memory_cap_room(record)
-            if room is not None and length > room:
-                raise NoSpace(f"{what} would take it past its --max-memory on this node")
-            # Called in a thread: no eviction (the read-through cache is the event loop's).
-            self.reserve(reservation, length, what=what, evict=False)
-        except NoSpace:
-            if self.disk_root is None or record.lifetime == READTHROUGH:
-                raise
-            if record.max_disk and record.disk_stored + length > record.max_disk:
-                raise NoSpace(f"{what} would take it past its --max-disk on this node") from None
-            self.reserve(reservation, length, what=what, tier="disk", evict=False)
-            try:
-                self._add_disk_segment(record, seg, length, fill, reservation)
-            finally:
-                self.release(reservation)
-            return
-        try:
-            self._add_segment(record, seg, length, fill, reservation)
-        finally:
-            self.release(reservation)
-
-    def _add_disk_segment(
-        self,
-        record: DatasetRecord,
-        seg: int,
-        length: int,
-        fill: Callable[[memoryview], None],
-        reservation: str,
-    ) -> None:
-        """add_segment onto the disk tier: made in the instance's disk folder, as in memory."""
-        assert self.disk_root is not None
-        disk_dir = self.disk_root / f"{record.name}.{record.uuid}"
-        with _closing(self._open_disk_instance(disk_dir.name, create=True)) as disk_fd:
-            self._put_segment(disk_fd, seg, length, fill, seal=True)
-        folder = os.open(record.name, DIR_FLAGS, dir_fd=self._fd["datasets"])
-        with _closing(folder), self._lock:
-            held = sorted(set(record.held) | {seg})
-            disk = sorted(set(record.disk) | {seg})
-            stored = record.disk_stored + length
-            changes = {"held": held, "disk": disk, "disk_stored": stored}
-            self._update_meta(folder, record.name, 0, **changes, disk_dir=str(disk_dir))
-            record.held, record.disk, record.disk_stored = held, disk, stored
-            self.reserved.pop(reservation, None)
-            self._open.pop(record.name, None)
-
-    def _add_segment(
-        self,
-        record: DatasetRecord,
-        seg: int,
-        length: int,
-        fill: Callable[[memoryview], None],
-        reservation: str,
-    ) -> None:
-        name = record.name
-        folder = os.open(name, DIR_FLAGS, dir_fd=self._fd["datasets"])
-        try:
-            self._put_segment(folder, seg, length, fill, seal=record.lifetime != READTHROUGH)
-            with self._lock:
-                held = sorted(set(record.held) | {seg})
-                self._update_meta(folder, name, length, held=held)
-                record.held = held
-                record.stored += length
-                self.reserved.pop(reservation, None)
-                self._open.pop(name, None)
-        finally:
-            os.close(folder)
-
-    def drop_segment(self, name: str, seg: int) -> int:
-        """Remove a segment this node no longer owns (its new owners hold it). Unlinked, so a
-        reader that mapped it keeps valid pages; meta.json and the record forget it. Returns
-        the bytes freed."""
-        folder = os.open(name, DIR_FLAGS, dir_fd=self._fd["datasets"])
-        try:
-            with self._lock:
-                record = self.datasets.get(name)
-                if record is None or seg not in record.held:
-                    return 0
-                if seg in record.disk:
-                    return self._drop_disk_segment(folder, record, seg)
-                seg_fd = os.open("seg", DIR_FLAGS, dir_fd=folder)
-                # What it counts in the budget (a damaged one may be cut short, grown or gone).
-                size = int(self.open(name).manifest.seg_len[seg])
-                try:
-                    unlink_segment(seg_fd, f"{seg:08d}")
-                except FileNotFoundError:
-                    pass  # gone already (a damaged one found missing): forgotten only
-                finally:
-                    os.close(seg_fd)
-                held = [k for k in record.held if k != seg]
-                self._update_meta(folder, name, -size, held=held)
-                record.held = held
-                record.stored -= size
-                self._open.pop(name, None)
-        finally:
-            os.close(folder)
-        self.memory_freed()
-        return size
-
-    def _drop_disk_segment(self, folder: int, record: DatasetRecord, seg: int) -> int:
-        """drop_segment of a disk-tier segment. Called under _lock."""
-        assert self.disk_root is not None
-        path = segment_path(self.disk_root / f"{record.name}.{record.uuid}", seg)
-        # What it counts in the disk budget (a damaged one's file may be cut short or gone).
-        size = int(self.open(record.name).manifest.seg_len[seg])
-        with contextlib.suppress(FileNotFoundError):
-            unlink_segment(None, str(path))
-        held = [k for k in record.held if k != seg]
-        disk = [k for k in record.disk if k != seg]
-        self._update_meta(
-            folder, record.name, 0, held=held, disk=disk, disk_stored=record.disk_stored - size
-        )
-        record.held, record.disk, record.disk_stored = held, disk, record.disk_stored - size
-        self._open.pop(record.name, None)
-        return size
-
-    def segment_file(self, name: str, seg: int) -> tuple[Path, int, int] | None:
-        """Where held segment `seg` of static dataset `name` lies, its length and checksum
-        (None: not held here, or a read-through dataset's, whose cache checks its own)."""
-        record = self.datasets.get(name)
-        if record is None or seg not in record.held or record.lifetime == READTHROUGH:
-            return None
-        m = self.open(name).manifest
-        if seg in record.disk and self.disk_root is not None:
-            path = segment_path(self.disk_root / f"{record.name}.{record.uuid}", seg)
-        else:
-            path = segment_path(record.path, seg)
-        return path, int(m.seg_len[seg]), int(m.seg_checksum[seg])
-
-    def verify_segment(self, name: str, seg: int) -> str:
-        """Why held segment `seg` of `name` is damaged ("": sound, or not held here)."""
-        where = self.segment_file(name, seg)
-        if where is None:
-            return ""
-        try:
-            return segment_fault(*where)
-        except FileNotFoundError:
-            return ""  # dropped or moved meanwhile: whoever did it had it sound
-
-    def quarantine(self, name: str, seg: int, why: str) -> int:
-        """Take damaged segment `seg` of `name` out of service: unlinked (a reader that has
-        it open finds it damaged too, and reads elsewhere), forgotten by meta.json and the
-        record, so that it can be fetched again. Returns its bytes (0: not held here)."""
-        log.error("segment %d of %s %s: quarantined, to be fetched again", seg, name, why)
-        return self.drop_segment(name, seg)
-
-    def promote(self, name: str, seg: int) -> int:
-        """Move disk-tier segment `seg` of `name` into memory: copied into the shm folder
-        (through a mapping, as a heal is), renamed in, then counted in memory and unlinked
-        from disk (a reader finds it in either place, and a map of the disk file stays
-        valid). NoSpace when memory has no room for it; returns the bytes moved (0 when it
-        is not on disk any more)."""
-        record = self.datasets.get(name)
-        if record is None or seg not in record.disk or self.disk_root is None:
-            return 0
-        disk_file = segment_path(self.disk_root / f"{record.name}.{record.uuid}", seg)
-        length = int(disk_file.stat().st_size)
-        room = self.memory_cap_room(record)
-        if room is not None and length > room:
-            raise NoSpace(f"segment {seg} of {name} would take it past its --max-memory")
-        reservation = f"promote:{name}:{seg}:{uuid.uuid4().hex[:12]}"
-        self.reserve(reservation, length, what=f"segment {seg} of {name}", evict=False)
-        try:
-            with open(disk_file, "rb") as src:
-                expected = int(self.open(name).manifest.seg_checksum[seg])
-
-                def fill(view: memoryview) -> None:
-                    """The disk copy into memory, checked before it joins memory."""
-                    done = 0
-                    while done < len(view):
-                        n = src.readinto(view[done:])
-                        if not n:
-                            raise DamagedSegment(f"segment {seg} of {name} is short", [seg])
-                        done += n
-                    if src.read(1):
-                        raise DamagedSegment(f"segment {seg} of {name} is too long", [seg])
-                    if expected and xxhash.xxh3_64_intdigest(view) != expected:
-                        raise DamagedSegment(f"segment {seg} of {name} fails its checksum", [seg])
-
-                folder = os.open(name, DIR_FLAGS, dir_fd=self._fd["datasets"])
-                with _closing(folder):
-                    self._put_segment(folder, seg, length, fill, seal=True)
-                    with self._lock:
-                        if self.datasets.get(name) is not record or seg not in record.disk:
-                            # Unloaded, or the segment dropped (a rebalance), meanwhile.
-                            with contextlib.suppress(FileNotFoundError):
-                                unlink_segment(folder, f"seg/{seg:08d}")
-                            return 0
-                        disk = [k for k in record.disk if k != seg]
-                        self._update_meta(
-                            folder, name, length, disk=disk, disk_stored=record.disk_stored - length
-                        )
-                        record.disk, record.disk_stored = disk, record.disk_stored - length
-                        record.stored += length
-                        self.reserved.pop(reservation, None)
-                        self._open.pop(name, None)
-                        unlink_segment(None, str(disk_file))
-        finally:
-            self.release(reservation)
-        return length
-
-    def _put_segment(
-        self,
-        folder: int,
-        seg: int,
-        length: int,
-        fill: Callable[[memoryview], None],
-        seal: bool,
-    ) -> None:
-        """Write segment `seg` into dataset folder `folder`'s seg/: made beside it, filled
-        by `fill`, renamed in (a reader never sees part of one; one there already, a
-        leftover, is unsealed first), then sealed when `seal` (a sealed file cannot be
-        renamed: a reader that opens it in between finds it unsealed, and reads it as one)."""
-        with contextlib.suppress(FileExistsError):
-            os.mkdir("seg", 0o750, dir_fd=folder)
-        tmp = f".seg-{seg}.{uuid.uuid4().hex[:12]}"
-        flags = os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
-        fd = os.open(tmp, flags, FILE_MODE, dir_fd=folder)
-        try:
-            _fill_file(fd, length, fill)
-            with _closing(os.open("seg", DIR_FLAGS, dir_fd=folder)) as seg_fd:
-                unseal_segment(seg_fd, f"{seg:08d}")
-                os.rename(tmp, f"{seg:08d}", src_dir_fd=folder, dst_dir_fd=seg_fd)
-            if seal:
-                seal_segment(fd)
-        except BaseException:
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(tmp, dir_fd=folder)
-            raise
-        finally:
-            os.close(fd)
 
     def discard_staging(self, staging: Path) -> None:
         remove_beneath(self._fd["staging"], self._staged_name(staging))
@@ -961,6 +478,10 @@ class SegmentStore:
             ds.on_damage = functools.partial(self._damage_found, name)
         return ds
 
+    def _reopen(self, name: str) -> None:
+        """Forget the map of `name`: its segments changed, the next open() maps them."""
+        self._open.pop(name, None)
+
     def _damage_found(self, name: str, segments: list[int]) -> None:
         for hook in self.on_damage_found:
             hook(name, segments)
@@ -984,33 +505,11 @@ def _with_caps(meta: dict[str, Any], manifest: Path) -> dict[str, Any]:
     return {**meta, **caps} if caps else meta
 
 
-def segment_fault(path: Path, length: int, checksum: int) -> str:
-    """Why the segment file at `path` is damaged: not `length` bytes long, or (when
-    `checksum`) its bytes fail it; "" when sound. Read with pread (never mapped: a file cut
-    short under a map would kill the node). FileNotFoundError when it is gone."""
-    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
-    try:
-        if os.fstat(fd).st_size != length:
-            return "has the wrong size"
-        if not checksum:
-            return ""
-        h = xxhash.xxh3_64()
-        buf = memoryview(bytearray(min(HASH_CHUNK, length)))
-        for pos in range(0, length, HASH_CHUNK):
-            part = buf[: min(HASH_CHUNK, length - pos)]
-            if os.preadv(fd, [part], pos) != len(part):
-                return "ends early"
-            h.update(part)
-        return "" if h.intdigest() == checksum else "fails its checksum"
-    finally:
-        os.close(fd)
-
-
 def _seal_segments(folder: int) -> None:
     """Seal (the immutable flag, where the node can) each segment in seg/ of `folder`, and its
     manifest (readers map it too)."""
     try:
-        with _closing(
+        with closing_fd(
             os.open(MANIFEST_FILE, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=folder)
         ) as fd:
             if not seal_segment(fd):
@@ -1021,11 +520,11 @@ def _seal_segments(folder: int) -> None:
         seg_fd = os.open("seg", DIR_FLAGS, dir_fd=folder)
     except FileNotFoundError:
         return
-    with _closing(seg_fd):
+    with closing_fd(seg_fd):
         for entry in os.scandir(seg_fd):
             if not entry.is_file(follow_symlinks=False):
                 continue
-            with _closing(
+            with closing_fd(
                 os.open(entry.name, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=seg_fd)
             ) as fd:
                 if not seal_segment(fd):
@@ -1036,7 +535,7 @@ def _new_staging_folder(staging_fd: int, name: str) -> str:
     """A new folder NAME.ID (with its seg/) in a staging folder; its name."""
     folder = f"{validate_name(name)}.{uuid.uuid4().hex[:12]}"
     os.mkdir(folder, 0o750, dir_fd=staging_fd)
-    with _closing(os.open(folder, DIR_FLAGS, dir_fd=staging_fd)) as fd:
+    with closing_fd(os.open(folder, DIR_FLAGS, dir_fd=staging_fd)) as fd:
         os.mkdir("seg", 0o750, dir_fd=fd)
     return folder
 
@@ -1047,31 +546,3 @@ def _exists(name: str, dir_fd: int) -> bool:
     except FileNotFoundError:
         return False
     return True
-
-
-@contextlib.contextmanager
-def _closing(fd: int) -> Iterator[int]:
-    """A descriptor, closed when the block ends."""
-    try:
-        yield fd
-    finally:
-        os.close(fd)
-
-
-def _fill_file(fd: int, length: int, fill: Callable[[memoryview], None]) -> None:
-    """Give the file `fd` its `length` bytes of tmpfs pages (ENOSPC now, not on a page fault)
-    and have `fill` write them through a mapping populated up front."""
-    if length == 0:
-        fill(memoryview(b""))
-        return
-    try:
-        os.posix_fallocate(fd, 0, length)
-    except OSError as e:
-        raise NoSpace(f"cannot allocate a segment of {format_size(length)}: {e.strerror}") from None
-    mapped = mmap.mmap(fd, length, flags=mmap.MAP_SHARED | mmap.MAP_POPULATE)
-    try:
-        with memoryview(mapped) as view:
-            fill(view)
-    finally:
-        with contextlib.suppress(BufferError):  # a view kept by a traceback: unmapped with it
-            mapped.close()

@@ -31,7 +31,13 @@ from etcd3gw import Etcd3Client
 from etcd3gw import exceptions as etcd_errors
 
 from kspeedfs.format.contract import Request
-from kspeedfs.format.contract.node import List, ManifestPiece, ManifestReq
+from kspeedfs.format.contract.node import (
+    DatasetEntry,
+    DatasetListing,
+    List,
+    ManifestPiece,
+    ManifestReq,
+)
 from kspeedfs.format.contract.pieces import from_base64, read_piece, to_base64
 from kspeedfs.format.errors import NodeUnreachable, NotFound, StaleDataset
 from kspeedfs.format.manifest import Manifest, plan_layout, write_manifest
@@ -284,7 +290,7 @@ class MemoryStore:
     def __init__(self, root: Path | None = None) -> None:
         self.root = root
         self.datasets: dict[str, StoredDataset] = {}
-        self.segments: dict[tuple[str, int], bytes] = {}
+        self.data: dict[tuple[str, int], bytes] = {}  # the segments held, by (name, seg)
         self.dropped: list[tuple[str, int]] = []  # in the order drop_segment was called
 
     def put(self, dataset: LocalDataset, held: list[int]) -> None:
@@ -293,7 +299,12 @@ class MemoryStore:
             dataset.name, dataset.uuid, dataset.manifest_path, sorted(held)
         )
         for seg in held:
-            self.segments[dataset.name, seg] = dataset.segments[seg]
+            self.data[dataset.name, seg] = dataset.segments[seg]
+
+    @property
+    def segments(self) -> MemoryStore:
+        """The store's placement of segments (SegmentStore.segments): this fake itself."""
+        return self
 
     def open(self, name: str) -> SimpleNamespace:
         record = self.datasets.get(name)
@@ -309,7 +320,7 @@ class MemoryStore:
             raise NotFound(f"no dataset named {name!r}")
         buf = bytearray(length)
         fill(memoryview(buf))  # raises to have it thrown away
-        self.segments[name, seg] = bytes(buf)
+        self.data[name, seg] = bytes(buf)
         record.held = sorted(set(record.held) | {seg})
 
     def new_staging(self, name: str) -> Path:
@@ -330,7 +341,7 @@ class MemoryStore:
             return 0
         record.held.remove(seg)
         self.dropped.append((name, seg))
-        return len(self.segments.pop((name, seg)))
+        return len(self.data.pop((name, seg)))
 
 
 class MemoryPeers(PeerPool):
@@ -366,12 +377,37 @@ class MemoryPeers(PeerPool):
             return ManifestPiece(name=found.name, uuid=found.uuid, piece=piece).to_wire()
         if not isinstance(request, List):
             raise AssertionError(f"MemoryPeers answers list and manifest, not {request.OP}")
-        return {
-            "datasets": [
-                {"name": d.name, "uuid": d.uuid, "state": "ready", "held": list(d.held)}
+        return DatasetListing(
+            node=member,
+            datasets=[
+                DatasetEntry(
+                    name=d.name,
+                    uuid=d.uuid,
+                    source="",
+                    lifetime="offline",
+                    replicas=1,
+                    files=0,
+                    bytes=0,
+                    stored=0,
+                    created=0.0,
+                    path=str(d.path.parent),
+                    segments=len(d.held),
+                    held=list(d.held),
+                    members=[],
+                    disk=[],
+                    disk_stored=0,
+                    max_memory=0,
+                    max_disk=0,
+                    files_total=0,
+                    bytes_total=0,
+                    files_done=0,
+                    bytes_done=0,
+                    leases=0,
+                    decoded={},
+                )
                 for d in store.datasets.values()
-            ]
-        }
+            ],
+        ).to_wire()
 
 
 @dataclasses.dataclass
@@ -384,7 +420,7 @@ class _MemoryReader:
         record = store.datasets.get(name)
         if record is None or record.uuid != uuid:
             raise StaleDataset(f"{self.member} has no instance {uuid[:8]} of {name}")
-        return [(store.segments.get((name, seg)), pos, length) for seg, pos, length in chunk]
+        return [(store.data.get((name, seg)), pos, length) for seg, pos, length in chunk]
 
     def receive_read(self, sent: Any, out: memoryview) -> None:
         at = 0

@@ -203,7 +203,7 @@ class Healer:
         for seg in unowned:
             owners = where.owners(seg)
             if all(seg in held_by.get(o, ()) for o in owners):
-                freed = await trio.to_thread.run_sync(self.store.drop_segment, name, seg)
+                freed = await trio.to_thread.run_sync(self.store.segments.drop_segment, name, seg)
                 self.stats["dropped"] += 1
                 self.stats["dropped_bytes"] += freed
                 dropped += 1
@@ -242,7 +242,7 @@ class Healer:
                 continue
             try:
                 await trio.to_thread.run_sync(
-                    self.store.add_segment,
+                    self.store.segments.add_segment,
                     name,
                     seg,
                     length,
@@ -271,7 +271,11 @@ class Healer:
                 log.error("segment %d of %s: the source no longer matches", seg, name)
                 return
             await trio.to_thread.run_sync(
-                self.store.add_segment, name, seg, length, functools.partial(_copy_in, data)
+                self.store.segments.add_segment,
+                name,
+                seg,
+                length,
+                functools.partial(_copy_in, data),
             )
         self.stats["segments"] += 1
         self.stats["bytes"] += length

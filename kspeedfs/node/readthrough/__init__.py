@@ -87,7 +87,7 @@ class ReadThroughCache:
         self.spill: SpillArea | None = None
         spill_dir, spill_budget = settings.spill_dir, parse_size(settings.spill)
         if spill_dir is not None:  # with its budget: load_settings checks that they go together
-            self.spill = SpillArea(Path(spill_dir), spill_budget, store.disk_used)
+            self.spill = SpillArea(Path(spill_dir), spill_budget, store.budgets.disk_used)
         policy = policy or make_policy(settings.eviction)
         self.instances = Instances(store, address, policy)
         self.plans = PlanTable(self.instances, uses_plans=policy.name == "plan")
@@ -162,7 +162,7 @@ class ReadThroughCache:
             self.instances.policy.admitted((name, seg))
         if self.spill is not None:
             self.spill.recover(self.instances.spill_keys())
-        over = self.store.used() - self.store.budget
+        over = self.store.budgets.used() - self.store.budgets.memory
         if over > 0:
             log.warning("%s over the memory budget after restart: evicting", format_size(over))
             self.evictor.reclaim_over_budget(over)

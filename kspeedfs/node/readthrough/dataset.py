@@ -20,9 +20,11 @@ from kspeedfs.format.localdata import MANIFEST_FILE
 from kspeedfs.format.manifest import Manifest
 from kspeedfs.format.readthrough_view import EPOCH_FILE, SEGSUMS_FILE
 from kspeedfs.node.readthrough.policy import EvictionPolicy
+from kspeedfs.node.records import DatasetRecord
 from kspeedfs.node.safedir import unlink_file
+from kspeedfs.node.segments import SegmentPlaces
 from kspeedfs.node.spill import SpillArea
-from kspeedfs.node.store import DatasetRecord, SegmentStore
+from kspeedfs.node.store import SegmentStore
 
 log = logging.getLogger(__name__)
 
@@ -129,8 +131,7 @@ def open_instance(record: DatasetRecord, verify: bool) -> tuple[CachedDataset, d
             continue
         ds.resident.add(seg)
         mtimes[seg] = st.st_mtime
-    record.held = sorted(ds.resident)
-    record.stored = base + sum(ds.seg_len(k) for k in ds.resident)
+    SegmentPlaces.found(record, sorted(ds.resident), base + sum(ds.seg_len(k) for k in ds.resident))
     return ds, mtimes
 
 
@@ -191,7 +192,7 @@ class Instances:
         if self.current(ds):
             del self.by_name[ds.name]
         for seg in ds.disk_claims:
-            self.store.release(ds.disk_claim(seg))
+            self.store.budgets.release(ds.disk_claim(seg))
         ds.disk_claims.clear()
         ds.on_disk.clear()
         for seg in ds.resident:

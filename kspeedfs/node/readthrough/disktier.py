@@ -37,7 +37,7 @@ class DiskTier:
         self.store = store
         self.instances = instances
         self.spill = spill
-        store.add_reclaimer(self.reclaim, tier="disk")
+        store.budgets.add_reclaimer(self.reclaim, tier="disk")
 
     @property
     def enabled(self) -> bool:
@@ -67,7 +67,9 @@ class DiskTier:
         try:
             what = f"segment {seg} of {ds.name}"
             # evict=False: a miss never takes another dataset's disk segments; a preload does.
-            self.store.reserve(ds.disk_claim(seg), length, what=what, tier="disk", evict=False)
+            self.store.budgets.reserve(
+                ds.disk_claim(seg), length, what=what, tier="disk", evict=False
+            )
         except (NoSpace, AlreadyExists):
             return False
         ds.disk_claims.add(seg)
@@ -95,8 +97,8 @@ class DiskTier:
             ds = max(candidates, key=lambda d: d.disk_bytes)
             seg = max(ds.on_disk)
             unlink_file(segment_path(self.folder(ds), seg))
-            # Under the store's lock: its claim is dropped in place, not through release().
-            self.store.reserved.pop(ds.disk_claim(seg), None)
+            # Under the budgets' lock: its claim is dropped in place, not through release().
+            self.store.budgets.drop_claim(ds.disk_claim(seg))
             ds.on_disk.discard(seg)
             ds.disk_claims.discard(seg)
             ds.epoch[0] += 1
@@ -108,7 +110,7 @@ class DiskTier:
 
     def release(self, ds: CachedDataset, seg: int) -> None:
         """The claim of segment `seg` goes (its file was never written, or is gone)."""
-        self.store.release(ds.disk_claim(seg))
+        self.store.budgets.release(ds.disk_claim(seg))
         ds.disk_claims.discard(seg)
         ds.on_disk.discard(seg)
 

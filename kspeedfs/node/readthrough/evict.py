@@ -44,7 +44,7 @@ class Evictor:
         self.policy = instances.policy
         self.spill = spill
         self.filling: dict[str, int] = {}  # bytes of fills in progress, by dataset
-        store.add_reclaimer(self.reclaim)
+        store.budgets.add_reclaimer(self.reclaim)
 
     def admitted(self, ds: CachedDataset, seg: int) -> None:
         self.policy.admitted((ds.name, seg))
@@ -87,7 +87,7 @@ class Evictor:
             raise NotAdmitted(f"a segment is larger than the cap of {ds.name}")
         while True:
             over_cap = bool(ds.max_memory) and self.held(ds) + length > ds.max_memory
-            if not over_cap and self.store.budget - self.store.used() >= length:
+            if not over_cap and self.store.budgets.memory - self.store.budgets.used() >= length:
                 break
             others = [] if over_cap else self._others(ds)
             key = self.policy.victim((ds.name, seg), others)
@@ -96,19 +96,19 @@ class Evictor:
                     raise NotAdmitted(f"{ds.name} keeps what it holds")
                 raise NoSpace(
                     f"no room for a {format_size(length)} segment: the "
-                    f"{format_size(self.store.budget)} budget is held by pinned datasets, "
+                    f"{format_size(self.store.budgets.memory)} budget is held by pinned datasets, "
                     "capped shares and fills in progress"
                 )
             victim = self._resident(key)
             if victim is not None:
                 await self._evict(*victim, self.policy.name)
-        self.store.reserve(reservation, length)
+        self.store.budgets.reserve(reservation, length)
         self.filling[ds.name] = self.filling.get(ds.name, 0) + length
 
     def release(self, ds: CachedDataset, seg: int, reservation: str) -> None:
         """A fill that reserved with make_room ended (resident now, or given up)."""
-        if reservation in self.store.reserved:
-            self.store.release(reservation)
+        if reservation in self.store.budgets.reserved:
+            self.store.budgets.release(reservation)
             left = self.filling.get(ds.name, 0) - ds.seg_len(seg)
             if left > 0:
                 self.filling[ds.name] = left
@@ -144,16 +144,16 @@ class Evictor:
             )
             work = sum(
                 r.nbytes
-                for k, r in self.store.reserved.items()
+                for k, r in self.store.budgets.reserved.items()
                 if r.tier == "memory" and not k.startswith("fill:")
             )
             capped = sum(d.max_memory for d in self.instances.by_name.values() if d.name != name)
-            free = self.store.budget - pinned - work - capped
+            free = self.store.budgets.memory - pinned - work - capped
             if max_memory > free:
                 raise NoSpace(
                     f"--max-memory {format_size(max_memory)} for {name!r} is more than the "
                     f"{format_size(max(free, 0))} this node has free (a budget of "
-                    f"{format_size(self.store.budget)}, less pinned datasets and other caps)"
+                    f"{format_size(self.store.budgets.memory)}, less pinned datasets and other caps)"
                 )
         if max_disk:
             if self.spill is None:
@@ -225,15 +225,11 @@ class Evictor:
             # synchronous, so a preload's reservation frees memory at once.
             unlink_file(segment_path(ds.record.path, seg))
         ds.resident.discard(seg)
-        try:
-            ds.record.held.remove(seg)
-        except ValueError:
-            pass
         length = ds.seg_len(seg)
-        ds.record.stored -= length
+        self.store.segments.evicted(ds.record, seg, length)
         ds.epoch[0] += 1  # readers drop their maps of it: the memory really returns
         ds.stats["evictions"] += 1
         self.instances.stats["evictions"] += 1
         self.instances.evictions_by[why] += 1
-        self.store.memory_freed()  # promotion may move a disk segment in
+        self.store.budgets.memory_freed()  # promotion may move a disk segment in
         return length

@@ -178,8 +178,7 @@ class Filler:
                     await trio.to_thread.run_sync(os.rename, tmp, final)
                     await trio.to_thread.run_sync(seal_file, final)
                     ds.resident.add(seg)
-                    ds.record.held.append(seg)
-                    ds.record.stored += length
+                    self.store.segments.cached(ds.record, seg, length)
                     self.evictor.admitted(ds, seg)
             self.seconds.labels(origin).observe(time.perf_counter() - started)
         except SourceChanged as e:

@@ -192,7 +192,7 @@ class SourceRegistrar:
             progress.state = "loading"
             progress.files_total, progress.bytes_total = tree.file_count, tree.data_bytes
             segments = tree.data_bytes // self.builder.segment_size + len(tree) + 1
-            self.store.reserve(name, manifest_size_estimate(tree) + 8 * segments)
+            self.store.budgets.reserve(name, manifest_size_estimate(tree) + 8 * segments)
             built, meta, _carried = await trio.to_thread.run_sync(
                 self.builder.build, name, src, tree, None, uid, members, caps
             )
@@ -214,7 +214,7 @@ class SourceRegistrar:
                 ds.manifest.segments,
             )
         except BaseException as e:
-            self.store.release(name)
+            self.store.budgets.release(name)
             with trio.CancelScope(shield=True):
                 if staging is not None:
                     await trio.to_thread.run_sync(self.store.discard_staging, staging)

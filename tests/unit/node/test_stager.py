@@ -147,5 +147,5 @@ def test_a_member_that_refuses_its_part_leaves_nothing_anywhere(
     run(main)
     for m, member in members.items():
         assert member.store.datasets == {}, m
-        assert member.store.reserved == {}, m  # every claim given back
+        assert member.store.budgets.reserved == {}, m  # every claim given back
         assert member.stager.stages == {} and member.stager.claims == {}, m

@@ -72,7 +72,7 @@ def assert_placed(etcd: MemoryEtcd, stores: dict[str, MemoryStore], ds: LocalDat
     for seg in range(len(ds.segments)):
         for owner in where.owners(seg):
             assert seg in stores[owner].datasets["ds"].held, (seg, owner)
-            assert stores[owner].segments["ds", seg] == ds.segments[seg]
+            assert stores[owner].data["ds", seg] == ds.segments[seg]
 
 
 async def crashed_member(address: str) -> None:
@@ -188,14 +188,14 @@ def test_a_peers_copy_that_fails_its_checksum_is_not_kept(etcd: MemoryEtcd, tmp_
     for seg in on_c:
         for owner in where.owners(seg):
             if owner != "c:1":
-                stores[owner].segments["ds", seg] = b"\xff" * len(ds.segments[seg])
+                stores[owner].data["ds", seg] = b"\xff" * len(ds.segments[seg])
     planes = run(lambda: heal_without("c:1", stores, peers))
     healed = placed("ds", etcd.value(RECORD))
     copied = 0
     for seg in on_c:
         for owner in set(healed.owners(seg)) - set(where.owners(seg)):  # c's heir
             copied += 1
-            assert stores[owner].segments["ds", seg] == ds.segments[seg]
+            assert stores[owner].data["ds", seg] == ds.segments[seg]
     assert copied == len(on_c) == sum(p.healer.stats["from_source"] for p in planes)
 
 
