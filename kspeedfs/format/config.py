@@ -162,7 +162,7 @@ class Settings:
     fuse_read_ahead: int = 256 * 1024
     # After a request that came within this many microseconds of the one before, the first
     # serving process polls this long for the next before it sleeps (0 = never).
-    fuse_poll_us: int = 100
+    fuse_poll_us: int = 0
     # Decoded variants: processes a fill may decode with (0 = one per CPU); fewer leaves CPUs
     # to the training jobs on the node while a variant fills.
     decode_workers: int = 0
