@@ -156,6 +156,10 @@ class Workers:
             started = started or ready
             if self.stopping or code == EXIT_DETACHED:
                 os.close(fd)
+                if not started:
+                    # Unmounted while this worker was starting: nothing is left to serve, so
+                    # the start ends here quietly rather than as "failed to start".
+                    task_status.started()
                 if not self.stopping:
                     log.info("worker %d: the mount is gone", index)
                     self.finished.set()
