@@ -97,19 +97,16 @@ class SegmentPlaces:
                 raise NoSpace(f"{what} would take it past its --max-memory on this node")
             # Called in a thread: no eviction (the read-through cache is the event loop's).
             self.budgets.reserve(reservation, length, what=what, evict=False)
+            place = self._add_segment
         except NoSpace:
             if self.disk_root is None or record.lifetime == READTHROUGH:
                 raise
             if record.max_disk and record.disk_stored + length > record.max_disk:
                 raise NoSpace(f"{what} would take it past its --max-disk on this node") from None
             self.budgets.reserve(reservation, length, what=what, tier="disk", evict=False)
-            try:
-                self._add_disk_segment(record, seg, length, fill, reservation)
-            finally:
-                self.budgets.release(reservation)
-            return
+            place = self._add_disk_segment
         try:
-            self._add_segment(record, seg, length, fill, reservation)
+            place(record, seg, length, fill, reservation)
         finally:
             self.budgets.release(reservation)
 
