@@ -5,21 +5,15 @@ true as this fake."""
 
 from __future__ import annotations
 
-import sys
 import time
-from pathlib import Path
 from typing import Any
 
 import pytest
+from unit.controlfakes import ETCD_URL, MemoryEtcd, MemoryEtcdClient
 
 from kspeedfs.client.clusterstate import ClusterState, absent, mod_is
 from kspeedfs.format.errors import AlreadyExists, Fenced, KSpeedError
 from kspeedfs.testing.etcd import EtcdProcess
-
-# The fake lives with the unit tests (tests/unit/conftest.py puts that folder on sys.path for
-# them; this module, outside it, does the same).
-sys.path.insert(0, str(Path(__file__).resolve().parent / "unit"))
-from controlfakes import ETCD_URL, MemoryEtcd, MemoryEtcdClient  # noqa: E402
 
 
 def outcome(call: Any) -> Any:

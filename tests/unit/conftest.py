@@ -1,19 +1,12 @@
-"""The unit tests' shared helpers (controlfakes.py, beside this file) importable from every
-sub-folder: pytest puts only a test module's own folder on sys.path (rootdir-relative "prepend"
-import mode, folders without __init__.py), so this one is added once, here."""
+"""The unit tests' fixtures. tests/unit is a package (unit.*, found from tests/, which pytest puts
+on sys.path for tests/conftest.py), so this file is `unit.conftest` and never shadows
+tests/conftest.py: a spawned worker that imports `conftest` by name gets the one it expects."""
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import pytest
 
-HERE = str(Path(__file__).resolve().parent)
-if HERE not in sys.path:
-    sys.path.insert(0, HERE)
-
-from controlfakes import MemoryEtcd, memory_etcd  # noqa: E402 (needs the path above)
+from unit.controlfakes import MemoryEtcd, memory_etcd
 
 
 @pytest.fixture

@@ -13,7 +13,6 @@ from typing import Any
 
 import pytest
 import trio
-from controlfakes import ETCD_URL, MemoryEtcd, run
 
 from kspeedfs.client.clusterstate import ClusterState
 from kspeedfs.format.config import Settings
@@ -27,6 +26,7 @@ from kspeedfs.node.control.static import StaticControl
 from kspeedfs.node.coordinator import PreloadCoordinator
 from kspeedfs.node.loads import LoadTable
 from kspeedfs.node.ops import JOB, caller_role
+from unit.controlfakes import ETCD_URL, MemoryEtcd, run
 
 MEMBERS = ["a:1", "b:1", "c:1"]
 PREFIX = "/kspeedfs/unit/"

@@ -13,7 +13,6 @@ from typing import Any
 
 import pytest
 import trio
-from controlfakes import inline_threads, run
 
 from kspeedfs.format.config import Settings
 from kspeedfs.format.contract import Request
@@ -27,6 +26,7 @@ from kspeedfs.node.ops import READ, OpRegistry
 from kspeedfs.node.preload import Stager
 from kspeedfs.node.store import SegmentStore
 from kspeedfs.sources.source import LocalSource
+from unit.controlfakes import inline_threads, run
 
 MEMBERS = ["a:1", "b:1"]
 SEGMENT = 64 * 1024

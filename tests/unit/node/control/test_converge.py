@@ -11,13 +11,13 @@ from types import SimpleNamespace
 
 import pytest
 import trio
-from controlfakes import ETCD_URL, MemoryEtcd, MemoryPeers, MemoryStore, local_dataset, run
 
 from kspeedfs.format.config import Settings
 from kspeedfs.format.contract.control import Adopt, Adopted
 from kspeedfs.format.contract.node import ManifestReq, Rebalance, Rebalanced
 from kspeedfs.format.errors import NotFound
 from kspeedfs.node.control import ControlPlane, placed
+from unit.controlfakes import ETCD_URL, MemoryEtcd, MemoryPeers, MemoryStore, local_dataset, run
 
 TTL = 3.0
 PREFIX = "/kspeedfs/unit/"

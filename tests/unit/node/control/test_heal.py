@@ -11,7 +11,15 @@ from pathlib import Path
 
 import pytest
 import trio
-from controlfakes import (
+from hypothesis import assume, given
+from hypothesis import settings as settings_for_examples
+from hypothesis import strategies as st
+
+from kspeedfs.client.clusterstate import ClusterState
+from kspeedfs.format.config import Settings
+from kspeedfs.node.control import ControlPlane, placed
+from kspeedfs.node.control.membership import Membership
+from unit.controlfakes import (
     ETCD_URL,
     LocalDataset,
     MemoryEtcd,
@@ -21,14 +29,6 @@ from controlfakes import (
     memory_etcd,
     run,
 )
-from hypothesis import assume, given
-from hypothesis import settings as settings_for_examples
-from hypothesis import strategies as st
-
-from kspeedfs.client.clusterstate import ClusterState
-from kspeedfs.format.config import Settings
-from kspeedfs.node.control import ControlPlane, placed
-from kspeedfs.node.control.membership import Membership
 
 TTL = 3.0
 HEAL_AFTER = 10.0

@@ -6,13 +6,13 @@ from __future__ import annotations
 
 import pytest
 import trio
-from controlfakes import ETCD_URL, MemoryEtcd, MemoryPeers, MemoryStore, run
 
 from kspeedfs.client.clusterstate import ClusterState
 from kspeedfs.format.config import Settings
 from kspeedfs.format.errors import AlreadyExists, Fenced, NodeUnreachable
 from kspeedfs.node.control import ControlPlane
 from kspeedfs.node.control.membership import Membership
+from unit.controlfakes import ETCD_URL, MemoryEtcd, MemoryPeers, MemoryStore, run
 
 TTL = 3.0
 PREFIX = "/kspeedfs/unit/"
