@@ -14,7 +14,7 @@ longest time no read of that reader completed), wrong bytes and errors, and the 
 duplicate (hedged) reads among the reads that went to a node (`dup`; the quiet phase's is the
 one the issue bounds, at most 5%); then the p99 under loss over the quiet p99, and the
 namespace's TCP counters per phase (retransmissions, timer expiries, tail loss probes,
-spurious timeouts: what held the reads up). `--json FILE` writes the same figures (tests/test_network_weather.py
+spurious timeouts: what held the reads up). `--json FILE` writes the same figures (tests/system/test_network_weather.py
 runs this script with short phases and checks them).
 
     .venv/bin/python bench/bench_faults.py                        # this tree

@@ -3,7 +3,7 @@ codes of kspeedfs/format/errors.py), the settings (from config.Settings, its doc
 rules of setting_rules.py) and the metrics (from the node's and the mount's collectors).
 
 `python -m kspeedfs.docgen --write` writes docs/cli.md, docs/settings.md and docs/metrics.md;
-`--check` exits 1 naming the files that differ (tests/test_docs.py checks the same).
+`--check` exits 1 naming the files that differ (tests/unit/repo/test_docs.py checks the same).
 """
 
 from __future__ import annotations

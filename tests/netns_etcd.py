@@ -1,6 +1,6 @@
 """etcd outages under readers and an in-flight preload (issue 29), run inside a network
-namespace by tests/test_etcd_weather.py (and, with one partition only, by
-tests/test_network_weather.py): etcd on 127.0.0.5, nodes on 127.0.0.2-4 (member_ttl and
+namespace by tests/system/test_etcd_weather.py (and, with one partition only, by
+tests/system/test_network_weather.py): etcd on 127.0.0.5, nodes on 127.0.0.2-4 (member_ttl and
 heal_after 2 s, so every lease lapses many times over), a reader thread reading a ready
 dataset from the nodes the whole time.
 
@@ -174,7 +174,9 @@ def main(out: Path, partition_s: float, freeze_s: float, with_preload: bool) -> 
         stop.set()
         t.join(10)
         result: dict[str, Any] = {**counts, "outages": outages}
-        if outages:  # the first outage's figures at the top, as tests/test_network_weather reads
+        if (
+            outages
+        ):  # the first outage's figures at the top, as tests/system/test_network_weather reads
             first = outages[0]
             result["reads_during_partition"] = first["reads_during"]
             for key in (

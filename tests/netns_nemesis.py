@@ -1,5 +1,5 @@
 """A seeded nemesis (Jepsen-style) over a 3-member etcd cluster and three kspeedfs nodes
-(replicas 2), run inside a network namespace by tests/test_nemesis.py (issue 29).
+(replicas 2), run inside a network namespace by tests/system/test_nemesis.py (issue 29).
 
 etcd members on 127.0.0.5-7, nodes on 127.0.0.2-4 (member_ttl 2 s, heal_after 15 s, timeout
 4 s), each node under libfaketime with its own offset file, so that its wall clock can jump

@@ -12,7 +12,7 @@ One DaemonSet pod per machine runs four containers that share one process namesp
 - `node-driver-registrar`: registers the plugin's socket with kubelet.
 
 Every object here validates against the Kubernetes schemas of 1.29 through 1.37 with unknown
-fields refused (tests/test_k8s_manifests.py, the `kubernetes-validate` package).
+fields refused (tests/system/test_k8s_manifests.py, the `kubernetes-validate` package).
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@ command line, a typed TOML value) to the setting's value, checked (type, finite,
 
 A rule raises InvalidArgument with the reason; config.load_settings names the setting and
 where the value came from. A new setting is a field of config.Settings and one row in RULES,
-built from the converters here (tests/test_config.py fails for a field without one).
+built from the converters here (tests/unit/format/test_config.py fails for a field without one).
 """
 
 from __future__ import annotations

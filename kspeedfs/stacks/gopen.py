@@ -3,7 +3,7 @@
 `wds.WebDataset("kspeedfs://NAME/shard-{0000..0007}.tar")` then reads each shard through the
 fsspec filesystem (kspeedfs.stacks.filesystem: the local node's maps, else the owners, else the
 verified source), buffered as gopen's own files are. timm's `wds/` reader opens its info file
-and its shards with gopen, so it takes the same URLs (tests/test_webdataset.py).
+and its shards with gopen, so it takes the same URLs (tests/system/test_webdataset.py).
 """
 
 from __future__ import annotations

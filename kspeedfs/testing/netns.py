@@ -1,5 +1,5 @@
 """Network weather in a network namespace, for bench/bench_faults.py, tests/netns_etcd.py,
-tests/netns_nemesis.py and tests/test_network_weather.py (needs root and iproute2).
+tests/netns_nemesis.py and tests/system/test_network_weather.py (needs root and iproute2).
 
 Outside: `netns_reason` (why a namespace cannot be used here) and `namespace` (`ip netns add`,
 its name, `ip netns del`). Inside: `shape_setup` shapes the namespace's own `lo` with tc: this

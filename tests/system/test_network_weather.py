@@ -8,7 +8,7 @@ docs/cluster.md#failures), no stall of either reader over 1 s, and at most 5% of
 phase's node reads read twice (hedged: the hedge delay follows each node's own latency down to
 a few milliseconds, client/health.py). The 1% loss p99 against the quiet p99 (3x at most, the
 issue's target) is printed, not asserted: on a loaded 2-core machine a few seconds' p99 is the
-load's as much as the network's (timing belongs in bench/; tests/test_hedged_reads.py checks
+load's as much as the network's (timing belongs in bench/; tests/system/test_hedged_reads.py checks
 the mechanism: the delay, the share it hedges, TCP's retransmission floor)."""
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from kspeedfs.testing.netns import namespace, netns_reason
 
 pytestmark = pytest.mark.slow  # three nodes, a mount, DataLoader workers, 40 s of weather
 
-BENCH = Path(__file__).resolve().parent.parent / "bench" / "bench_faults.py"
+BENCH = Path(__file__).resolve().parents[2] / "bench" / "bench_faults.py"
 
 
 def _netns_reason() -> str:
@@ -73,7 +73,7 @@ def test_an_etcd_partition_loses_no_node_and_no_copy(tmp_path: Path) -> None:
     if reason:
         pytest.skip(f"network namespaces unusable here: {reason}")
     out = tmp_path / "etcd.json"
-    script = Path(__file__).resolve().parent / "netns_etcd.py"
+    script = Path(__file__).resolve().parents[1] / "netns_etcd.py"
     with namespace("ksetcd") as name:
         done = subprocess.run(
             ["ip", "netns", "exec", name, sys.executable, str(script), str(out), "8"],

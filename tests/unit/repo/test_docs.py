@@ -16,7 +16,7 @@ from kspeedfs.format.config import Settings
 from kspeedfs.node.ops import OpRegistry
 from kspeedfs.node.server import NodeServer
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[3]
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 # [text](target) and [text]: target, the target up to a space or ')'.
 LINK = re.compile(r"\]\(([^)\s]+)[^)]*\)|^\[[^\]]+\]:\s*(\S+)", re.MULTILINE)

@@ -22,7 +22,7 @@ from kspeedfs.node.server import NodeServer
 pytestmark = pytest.mark.slow  # a node start per case
 
 # The documented table (docs/security.md, "Roles"): the least role each op needs; adopt and
-# rebalance need etcd (tests/test_docs.py checks the table with them).
+# rebalance need etcd (tests/unit/repo/test_docs.py checks the table with them).
 NEEDS = {
     "ping": "read",
     "status": "read",

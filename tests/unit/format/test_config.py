@@ -141,7 +141,7 @@ def test_segment_size_floor() -> None:
         load_settings({"segment_size": "1K"}, env={})
 
 
-# One bad value of every setting (tests/test_cli_settings.py runs the CLI ones for real).
+# One bad value of every setting (tests/system/test_cli_settings.py runs the CLI ones for real).
 BAD = {
     "listen": "host:70000",
     "nodes": "a:1,b:0",

@@ -98,7 +98,7 @@ def test_any_expected(tmp_path):
 def test_the_fixture_fails_a_test_whose_process_logged_an_unexpected_traceback(
     pytester: pytest.Pytester,
 ) -> None:
-    pytester.makeconftest((Path(__file__).parent / "conftest.py").read_text())
+    pytester.makeconftest((Path(__file__).parents[1] / "conftest.py").read_text())
     pytester.makepyfile(test_inner=INNER)
     result = pytester.runpytest_subprocess("-p", "no:cacheprovider", "--strict-markers")
     result.assert_outcomes(passed=5, errors=2)

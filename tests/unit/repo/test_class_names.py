@@ -6,7 +6,7 @@ import ast
 from collections import defaultdict
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[3]
 PACKAGES = ("kspeedfs", "mountd", "pytorch_ext")
 
 # KSpeed's own names, kept by the compatible classes in pytorch_ext/kspeed.py, beside the fast

@@ -7,7 +7,7 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
-TESTS = Path(__file__).resolve().parent
+TESTS = Path(__file__).resolve().parents[2]  # tests/: unit/ and system/ beneath it
 
 
 def is_sleep(node: ast.AST) -> bool:
@@ -43,9 +43,11 @@ def bare_sleeps(source: str) -> list[int]:
 
 
 def test_every_sleep_outside_a_loop_says_why() -> None:
-    found = {  # tests/unit's sub-folders too (their sleeps are a mock clock's)
+    paths = sorted(TESTS.rglob("*.py"))  # tests/unit and tests/system (a mock clock's sleeps too)
+    assert {"unit", "system"} <= {p.relative_to(TESTS).parts[0] for p in paths}
+    found = {
         str(path.relative_to(TESTS)): lines
-        for path in sorted(TESTS.rglob("*.py"))
+        for path in paths
         if (lines := bare_sleeps(path.read_text()))
     }
     assert found == {}, f"fixed sleeps without a reason (wait on a condition instead): {found}"

@@ -1,7 +1,7 @@
 """Membership that an etcd outage or a skewed clock cannot turn into data loss (issue 29), with
 a real etcd: down notes only for absent members, "lost" by etcd's clock, fencing, etcd
 partitioned and frozen 30 s each under a reader and an in-flight preload, and nodes an hour
-ahead of and behind the others. The seeded nemesis is tests/test_nemesis.py."""
+ahead of and behind the others. The seeded nemesis is tests/system/test_nemesis.py."""
 
 from __future__ import annotations
 
@@ -108,7 +108,7 @@ def test_etcd_partitioned_then_frozen_30s_under_readers_and_a_preload(tmp_path: 
     if reason:
         pytest.skip(f"network namespaces unusable here: {reason}")
     out = tmp_path / "outages.json"
-    script = Path(__file__).resolve().parent / "netns_etcd.py"
+    script = Path(__file__).resolve().parents[1] / "netns_etcd.py"
     with namespace("ksout") as name:
         done = subprocess.run(
             ["ip", "netns", "exec", name, sys.executable, str(script), str(out), "30", "30",

@@ -39,7 +39,7 @@ from kspeedfs.format.errors import InvalidArgument
 from kspeedfs.sample import make_sample
 from kspeedfs.system.mountinfo import kspeedfs_mounted, lazy_unmount
 
-CSI_DIR = Path(__file__).parent.parent / "kspeedfs" / "csi"
+CSI_DIR = Path(__file__).parents[2] / "kspeedfs" / "csi"
 
 # The pod's ImageFolder: every sample's path (relative), class and the sha256 of its bytes.
 IMAGEFOLDER = """

@@ -1,5 +1,5 @@
 """One memory budget: read-through data evicted LRU (to a spill folder when set), pinned data
-kept. The nodes here run `--eviction lru`: tests/test_eviction_over_epochs.py compares the
+kept. The nodes here run `--eviction lru`: tests/system/test_eviction_over_epochs.py compares the
 policies."""
 
 from __future__ import annotations

@@ -165,7 +165,7 @@ print(json.dumps(out))
 
 def run(mode: str, kind: str, state: Path, root: Path, node: NodeProcess) -> dict[str, Any]:
     args = kw(node)
-    env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[1]))
+    env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[2]))
     done = subprocess.run(
         [sys.executable, "-c", SCRIPT, mode, kind, str(state), str(root), args["nodes"]]
         + [args["token"]],

@@ -34,7 +34,7 @@ from kspeedfs.testing.netns import namespace, netns_reason
 pytestmark = pytest.mark.slow  # six processes and a minute of faults
 
 LIBFAKETIME = Path("/usr/lib/x86_64-linux-gnu/faketime/libfaketime.so.1")
-SCRIPT = Path(__file__).resolve().parent / "netns_nemesis.py"
+SCRIPT = Path(__file__).resolve().parents[1] / "netns_nemesis.py"
 
 
 def _reason() -> str:
