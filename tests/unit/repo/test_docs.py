@@ -62,6 +62,29 @@ def test_relative_links_name_files_that_exist(page: Path) -> None:
     assert not missing, f"{page.relative_to(ROOT)} links to missing files: {missing}"
 
 
+# A test module named in prose (`tests/system/test_csi.py`, `tests/system/test_decoded_*.py`).
+TEST_PATH = re.compile(r"(?<![\w/.])tests/[\w/*]+\.py")
+
+
+def test_every_test_path_named_exists() -> None:
+    """The docs, the package, the benches and the tests name test files that exist (they moved
+    once, to tests/unit and tests/system)."""
+    texts = [
+        *PAGES,
+        ROOT / "pyproject.toml",
+        *(
+            p
+            for top in ("kspeedfs", "mountd", "pytorch_ext", "bench", "tests")
+            for p in sorted((ROOT / top).rglob("*.py"))
+        ),
+        *sorted((ROOT / "kspeedfs").rglob("*.proto")),
+    ]
+    named = {(t, m) for t in texts for m in TEST_PATH.findall(t.read_text())}
+    assert len(named) > 20, "the pattern finds the test paths the docs name"
+    missing = sorted(f"{t.relative_to(ROOT)}: {m}" for t, m in named if not list(ROOT.glob(m)))
+    assert not missing, f"named test files that do not exist: {missing}"
+
+
 @pytest.mark.parametrize("page", PAGES, ids=lambda p: p.name)
 def test_link_anchors_name_headings(page: Path) -> None:
     broken = [
