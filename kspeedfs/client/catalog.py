@@ -59,7 +59,7 @@ class CatalogEntry:
     # (no heal or rebalance has written it yet), which reads as none.
     lost: tuple[str, ...] | None = None
     # Keys this version does not know, kept as found so that a write does not drop them.
-    extra: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+    extra: Mapping[str, Any] = dataclasses.field(default_factory=dict, hash=False)
 
     @property
     def ready(self) -> bool:
