@@ -383,6 +383,17 @@ def _listed(node: NodeProcess, name: str) -> bool:
     return any(d["name"] == name for d in node.request("list")["datasets"])
 
 
+def _lost(state: Any, name: str) -> tuple[str, ...]:
+    """The members the catalog entry of `name` declares lost (state: a ClusterState)."""
+    found = state.dataset(name)
+    return found[0].lost_members if found else ()
+
+
+def _ready(state: Any, name: str) -> bool:
+    found = state.dataset(name)
+    return found is not None and found[0].ready
+
+
 def _wait(predicate: Any, timeout: float = 120.0) -> float:
     """Seconds until predicate() holds (polled every 5 ms)."""
     started = time.perf_counter()
@@ -424,7 +435,9 @@ def control_plane(workdir: Path, bulk: Path, segment_size: str, memory: str) -> 
         with admin.connect(client) as c:
             admin.start_preload(c, "bulk", str(bulk), "offline", replicas=2)
             admin.wait_ready(c, "bulk")
-        record = (state.dataset("bulk") or ({}, 0))[0]
+        found = state.dataset("bulk")
+        assert found is not None, "bulk is not in the catalog"
+        record = found[0]
         victim, survivors = nodes[2], nodes[:2]
         # The remote bulk rate, as healing reads: whole segments in 8 MiB reads from one node.
         held = LocalDataset(survivors[1].shm_dir / "datasets" / "bulk").held
@@ -435,13 +448,13 @@ def control_plane(workdir: Path, bulk: Path, segment_size: str, memory: str) -> 
                 length = int(seg_len[seg])
                 for pos in range(0, length, 8 << 20):
                     piece = (seg, pos, min(8 << 20, length - pos))
-                    moved += len(c.read("bulk", record["uuid"], [piece]))
+                    moved += len(c.read("bulk", record.uuid, [piece]))
         bulk_mbs = moved / (time.perf_counter() - started) / 1e6
 
         victim.kill9()
-        _wait(lambda: victim.address in (state.dataset("bulk") or ({}, 0))[0].get("lost", []))
-        placed = [m for m in record["members"] if m != victim.address]
-        segments = int(record["segments"])
+        _wait(lambda: victim.address in _lost(state, "bulk"))
+        placed = [m for m in record.members if m != victim.address]
+        segments = record.segments
 
         def healed() -> bool:
             counts = [0] * segments
@@ -477,7 +490,7 @@ def control_plane(workdir: Path, bulk: Path, segment_size: str, memory: str) -> 
         for k in range(5):
             with admin.connect(client) as c:
                 admin.start_preload(c, f"cat{k}", str(small), "offline")
-            _wait(lambda k=k: (state.dataset(f"cat{k}") or ({}, 0))[0].get("state") == "ready")
+            _wait(lambda k=k: _ready(state, f"cat{k}"))
             visible.append(_wait(lambda k=k: all(_listed(n, f"cat{k}") for n in survivors)))
             started = time.perf_counter()
             with NodeClient(parse_address(survivors[0].address), token, 60.0) as c:

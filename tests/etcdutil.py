@@ -6,13 +6,13 @@ import os
 import shutil
 import uuid
 from pathlib import Path
-from typing import Any
 
 import requests
 from clusterutil import held_on_disk
 from conftest import NodeProcess, run_cli
 from prometheus_client.parser import text_string_to_metric_families
 
+from kspeedfs.client.catalog import CatalogEntry
 from kspeedfs.client.clusterstate import ClusterState
 from kspeedfs.format.config import Settings
 from kspeedfs.testing.etcd import EtcdProcess
@@ -79,9 +79,21 @@ class EtcdCluster:
     def state(self) -> ClusterState:
         return ClusterState.of(self.settings())
 
-    def record(self, name: str) -> dict[str, Any]:
-        """The dataset's catalog record ({} when there is none)."""
-        return (self.state().dataset(name) or ({}, 0))[0]
+    def entry(self, name: str) -> CatalogEntry:
+        """The dataset's catalog entry (AssertionError when there is none)."""
+        found = self.state().dataset(name)
+        assert found is not None, f"no catalog entry for {name!r}"
+        return found[0]
+
+    def catalog_state(self, name: str) -> str | None:
+        """The state of the dataset's catalog entry; None when there is none."""
+        found = self.state().dataset(name)
+        return found[0].state if found else None
+
+    def lost(self, name: str) -> tuple[str, ...]:
+        """The members the dataset's catalog entry declares lost (none without an entry)."""
+        found = self.state().dataset(name)
+        return found[0].lost_members if found else ()
 
     def members(self) -> dict[str, str]:
         return {m["node"]: m["state"] for m in self.state().member_table()}

@@ -132,7 +132,7 @@ class World:
 
     def lost(self) -> list[str]:
         snap = self.state.snapshot()
-        return sorted({m for rec, _rev in snap.datasets.values() for m in rec.get("lost", [])})
+        return sorted({m for rec, _rev in snap.datasets.values() for m in rec.lost_members})
 
 
 def main(out: Path, partition_s: float, freeze_s: float, with_preload: bool) -> int:
@@ -278,13 +278,13 @@ def _outage(
             return False
         if set(snap.members) != set(w.addrs) or set(snap.down) & set(w.addrs):
             return False
-        if any(rec.get("lost") for rec, _rev in snap.datasets.values()) or w.held("w") != held:
+        if any(rec.lost_members for rec, _rev in snap.datasets.values()) or w.held("w") != held:
             return False
-        record = snap.datasets.get(name, ({}, 0))[0]
+        found = snap.datasets.get(name)
         if published():
             copies = sum(len(v) for v in w.held(name).values())
-            return record.get("state") == "ready" and copies == 2 * int(record["segments"])
-        return not record and not w.holders(name)
+            return found is not None and found[0].ready and copies == 2 * found[0].segments
+        return found is None and not w.holders(name)
 
     def sound() -> bool:
         """`settled`, and `ls --json` and `status --json` as before (plus the new dataset,

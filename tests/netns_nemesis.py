@@ -168,9 +168,9 @@ class Cluster:
             why.append(f"not members: {sorted(missing)}")
         if set(snap.down) & set(self.addrs) - missing:
             why.append(f"down notes for live members: {sorted(set(snap.down) & set(self.addrs))}")
-        record = snap.datasets.get(name, ({}, 0))[0]
-        if record.get("lost"):
-            why.append(f"declared lost: {record['lost']}")
+        found = snap.datasets.get(name)
+        if found is not None and found[0].lost_members:
+            why.append(f"declared lost: {list(found[0].lost_members)}")
         return why
 
 

@@ -12,6 +12,7 @@ Keys under /kspeedfs/CLUSTER/:
                    observer's own registration is stale (etcd itself was away: every lease
                    lapsed) and is written again, with a new grace, before it can count.
     datasets/NAME  the dataset's record: instance id, state, members, replicas, source, ...
+                   (a CatalogEntry; one that does not parse is logged and left out)
 A preload's record is created on its coordinator's lease (state "loading"), so it vanishes with
 a coordinator that dies; it is made "ready" and unleased in one transaction compared on the
 record that names the instance. Unload deletes the record the same way.
@@ -42,6 +43,7 @@ import requests
 from etcd3gw import exceptions as etcd_errors
 from etcd3gw.lease import Lease
 
+from kspeedfs.client.catalog import CatalogEntry
 from kspeedfs.format.config import Settings
 from kspeedfs.format.contract.pieces import from_base64, to_base64
 from kspeedfs.format.errors import AlreadyExists, AuthError, Fenced, NodeUnreachable, NotFound
@@ -52,7 +54,8 @@ log = logging.getLogger(__name__)
 
 T = TypeVar("T")
 E = TypeVar("E", bound=BaseException)
-Record = dict[str, Any]
+# A member's key (members/, down/) as JSON: read by key (since, address, pid, by).
+Json = dict[str, Any]
 # What a ClusterState call raises when etcd cannot be used: it does not answer, or the TLS
 # between us fails (a setup problem: no retry helps, but the data path goes on).
 UNAVAILABLE = (NodeUnreachable, AuthError)
@@ -78,7 +81,7 @@ class Registration:
 
 @dataclasses.dataclass(frozen=True)
 class Key:
-    value: Record
+    value: Json
     create: int  # create revision
     mod: int  # mod revision
 
@@ -92,7 +95,7 @@ class Snapshot:
     known: set[str]
     down: dict[str, Key]
     grace: set[str]  # members whose grace lease etcd has not expired yet
-    datasets: dict[str, tuple[Record, int]]
+    datasets: dict[str, tuple[CatalogEntry, int]]
 
     def registered(self, me: Registration | None) -> bool:
         """`me` is still the registration etcd holds (not lapsed, not replaced)."""
@@ -220,7 +223,7 @@ class ClusterState:
             )
         return None
 
-    def _prefix(self, sub: str) -> dict[str, tuple[Record, int]]:
+    def _prefix(self, sub: str) -> dict[str, tuple[Json, int]]:
         """key tail -> (value, mod_revision) of every key under PREFIX/sub/."""
         start = self.prefix + sub + "/"
         rows = self._call(lambda c: c.get_prefix(start))
@@ -277,7 +280,7 @@ class ClusterState:
     def revoke(self, lease_id: int) -> None:
         self._call(lambda c: Lease(lease_id, c).revoke())
 
-    def live_members(self) -> dict[str, Record]:
+    def live_members(self) -> dict[str, Json]:
         return {k: v for k, (v, _rev) in self._prefix("members").items()}
 
     def note_down(self, address: str, me: Registration, heal_after: float, stale: int = 0) -> bool:
@@ -333,16 +336,19 @@ class ClusterState:
             known=set(keys.get("known", {})),
             down=keys.get("down", {}),
             grace=set(keys.get("grace", {})),
-            datasets={n: (k.value, k.mod) for n, k in keys.get("datasets", {}).items()},
+            datasets=_entries(
+                start + "datasets/",
+                {n: (k.value, k.mod) for n, k in keys.get("datasets", {}).items()},
+            ),
         )
 
-    def member_table(self) -> list[Record]:
+    def member_table(self) -> list[Json]:
         """Every node that ever joined: {node, state, since}, sorted by address. State: up;
         down (gone from etcd, its grace running: `grace` true); lost (a catalog record
         declared it lost: its copies were made again elsewhere)."""
         snap = self.snapshot()
-        lost = {m for record, _rev in snap.datasets.values() for m in record.get("lost", [])}
-        rows: list[Record] = []
+        lost = {m for entry, _rev in snap.datasets.values() for m in entry.lost_members}
+        rows: list[Json] = []
         for address in sorted(snap.known | set(snap.members)):
             member = snap.members.get(address)
             if member is not None:
@@ -367,17 +373,17 @@ class ClusterState:
 
     # The catalog.
 
-    def datasets(self) -> dict[str, tuple[Record, int]]:
-        """name -> (record, mod_revision)."""
-        return self._prefix("datasets")
+    def datasets(self) -> dict[str, tuple[CatalogEntry, int]]:
+        """name -> (entry, mod_revision)."""
+        return _entries(self.prefix + "datasets/", self._prefix("datasets"))
 
-    def dataset(self, name: str) -> tuple[Record, int] | None:
+    def dataset(self, name: str) -> tuple[CatalogEntry, int] | None:
         return self.datasets().get(name)
 
-    def claim(self, record: Record, me: Registration) -> None:
+    def claim(self, record: CatalogEntry, me: Registration) -> None:
         """Create a loading record on the coordinator's lease; AlreadyExists if the name is
         taken (one of two racing preloads wins); Fenced when `me` is no longer registered."""
-        key = _b64(self.prefix + "datasets/" + record["name"])
+        key = _b64(self.prefix + "datasets/" + record.name)
         fence = member_is(self.prefix, me)
         lease_id = me.lease
         won = self._txn(
@@ -390,7 +396,7 @@ class ClusterState:
                     {
                         "request_put": {
                             "key": key,
-                            "value": _b64(json.dumps(record)),
+                            "value": _b64(json.dumps(record.to_json())),
                             "lease": lease_id,
                         }
                     }
@@ -401,13 +407,13 @@ class ClusterState:
         if not won:
             if not self._holds([fence]):
                 raise fenced(me)
-            raise AlreadyExists(f"dataset {record['name']!r} is already loaded or loading")
+            raise AlreadyExists(f"dataset {record.name!r} is already loaded or loading")
 
     def update(
         self,
         name: str,
         uuid: str,
-        change: Callable[[Record], Record | None],
+        change: Callable[[CatalogEntry], CatalogEntry | None],
         guard: list[dict[str, Any]] | None = None,
         fence: Registration | None = None,
     ) -> bool:
@@ -421,14 +427,14 @@ class ClusterState:
             extra.append(member_is(self.prefix, fence))
         for _attempt in range(20):
             found = self.dataset(name)
-            if found is None or found[0].get("uuid") != uuid:
+            if found is None or found[0].uuid != uuid:
                 return False
             record, revision = found
-            new = change(dict(record))
+            new = change(record)
             op: dict[str, Any] = (
                 {"request_delete_range": {"key": key}}
                 if new is None
-                else {"request_put": {"key": key, "value": _b64(json.dumps(new))}}
+                else {"request_put": {"key": key, "value": _b64(json.dumps(new.to_json()))}}
             )
             compare = {"key": key, "result": "EQUAL", "target": "MOD", "mod_revision": revision}
             if self._txn({"compare": [compare, *extra], "success": [op], "failure": []}):
@@ -441,6 +447,18 @@ class ClusterState:
 
     def remove(self, name: str, uuid: str) -> bool:
         return self.update(name, uuid, lambda _r: None)
+
+
+def _entries(where: str, found: dict[str, tuple[Json, int]]) -> dict[str, tuple[CatalogEntry, int]]:
+    """The catalog entries among `found` (name -> (JSON, mod revision)); a malformed one is
+    logged on one line and left out (as a value that is not JSON is)."""
+    out = {}
+    for name, (value, revision) in found.items():
+        try:
+            out[name] = (CatalogEntry.from_json(value), revision)
+        except ValueError as e:
+            log.warning("ignoring a malformed catalog entry at %s%s: %s", where, name, e)
+    return out
 
 
 def fenced(me: Registration) -> Fenced:

@@ -185,7 +185,7 @@ class PreloadCoordinator:
                 plan, pushed = await self._start_preload(request)
                 progress.files_total = plan.tree.file_count
                 progress.bytes_total = plan.tree.data_bytes
-            await self.control.publish(plan.name, plan.uuid, {})  # etcd: seen by every node
+            await self.control.publish(plan.name, plan.uuid)  # etcd: seen by every node
             progress.state = "ready"
             self.loads.finish(plan.name)
             elapsed = time.monotonic() - progress.started

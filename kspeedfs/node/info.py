@@ -148,9 +148,9 @@ class NodeInfo:
         its last rebalance and the lost ones (a heal or a rebalance changes them after the
         load)."""
         entry = self.node.control.catalog.get(name)
-        if not entry or entry.get("uuid") != uuid:
+        if not entry or entry.uuid != uuid:
             return {}
-        return {"placed": entry.get("members", []), "lost": entry.get("lost", [])}
+        return {"placed": list(entry.members), "lost": list(entry.lost_members)}
 
     def metrics_snapshot(self) -> dict[str, Any]:
         """Metrics: the figures a scrape reads (from the exporter's thread)."""

@@ -214,14 +214,14 @@ def test_a_heal_keeps_the_memory_cap_and_lands_the_rest_on_the_disk_tier(
     flags = ("--name", "heal", "--replicas", "2", "--max-memory", "256KiB", "-q")
     done = run_cli("preload", str(src), *flags, env=env)
     assert done.returncode == 0, done.stderr
-    segments = int(cluster.record("heal")["segments"])
+    segments = cluster.entry("heal").segments
     assert all(0 < in_memory(n, "heal") <= 256 << 10 for n in cluster.nodes)
     *survivors, victim = cluster.nodes
     victim.kill9()
 
     wait_for(
         lambda: (
-            victim.address in cluster.record("heal").get("lost", [])
+            victim.address in cluster.lost("heal")
             and all(len(listing(n)["heal"]["held"]) == segments for n in survivors)
         ),
         timeout=90,

@@ -62,7 +62,7 @@ def test_two_preloads_of_one_name_one_wins(cluster: EtcdCluster, tmp_path: Path)
         t.join()
     errors = [r for r in replies if isinstance(r, Exception)]
     assert len(errors) == 1 and isinstance(errors[0], AlreadyExists), replies
-    wait_for(lambda: (cluster.state().dataset("race") or ({}, 0))[0].get("state") == "ready")
+    wait_for(lambda: cluster.catalog_state("race") == "ready")
     uuids = {d["uuid"] for n in (a, b) for d in n.request("list")["datasets"]}
     assert len(uuids) == 1  # one instance everywhere
 
@@ -88,8 +88,7 @@ def test_healing_restores_replicas_while_reads_go_on(cluster: EtcdCluster, tmp_p
     for i in range(40):
         (source / f"x{i:02d}.bin").write_bytes(os.urandom(20_000 + 1000 * i))
     cluster.preload(source, "heal", replicas=2)
-    entry, _rev = cluster.state().dataset("heal") or ({}, 0)
-    segments = int(entry["segments"])
+    segments = cluster.entry("heal").segments
     assert min(copies("heal", nodes).values()) == 2
 
     settings = cluster.settings()
@@ -120,15 +119,13 @@ def test_healing_restores_replicas_while_reads_go_on(cluster: EtcdCluster, tmp_p
         survivors = nodes[:2]
 
         def healed() -> bool:
-            rec = (cluster.state().dataset("heal") or ({}, 0))[0]
-            if victim.address not in rec.get("lost", []):
+            if victim.address not in cluster.lost("heal"):
                 return False
             counts = copies("heal", survivors)
             return len(counts) == segments and min(counts.values()) == 2
 
         wait_for(healed, timeout=60, what="two live copies of every segment")
-        rec = (cluster.state().dataset("heal") or ({}, 0))[0]
-        where = placed("heal", rec)
+        where = placed("heal", cluster.entry("heal"))
         for seg in range(segments):
             for owner in where.owners(seg):
                 n = next(x for x in survivors if x.address == owner)
@@ -155,7 +152,7 @@ def test_readers_find_the_healed_copies_when_the_source_is_gone(
     lost_segments = held_on_disk(victim, "moved")
     assert lost_segments  # the victim held a share: reading it needs the healed copies
     victim.kill9()
-    segments = int((cluster.state().dataset("moved") or ({}, 0))[0]["segments"])
+    segments = cluster.entry("moved").segments
     wait_for(
         lambda: len(copies("moved", survivors)) == segments,
         timeout=60,
@@ -188,9 +185,9 @@ def test_a_heal_refuses_a_corrupt_copy_and_leaves_no_partial_file(
         (source / f"x{i:02d}.bin").write_bytes(os.urandom(20_000 + 1000 * i))
     cluster.preload(source, "fix", replicas=2)
     victim, survivors = nodes[2], nodes[:2]
-    rec = (cluster.state().dataset("fix") or ({}, 0))[0]
+    rec = cluster.entry("fix")
     where = placed("fix", rec)
-    seg = next(s for s in range(int(rec["segments"])) if victim.address in where.owners(s))
+    seg = next(s for s in range(rec.segments) if victim.address in where.owners(s))
     holder = next(n for n in survivors if n.address in where.owners(seg))
     healer = next(n for n in survivors if n is not holder)
     path = holder.shm_dir / "datasets" / "fix" / "seg" / f"{seg:08d}"
@@ -222,7 +219,7 @@ def test_rebalance_gives_a_new_member_its_share(cluster: EtcdCluster, tmp_path: 
     for i in range(60):
         (source / f"y{i:02d}.bin").write_bytes(os.urandom(30_000))
     cluster.preload(source, "grow")
-    segments = int((cluster.state().dataset("grow") or ({}, 0))[0]["segments"])
+    segments = cluster.entry("grow").segments
     c = cluster.add()
     # A new member receives no segment (the manifest alone, so that it lists the dataset).
     wait_for(lambda: "grow" in {d["name"] for d in c.request("list")["datasets"]}, 10, "listed")
@@ -230,7 +227,7 @@ def test_rebalance_gives_a_new_member_its_share(cluster: EtcdCluster, tmp_path: 
     done = run_cli("rebalance", "grow", env=cluster.client_env())
     assert done.returncode == 0, done.stderr
     members = sorted(n.address for n in (a, b, c))
-    assert (cluster.state().dataset("grow") or ({}, 0))[0]["members"] == members
+    assert list(cluster.entry("grow").members) == members
     new = placement.Placement("grow", segments, members).assignment()
     wanted = new[c.address]
     wait_for(lambda: copies("grow", [c]) == dict.fromkeys(wanted, 1), 30, "c's share")
@@ -305,7 +302,7 @@ def test_join_and_rebalance_move_one_nth_and_old_owners_let_go(
         expected[f"z{i:04d}.bin"] = data = os.urandom(16_000)
         (source / f"z{i:04d}.bin").write_bytes(data)
     cluster.preload(source, "spread", replicas=1)
-    segments = int(cluster.record("spread")["segments"])
+    segments = cluster.entry("spread").segments
     c = cluster.add("16KiB")
     done = run_cli("rebalance", "spread", env=cluster.client_env())
     assert done.returncode == 0, done.stderr
@@ -394,23 +391,23 @@ def test_adopt_takes_the_catalogs_instance_and_refuses_another_in_one_line(
     b.stop()
     source = make_tree(tmp_path / "src", 64 * 1024)
     cluster.preload(source, "late")
-    (entry, _rev) = cluster.state().dataset("late") or ({}, 0)
+    entry = cluster.entry("late")
     b.start()
     with b.client() as c:
         for args, message in (
             ({"name": "late"}, "op adopt: field 'uuid' is missing"),
             ({"name": "late", "uuid": 7}, "op adopt: uuid must be a string"),
-            ({"name": "../late", "uuid": entry["uuid"]}, "op adopt: name"),
+            ({"name": "../late", "uuid": entry.uuid}, "op adopt: name"),
         ):
             with pytest.raises(InvalidArgument) as refused:
                 c.request("adopt", **args)
             assert str(refused.value).startswith(message) and "\n" not in str(refused.value)
         with pytest.raises(NotFound, match="no ready instance 00000000 of 'late'"):
             c.request("adopt", name="late", uuid="0" * 32)
-        assert c.request("adopt", name="late", uuid=entry["uuid"]) == {
+        assert c.request("adopt", name="late", uuid=entry.uuid) == {
             "name": "late",
             "adopted": True,
         }
     listed = {d["name"]: d["uuid"] for d in b.request("list")["datasets"]}
-    assert listed["late"] == entry["uuid"]
+    assert listed["late"] == entry.uuid
     assert a.request("ping")["node"] == a.address

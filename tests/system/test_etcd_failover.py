@@ -57,7 +57,7 @@ def test_a_node_killed_mid_epoch_fuse_and_fast_path(
     source = tmp_path / "src"
     expected = random_tree(source, 120)
     cluster.preload(source, "epochs", replicas=2)
-    segments = int(cluster.record("epochs")["segments"])
+    segments = cluster.entry("epochs").segments
     assert min(copies("epochs", nodes).values()) == 2 and len(copies("epochs", nodes)) == segments
 
     mount = MountProcess(tmp_path / "mnt", cluster.client_env(), tmp_path)  # nodes from etcd
@@ -98,13 +98,13 @@ def test_a_node_killed_mid_epoch_fuse_and_fast_path(
         assert failures == []
 
         def healed() -> bool:
-            if victim.address not in cluster.record("epochs").get("lost", []):
+            if victim.address not in cluster.lost("epochs"):
                 return False
             counts = copies("epochs", survivors)
             return len(counts) == segments and min(counts.values()) == 2
 
         wait_for(healed, timeout=60, what="two live copies of every segment")
-        where = placed("epochs", cluster.record("epochs"))
+        where = placed("epochs", cluster.entry("epochs"))
         assert victim.address in where.lost
         for seg in range(segments):
             for owner in where.owners(seg):
@@ -150,8 +150,8 @@ def test_nodes_away_during_an_unload_and_a_preload_converge(
     assert done.returncode == 0, done.stderr
     expected = random_tree(source, 40)  # new contents, a new instance
     cluster.preload(source, "again", replicas=2)
-    new = cluster.record("again")["uuid"]
-    assert new != old and cluster.record("again")["members"] == sorted([a.address, b.address])
+    new = cluster.entry("again").uuid
+    assert new != old and list(cluster.entry("again").members) == sorted([a.address, b.address])
     c.start()
 
     # It drops the instance unloaded while it was away and lists the new one, holding no part
@@ -172,7 +172,7 @@ def test_a_coordinator_killed_mid_preload_is_rolled_back(
     reply = coordinator.request("preload", name="orphan", source=str(source), replicas=2)
     assert sorted(reply["nodes"]) == sorted(n.address for n in cluster.nodes)
     coordinator.kill9()  # stages under way on every member, nothing committed
-    assert cluster.record("orphan")["state"] == "loading"
+    assert cluster.catalog_state("orphan") == "loading"
 
     def rolled_back() -> bool:
         return all(
@@ -181,7 +181,7 @@ def test_a_coordinator_killed_mid_preload_is_rolled_back(
         )
 
     wait_for(rolled_back, timeout=30, what="the survivors dropped every staged part")
-    assert cluster.record("orphan") == {}  # the claim went with the coordinator's lease
+    assert cluster.catalog_state("orphan") is None  # the claim went with the coordinator's lease
     assert all(n.request("status")["used"] == 0 for n in others)
     # The name is free again: the survivors load it.
     expected = random_tree(source, 10)
@@ -238,6 +238,6 @@ def test_etcd_stopped_reads_go_on_control_ops_fail_then_converge(
         wait_for(
             lambda: all(set(listing(n)) == {"other"} for n in nodes), 20, "every node converged"
         )
-        assert cluster.record("steady") == {} and cluster.record("other")["state"] == "ready"
+        assert cluster.catalog_state("steady") is None and cluster.catalog_state("other") == "ready"
     finally:
         mount.stop()

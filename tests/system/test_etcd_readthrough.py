@@ -63,18 +63,18 @@ def test_readthrough_fills_land_on_owners_and_a_second_epoch_reads_no_source(
     try:
         # Epoch 1 through a mount on the first node: it registers the source.
         first = mount_on(nodes[0], "mnt0")
-        record = cluster.record("rt")
-        assert record["state"] == "ready" and record["lifetime"] == "readthrough"
+        record = cluster.entry("rt")
+        assert record.state == "ready" and record.lifetime == "readthrough"
         where = placed("rt", record)
         assert list(where.members) == sorted(n.address for n in nodes) and not where.lost
         # Every member adopted it (the manifest, no segment) before the listing returned.
         for n in nodes:
             listed = {d["name"]: d for d in n.request("list")["datasets"]}
-            assert listed["rt"]["uuid"] == record["uuid"]
+            assert listed["rt"]["uuid"] == record.uuid
         assert _read_all(first.mountpoint, expected) == 0
 
         # Each segment was filled once, on its owner by placement over the members.
-        segments = int(record["segments"])
+        segments = record.segments
         owned = {n.address: [] for n in nodes}  # type: dict[str, list[int]]
         for seg in range(segments):
             owned[where.owners(seg)[0]].append(seg)
@@ -98,7 +98,7 @@ def test_readthrough_fills_land_on_owners_and_a_second_epoch_reads_no_source(
         # already cataloged and reads every byte from the members, none from the source.
         port = free_port()
         second = mount_on(nodes[1], "mnt1", "--metrics-listen", f"127.0.0.1:{port}")
-        assert cluster.record("rt")["uuid"] == record["uuid"]
+        assert cluster.entry("rt").uuid == record.uuid
         assert _read_all(second.mountpoint, expected) == 0
         after = scrape(port)
         for n in nodes:
@@ -120,6 +120,6 @@ def test_readthrough_fills_land_on_owners_and_a_second_epoch_reads_no_source(
 
     # Unloading from any node takes it away everywhere.
     nodes[2].request("unload", name="rt")
-    assert cluster.record("rt") == {}
+    assert cluster.catalog_state("rt") is None
     for n in nodes:
         wait_for(lambda n=n: not (n.shm_dir / "datasets" / "rt").exists(), 15, "rt unloaded")

@@ -105,8 +105,8 @@ def test_a_preload_and_reads_through_https_etcd(
     from pytorch_ext import KSpeedFolder
 
     cluster = tls_etcd.cluster
-    record = cluster.record(NAME)
-    assert record["state"] == "ready" and record["members"] == [tls_etcd.node.address]
+    record = cluster.entry(NAME)
+    assert record.state == "ready" and record.members == (tls_etcd.node.address,)
     # The mount and the fast path know only etcd: they find the node there, over TLS.
     mount = MountProcess(tmp_path / "mnt", cluster.client_env(), tmp_path)
     for key in [k for k in os.environ if is_users_setting(k)]:

@@ -5,6 +5,7 @@ ahead of and behind the others. The seeded nemesis is tests/system/test_nemesis.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import shutil
@@ -18,6 +19,7 @@ import pytest
 from conftest import make_tree, wait_for
 from etcdutil import EtcdCluster
 
+from kspeedfs.client.catalog import CatalogEntry
 from kspeedfs.client.clusterstate import ClusterState
 from kspeedfs.format.errors import Fenced
 from kspeedfs.testing.etcd import EtcdProcess
@@ -62,23 +64,23 @@ def test_lost_is_decided_by_etcds_clock_and_a_stale_note_never_counts(
     snap = state.snapshot()
     assert snap.stale_note(B, me2) and not snap.lost(B, me2)
     # The old registration is fenced: its catalog writes are refused.
-    state.claim({"name": "ds", "uuid": "u1"}, me2)
+    state.claim(CatalogEntry("ds", "u1", "loading"), me2)
     with pytest.raises(Fenced):
-        state.update("ds", "u1", lambda r: {**r, "state": "ready"}, fence=me)
+        state.update("ds", "u1", lambda r: dataclasses.replace(r, state="ready"), fence=me)
     with pytest.raises(Fenced):
-        state.claim({"name": "other", "uuid": "u2"}, me)
+        state.claim(CatalogEntry("other", "u2", "loading"), me)
     assert not state.note_down(B, me, 2, stale=snap.down[B].mod)
     assert state.note_down(B, me2, 2, stale=snap.down[B].mod)  # written again, fresh grace
     assert not state.snapshot().lost(B, me2)
 
 
 def _no_loss(cluster: EtcdCluster, name: str, held: dict[str, list[int]]) -> bool:
-    record = cluster.record(name)
+    lost = cluster.lost(name)
     down = cluster.state().snapshot().down
     live = {n.address for n in cluster.nodes}
     now = {n.address: sorted(_held(n, name)) for n in cluster.nodes}
     return (
-        not record.get("lost")
+        not lost
         and not (down.keys() & live)
         and set(cluster.members().values()) == {"up"}
         and now == held
@@ -161,7 +163,7 @@ def test_a_preload_failed_while_etcd_was_frozen_leaves_no_claim(
     )
     assert cluster.etcd.proc is not None
     try:
-        wait_for(lambda: cluster.record("big").get("state") == "loading", timeout=30)
+        wait_for(lambda: cluster.catalog_state("big") == "loading", timeout=30)
         cluster.etcd.proc.send_signal(signal.SIGSTOP)
         _out, err = pre.communicate(timeout=60)
         # under test: the coordinator's attempt to remove the claim times out too (2 s)
@@ -172,14 +174,14 @@ def test_a_preload_failed_while_etcd_was_frozen_leaves_no_claim(
             pre.kill()
     assert pre.returncode != 0
     assert len(err.strip().splitlines()) == 1 and "etcd" in err, err
-    wait_for(lambda: not cluster.record("big"), timeout=10, what="the claim removed")
+    wait_for(lambda: cluster.catalog_state("big") is None, timeout=10, what="the claim removed")
     wait_for(
         lambda: not any((n.shm_dir / "datasets" / "big").exists() for n in cluster.nodes),
         timeout=10,
         what="every member's part dropped",
     )
     cluster.preload(src, "big", replicas=2)
-    assert cluster.record("big").get("state") == "ready"
+    assert cluster.catalog_state("big") == "ready"
 
 
 @pytest.mark.slow
@@ -206,8 +208,8 @@ def test_clocks_an_hour_off_declare_nobody_lost_before_heal_after(
         victim.proc.send_signal(signal.SIGCONT)
         wait_for(lambda: cluster.members().get(victim.address) == "up", timeout=10)
         time.sleep(2)  # a few syncs of every node after it is back
-        assert not cluster.record("skew").get("lost")
+        assert not cluster.lost("skew")
     assert {n.address: sorted(_held(n, "skew")) for n in cluster.nodes} == held
     # And a real loss is still seen, by etcd's clock, after heal_after.
     victim.kill9()
-    wait_for(lambda: victim.address in cluster.record("skew").get("lost", []), timeout=40)
+    wait_for(lambda: victim.address in cluster.lost("skew"), timeout=40)

@@ -5,12 +5,14 @@ true as this fake."""
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from typing import Any
 
 import pytest
 from unit.controlfakes import ETCD_URL, MemoryEtcd, MemoryEtcdClient
 
+from kspeedfs.client.catalog import CatalogEntry
 from kspeedfs.client.clusterstate import ClusterState, absent, mod_is
 from kspeedfs.format.errors import AlreadyExists, Fenced, KSpeedError
 from kspeedfs.testing.etcd import EtcdProcess
@@ -42,10 +44,10 @@ def script(state: ClusterState) -> list[Any]:
     a = state.register("a:1", 30, 1)
     b = state.register("b:1", 30, 2)
     seen += [(a.address, a.revision), (b.address, b.revision), view(state)]
-    record = {"name": "ds", "uuid": "u1", "state": "loading", "members": ["a:1", "b:1"]}
+    record = CatalogEntry("ds", "u1", "loading", members=("a:1", "b:1"))
     seen.append(outcome(lambda: state.claim(record, a)))
-    seen.append(outcome(lambda: state.claim({**record, "uuid": "u2"}, b)))
-    ready = state.update("ds", "u1", lambda r: {**r, "state": "ready"}, fence=a)
+    seen.append(outcome(lambda: state.claim(dataclasses.replace(record, uuid="u2"), b)))
+    ready = state.update("ds", "u1", lambda r: dataclasses.replace(r, state="ready"), fence=a)
     seen += [ready, state.update("ds", "other", lambda r: r), view(state)]
     # c never joined: noted down (no grace), once; not over a live member.
     seen.append(state.note_down("c:1", a, 0))
@@ -56,8 +58,12 @@ def script(state: ClusterState) -> list[Any]:
     prefix = state.prefix
     guard_ok = [absent(prefix + "members/c:1"), mod_is(prefix + "down/c:1", down_mod)]
     guard_bad = [mod_is(prefix + "down/c:1", down_mod + 1)]
-    seen.append(state.update("ds", "u1", lambda r: {**r, "lost": ["c:1"]}, guard=guard_ok))
-    seen.append(state.update("ds", "u1", lambda r: {**r, "lost": []}, guard=guard_bad))
+    seen.append(
+        state.update("ds", "u1", lambda r: dataclasses.replace(r, lost=("c:1",)), guard=guard_ok)
+    )
+    seen.append(
+        state.update("ds", "u1", lambda r: dataclasses.replace(r, lost=()), guard=guard_bad)
+    )
     # b leaves: its key goes at once, and its catalog writes are fenced.
     state.revoke(b.lease)
     seen.append(outcome(lambda: state.update("ds", "u1", lambda r: r, fence=b)))

@@ -273,7 +273,7 @@ def test_a_heal_onto_full_memory_lands_on_the_disk_tier(
     src = tmp_path / "src"
     files = make_source(src, 40, 60_000)
     cluster.preload(src, "heal", replicas=2)
-    segments = int(cluster.record("heal")["segments"])
+    segments = cluster.entry("heal").segments
     victim, survivors = nodes[2], nodes[:2]
     victim.kill9()
 
@@ -286,7 +286,7 @@ def test_a_heal_onto_full_memory_lands_on_the_disk_tier(
 
     wait_for(
         lambda: (
-            victim.address in cluster.record("heal").get("lost", [])
+            victim.address in cluster.lost("heal")
             and len(copies_on_both_tiers()) == segments
             and min(copies_on_both_tiers().values()) == 2
         ),

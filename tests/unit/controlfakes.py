@@ -30,6 +30,7 @@ import xxhash
 from etcd3gw import Etcd3Client
 from etcd3gw import exceptions as etcd_errors
 
+from kspeedfs.client.catalog import CatalogEntry
 from kspeedfs.format.contract import Request
 from kspeedfs.format.contract.node import (
     DatasetEntry,
@@ -108,6 +109,14 @@ class MemoryEtcd:
     def value(self, key: str) -> Any:
         found = self.keys.get(key.encode())
         return None if found is None else json.loads(found.value or b"null")
+
+    def put_raw(self, key: str, raw: bytes) -> None:
+        """An unleased key holding `raw` as it is (JSON or not)."""
+        self._write([{"request_put": {"key": to_base64(key.encode()), "value": to_base64(raw)}}])
+
+    def entry(self, key: str) -> CatalogEntry:
+        """The catalog entry at `key` (a datasets/ key), parsed as a node reads it."""
+        return CatalogEntry.from_json(self.value(key))
 
     def has(self, key: str) -> bool:
         return key.encode() in self.keys
@@ -445,8 +454,12 @@ class LocalDataset:
     manifest_path: Path
     segments: list[bytes]
 
+    def entry(self, members: list[str], replicas: int, **more: Any) -> CatalogEntry:
+        """`record` as a node reads it."""
+        return CatalogEntry.from_json(self.record(members, replicas, **more))
+
     def record(self, members: list[str], replicas: int, **more: Any) -> dict[str, Any]:
-        """Its ready catalog record, placed over `members`."""
+        """Its ready catalog record, placed over `members` (the JSON in etcd)."""
         return {
             "name": self.name,
             "uuid": self.uuid,

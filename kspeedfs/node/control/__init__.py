@@ -17,7 +17,8 @@ from typing import Any, Protocol
 
 import trio
 
-from kspeedfs.client.clusterstate import UNAVAILABLE, ClusterState, Record
+from kspeedfs.client.catalog import CatalogEntry, ListedInstance
+from kspeedfs.client.clusterstate import UNAVAILABLE, ClusterState
 from kspeedfs.format.config import Settings
 from kspeedfs.format.contract.control import Adopt, Adopted
 from kspeedfs.format.contract.node import Rebalance, Rebalanced
@@ -44,7 +45,7 @@ class ClusterControl(Protocol):
     """What the preload coordinator, the unloader and the status ops ask of a control plane:
     the etcd one (ControlPlane) or a static node list (control.static.StaticControl)."""
 
-    catalog: dict[str, Record]  # as read at the last sync ({} without etcd)
+    catalog: dict[str, CatalogEntry]  # as read at the last sync ({} without etcd)
     histograms: list[Any]  # the metrics it adds to /metrics
 
     def register_ops(self, ops: OpRegistry) -> None: ...
@@ -59,13 +60,13 @@ class ClusterControl(Protocol):
 
     async def claim_preload(self, plan: Plan, coordinator: str) -> None: ...
 
-    async def publish(self, name: str, uuid: str, more: Record) -> None: ...
+    async def publish(self, name: str, uuid: str, listed: ListedInstance | None = None) -> None: ...
 
     async def forget(self, name: str, uuid: str) -> bool: ...
 
     async def forget_failed(self, name: str, uuid: str) -> None: ...
 
-    def status(self) -> Record | None: ...
+    def status(self) -> dict[str, Any] | None: ...
 
 
 class ControlPlane:
@@ -94,7 +95,7 @@ class ControlPlane:
             settings, store, self.state, ask, self.membership, self.adoption, readers
         )
         self.histograms = [self.healer.copy_seconds]
-        self.catalog: dict[str, Record] = {}  # as read at the last sync
+        self.catalog: dict[str, CatalogEntry] = {}  # as read at the last sync
         self.reachable = False
         self.registered = False  # etcd holds this node's registration (at the last sync)
         # Catalog records of preloads that failed here while etcd was away (name -> instance):
@@ -145,15 +146,15 @@ class ControlPlane:
     async def members_now(self) -> list[str]:
         return await self.membership.members_now()
 
-    async def claim(self, record: Record) -> None:
+    async def claim(self, record: CatalogEntry) -> None:
         await self.membership.claim(record)
 
     async def claim_preload(self, plan: Plan, coordinator: str) -> None:
         """Claim a preload's name in the catalog: of two racing preloads of it, one wins."""
         await self.claim(loading_record(plan, coordinator))
 
-    async def publish(self, name: str, uuid: str, more: Record) -> None:
-        await self.membership.publish(name, uuid, more)
+    async def publish(self, name: str, uuid: str, listed: ListedInstance | None = None) -> None:
+        await self.membership.publish(name, uuid, listed)
 
     async def forget(self, name: str, uuid: str) -> bool:
         return await self.membership.forget(name, uuid)
@@ -177,16 +178,16 @@ class ControlPlane:
                 del self.unclaimed[name]
             log.info("removed the claim of the failed preload of %s (instance %s)", name, uuid[:8])
 
-    async def replace(self, name: str, uuid: str, more: Record) -> bool:
-        return await self.membership.replace(name, uuid, more)
+    async def replace(self, name: str, uuid: str, listed: ListedInstance) -> bool:
+        return await self.membership.replace(name, uuid, listed)
 
-    async def entry_now(self, name: str) -> Record | None:
+    async def entry_now(self, name: str) -> CatalogEntry | None:
         return await self.membership.entry_now(name)
 
     async def announce(self, name: str, uuid: str) -> None:
         await self.adoption.announce(name, uuid)
 
-    async def adopt(self, name: str, entry: Record) -> None:
+    async def adopt(self, name: str, entry: CatalogEntry) -> None:
         await self.adoption.adopt(name, entry)
 
     async def op_adopt(self, request: Adopt) -> Adopted:
@@ -227,7 +228,7 @@ class ControlPlane:
             self.registered = False
             return
         self.registered = True
-        gone = {m for e in self.catalog.values() for m in e.get("members", [])} - set(snap.members)
+        gone = {m for e in self.catalog.values() for m in e.members} - set(snap.members)
         for m in sorted(gone - {self.address}):
             if m in snap.down and not snap.stale_note(m, me):
                 continue
@@ -242,7 +243,7 @@ class ControlPlane:
         await self.converger.run_once(self.catalog, self.address)
         await self.healer.heal(self.catalog, snap, me)
 
-    def status(self) -> Record:
+    def status(self) -> dict[str, Any]:
         return {
             "etcd": self.state.endpoints,
             "cluster": self.settings.cluster,
@@ -254,22 +255,22 @@ class ControlPlane:
         }
 
 
-def loading_record(plan: Plan, coordinator: str) -> Record:
+def loading_record(plan: Plan, coordinator: str) -> CatalogEntry:
     """The catalog record a preload claims its name with (ready once committed)."""
     _offsets, seg_len = plan_layout(plan.tree, plan.segment_size)
-    return {
-        "name": plan.name,
-        "uuid": plan.uuid,
-        "state": "loading",
-        "source": plan.source,
-        "endpoint": plan.endpoint,
-        "lifetime": plan.lifetime,
-        "replicas": plan.replicas,
-        "members": plan.members,
-        "segment_size": plan.segment_size,
-        "segments": len(seg_len),
-        "files": plan.tree.file_count,
-        "bytes": plan.tree.data_bytes,
-        "coordinator": coordinator,
-        "created": time.time(),
-    }
+    return CatalogEntry(
+        name=plan.name,
+        uuid=plan.uuid,
+        state="loading",
+        source=plan.source,
+        endpoint=plan.endpoint,
+        lifetime=plan.lifetime,
+        replicas=plan.replicas,
+        members=tuple(plan.members),
+        segment_size=plan.segment_size,
+        segments=len(seg_len),
+        files=plan.tree.file_count,
+        bytes=plan.tree.data_bytes,
+        coordinator=coordinator,
+        created=time.time(),
+    )

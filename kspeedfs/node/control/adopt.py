@@ -7,10 +7,11 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Awaitable, Callable
+from typing import Any
 
 import trio
 
-from kspeedfs.client.clusterstate import Record
+from kspeedfs.client.catalog import CatalogEntry
 from kspeedfs.format.contract.control import Adopt, Adopted
 from kspeedfs.format.contract.node import ManifestPiece, ManifestReq
 from kspeedfs.format.contract.pieces import Assembly
@@ -65,60 +66,64 @@ class Adoption:
         """Take the catalog's ready instance of a dataset now (dropping another one held)."""
         name = request.name
         entry = await self.membership.entry_now(name)
-        if entry is None or entry.get("state") != "ready" or entry.get("uuid") != request.uuid:
+        if entry is None or not entry.ready or entry.uuid != request.uuid:
             raise NotFound(f"no ready instance {request.uuid[:8]} of {name!r} in etcd")
         # The members live now: a node asked right after it joined has not synced yet, and
         # adopts only from members it sees live.
         await self.membership.members_now()
         await self.adopt(name, entry)
         record = self.store.datasets.get(name)
-        return Adopted(name=name, adopted=record is not None and record.uuid == entry["uuid"])
+        return Adopted(name=name, adopted=record is not None and record.uuid == entry.uuid)
 
-    async def adopt(self, name: str, entry: Record) -> None:
+    async def adopt(self, name: str, entry: CatalogEntry) -> None:
         """`adopt_missing` at once, after dropping an instance the catalog no longer has (a
         read-through dataset refreshed on another member)."""
         held = self.store.datasets.get(name)
-        if held is not None and held.uuid != entry.get("uuid") and not self.busy(name):
+        if held is not None and held.uuid != entry.uuid and not self.busy(name):
             log.info("dropping %s (instance %s): the catalog has another", name, held.uuid[:8])
             await self.unload(name, held.uuid)
         await self.adopt_missing(name, entry)
 
-    async def adopt_missing(self, name: str, entry: Record) -> None:
+    async def adopt_missing(self, name: str, entry: CatalogEntry) -> None:
         """The instance of `entry`, holding no segment, unless this node lists `name`."""
         async with self._lock:
             if name not in self.store.datasets:
                 await self._adopt_unlocked(name, entry)
 
-    async def _adopt_unlocked(self, name: str, entry: Record) -> None:
-        for peer in entry.get("members", []):
+    async def _adopt_unlocked(self, name: str, entry: CatalogEntry) -> None:
+        for peer in entry.members:
             if peer == self.membership.address or peer not in self.membership.live:
                 continue
             try:
-                blob = await self._fetch_manifest(peer, name, entry["uuid"])
+                blob = await self._fetch_manifest(peer, name, entry.uuid)
             except KSpeedError as e:
                 log.info("manifest of %s from %s: %s", name, peer, e)
                 continue
-            meta = {
-                k: entry[k]
-                for k in ("name", "uuid", "source", "lifetime", "replicas", "files", "bytes")
+            # The store's record of the instance (DatasetRecord's keys), holding no segment.
+            meta: dict[str, Any] = {
+                "name": entry.name,
+                "uuid": entry.uuid,
+                "source": entry.source,
+                "lifetime": entry.lifetime,
+                "replicas": entry.replicas,
+                "files": entry.files,
+                "bytes": entry.bytes,
+                "segment_size": entry.segment_size,
+                "created": time.time() if entry.created is None else entry.created,
+                "members": list(entry.members),
+                "segments": entry.segments,
+                "stored": len(blob),
+                "held": [],
+                "endpoint": entry.endpoint,
             }
-            meta.update(
-                segment_size=entry.get("segment_size", 0),
-                created=entry.get("created", time.time()),
-                members=entry["members"],
-                segments=entry["segments"],
-                stored=len(blob),
-                held=[],
-                endpoint=entry.get("endpoint", ""),
-            )
-            if entry.get("lifetime") == READTHROUGH and self.readthrough is not None:
+            if entry.lifetime == READTHROUGH and self.readthrough is not None:
                 await self.readthrough.adopt(name, blob, meta)
             else:
                 await trio.to_thread.run_sync(self._publish_empty, name, blob, meta)
             log.info("%s: joined its members (manifest from %s)", name, peer)
             return
 
-    def _publish_empty(self, name: str, blob: bytes, meta: Record) -> None:
+    def _publish_empty(self, name: str, blob: bytes, meta: dict[str, Any]) -> None:
         staging = self.store.new_staging(name)
         try:
             with open(staging / "manifest.ksm", "wb") as f:

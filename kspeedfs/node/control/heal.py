@@ -4,6 +4,7 @@ are dropped once their new owners hold them."""
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
 import time
@@ -11,9 +12,9 @@ import time
 import trio
 import xxhash
 
+from kspeedfs.client.catalog import CatalogEntry
 from kspeedfs.client.clusterstate import (
     ClusterState,
-    Record,
     Registration,
     Snapshot,
     absent,
@@ -41,15 +42,11 @@ log = logging.getLogger(__name__)
 HEAL_PARALLEL = 2
 
 
-def placed(name: str, entry: Record) -> placement.Placement:
+def placed(name: str, entry: CatalogEntry) -> placement.Placement:
     """Where a catalog record's segments are: placed over its members, the lost ones' copies
     on the next members by weight."""
     return placement.Placement(
-        name,
-        int(entry.get("segments", 0)),
-        entry.get("members", []),
-        int(entry.get("replicas", 1)),
-        entry.get("lost", []),
+        name, entry.segments, entry.members, entry.replicas, entry.lost_members
     )
 
 
@@ -100,35 +97,33 @@ class Healer:
     def address(self) -> str:
         return self.membership.address
 
-    async def heal(self, catalog: dict[str, Record], snap: Snapshot, me: Registration) -> None:
+    async def heal(
+        self, catalog: dict[str, CatalogEntry], snap: Snapshot, me: Registration
+    ) -> None:
         """Declare lost the members etcd says are gone for heal_after, then make this node's
         missing copies of every ready dataset and drop the ones it no longer owns."""
         live = set(snap.members)
         self.stats["pending"] = 0
         for name, entry in sorted(catalog.items()):
-            if entry.get("state") != "ready":
+            if not entry.ready:
                 continue
             lost = await self._declare_lost(name, entry, snap, me)
             if lost is None:
                 continue  # unloaded or loaded again meanwhile
-            entry = {**entry, "lost": lost}  # healed from this round
-            if entry.get("lifetime") == READTHROUGH:
+            entry = dataclasses.replace(entry, lost=tuple(lost))  # healed from this round
+            if entry.lifetime == READTHROUGH:
                 continue  # filled on demand: a lost owner's segments refill on the next one
             await self._heal_one(name, entry, live)
 
     async def _declare_lost(
-        self, name: str, entry: Record, snap: Snapshot, me: Registration
+        self, name: str, entry: CatalogEntry, snap: Snapshot, me: Registration
     ) -> list[str] | None:
         """The record's lost members, with those etcd says are gone for heal_after added
         (None: the record changed meanwhile). The change is compared, in one transaction, on
         each of them still absent with the same note and no grace, and on this node's own
         registration: a note or a view that went stale in between declares no one."""
-        lost = set(entry.get("lost", []))
-        gone = [
-            m
-            for m in entry.get("members", [])
-            if m not in lost and m != me.address and snap.lost(m, me)
-        ]
+        lost = set(entry.lost_members)
+        gone = [m for m in entry.members if m not in lost and m != me.address and snap.lost(m, me)]
         if not gone:
             return sorted(lost)
         prefix = self.state.prefix
@@ -140,11 +135,11 @@ class Healer:
                 absent(prefix + "grace/" + m),
             ]
 
-        def lose(r: Record) -> Record:
-            return {**r, "lost": sorted(set(r.get("lost", [])) | set(gone))}
+        def lose(r: CatalogEntry) -> CatalogEntry:
+            return dataclasses.replace(r, lost=tuple(sorted(set(r.lost_members) | set(gone))))
 
         update = functools.partial(self.state.update, guard=guard, fence=me)
-        if not await trio.to_thread.run_sync(update, name, entry["uuid"], lose):
+        if not await trio.to_thread.run_sync(update, name, entry.uuid, lose):
             return None
         log.warning(
             "%s: %s gone for heal_after (%.0fs by etcd's clock); making its copies again on "
@@ -155,9 +150,9 @@ class Healer:
         )
         return sorted(lost | set(gone))
 
-    async def _heal_one(self, name: str, entry: Record, live: set[str]) -> None:
-        uuid = entry["uuid"]
-        segments = int(entry.get("segments", 0))
+    async def _heal_one(self, name: str, entry: CatalogEntry, live: set[str]) -> None:
+        uuid = entry.uuid
+        segments = entry.segments
         where = placed(name, entry)
         self.under_replicated[name] = sum(
             1 for seg in range(segments) if any(m not in live for m in where.owners(seg))
@@ -210,7 +205,7 @@ class Healer:
         if dropped:
             log.info("%s: dropped %d segments now held by their new owners", name, dropped)
 
-    async def _copy_all(self, name: str, entry: Record, missing: list[int]) -> None:
+    async def _copy_all(self, name: str, entry: CatalogEntry, missing: list[int]) -> None:
         """The missing copies, HEAL_PARALLEL at a time; stats["seconds"] is the time taken."""
         started = time.monotonic()
         self.stats["pending"] += len(missing)
@@ -229,13 +224,13 @@ class Healer:
                 nursery.start_soon(worker)
         self.stats["seconds"] += time.monotonic() - started
 
-    async def _copy(self, name: str, entry: Record, manifest: Manifest, seg: int) -> None:
+    async def _copy(self, name: str, entry: CatalogEntry, manifest: Manifest, seg: int) -> None:
         """One missing copy: from the members that may hold it (best ranked first), else the
         source; kept only when its checksum matches the manifest's."""
         started = time.monotonic()
         length = int(manifest.seg_len[seg])
         expected = int(manifest.seg_checksum[seg])
-        ranked = placed(name, entry).ranked(seg, len(entry["members"]))
+        ranked = placed(name, entry).ranked(seg, len(entry.members))
         origin = ""
         for peer in ranked:
             if peer == self.address or peer not in self.membership.live:
@@ -246,7 +241,7 @@ class Healer:
                     name,
                     seg,
                     length,
-                    functools.partial(self._read_peer, peer, name, entry["uuid"], seg, expected),
+                    functools.partial(self._read_peer, peer, name, entry.uuid, seg, expected),
                 )
                 origin = "peer"
                 break
@@ -260,7 +255,7 @@ class Healer:
             origin = "source"
             self.stats["from_source"] += 1
             try:
-                src = open_source(entry["source"], str(entry.get("endpoint", "")))
+                src = open_source(entry.source, entry.endpoint)
                 data = await sourceio.run_sync(src.read_segment, manifest, manifest.layout, seg)
             except (KSpeedError, OSError) as e:
                 self.stats["failed"] += 1
@@ -290,7 +285,7 @@ class Healer:
         if xxhash.xxh3_64_intdigest(out) != expected:
             raise DataError("it fails its checksum")
 
-    async def rebalance(self, name: str | None) -> tuple[list[str], dict[str, Record]]:
+    async def rebalance(self, name: str | None) -> tuple[list[str], dict[str, CatalogEntry]]:
         """Place datasets over the live members as they are now: new members get their share
         (each node copies what it now owns and lacks), lost ones are no longer counted.
         Returns the datasets placed again and the catalog as read."""
@@ -300,14 +295,14 @@ class Healer:
         done = []
         for n in [name] if name else sorted(catalog):
             entry = catalog.get(n)
-            if entry is None or entry.get("state") != "ready":
+            if entry is None or not entry.ready:
                 continue
 
-            def replace(r: Record) -> Record:
-                return {**r, "members": live, "lost": []}
+            def replace(r: CatalogEntry) -> CatalogEntry:
+                return dataclasses.replace(r, members=tuple(live), lost=())
 
             update = functools.partial(self.state.update, fence=self.membership.fence())
-            if await trio.to_thread.run_sync(update, n, entry["uuid"], replace):
+            if await trio.to_thread.run_sync(update, n, entry.uuid, replace):
                 done.append(n)
         return done, catalog
 

@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
 import os
 
 import trio
 
-from kspeedfs.client.clusterstate import UNAVAILABLE, ClusterState, Record, Registration
+from kspeedfs.client.catalog import CatalogEntry, ListedInstance
+from kspeedfs.client.clusterstate import UNAVAILABLE, ClusterState, Registration
 from kspeedfs.format.config import Settings
 from kspeedfs.format.errors import Fenced, KSpeedError, NodeUnreachable
 
@@ -101,17 +103,17 @@ class Membership:
             raise Fenced(f"{self.address} has not joined the cluster in etcd yet")
         return self.registration
 
-    async def claim(self, record: Record) -> None:
+    async def claim(self, record: CatalogEntry) -> None:
         if not self.lease_id:
             await self._register()
         await trio.to_thread.run_sync(self.state.claim, record, self.fence())
 
-    async def publish(self, name: str, uuid: str, more: Record) -> None:
+    async def publish(self, name: str, uuid: str, listed: ListedInstance | None = None) -> None:
         """The preload committed everywhere: the record becomes ready and outlives its
-        coordinator."""
+        coordinator (a read-through one names the instance `listed`)."""
 
-        def ready(r: Record) -> Record:
-            return {**r, **more, "state": "ready"}
+        def ready(r: CatalogEntry) -> CatalogEntry:
+            return r.listed(listed) if listed else dataclasses.replace(r, state="ready")
 
         update = functools.partial(self.state.update, fence=self.fence())
         if not await trio.to_thread.run_sync(update, name, uuid, ready):
@@ -120,16 +122,16 @@ class Membership:
     async def forget(self, name: str, uuid: str) -> bool:
         return await trio.to_thread.run_sync(self.state.remove, name, uuid)
 
-    async def replace(self, name: str, uuid: str, more: Record) -> bool:
-        """Change the ready record of instance `uuid` (a refresh: `more` names the new one)."""
+    async def replace(self, name: str, uuid: str, listed: ListedInstance) -> bool:
+        """Change the ready record of instance `uuid` (a refresh: `listed` names the new one)."""
 
-        def change(r: Record) -> Record:
-            return {**r, **more, "state": "ready"}
+        def change(r: CatalogEntry) -> CatalogEntry:
+            return r.listed(listed)
 
         update = functools.partial(self.state.update, fence=self.fence())
         return await trio.to_thread.run_sync(update, name, uuid, change)
 
-    async def entry_now(self, name: str) -> Record | None:
+    async def entry_now(self, name: str) -> CatalogEntry | None:
         """The catalog record of `name` read from etcd now."""
         found = await trio.to_thread.run_sync(self.state.dataset, name)
         return found[0] if found else None

@@ -12,7 +12,7 @@ from typing import Any
 
 import trio
 
-from kspeedfs.client.clusterstate import Record
+from kspeedfs.client.catalog import CatalogEntry, ListedInstance
 from kspeedfs.format.config import Settings
 from kspeedfs.node.discovery import follow_dns
 from kspeedfs.node.ops import OpRegistry
@@ -26,7 +26,7 @@ class StaticControl:
         self.settings = settings
         self._members = members  # the node's list: follow_dns updates it in place
         # No catalog without etcd: listings show no placement beyond the record's members.
-        self.catalog: dict[str, Record] = {}
+        self.catalog: dict[str, CatalogEntry] = {}
         self.histograms: list[Any] = []  # the metrics it adds (etcd's: its copies' durations)
 
     def register_ops(self, ops: OpRegistry) -> None:
@@ -49,7 +49,7 @@ class StaticControl:
     async def claim_preload(self, plan: Plan, coordinator: str) -> None:
         """Nothing to claim: no other coordinator shares the name."""
 
-    async def publish(self, name: str, uuid: str, more: Record) -> None:
+    async def publish(self, name: str, uuid: str, listed: ListedInstance | None = None) -> None:
         """Nothing to publish to: this node's list is the catalog."""
 
     async def forget(self, name: str, uuid: str) -> bool:

@@ -10,6 +10,7 @@ from typing import Any
 
 import numpy as np
 
+from kspeedfs.client.catalog import ListedInstance
 from kspeedfs.format.layout import Layout
 from kspeedfs.format.localdata import MANIFEST_FILE, segment_path
 from kspeedfs.format.manifest import plan_layout, write_manifest
@@ -23,12 +24,19 @@ from kspeedfs.node.store import SegmentStore
 from kspeedfs.sources import version
 from kspeedfs.sources.source import Source
 
-# What the catalog record of a read-through instance says once it is listed.
-CATALOG_FIELDS = ("uuid", "members", "segments", "files", "bytes", "segment_size", "created")
 
-
-def catalog_fields(meta: dict[str, Any]) -> dict[str, Any]:
-    return {**{k: meta[k] for k in CATALOG_FIELDS}, "lost": []}
+def catalog_fields(meta: dict[str, Any]) -> ListedInstance:
+    """What the catalog record of a read-through instance says once it is listed (from the
+    store's record of it)."""
+    return ListedInstance(
+        uuid=meta["uuid"],
+        members=tuple(meta["members"]),
+        segments=meta["segments"],
+        files=meta["files"],
+        bytes=meta["bytes"],
+        segment_size=meta["segment_size"],
+        created=meta["created"],
+    )
 
 
 class InstanceBuilder:

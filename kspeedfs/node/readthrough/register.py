@@ -14,6 +14,7 @@ from typing import Any
 
 import trio
 
+from kspeedfs.client.catalog import CatalogEntry
 from kspeedfs.format.contract.readthrough import Registered, RegisterSource
 from kspeedfs.format.errors import AlreadyExists, InvalidArgument, KSpeedError, NotFound
 from kspeedfs.format.readthrough_view import READTHROUGH
@@ -99,21 +100,21 @@ class SourceRegistrar:
         return None
 
     async def _join(
-        self, cluster: ClusterCatalog, name: str, source: str, endpoint: str, entry: dict[str, Any]
+        self, cluster: ClusterCatalog, name: str, source: str, endpoint: str, entry: CatalogEntry
     ) -> Registered:
         """etcd: another member registered this name: take its manifest (ready) or wait for
         its listing (loading)."""
-        if entry.get("source") != source or str(entry.get("endpoint") or "") != endpoint:
+        if entry.source != source or entry.endpoint != endpoint:
             raise AlreadyExists(
-                f"dataset {name!r} already holds {entry.get('source')}: choose another --name"
+                f"dataset {name!r} already holds {entry.source}: choose another --name"
             )
-        if entry.get("state") == "ready":
+        if entry.ready:
             await cluster.adopt(name, entry)
             if name not in self.store.datasets:
                 raise NotFound(f"no member of {name!r} answers with its manifest")
             return Registered(name, "ready", READTHROUGH)
         progress = self.loads.start(name, source)
-        self.tasks.start_soon(self._follow, cluster, name, str(entry["uuid"]), progress)
+        self.tasks.start_soon(self._follow, cluster, name, entry.uuid, progress)
         return Registered(name, "scanning")
 
     async def _follow(
@@ -127,9 +128,9 @@ class SourceRegistrar:
                     entry = await cluster.entry_now(name)
                 except KSpeedError:
                     continue  # etcd away a moment: the claim is still there or not
-                if entry is None or entry.get("uuid") != uuid:
+                if entry is None or entry.uuid != uuid:
                     raise NotFound(f"the listing of {name!r} on another member was given up")
-                if entry.get("state") == "ready":
+                if entry.ready:
                     await cluster.adopt(name, entry)
                     if name not in self.store.datasets:
                         raise NotFound(f"no member of {name!r} answers with its manifest")
@@ -146,27 +147,27 @@ class SourceRegistrar:
         """etcd: claim the name for instance `uid` and return the members to place over; None
         when another member claimed it first (this one then follows that listing)."""
         members = await cluster.members_now()
-        record = {
-            "name": name,
-            "uuid": uid,
-            "state": "loading",
-            "source": src.url,
-            "endpoint": src.endpoint,
-            "lifetime": READTHROUGH,
-            "replicas": 1,
-            "members": members,
-            "segment_size": self.builder.segment_size,
-            "segments": 0,
-            "files": 0,
-            "bytes": 0,
-            "coordinator": self.address,
-            "created": time.time(),
-        }
+        record = CatalogEntry(
+            name=name,
+            uuid=uid,
+            state="loading",
+            source=src.url,
+            endpoint=src.endpoint,
+            lifetime=READTHROUGH,
+            replicas=1,
+            members=tuple(members),
+            segment_size=self.builder.segment_size,
+            segments=0,
+            files=0,
+            bytes=0,
+            coordinator=self.address,
+            created=time.time(),
+        )
         try:
             await cluster.claim(record)
         except AlreadyExists:
             entry = await cluster.entry_now(name)
-            if entry is None or entry.get("source") != src.url:
+            if entry is None or entry.source != src.url:
                 raise
             return None
         return members
@@ -184,7 +185,7 @@ class SourceRegistrar:
                 placed = await self._claim(cluster, name, src, uid)
                 if placed is None:
                     entry = await cluster.entry_now(name)
-                    await self._follow(cluster, name, str((entry or {}).get("uuid")), progress)
+                    await self._follow(cluster, name, str(entry and entry.uuid), progress)
                     return
                 members, claimed = placed, True
                 self.instances.busy.add(name)

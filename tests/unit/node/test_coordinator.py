@@ -14,6 +14,7 @@ from typing import Any
 import pytest
 import trio
 
+from kspeedfs.client.catalog import CatalogEntry
 from kspeedfs.client.clusterstate import ClusterState
 from kspeedfs.format.config import Settings
 from kspeedfs.format.contract import Request
@@ -153,7 +154,7 @@ def test_of_two_preloads_of_one_name_one_wins(etcd: MemoryEtcd, tmp_path: Path) 
         control = await etcd_control()
         other = Membership(settings(), ClusterState.of(settings()))
         await other.join("b:1")
-        await other.claim({"name": "ds", "uuid": "first", "state": "loading"})
+        await other.claim(CatalogEntry("ds", "first", "loading"))
         c = coordinator(control, members, tmp_path)
         with pytest.raises(AlreadyExists):
             await c.op_preload(Preload(name="ds", source=str(data)))

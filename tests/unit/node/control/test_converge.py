@@ -12,6 +12,7 @@ from types import SimpleNamespace
 import pytest
 import trio
 
+from kspeedfs.client.catalog import CatalogEntry
 from kspeedfs.format.config import Settings
 from kspeedfs.format.contract.control import Adopt, Adopted
 from kspeedfs.format.contract.node import ManifestReq, Rebalance, Rebalanced
@@ -104,7 +105,7 @@ def test_a_member_declared_lost_drops_its_copies_when_it_comes_back(
     members = ["a:1", "b:1", "c:1"]
     record = ds.record(members, replicas=2, lost=["c:1"])
     etcd.put(PREFIX + "datasets/ds", record)
-    where = placed("ds", record)
+    where = placed("ds", CatalogEntry.from_json(record))
     peers = MemoryPeers({})
     nodes = {m: Node(m, MemoryStore(tmp_path / m), peers) for m in members}
     for m, node in nodes.items():
@@ -187,7 +188,7 @@ def test_a_failed_preloads_claim_made_while_etcd_was_away_is_removed_once_it_ans
     etcd: MemoryEtcd,
 ) -> None:
     a = Node("a:1", MemoryStore(), MemoryPeers({}))
-    record = {"name": "ds", "uuid": "u1", "state": "loading", "members": ["a:1"]}
+    record = CatalogEntry("ds", "u1", "loading", members=("a:1",))
 
     async def main() -> None:
         await a.join()
@@ -214,7 +215,7 @@ def test_a_later_instance_of_the_name_is_not_removed_with_the_failed_claim(
         etcd.answering = False
         await a.control.forget_failed("ds", "u1")
         etcd.answering = True
-        await a.control.claim({"name": "ds", "uuid": "u2", "state": "loading"})
+        await a.control.claim(CatalogEntry("ds", "u2", "loading"))
         await a.control.sync_once()
         assert etcd.value(PREFIX + "datasets/ds")["uuid"] == "u2"
         assert a.control.unclaimed == {}

@@ -15,6 +15,7 @@ from hypothesis import assume, given
 from hypothesis import settings as settings_for_examples
 from hypothesis import strategies as st
 
+from kspeedfs.client.catalog import CatalogEntry
 from kspeedfs.client.clusterstate import ClusterState
 from kspeedfs.format.config import Settings
 from kspeedfs.node.control import ControlPlane, placed
@@ -55,7 +56,7 @@ def placed_over(
     segments placement gives it (as a finished preload leaves them)."""
     record = ds.record(members, replicas)
     etcd.put(RECORD, record)
-    where = placed("ds", record)
+    where = placed("ds", CatalogEntry.from_json(record))
     stores = {m: MemoryStore() for m in members}
     for m, store in stores.items():
         store.put(ds, [s for s in range(len(ds.segments)) if m in where.owners(s)])
@@ -68,7 +69,7 @@ def held(stores: dict[str, MemoryStore]) -> dict[str, list[int]]:
 
 def assert_placed(etcd: MemoryEtcd, stores: dict[str, MemoryStore], ds: LocalDataset) -> None:
     """Every owner of every segment, by the record in etcd now, holds it, with its bytes."""
-    where = placed("ds", etcd.value(RECORD))
+    where = placed("ds", etcd.entry(RECORD))
     for seg in range(len(ds.segments)):
         for owner in where.owners(seg):
             assert seg in stores[owner].datasets["ds"].held, (seg, owner)
@@ -182,7 +183,7 @@ def test_a_peers_copy_that_fails_its_checksum_is_not_kept(etcd: MemoryEtcd, tmp_
     ds = local_dataset(tmp_path, "ds", SEGMENTS)
     stores = placed_over(etcd, ds, ["a:1", "b:1", "c:1"], replicas=2)
     peers = MemoryPeers(stores)
-    where = placed("ds", etcd.value(RECORD))
+    where = placed("ds", etcd.entry(RECORD))
     on_c = held(stores)["c:1"]
     # Every survivor copy of c's segments is damaged: none may be kept, the source's are.
     for seg in on_c:
@@ -190,7 +191,7 @@ def test_a_peers_copy_that_fails_its_checksum_is_not_kept(etcd: MemoryEtcd, tmp_
             if owner != "c:1":
                 stores[owner].data["ds", seg] = b"\xff" * len(ds.segments[seg])
     planes = run(lambda: heal_without("c:1", stores, peers))
-    healed = placed("ds", etcd.value(RECORD))
+    healed = placed("ds", etcd.entry(RECORD))
     copied = 0
     for seg in on_c:
         for owner in set(healed.owners(seg)) - set(where.owners(seg)):  # c's heir
@@ -223,7 +224,7 @@ def test_a_rebalance_drops_moved_segments_only_once_their_new_owner_holds_them(
             assert await planes["a:1"].rebalance(None) == ["ds"]
             assert etcd.value(RECORD)["members"] == ["a:1", "b:1", "c:1"]
             gained = [
-                s for s in range(SEGMENTS) if "c:1" in placed("ds", etcd.value(RECORD)).owners(s)
+                s for s in range(SEGMENTS) if "c:1" in placed("ds", etcd.entry(RECORD)).owners(s)
             ]
             assert gained
             await trio.sleep(5)  # under test: a and b sync while c lacks its share
@@ -237,7 +238,7 @@ def test_a_rebalance_drops_moved_segments_only_once_their_new_owner_holds_them(
         assert sorted(dropped) == sorted(gained)
         assert every_segment_has_a_copy()
         assert_placed(etcd, stores, ds)
-        where = placed("ds", etcd.value(RECORD))
+        where = placed("ds", etcd.entry(RECORD))
         for m, segs in held(stores).items():  # nothing left that a member does not own
             assert all(m in where.owners(s) for s in segs), m
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 import trio
 
+from kspeedfs.client.catalog import CatalogEntry, ListedInstance
 from kspeedfs.client.clusterstate import ClusterState
 from kspeedfs.format.config import Settings
 from kspeedfs.format.errors import AlreadyExists, Fenced, NodeUnreachable
@@ -30,8 +31,13 @@ def live(state: ClusterState) -> list[str]:
     return sorted(state.live_members())
 
 
-def loading(name: str, uuid: str = "u1") -> dict[str, object]:
-    return {"name": name, "uuid": uuid, "state": "loading", "members": ["a:1"]}
+def loading(name: str, uuid: str = "u1") -> CatalogEntry:
+    return CatalogEntry(name, uuid, "loading", members=("a:1",))
+
+
+def listed(uuid: str, segments: int) -> ListedInstance:
+    """A read-through instance `uuid` of `segments` segments, listed over a:1."""
+    return ListedInstance(uuid, ("a:1",), segments, 0, 0, 4096, 0.0)
 
 
 def test_a_member_that_stops_renewing_is_gone_after_its_ttl(etcd: MemoryEtcd) -> None:
@@ -133,14 +139,14 @@ def test_a_claim_dies_with_its_coordinators_lease_and_a_published_record_does_no
         await a.join("a:1")
         await a.claim(loading("died"))
         await a.claim(loading("done", "u2"))
-        await a.publish("done", "u2", {"segments": 4})
+        await a.publish("done", "u2", listed("u2", 4))
         with pytest.raises(AlreadyExists):
             await a.claim(loading("done", "u3"))  # of two preloads of one name, one wins
         await trio.sleep(2 * TTL)  # under test: a stops renewing (it died)
         names = a.state.datasets()
         assert sorted(names) == ["done"]
         record = names["done"][0]
-        assert record["state"] == "ready" and record["segments"] == 4
+        assert record.state == "ready" and record.segments == 4
 
     run(main)
 
@@ -150,15 +156,15 @@ def test_catalog_writes_are_fenced_once_the_lease_lapsed(etcd: MemoryEtcd) -> No
         a = member()
         await a.join("a:1")
         await a.claim(loading("ds"))
-        await a.publish("ds", "u1", {})
-        assert await a.replace("ds", "u1", {"segments": 1})
+        await a.publish("ds", "u1")
+        assert await a.replace("ds", "u1", listed("u1", 1))
         await trio.sleep(2 * TTL)  # under test: a's lease lapses (no keep_alive)
         with pytest.raises(Fenced):
-            await a.replace("ds", "u1", {"segments": 2})
+            await a.replace("ds", "u1", listed("u1", 2))
         entry = await a.entry_now("ds")
-        assert entry is not None and entry["segments"] == 1  # unchanged
+        assert entry is not None and entry.segments == 1  # unchanged
         await a.join("a:1")  # joined again: a new registration writes again
-        assert await a.replace("ds", "u1", {"segments": 3})
+        assert await a.replace("ds", "u1", listed("u1", 3))
         assert etcd.value(PREFIX + "datasets/ds")["segments"] == 3
 
     run(main)
@@ -172,7 +178,7 @@ def test_publishing_a_claim_that_died_with_the_lease_fails(etcd: MemoryEtcd) -> 
         await trio.sleep(2 * TTL)  # under test: the lease, and the claim on it, lapse
         await a.join("a:1")
         with pytest.raises(NodeUnreachable, match="claim on ds is gone"):
-            await a.publish("ds", "u1", {})
+            await a.publish("ds", "u1")
         assert a.state.datasets() == {}  # not made ready out of nothing
 
     run(main)
