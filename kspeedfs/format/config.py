@@ -81,9 +81,6 @@ class Settings:
             --workers`).
         fuse_read_ahead: the read-ahead set on a mount, so that a typical file is one READ
             (0: the kernel's default, 128 KiB; needs root).
-        fuse_turns: the serving processes of a mount take turns waiting for requests, so one
-            reader going file by file is served by one warm process, and the others join only
-            when requests queue up (false: all wait, and the kernel wakes each in turn).
         fuse_poll_us: how long (microseconds) the first serving process of a mount keeps
             polling for the next request of a burst before it sleeps (0: never): a sleeping
             server woken on an idle CPU costs a request tens of microseconds on a VM.
@@ -166,8 +163,6 @@ class Settings:
     # After a request that came within this many microseconds of the one before, the first
     # serving process polls this long for the next before it sleeps (0 = never).
     fuse_poll_us: int = 0
-    # One serving process waits on /dev/fuse at a time; it hands the turn on when requests queue.
-    fuse_turns: bool = True
     # Decoded variants: processes a fill may decode with (0 = one per CPU); fewer leaves CPUs
     # to the training jobs on the node while a variant fills.
     decode_workers: int = 0

@@ -27,9 +27,7 @@ SOURCE_SLOTS = {
     "past_deadline": 54,  # node requests given up at the read's deadline
     **{key: SLOTS + i for i, key in enumerate(latency.keys(latency.REMOTE_READ))},
 }
-TURNS_PASSED = 53  # times the row's thread passed its turn on to another process (kernel.Turns)
-assert max(SOURCE_SLOTS.values()) < ROW_SLOTS and TURNS_PASSED not in SOURCE_SLOTS.values()
-NOT_REQUESTS = {*SOURCE_SLOTS.values(), TURNS_PASSED}  # slots that count no request
+assert max(SOURCE_SLOTS.values()) < ROW_SLOTS
 ROW_BYTES = ROW_SLOTS * 8
 
 
@@ -59,20 +57,18 @@ class SharedCounters:
             row = self.row(r)
             for slot in range(SLOTS):
                 n = row[slot]
-                if n and slot not in NOT_REQUESTS:
+                if n and slot not in SOURCE_SLOTS.values():
                     name = names.get(slot, "other")
                     out[name] = out.get(name, 0) + n
         return out
 
     def by_row(self) -> list[int]:
         """Requests answered by each row's thread."""
+        skip = set(SOURCE_SLOTS.values())
         return [
-            sum(n for slot, n in enumerate(self.row(r)) if slot not in NOT_REQUESTS)
+            sum(n for slot, n in enumerate(self.row(r)) if slot not in skip)
             for r in range(self.rows)
         ]
-
-    def turns_passed(self) -> int:
-        return sum(self.row(r)[TURNS_PASSED] for r in range(self.rows))
 
     def sources(self) -> dict[str, int]:
         """Where cluster reads were served from, over every row."""

@@ -459,7 +459,6 @@ class KSpeedFS:
             return {}
         stats: dict[str, Any] = self.counters.totals(OPCODE_NAMES)
         stats["by_worker"] = self.counters.by_row()
-        stats["turns_passed"] = self.counters.turns_passed()
         return stats
 
 

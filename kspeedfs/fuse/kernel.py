@@ -37,7 +37,7 @@ from concurrent.futures import CancelledError, Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from kspeedfs.fuse.counters import SLOTS, TURNS_PASSED, SharedCounters
+from kspeedfs.fuse.counters import SLOTS, SharedCounters
 from kspeedfs.system.memory import map_pages
 from kspeedfs.system.mountinfo import mount_at
 
@@ -264,50 +264,6 @@ class BurstPoll:
         self._until = now + self.window if self._in_burst else 0.0
 
 
-class Turns:
-    """The serving processes of one mount take turns waiting on /dev/fuse.
-
-    The kernel wakes the waiter that has slept longest for each request (a FIFO of exclusive
-    waiters), so with every process waiting, one reader opening file after file is served by
-    each process in turn, each woken cold on an idle CPU: a buffered open() ran at 0.20 of the
-    source with two processes and 0.40 with one (docs/mounts.md). So only the holder of a turn
-    (an flock on the mount's shared counters file, which the kernel drops if its holder dies)
-    waits on the fd; it keeps the turn while requests come one at a time and passes it on when
-    it finds others already queued behind the one it took, so a busy mount is still served by
-    every process at once."""
-
-    def __init__(self, shared_fd: int, fuse_fd: int):
-        # A description of its own: flock is held per open file description, not per fd.
-        self._lock = os.open(f"/proc/self/fd/{shared_fd}", os.O_RDONLY | os.O_CLOEXEC)
-        self._queue = select.poll()
-        self._queue.register(fuse_fd, select.POLLIN)
-        self.held = False
-
-    def take(self) -> None:
-        """Returns holding the turn (at once if this thread holds it already)."""
-        if not self.held:
-            fcntl.flock(self._lock, fcntl.LOCK_EX)
-            self.held = True
-
-    def pass_on_if_queued(self) -> bool:
-        """Called with a request taken: if more wait in the kernel, another process serves them
-        beside this one. (A reader going file by file queues one request at a time: with the
-        kernel's caches warm, the isatty IOCTL of each open.)"""
-        if self._queue.poll(0):
-            self.give_up()
-            return True
-        return False
-
-    def give_up(self) -> None:
-        if self.held:
-            fcntl.flock(self._lock, fcntl.LOCK_UN)
-            self.held = False
-
-    def close(self) -> None:
-        self.give_up()
-        os.close(self._lock)
-
-
 class RequestLoop:
     """Serves one /dev/fuse fd (the mount's own, or a clone) with `len(rows)` threads, each
     counting its requests in its own row of shared counters.
@@ -327,7 +283,6 @@ class RequestLoop:
         deadline: float | None = None,
         poll_window: float = 0.0,
         done: threading.Event | None = None,
-        turns_fd: int | None = None,
     ):
         self.fs = fs
         self.fd = fd
@@ -335,7 +290,6 @@ class RequestLoop:
         self.on_stray_interrupt = on_stray_interrupt
         self.deadline = deadline
         self.poll_window = poll_window  # seconds thread 0 polls for the next request of a burst
-        self.turns_fd = turns_fd  # a file shared by the mount's serving processes (see Turns)
         self._pool = ThreadPoolExecutor(max_workers=POOL_THREADS, thread_name_prefix="fuse-pool")
         self._pending: dict[int, float] = {}  # unique -> when it went to the pool
         self._interrupted: dict[int, None] = {}  # interrupts that came before their request
@@ -392,11 +346,8 @@ class RequestLoop:
         buf = bytearray(READ_BUFFER)
         view = memoryview(buf)
         burst = BurstPoll(self.fd, poll_window) if poll_window > 0 else None
-        turns = Turns(self.turns_fd, self.fd) if self.turns_fd is not None else None
         try:
             while True:
-                if turns is not None:
-                    turns.take()
                 if burst is not None:
                     burst.wait()
                 try:
@@ -413,8 +364,6 @@ class RequestLoop:
                     return
                 if burst is not None:
                     burst.arrived()
-                if turns is not None and turns.pass_on_if_queued():
-                    row[TURNS_PASSED] += 1
                 if buf[4] == IOCTL and n >= IN_HEADER.size and not any(buf[5:8]):
                     # Python's open() asks isatty() of every file (TCGETS): answered here, no
                     # handler, no exception (see _ioctl).
@@ -428,8 +377,6 @@ class RequestLoop:
                 if burst is not None:
                     burst.answered()
         finally:
-            if turns is not None:
-                turns.close()  # the next process finds ENODEV too, and ends
             self.done.set()
 
     def _handle(self, req: memoryview, row: memoryview) -> None:

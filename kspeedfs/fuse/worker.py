@@ -160,7 +160,6 @@ def serve(fuse_fd: int, control_fd: int, counters_fd: int) -> int:
         # One poller per mount is enough to keep a burst's requests off sleeping servers;
         # more would each keep a CPU busy through it.
         poll_window=settings.fuse_poll_us / 1e6 if index == 0 else 0.0,
-        turns_fd=counters_fd if settings.fuse_turns else None,
     )
     loop.start()
     link.post("ready")

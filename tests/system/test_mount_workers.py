@@ -5,7 +5,6 @@ from __future__ import annotations
 import errno
 import json
 import mmap
-import multiprocessing
 import os
 import random
 import shutil
@@ -15,7 +14,6 @@ import sys
 import threading
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 import pytest
 from clusterutil import Cluster, running
@@ -59,21 +57,15 @@ def children(pid: int) -> list[int]:
     return found
 
 
-def stats(mountpoint: Path) -> dict[str, Any]:
-    found: dict[str, Any] = json.loads(os.getxattr(mountpoint, "user.kspeedfs.stats"))
+def stats(mountpoint: Path) -> dict[str, object]:
+    found: dict[str, object] = json.loads(os.getxattr(mountpoint, "user.kspeedfs.stats"))
     return found
 
 
 def start_mount(
-    node: NodeProcess,
-    tmp_path: Path,
-    mounts: list[MountProcess],
-    workers: int,
-    env: dict[str, str] | None = None,
+    node: NodeProcess, tmp_path: Path, mounts: list[MountProcess], workers: int
 ) -> MountProcess:
-    m = MountProcess(
-        tmp_path / "mnt", {**node.env(), **(env or {})}, tmp_path, args=("--workers", str(workers))
-    )
+    m = MountProcess(tmp_path / "mnt", node.env(), tmp_path, args=("--workers", str(workers)))
     mounts.append(m)
     m.start()
     assert m.proc is not None
@@ -146,8 +138,7 @@ def test_every_byte_equal_through_several_workers(
     node: NodeProcess, big_tree: Path, tmp_path: Path, mounts: list[MountProcess], workers: int
 ) -> None:
     preload(node, big_tree, "held")
-    # Without turns: the kernel hands the requests of these readers to every worker.
-    m = start_mount(node, tmp_path, mounts, workers, env={"KSPEEDFS_FUSE_TURNS": "false"})
+    m = start_mount(node, tmp_path, mounts, workers)
     served = m.mountpoint / "held"
     expected = files_of(big_tree)
     assert files_of(served) == expected
@@ -158,57 +149,6 @@ def test_every_byte_equal_through_several_workers(
     by_worker = stats(m.mountpoint)["by_worker"]
     assert isinstance(by_worker, list) and len(by_worker) == workers
     assert sum(1 for n in by_worker if n > 0) >= 2, by_worker
-
-
-def read_all(paths: list[str]) -> list[bytes]:
-    """Each file's bytes, read past the page cache (so that every read reaches the mount)."""
-    out = []
-    for path in paths:
-        fd = os.open(path, os.O_RDONLY)
-        try:
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-            out.append(os.pread(fd, 1 << 20, 0))
-        finally:
-            os.close(fd)
-    return out
-
-
-def test_workers_take_turns_one_reader_stays_on_one_and_a_crowd_spreads(
-    node: NodeProcess, tmp_path: Path, mounts: list[MountProcess]
-) -> None:
-    # Without turns the kernel wakes each waiting worker in turn, each cold on an idle CPU.
-    src = tmp_path / "src"
-    for i in range(400):
-        (src / f"c{i % 8}").mkdir(parents=True, exist_ok=True)
-        (src / f"c{i % 8}" / f"f{i}.bin").write_bytes(os.urandom(1000 + i))
-    preload(node, src, "small")
-    m = start_mount(node, tmp_path, mounts, 2)
-    served = m.mountpoint / "small"
-    expected = files_of(src)
-    assert files_of(served) == expected  # the kernel's caches filled
-    before = stats(m.mountpoint)
-    for _ in range(3):
-        assert files_of(served) == expected  # buffered open().read(), one file at a time
-    after = stats(m.mountpoint)
-    requests = sum(after["by_worker"]) - sum(before["by_worker"])
-    passed = after["turns_passed"] - before["turns_passed"]
-    folders = after["opendir"] - before["opendir"]
-    assert requests >= 3 * 400, (before, after)  # at least the isatty IOCTL of each open
-    # A turn passes on only with a request queued behind the one taken: here only a folder's
-    # RELEASEDIR (sent in the background) can be, never a file's requests.
-    assert passed <= folders, (before, after)
-
-    # Eight processes reading at once: requests queue up, and both workers serve them.
-    paths = sorted(os.path.join(os.fsdecode(served), os.fsdecode(rel)) for rel in expected)
-    before = stats(m.mountpoint)
-    with multiprocessing.get_context("fork").Pool(8) as pool:
-        got = pool.map(read_all, [paths] * 8)
-    after = stats(m.mountpoint)
-    want = [expected[os.fsencode(os.path.relpath(p, served))] for p in paths]
-    assert sum(a != b for reader in got for a, b in zip(reader, want, strict=True)) == 0
-    by_worker = [a - b for a, b in zip(after["by_worker"], before["by_worker"], strict=True)]
-    assert after["turns_passed"] > before["turns_passed"], (before, after)
-    assert min(by_worker) > 0, by_worker
 
 
 def test_a_killed_worker_comes_back_and_no_reader_notices(

@@ -175,7 +175,6 @@ BAD = {
     "fuse_workers": "100000",
     "fuse_read_ahead": "lots",
     "fuse_poll_us": "200000",
-    "fuse_turns": "sometimes",
     "decode_workers": "-1",
     "etcd": "http://etcd:99999",
     "cluster": "a/b",
