@@ -96,8 +96,13 @@ SLOW_MODULES = frozenset(
 )
 
 
+UNIT = Path(__file__).resolve().parent / "unit"
+
+
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     for item in items:
+        if item.path.is_relative_to(UNIT):
+            continue  # in-process: its `etcd` is the in-memory one (tests/unit/conftest.py)
         fixtures = getattr(item, "fixturenames", ())
         if SLOW_FIXTURES.intersection(fixtures) or item.path.name in SLOW_MODULES:
             item.add_marker(pytest.mark.slow)
