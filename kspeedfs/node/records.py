@@ -42,8 +42,10 @@ class DatasetRecord:
     def to_wire(self) -> dict[str, Any]:
         """The one shape of a published dataset on the wire (list, progress): its record, and
         the fields of a finished load's progress."""
-        d = dataclasses.asdict(self)
-        d["path"] = str(self.path)
+        # A shallow copy, not dataclasses.asdict (a deep copy: 19 us of a 150 us progress op).
+        d = {f.name: getattr(self, f.name) for f in _RECORD_FIELDS}
+        d.update(path=str(self.path), held=list(self.held), members=list(self.members))
+        d["disk"] = list(self.disk)
         d.update(
             state="ready",
             files_total=self.files,
@@ -54,6 +56,9 @@ class DatasetRecord:
             error="",
         )
         return d
+
+
+_RECORD_FIELDS = dataclasses.fields(DatasetRecord)
 
 
 def load_meta(folder: int) -> dict[str, Any]:
