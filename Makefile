@@ -15,13 +15,20 @@ CHECKED := kspeedfs mountd pytorch_ext tests bench
 demo: deps
 	$(BIN)/kspeedfs demo
 
+# The tests start hundreds of Python processes (nodes, mounts, CLI calls): with bytecode caching
+# off (PYTHONDONTWRITEBYTECODE, set in some images) each compiles every module it imports, and
+# pytest rewrites every test module again. 87 s -> 70 s for `make quick` on 2 CPUs.
+PYTEST := env -u PYTHONDONTWRITEBYTECODE $(BIN)/pytest
+# Twice the CPUs, at most 8: a quick test mostly waits on the processes it started.
+QUICK_WORKERS := $(shell $(PYTHON) -c 'import os; print(min(8, 2 * len(os.sched_getaffinity(0))))')
+
 test: deps lint
-	$(BIN)/pytest -q
+	$(PYTEST) -q
 
 # The quick loop while changing code: no multi-node, etcd, nspawn, DALI or 1M-line tests,
 # spread over the cores (pytest-xdist; each test has its own ports, folders and health table).
 quick: deps
-	$(BIN)/pytest -q -m "not slow" -n auto
+	$(PYTEST) -q -m "not slow" -n $(QUICK_WORKERS)
 
 lint: deps
 	$(BIN)/ruff check $(CHECKED)
