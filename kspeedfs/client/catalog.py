@@ -83,17 +83,13 @@ class CatalogEntry:
         """The entry of a decoded JSON value; ValueError naming what is wrong when malformed."""
         if not isinstance(value, dict):
             raise ValueError(f"not a JSON object but {type(value).__name__}")
-        known = {f.name for f in dataclasses.fields(cls)} - {"extra"}
-        fields: dict[str, Any] = {}
         for key in ("name", "uuid", "state"):
             if key not in value:
                 raise ValueError(f"no {key!r}")
-        for f in dataclasses.fields(cls):
-            if f.name in value and f.name in known:
-                fields[f.name] = _checked(f.name, value[f.name])
+        fields: dict[str, Any] = {k: _checked(k, value[k]) for k in _KNOWN if k in value}
         if fields["state"] not in _STATES:
             raise ValueError(f"state {fields['state']!r} is neither loading nor ready")
-        extra = {k: v for k, v in value.items() if k not in known}
+        extra = {k: v for k, v in value.items() if k not in _KNOWN}
         return cls(**fields, extra=extra)
 
     def to_json(self) -> dict[str, Any]:
@@ -109,6 +105,9 @@ class CatalogEntry:
             out.setdefault(k, v)
         return out
 
+
+# The fields read from the JSON (every one but `extra`), in declaration order.
+_KNOWN = tuple(f.name for f in dataclasses.fields(CatalogEntry) if f.name != "extra")
 
 # The JSON type each field is read as: str, int (not bool), a number, or a list of strings.
 _STR = ("name", "uuid", "state", "source", "endpoint", "lifetime", "coordinator")

@@ -378,7 +378,11 @@ class ClusterState:
         return _entries(self.prefix + "datasets/", self._prefix("datasets"))
 
     def dataset(self, name: str) -> tuple[CatalogEntry, int] | None:
-        return self.datasets().get(name)
+        """name's (entry, mod_revision); only its entry is parsed (a malformed one: None)."""
+        found = self._prefix("datasets").get(name)
+        if found is None:
+            return None
+        return _entries(self.prefix + "datasets/", {name: found}).get(name)
 
     def claim(self, record: CatalogEntry, me: Registration) -> None:
         """Create a loading record on the coordinator's lease; AlreadyExists if the name is

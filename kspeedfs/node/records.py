@@ -44,9 +44,11 @@ class DatasetRecord:
         the fields of a finished load's progress."""
         # A shallow copy, not dataclasses.asdict (a deep copy: 19 us of a 150 us progress op).
         d = {f.name: getattr(self, f.name) for f in _RECORD_FIELDS}
-        d.update(path=str(self.path), held=list(self.held), members=list(self.members))
-        d["disk"] = list(self.disk)
         d.update(
+            path=str(self.path),
+            held=list(self.held),
+            members=list(self.members),
+            disk=list(self.disk),
             state="ready",
             files_total=self.files,
             bytes_total=self.bytes,

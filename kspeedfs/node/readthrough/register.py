@@ -185,7 +185,7 @@ class SourceRegistrar:
                 placed = await self._claim(cluster, name, src, uid)
                 if placed is None:
                     entry = await cluster.entry_now(name)
-                    await self._follow(cluster, name, str(entry and entry.uuid), progress)
+                    await self._follow(cluster, name, entry.uuid if entry else "", progress)
                     return
                 members, claimed = placed, True
                 self.instances.busy.add(name)
