@@ -19,7 +19,7 @@ from kspeedfs.format.config import Settings
 from kspeedfs.format.contract import Request
 from kspeedfs.format.tls import client_context
 from kspeedfs.format.units import parse_size
-from kspeedfs.node.control import ClusterControl, ControlPlane
+from kspeedfs.node.control import ClusterControl, ControlPlane, EtcdCatalog
 from kspeedfs.node.control.static import StaticControl
 from kspeedfs.node.coordinator import PreloadCoordinator
 from kspeedfs.node.decoded import DecodedVariants
@@ -34,7 +34,7 @@ from kspeedfs.node.ops import OpRegistry
 from kspeedfs.node.peers import PeerPool
 from kspeedfs.node.preload import Stager
 from kspeedfs.node.promote import Promoter
-from kspeedfs.node.readthrough import ReadThroughCache
+from kspeedfs.node.readthrough import LocalCatalog, ReadThroughCache
 from kspeedfs.node.scrub import Scrubber
 from kspeedfs.node.spill import TIER_DIR
 from kspeedfs.node.store import SegmentStore
@@ -77,10 +77,16 @@ class Node:
             self.store, settings.socket_path(), settings.access, settings.timeout, self.users
         )
         self.stager = Stager(self.store, self.address)
-        self.cache = ReadThroughCache(self.store, settings, self.address, self.loads)
+        # The catalog read-through datasets are claimed in and placed by: etcd's (over the
+        # membership the control plane joins), or this node alone.
+        etcd = EtcdCatalog.of(settings, self.ask) if settings.etcd else None
+        self.cache = ReadThroughCache(
+            self.store, settings, self.address, self.loads, etcd or LocalCatalog(self.address)
+        )
         self.decoded = DecodedVariants(self.store, self.address, self.ask, settings.decode_workers)
         self.meta_indexes = AddedIndexes(self.store, self.address, self.ask)
-        # The control plane: etcd's (membership, catalog, healing), or the static node list.
+        # The control plane: etcd's (membership, catalog, healing; it hands the cache the
+        # read-through datasets to adopt), or the static node list.
         self.control: ClusterControl = (
             ControlPlane(
                 settings,
@@ -89,12 +95,11 @@ class Node:
                 lambda name, uuid: self.unloader.unload_local(name, uuid),
                 self.stager,
                 self.cache,
+                etcd=etcd,
             )
-            if settings.etcd
+            if etcd is not None
             else StaticControl(settings, self.members)
         )
-        if isinstance(self.control, ControlPlane):
-            self.cache.use_cluster(self.control)  # read-through datasets span the members
         self.unloader = Unloader(
             self.store, self.loads, self.leases, lambda: self.address, self.ask, self.control
         )

@@ -1,5 +1,6 @@
 """The node's side of the etcd control plane, one module per concern: membership (the lease
-and the live members), adoption (listing an instance held elsewhere), convergence (dropping
+and the live members), the catalog as the node's parts write it (claims, publishes, manifests
+fetched from members), adoption (listing an instance held elsewhere), convergence (dropping
 what the catalog no longer has) and healing (copies made again, rebalances).
 
 Everything that talks to etcd runs in worker threads (the event loop never waits on etcd), and
@@ -18,23 +19,23 @@ from typing import Any, Protocol
 import trio
 
 from kspeedfs.client.catalog import CatalogEntry, ListedInstance
-from kspeedfs.client.clusterstate import UNAVAILABLE, ClusterState
+from kspeedfs.client.clusterstate import UNAVAILABLE
 from kspeedfs.format.config import Settings
 from kspeedfs.format.contract.control import Adopt, Adopted
 from kspeedfs.format.contract.node import Rebalance, Rebalanced
 from kspeedfs.format.errors import NotFound
 from kspeedfs.format.manifest import plan_layout
 from kspeedfs.node.control.adopt import Adoption, Unload
+from kspeedfs.node.control.catalog import EtcdCatalog
 from kspeedfs.node.control.converge import Converger
 from kspeedfs.node.control.heal import Healer, placed
-from kspeedfs.node.control.membership import Membership
 from kspeedfs.node.ops import ADMIN, OpRegistry
 from kspeedfs.node.peers import Ask, PeerPool
 from kspeedfs.node.preload import Plan, Stager
 from kspeedfs.node.readthrough import ReadThroughCache
 from kspeedfs.node.store import SegmentStore
 
-__all__ = ["ClusterControl", "ControlPlane", "loading_record", "placed"]
+__all__ = ["ClusterControl", "ControlPlane", "EtcdCatalog", "loading_record", "placed"]
 
 log = logging.getLogger(__name__)
 
@@ -81,15 +82,18 @@ class ControlPlane:
         stager: Stager | None = None,
         readthrough: ReadThroughCache | None = None,
         readers: PeerPool | None = None,
+        etcd: EtcdCatalog | None = None,
     ):
         """`readers`: the connections heal copies are read over (None: the healer opens its
-        own)."""
+        own). `etcd`: the catalog the read-through cache was built with, whose membership this
+        control plane joins and keeps (None: one of its own, where no cache shares it)."""
         self.settings = settings
-        self.state = ClusterState.of(settings)
+        etcd = etcd or EtcdCatalog.of(settings, ask)
+        self.membership = etcd.membership
+        self.state = etcd.membership.state
         self.store = store
         self.stager = stager
-        self.membership = Membership(settings, self.state)
-        self.adoption = Adoption(store, ask, self.membership, unload, readthrough)
+        self.adoption = Adoption(store, etcd, unload, readthrough)
         self.converger = Converger(store, self.state, self.adoption, unload, stager)
         self.healer = Healer(
             settings, store, self.state, ask, self.membership, self.adoption, readers
@@ -130,7 +134,7 @@ class ControlPlane:
                 await self.healer.readers.aclose()
                 await self.membership.leave()
 
-    # What the preload, the read-through cache and the server ask of the control plane.
+    # What the preload, the unloader and the server ask of the control plane.
 
     @property
     def address(self) -> str:
@@ -177,18 +181,6 @@ class ControlPlane:
             if self.unclaimed.get(name) == uuid:
                 del self.unclaimed[name]
             log.info("removed the claim of the failed preload of %s (instance %s)", name, uuid[:8])
-
-    async def replace(self, name: str, uuid: str, listed: ListedInstance) -> bool:
-        return await self.membership.replace(name, uuid, listed)
-
-    async def entry_now(self, name: str) -> CatalogEntry | None:
-        return await self.membership.entry_now(name)
-
-    async def announce(self, name: str, uuid: str) -> None:
-        await self.adoption.announce(name, uuid)
-
-    async def adopt(self, name: str, entry: CatalogEntry) -> None:
-        await self.adoption.adopt(name, entry)
 
     async def op_adopt(self, request: Adopt) -> Adopted:
         return await self.adoption.op_adopt(request)

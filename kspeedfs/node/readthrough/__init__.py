@@ -17,9 +17,11 @@ when the eviction counter moves). The node also checks
 sources for changes: a changed dataset is served as it was cached and shown stale until
 `kspeedfs refresh NAME`.
 
-With etcd (a `ClusterCatalog`), a dataset is one cache over the cluster: the node that lists
-the source claims the name in the catalog, places the segments over the live members (readers
-ask each segment's owner to fill it), and every member adopts the manifest with no segment.
+The cache is built with its `ClusterCatalog`. With etcd's, a dataset is one cache over the
+cluster: the node that lists the source claims the name in the catalog, places the segments
+over the live members (readers ask each segment's owner to fill it), and every member adopts
+the manifest with no segment (the control plane hands the cache the catalog's read-through
+instances to adopt: `adopt`). Without etcd (`LocalCatalog`) a dataset is this node's alone.
 
 One module a job: `register` (listing a source, etcd claims, adoption), `fill` (misses),
 `disktier` (misses memory does not keep, on the disk tier) with `promote` (back to memory
@@ -38,6 +40,7 @@ from typing import Any
 
 import trio
 
+from kspeedfs.client.catalog import CatalogEntry
 from kspeedfs.format.config import Settings
 from kspeedfs.format.contract.readthrough import (
     FillSegment,
@@ -52,7 +55,7 @@ from kspeedfs.format.units import format_size, parse_size
 from kspeedfs.node.loads import LoadTable
 from kspeedfs.node.ops import ADMIN, JOB, OpRegistry
 from kspeedfs.node.readthrough.build import InstanceBuilder
-from kspeedfs.node.readthrough.catalog import ClusterCatalog
+from kspeedfs.node.readthrough.catalog import ClusterCatalog, LocalCatalog
 from kspeedfs.node.readthrough.dataset import CachedDataset, Instances, open_instance
 from kspeedfs.node.readthrough.disktier import DiskTier
 from kspeedfs.node.readthrough.evict import Evictor
@@ -66,7 +69,7 @@ from kspeedfs.node.readthrough.watch import SourceWatch
 from kspeedfs.node.spill import SpillArea
 from kspeedfs.node.store import SegmentStore
 
-__all__ = ["CachedDataset", "ClusterCatalog", "EvictionPolicy", "ReadThroughCache"]
+__all__ = ["CachedDataset", "ClusterCatalog", "EvictionPolicy", "LocalCatalog", "ReadThroughCache"]
 
 log = logging.getLogger(__name__)
 
@@ -80,6 +83,7 @@ class ReadThroughCache:
         settings: Settings,
         address: str,
         loads: LoadTable,
+        catalog: ClusterCatalog,
         policy: EvictionPolicy | None = None,
     ):
         self.store = store
@@ -104,10 +108,16 @@ class ReadThroughCache:
             max(1.0, settings.timeout / 2),
         )
         self.registrar = SourceRegistrar(
-            store, self.instances, builder, loads, address, self.evictor.check_cap
+            store, self.instances, builder, loads, address, self.evictor.check_cap, catalog
         )
         self.watch = SourceWatch(
-            store, self.instances, builder, self.spill, self.disk, settings.source_check_interval
+            store,
+            self.instances,
+            builder,
+            self.spill,
+            self.disk,
+            settings.source_check_interval,
+            catalog,
         )
         self.fill_seconds = self.filler.seconds
 
@@ -126,10 +136,6 @@ class ReadThroughCache:
         changes with every miss, and meta.json is written once."""
         ds = self.instances.by_name.get(name)
         return ds.disk_bytes if ds is not None and ds.uuid == uuid else None
-
-    def use_cluster(self, cluster: ClusterCatalog) -> None:
-        """etcd: datasets registered here are placed over the live members and cataloged."""
-        self.registrar.cluster = self.watch.cluster = cluster
 
     def register_ops(self, ops: OpRegistry) -> None:
         """Creating and refreshing a dataset needs an admin; filling what a reader misses (the
@@ -176,9 +182,10 @@ class ReadThroughCache:
             await nursery.start(self.watch.run)
             task_status.started()
 
-    async def adopt(self, name: str, blob: bytes, meta: dict[str, Any]) -> None:
-        """etcd: publish another member's instance here, holding no segment."""
-        await self.registrar.adopt(name, blob, meta)
+    async def adopt(self, name: str, entry: CatalogEntry) -> None:
+        """etcd: list the catalog's instance of `entry` here, holding no segment (its manifest
+        from a member that holds it), unless this node lists `name` already."""
+        await self.registrar.adopt(name, entry)
 
     def note_reads(self, name: str, segments: list[int]) -> None:
         """Segments another node read from here (its reads miss this node's policy otherwise)."""

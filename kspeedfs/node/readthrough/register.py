@@ -1,6 +1,7 @@
 """Registering a source: its read-through dataset is listed in the background and published
 holding no segment. With etcd the node that lists it claims the name in the catalog and
-places the segments over the live members; the others follow that listing and adopt it."""
+places the segments over the live members; the others follow that listing and adopt it
+(without etcd the catalog is this node's alone: `catalog.LocalCatalog`)."""
 
 from __future__ import annotations
 
@@ -46,6 +47,7 @@ class SourceRegistrar:
         loads: LoadTable,
         address: str,
         check_cap: Callable[[str, int, int], None],
+        catalog: ClusterCatalog,
     ):
         self.store = store
         self.check_cap = check_cap  # refuses a cap larger than the node has free
@@ -53,8 +55,9 @@ class SourceRegistrar:
         self.builder = builder
         self.loads = loads
         self.address = address  # this node's: it coordinates the datasets it registers
-        self.cluster: ClusterCatalog | None = None  # etcd: the catalog places the segments
+        self.catalog = catalog  # claims the name, places the segments, tells the members
         self.tasks = Tasks()
+        self._adopting = trio.Lock()  # one adoption at a time: a registration and a sync race
 
     async def run(self, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         await self.tasks.run(task_status=task_status)
@@ -69,10 +72,9 @@ class SourceRegistrar:
             return found  # its caps are the ones it was created with
         caps = {"max_memory": request.max_memory, "max_disk": request.max_disk}
         self.check_cap(name, request.max_memory, request.max_disk)
-        if self.cluster is not None:
-            entry = await self.cluster.entry_now(name)
-            if entry is not None:
-                return await self._join(self.cluster, name, source, endpoint, entry)
+        entry = await self.catalog.entry_now(name)
+        if entry is not None:
+            return await self._join(name, source, endpoint, entry)
         src = open_source(source, endpoint)
         # A missing bucket or wrong credentials: a one-line error now, and nothing created.
         await sourceio.run_sync(src.check)
@@ -99,9 +101,7 @@ class SourceRegistrar:
             raise AlreadyExists(f"dataset {name!r} is already loading {progress.source}")
         return None
 
-    async def _join(
-        self, cluster: ClusterCatalog, name: str, source: str, endpoint: str, entry: CatalogEntry
-    ) -> Registered:
+    async def _join(self, name: str, source: str, endpoint: str, entry: CatalogEntry) -> Registered:
         """etcd: another member registered this name: take its manifest (ready) or wait for
         its listing (loading)."""
         if entry.source != source or entry.endpoint != endpoint:
@@ -109,29 +109,27 @@ class SourceRegistrar:
                 f"dataset {name!r} already holds {entry.source}: choose another --name"
             )
         if entry.ready:
-            await cluster.adopt(name, entry)
+            await self.adopt(name, entry)
             if name not in self.store.datasets:
                 raise NotFound(f"no member of {name!r} answers with its manifest")
             return Registered(name, "ready", READTHROUGH)
         progress = self.loads.start(name, source)
-        self.tasks.start_soon(self._follow, cluster, name, entry.uuid, progress)
+        self.tasks.start_soon(self._follow, name, entry.uuid, progress)
         return Registered(name, "scanning")
 
-    async def _follow(
-        self, cluster: ClusterCatalog, name: str, uuid: str, progress: Progress
-    ) -> None:
+    async def _follow(self, name: str, uuid: str, progress: Progress) -> None:
         """Wait for the listing another member claimed, then adopt it."""
         try:
             while True:
                 await trio.sleep(FOLLOW_POLL_S)
                 try:
-                    entry = await cluster.entry_now(name)
+                    entry = await self.catalog.entry_now(name)
                 except KSpeedError:
                     continue  # etcd away a moment: the claim is still there or not
                 if entry is None or entry.uuid != uuid:
                     raise NotFound(f"the listing of {name!r} on another member was given up")
                 if entry.ready:
-                    await cluster.adopt(name, entry)
+                    await self.adopt(name, entry)
                     if name not in self.store.datasets:
                         raise NotFound(f"no member of {name!r} answers with its manifest")
                     self.loads.finish(name)
@@ -141,12 +139,10 @@ class SourceRegistrar:
             if not isinstance(e, Exception):
                 raise
 
-    async def _claim(
-        self, cluster: ClusterCatalog, name: str, src: Source, uid: str
-    ) -> list[str] | None:
-        """etcd: claim the name for instance `uid` and return the members to place over; None
-        when another member claimed it first (this one then follows that listing)."""
-        members = await cluster.members_now()
+    async def _claim(self, name: str, src: Source, uid: str) -> list[str] | None:
+        """Claim the name for instance `uid` and return the members to place over; None when
+        another member claimed it first (this one then follows that listing)."""
+        members = await self.catalog.members_now()
         record = CatalogEntry(
             name=name,
             uuid=uid,
@@ -164,9 +160,9 @@ class SourceRegistrar:
             created=time.time(),
         )
         try:
-            await cluster.claim(record)
+            await self.catalog.claim(record)
         except AlreadyExists:
-            entry = await cluster.entry_now(name)
+            entry = await self.catalog.entry_now(name)
             if entry is None or entry.source != src.url:
                 raise
             return None
@@ -177,18 +173,15 @@ class SourceRegistrar:
     ) -> None:
         staging: Path | None = None
         uid = secrets.token_hex(16)
-        members = [self.address]
-        cluster = self.cluster
         claimed = False
         try:
-            if cluster is not None:
-                placed = await self._claim(cluster, name, src, uid)
-                if placed is None:
-                    entry = await cluster.entry_now(name)
-                    await self._follow(cluster, name, entry.uuid if entry else "", progress)
-                    return
-                members, claimed = placed, True
-                self.instances.busy.add(name)
+            members = await self._claim(name, src, uid)
+            if members is None:
+                entry = await self.catalog.entry_now(name)
+                await self._follow(name, entry.uuid if entry else "", progress)
+                return
+            claimed = True
+            self.instances.busy.add(name)
             tree = await sourceio.run_sync(src.scan)
             progress.state = "loading"
             progress.files_total, progress.bytes_total = tree.file_count, tree.data_bytes
@@ -202,9 +195,9 @@ class SourceRegistrar:
             staging = None
             ds, _ = await trio.to_thread.run_sync(open_instance, record, False)
             self.instances.add(ds)
-            if cluster is not None:  # etcd: ready for everyone; the members adopt it
-                await cluster.publish(name, uid, catalog_fields(meta))
-                await cluster.announce(name, uid)
+            # Ready for everyone; the members adopt it.
+            await self.catalog.publish(name, uid, catalog_fields(meta))
+            await self.catalog.announce(name, uid)
             self.loads.finish(name)
             log.info(
                 "read-through dataset %s of %s: %d files, %s in %d segments",
@@ -219,27 +212,37 @@ class SourceRegistrar:
             with trio.CancelScope(shield=True):
                 if staging is not None:
                     await trio.to_thread.run_sync(self.store.discard_staging, staging)
-                if claimed and cluster is not None:
-                    await self._unclaim(cluster, name, uid)
+                if claimed:
+                    await self._unclaim(name, uid)
             log.error("listing %s for %s failed: %s", src.url, name, self.loads.fail(name, e))
             if not isinstance(e, Exception):
                 raise
         finally:
             self.instances.busy.discard(name)
 
-    async def _unclaim(self, cluster: ClusterCatalog, name: str, uid: str) -> None:
-        """etcd: a listing that failed gives its name back (and its instance, if published)."""
+    async def _unclaim(self, name: str, uid: str) -> None:
+        """A listing that failed gives its name back (and its instance, if published)."""
         try:
-            await cluster.forget(name, uid)
+            await self.catalog.forget(name, uid)
         except KSpeedError as e:
             log.warning("could not remove %s from the catalog: %s", name, e)
         record = self.store.datasets.get(name)
         if record is not None and record.uuid == uid:
             await trio.to_thread.run_sync(self.store.unload, name)
 
-    async def adopt(self, name: str, blob: bytes, meta: dict[str, Any]) -> None:
-        """etcd: publish another member's instance here from its manifest, holding no
-        segment: the fills of the segments this node owns land here."""
+    async def adopt(self, name: str, entry: CatalogEntry) -> None:
+        """etcd: list the catalog's instance of `entry` here, holding no segment (its manifest
+        from a member that holds it), unless this node lists `name`: the fills of the
+        segments this node owns land here."""
+        async with self._adopting:
+            if name in self.store.datasets:
+                return
+            fetched = await self.catalog.fetch_manifest(name, entry)
+            if fetched is not None:
+                await self._publish_adopted(name, *fetched)
+                log.info("%s: joined its members", name)
+
+    async def _publish_adopted(self, name: str, blob: bytes, meta: dict[str, Any]) -> None:
         staging, full = await trio.to_thread.run_sync(self.builder.adopted, name, blob, meta)
         try:
             record = await trio.to_thread.run_sync(self.store.publish, staging, full)

@@ -41,6 +41,7 @@ class SourceWatch:
         spill: SpillArea | None,
         disk: DiskTier,
         check_interval: float,
+        catalog: ClusterCatalog,
     ):
         self.store = store
         self.instances = instances
@@ -48,7 +49,7 @@ class SourceWatch:
         self.spill = spill
         self.disk = disk
         self.check_interval = check_interval  # seconds between checks of the sources; 0: never
-        self.cluster: ClusterCatalog | None = None
+        self.catalog = catalog  # a refresh's new instance replaces the old one there too
 
     async def run(self, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         """Prune unloaded instances every PRUNE_INTERVAL, check the sources every interval."""
@@ -125,18 +126,16 @@ class SourceWatch:
             self.instances.changed.pop(name, None)
             segments = ds.manifest.segments
             return Refreshed(name, "unchanged", 0, kept=segments, segments=segments)
-        # etcd: the new instance is placed over the members live now; the others drop the old
-        # one and adopt the new (their cached segments are filled again).
-        cluster = self.cluster
-        members = await cluster.members_now() if cluster is not None else None
+        # The new instance is placed over the members live now; with etcd the others drop the
+        # old one and adopt the new (their cached segments are filled again).
+        members = await self.catalog.members_now()
         async with ds.lock:
             self.instances.busy.add(name)
             try:
                 new, kept = await self._swap(ds, src, tree, members)
             finally:
                 self.instances.busy.discard(name)
-        if cluster is not None:
-            await cluster.announce(name, new.uuid)
+        await self.catalog.announce(name, new.uuid)
         self.instances.changed.pop(name, None)
         log.info(
             "refreshed %s: %d files changed, %d of %d segments kept",
@@ -148,7 +147,7 @@ class SourceWatch:
         return Refreshed(name, "refreshed", changed, kept, new.manifest.segments)
 
     async def _swap(
-        self, ds: CachedDataset, src: Source, tree: Tree, members: list[str] | None
+        self, ds: CachedDataset, src: Source, tree: Tree, members: list[str]
     ) -> tuple[CachedDataset, int]:
         """Replace instance `ds` with one of `tree`, carrying its unchanged segments; returns
         the new instance and how many segments it kept."""
@@ -160,9 +159,7 @@ class SourceWatch:
         try:
             # Linked before the unload removes the old instance's disk folder.
             disk_staging = await trio.to_thread.run_sync(self.disk.carry, ds, carried)
-            if self.cluster is not None and not await self.cluster.replace(
-                name, ds.uuid, catalog_fields(meta)
-            ):
+            if not await self.catalog.replace(name, ds.uuid, catalog_fields(meta)):
                 raise NotFound(f"the catalog no longer has this instance of {name!r}")
             await trio.to_thread.run_sync(self.store.unload, name)
         except BaseException:

@@ -1,0 +1,74 @@
+"""The composition root's wiring, in-process (nothing listens, etcd is never reached): the
+read-through cache is built with its catalog and the control plane with the same one, so no
+part is told of another after it is built; without etcd a read-through dataset is this node's
+alone (LocalCatalog), registered, listed and refreshed as before."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import trio
+
+from kspeedfs.format.config import Settings
+from kspeedfs.format.contract.readthrough import Refresh, RegisterSource
+from kspeedfs.format.readthrough_view import READTHROUGH
+from kspeedfs.node.control import ControlPlane, EtcdCatalog
+from kspeedfs.node.readthrough import LocalCatalog
+from kspeedfs.node.root import Node
+
+
+def node(tmp_path: Path, **settings: Any) -> Node:
+    tmp = {"shm_dir": tmp_path / "shm", "token_file": tmp_path / "token"}
+    return Node(Settings(**tmp, transport="tcp", **settings))
+
+
+def test_with_etcd_the_cache_and_the_control_plane_share_one_catalog(tmp_path: Path) -> None:
+    n = node(tmp_path, etcd=["http://127.0.0.1:9"])
+    catalog = n.cache.registrar.catalog
+    assert isinstance(catalog, EtcdCatalog)
+    assert n.cache.watch.catalog is catalog
+    assert isinstance(n.control, ControlPlane)
+    # The membership the control plane joins is the one the cache's claims are made under.
+    assert n.control.membership is catalog.membership
+    assert n.control.adoption.catalog is catalog
+    assert n.control.adoption.readthrough is n.cache
+
+
+def test_without_etcd_a_read_through_dataset_is_this_nodes_alone(tmp_path: Path) -> None:
+    source = tmp_path / "source"
+    source.mkdir()
+    for i in range(3):
+        (source / f"f{i}").write_bytes(bytes([i]) * 1000)
+    n = node(tmp_path)
+    catalog = n.cache.registrar.catalog
+    assert isinstance(catalog, LocalCatalog)
+    assert n.cache.watch.catalog is catalog
+    n.store.recover(False)
+
+    async def main() -> None:
+        async with trio.open_nursery() as nursery:
+            await nursery.start(n.cache.run)
+            request = RegisterSource(name="ds", source=str(source))
+            registered = await n.cache.registrar.op_register_source(request)
+            assert registered.state == "scanning"
+            with trio.fail_after(30):
+                while "ds" not in n.store.datasets:
+                    progress = n.loads.get("ds")
+                    assert progress is None or progress.state != "failed", progress.error
+                    await trio.sleep(0.01)
+            first = n.store.datasets["ds"]
+            assert (first.lifetime, first.members, first.held) == (READTHROUGH, [n.address], [])
+            assert not n.cache.busy  # the listing is over
+            again = await n.cache.registrar.op_register_source(request)
+            assert (again.state, again.lifetime) == ("ready", READTHROUGH)
+
+            (source / "f1").write_bytes(b"changed" * 100)
+            refreshed = await n.cache.watch.op_refresh(Refresh(name="ds"))
+            assert (refreshed.state, refreshed.changed) == ("refreshed", 1)
+            second = n.store.datasets["ds"]
+            assert second.uuid != first.uuid and second.members == [n.address]
+            assert n.cache.datasets["ds"].uuid == second.uuid
+            nursery.cancel_scope.cancel()
+
+    trio.run(main)
