@@ -25,6 +25,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from kspeedfs.client.reader import ClusterReader
+from kspeedfs.format.contract.node import DatasetListing
 from kspeedfs.fuse import kernel
 from kspeedfs.fuse.filesystem import KSpeedFS
 from kspeedfs.testing.cache import LocalCache
@@ -75,8 +76,8 @@ def main() -> int:
             cache.preload(src, "ds", show_progress=False)
             reader = ClusterReader(cache.settings, str(cache.address))
             fs = KSpeedFS(reader, NoSupervisor())
-            info = next(d for d in cache.request("list")["datasets"] if d["name"] == "ds")
-            fs.add(1, "ds", info["uuid"], info)
+            info = DatasetListing.from_wire(cache.request("list")).ready()["ds"]
+            fs.add(1, "ds", info.uuid, info, None)
             mounted = fs.by_name["ds"]
             m = mounted.data.manifest
             files = list(m.iter_files())

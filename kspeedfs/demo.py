@@ -155,8 +155,8 @@ def run_demo(workdir: Path, classes: int, per_class: int, workers: int) -> int:
             decoded_client.start(client, "sample", DECODED)
             v = decoded_client.wait(client, "sample", DECODED)
         print(
-            f"decoded {v['files_total']} images at {DECODED} in {time.monotonic() - started:.1f}s "
-            f"({format_size(v['bytes'])} of pixels)"
+            f"decoded {v.files_total} images at {DECODED} in {time.monotonic() - started:.1f}s "
+            f"({format_size(v.bytes)} of pixels)"
         )
         mountpoint = workdir / "mnt"
         cache.mount(mountpoint)

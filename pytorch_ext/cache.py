@@ -14,7 +14,6 @@ import os
 import re
 import threading
 from collections.abc import Callable, Sequence
-from typing import Any
 
 from kspeedfs.client import admin, on_mount
 from kspeedfs.client.dataset_reader import CacheRef as CacheRef  # the fast path's names for them
@@ -22,7 +21,7 @@ from kspeedfs.client.dataset_reader import Reader as Reader
 from kspeedfs.client.job_settings import client_settings as client_settings
 from kspeedfs.client.reader import ClusterReader, local_node_for
 from kspeedfs.format.config import Settings
-from kspeedfs.format.contract.node import List
+from kspeedfs.format.contract.node import DatasetEntry, DatasetListing, List, LoadingEntry
 from kspeedfs.format.errors import (
     AuthError,
     DataError,
@@ -91,37 +90,37 @@ def _relative(path: str, source: str) -> str | None:
     return None
 
 
-def _match(
-    datasets: list[dict[str, Any]], path: str, objname: str | None
-) -> tuple[dict[str, Any], str] | None:
+# An entry of a node's `list`: a published dataset, or a load under way (or failed).
+Listed = DatasetEntry | LoadingEntry
+
+
+def _match(datasets: list[Listed], path: str, objname: str | None) -> tuple[Listed, str] | None:
     """The dataset that holds `path` (the most specific source wins), and the path inside it."""
-    live = [d for d in datasets if d.get("state") != "failed"]
+    live = [d for d in datasets if d.state != "failed"]
     if objname is not None:
         for d in live:
-            if d["name"] == objname:
-                rel = _relative(path, str(d.get("source", "")))
+            if d.name == objname:
+                rel = _relative(path, d.source)
                 if rel is None:
                     raise InvalidArgument(
-                        f"{path} is not inside dataset {objname} (loaded from {d.get('source')})"
+                        f"{path} is not inside dataset {objname} (loaded from {d.source})"
                     )
                 return d, rel
         return None
-    best: tuple[dict[str, Any], str] | None = None
+    best: tuple[Listed, str] | None = None
     for d in live:
-        rel = _relative(path, str(d.get("source", "")))
-        if rel is not None and (best is None or len(d["source"]) > len(best[0]["source"])):
+        rel = _relative(path, d.source)
+        if rel is not None and (best is None or len(d.source) > len(best[0].source)):
             best = d, rel
     return best
 
 
-def _mounted(
-    datasets: list[dict[str, Any]], on: on_mount.MountedPath, node: str
-) -> tuple[dict[str, Any], str]:
+def _mounted(datasets: list[Listed], on: on_mount.MountedPath, node: str) -> tuple[Listed, str]:
     """The dataset a path on a kspeedfs mount is in, as the nodes list it (by name and
     source: the mount may be a moment behind a reload), and the path inside it."""
     for d in datasets:
-        if d["name"] == on.dataset and d.get("state") != "failed":
-            if str(d.get("source", "")) != on.source:
+        if d.name == on.dataset and d.state != "failed":
+            if d.source != on.source:
                 break
             return d, on.rel
     raise NotFound(
@@ -154,35 +153,32 @@ def attach(
         on_mount.check_dataset(on, objname)
     preloaded = False
     for _attempt in range(5):
-        node, listing = cluster.live_call(List())
-        found = (
-            _match(listing["datasets"], path, objname)
-            if on is None
-            else _mounted(listing["datasets"], on, node)
-        )
+        node, reply = cluster.live_call(List())
+        listed = DatasetListing.from_wire(reply).datasets
+        found = _match(listed, path, objname) if on is None else _mounted(listed, on, node)
         if found is None:
             if preloaded:
                 raise DataError(f"dataset for {path} vanished right after loading it")
             source = source_for_preload or path
-            _active_preload(settings, source, objname, meta, name_rule, listing["datasets"])
+            _active_preload(settings, source, objname, meta, name_rule, listed)
             preloaded = True
             continue
         info, rel = found
-        if info.get("state") != "ready":
-            _wait_ready(settings, node, info["name"])
+        if not isinstance(info, DatasetEntry) or info.state != "ready":
+            _wait_ready(settings, node, info.name)
             continue
         key = None
-        if info.get("lifetime") == "leased":
-            members = info.get("members") or [node]
+        if info.lifetime == "leased":
+            members = info.members or [node]
             try:
-                key = lease.hold(settings, str(members[0]), info["name"], str(info["uuid"]))
+                key = lease.hold(settings, members[0], info.name, info.uuid)
             except NotFound:
                 continue  # unloaded between the listing and the lease: look again
         ref = CacheRef(
             settings=settings,
-            name=info["name"],
-            uuid=str(info["uuid"]),
-            source=str(info["source"]),
+            name=info.name,
+            uuid=info.uuid,
+            source=info.source,
             info=info,
             local=local,
         )
@@ -196,7 +192,7 @@ def _active_preload(
     objname: str | None,
     meta: Sequence[str],
     name_rule: Callable[[str], str],
-    datasets: list[dict[str, Any]],
+    datasets: list[Listed],
 ) -> None:
     """Preload `source` with a leased lifetime, or join its load already under way (another job
     or rank started it); waits for it (progress shown on rank 0). A name of its own choosing
@@ -206,10 +202,10 @@ def _active_preload(
     except KSpeedError as e:
         raise type(e)(f"{source} is not in the cache and cannot be loaded: {e}") from None
     name = objname or name_rule(src)
-    taken = [d for d in datasets if d["name"] == name and d.get("state") != "failed"]
+    taken = [d for d in datasets if d.name == name and d.state != "failed"]
     if objname is None and taken:
         raise InvalidArgument(
-            f"dataset {name} is already loaded from {taken[0].get('source')}; pass objname= to"
+            f"dataset {name} is already loaded from {taken[0].source}; pass objname= to"
             f" load {source} under another name"
         )
     try:

@@ -5,17 +5,26 @@ from __future__ import annotations
 import argparse
 import json
 import os
-from typing import Any
 
 from kspeedfs.cli.settings import settings_from
 from kspeedfs.cli.tables import ls_table, print_table
 from kspeedfs.client import admin, on_mount
 from kspeedfs.client.tier_bytes import cluster_tiers
 from kspeedfs.format.config import Settings
-from kspeedfs.format.contract.node import List, Rebalance, Rebalanced, Unload, Unloaded
-from kspeedfs.format.contract.readthrough import Refresh
+from kspeedfs.format.contract.decoded import VariantSummary
+from kspeedfs.format.contract.node import (
+    DatasetListing,
+    List,
+    Rebalance,
+    Rebalanced,
+    Unload,
+    Unloaded,
+)
+from kspeedfs.format.contract.preload import PreloadStarted
+from kspeedfs.format.contract.readthrough import Refresh, Refreshed
 from kspeedfs.format.errors import InvalidArgument, KSpeedError, NotFound
 from kspeedfs.format.units import format_size, parse_size
+from kspeedfs.net.connection import NodeClient
 from kspeedfs.sources.source import name_from_source
 
 
@@ -46,10 +55,8 @@ def cmd_preload(args: argparse.Namespace) -> int:
         max_memory=max_memory,
         max_disk=max_disk,
     )
-    state = result.get("state", "loading")
-    print(
-        f"{args.name}: {state}, {result['files_total']} files, {format_size(result['bytes_total'])}"
-    )
+    state = "loading" if isinstance(result, PreloadStarted) else result.state
+    print(f"{args.name}: {state}, {result.files_total} files, {format_size(result.bytes_total)}")
     if args.decoded is not None:
         _preload_decoded(args)
     return 0
@@ -68,7 +75,7 @@ def _preload_mounted(args: argparse.Namespace, settings: Settings, on: on_mount.
     d = on_mount.held_here(settings, on)
     if d is None:
         raise NotFound(f"{on.describe()}, which these nodes do not hold: preload {source}")
-    print(f"{on.dataset}: {d.get('state')}, cached already ({on.describe()})")
+    print(f"{on.dataset}: {d.state}, cached already ({on.describe()})")
     if args.decoded is not None:
         args.name = on.dataset
         _preload_decoded(args)
@@ -80,13 +87,10 @@ def _preload_partial(args: argparse.Namespace, settings: Settings) -> int:
     if args.decoded is not None or args.meta or args.replicas != 1 or args.tier != "auto":
         raise InvalidArgument("--partial takes none of --decoded, --meta, --replicas, --tier")
     max_memory, max_disk = _caps(args)
-    result = admin.preload_partial(
+    loaded, segments = admin.preload_partial(
         settings, args.source, args.name, args.endpoint or "", max_memory, max_disk
     )
-    print(
-        f"{args.name}: partial, {result['segments_loaded']} of {result['segments']} segments"
-        " loaded, the rest read through"
-    )
+    print(f"{args.name}: partial, {loaded} of {segments} segments loaded, the rest read through")
     return 0
 
 
@@ -105,38 +109,43 @@ def _preload_decoded(args: argparse.Namespace) -> None:
         decoded.start(client, args.name, args.decoded)
         label = None if args.quiet else f"decode {args.name}@{args.decoded}"
         v = decoded.wait(client, args.name, args.decoded, progress_label=label)
-    print(f"{args.name}@{args.decoded}: {decoded.describe(v)}, {v['undecodable']} undecodable")
+    print(f"{args.name}@{args.decoded}: {decoded.describe(v)}, {v.undecodable} undecodable")
 
 
 def cmd_ls(args: argparse.Namespace) -> int:
     settings = settings_from(args)
     with admin.connect(settings) as client:
-        listing = client.call(List())
-        datasets = listing["datasets"]
-        _add_decoded(client, datasets)
+        listing = DatasetListing.from_wire(client.call(List()))
+        variants = _decoded(client, listing)
     # The tiers over the cluster: each member's own bytes, asked of it.
-    tiers = cluster_tiers(settings, str(listing.get("node", "")), datasets)
-    for d in datasets:
-        if d["name"] in tiers:
-            d.update(tiers[d["name"]].to_wire())
+    tiers = cluster_tiers(settings, listing)
     if args.json:
-        print(json.dumps(datasets, indent=2))
+        shown = []
+        for d in listing.datasets:
+            row = d.to_wire()
+            if d.name in variants:
+                row["decoded_variants"] = {s: v.to_wire() for s, v in variants[d.name].items()}
+            if d.name in tiers:
+                row.update(tiers[d.name].to_wire())
+            shown.append(row)
+        print(json.dumps(shown, indent=2))
         return 0
-    print_table(ls_table(datasets))
+    print_table(ls_table(listing, tiers, variants))
     return 0
 
 
-def _add_decoded(client: Any, datasets: list[dict[str, Any]]) -> None:
-    """Each ready dataset with decoded variants gets their state over its members."""
+def _decoded(client: NodeClient, listing: DatasetListing) -> dict[str, dict[str, VariantSummary]]:
+    """The decoded variants of each ready dataset that has some, over its members."""
     from kspeedfs.client.decoded import status
 
-    for d in datasets:
-        if d.get("state") == "ready" and (d.get("decoded") or len(d.get("members") or []) > 1):
+    out = {}
+    for d in listing.ready().values():
+        if d.decoded or len(d.members) > 1:
             try:
-                variants = status(client, d["name"])
-                d["decoded_variants"] = {size: v.to_wire() for size, v in variants.items()}
+                out[d.name] = status(client, d.name)
             except KSpeedError:
                 pass
+    return out
 
 
 def cmd_unload(args: argparse.Namespace) -> int:
@@ -160,13 +169,13 @@ def cmd_refresh(args: argparse.Namespace) -> int:
     # A refresh lists the whole source: it may take longer than an ordinary request.
     settings.timeout = max(settings.timeout, 600.0)
     with admin.connect(settings) as client:
-        result = client.call(Refresh(name=args.name))
-    if result["state"] == "unchanged":
+        result = Refreshed.from_wire(client.call(Refresh(name=args.name)))
+    if result.state == "unchanged":
         print(f"{args.name}: unchanged")
     else:
         print(
-            f"{args.name}: refreshed, {result['changed']} files changed, "
-            f"{result['kept']} of {result['segments']} segments kept"
+            f"{args.name}: refreshed, {result.changed} files changed, "
+            f"{result.kept} of {result.segments} segments kept"
         )
     return 0
 

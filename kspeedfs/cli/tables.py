@@ -6,6 +6,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+from kspeedfs.client.tier_bytes import ClusterTiers
+from kspeedfs.format.contract.decoded import VariantSummary
+from kspeedfs.format.contract.node import DatasetEntry, DatasetListing
 from kspeedfs.format.readthrough_view import READTHROUGH
 from kspeedfs.format.units import format_size
 
@@ -17,38 +20,49 @@ LS_COLUMNS = (
 )
 
 
-def ls_table(datasets: list[dict[str, Any]]) -> list[tuple[str, ...]]:
+def ls_table(
+    listing: DatasetListing,
+    tiers: dict[str, ClusterTiers],
+    variants: dict[str, dict[str, VariantSummary]],
+) -> list[tuple[str, ...]]:
     """Rows for `kspeedfs ls`: MEMORY and DISK are the bytes on each tier summed over the
-    dataset's members, with a `?` where a member did not answer (then they are a lower bound)."""
+    dataset's members, with a `?` where a member did not answer (then they are a lower bound).
+    `tiers` and `variants` by dataset name (cluster_tiers, decoded.status)."""
     rows: list[tuple[str, ...]] = [
         ("NAME", "FILES", "BYTES", "STATE", "LIFETIME", "MEMORY", "DISK", "SOURCE")
     ]
-    for d in datasets:
-        files = d.get("files", d.get("files_total", 0))
-        size = d.get("bytes", d.get("bytes_total", 0))
-        state = d["state"]
-        if state == "loading" and d.get("bytes_total"):
-            state = f"loading {100 * d['bytes_done'] / d['bytes_total']:.0f}%"
+    for d in listing.datasets:
+        if isinstance(d, DatasetEntry):
+            files, size, lifetime = d.files, d.bytes, d.lifetime
+            memory, disk = d.stored, d.disk_stored
+        else:  # a load under way, or failed
+            files, size, lifetime, memory, disk = d.files_total, d.bytes_total, "-", 0, 0
+        state: str = d.state
+        if state == "loading" and d.bytes_total:
+            state = f"loading {100 * d.bytes_done / d.bytes_total:.0f}%"
         if state == "failed":
-            state = f"failed: {d.get('error', '')}"
-        unsure = "?" if d.get("unanswered") else ""
+            state = f"failed: {d.error}"
+        unsure = ""
+        over = tiers.get(d.name)
+        if over is not None:
+            memory, disk = over.memory_bytes, over.disk_bytes
+            unsure = "?" if over.unanswered else ""
         rows.append(
             (
-                d["name"],
+                d.name,
                 str(files),
                 format_size(size),
                 state,
-                d.get("lifetime", "-"),
-                format_size(d.get("memory_bytes", d.get("stored", 0))) + unsure,
-                format_size(d.get("disk_bytes", d.get("disk_stored", 0))) + unsure,
-                d.get("source", ""),
+                lifetime,
+                format_size(memory) + unsure,
+                format_size(disk) + unsure,
+                d.source,
             )
         )
-        if d.get("decoded_variants"):
+        if variants.get(d.name):
             from kspeedfs.client.decoded import describe
 
-            variants = d["decoded_variants"].values()
-            rows[-1] += (", ".join(describe(v) for v in variants),)
+            rows[-1] += (", ".join(describe(v) for v in variants[d.name].values()),)
     if any(len(r) > len(rows[0]) for r in rows):
         cols = len(rows[0])
         rows = [rows[0] + ("DECODED",)] + [r + ("-",) * (cols + 1 - len(r)) for r in rows[1:]]

@@ -5,12 +5,18 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Sequence
-from typing import Any
 
 from kspeedfs.format.config import Settings
 from kspeedfs.format.contract.node import NodeStatus, Status, Unload
-from kspeedfs.format.contract.preload import LoadProgress, Preload
-from kspeedfs.format.contract.readthrough import FillSegment, RegisterSource
+from kspeedfs.format.contract.preload import (
+    LoadProgress,
+    Preload,
+    PreloadStarted,
+    Progressing,
+    Published,
+    load_status_from_wire,
+)
+from kspeedfs.format.contract.readthrough import Filled, FillSegment, Registered, RegisterSource
 from kspeedfs.format.errors import (
     AlreadyExists,
     DataError,
@@ -63,13 +69,22 @@ def connect_within(settings: Settings, seconds: float) -> NodeClient:
         time.sleep(RETRY_S)
 
 
-def preload_done(progress: dict[str, Any], what: str) -> bool:
-    """The one reading of a `progress` reply: True once ready, False while loading; a failed
+def load_status(
+    client: NodeClient, name: str, wait_for_change_after: int = -1, wait_s: float = 0.0
+) -> Progressing | Published:
+    """`progress` of `name`: its load's progress, or its record once published; long-polled
+    past `wait_for_change_after` (a version seen before) for up to `wait_s` seconds."""
+    request = LoadProgress(name=name, wait_for_change_after=wait_for_change_after, wait_s=wait_s)
+    return load_status_from_wire(client.call(request))
+
+
+def preload_done(progress: Progressing | Published, what: str) -> bool:
+    """The one reading of a `progress` answer: True once ready, False while loading; a failed
     load raises DataError ("{what} failed: why")."""
-    if progress["state"] == "ready":
+    if progress.state == "ready":
         return True
-    if progress["state"] == "failed":
-        raise DataError(f"{what} failed: {progress.get('error', '')}")
+    if progress.state == "failed":
+        raise DataError(f"{what} failed: {progress.error}")
     return False
 
 
@@ -78,25 +93,23 @@ def wait_ready(
     name: str,
     what: str | None = None,
     progress_label: str | None = None,
-    first: dict[str, Any] | None = None,
     wait_s: float = PROGRESS_WAIT_S,
-) -> dict[str, Any]:
-    """Wait for `name` to be ready (returns the last `progress` reply) or failed (DataError):
+) -> Progressing | Published:
+    """Wait for `name` to be ready (returns the last `progress` answer) or failed (DataError):
     `progress` is long-polled, answered when the load's state changes or after `wait_s`.
 
-    `progress_label` shows a progress bar with that label; `first` is a reply already in hand.
+    `progress_label` shows a progress bar with that label.
     """
     what = what or f"preload of {name}"
     bar = ProgressBar(progress_label) if progress_label else None
     try:
-        p = first or client.call(LoadProgress(name=name))
+        p = load_status(client, name)
         while True:
             if bar is not None:
-                bar.update(p["files_done"], p["files_total"], p["bytes_done"], p["bytes_total"])
+                bar.update(p.files_done, p.files_total, p.bytes_done, p.bytes_total)
             if preload_done(p, what):
                 return p
-            seen = int(p.get("version", -1))
-            p = client.call(LoadProgress(name=name, wait_for_change_after=seen, wait_s=wait_s))
+            p = load_status(client, name, wait_for_change_after=p.version, wait_s=wait_s)
     finally:
         if bar is not None:
             bar.close()
@@ -113,7 +126,7 @@ def start_preload(
     tier: str = "auto",
     max_memory: int = 0,
     max_disk: int = 0,
-) -> dict[str, Any]:
+) -> PreloadStarted:
     """Ask for a load of `src` (normalized) as `name`; answers once the node has scanned it.
     `meta`: meta files in it (relative paths) to index as well; `tier`: where its segments
     go (memory, disk, or auto: memory first); `max_memory`, `max_disk`: the most bytes of
@@ -123,7 +136,7 @@ def start_preload(
     request = Preload.from_wire(
         {**fields, "endpoint": endpoint, "meta": list(meta), "tier": tier, **caps}
     )
-    return client.call(request, answer_within=SCAN_TIMEOUT)
+    return PreloadStarted.from_wire(client.call(request, answer_within=SCAN_TIMEOUT))
 
 
 def preload(
@@ -139,9 +152,10 @@ def preload(
     tier: str = "auto",
     max_memory: int = 0,
     max_disk: int = 0,
-) -> dict[str, Any]:
+) -> PreloadStarted | Progressing | Published:
     """Ask the node to load `source` (a folder or an s3:// URL) as `name`; with `wait`, poll
-    until ready or failed (Ctrl-C cancels the load). The caps hold on each node (0: none)."""
+    until ready or failed (Ctrl-C cancels the load) and return the last `progress` answer,
+    else the load's start. The caps hold on each node (0: none)."""
     validate_name(name)
     src = normalize_source(source)
     with connect(settings) as client:
@@ -166,16 +180,16 @@ def ensure_loaded(
     lifetime: str = "offline",
     progress_label: str | None = None,
     meta: Sequence[str] = (),
-) -> dict[str, Any]:
+) -> Progressing | Published:
     """Make sure `name` is loaded: wait for it when the node holds it or is loading it (the
     source is not even looked at then), else preload it from `source` and wait."""
     validate_name(name)
     with connect(settings) as client:
         try:
-            current: dict[str, Any] | None = client.call(LoadProgress(name=name))
+            current: Progressing | Published | None = load_status(client, name)
         except NotFound:
             current = None
-        if current is None or current["state"] == "failed":
+        if current is None or current.state == "failed":
             try:
                 start_preload(client, name, normalize_source(source), lifetime, meta=meta)
                 log.info("preloading %s as %s (%s)", source, name, lifetime)
@@ -192,17 +206,19 @@ def preload_partial(
     endpoint: str = "",
     max_memory: int = 0,
     max_disk: int = 0,
-) -> dict[str, Any]:
+) -> tuple[int, int]:
     """`preload --partial`: the source's read-through dataset on the node (with its caps, when
     it is created), its segments filled now, in order, while they fit the node's free memory
     and the dataset's cap; the rest is read through from the source when asked. Every byte is
     filled as any read-through fill is (checked against the version listed, SourceChanged
-    when a file changed). Returns its record, with `segments_loaded` (resident now)."""
+    when a file changed). Returns its segments resident now, and its segments in all."""
     register_source(settings, source, endpoint, name, max_memory, max_disk)
     with connect(settings) as client:
-        record = client.call(LoadProgress(name=name))
-        segments = int(record.get("segments") or 0)
-        typical = -(-int(record.get("bytes", 0)) // max(segments, 1))  # a segment, rounded up
+        record = load_status(client, name)
+        if not isinstance(record, Published):  # unloaded and loading again meanwhile
+            raise DataError(f"partial preload of {name}: it is {record.state} again")
+        segments = record.segments
+        typical = -(-record.bytes // max(segments, 1))  # a segment, rounded up
         held: set[int] = set()
         for seg in range(segments):
             status = NodeStatus.from_wire(client.call(Status()))
@@ -212,17 +228,18 @@ def preload_partial(
             if status.budget - status.used < typical:
                 break  # full: the rest is read through
             while True:
-                reply = client.call(FillSegment(name=name, segment=seg, uuid=record["uuid"]))
-                if reply["state"] != "filling":
+                fill = FillSegment(name=name, segment=seg, uuid=record.uuid)
+                filled = Filled.from_wire(client.call(fill))
+                if filled.state != "filling":
                     break
-            if reply["state"] == "failed":
-                raise DataError(f"partial preload of {name}: segment {seg}: {reply['error']}")
-            if reply["state"] == "source":
+            if filled.state == "failed":
+                raise DataError(f"partial preload of {name}: segment {seg}: {filled.error}")
+            if filled.state == "source":
                 break  # not kept: its cap (its share of memory) is full
             before, held = held, _resident(NodeStatus.from_wire(client.call(Status())), name)
             if len(held) <= len(before):
                 break  # kept in place of one of its own (an lru node at the cap): full
-    return {**record, "segments_loaded": len(held)}
+    return len(held), segments
 
 
 def _resident(status: NodeStatus, name: str) -> set[int]:
@@ -247,6 +264,7 @@ def register_source(
         name=name, source=source, endpoint=endpoint, max_memory=max_memory, max_disk=max_disk
     )
     with connect(settings) as client:
-        reply = client.call(request)
-        wait_ready(client, name, what=f"listing {source}", first=reply)
+        registered = Registered.from_wire(client.call(request))
+        if registered.state != "ready":
+            wait_ready(client, name, what=f"listing {source}")
     return name

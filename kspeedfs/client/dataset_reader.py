@@ -12,7 +12,6 @@ from __future__ import annotations
 import dataclasses
 import threading
 from collections.abc import Sequence
-from typing import Any
 
 import numpy as np
 import xxhash
@@ -21,6 +20,7 @@ from kspeedfs.client.handle import DatasetHandle
 from kspeedfs.client.reader import ClusterReader, count_hit, local_node_for
 from kspeedfs.client.touches import TouchReporter
 from kspeedfs.format.config import Settings
+from kspeedfs.format.contract.node import DatasetEntry
 from kspeedfs.format.contract.readthrough import PlanReq
 from kspeedfs.format.errors import DataError, InvalidArgument
 from kspeedfs.format.localdata import LocalDataset
@@ -38,7 +38,7 @@ class CacheRef:
     name: str
     uuid: str
     source: str
-    info: dict[str, Any]  # the node's listing entry (members, path, replicas, lifetime)
+    info: DatasetEntry  # the node's listing entry (members, path, replicas, lifetime)
     local: bool | None  # None: map where possible; True: must map; False: always the network
 
     @property

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import time
-from typing import Any
 
 from kspeedfs.format.contract.decoded import (
     DatasetVariants,
@@ -33,9 +32,9 @@ def status(client: NodeClient, name: str) -> dict[str, VariantSummary]:
 
 def wait(
     client: NodeClient, name: str, size: int, progress_label: str | None = None
-) -> dict[str, Any]:
+) -> VariantSummary:
     """Poll until the variant is ready on every member (DataError when one failed); its
-    summary's fields, as `describe` and `ls --json` show them."""
+    summary over them."""
     bar = ProgressBar(progress_label) if progress_label else None
     try:
         while True:
@@ -47,17 +46,17 @@ def wait(
             if v.state == "failed":
                 raise DataError(f"decoding {name} at {size} failed: {v.error}")
             if v.state == "ready":
-                return v.to_wire()
+                return v
             time.sleep(POLL_S)
     finally:
         if bar is not None:
             bar.close()
 
 
-def describe(v: dict[str, Any]) -> str:
+def describe(v: VariantSummary) -> str:
     """`256: 100% (1.2 GiB)` for `ls`."""
     from kspeedfs.format.units import format_size
 
-    pct = 100.0 * v["files_done"] / v["files_total"] if v["files_total"] else 100.0
-    state = "" if v["state"] in ("ready", "filling") else f" {v['state']}"
-    return f"{v['size']}: {pct:.0f}% ({format_size(v['bytes'])}){state}"
+    pct = 100.0 * v.files_done / v.files_total if v.files_total else 100.0
+    state = "" if v.state in ("ready", "filling") else f" {v.state}"
+    return f"{v.size}: {pct:.0f}% ({format_size(v.bytes)}){state}"

@@ -17,7 +17,7 @@ from typing import Any
 
 from kspeedfs.client import admin
 from kspeedfs.format.config import Settings
-from kspeedfs.format.contract.node import List
+from kspeedfs.format.contract.node import DatasetEntry, DatasetListing, List, LoadingEntry
 from kspeedfs.format.errors import InvalidArgument
 from kspeedfs.system.mountinfo import mount_entries
 
@@ -96,11 +96,11 @@ def check_dataset(on: MountedPath, objname: str | None = None) -> None:
         raise InvalidArgument(f"{on.describe()}, not of dataset {objname}")
 
 
-def held_here(settings: Settings, on: MountedPath) -> dict[str, Any] | None:
+def held_here(settings: Settings, on: MountedPath) -> DatasetEntry | LoadingEntry | None:
     """The listing of the dataset behind `on` where these nodes hold it (same name and
     source); None where they do not: that mount is another cluster's, a source like any
     other."""
     with admin.connect(settings) as client:
-        listed = client.call(List())["datasets"]
-    found = [d for d in listed if d["name"] == on.dataset and d.get("source") == on.source]
+        listed = DatasetListing.from_wire(client.call(List())).datasets
+    found = [d for d in listed if d.name == on.dataset and d.source == on.source]
     return found[0] if found else None

@@ -40,9 +40,16 @@ from kspeedfs.client.health import NodeHealth
 from kspeedfs.client.transport import open_transport
 from kspeedfs.format.config import Settings
 from kspeedfs.format.contract import Request
-from kspeedfs.format.contract.node import List, ManifestPiece, ManifestReq, Ping
+from kspeedfs.format.contract.node import (
+    DatasetEntry,
+    DatasetListing,
+    List,
+    ManifestPiece,
+    ManifestReq,
+    Ping,
+)
 from kspeedfs.format.contract.pieces import BlobPiece, fetch_all
-from kspeedfs.format.contract.readthrough import FillSegment
+from kspeedfs.format.contract.readthrough import Filled, FillSegment
 from kspeedfs.format.contract.scrub import ReportDamage
 from kspeedfs.format.discovery import NodeWatch
 from kspeedfs.format.errors import (
@@ -292,62 +299,57 @@ class ClusterReader:
 
     # Datasets.
 
-    def list_datasets(self) -> dict[str, dict[str, Any]]:
+    def list_datasets(self) -> dict[str, DatasetEntry]:
         """Ready datasets by name, from the first node that answers."""
         _node, listing = self.live_call(List())
-        return {d["name"]: d for d in listing["datasets"] if d.get("state") == "ready"}
+        return DatasetListing.from_wire(listing).ready()
 
-    def open_dataset(self, name: str, info: dict[str, Any] | None = None) -> DatasetHandle:
+    def open_dataset(self, name: str, info: DatasetEntry | None = None) -> DatasetHandle:
         if info is None:
             info = self.list_datasets().get(name)
             if info is None:
                 raise NotFound(f"no dataset named {name!r} in the cache")
         local = self._open_local(info)
-        manifest = local.manifest if local else self._fetch_manifest(name, info["uuid"])
+        manifest = local.manifest if local else self._fetch_manifest(name, info.uuid)
         # The catalog's current placement (etcd: after a heal or a rebalance) before the one the
         # instance was loaded over.
-        members = list(
-            info.get("placed")
-            or manifest.header.get("members")
-            or info.get("members")
-            or self.nodes
-        )
+        members = list(info.placed or manifest.header.get("members") or info.members or self.nodes)
         return DatasetHandle(
             name=name,
-            uuid=info["uuid"],
-            source=str(info.get("source", "")),
+            uuid=info.uuid,
+            source=info.source,
             members=members,
-            replicas=int(manifest.header.get("replicas", info.get("replicas", 1))),
+            replicas=int(manifest.header.get("replicas", info.replicas)),
             manifest=manifest,
             local=local,
-            heals="placed" in info,
-            lost=list(info.get("lost", [])),
+            heals=info.placed is not None,
+            lost=list(info.lost or []),
         )
 
-    def _open_local(self, info: dict[str, Any]) -> LocalDataset | None:
+    def _open_local(self, info: DatasetEntry) -> LocalDataset | None:
         """The local node's copy, when this process can map it."""
         if self.local_node is None:
             return None
         try:
-            _node, listing = self.local_node, self.call(self.local_node, List())
+            listed = DatasetListing.from_wire(self.call(self.local_node, List())).ready()
         except NodeUnreachable:
-            listing = {"datasets": [info]}  # the node is down; its shm folder may still be here
-        for d in listing["datasets"]:
-            if d["name"] == info["name"] and d.get("uuid") == info["uuid"] and d.get("path"):
-                try:
-                    local = open_local(d["path"])
-                except KSpeedError as e:
-                    # Not in the segments' group: the node passes the descriptors instead.
-                    try:
-                        local = passed.attach(self.settings, d["path"], info["name"], info["uuid"])
-                    except KSpeedError as why:
-                        log.info("%s: no local map (%s; %s)", info["name"], e, why)
-                        return None
-                if local.uuid != info["uuid"]:
-                    return None
-                local.on_damage = functools.partial(self._report_damage, info["name"], local.uuid)
-                return local
-        return None
+            listed = {info.name: info}  # the node is down; its shm folder may still be here
+        d = listed.get(info.name)
+        if d is None or d.uuid != info.uuid or not d.path:
+            return None
+        try:
+            local = open_local(d.path)
+        except KSpeedError as e:
+            # Not in the segments' group: the node passes the descriptors instead.
+            try:
+                local = passed.attach(self.settings, d.path, info.name, info.uuid)
+            except KSpeedError as why:
+                log.info("%s: no local map (%s; %s)", info.name, e, why)
+                return None
+        if local.uuid != info.uuid:
+            return None
+        local.on_damage = functools.partial(self._report_damage, info.name, local.uuid)
+        return local
 
     def _report_damage(self, name: str, uuid: str, segments: list[int]) -> None:
         """Tell this machine's node that segments of its copy are damaged (a reader found
@@ -525,18 +527,18 @@ class ClusterReader:
             return True
         request = FillSegment(name=ds.name, uuid=ds.uuid, segment=seg, length=nbytes)
         try:
-            reply = self.call(owner, request)
+            filled = Filled.from_wire(self.call(owner, request))
         except NodeUnreachable as e:
             self.mark_down(owner, str(e))
             return False
         except KSpeedError as e:
             _degraded(ds, str(e))
             return False
-        if reply.get("state") == "source":
+        if filled.state == "source":
             self.stats["not_kept"] += 1  # the owner's policy keeps what it has: not degraded
             return False
-        if reply.get("state") != "cached":
-            _degraded(ds, str(reply.get("error") or f"segment {seg} is still being filled"))
+        if filled.state != "cached":
+            _degraded(ds, filled.error or f"segment {seg} is still being filled")
             return False
         if owner != self.local_node:  # a local one is seen in the map (and may leave it)
             self._filled[(ds.uuid, seg)] = owner

@@ -14,7 +14,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from kspeedfs.format.config import Settings
-from kspeedfs.format.contract.node import List
+from kspeedfs.format.contract.node import DatasetEntry, DatasetListing, List
 from kspeedfs.format.errors import KSpeedError
 from kspeedfs.format.tls import client_context
 from kspeedfs.format.units import parse_address
@@ -36,45 +36,44 @@ class ClusterTiers:
         return dataclasses.asdict(self)
 
 
-def members_of(d: dict[str, Any], asked: str) -> list[str]:
+def members_of(d: DatasetEntry, asked: str) -> list[str]:
     """Where a listed dataset lies: its current placement, else the members it was loaded
     over, else (a dataset of one node) the node asked."""
-    return list(dict.fromkeys(d.get("placed") or d.get("members") or [asked]))
+    return list(dict.fromkeys(d.placed or d.members or [asked]))
 
 
-def cluster_tiers(
-    settings: Settings, asked: str, datasets: list[dict[str, Any]]
-) -> dict[str, ClusterTiers]:
-    """Per ready dataset of the listing node `asked` gave: its bytes per tier on its members."""
-    ready = [d for d in datasets if d.get("state") == "ready"]
+def cluster_tiers(settings: Settings, listing: DatasetListing) -> dict[str, ClusterTiers]:
+    """Per ready dataset of the `listing` a node gave: its bytes per tier on its members."""
+    asked = listing.node
+    ready = listing.ready().values()
     others = sorted({m for d in ready for m in members_of(d, asked)} - {asked})
-    listings: dict[str, list[dict[str, Any]] | str] = {asked: datasets}
+    listings: dict[str, dict[str, DatasetEntry] | str] = {asked: listing.ready()}
     listings.update(_ask_all(settings, others))
     out = {}
     for d in ready:
-        tiers = out[d["name"]] = ClusterTiers()
+        tiers = out[d.name] = ClusterTiers()
         for member in members_of(d, asked):
-            listing = listings[member]
-            if isinstance(listing, str):  # what went wrong
+            listed = listings[member]
+            if isinstance(listed, str):  # what went wrong
                 tiers.unanswered.append(member)
-                tiers.member_bytes[member] = {"error": listing}
+                tiers.member_bytes[member] = {"error": listed}
                 continue
-            memory, disk = _held(listing, d["name"], d.get("uuid"))
+            memory, disk = _held(listed, d.name, d.uuid)
             tiers.memory_bytes += memory
             tiers.disk_bytes += disk
             tiers.member_bytes[member] = {"memory_bytes": memory, "disk_bytes": disk}
     return out
 
 
-def _held(listing: list[dict[str, Any]], name: str, uuid: str | None) -> tuple[int, int]:
+def _held(ready: dict[str, DatasetEntry], name: str, uuid: str) -> tuple[int, int]:
     """A member's memory and disk bytes of one instance (0, 0: it holds none of it)."""
-    for d in listing:
-        if d.get("name") == name and d.get("uuid") == uuid and d.get("state") == "ready":
-            return int(d.get("stored", 0)), int(d.get("disk_stored", 0))
-    return 0, 0
+    d = ready.get(name)
+    if d is None or d.uuid != uuid:
+        return 0, 0
+    return d.stored, d.disk_stored
 
 
-def _ask_all(settings: Settings, nodes: Iterable[str]) -> dict[str, list[dict[str, Any]] | str]:
+def _ask_all(settings: Settings, nodes: Iterable[str]) -> dict[str, dict[str, DatasetEntry] | str]:
     """Each node's listing, asked at the same time; a node that does not answer: why."""
     nodes = list(nodes)
     if not nodes:
@@ -83,13 +82,13 @@ def _ask_all(settings: Settings, nodes: Iterable[str]) -> dict[str, list[dict[st
         return dict(zip(nodes, pool.map(lambda n: _listing(settings, n), nodes), strict=True))
 
 
-def _listing(settings: Settings, node: str) -> list[dict[str, Any]] | str:
+def _listing(settings: Settings, node: str) -> dict[str, DatasetEntry] | str:
+    """The ready datasets of `node`, by name; or why it did not answer."""
     try:
         address = parse_address(node)
         with NodeClient(
             address, settings.credential(), settings.timeout, client_context(settings)
         ) as client:
-            datasets: list[dict[str, Any]] = client.call(List())["datasets"]
-            return datasets
+            return DatasetListing.from_wire(client.call(List())).ready()
     except KSpeedError as e:
         return str(e) or type(e).__name__

@@ -16,7 +16,6 @@ import dataclasses
 import logging
 import threading
 import time
-from typing import Any
 
 from kspeedfs.client import admin
 from kspeedfs.client.reader import local_node_for
@@ -27,8 +26,7 @@ from kspeedfs.format.contract.leases import (
     LeaseRelease,
     LeaseRenew,
 )
-from kspeedfs.format.contract.node import List
-from kspeedfs.format.contract.preload import LoadProgress
+from kspeedfs.format.contract.node import DatasetEntry, DatasetListing, List, LoadingEntry
 from kspeedfs.format.discovery import NodeWatch
 from kspeedfs.format.errors import AlreadyExists, KSpeedError, NotFound
 from kspeedfs.format.tls import client_context
@@ -66,12 +64,13 @@ class WarmDatasets:
             client_context(self.settings),
         )
 
-    def lookup(self, name: str) -> dict[str, Any] | None:
+    def lookup(self, name: str) -> tuple[str, DatasetEntry | LoadingEntry] | None:
+        """The node that answered and its listing of dataset `name` (None: not listed)."""
         with self._client() as client:
-            reply = client.call(List())
-        for d in reply["datasets"]:
-            if d["name"] == name:
-                return {"node": reply["node"], **d}
+            listing = DatasetListing.from_wire(client.call(List()))
+        for d in listing.datasets:
+            if d.name == name:
+                return listing.node, d
         return None
 
     def prepare(self, volume: Volume, timeout: float) -> Volume:
@@ -79,20 +78,20 @@ class WarmDatasets:
         for an unknown dataset and no source, NotResident after `timeout` seconds."""
         deadline = time.monotonic() + timeout
         for _ in range(3):  # unloaded between ready and the lease: look again
-            info = self.lookup(volume.dataset)
-            if info is None or info.get("state") == "failed":
+            found = self.lookup(volume.dataset)
+            if found is None or found[1].state == "failed":
                 if not volume.source:
-                    why = f" (its load failed: {info.get('error')})" if info else ""
+                    why = f" (its load failed: {found[1].error})" if found else ""
                     raise NotFound(
                         f"dataset {volume.dataset} is not in the cache{why} and the volume "
                         f"names no source to load it from"
                     )
                 self._start(volume)
-            info = self._wait_ready(volume, deadline)
-            if info.get("lifetime") != "leased":
+            node, info = self._wait_ready(volume, deadline)
+            if not isinstance(info, DatasetEntry) or info.lifetime != "leased":
                 return volume
             try:
-                return self._lease(volume, info)
+                return self._lease(volume, node, info)
             except NotFound:
                 continue
         raise NotResident(f"dataset {volume.dataset} kept being unloaded while it was published")
@@ -111,32 +110,34 @@ class WarmDatasets:
             except AlreadyExists:
                 pass  # another volume (or job) started it meanwhile: wait for that load
 
-    def _wait_ready(self, volume: Volume, deadline: float) -> dict[str, Any]:
+    def _wait_ready(
+        self, volume: Volume, deadline: float
+    ) -> tuple[str, DatasetEntry | LoadingEntry]:
         name = volume.dataset
         with self._client() as client:
-            p = client.call(LoadProgress(name=name))
+            p = admin.load_status(client, name)
             while not admin.preload_done(p, f"preload of {name} from {volume.source}"):
                 left = deadline - time.monotonic()
                 if left <= 0:
-                    done, total = p.get("bytes_done", 0), p.get("bytes_total", 0)
+                    done, total = p.bytes_done, p.bytes_total
                     raise NotResident(
-                        f"dataset {name} is not resident yet ({p['state']}, {done} of {total} "
+                        f"dataset {name} is not resident yet ({p.state}, {done} of {total} "
                         f"bytes): its load goes on, the next publish waits for it"
                     )
-                seen = int(p.get("version", -1))
                 wait = min(admin.PROGRESS_WAIT_S, max(left, 0.05))
-                p = client.call(LoadProgress(name=name, wait_for_change_after=seen, wait_s=wait))
-        info = self.lookup(name)
-        if info is None:
+                p = admin.load_status(client, name, wait_for_change_after=p.version, wait_s=wait)
+        found = self.lookup(name)
+        if found is None:
             raise NotFound(f"dataset {name} was unloaded as soon as it was ready")
-        return info
+        return found
 
-    def _lease(self, volume: Volume, info: dict[str, Any]) -> Volume:
+    def _lease(self, volume: Volume, node: str, info: DatasetEntry) -> Volume:
+        """`node`: the one that listed `info`, the lease's home when it names no members."""
         if volume.lease:
             return volume
-        home = str((info.get("members") or [info["node"]])[0])
+        home = (info.members or [node])[0]
         holder = f"csi:{self.node_id}:{volume.volume_id}"
-        acquire = LeaseAcquire(name=volume.dataset, uuid=str(info["uuid"]), holder=holder)
+        acquire = LeaseAcquire(name=volume.dataset, uuid=info.uuid, holder=holder)
         with self._client(home) as client:
             held = LeaseHeld.from_wire(client.call(acquire))
         log.info("volume %s: lease on %s at %s", volume.volume_id, volume.dataset, home)
@@ -162,13 +163,13 @@ class WarmDatasets:
                 client.call(LeaseRenew(lease=volume.lease))
             return volume
         except NotFound:
-            info = self.lookup(volume.dataset)
-            if info is None or info.get("state") != "ready":
+            node, info = self.lookup(volume.dataset) or ("", None)
+            if not isinstance(info, DatasetEntry) or info.state != "ready":
                 log.warning("volume %s: dataset %s is gone", volume.volume_id, volume.dataset)
                 return dataclasses.replace(volume, lease="", lease_home="")
             log.warning("volume %s: lease on %s was lost; taking a new one", volume.volume_id,
                         volume.dataset)  # fmt: skip
-            return self._lease(dataclasses.replace(volume, lease=""), info)
+            return self._lease(dataclasses.replace(volume, lease=""), node, info)
 
 
 class LeaseRenewer:

@@ -14,14 +14,13 @@ import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
 
 import trio
 
 from kspeedfs.client.handle import DatasetHandle
 from kspeedfs.client.reader import ClusterReader
 from kspeedfs.format.contract.decoded import Decode
-from kspeedfs.format.contract.node import List
+from kspeedfs.format.contract.node import DatasetEntry, DatasetListing, List
 from kspeedfs.format.errors import KSpeedError, NodeUnreachable, NotFound
 from kspeedfs.format.names import split_variant
 from kspeedfs.fuse import variants
@@ -41,9 +40,10 @@ class MountedDataset:
     name: str
     uuid: str
     data: DatasetHandle
-    info: dict[str, Any] = field(default_factory=dict)  # the node's listing entry
+    info: DatasetEntry | None = None  # the node's listing entry (of `view.base`, for a view)
     # A decoded variant's files or a tar view's (in a worker).
     variant: variants.VariantFiles | variants.TarFiles | None = None
+    view: variants.ViewOf | None = None  # a folder showing another dataset: which, and how
 
 
 @dataclass
@@ -128,9 +128,9 @@ class DatasetList:
         error: KSpeedError | None = None
         for client in self.clients:
             try:
-                listing = await client.call(List())
+                listing = DatasetListing.from_wire(await client.call(List()))
                 if self.single_size is not None and await self._start_variant(client, listing):
-                    listing = await client.call(List())
+                    listing = DatasetListing.from_wire(await client.call(List()))
                 break
             except NodeUnreachable as e:
                 error = e
@@ -140,18 +140,18 @@ class DatasetList:
             self.node_answers = False
             return Change([], [], False, self.mounted_at_ns)
         self.node_answers = True
-        ready = {d["name"]: d for d in listing["datasets"] if d.get("state") == "ready"}
+        ready = listing.ready()
         # Decoded variants (NAME@N) are instances too: listed with their dataset's uuid.
         offered = {} if self.single else variants.offered(ready)
         if self.single and self.single_size is not None and self.single_base in ready:
             # Served from the variant's local pixels where listed, else decoded on demand.
             offered = {self.single: (self.single_base, self.single_size)}
-        listed = {n: d["uuid"] for n, d in ready.items()}
-        listed.update((v, ready[base]["uuid"]) for v, (base, _size) in offered.items())
+        listed = {n: d.uuid for n, d in ready.items()}
+        listed.update((v, ready[base].uuid) for v, (base, _size) in offered.items())
         for name, mounted in self.by_name.items():  # tar views: kept while their dataset is
-            base = mounted.info.get(variants.VARIANT_OF)
-            if variants.is_tar_view(mounted.info) and base in ready:
-                listed[name] = ready[base]["uuid"]
+            view = mounted.view
+            if view is not None and view.size is None and view.base in ready:
+                listed[name] = ready[view.base].uuid
         by_name = dict(self.by_name)
         by_slot = dict(self.by_slot)
         gone = [m for n, m in by_name.items() if listed.get(n) != m.uuid]
@@ -169,7 +169,7 @@ class DatasetList:
             except KSpeedError as e:
                 log.error("cannot open dataset %s: %s", name, e)
                 continue
-            mounted = MountedDataset(self._next_slot, name, d["uuid"], data, d)
+            mounted = MountedDataset(self._next_slot, name, d.uuid, data, d)
             self._next_slot += 1
             by_slot[mounted.slot] = mounted
             by_name[name] = mounted
@@ -180,11 +180,10 @@ class DatasetList:
             if name in by_name or base not in by_name:
                 continue
             of = by_name[base]
-            if size is None:  # a tar view
-                info = variants.tar_view_info(base, ready[base])
-            else:
-                info = variants.variant_info(base, size, ready[base])
-            mounted = MountedDataset(self._next_slot, name, of.uuid, of.data, info)
+            view = variants.ViewOf(base, size)  # size None: a tar view
+            mounted = MountedDataset(
+                self._next_slot, name, of.uuid, of.data, ready[base], view=view
+            )
             self._next_slot += 1
             by_slot[mounted.slot] = mounted
             by_name[name] = mounted
@@ -195,13 +194,13 @@ class DatasetList:
         return Change(gone, added, True, self.mounted_at_ns, forget)
 
     def _tar_views(
-        self, ready: dict[str, Any], by_name: dict[str, MountedDataset]
+        self, ready: dict[str, DatasetEntry], by_name: dict[str, MountedDataset]
     ) -> dict[str, tuple[str, None]]:
         """`NAME@tar` for each open dataset that holds a `.tar` file: {name: (NAME, None)}."""
         out: dict[str, tuple[str, None]] = {}
         for name in ready:
             mounted = by_name.get(name)
-            if mounted is None or variants.is_variant(mounted.info):
+            if mounted is None or mounted.view is not None:
                 continue
             key = (name, mounted.uuid)
             if key not in self._has_tars:
@@ -210,28 +209,28 @@ class DatasetList:
                 out[variants.tar_folder_name(name)] = (name, None)
         return out
 
-    async def _start_variant(self, client: AsyncNodeClient, listing: dict[str, Any]) -> bool:
+    async def _start_variant(self, client: AsyncNodeClient, listing: DatasetListing) -> bool:
         """A mount of NAME@N: start the variant where the node has NAME ready but no such
         variant (as the fast path does), once per instance; True when it was asked for."""
         size = self.single_size
         assert size is not None
-        d = next((d for d in listing["datasets"] if d["name"] == self.single_base), None)
-        if d is None or d.get("state") != "ready" or d["uuid"] == self._variant_started:
+        d = listing.ready().get(self.single_base)
+        if d is None or d.uuid == self._variant_started:
             return False
-        self._variant_started = d["uuid"]
-        state = ((d.get("decoded") or {}).get(str(size)) or {}).get("state")
-        if state in variants.SHOWN_STATES:
+        self._variant_started = d.uuid
+        v = d.decoded.get(str(size))
+        if v is not None and v.state in variants.SHOWN_STATES:
             return False
-        log.info("starting the decoded variant %s of instance %s", self.single, d["uuid"][:8])
+        log.info("starting the decoded variant %s of instance %s", self.single, d.uuid[:8])
         await client.call(
-            Decode(name=self.single_base, size=size, uuid=d["uuid"]), answer_within=SCAN_TIMEOUT
+            Decode(name=self.single_base, size=size, uuid=d.uuid), answer_within=SCAN_TIMEOUT
         )
         return True
 
     def _drop(self, mounted: MountedDataset) -> list[bytes]:
         """Let go of an instance; returns the names under the root the kernel must forget."""
         log.info("dataset %s (instance %s) is gone from the node", mounted.name, mounted.uuid[:8])
-        if mounted.data.local is not None and not variants.is_variant(mounted.info):
+        if mounted.data.local is not None and mounted.view is None:
             mounted.data.local.release()  # its memory returns to the node's machine
         if not self.single:
             return [mounted.name.encode()]
@@ -243,7 +242,7 @@ class DatasetList:
 
     def _top_names(self, mounted: MountedDataset) -> set[bytes]:
         m = mounted.data.manifest
-        if variants.is_variant(mounted.info):
+        if mounted.view is not None:
             return variants.top_names(m)
         return {m.name(child) for child in m.children(0)}
 

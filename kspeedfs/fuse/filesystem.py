@@ -32,6 +32,7 @@ from typing import Any, Protocol
 from kspeedfs.client import on_mount
 from kspeedfs.client.handle import DatasetHandle
 from kspeedfs.client.reader import ClusterReader
+from kspeedfs.format.contract.node import DatasetEntry
 from kspeedfs.format.errors import DataError, KSpeedError, NotFound
 from kspeedfs.format.readthrough_view import ReadThroughDataset
 from kspeedfs.fuse.counters import SOURCE_SLOTS, SharedCounters
@@ -47,14 +48,7 @@ from kspeedfs.fuse.kernel import (
     StatFs,
 )
 from kspeedfs.fuse.listings import pack_folder
-from kspeedfs.fuse.variants import (
-    VARIANT_OF,
-    VARIANT_SIZE,
-    TarFiles,
-    VariantFiles,
-    is_tar_view,
-    is_variant,
-)
+from kspeedfs.fuse.variants import TarFiles, VariantFiles, ViewOf
 
 log = logging.getLogger(__name__)
 
@@ -120,13 +114,15 @@ class KSpeedFS:
 
     # ---- the dataset list, as the supervisor reports it (control thread)
 
-    def add(self, slot: int, name: str, uuid: str, info: dict[str, Any]) -> None:
+    def add(
+        self, slot: int, name: str, uuid: str, info: DatasetEntry | None, view: ViewOf | None
+    ) -> None:
         """Open an instance the supervisor numbered `slot` (blocking: maps its manifest), or a
-        decoded variant of one already open (`NAME@N`: its manifest, its own slot)."""
+        decoded variant or tar view of one already open (`view`: its manifest, its own slot)."""
         variant = None
         try:
-            if is_variant(info):
-                data, variant = self._open_variant(name, uuid, info)
+            if view is not None:
+                data, variant = self._open_variant(name, uuid, view)
             else:
                 data = self.reader.open_dataset(name, info)
         except KSpeedError as e:
@@ -140,7 +136,9 @@ class KSpeedFS:
                 del by_slot[old.slot]
                 self._forget_listings(old.slot)
                 _release(old)
-            by_slot[slot] = by_name[name] = MountedDataset(slot, name, uuid, data, info, variant)
+            by_slot[slot] = by_name[name] = MountedDataset(
+                slot, name, uuid, data, info, variant, view
+            )
             self.by_slot, self.by_name = by_slot, by_name
             self._slots_heard = max(self._slots_heard, slot)
             self._slots_changed.notify_all()
@@ -151,14 +149,14 @@ class KSpeedFS:
             self._slots_changed.notify_all()
 
     def _open_variant(
-        self, name: str, uuid: str, info: dict[str, Any]
+        self, name: str, uuid: str, view: ViewOf
     ) -> tuple[DatasetHandle, VariantFiles | TarFiles]:
-        base = self.by_name.get(info[VARIANT_OF])
+        base = self.by_name.get(view.base)
         if base is None or base.uuid != uuid or base.variant is not None:
-            raise NotFound(f"no instance {uuid[:8]} of {info[VARIANT_OF]} for {name}")
-        if is_tar_view(info):
+            raise NotFound(f"no instance {uuid[:8]} of {view.base} for {name}")
+        if view.size is None:
             return base.data, TarFiles(self.reader, base.data)
-        return base.data, VariantFiles(self.reader, base.data, int(info[VARIANT_SIZE]))
+        return base.data, VariantFiles(self.reader, base.data, view.size)
 
     def drop(self, slot: int) -> None:
         with self._tables_lock:

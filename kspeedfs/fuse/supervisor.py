@@ -26,7 +26,7 @@ from kspeedfs.format.config import Settings
 from kspeedfs.format.contract.readthrough import Touch
 from kspeedfs.format.errors import KSpeedError, MountError
 from kspeedfs.fuse.counters import SharedCounters
-from kspeedfs.fuse.datasets import Change, DatasetList
+from kspeedfs.fuse.datasets import Change, DatasetList, MountedDataset
 from kspeedfs.fuse.kernel import ROOT_INODE, FuseSession
 from kspeedfs.fuse.worker import EXIT_DETACHED, MESSAGE_MAX
 from kspeedfs.net.aconnection import AsyncNodeClient
@@ -100,7 +100,7 @@ class Workers:
             self._invalidations += 1
             self._to_forget.append((self._changes, change.forget, self._invalidations))
         for mounted in change.added:
-            self._broadcast(("add", mounted.slot, mounted.name, mounted.uuid, mounted.info))
+            self._broadcast(_added(mounted))
         for mounted in change.dropped:
             self._broadcast(("drop", mounted.slot, self._invalidations))
         self._broadcast(("refreshed", change.node_answers, change.mounted_at_ns, self._changes))
@@ -136,7 +136,7 @@ class Workers:
         """What a new worker is told first: every dataset, then "refreshed"."""
         d = self.datasets
         hello = ("hello", self.settings, self.dataset, index, self.count)
-        adds = [("add", m.slot, m.name, m.uuid, m.info) for m in d.by_slot.values()]
+        adds = [_added(m) for m in d.by_slot.values()]
         return [hello, *adds, ("refreshed", d.node_answers, d.mounted_at_ns, self._changes)]
 
     # ---- one worker slot
@@ -287,6 +287,11 @@ class Workers:
         for proc in procs:
             if proc.returncode is None:
                 proc.kill()
+
+
+def _added(m: MountedDataset) -> tuple[Any, ...]:
+    """The message that tells a worker to open an instance (KSpeedFS.add's arguments)."""
+    return ("add", m.slot, m.name, m.uuid, m.info, m.view)
 
 
 def _describe(code: int) -> str:

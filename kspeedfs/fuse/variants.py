@@ -20,6 +20,7 @@ it.
 
 from __future__ import annotations
 
+import dataclasses
 import errno
 import logging
 import os
@@ -35,6 +36,7 @@ from kspeedfs.client.handle import DatasetHandle
 from kspeedfs.client.reader import ClusterReader
 from kspeedfs.format import decoded as fmt
 from kspeedfs.format import tarview
+from kspeedfs.format.contract.node import DatasetEntry
 from kspeedfs.format.errors import DataError, KSpeedError, NotFound
 from kspeedfs.format.localdata import LocalDataset
 from kspeedfs.fuse.kernel import Buffer, FuseError, ReadResult
@@ -43,32 +45,30 @@ log = logging.getLogger(__name__)
 
 PPM = b".ppm"
 DECIDED_BYTES = 64 << 20  # per process: PPMs decoded here, kept for the reads that follow
-VARIANT_OF = "variant_of"  # keys of a variant's listing info (what the supervisor sends)
-VARIANT_SIZE = "variant_size"
 SHOWN_STATES = ("filling", "ready")  # a variant whose index is written
+
+
+@dataclasses.dataclass(frozen=True)
+class ViewOf:
+    """A folder that shows dataset `base` another way (what the supervisor sends with it):
+    its decoded variant at `size`, or (size None) its tar view."""
+
+    base: str
+    size: int | None = None
 
 
 def folder_name(name: str, size: int) -> str:
     return f"{name}@{size}"
 
 
-def offered(ready: dict[str, dict[str, Any]]) -> dict[str, tuple[str, int]]:
+def offered(ready: dict[str, DatasetEntry]) -> dict[str, tuple[str, int]]:
     """The variant folders a node's listing of ready datasets offers: {NAME@N: (NAME, N)}."""
     out: dict[str, tuple[str, int]] = {}
     for name, d in ready.items():
-        for size, v in (d.get("decoded") or {}).items():
-            if isinstance(v, dict) and v.get("state") in SHOWN_STATES:
+        for size, v in d.decoded.items():
+            if v.state in SHOWN_STATES:
                 out[folder_name(name, int(size))] = (name, int(size))
     return out
-
-
-def variant_info(base: str, size: int, info: dict[str, Any]) -> dict[str, Any]:
-    """The listing info a variant folder is added with (its dataset's, marked)."""
-    return {**info, VARIANT_OF: base, VARIANT_SIZE: size}
-
-
-def is_variant(info: dict[str, Any]) -> bool:
-    return VARIANT_OF in info
 
 
 def top_names(manifest: Any) -> set[bytes]:
@@ -275,21 +275,12 @@ def _clip(data: Buffer, offset: int, size: int) -> memoryview:
 
 # ---- the tar view: `NAME@tar/`
 
-TAR_VIEW = "tar_view"  # in a variant's listing info: the tar view rather than a decoded size
 TAR_SUFFIX = "@tar"
 MAX_INDEX = (1 << 32) - 2  # an inode's entry part (inode = slot << 32 | index + 1)
 
 
 def tar_folder_name(name: str) -> str:
     return f"{name}{TAR_SUFFIX}"
-
-
-def tar_view_info(base: str, info: dict[str, Any]) -> dict[str, Any]:
-    return {**info, VARIANT_OF: base, TAR_VIEW: True}
-
-
-def is_tar_view(info: dict[str, Any]) -> bool:
-    return bool(info.get(TAR_VIEW))
 
 
 def tar_entries(manifest: Any) -> Any:

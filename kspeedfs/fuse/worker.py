@@ -107,8 +107,8 @@ class SupervisorLink:
         """Apply a message of the supervisor to `fs` (an interrupt: to `loop`, once it serves)."""
         kind = message[0]
         if kind == "add":
-            _, slot, name, uuid, info = message
-            fs.add(slot, name, uuid, info)
+            _, slot, name, uuid, info, view = message
+            fs.add(slot, name, uuid, info, view)
         elif kind == "drop":
             _, slot, invalidation = message
             with self._state:

@@ -30,6 +30,7 @@ from kspeedfs.client.dataset_reader import CacheRef, Reader
 from kspeedfs.client.job_settings import client_settings
 from kspeedfs.client.reader import ClusterReader, local_node_for
 from kspeedfs.format import tarview
+from kspeedfs.format.contract.node import DatasetEntry
 from kspeedfs.format.errors import (
     DataError,
     InvalidArgument,
@@ -75,7 +76,7 @@ class KSpeedFileSystem(AbstractFileSystem):
             self.settings, None if local is False else local_node_for(self.settings)
         )
         self._lock = threading.Lock()
-        self._ready: dict[str, dict[str, Any]] = {}
+        self._ready: dict[str, DatasetEntry] = {}
         self._listed_at = -float("inf")
         self._ever_listed = False
         self._readers: dict[str, Reader] = {}
@@ -116,7 +117,7 @@ class KSpeedFileSystem(AbstractFileSystem):
 
     # Datasets and instances.
 
-    def _datasets(self, force: bool = False) -> dict[str, dict[str, Any]]:
+    def _datasets(self, force: bool = False) -> dict[str, DatasetEntry]:
         if not force and time.monotonic() - self._listed_at < self.refresh:
             return self._ready
         with self._lock:
@@ -144,17 +145,17 @@ class KSpeedFileSystem(AbstractFileSystem):
         for _attempt in range(3):
             if info is None:
                 raise NoSuchPath(f"no dataset named {name!r} in the cache")
-            uuid = str(info["uuid"])
+            uuid = info.uuid
             with self._lock:
                 reader = self._readers.get(name)
             if reader is not None and reader.ref.uuid == uuid:
                 return reader
-            ref = CacheRef(self.settings, name, uuid, str(info["source"]), info, self.local)
+            ref = CacheRef(self.settings, name, uuid, info.source, info, self.local)
             try:
                 reader = Reader(ref)
             except (NotFound, DataError):
                 info = self._datasets(force=True).get(name)
-                if info is not None and str(info["uuid"]) == uuid:
+                if info is not None and info.uuid == uuid:
                     raise  # not a reload under way: a real failure to open it
                 continue  # unloaded or loaded again meanwhile: look again
             with self._lock:
@@ -358,7 +359,7 @@ class KSpeedFileSystem(AbstractFileSystem):
                 "size": 0,
                 "type": "directory",
                 "dataset": name,
-                "instance": str(info["uuid"]),
+                "instance": info.uuid,
             }
             for name, info in sorted(self._datasets().items())
         ]

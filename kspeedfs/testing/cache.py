@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from kspeedfs.client import admin
+from kspeedfs.format.contract.preload import PreloadStarted, Progressing, Published
 from kspeedfs.format.units import Address
 from kspeedfs.system.mountinfo import lazy_unmount
 from kspeedfs.testing.mount import MountProcess
@@ -59,7 +60,9 @@ class LocalCache:
         self.config_file.write_text("")
         self.node.start()
 
-    def preload(self, source: Path, name: str, show_progress: bool = True) -> dict[str, Any]:
+    def preload(
+        self, source: Path, name: str, show_progress: bool = True
+    ) -> PreloadStarted | Progressing | Published:
         return admin.preload(self.settings, str(source), name, show_progress=show_progress)
 
     def request(self, op: str, **args: Any) -> dict[str, Any]:

@@ -11,6 +11,7 @@ from conftest import NodeProcess, run_cli
 
 from kspeedfs.client.reader import ClusterReader
 from kspeedfs.format.config import load_settings
+from kspeedfs.format.contract.node import DatasetListing
 from kspeedfs.fuse.datasets import SLOT_SHIFT
 from kspeedfs.fuse.filesystem import KSpeedFS
 from kspeedfs.fuse.kernel import FuseError
@@ -34,10 +35,10 @@ def test_a_slot_not_heard_of_yet_is_waited_for_and_a_dropped_one_is_stale(
     settings = load_settings({"nodes": node.address, "token_file": str(node.token_file)})
     reader = ClusterReader(settings, node.address)
     fs = KSpeedFS(reader, QuietSupervisor())
-    info = next(d for d in node.request("list")["datasets"] if d["name"] == "ds")
+    info = DatasetListing.from_wire(node.request("list")).ready()["ds"]
     try:
         # Another worker handed out inodes of slot 1; this one opens it a moment later.
-        late = threading.Timer(0.3, fs.add, args=(1, "ds", info["uuid"], info))
+        late = threading.Timer(0.3, fs.add, args=(1, "ds", info.uuid, info, None))
         late.start()
         mounted, idx = fs._locate((1 << SLOT_SHIFT) | 1)
         assert (mounted.slot, mounted.name, idx) == (1, "ds", 0)

@@ -8,7 +8,7 @@ import pytest
 from conftest import NodeProcess
 
 from kspeedfs.client import admin
-from kspeedfs.format.errors import AlreadyExists, DataError, InvalidArgument
+from kspeedfs.format.errors import AlreadyExists, InvalidArgument
 from kspeedfs.node.loads import state_version
 
 
@@ -17,23 +17,16 @@ def test_ensure_loaded_loads_once_then_joins_without_the_source(
 ) -> None:
     settings = node.settings()
     first = admin.ensure_loaded(settings, str(tree), "ds")
-    assert first["state"] == "ready" and first["files_done"] == first["files_total"] > 0
+    assert first.state == "ready" and first.files_done == first.files_total > 0
     (before,) = node.request("list")["datasets"]
     # Loaded already: the source is not looked at (a mountd or job whose source is gone).
     again = admin.ensure_loaded(settings, str(tmp_path / "gone"), "ds")
-    assert again["state"] == "ready"
+    assert again.state == "ready"
     (after,) = node.request("list")["datasets"]
     assert after["uuid"] == before["uuid"]
     # The CLI's preload refuses instead.
     with pytest.raises(AlreadyExists):
         admin.preload(settings, str(tree), "ds", show_progress=False)
-
-
-def test_a_failed_progress_reply_is_an_error_naming_the_load() -> None:
-    assert admin.preload_done({"state": "ready"}, "preload of ds")
-    assert not admin.preload_done({"state": "loading"}, "preload of ds")
-    with pytest.raises(DataError, match="^preload of ds failed: disk on fire$"):
-        admin.preload_done({"state": "failed", "error": "disk on fire"}, "preload of ds")
 
 
 def test_progress_is_long_polled_and_never_held_past_its_cap(node: NodeProcess, tree: Path) -> None:

@@ -30,6 +30,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from kspeedfs.client import admin
 from kspeedfs.client.dataset_reader import CacheRef, Reader
 from kspeedfs.format import localdata
+from kspeedfs.format.contract.node import DatasetEntry
 from kspeedfs.format.errors import DataError, KSpeedError
 from kspeedfs.format.localdata import MANIFEST_FILE, LocalDataset
 from kspeedfs.format.manifest import Manifest
@@ -148,8 +149,8 @@ def test_ls_sums_each_tier_over_the_members_and_marks_one_that_does_not_answer(
 
 def open_reader(node: NodeProcess, name: str) -> Reader:
     """This process's reader of dataset `name` (the node is local: its segments are mapped)."""
-    info = _listed(node, name)
-    return Reader(CacheRef(node.settings(), name, info["uuid"], info["source"], info, None))
+    info = DatasetEntry.from_wire(_listed(node, name))
+    return Reader(CacheRef(node.settings(), name, info.uuid, info.source, info, None))
 
 
 def _listed(node: NodeProcess, name: str) -> dict:

@@ -32,13 +32,20 @@ class _Bad(Exception):
     """A field's value refused; becomes one InvalidArgument naming the op and the field."""
 
 
-def checked(check: Callable[[Any], Any], default: Any = _MISSING) -> Any:
+def checked(
+    check: Callable[[Any], Any], default: Any = _MISSING, factory: Callable[[], Any] = _MISSING
+) -> Any:
     """A field whose value, once of the right type, also passes `check` (which returns the
-    value to keep, or raises InvalidArgument or ValueError with the reason)."""
+    value to keep, or raises InvalidArgument or ValueError with the reason). `factory` makes
+    the default of a list or dict field."""
+    if factory is not _MISSING:
+        return dataclasses.field(default_factory=factory, metadata={_CHECK: check})
     return dataclasses.field(default=default, metadata={_CHECK: check})
 
 
-def at_least(minimum: int | float, default: Any = _MISSING) -> Any:
+def at_least(
+    minimum: int | float, default: Any = _MISSING, factory: Callable[[], Any] = _MISSING
+) -> Any:
     """A number field (or list of numbers) of at least `minimum`; None passes, for an
     optional field."""
 
@@ -49,7 +56,7 @@ def at_least(minimum: int | float, default: Any = _MISSING) -> Any:
                 raise _Bad(f"must be at least {minimum}, not {v}")
         return value
 
-    return checked(check, default)
+    return checked(check, default, factory)
 
 
 def dataset_name(default: Any = _MISSING) -> Any:

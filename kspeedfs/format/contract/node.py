@@ -118,10 +118,11 @@ class DatasetEntry(Wire):
     segments: int = at_least(0)
     held: list[int] = at_least(0)
     members: list[str]  # the nodes it was placed over at its load
-    disk: list[int] = at_least(0)  # held segments on the disk tier
-    disk_stored: int = at_least(0)
-    max_memory: int = at_least(0)
-    max_disk: int = at_least(0)
+    # Absent from the listings of nodes older than the disk tier and the caps:
+    disk: list[int] = at_least(0, factory=list)  # held segments on the disk tier
+    disk_stored: int = at_least(0, default=0)
+    max_memory: int = at_least(0, default=0)
+    max_disk: int = at_least(0, default=0)
     state: DatasetState = "ready"
     files_total: int = at_least(0)
     bytes_total: int = at_least(0)
@@ -130,7 +131,8 @@ class DatasetEntry(Wire):
     elapsed: float = 0.0
     error: str = ""
     leases: int = at_least(0)
-    decoded: dict[str, VariantProgress]  # size -> its variant here
+    # size -> its variant here (absent from the listings of nodes older than the variants)
+    decoded: dict[str, VariantProgress] = dataclasses.field(default_factory=dict)
     placed: list[str] | None = None
     lost: list[str] | None = None
 
@@ -166,6 +168,12 @@ class DatasetListing(Wire):
 
     node: str
     datasets: list[DatasetEntry | LoadingEntry]
+
+    def ready(self) -> dict[str, DatasetEntry]:
+        """The published datasets, by name."""
+        return {
+            d.name: d for d in self.datasets if isinstance(d, DatasetEntry) and d.state == "ready"
+        }
 
 
 @dataclasses.dataclass(frozen=True)

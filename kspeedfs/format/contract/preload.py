@@ -30,6 +30,10 @@ LOAD_STATES: tuple[LoadState, ...] = get_args(LoadState)
 # The longest a long-polled answer is held back: well inside a client's timeout.
 MAX_WAIT_S = 5.0
 
+# The version of an answer that carries none (a node older than the long poll): a caller that
+# passes it on is answered at once, as that node always answers.
+UNVERSIONED = -1
+
 
 def state_version(state: str) -> int:
     """The version of a state (1 on, in the order of LOAD_STATES; 0 for one not listed)."""
@@ -214,9 +218,9 @@ class Progressing(Wire):
     files_done: int = at_least(0)
     bytes_done: int = at_least(0)
     elapsed: float = at_least(0)
-    error: str  # why it failed, in one line
-    error_kind: str  # the error's class, so a coordinator raises the same one
-    version: int = at_least(0)
+    error: str = ""  # why it failed, in one line
+    error_kind: str = ""  # the error's class, so a coordinator raises the same one
+    version: int = at_least(0, default=UNVERSIONED)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -237,18 +241,25 @@ class Published(Wire):
     segments: int
     held: list[int]
     members: list[str]
-    disk: list[int]
-    disk_stored: int
-    max_memory: int
-    max_disk: int
+    # Absent from the records of nodes older than the disk tier and the caps:
+    disk: list[int] = dataclasses.field(default_factory=list)
+    disk_stored: int = 0
+    max_memory: int = 0
+    max_disk: int = 0
     state: Literal["ready"] = "ready"
     files_total: int
     bytes_total: int
     files_done: int
     bytes_done: int
     elapsed: float
-    error: str
-    version: int = at_least(0)
+    error: str = ""
+    version: int = at_least(0, default=UNVERSIONED)
+
+
+def load_status_from_wire(msg: Any) -> Progressing | Published:
+    """The answer of `progress`, checked: a published dataset's record (it names its
+    instance), else its load's progress (under way, or failed with why)."""
+    return Published.from_wire(msg) if "uuid" in msg else Progressing.from_wire(msg)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
