@@ -257,6 +257,11 @@ def _fields(cls: type[Wire]) -> tuple[_Field, ...]:
 class Wire:
     """A frozen dataclass that crosses the wire as a JSON object of its fields."""
 
+    # An answer with a field this version does not know (a newer node's) is read without it,
+    # as the clients' dict reads did: a mixed-version cluster during an upgrade keeps working.
+    # A request's unknown field is refused (Request): the op would not do what was asked.
+    UNKNOWN_FIELDS_REFUSED: ClassVar[bool] = False
+
     @classmethod
     def _what(cls) -> str:
         return cls.__name__
@@ -264,7 +269,7 @@ class Wire:
     @classmethod
     def from_wire(cls, msg: Mapping[str, Any]) -> Self:
         """The checked value of `msg`; InvalidArgument, in one line naming the field, when a
-        field is missing, unknown, of another type or out of range."""
+        field is missing, of another type or out of range, or unknown (a request's)."""
         fields = _fields(cls)
         values: dict[str, Any] = {}
         for f in fields:
@@ -279,7 +284,7 @@ class Wire:
                 raise InvalidArgument(f"{cls._what()}: {f.name} {e}") from None
             except InvalidArgument as e:
                 raise InvalidArgument(f"{cls._what()}: {f.name}: {e}") from None
-        if len(values) + ("op" in msg) != len(msg):  # only then look for the unknown one
+        if cls.UNKNOWN_FIELDS_REFUSED and len(values) + ("op" in msg) != len(msg):
             known = {f.name for f in fields}
             unknown = sorted(k for k in msg if k not in known and k != "op")
             if unknown:
@@ -294,6 +299,7 @@ class Request(Wire):
     """The request of one op; `OP` is the op's name on the wire."""
 
     OP: ClassVar[str]
+    UNKNOWN_FIELDS_REFUSED = True
 
     @classmethod
     def _what(cls) -> str:

@@ -100,6 +100,16 @@ def test_an_answer_comes_back_off_the_wire_as_it_went(
     assert answer.from_wire(json.loads(json.dumps(sent.to_wire()))) == sent
 
 
+@pytest.mark.parametrize("answer", ANSWERS, ids=lambda cls: cls.__name__)
+@given(data=st.data())
+def test_an_answer_with_a_field_of_a_newer_node_reads_as_without_it(
+    answer: type[Wire], data: st.DataObject
+) -> None:
+    value = data.draw(answers_of(answer))
+    wire = json.loads(json.dumps({**value.to_wire(), "from_a_newer_node": [1, "x"]}))
+    assert answer.from_wire(wire) == value
+
+
 def test_a_listed_dataset_keeps_the_keys_of_its_record() -> None:
     """`list`'s entry of a published dataset: its record's keys (DatasetRecord.to_wire) and
     the ones `list` adds; where its segments are placed only when the catalog says."""
