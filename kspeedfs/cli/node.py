@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import logging
 import time
@@ -12,7 +13,7 @@ from kspeedfs.cli.settings import settings_from
 from kspeedfs.cli.tables import print_table
 from kspeedfs.client import admin
 from kspeedfs.format.config import Settings
-from kspeedfs.format.contract.node import Shutdown, Status
+from kspeedfs.format.contract.node import NodeStatus, Shutdown, Status
 from kspeedfs.format.errors import AuthError, KSpeedError
 from kspeedfs.format.units import format_size
 
@@ -40,6 +41,26 @@ def cmd_node(args: argparse.Namespace) -> int:
 STATUS_WAIT_S = 2.0  # the most `status` waits for any one node (they are asked together)
 
 
+@dataclasses.dataclass
+class NodeView:
+    """One node as `kspeedfs status` shows it: its answer when it gave one, and its state
+    judged from that, etcd and this machine's readers (`_judge`)."""
+
+    node: str
+    status: NodeStatus | None  # None: it did not answer
+    error: str = ""  # why it did not
+    state: str = ""
+    why: str = ""
+
+    def to_json(self) -> dict[str, Any]:
+        """Its row in `status --json`: the answer's fields (or the error), up, state, why."""
+        if self.status is None:
+            row: dict[str, Any] = {"up": False, "node": self.node, "error": self.error}
+        else:
+            row = {"up": True, **self.status.to_wire()}
+        return {**row, "state": self.state, "why": self.why}
+
+
 def cmd_status(args: argparse.Namespace) -> int:
     settings = settings_from(args)
     nodes = _ask_status(settings)
@@ -53,7 +74,11 @@ def cmd_status(args: argparse.Namespace) -> int:
     _judge(nodes, members, settings)
     datasets = _residency(nodes)
     if args.json:
-        out: dict[str, Any] = {"nodes": nodes, "datasets": datasets, "members": members}
+        out: dict[str, Any] = {
+            "nodes": [n.to_json() for n in nodes],
+            "datasets": datasets,
+            "members": members,
+        }
         if etcd_error:
             out["etcd_error"] = etcd_error
         print(json.dumps(out, indent=2))
@@ -66,24 +91,25 @@ def cmd_status(args: argparse.Namespace) -> int:
         ("NODE", "STATE", "MEMORY USED / BUDGET", "DISK TIER", "DATASETS", "SEGMENTS", "TRANSPORT")
         + ("SHM DIR",)
     ]
-    for s in nodes:
-        if not s["up"]:
-            rows.append((s["node"], s["state"], "-", "-", "-", "-", "-", s["why"]))
+    for n in nodes:
+        s = n.status
+        if s is None:
+            rows.append((n.node, n.state, "-", "-", "-", "-", "-", n.why))
             continue
-        mem = f"{format_size(s['used'])} / {format_size(s['budget'])}"
-        tier = s.get("disk_tier") or {}
+        mem = f"{format_size(s.used)} / {format_size(s.budget)}"
+        tier = s.disk_tier
         disk = f"{format_size(tier['used'])} / {format_size(tier['budget'])}" if tier else "-"
-        loading = f" (+{len(s['loading'])} loading)" if s["loading"] else ""
+        loading = f" (+{len(s.loading)} loading)" if s.loading else ""
         rows.append(
             (
-                s["node"],
-                s["state"] if s["state"] == "up" else f"{s['state']}: {s['why']}",
+                n.node,
+                n.state if n.state == "up" else f"{n.state}: {n.why}",
                 mem,
                 disk,
-                f"{s['datasets']}{loading}",
-                str(s["segments"]),
-                str(s.get("transport", "tcp")),
-                s["shm_dir"],
+                f"{s.datasets}{loading}",
+                str(s.segments),
+                s.transport,
+                s.shm_dir,
             )
         )
     print_table(rows)
@@ -109,7 +135,7 @@ def cmd_status(args: argparse.Namespace) -> int:
     return 0
 
 
-def _ask_status(settings: Settings) -> list[dict[str, Any]]:
+def _ask_status(settings: Settings) -> list[NodeView]:
     """Every node's status, asked together, each given STATUS_WAIT_S (a partitioned node
     costs that once, never the sum); a node that does not answer is a row saying why."""
     from concurrent.futures import ThreadPoolExecutor
@@ -121,60 +147,59 @@ def _ask_status(settings: Settings) -> list[dict[str, Any]]:
     tls = client_context(settings)
     wait = min(settings.timeout, STATUS_WAIT_S)
 
-    def ask(addr: Any) -> dict[str, Any]:
+    def ask(addr: Any) -> NodeView:
         try:
             with NodeClient(
                 addr, settings.credential(), wait, tls, connect_timeout=CONNECT_TIMEOUT
             ) as client:
-                return {"up": True, **client.call(Status())}
+                status = NodeStatus.from_wire(client.call(Status()))
+                return NodeView(status.node, status)
         except KSpeedError as e:
             # A refused token is this client's problem, not a node that is down.
             if len(settings.nodes) == 1 or isinstance(e, AuthError):
                 raise
-            return {"up": False, "node": str(addr), "error": str(e)}
+            return NodeView(str(addr), None, error=str(e))
 
     with ThreadPoolExecutor(max_workers=min(16, max(1, len(settings.nodes)))) as pool:
         return list(pool.map(ask, settings.nodes))
 
 
-def _judge(
-    nodes: list[dict[str, Any]], members: list[dict[str, Any]] | None, settings: Settings
-) -> None:
+def _judge(nodes: list[NodeView], members: list[dict[str, Any]] | None, settings: Settings) -> None:
     """Each node's state and why: up; suspect (it answers, but this machine's readers saw it
     miss a hedge delay: client/health.py); partitioned (etcd has its lease, so it is alive,
     but it does not answer here); down (neither); lost (a catalog record declared it)."""
     from kspeedfs.client.health import NodeHealth
 
-    health = NodeHealth(settings.health_table).view([s["node"] for s in nodes])
+    health = NodeHealth(settings.health_table).view([n.node for n in nodes])
     in_etcd = {m["node"]: m for m in members or []}
-    for s in nodes:
-        seen = health.get(s["node"], {})
-        member = in_etcd.get(s["node"], {})
-        if s["up"]:
+    for n in nodes:
+        seen = health.get(n.node, {})
+        member = in_etcd.get(n.node, {})
+        if n.status is not None:
             if seen.get("down") or seen.get("suspect"):
-                s["state"] = "suspect"
-                s["why"] = "readers on this machine saw it late; probing it"
+                n.state = "suspect"
+                n.why = "readers on this machine saw it late; probing it"
             else:
-                s["state"], s["why"] = "up", ""
+                n.state, n.why = "up", ""
         elif member.get("state") == "up":
-            s["state"] = "partitioned"
-            s["why"] = f"etcd holds its lease, but from here: {s['error']}"
+            n.state = "partitioned"
+            n.why = f"etcd holds its lease, but from here: {n.error}"
         elif member.get("state") == "lost":
-            s["state"], s["why"] = "lost", f"declared lost: {s['error']}"
+            n.state, n.why = "lost", f"declared lost: {n.error}"
         else:
-            s["state"], s["why"] = "down", s["error"]
+            n.state, n.why = "down", n.error
 
 
-def _residency(nodes: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
+def _residency(nodes: list[NodeView]) -> dict[str, dict[str, Any]]:
     """Per dataset: the share of its segments that at least one up node holds."""
     held: dict[str, set[int]] = {}
     total: dict[str, int] = {}
-    for s in nodes:
-        if not s["up"]:
+    for n in nodes:
+        if n.status is None:
             continue
-        for name, h in s.get("held", {}).items():
-            held.setdefault(name, set()).update(h["held"])
-            total[name] = max(total.get(name, 0), int(h["segments"]))
+        for name, h in n.status.held.items():
+            held.setdefault(name, set()).update(h.held)
+            total[name] = max(total.get(name, 0), h.segments)
     return {
         name: {
             "segments": total[name],
@@ -194,9 +219,9 @@ def _etcd_members(settings: Settings) -> list[dict[str, Any]] | None:
     return ClusterState.of(settings, STATUS_WAIT_S).member_table()
 
 
-def _print_members(members: list[dict[str, Any]], nodes: list[dict[str, Any]]) -> None:
+def _print_members(members: list[dict[str, Any]], nodes: list[NodeView]) -> None:
     rows = [("MEMBER (etcd)", "STATE", "SINCE", "HEAL")]
-    control = {s["node"]: s.get("control") or {} for s in nodes if s.get("up")}
+    control = {n.node: n.status.control or {} for n in nodes if n.status is not None}
     for m in members:
         since = "-"
         if m["since"]:

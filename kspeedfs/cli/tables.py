@@ -4,11 +4,11 @@ of every dataset on every node."""
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, Protocol
 
 from kspeedfs.client.tier_bytes import ClusterTiers
 from kspeedfs.format.contract.decoded import VariantSummary
-from kspeedfs.format.contract.node import DatasetEntry, DatasetListing
+from kspeedfs.format.contract.node import DatasetEntry, DatasetListing, NodeStatus
 from kspeedfs.format.readthrough_view import READTHROUGH
 from kspeedfs.format.units import format_size
 
@@ -69,7 +69,18 @@ def ls_table(
     return rows
 
 
-def cache_table(nodes: list[dict[str, Any]]) -> list[tuple[str, ...]]:
+class Answered(Protocol):
+    """A node of `kspeedfs status` (cli/node.py's NodeView): its answer, None when it gave
+    none."""
+
+    @property
+    def node(self) -> str: ...
+
+    @property
+    def status(self) -> NodeStatus | None: ...
+
+
+def cache_table(nodes: Sequence[Answered]) -> list[tuple[str, ...]]:
     """Rows for `kspeedfs status`: every dataset's cache state on every node that is up."""
     rows: list[tuple[str, ...]] = [
         (
@@ -89,8 +100,8 @@ def cache_table(nodes: list[dict[str, Any]]) -> list[tuple[str, ...]]:
             "STATE",
         ),
     ]
-    for s in nodes:
-        cache = s.get("cache") if s.get("up") else None
+    for n in nodes:
+        cache = n.status.cache if n.status is not None else None
         if not cache:
             continue
         for name, d in sorted(cache["datasets"].items()):
@@ -99,7 +110,7 @@ def cache_table(nodes: list[dict[str, Any]]) -> list[tuple[str, ...]]:
             state = f"stale: {d['stale']} files changed" if d["stale"] else "current"
             rows.append(
                 (
-                    s["node"],
+                    n.node,
                     name,
                     d["lifetime"] + (" (pinned)" if pinned else ""),
                     f"{pct:.0f}%",
@@ -126,40 +137,41 @@ def _caps(d: dict[str, Any]) -> str:
     return " / ".join(format_size(n) if n else "-" for n in (memory, disk))
 
 
-def decoded_table(nodes: list[dict[str, Any]]) -> list[tuple[str, ...]]:
+def decoded_table(nodes: Sequence[Answered]) -> list[tuple[str, ...]]:
     """Rows for `kspeedfs status`: each decoded variant on each node (resident %, bytes)."""
     rows: list[tuple[str, ...]] = [("NODE", "VARIANT", "DECODED", "UNDECODABLE", "BYTES", "STATE")]
-    for s in nodes:
-        for name, variants in sorted((s.get("decoded") or {}).items()) if s.get("up") else ():
+    for n in nodes:
+        decoded = n.status.decoded if n.status is not None else {}
+        for name, variants in sorted(decoded.items()):
             for size, v in sorted(variants.items(), key=lambda kv: int(kv[0])):
-                total = v["files_total"]
-                pct = 100.0 * v["files_done"] / total if total else 100.0
+                total = v.files_total
+                pct = 100.0 * v.files_done / total if total else 100.0
                 rows.append(
                     (
-                        s["node"],
+                        n.node,
                         f"{name}@{size}",
                         f"{pct:.0f}% of {total}",
-                        str(v["undecodable"]),
-                        format_size(v["bytes"]),
-                        v["state"] + (f": {v['error']}" if v["error"] else ""),
+                        str(v.undecodable),
+                        format_size(v.bytes),
+                        v.state + (f": {v.error}" if v.error else ""),
                     )
                 )
     return rows if len(rows) > 1 else []
 
 
-def spill_lines(nodes: list[dict[str, Any]]) -> list[str]:
+def spill_lines(nodes: Sequence[Answered]) -> list[str]:
     """Each node's eviction policy and evictions by policy, and its spill folder's use."""
     out = []
-    for s in nodes:
-        cache = s.get("cache") if s.get("up") else None
+    for n in nodes:
+        cache = n.status.cache if n.status is not None else None
         if cache and cache.get("policy"):
             by = cache.get("evictions_by_policy") or {}
-            counts = ", ".join(f"{p} {n}" for p, n in sorted(by.items())) or "none"
-            out.append(f"eviction on {s['node']}: {cache['policy']}; evictions: {counts}")
-        spill = (s.get("cache") or {}).get("spill") if s.get("up") else None
+            counts = ", ".join(f"{p} {c}" for p, c in sorted(by.items())) or "none"
+            out.append(f"eviction on {n.node}: {cache['policy']}; evictions: {counts}")
+        spill = (cache or {}).get("spill")
         if spill:
             out.append(
-                f"spill of {s['node']}: {format_size(spill['used'])} / "
+                f"spill of {n.node}: {format_size(spill['used'])} / "
                 f"{format_size(spill['budget'])} in {spill['dir']}"
             )
     return out
