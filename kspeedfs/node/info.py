@@ -34,7 +34,7 @@ from kspeedfs.node.loads import LoadTable
 from kspeedfs.node.ops import READ, OpRegistry
 from kspeedfs.node.peers import PeerPool
 from kspeedfs.node.preload import Stager
-from kspeedfs.node.promote import Promoter
+from kspeedfs.node.promote import PreloadPromotions
 from kspeedfs.node.readthrough import ReadThroughCache
 from kspeedfs.node.scrub import Scrubber
 from kspeedfs.node.store import SegmentStore
@@ -49,7 +49,7 @@ class NodeParts(Protocol):
     loads: LoadTable
     leases: LeaseTable
     stager: Stager
-    promoter: Promoter
+    preload_promotions: PreloadPromotions
     scrubber: Scrubber
     cache: ReadThroughCache
     decoded: DecodedVariants
@@ -186,7 +186,7 @@ def _disk_tier(n: NodeParts) -> dict[str, Any] | None:
         "dir": str(store.disk_root),
         "budget": store.budgets.disk,
         "used": store.budgets.disk_used(),
-        "promoted": dict(n.promoter.promoted),
+        "promoted": dict(n.preload_promotions.promoted),
     }
 
 

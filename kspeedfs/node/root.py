@@ -33,7 +33,7 @@ from kspeedfs.node.metrics import serve_metrics
 from kspeedfs.node.ops import OpRegistry
 from kspeedfs.node.peers import PeerPool
 from kspeedfs.node.preload import Stager
-from kspeedfs.node.promote import Promoter
+from kspeedfs.node.promote import PreloadPromotions, Promoter
 from kspeedfs.node.readthrough import LocalCatalog, ReadThroughCache
 from kspeedfs.node.scrub import Scrubber
 from kspeedfs.node.spill import TIER_DIR
@@ -116,8 +116,9 @@ class Node:
             self.decoded.after_preload,
         )
         self.scrubber = Scrubber(settings, self.store, lambda: self.address)
+        self.preload_promotions = PreloadPromotions(self.store, self.scrubber.quarantined)
         self.promoter = Promoter(
-            self.store, self.scrubber.quarantined, [self.cache.promoter.promote_what_fits]
+            self.store.budgets, [self.preload_promotions, self.cache.promotions]
         )
         self.info = NodeInfo(self)
         owners = (

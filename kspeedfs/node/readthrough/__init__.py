@@ -24,8 +24,8 @@ the manifest with no segment (the control plane hands the cache the catalog's re
 instances to adopt: `adopt`). Without etcd (`LocalCatalog`) a dataset is this node's alone.
 
 One module a job: `register` (listing a source, etcd claims, adoption), `fill` (misses),
-`disktier` (misses memory does not keep, on the disk tier) with `promote` (back to memory
-when it frees up),
+`disktier` (misses memory does not keep, on the disk tier) with `promote` (what the node's
+Promoter needs to move them back to memory when it frees up),
 `evict` (the budget and the caps) with `policy` (the order) and `plans` (the readers' plans
 it follows), `watch` (source checks, refresh, pruning), `build` (staging an instance),
 `dataset` (the instances), `status`. `ReadThroughCache` only
@@ -62,7 +62,7 @@ from kspeedfs.node.readthrough.evict import Evictor
 from kspeedfs.node.readthrough.fill import Filler
 from kspeedfs.node.readthrough.plans import PlanTable
 from kspeedfs.node.readthrough.policy import EvictionPolicy, make_policy
-from kspeedfs.node.readthrough.promote import DiskPromoter
+from kspeedfs.node.readthrough.promote import CachePromotions
 from kspeedfs.node.readthrough.register import SourceRegistrar
 from kspeedfs.node.readthrough.status import cache_status
 from kspeedfs.node.readthrough.watch import SourceWatch
@@ -97,7 +97,7 @@ class ReadThroughCache:
         self.plans = PlanTable(self.instances, uses_plans=policy.name == "plan")
         self.evictor = Evictor(store, self.instances, self.spill)
         self.disk = DiskTier(store, self.instances, self.spill)
-        self.promoter = DiskPromoter(store, self.instances, self.evictor, self.disk)
+        self.promotions = CachePromotions(store, self.instances, self.evictor, self.disk)
         builder = InstanceBuilder(store, settings.segment_size, address, self.spill)
         self.filler = Filler(
             store,
@@ -175,7 +175,7 @@ class ReadThroughCache:
 
     async def run(self, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         """Fills and listings that ops start, pruning, periodic checks of the sources (the
-        node's Promoter calls `promoter.promote_what_fits` when memory frees up)."""
+        node's Promoter moves disk-tier segments to memory, asking `promotions`)."""
         async with trio.open_nursery() as nursery:
             await nursery.start(self.filler.run)
             await nursery.start(self.registrar.run)
