@@ -233,14 +233,17 @@ class Filesystem(Protocol):
 
 
 class BurstPoll:
-    """Keeps one serving thread awake through a burst of requests.
+    """Keeps a serving thread, and its CPU, awake through a burst of requests.
 
     A thread blocked in read(2) of /dev/fuse is woken by the kernel for each request; when its
     CPU went idle meanwhile, on a VM that wake-up is a halted virtual CPU brought back (tens of
-    us, more than the request itself: docs/mounts.md). So after answering a request that came
-    within `window` seconds of the one before (a burst: a reader opening file after file),
-    the thread polls the fd for up to `window` before it blocks again. Requests further apart
-    cost nothing extra: no polling after them."""
+    us, more than the request itself: docs/mounts.md), and so is the reader's when the reply
+    wakes it. So after answering a request that came within `window` seconds of the one before
+    (a burst: a reader opening file after file), the thread polls the fd for up to `window`
+    before it blocks again, yielding its CPU between polls: any other runnable task there (a
+    DataLoader worker decoding) runs first, and only a CPU that would have halted keeps
+    polling. With every serving process polling, the reader's CPU does not halt either while it
+    waits for its reply. Requests further apart cost nothing extra: no polling after them."""
 
     def __init__(self, fd: int, window: float):
         self.window = window
@@ -252,9 +255,14 @@ class BurstPoll:
 
     def wait(self) -> None:
         """Returns when a request is there, or the window has passed (read(2) then blocks)."""
-        clock, poll, until = time.perf_counter, self._poller.poll, self._until
+        clock, poll, until, give_way = (
+            time.perf_counter,
+            self._poller.poll,
+            self._until,
+            os.sched_yield,
+        )
         while clock() < until and not poll(0):
-            pass
+            give_way()
 
     def arrived(self) -> None:
         self._in_burst = time.perf_counter() - self._answered < self.window

@@ -157,9 +157,9 @@ def serve(fuse_fd: int, control_fd: int, counters_fd: int) -> int:
         [counters.row(index)],
         on_stray_interrupt=link.forward_interrupt,
         deadline=DEADLINE_TIMEOUTS * settings.timeout,
-        # One poller per mount is enough to keep a burst's requests off sleeping servers;
-        # more would each keep a CPU busy through it.
-        poll_window=settings.fuse_poll_us / 1e6 if index == 0 else 0.0,
+        # Every serving process polls through a burst: the one on the reader's CPU keeps that
+        # CPU from halting while the reader waits (its polls yield to any runnable task).
+        poll_window=settings.fuse_poll_us / 1e6,
     )
     loop.start()
     link.post("ready")
