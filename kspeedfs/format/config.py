@@ -81,10 +81,10 @@ class Settings:
             --workers`).
         fuse_read_ahead: the read-ahead set on a mount, so that a typical file is one READ
             (0: the kernel's default, 128 KiB; needs root).
-        fuse_poll_us: how long (microseconds) a serving process of a mount keeps polling, at
-            idle priority, for the next request of a process that asks again within it,
-            before it sleeps (0: never): a server or reader woken on a halted CPU costs a
-            request tens of microseconds on a VM (mounts.md).
+        fuse_poll_us: how long (microseconds) each serving process of a mount keeps polling,
+            at idle priority, for the next request of a burst before it sleeps (0: never): a
+            server or reader woken on a halted CPU costs a request tens of microseconds on a
+            VM (mounts.md).
     Read-through datasets (readthrough.md):
         spill_dir: a disk folder for read-through segments evicted from memory and for the
             disk tier of preloads (tiers.md) ("": none); a folder of the node's own, checked as

@@ -93,8 +93,6 @@ NOTIFY_RESEND = 7  # kernel 6.9+
 FUSE_DEV_IOC_CLONE = 0x8004E500  # _IOR(229, 0, uint32_t)
 
 IN_HEADER = struct.Struct("<IIQQIIIHH")
-PID = struct.Struct("<I")  # the requesting process, in the header after len ... gid
-PID_OFFSET = 32
 OUT_HEADER = struct.Struct("<IiQ")
 # fuse_attr: ino, size, blocks, atime, mtime, ctime, their nanoseconds, mode, nlink, uid, gid,
 # rdev, blksize, flags. The times are u64 in fuse_kernel.h but the kernel stores them into
@@ -238,7 +236,7 @@ PRIORITY_NONE = os.sched_param(0)  # SCHED_IDLE and SCHED_OTHER take no static p
 
 
 class BurstPoll:
-    """Keeps a CPU from halting through a burst of requests, at idle priority.
+    """Keeps the CPUs from halting through a burst of requests, at idle priority.
 
     A thread blocked in read(2) of /dev/fuse is woken by the kernel for each request; when its
     CPU went idle meanwhile, on a VM that wake-up is a halted virtual CPU brought back (tens of
@@ -246,33 +244,24 @@ class BurstPoll:
     wakes it. So after answering a request that came within `window` seconds of the one before
     (a burst: a reader opening file after file), the thread polls the fd for up to `window`
     before it blocks again, as an idle-class thread (SCHED_IDLE): it runs only on a CPU that
-    would otherwise idle, which is where the reader waits for its reply, and any other task
-    there (a DataLoader worker decoding) preempts it. One thread per mount polls at a time
-    (an flock on `lock_fd`, a file description of the poller's own): a poller starved on a
-    busy CPU must not hold the next request back from a server blocked in read(2), which the
-    kernel wakes at normal priority. Requests further apart cost nothing: no polling."""
+    would otherwise idle, such as the one where the reader waits for its reply, and any other
+    task (a DataLoader worker decoding) preempts it at once. Every serving process polls, so
+    that a CPU going idle mid-burst finds a poller to run (it pulls a waiting one over).
+    Requests further apart cost nothing: no polling after them."""
 
-    def __init__(self, fd: int, window: float, lock_fd: int | None = None):
+    def __init__(self, fd: int, window: float):
         self.window = window
-        self.lock_fd = lock_fd
         self._poller = select.poll()
         self._poller.register(fd, select.POLLIN)
         self._answered = 0.0  # when the last request was answered
         self._in_burst = False  # the last request came within `window` of the one before
-        self._pid = 0  # the process that made it
         self._until = 0.0  # poll until then before blocking
 
     def wait(self) -> None:
-        """Returns when a request is there, or the window has passed, or another thread of the
-        mount polls already (read(2) then blocks)."""
+        """Returns when a request is there, or the window has passed (read(2) then blocks)."""
         clock, poll, until = time.perf_counter, self._poller.poll, self._until
         if clock() >= until or poll(0):
             return
-        if self.lock_fd is not None:
-            try:
-                fcntl.flock(self.lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except BlockingIOError:
-                return  # another serving process polls through this burst
         os.sched_setscheduler(0, os.SCHED_IDLE, PRIORITY_NONE)
         try:
             while clock() < until and not poll(0):
@@ -280,15 +269,9 @@ class BurstPoll:
         finally:
             # Serving the request found, or blocking for the next, at normal priority again.
             os.sched_setscheduler(0, os.SCHED_OTHER, PRIORITY_NONE)
-            if self.lock_fd is not None:
-                fcntl.flock(self.lock_fd, fcntl.LOCK_UN)
 
-    def arrived(self, pid: int) -> None:
-        """A request from process `pid`: a burst while the same process asks again within the
-        window (readers that compute between files, such as DataLoader workers decoding,
-        each ask far apart and never start one)."""
-        self._in_burst = pid == self._pid and time.perf_counter() - self._answered < self.window
-        self._pid = pid
+    def arrived(self) -> None:
+        self._in_burst = time.perf_counter() - self._answered < self.window
 
     def answered(self) -> None:
         self._answered = now = time.perf_counter()
@@ -313,7 +296,6 @@ class RequestLoop:
         on_stray_interrupt: Callable[[int], None] | None = None,
         deadline: float | None = None,
         poll_window: float = 0.0,
-        poll_lock: int | None = None,
         done: threading.Event | None = None,
     ):
         self.fs = fs
@@ -322,7 +304,6 @@ class RequestLoop:
         self.on_stray_interrupt = on_stray_interrupt
         self.deadline = deadline
         self.poll_window = poll_window  # seconds thread 0 polls for the next request of a burst
-        self.poll_lock = poll_lock  # fd whose flock elects one poller per mount (BurstPoll)
         self._pool = ThreadPoolExecutor(max_workers=POOL_THREADS, thread_name_prefix="fuse-pool")
         self._pending: dict[int, float] = {}  # unique -> when it went to the pool
         self._interrupted: dict[int, None] = {}  # interrupts that came before their request
@@ -378,7 +359,7 @@ class RequestLoop:
     def _serve(self, row: memoryview, poll_window: float = 0.0) -> None:
         buf = bytearray(READ_BUFFER)
         view = memoryview(buf)
-        burst = BurstPoll(self.fd, poll_window, self.poll_lock) if poll_window > 0 else None
+        burst = BurstPoll(self.fd, poll_window) if poll_window > 0 else None
         try:
             while True:
                 if burst is not None:
@@ -396,7 +377,7 @@ class RequestLoop:
                 if n == 0:
                     return
                 if burst is not None:
-                    burst.arrived(PID.unpack_from(buf, PID_OFFSET)[0])
+                    burst.arrived()
                 if buf[4] == IOCTL and n >= IN_HEADER.size and not any(buf[5:8]):
                     # Python's open() asks isatty() of every file (TCGETS): answered here, no
                     # handler, no exception (see _ioctl).

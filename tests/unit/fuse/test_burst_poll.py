@@ -1,22 +1,18 @@
 """BurstPoll, in-process over a pipe: a serving thread polls for the next request only after
-one that came within the window of the one before from the same process, returns as soon as a
-request is there, gives up (to block in read) once the window has passed or while another
-serving process polls, and serves at normal priority again after polling at idle priority."""
+one that came within the window of the one before, returns as soon as a request is there,
+gives up (to block in read) once the window has passed, and serves at normal priority again
+after polling at idle priority."""
 
 from __future__ import annotations
 
-import fcntl
 import os
 import threading
 import time
 from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
 
 from kspeedfs.fuse.kernel import BurstPoll
-
-READER = 4242  # the pid in the requests' headers
 
 
 @pytest.fixture
@@ -28,10 +24,10 @@ def pipe() -> Iterator[tuple[int, int]]:
 
 
 def in_burst(burst: BurstPoll) -> None:
-    """Two requests of the reader, the second soon after the answer to the first."""
-    burst.arrived(READER)
+    """Two requests, the second soon after the answer to the first."""
+    burst.arrived()
     burst.answered()
-    burst.arrived(READER)
+    burst.arrived()
 
 
 def answered_and_waited(burst: BurstPoll) -> float:
@@ -45,7 +41,7 @@ def answered_and_waited(burst: BurstPoll) -> float:
 
 def test_a_lone_request_is_not_followed_by_polling(pipe: tuple[int, int]) -> None:
     burst = BurstPoll(pipe[0], window=10.0)
-    burst.arrived(READER)  # the first request: none answered before it, so no burst
+    burst.arrived()  # the first request: none answered before it, so no burst
     assert answered_and_waited(burst) < 5.0  # nothing to read, and it did not poll the 10 s window
 
 
@@ -54,7 +50,7 @@ def test_a_request_far_from_the_last_ends_the_burst(pipe: tuple[int, int]) -> No
     in_burst(burst)  # the next wait polls up to 2 ms
     assert answered_and_waited(burst) >= 0.002
     burst.window = 0.0  # any gap is now too long: the burst is over
-    burst.arrived(READER)
+    burst.arrived()
     burst.window = 10.0
     assert answered_and_waited(burst) < 5.0
 
@@ -71,37 +67,6 @@ def test_a_waiting_request_ends_the_poll_at_once(pipe: tuple[int, int]) -> None:
     in_burst(burst)
     os.write(w, b"x")  # a request is there
     assert answered_and_waited(burst) < 5.0
-
-
-def test_requests_of_different_processes_are_no_burst(pipe: tuple[int, int]) -> None:
-    """Two DataLoader workers asking in turn, each computing between its files: no polling."""
-    burst = BurstPoll(pipe[0], window=10.0)
-    burst.arrived(READER)
-    burst.answered()
-    burst.arrived(READER + 1)  # soon after, but another process
-    assert answered_and_waited(burst) < 5.0
-
-
-def test_one_poller_per_mount(pipe: tuple[int, int], tmp_path: Path) -> None:
-    """While another serving process holds the lock (its own file description of the shared
-    file), this one does not poll: it blocks in read, where the kernel can wake it."""
-    shared = tmp_path / "counters"
-    shared.write_bytes(b"\0")
-    other = os.open(shared, os.O_RDONLY)
-    mine = os.open(shared, os.O_RDONLY)
-    try:
-        fcntl.flock(other, fcntl.LOCK_EX)
-        burst = BurstPoll(pipe[0], window=10.0, lock_fd=mine)
-        in_burst(burst)
-        assert answered_and_waited(burst) < 5.0
-        fcntl.flock(other, fcntl.LOCK_UN)
-        burst.window = 0.005
-        burst.arrived(READER)
-        assert answered_and_waited(burst) >= 0.005  # the lock free: it polls the window
-        fcntl.flock(other, fcntl.LOCK_EX | fcntl.LOCK_NB)  # and let it go after
-    finally:
-        os.close(other)
-        os.close(mine)
 
 
 def test_the_thread_serves_at_normal_priority_after_polling(pipe: tuple[int, int]) -> None:
