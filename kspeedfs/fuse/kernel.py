@@ -24,6 +24,7 @@ import errno
 import fcntl
 import logging
 import os
+import resource
 import select
 import shutil
 import socket
@@ -235,6 +236,24 @@ class Filesystem(Protocol):
 PRIORITY_NONE = os.sched_param(0)  # SCHED_IDLE and SCHED_OTHER take no static priority
 
 
+CAP_SYS_NICE = 23
+
+
+def can_leave_idle_priority() -> bool:
+    """Whether a thread of this process may go from SCHED_IDLE back to SCHED_OTHER: SCHED_IDLE
+    counts as nice 20, and going back to nice 0 needs an RLIMIT_NICE that allows it or
+    CAP_SYS_NICE (sched(7))."""
+    soft, _hard = resource.getrlimit(resource.RLIMIT_NICE)
+    if soft == resource.RLIM_INFINITY or soft >= 20 - os.getpriority(os.PRIO_PROCESS, 0):
+        return True
+    try:
+        with open("/proc/self/status") as f:
+            caps = next(line for line in f if line.startswith("CapEff:"))
+    except (OSError, StopIteration):
+        return False
+    return bool(int(caps.split()[1], 16) >> CAP_SYS_NICE & 1)
+
+
 class BurstPoll:
     """Keeps the CPUs from halting through a burst of requests, at idle priority.
 
@@ -250,7 +269,9 @@ class BurstPoll:
     Requests further apart cost nothing: no polling after them."""
 
     def __init__(self, fd: int, window: float):
-        self.window = window
+        # A thread that could not leave SCHED_IDLE again would serve at idle priority: such a
+        # process (unprivileged, by default) does not poll at all.
+        self.window = window if can_leave_idle_priority() else 0.0
         self._poller = select.poll()
         self._poller.register(fd, select.POLLIN)
         self._answered = 0.0  # when the last request was answered

@@ -11,6 +11,7 @@ import time
 from collections.abc import Iterator
 
 import pytest
+from uidutil import NOBODY, as_user
 
 from kspeedfs.fuse.kernel import BurstPoll
 
@@ -83,3 +84,10 @@ def test_the_thread_serves_at_normal_priority_after_polling(pipe: tuple[int, int
     threading.Thread(target=serving_thread).start()
     assert done.wait(10.0)
     assert policies == [os.SCHED_OTHER]
+
+
+def test_a_process_that_could_not_leave_idle_priority_does_not_poll(pipe: tuple[int, int]) -> None:
+    """Unprivileged (uid 65534, RLIMIT_NICE 0): SCHED_IDLE would be for good, so no polling;
+    as root it polls."""
+    assert BurstPoll(pipe[0], window=0.001).window == 0.001
+    assert as_user(NOBODY, [], lambda: BurstPoll(pipe[0], window=0.001).window) == 0.0
