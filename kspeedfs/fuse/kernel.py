@@ -94,6 +94,8 @@ NOTIFY_RESEND = 7  # kernel 6.9+
 FUSE_DEV_IOC_CLONE = 0x8004E500  # _IOR(229, 0, uint32_t)
 
 IN_HEADER = struct.Struct("<IIQQIIIHH")
+READER = struct.Struct("<I")  # the requesting thread: the header's pid, after len ... gid
+READER_OFFSET = 32
 OUT_HEADER = struct.Struct("<IiQ")
 # fuse_attr: ino, size, blocks, atime, mtime, ctime, their nanoseconds, mode, nlink, uid, gid,
 # rdev, blksize, flags. The times are u64 in fuse_kernel.h but the kernel stores them into
@@ -254,45 +256,80 @@ def can_leave_idle_priority() -> bool:
     return bool(int(caps.split()[1], 16) >> CAP_SYS_NICE & 1)
 
 
+def cpu_of(tid: int) -> int | None:
+    """The CPU thread `tid` last ran on (field 39 of /proc/TID/stat), None when unknown."""
+    try:
+        with open(f"/proc/{tid}/stat", "rb") as f:
+            return int(f.read().rsplit(b")", 1)[1].split()[36])
+    except (OSError, ValueError, IndexError):
+        return None
+
+
 class BurstPoll:
-    """Keeps the CPUs from halting through a burst of requests, at idle priority.
+    """Keeps the reader's CPU from halting through a burst of requests, at idle priority.
 
     A thread blocked in read(2) of /dev/fuse is woken by the kernel for each request; when its
     CPU went idle meanwhile, on a VM that wake-up is a halted virtual CPU brought back (tens of
     us, more than the request itself: docs/mounts.md), and so is the reader's when the reply
     wakes it. So after answering a request that came within `window` seconds of the one before
     (a burst: a reader opening file after file), the thread polls the fd for up to `window`
-    before it blocks again, as an idle-class thread (SCHED_IDLE): it runs only on a CPU that
-    would otherwise idle, such as the one where the reader waits for its reply, and any other
-    task (a DataLoader worker decoding) preempts it at once. Every serving process polls, so
-    that a CPU going idle mid-burst finds a poller to run (it pulls a waiting one over).
-    Requests further apart cost nothing: no polling after them."""
+    before it blocks again: on the CPU the reader last ran on, as an idle-class thread
+    (SCHED_IDLE). While the reader runs, the poller does not; when the reader waits for its
+    next answer the poller runs there instead of the CPU halting, takes the request and serves
+    it (at normal priority) on that CPU, and the answer wakes the reader on a CPU that is not
+    halted. Any other task there (a DataLoader worker decoding) preempts the poller at once.
 
-    def __init__(self, fd: int, window: float):
+    One thread per mount polls at a time (an flock on `lock_fd`, a file description of the
+    poller's own): a poller starved on a busy CPU must not hold a request back from a server
+    blocked in read(2), which the kernel wakes at normal priority. Requests further apart cost
+    nothing: no polling after them."""
+
+    def __init__(self, fd: int, window: float, lock_fd: int | None = None):
         # A thread that could not leave SCHED_IDLE again would serve at idle priority: such a
         # process (unprivileged, by default) does not poll at all.
         self.window = window if can_leave_idle_priority() else 0.0
+        self.lock_fd = lock_fd
         self._poller = select.poll()
         self._poller.register(fd, select.POLLIN)
         self._answered = 0.0  # when the last request was answered
         self._in_burst = False  # the last request came within `window` of the one before
         self._until = 0.0  # poll until then before blocking
+        self._located = 0  # the reader of the burst, whose CPU was looked up once
+        self._reader_cpu: int | None = None  # that CPU (None: unknown)
+        self._cpus = os.sched_getaffinity(0)
 
     def wait(self) -> None:
-        """Returns when a request is there, or the window has passed (read(2) then blocks)."""
+        """Returns when a request is there, or the window has passed, or another thread of the
+        mount polls already (read(2) then blocks)."""
         clock, poll, until = time.perf_counter, self._poller.poll, self._until
         if clock() >= until or poll(0):
             return
-        os.sched_setscheduler(0, os.SCHED_IDLE, PRIORITY_NONE)
+        if self.lock_fd is not None:
+            try:
+                fcntl.flock(self.lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                return  # another serving process polls through this burst
+        cpu = self._reader_cpu
         try:
+            if cpu is not None and cpu in self._cpus:
+                os.sched_setaffinity(0, (cpu,))
+            os.sched_setscheduler(0, os.SCHED_IDLE, PRIORITY_NONE)
             while clock() < until and not poll(0):
                 pass
         finally:
-            # Serving the request found, or blocking for the next, at normal priority again.
+            # Serving the request found, or blocking for the next, at normal priority again
+            # (on the reader's CPU: the answer wakes it there; any CPU once the burst ends).
             os.sched_setscheduler(0, os.SCHED_OTHER, PRIORITY_NONE)
+            if clock() >= until and cpu is not None:
+                os.sched_setaffinity(0, self._cpus)
+            if self.lock_fd is not None:
+                fcntl.flock(self.lock_fd, fcntl.LOCK_UN)
 
-    def arrived(self) -> None:
+    def arrived(self, reader: int) -> None:
+        """A request from thread `reader` (the pid in its header)."""
         self._in_burst = time.perf_counter() - self._answered < self.window
+        if self._in_burst and reader != self._located:
+            self._reader_cpu, self._located = cpu_of(reader), reader
 
     def answered(self) -> None:
         self._answered = now = time.perf_counter()
@@ -317,6 +354,7 @@ class RequestLoop:
         on_stray_interrupt: Callable[[int], None] | None = None,
         deadline: float | None = None,
         poll_window: float = 0.0,
+        poll_lock: int | None = None,
         done: threading.Event | None = None,
     ):
         self.fs = fs
@@ -325,6 +363,7 @@ class RequestLoop:
         self.on_stray_interrupt = on_stray_interrupt
         self.deadline = deadline
         self.poll_window = poll_window  # seconds thread 0 polls for the next request of a burst
+        self.poll_lock = poll_lock  # fd whose flock elects one poller per mount (BurstPoll)
         self._pool = ThreadPoolExecutor(max_workers=POOL_THREADS, thread_name_prefix="fuse-pool")
         self._pending: dict[int, float] = {}  # unique -> when it went to the pool
         self._interrupted: dict[int, None] = {}  # interrupts that came before their request
@@ -380,7 +419,7 @@ class RequestLoop:
     def _serve(self, row: memoryview, poll_window: float = 0.0) -> None:
         buf = bytearray(READ_BUFFER)
         view = memoryview(buf)
-        burst = BurstPoll(self.fd, poll_window) if poll_window > 0 else None
+        burst = BurstPoll(self.fd, poll_window, self.poll_lock) if poll_window > 0 else None
         try:
             while True:
                 if burst is not None:
@@ -398,7 +437,7 @@ class RequestLoop:
                 if n == 0:
                     return
                 if burst is not None:
-                    burst.arrived()
+                    burst.arrived(READER.unpack_from(buf, READER_OFFSET)[0])
                 if buf[4] == IOCTL and n >= IN_HEADER.size and not any(buf[5:8]):
                     # Python's open() asks isatty() of every file (TCGETS): answered here, no
                     # handler, no exception (see _ioctl).

@@ -1,19 +1,24 @@
 """BurstPoll, in-process over a pipe: a serving thread polls for the next request only after
 one that came within the window of the one before, returns as soon as a request is there,
-gives up (to block in read) once the window has passed, and serves at normal priority again
-after polling at idle priority."""
+gives up (to block in read) once the window has passed or while another serving process polls,
+and serves at normal priority again after polling at idle priority on the reader's CPU."""
 
 from __future__ import annotations
 
+import fcntl
 import os
 import threading
 import time
+import types
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 from uidutil import NOBODY, as_user
 
-from kspeedfs.fuse.kernel import BurstPoll
+from kspeedfs.fuse.kernel import BurstPoll, cpu_of
+
+READER = os.getpid()  # the requesting thread in the requests' headers: this test
 
 
 @pytest.fixture
@@ -26,9 +31,9 @@ def pipe() -> Iterator[tuple[int, int]]:
 
 def in_burst(burst: BurstPoll) -> None:
     """Two requests, the second soon after the answer to the first."""
-    burst.arrived()
+    burst.arrived(READER)
     burst.answered()
-    burst.arrived()
+    burst.arrived(READER)
 
 
 def answered_and_waited(burst: BurstPoll) -> float:
@@ -42,7 +47,7 @@ def answered_and_waited(burst: BurstPoll) -> float:
 
 def test_a_lone_request_is_not_followed_by_polling(pipe: tuple[int, int]) -> None:
     burst = BurstPoll(pipe[0], window=10.0)
-    burst.arrived()  # the first request: none answered before it, so no burst
+    burst.arrived(READER)  # the first request: none answered before it, so no burst
     assert answered_and_waited(burst) < 5.0  # nothing to read, and it did not poll the 10 s window
 
 
@@ -51,7 +56,7 @@ def test_a_request_far_from_the_last_ends_the_burst(pipe: tuple[int, int]) -> No
     in_burst(burst)  # the next wait polls up to 2 ms
     assert answered_and_waited(burst) >= 0.002
     burst.window = 0.0  # any gap is now too long: the burst is over
-    burst.arrived()
+    burst.arrived(READER)
     burst.window = 10.0
     assert answered_and_waited(burst) < 5.0
 
@@ -91,3 +96,48 @@ def test_a_process_that_could_not_leave_idle_priority_does_not_poll(pipe: tuple[
     as root it polls."""
     assert BurstPoll(pipe[0], window=0.001).window == 0.001
     assert as_user(NOBODY, [], lambda: BurstPoll(pipe[0], window=0.001).window) == 0.0
+
+
+def test_one_poller_per_mount(pipe: tuple[int, int], tmp_path: Path) -> None:
+    """While another serving process holds the lock (its own file description of the shared
+    file), this one does not poll: it blocks in read, where the kernel can wake it."""
+    shared = tmp_path / "counters"
+    shared.write_bytes(b"\0")
+    other, mine = os.open(shared, os.O_RDONLY), os.open(shared, os.O_RDONLY)
+    try:
+        fcntl.flock(other, fcntl.LOCK_EX)
+        burst = BurstPoll(pipe[0], window=10.0, lock_fd=mine)
+        in_burst(burst)
+        assert answered_and_waited(burst) < 5.0
+        fcntl.flock(other, fcntl.LOCK_UN)
+        burst.window = 0.005
+        burst.arrived(READER)
+        assert answered_and_waited(burst) >= 0.005  # the lock free: it polls the window
+        fcntl.flock(other, fcntl.LOCK_EX | fcntl.LOCK_NB)  # and let it go after
+    finally:
+        os.close(other)
+        os.close(mine)
+
+
+def test_it_polls_on_the_readers_cpu_and_is_free_to_move_after(pipe: tuple[int, int]) -> None:
+    everywhere = os.sched_getaffinity(0)
+    burst = BurstPoll(pipe[0], window=0.002)
+    in_burst(burst)
+    seen: list[set[int]] = []
+    poll_once = burst._poller.poll
+
+    def watching_poll(timeout: int) -> list[tuple[int, int]]:
+        seen.append(os.sched_getaffinity(0))
+        return poll_once(timeout)
+
+    burst._poller = types.SimpleNamespace(poll=watching_poll)  # type: ignore[assignment]
+    answered_and_waited(burst)
+    reader_cpu = cpu_of(READER)
+    assert reader_cpu is not None
+    assert {cpu for s in seen[1:] for cpu in s} <= {burst._reader_cpu}  # pinned while polling
+    assert os.sched_getaffinity(0) == everywhere  # and free once the window passed
+
+
+def test_cpu_of() -> None:
+    assert cpu_of(os.getpid()) in os.sched_getaffinity(0)
+    assert cpu_of(2**22 + 1) is None  # past pid_max: no such thread
