@@ -2,16 +2,22 @@
 
     PYTHONPATH=$PWD .venv/bin/python bench/bench_small_files.py [--walk-files 1281000]
         [--walk-folders 1000] [--files 2000] [--size 100000] [--no-squashfs] [--no-tar]
+        [--poll-us 300]
 
 One run, one tree, three ways to read it: the source folder (warm page cache), a kspeedfs
 mount of a private node, and squashfuse_ll (C, libfuse low-level) over a squashfs image of the
 same tree (squashfuse and squashfs-tools are installed from Debian where missing; without root
 or apt that column is left out). Printed, with the mount's ratio to each:
 - a fresh mount's first `os.walk` of `--walk-files` empty files in `--walk-folders` folders,
-  names and sizes (lstat) of every entry, and the kernel's requests per file on the mount;
+  names and sizes (lstat) of every entry, and the kernel's requests per file on the mount
+  (memory warmed, and the kernel's FUSE inode caches grown by a walk of a mount thrown away,
+  before each side, as for pass 1);
 - per-file `open(p, "rb").read()` with Python's default buffering over `--files` files of
   `--size` bytes, second pass (page cache warm everywhere), and the requests it costs;
 - passes 1 (fresh mount) and 2 with `os.open`/`os.read`, the same files;
+- `fuse_poll_us` (`--poll-us`, off by default) against 0 on fresh mounts, alternating: the
+  buffered pass, and two processes that compute between their files (DataLoader workers'
+  shape), to show what polling gives and costs on this machine;
 - ImageFolder (stock torchvision, raw bytes loader) over the mount's tar view `ds@tar/` of tars
   of those files, against the same over the extracted tree on the same mount (`--no-tar`
   leaves it out; needs torchvision).
@@ -206,7 +212,12 @@ def main() -> int:
     p.add_argument("--shards", type=int, default=8)
     p.add_argument("--no-squashfs", action="store_true")
     p.add_argument("--no-tar", action="store_true")
-    p.add_argument("--no-poll-check", action="store_true", help="leave out polling on against off")
+    p.add_argument(
+        "--poll-us",
+        type=int,
+        default=300,
+        help="fuse_poll_us measured against 0 on the same files (0: leave that out)",
+    )
     p.add_argument("--repeat", type=int, default=3, help="warm passes timed (best kept)")
     p.add_argument("--tmp", default=None, help="work folder (default: a temporary one)")
     args = p.parse_args()
@@ -313,21 +324,21 @@ def main() -> int:
             three("pass 2 buffered open().read()", read_pass(buffered_reads, True))
             counts["buf1"] = stats(mnt)
 
-            # ---- polling through bursts (fuse_poll_us): what it gives a tight loop, and what
-            # it costs readers that compute between files; the tree's default against off
-            if not args.no_poll_check and "env" in inspect.signature(cache.mount).parameters:
+            # ---- polling through bursts (fuse_poll_us, off by default): what it gives a tight
+            # loop, and what it costs readers that compute between files; on against off
+            if args.poll_us and "env" in inspect.signature(cache.mount).parameters:
                 mount_paths = [str(mroot / r) for r in read_rel]
-                polling: dict[str, list[float]] = {"default": [], "off": []}
+                polling: dict[str, list[float]] = {"on": [], "off": []}
                 for _ in range(2):
-                    for side, env in (("default", {}), ("off", {"KSPEEDFS_FUSE_POLL_US": "0"})):
-                        cache.mount(mnt, env=env)
+                    for side, us in (("on", args.poll_us), ("off", 0)):
+                        cache.mount(mnt, env={"KSPEEDFS_FUSE_POLL_US": str(us)})
                         buffered_reads(mount_paths)
                         tight = len(mount_paths) / min(
                             buffered_reads(mount_paths) for _ in range(args.repeat)
                         )
                         polling[side] += [tight, computing_readers(mount_paths)]
                 results["poll"] = [
-                    max(polling[side][i::2]) for side in ("default", "off") for i in (0, 1)
+                    max(polling[side][i::2]) for side in ("on", "off") for i in (0, 1)
                 ]
                 cache.mount(mnt)
 
@@ -367,8 +378,9 @@ def main() -> int:
         if "poll" in results:
             tight_on, computing_on, tight_off, computing_off = results["poll"]
             print(
-                f"  polling through bursts ({poll_default()}) against off: buffered pass 2 "
-                f"{tight_on:,.0f} against {tight_off:,.0f} files/s ({ratio(tight_on, tight_off)}); "
+                f"  fuse_poll_us {args.poll_us} against 0 (the default): buffered pass 2 "
+                f"{tight_on:,.0f} against {tight_off:,.0f} files/s ({ratio(tight_on, tight_off)}), "
+                f"mount/source {ratio(tight_on, results['pass 2 buffered open().read()'][0])}; "
                 f"two readers computing between files {computing_on:,.0f} against "
                 f"{computing_off:,.0f} files/s ({ratio(computing_on, computing_off)})"
             )
@@ -399,15 +411,6 @@ def computing_readers(paths: list[str]) -> float:
         started = time.perf_counter()
         pool.map(crc_after_read, paths, chunksize=16)
         return len(paths) / (time.perf_counter() - started)
-
-
-def poll_default() -> str:
-    try:
-        from kspeedfs.format.config import Settings
-
-        return f"fuse_poll_us {Settings().fuse_poll_us}"
-    except (ImportError, AttributeError):
-        return "fuse_poll_us n/a"
 
 
 def imagefolder_tar(mnt: Path, repeat: int) -> list[float | None]:

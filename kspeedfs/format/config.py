@@ -81,10 +81,10 @@ class Settings:
             --workers`).
         fuse_read_ahead: the read-ahead set on a mount, so that a typical file is one READ
             (0: the kernel's default, 128 KiB; needs root).
-        fuse_poll_us: how long (microseconds) each serving process of a mount keeps polling,
-            at idle priority, for the next request of a burst before it sleeps (0: never): a
-            server or reader woken on a halted CPU costs a request tens of microseconds on a
-            VM (mounts.md).
+        fuse_poll_us: how long (microseconds) each serving process of a mount polls for the
+            next request of a reader that asks again within it, yielding its CPU between
+            polls (0: never): on a VM whose idle CPUs halt, a tight loop of opens through the
+            mount gets faster, and computing work on the polling CPUs slower (mounts.md).
     Read-through datasets (readthrough.md):
         spill_dir: a disk folder for read-through segments evicted from memory and for the
             disk tier of preloads (tiers.md) ("": none); a folder of the node's own, checked as
@@ -163,7 +163,7 @@ class Settings:
     fuse_read_ahead: int = 256 * 1024
     # After a request that came within this many microseconds of the one before, the first
     # serving process polls this long for the next before it sleeps (0 = never).
-    fuse_poll_us: int = 250
+    fuse_poll_us: int = 0
     # Decoded variants: processes a fill may decode with (0 = one per CPU); fewer leaves CPUs
     # to the training jobs on the node while a variant fills.
     decode_workers: int = 0

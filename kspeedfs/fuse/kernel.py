@@ -24,7 +24,6 @@ import errno
 import fcntl
 import logging
 import os
-import resource
 import select
 import shutil
 import socket
@@ -235,101 +234,46 @@ class Filesystem(Protocol):
     def listxattr(self, ino: int) -> list[bytes]: ...
 
 
-PRIORITY_NONE = os.sched_param(0)  # SCHED_IDLE and SCHED_OTHER take no static priority
-
-
-CAP_SYS_NICE = 23
-
-
-def can_leave_idle_priority() -> bool:
-    """Whether a thread of this process may go from SCHED_IDLE back to SCHED_OTHER: SCHED_IDLE
-    counts as nice 20, and going back to nice 0 needs an RLIMIT_NICE that allows it or
-    CAP_SYS_NICE (sched(7))."""
-    soft, _hard = resource.getrlimit(resource.RLIMIT_NICE)
-    if soft == resource.RLIM_INFINITY or soft >= 20 - os.getpriority(os.PRIO_PROCESS, 0):
-        return True
-    try:
-        with open("/proc/self/status") as f:
-            caps = next(line for line in f if line.startswith("CapEff:"))
-    except (OSError, StopIteration):
-        return False
-    return bool(int(caps.split()[1], 16) >> CAP_SYS_NICE & 1)
-
-
-def cpu_of(tid: int) -> int | None:
-    """The CPU thread `tid` last ran on (field 39 of /proc/TID/stat), None when unknown."""
-    try:
-        with open(f"/proc/{tid}/stat", "rb") as f:
-            return int(f.read().rsplit(b")", 1)[1].split()[36])
-    except (OSError, ValueError, IndexError):
-        return None
-
-
 class BurstPoll:
-    """Keeps the reader's CPU from halting through a burst of requests, at idle priority.
+    """Keeps the CPUs from halting through one reader's burst of requests (off by default).
 
     A thread blocked in read(2) of /dev/fuse is woken by the kernel for each request; when its
-    CPU went idle meanwhile, on a VM that wake-up is a halted virtual CPU brought back (tens of
-    us, more than the request itself: docs/mounts.md), and so is the reader's when the reply
-    wakes it. So after answering a request that came within `window` seconds of the one before
-    (a burst: a reader opening file after file), the thread polls the fd for up to `window`
-    before it blocks again: on the CPU the reader last ran on, as an idle-class thread
-    (SCHED_IDLE). While the reader runs, the poller does not; when the reader waits for its
-    next answer the poller runs there instead of the CPU halting, takes the request and serves
-    it (at normal priority) on that CPU, and the answer wakes the reader on a CPU that is not
-    halted. Any other task there (a DataLoader worker decoding) preempts the poller at once.
+    CPU went idle meanwhile, on a VM whose idle CPUs halt that wake-up is a halted virtual CPU
+    brought back (tens of us, more than the request itself: docs/mounts.md), and so is the
+    reader's when the reply wakes it. So after answering a request of a thread that asked
+    before within `window` seconds (a burst: one reader opening file after file), the thread
+    polls the fd for up to `window` before it blocks again, yielding its CPU between polls.
+    Every serving process polls, so no CPU the reader may wait on halts. Readers that compute
+    between their files for longer than the window (DataLoader workers decoding) start no
+    burst, however many of them ask together. The cost, measured: a polling virtual CPU slows
+    computing work on the other one (docs/mounts.md), hence off unless `fuse_poll_us` is set."""
 
-    One thread per mount polls at a time (an flock on `lock_fd`, a file description of the
-    poller's own): a poller starved on a busy CPU must not hold a request back from a server
-    blocked in read(2), which the kernel wakes at normal priority. Requests further apart cost
-    nothing: no polling after them."""
-
-    def __init__(self, fd: int, window: float, lock_fd: int | None = None):
-        # A thread that could not leave SCHED_IDLE again would serve at idle priority: such a
-        # process (unprivileged, by default) does not poll at all.
-        self.window = window if can_leave_idle_priority() else 0.0
-        self.lock_fd = lock_fd
+    def __init__(self, fd: int, window: float):
+        self.window = window
         self._poller = select.poll()
         self._poller.register(fd, select.POLLIN)
         self._answered = 0.0  # when the last request was answered
-        self._in_burst = False  # the last request came within `window` of the one before
+        self._reader = 0  # the thread that made it
+        self._in_burst = False  # it came within `window` of that thread's one before
         self._until = 0.0  # poll until then before blocking
-        self._located = 0  # the reader of the burst, whose CPU was looked up once
-        self._reader_cpu: int | None = None  # that CPU (None: unknown)
-        self._cpus = os.sched_getaffinity(0)
 
     def wait(self) -> None:
-        """Returns when a request is there, or the window has passed, or another thread of the
-        mount polls already (read(2) then blocks)."""
-        clock, poll, until = time.perf_counter, self._poller.poll, self._until
-        if clock() >= until or poll(0):
-            return
-        if self.lock_fd is not None:
-            try:
-                fcntl.flock(self.lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except BlockingIOError:
-                return  # another serving process polls through this burst
-        cpu = self._reader_cpu
-        try:
-            if cpu is not None and cpu in self._cpus:
-                os.sched_setaffinity(0, (cpu,))
-            os.sched_setscheduler(0, os.SCHED_IDLE, PRIORITY_NONE)
-            while clock() < until and not poll(0):
-                pass
-        finally:
-            # Serving the request found, or blocking for the next, at normal priority again
-            # (on the reader's CPU: the answer wakes it there; any CPU once the burst ends).
-            os.sched_setscheduler(0, os.SCHED_OTHER, PRIORITY_NONE)
-            if clock() >= until and cpu is not None:
-                os.sched_setaffinity(0, self._cpus)
-            if self.lock_fd is not None:
-                fcntl.flock(self.lock_fd, fcntl.LOCK_UN)
+        """Returns when a request is there, or the window has passed (read(2) then blocks)."""
+        clock, poll, until, give_way = (
+            time.perf_counter,
+            self._poller.poll,
+            self._until,
+            os.sched_yield,
+        )
+        while clock() < until and not poll(0):
+            give_way()
 
     def arrived(self, reader: int) -> None:
         """A request from thread `reader` (the pid in its header)."""
-        self._in_burst = time.perf_counter() - self._answered < self.window
-        if self._in_burst and reader != self._located:
-            self._reader_cpu, self._located = cpu_of(reader), reader
+        self._in_burst = (
+            reader == self._reader and time.perf_counter() - self._answered < self.window
+        )
+        self._reader = reader
 
     def answered(self) -> None:
         self._answered = now = time.perf_counter()
@@ -354,7 +298,6 @@ class RequestLoop:
         on_stray_interrupt: Callable[[int], None] | None = None,
         deadline: float | None = None,
         poll_window: float = 0.0,
-        poll_lock: int | None = None,
         done: threading.Event | None = None,
     ):
         self.fs = fs
@@ -363,7 +306,6 @@ class RequestLoop:
         self.on_stray_interrupt = on_stray_interrupt
         self.deadline = deadline
         self.poll_window = poll_window  # seconds thread 0 polls for the next request of a burst
-        self.poll_lock = poll_lock  # fd whose flock elects one poller per mount (BurstPoll)
         self._pool = ThreadPoolExecutor(max_workers=POOL_THREADS, thread_name_prefix="fuse-pool")
         self._pending: dict[int, float] = {}  # unique -> when it went to the pool
         self._interrupted: dict[int, None] = {}  # interrupts that came before their request
@@ -419,7 +361,7 @@ class RequestLoop:
     def _serve(self, row: memoryview, poll_window: float = 0.0) -> None:
         buf = bytearray(READ_BUFFER)
         view = memoryview(buf)
-        burst = BurstPoll(self.fd, poll_window, self.poll_lock) if poll_window > 0 else None
+        burst = BurstPoll(self.fd, poll_window) if poll_window > 0 else None
         try:
             while True:
                 if burst is not None:

@@ -157,10 +157,7 @@ def serve(fuse_fd: int, control_fd: int, counters_fd: int) -> int:
         [counters.row(index)],
         on_stray_interrupt=link.forward_interrupt,
         deadline=DEADLINE_TIMEOUTS * settings.timeout,
-        poll_window=settings.fuse_poll_us / 1e6,
-        # The serving processes share the counters' memfd: each opens its own file description
-        # of it, whose flock elects the one process polling through a burst.
-        poll_lock=os.open(f"/proc/self/fd/{counters_fd}", os.O_RDONLY | os.O_CLOEXEC),
+        poll_window=settings.fuse_poll_us / 1e6,  # every serving process (BurstPoll)
     )
     loop.start()
     link.post("ready")
