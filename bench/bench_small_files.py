@@ -2,16 +2,22 @@
 
     PYTHONPATH=$PWD .venv/bin/python bench/bench_small_files.py [--walk-files 1281000]
         [--walk-folders 1000] [--files 2000] [--size 100000] [--no-squashfs] [--no-tar]
+        [--poll-us 300]
 
 One run, one tree, three ways to read it: the source folder (warm page cache), a kspeedfs
 mount of a private node, and squashfuse_ll (C, libfuse low-level) over a squashfs image of the
 same tree (squashfuse and squashfs-tools are installed from Debian where missing; without root
 or apt that column is left out). Printed, with the mount's ratio to each:
 - a fresh mount's first `os.walk` of `--walk-files` empty files in `--walk-folders` folders,
-  names and sizes (lstat) of every entry, and the kernel's requests per file on the mount;
+  names and sizes (lstat) of every entry, and the kernel's requests per file on the mount
+  (memory warmed, and the kernel's FUSE inode caches grown by a walk of a mount thrown away,
+  before each side, as for pass 1);
 - per-file `open(p, "rb").read()` with Python's default buffering over `--files` files of
   `--size` bytes, second pass (page cache warm everywhere), and the requests it costs;
 - passes 1 (fresh mount) and 2 with `os.open`/`os.read`, the same files;
+- `fuse_poll_us` (`--poll-us`, off by default) against 0 on fresh mounts, alternating: the
+  buffered pass, and two processes that compute between their files (DataLoader workers'
+  shape), to show what polling gives and costs on this machine;
 - ImageFolder (stock torchvision, raw bytes loader) over the mount's tar view `ds@tar/` of tars
   of those files, against the same over the extracted tree on the same mount (`--no-tar`
   leaves it out; needs torchvision).
@@ -22,7 +28,9 @@ a "before" is the same script over an older tree: sections that tree lacks print
 from __future__ import annotations
 
 import argparse
+import inspect
 import json
+import multiprocessing
 import os
 import random
 import shutil
@@ -31,6 +39,7 @@ import sys
 import tarfile
 import tempfile
 import time
+import zlib
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -47,10 +56,13 @@ except ImportError:  # an older tree measured as the "before"
         return "guest halt polling: n/a"
 
 
+from kspeedfs.testing.bench import warm_memory
 from kspeedfs.testing.cache import LocalCache
 
 STATS_XATTR = "user.kspeedfs.stats"
 TARGETS = {"walk": 0.3, "buffered": 0.35, "squash": 1.5, "tar_imagefolder": 0.9}
+COMPUTE_REPEAT = 20  # the CRC runs over the file this many times
+WALK_BYTES_PER_ENTRY = 2048  # a FUSE inode and its dentry, with room
 DEBIAN = {"squashfuse_ll": "squashfuse", "mksquashfs": "squashfs-tools"}
 
 
@@ -200,6 +212,12 @@ def main() -> int:
     p.add_argument("--shards", type=int, default=8)
     p.add_argument("--no-squashfs", action="store_true")
     p.add_argument("--no-tar", action="store_true")
+    p.add_argument(
+        "--poll-us",
+        type=int,
+        default=300,
+        help="fuse_poll_us measured against 0 on the same files (0: leave that out)",
+    )
     p.add_argument("--repeat", type=int, default=3, help="warm passes timed (best kept)")
     p.add_argument("--tmp", default=None, help="work folder (default: a temporary one)")
     args = p.parse_args()
@@ -252,6 +270,8 @@ def main() -> int:
             counts: dict[str, Any] = {}
 
             def walk_rate(root: Path) -> float:
+                # The kernel's dentries and inodes of a first walk: memory warmed for each side
+                warm_memory(walk_files * WALK_BYTES_PER_ENTRY)
                 if root == mroot:
                     counts["walk0"] = stats(mnt)
                 seconds, n = walk(root / "walk")
@@ -260,6 +280,12 @@ def main() -> int:
                 assert n == walk_files, (root, n)
                 return n / seconds
 
+            # The first FUSE walk since boot also grows the kernel's inode and dentry caches
+            # (slab pages, each object initialised once: a tenth of that walk's CPU): grown
+            # here once, by a walk of a mount thrown away, for both FUSE sides alike (else
+            # the side walked second, squashfuse_ll, would find them grown by the first).
+            cache.mount(mnt)
+            walk(mroot / "walk")
             three("walk", walk_rate, fresh=True)
 
             # ---- reads
@@ -281,6 +307,7 @@ def main() -> int:
             for name, reader in (("pass 1 os.read", os_reads),):
 
                 def first(root: Path, reader: Callable[[list[str]], float] = reader) -> float:
+                    warm_memory(len(read_rel) * args.size)  # the page cache this pass fills
                     if root == mroot:
                         counts["p1_0"] = stats(mnt)
                     r = len(read_rel) / reader([str(root / x) for x in read_rel])
@@ -296,6 +323,24 @@ def main() -> int:
             counts["buf0"] = stats(mnt)
             three("pass 2 buffered open().read()", read_pass(buffered_reads, True))
             counts["buf1"] = stats(mnt)
+
+            # ---- polling through bursts (fuse_poll_us, off by default): what it gives a tight
+            # loop, and what it costs readers that compute between files; on against off
+            if args.poll_us and "env" in inspect.signature(cache.mount).parameters:
+                mount_paths = [str(mroot / r) for r in read_rel]
+                polling: dict[str, list[float]] = {"on": [], "off": []}
+                for _ in range(2):
+                    for side, us in (("on", args.poll_us), ("off", 0)):
+                        cache.mount(mnt, env={"KSPEEDFS_FUSE_POLL_US": str(us)})
+                        buffered_reads(mount_paths)
+                        tight = len(mount_paths) / min(
+                            buffered_reads(mount_paths) for _ in range(args.repeat)
+                        )
+                        polling[side] += [tight, computing_readers(mount_paths)]
+                results["poll"] = [
+                    max(polling[side][i::2]) for side in ("on", "off") for i in (0, 1)
+                ]
+                cache.mount(mnt)
 
             # ---- ImageFolder over the tar view against the extracted tree, same mount
             if tars:
@@ -330,6 +375,15 @@ def main() -> int:
         print(
             f"  requests per file, buffered pass 2: {per_file(counts['buf0'], counts['buf1'], reads)}"
         )
+        if "poll" in results:
+            tight_on, computing_on, tight_off, computing_off = results["poll"]
+            print(
+                f"  fuse_poll_us {args.poll_us} against 0 (the default): buffered pass 2 "
+                f"{tight_on:,.0f} against {tight_off:,.0f} files/s ({ratio(tight_on, tight_off)}), "
+                f"mount/source {ratio(tight_on, results['pass 2 buffered open().read()'][0])}; "
+                f"two readers computing between files {computing_on:,.0f} against "
+                f"{computing_off:,.0f} files/s ({ratio(computing_on, computing_off)})"
+            )
         if tars:
             view, tree = results["tar"]
             print(
@@ -340,6 +394,23 @@ def main() -> int:
                 else "  ImageFolder over the tar view: n/a (no tar view in this tree)"
             )
     return 0
+
+
+def crc_after_read(path: str) -> int:
+    """One file read and computed over (about 0.5 ms of CPU here, as a small JPEG's decode)."""
+    with open(path, "rb") as f:
+        data = f.read()
+    return zlib.crc32(data * COMPUTE_REPEAT)
+
+
+def computing_readers(paths: list[str]) -> float:
+    """Files/s of two processes taking files in turn, each computing over what it read: the
+    shape of DataLoader workers, whose requests come far apart."""
+    with multiprocessing.get_context("spawn").Pool(2) as pool:
+        pool.map(crc_after_read, paths[:64])  # the workers started
+        started = time.perf_counter()
+        pool.map(crc_after_read, paths, chunksize=16)
+        return len(paths) / (time.perf_counter() - started)
 
 
 def imagefolder_tar(mnt: Path, repeat: int) -> list[float | None]:

@@ -81,9 +81,10 @@ class Settings:
             --workers`).
         fuse_read_ahead: the read-ahead set on a mount, so that a typical file is one READ
             (0: the kernel's default, 128 KiB; needs root).
-        fuse_poll_us: how long (microseconds) the first serving process of a mount keeps
-            polling for the next request of a burst before it sleeps (0: never): a sleeping
-            server woken on an idle CPU costs a request tens of microseconds on a VM.
+        fuse_poll_us: how long (microseconds) each serving process of a mount polls for the
+            next request of a reader that asks again within it, yielding its CPU between
+            polls (0: never): on a VM whose idle CPUs halt, a tight loop of opens through the
+            mount gets faster, and computing work on the polling CPUs slower (mounts.md).
     Read-through datasets (readthrough.md):
         spill_dir: a disk folder for read-through segments evicted from memory and for the
             disk tier of preloads (tiers.md) ("": none); a folder of the node's own, checked as

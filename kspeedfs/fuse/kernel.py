@@ -93,6 +93,8 @@ NOTIFY_RESEND = 7  # kernel 6.9+
 FUSE_DEV_IOC_CLONE = 0x8004E500  # _IOR(229, 0, uint32_t)
 
 IN_HEADER = struct.Struct("<IIQQIIIHH")
+READER = struct.Struct("<I")  # the requesting thread: the header's pid, after len ... gid
+READER_OFFSET = 32
 OUT_HEADER = struct.Struct("<IiQ")
 # fuse_attr: ino, size, blocks, atime, mtime, ctime, their nanoseconds, mode, nlink, uid, gid,
 # rdev, blksize, flags. The times are u64 in fuse_kernel.h but the kernel stores them into
@@ -233,31 +235,45 @@ class Filesystem(Protocol):
 
 
 class BurstPoll:
-    """Keeps one serving thread awake through a burst of requests.
+    """Keeps the CPUs from halting through one reader's burst of requests (off by default).
 
     A thread blocked in read(2) of /dev/fuse is woken by the kernel for each request; when its
-    CPU went idle meanwhile, on a VM that wake-up is a halted virtual CPU brought back (tens of
-    us, more than the request itself: docs/mounts.md). So after answering a request that came
-    within `window` seconds of the one before (a burst: a reader opening file after file),
-    the thread polls the fd for up to `window` before it blocks again. Requests further apart
-    cost nothing extra: no polling after them."""
+    CPU went idle meanwhile, on a VM whose idle CPUs halt that wake-up is a halted virtual CPU
+    brought back (tens of us, more than the request itself: docs/mounts.md), and so is the
+    reader's when the reply wakes it. So after answering a request of a thread that asked
+    before within `window` seconds (a burst: one reader opening file after file), the thread
+    polls the fd for up to `window` before it blocks again, yielding its CPU between polls.
+    Every serving process polls, so no CPU the reader may wait on halts. Readers that compute
+    between their files for longer than the window (DataLoader workers decoding) start no
+    burst, however many of them ask together. The cost, measured: a polling virtual CPU slows
+    computing work on the other one (docs/mounts.md), hence off unless `fuse_poll_us` is set."""
 
     def __init__(self, fd: int, window: float):
         self.window = window
         self._poller = select.poll()
         self._poller.register(fd, select.POLLIN)
         self._answered = 0.0  # when the last request was answered
-        self._in_burst = False  # the last request came within `window` of the one before
+        self._reader = 0  # the thread that made it
+        self._in_burst = False  # it came within `window` of that thread's one before
         self._until = 0.0  # poll until then before blocking
 
     def wait(self) -> None:
         """Returns when a request is there, or the window has passed (read(2) then blocks)."""
-        clock, poll, until = time.perf_counter, self._poller.poll, self._until
+        clock, poll, until, give_way = (
+            time.perf_counter,
+            self._poller.poll,
+            self._until,
+            os.sched_yield,
+        )
         while clock() < until and not poll(0):
-            pass
+            give_way()
 
-    def arrived(self) -> None:
-        self._in_burst = time.perf_counter() - self._answered < self.window
+    def arrived(self, reader: int) -> None:
+        """A request from thread `reader` (the pid in its header)."""
+        self._in_burst = (
+            reader == self._reader and time.perf_counter() - self._answered < self.window
+        )
+        self._reader = reader
 
     def answered(self) -> None:
         self._answered = now = time.perf_counter()
@@ -363,7 +379,7 @@ class RequestLoop:
                 if n == 0:
                     return
                 if burst is not None:
-                    burst.arrived()
+                    burst.arrived(READER.unpack_from(buf, READER_OFFSET)[0])
                 if buf[4] == IOCTL and n >= IN_HEADER.size and not any(buf[5:8]):
                     # Python's open() asks isatty() of every file (TCGETS): answered here, no
                     # handler, no exception (see _ioctl).

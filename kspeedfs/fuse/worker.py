@@ -157,9 +157,7 @@ def serve(fuse_fd: int, control_fd: int, counters_fd: int) -> int:
         [counters.row(index)],
         on_stray_interrupt=link.forward_interrupt,
         deadline=DEADLINE_TIMEOUTS * settings.timeout,
-        # One poller per mount is enough to keep a burst's requests off sleeping servers;
-        # more would each keep a CPU busy through it.
-        poll_window=settings.fuse_poll_us / 1e6 if index == 0 else 0.0,
+        poll_window=settings.fuse_poll_us / 1e6,  # every serving process (BurstPoll)
     )
     loop.start()
     link.post("ready")

@@ -68,10 +68,15 @@ class LocalCache:
     def request(self, op: str, **args: Any) -> dict[str, Any]:
         return self.node.request(op, **args)
 
-    def mount(self, mountpoint: Path, *extra: str) -> MountProcess:
-        """`kspeedfs mount` of this node at `mountpoint`; returns once it is up."""
+    def mount(
+        self, mountpoint: Path, *extra: str, env: dict[str, str] | None = None
+    ) -> MountProcess:
+        """`kspeedfs mount` of this node at `mountpoint` (settings in `env` over the node's);
+        returns once it is up."""
         self.unmount(mountpoint)  # a mount left by a killed earlier run makes it busy
-        m = MountProcess(mountpoint, self.env(), self.workdir, args=extra, own_session=True)
+        m = MountProcess(
+            mountpoint, {**self.env(), **(env or {})}, self.workdir, args=extra, own_session=True
+        )
         self.mounts[mountpoint] = m
         return m.start()
 
