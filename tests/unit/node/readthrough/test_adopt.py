@@ -78,6 +78,12 @@ def ready_elsewhere(etcd: MemoryEtcd, tmp: Path, peers: MemoryPeers) -> LocalDat
     return ds
 
 
+async def both_joined(b: CacheMember, tmp: Path) -> None:
+    """a:1 (where the dataset is ready) and b:1 live in etcd."""
+    await Membership(settings(tmp), ClusterState.of(settings(tmp))).join("a:1")
+    await b.control.membership.join("b:1")
+
+
 def test_a_sync_hands_the_catalogs_read_through_instance_to_the_cache(
     etcd: MemoryEtcd, tmp_path: Path
 ) -> None:
@@ -86,8 +92,7 @@ def test_a_sync_hands_the_catalogs_read_through_instance_to_the_cache(
     b = CacheMember("b:1", tmp_path / "b", peers)
 
     async def main() -> None:
-        await Membership(settings(tmp_path), ClusterState.of(settings(tmp_path))).join("a:1")
-        await b.control.membership.join("b:1")
+        await both_joined(b, tmp_path)
         await b.control.sync_once()
         listed = b.store.datasets["ds"]
         assert (listed.uuid, listed.lifetime, listed.held) == (ds.uuid, READTHROUGH, [])
@@ -107,8 +112,7 @@ def test_registering_a_name_ready_on_another_member_joins_it(
     b = CacheMember("b:1", tmp_path / "b", peers)
 
     async def main() -> None:
-        await Membership(settings(tmp_path), ClusterState.of(settings(tmp_path))).join("a:1")
-        await b.control.membership.join("b:1")
+        await both_joined(b, tmp_path)
         await b.control.members_now()  # b sees a:1 live: manifests come from live members
         registered = await b.cache.registrar.op_register_source(
             RegisterSource(name="ds", source=str(ds.source))
