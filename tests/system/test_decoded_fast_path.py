@@ -22,6 +22,7 @@ from torchvision.transforms import Resize
 from kspeedfs.client import admin
 from kspeedfs.client import decoded as decoded_client
 from kspeedfs.format.config import load_settings
+from kspeedfs.format.contract.decoded import VariantSummary
 from pytorch_ext import KSpeedImageFolder
 from pytorch_ext import transforms as kt
 
@@ -41,7 +42,7 @@ def kw(node: NodeProcess) -> dict[str, Any]:
     return {"nodes": node.address, "token": str(node.token_file)}
 
 
-def wait_variant(node: NodeProcess, size: int) -> dict[str, Any]:
+def wait_variant(node: NodeProcess, size: int) -> VariantSummary:
     settings = load_settings({"nodes": node.address, "token_file": str(node.token_file)})
     with admin.connect(settings) as client:
         return decoded_client.wait(client, "imgs", size)
@@ -83,7 +84,7 @@ def test_decoded_samples_are_pixel_identical(
 ) -> None:
     ds = KSpeedImageFolder(loaded, decoded=size, decode=decode, **kw(node))
     v = wait_variant(node, size)
-    assert v["files_done"] == v["files_total"] == 8 and v["undecodable"] == 1
+    assert v.files_done == v.files_total == 8 and v.undecodable == 1
     check_all(ds, ImageFolder(str(loaded)), size)
     variant = ds._variant()
     assert variant is not None  # served from the mapped pixels, not decoded here
