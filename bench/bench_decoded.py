@@ -193,14 +193,14 @@ def main() -> None:
             planned = time.perf_counter()
             v = decoded_client.wait(client, "bench", args.size)
             fill_s = time.perf_counter() - started
-        fill_rate = v["files_total"] / fill_s
-        decode_rate = v["files_total"] / (fill_s - (planned - started))
+        fill_rate = v.files_total / fill_s
+        decode_rate = v.files_total / (fill_s - (planned - started))
         reference.append(single_process_decode_rate(source, args.size, min(300, len(files))))
         single = sum(r for r, _ in reference) / len(reference)
         ref_cpu = sum(c for _, c in reference) / len(reference)
-        fill_cpu = cpu.used() / v["files_total"]
+        fill_cpu = cpu.used() / v.files_total
         print(
-            f"\nfill: {v['files_total']} images in {fill_s:.1f}s = {fill_rate:.0f} img/s on "
+            f"\nfill: {v.files_total} images in {fill_s:.1f}s = {fill_rate:.0f} img/s on "
             f"{cores} cores (header pass + plan {planned - started:.2f}s, then decoding at "
             f"{decode_rate:.0f} img/s); one process decoding+resizing: {single:.0f} img/s "
             f"(before {reference[0][0]:.0f}, after {reference[1][0]:.0f}; x{cores} = "
@@ -215,8 +215,8 @@ def main() -> None:
             f"the fill had {cpu.used() / fill_s:.2f} of {cores} cores"
         )
         print(
-            f"memory: variant {format_size(v['bytes'])} vs JPEG {format_size(jpeg_bytes)} "
-            f"({v['bytes'] / jpeg_bytes:.2f}x), {v['undecodable']} undecodable"
+            f"memory: variant {format_size(v.bytes)} vs JPEG {format_size(jpeg_bytes)} "
+            f"({v.bytes / jpeg_bytes:.2f}x), {v.undecodable} undecodable"
         )
         if args.fill_only:
             return
