@@ -78,6 +78,13 @@ def ready_elsewhere(etcd: MemoryEtcd, tmp: Path, peers: MemoryPeers) -> LocalDat
     return ds
 
 
+def beside_a(etcd: MemoryEtcd, tmp: Path) -> tuple[MemoryPeers, LocalDataset, CacheMember]:
+    """The dataset ready on a:1, and member b:1 (a cache and a control plane) beside it."""
+    peers = MemoryPeers({})
+    ds = ready_elsewhere(etcd, tmp, peers)
+    return peers, ds, CacheMember("b:1", tmp / "b", peers)
+
+
 async def both_joined(b: CacheMember, tmp: Path) -> None:
     """a:1 (where the dataset is ready) and b:1 live in etcd."""
     await Membership(settings(tmp), ClusterState.of(settings(tmp))).join("a:1")
@@ -87,9 +94,7 @@ async def both_joined(b: CacheMember, tmp: Path) -> None:
 def test_a_sync_hands_the_catalogs_read_through_instance_to_the_cache(
     etcd: MemoryEtcd, tmp_path: Path
 ) -> None:
-    peers = MemoryPeers({})
-    ds = ready_elsewhere(etcd, tmp_path, peers)
-    b = CacheMember("b:1", tmp_path / "b", peers)
+    peers, ds, b = beside_a(etcd, tmp_path)
 
     async def main() -> None:
         await both_joined(b, tmp_path)
@@ -107,9 +112,7 @@ def test_a_sync_hands_the_catalogs_read_through_instance_to_the_cache(
 def test_registering_a_name_ready_on_another_member_joins_it(
     etcd: MemoryEtcd, tmp_path: Path
 ) -> None:
-    peers = MemoryPeers({})
-    ds = ready_elsewhere(etcd, tmp_path, peers)
-    b = CacheMember("b:1", tmp_path / "b", peers)
+    _peers, ds, b = beside_a(etcd, tmp_path)
 
     async def main() -> None:
         await both_joined(b, tmp_path)
