@@ -80,11 +80,15 @@ class Node:
         # The catalog read-through datasets are claimed in and placed by: etcd's (over the
         # membership the control plane joins), or this node alone.
         etcd = EtcdCatalog.of(settings, self.ask) if settings.etcd else None
-        self.cache = ReadThroughCache(
-            self.store, settings, self.address, self.loads, etcd or LocalCatalog(self.address)
-        )
+        catalog = etcd or LocalCatalog(self.address)
+        self.cache = ReadThroughCache(self.store, settings, self.address, self.loads, catalog)
         self.decoded = DecodedVariants(self.store, self.address, self.ask, settings.decode_workers)
         self.meta_indexes = AddedIndexes(self.store, self.address, self.ask)
+        # Unloading forgets a dataset in the same catalog, so it is built before the control
+        # plane, which unloads what the catalog no longer places here.
+        self.unloader = Unloader(
+            self.store, self.loads, self.leases, lambda: self.address, self.ask, catalog
+        )
         # The control plane: etcd's (membership, catalog, healing; it hands the cache the
         # read-through datasets to adopt), or the static node list.
         self.control: ClusterControl = (
@@ -92,16 +96,13 @@ class Node:
                 settings,
                 self.store,
                 self.ask,
-                lambda name, uuid: self.unloader.unload_local(name, uuid),
-                self.stager,
-                self.cache,
-                etcd=etcd,
+                self.unloader.unload_local,
+                etcd,
+                stager=self.stager,
+                readthrough=self.cache,
             )
             if etcd is not None
             else StaticControl(settings, self.members)
-        )
-        self.unloader = Unloader(
-            self.store, self.loads, self.leases, lambda: self.address, self.ask, self.control
         )
         self.lease_owner = LeaseOwner(
             self.leases, self.store, lambda: self.address, self.unloader.unload

@@ -10,11 +10,11 @@ import trio
 
 from kspeedfs.format.contract.node import Unload, Unloaded, UnloadLocal
 from kspeedfs.format.errors import KSpeedError
-from kspeedfs.node.control import ClusterControl
 from kspeedfs.node.leases import LeaseTable
 from kspeedfs.node.loads import LoadTable
 from kspeedfs.node.ops import ADMIN, OpRegistry
 from kspeedfs.node.peers import Ask
+from kspeedfs.node.readthrough.catalog import ClusterCatalog
 from kspeedfs.node.store import SegmentStore
 
 log = logging.getLogger(__name__)
@@ -28,14 +28,14 @@ class Unloader:
         leases: LeaseTable,
         address: Callable[[], str],
         ask: Ask,
-        control: ClusterControl,
+        catalog: ClusterCatalog,
     ):
         self.store = store
         self.loads = loads
         self.leases = leases
         self.address = address
         self.ask = ask
-        self.control = control  # the catalog (with etcd: gone for everyone, even nodes now down)
+        self.catalog = catalog  # with etcd: gone for everyone, even nodes now down
 
     def register_ops(self, ops: OpRegistry) -> None:
         ops.add(Unload, self.op_unload, ADMIN)
@@ -54,7 +54,7 @@ class Unloader:
             progress.cancel.set()
             return Unloaded(name=name, state="cancelled")
         record = self.store.instance(name)
-        await self.control.forget(name, record.uuid)
+        await self.catalog.forget(name, record.uuid)
         for member in record.members:
             if member != self.address():
                 try:

@@ -79,16 +79,15 @@ class ControlPlane:
         store: SegmentStore,
         ask: Ask,
         unload: Unload,
+        etcd: EtcdCatalog,
         stager: Stager | None = None,
         readthrough: ReadThroughCache | None = None,
         readers: PeerPool | None = None,
-        etcd: EtcdCatalog | None = None,
     ):
-        """`readers`: the connections heal copies are read over (None: the healer opens its
-        own). `etcd`: the catalog the read-through cache was built with, whose membership this
-        control plane joins and keeps (None: one of its own, where no cache shares it)."""
+        """`etcd`: the catalog the read-through cache was built with, whose membership this
+        control plane joins and keeps. `readers`: the connections heal copies are read over
+        (None: the healer opens its own)."""
         self.settings = settings
-        etcd = etcd or EtcdCatalog.of(settings, ask)
         self.membership = etcd.membership
         self.state = etcd.membership.state
         self.store = store

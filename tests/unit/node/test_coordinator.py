@@ -21,7 +21,7 @@ from kspeedfs.format.contract import Request
 from kspeedfs.format.contract.node import Ping
 from kspeedfs.format.contract.preload import Abort, Preload, StageClaim
 from kspeedfs.format.errors import AlreadyExists, AuthError, NodeUnreachable, NoSpace
-from kspeedfs.node.control import ControlPlane
+from kspeedfs.node.control import ControlPlane, EtcdCatalog
 from kspeedfs.node.control.membership import Membership
 from kspeedfs.node.control.static import StaticControl
 from kspeedfs.node.coordinator import PreloadCoordinator
@@ -82,7 +82,7 @@ def source(tmp_path: Path) -> Path:
 
 async def etcd_control(address: str = "a:1") -> ControlPlane:
     """This node's control plane, joined, with the other members live in etcd."""
-    control = ControlPlane(settings(), None, None, None)  # type: ignore[arg-type]
+    control = ControlPlane(settings(), None, None, None, EtcdCatalog.of(settings(), None))  # type: ignore[arg-type]
     await control.membership.join(address)
     for other in MEMBERS:
         if other != address:

@@ -17,7 +17,7 @@ from kspeedfs.format.config import Settings
 from kspeedfs.format.contract.control import Adopt, Adopted
 from kspeedfs.format.contract.node import ManifestReq, Rebalance, Rebalanced
 from kspeedfs.format.errors import NotFound
-from kspeedfs.node.control import ControlPlane, placed
+from kspeedfs.node.control import ControlPlane, EtcdCatalog, placed
 from unit.controlfakes import ETCD_URL, MemoryEtcd, MemoryPeers, MemoryStore, local_dataset, run
 
 TTL = 3.0
@@ -41,6 +41,7 @@ class Node:
             store,  # type: ignore[arg-type]
             peers.ask,
             self.unload,
+            EtcdCatalog.of(settings(), peers.ask),
             stager=stager,  # type: ignore[arg-type]
             readers=peers,
         )

@@ -18,7 +18,7 @@ from hypothesis import strategies as st
 from kspeedfs.client.catalog import CatalogEntry
 from kspeedfs.client.clusterstate import ClusterState
 from kspeedfs.format.config import Settings
-from kspeedfs.node.control import ControlPlane, placed
+from kspeedfs.node.control import ControlPlane, EtcdCatalog, placed
 from kspeedfs.node.control.membership import Membership
 from unit.controlfakes import (
     ETCD_URL,
@@ -46,7 +46,9 @@ def plane(store: MemoryStore, peers: MemoryPeers) -> ControlPlane:
     async def unload(name: str, uuid: str) -> None:
         store.datasets.pop(name, None)
 
-    return ControlPlane(settings(), store, peers.ask, unload, readers=peers)  # type: ignore[arg-type]
+    return ControlPlane(
+        settings(), store, peers.ask, unload, EtcdCatalog.of(settings(), peers.ask), readers=peers
+    )  # type: ignore[arg-type]
 
 
 def placed_over(

@@ -11,7 +11,7 @@ from kspeedfs.client.catalog import CatalogEntry, ListedInstance
 from kspeedfs.client.clusterstate import ClusterState
 from kspeedfs.format.config import Settings
 from kspeedfs.format.errors import AlreadyExists, Fenced, NodeUnreachable
-from kspeedfs.node.control import ControlPlane
+from kspeedfs.node.control import ControlPlane, EtcdCatalog
 from kspeedfs.node.control.membership import Membership
 from unit.controlfakes import ETCD_URL, MemoryEtcd, MemoryPeers, MemoryStore, run
 
@@ -191,7 +191,14 @@ def test_a_control_plane_that_stops_leaves_at_once(etcd: MemoryEtcd) -> None:
         async def unload(name: str, uuid: str) -> None:
             """Nothing is held here to unload."""
 
-        control = ControlPlane(settings(), MemoryStore(), peers.ask, unload, readers=peers)  # type: ignore[arg-type]
+        control = ControlPlane(
+            settings(),
+            MemoryStore(),
+            peers.ask,
+            unload,
+            EtcdCatalog.of(settings(), peers.ask),
+            readers=peers,
+        )  # type: ignore[arg-type]
         async with trio.open_nursery() as nursery:
             await nursery.start(control.run, "a:1")
             assert live(control.state) == ["a:1"]

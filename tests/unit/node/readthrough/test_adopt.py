@@ -59,9 +59,9 @@ class CacheMember:
             self.store,
             peers.ask,
             self.unload,
+            catalog,
             readthrough=self.cache,
             readers=peers,
-            etcd=catalog,
         )
 
     async def unload(self, name: str, uuid: str) -> None:
