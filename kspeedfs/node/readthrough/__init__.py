@@ -28,7 +28,8 @@ One module a job: `register` (listing a source, etcd claims, adoption), `fill` (
 Promoter needs to move them back to memory when it frees up),
 `evict` (the budget and the caps) with `policy` (the order) and `plans` (the readers' plans
 it follows), `watch` (source checks, refresh, pruning), `build` (staging an instance),
-`dataset` (the instances), `status`. `ReadThroughCache` only
+`dataset` (the instances) with `places` (where each instance's segments lie, and what they
+take of the budgets: the one writer of both), `status`. `ReadThroughCache` only
 composes them, registers their ops and runs their tasks.
 """
 
@@ -56,7 +57,7 @@ from kspeedfs.node.loads import LoadTable
 from kspeedfs.node.ops import ADMIN, JOB, OpRegistry
 from kspeedfs.node.readthrough.build import InstanceBuilder
 from kspeedfs.node.readthrough.catalog import ClusterCatalog, LocalCatalog
-from kspeedfs.node.readthrough.dataset import CachedDataset, Instances, open_instance
+from kspeedfs.node.readthrough.dataset import CachedDataset, Instances
 from kspeedfs.node.readthrough.disktier import DiskTier
 from kspeedfs.node.readthrough.evict import Evictor
 from kspeedfs.node.readthrough.fill import Filler
@@ -156,7 +157,7 @@ class ReadThroughCache:
             if record.lifetime != READTHROUGH:
                 continue
             try:
-                ds, mtimes = open_instance(record, verify)
+                ds, mtimes = self.instances.open(record, verify)
             except (KSpeedError, OSError, ValueError) as e:
                 log.error("dropping broken read-through dataset %s: %s", record.name, e)
                 self.store.unload(record.name)

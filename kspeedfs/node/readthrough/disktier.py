@@ -19,7 +19,6 @@ import logging
 import os
 from pathlib import Path
 
-from kspeedfs.format.errors import AlreadyExists, NoSpace
 from kspeedfs.format.localdata import SEGMENT_DIR, read_meta, segment_path
 from kspeedfs.format.units import format_size
 from kspeedfs.node.readthrough.dataset import CachedDataset, Instances, file_checksum
@@ -52,28 +51,18 @@ class DiskTier:
         """Bytes `ds` takes on disk: its disk-tier claims and its spilled segments (what
         `max_disk` caps)."""
         spilled = self.spill.bytes_of(ds.spill_key) if self.spill is not None else 0
-        return sum(ds.seg_len(seg) for seg in ds.disk_claims) + spilled
+        return ds.places.claimed_bytes() + spilled
 
     def claim(self, ds: CachedDataset, seg: int) -> bool:
         """Claim the disk tier's room for segment `seg` of `ds`; False when the tier, its
         filesystem or the dataset's cap has none (or the node has no disk tier)."""
-        if not self.enabled or seg in ds.disk_claims:
+        if not self.enabled or ds.places.claimed(seg):
             return False
         if not (self.folder(ds) / SEGMENT_DIR).is_dir():
             return False  # published without one (by an older node): memory or the source
-        length = ds.seg_len(seg)
-        if ds.max_disk and self.held(ds) + length > ds.max_disk:
+        if ds.max_disk and self.held(ds) + ds.seg_len(seg) > ds.max_disk:
             return False
-        try:
-            what = f"segment {seg} of {ds.name}"
-            # evict=False: a miss never takes another dataset's disk segments; a preload does.
-            self.store.budgets.reserve(
-                ds.disk_claim(seg), length, what=what, tier="disk", evict=False
-            )
-        except (NoSpace, AlreadyExists):
-            return False
-        ds.disk_claims.add(seg)
-        return True
+        return ds.places.claim_disk(seg, f"segment {seg} of {ds.name}")
 
     def there(self, ds: CachedDataset, seg: int) -> bool:
         """Whether disk segment `seg` of `ds` still has its file, of its size (blocking)."""
@@ -97,22 +86,16 @@ class DiskTier:
             ds = max(candidates, key=lambda d: d.disk_bytes)
             seg = max(ds.on_disk)
             unlink_file(segment_path(self.folder(ds), seg))
-            # Under the budgets' lock: its claim is dropped in place, not through release().
-            self.store.budgets.drop_claim(ds.disk_claim(seg))
-            ds.on_disk.discard(seg)
-            ds.disk_claims.discard(seg)
+            freed += ds.places.reclaimed_from_disk(seg)  # under the budgets' lock
             ds.epoch[0] += 1
             ds.stats["disk_evictions"] += 1
-            freed += ds.seg_len(seg)
         if freed:
             log.info("evicted %s of read-through disk-tier data for a preload", format_size(freed))
         return freed
 
     def release(self, ds: CachedDataset, seg: int) -> None:
         """The claim of segment `seg` goes (its file was never written, or is gone)."""
-        self.store.budgets.release(ds.disk_claim(seg))
-        ds.disk_claims.discard(seg)
-        ds.on_disk.discard(seg)
+        ds.places.release_disk(seg)
 
     def carry(self, old: CachedDataset, carried: dict[int, int]) -> Path | None:
         """A refresh: a disk staging folder with hard links of the disk segments of `old`
@@ -153,7 +136,7 @@ class DiskTier:
                 log.warning("dropping disk-tier segment %s of %s", fname, ds.name)
                 unlink_file(path)
                 continue
-            ds.on_disk.add(int(fname))
+            ds.places.placed_on_disk(int(fname))
 
     def _sound(self, ds: CachedDataset, fname: str, path: Path, verify: bool) -> bool:
         if not fname.isdigit() or fname != f"{int(fname):08d}" or path.is_symlink():

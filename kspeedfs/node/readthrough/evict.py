@@ -204,7 +204,7 @@ class Evictor:
 
     async def _evict(self, ds: CachedDataset, seg: int, why: str) -> None:
         # `max_disk` caps the spill and the disk tier together: the spill has what is left.
-        left = ds.max_disk - sum(ds.seg_len(k) for k in ds.disk_claims) if ds.max_disk else None
+        left = ds.max_disk - ds.places.claimed_bytes() if ds.max_disk else None
         room = left is None or left > 0
         if self.spill is not None and room and not spilled(self.spill, ds, seg):
             path = segment_path(ds.record.path, seg)
@@ -224,9 +224,7 @@ class Evictor:
             # tmpfs: one unlink, no I/O; reclaim() runs inside the store's reserve, which is
             # synchronous, so a preload's reservation frees memory at once.
             unlink_file(segment_path(ds.record.path, seg))
-        ds.resident.discard(seg)
-        length = ds.seg_len(seg)
-        self.store.segments.evicted(ds.record, seg, length)
+        length = ds.places.evicted(seg)
         ds.epoch[0] += 1  # readers drop their maps of it: the memory really returns
         ds.stats["evictions"] += 1
         self.instances.stats["evictions"] += 1

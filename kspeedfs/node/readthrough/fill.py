@@ -171,14 +171,13 @@ class Filler:
                     final = segment_path(self.disk.folder(ds), seg)
                     await trio.to_thread.run_sync(os.rename, tmp, final)
                     await trio.to_thread.run_sync(seal_file, final)  # nobody cuts it short
-                    ds.on_disk.add(seg)
+                    ds.places.placed_on_disk(seg)
                     ds.stats["fills_disk"] += 1
                 else:
                     final = segment_path(ds.record.path, seg)
                     await trio.to_thread.run_sync(os.rename, tmp, final)
                     await trio.to_thread.run_sync(seal_file, final)
-                    ds.resident.add(seg)
-                    self.store.segments.cached(ds.record, seg, length)
+                    ds.places.cached(seg)
                     self.evictor.admitted(ds, seg)
             self.seconds.labels(origin).observe(time.perf_counter() - started)
         except SourceChanged as e:

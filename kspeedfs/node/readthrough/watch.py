@@ -18,7 +18,7 @@ from kspeedfs.node import sourceio
 from kspeedfs.node.preload import tree_digest
 from kspeedfs.node.readthrough.build import InstanceBuilder, catalog_fields
 from kspeedfs.node.readthrough.catalog import ClusterCatalog
-from kspeedfs.node.readthrough.dataset import CachedDataset, Instances, open_instance
+from kspeedfs.node.readthrough.dataset import CachedDataset, Instances
 from kspeedfs.node.readthrough.disktier import DiskTier
 from kspeedfs.node.spill import SpillArea
 from kspeedfs.node.store import SegmentStore
@@ -169,7 +169,7 @@ class SourceWatch:
                     await trio.to_thread.run_sync(self.store.discard_disk_staging, disk_staging)
             raise
         new_record = await trio.to_thread.run_sync(self.store.publish, staging, meta, disk_staging)
-        new, _ = await trio.to_thread.run_sync(open_instance, new_record, False)
+        new, _ = await trio.to_thread.run_sync(self.instances.open, new_record, False)
         new.stats = ds.stats
         if self.spill is not None:
             await trio.to_thread.run_sync(
