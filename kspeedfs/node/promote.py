@@ -20,7 +20,8 @@ SegmentPlaces.copy_from_disk). A copy that fails its check
 never joins memory: a preload's segment is quarantined and fetched again, a read-through
 one dropped from disk (filled again on its next miss).
 
-Not folded in yet: the spill folder (its own area, filled by evictions).
+A read-through instance's spilled copies (readthrough/disktier.py: segments evicted from
+memory, kept in its disk folder's spill/) are not promoted: a fill copies one back on a miss.
 """
 
 from __future__ import annotations

@@ -323,12 +323,12 @@ def instance(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[DiskTie
     store.recover(verify=False)
     src = open_source(str(work / "src"))
     write_files(work / "src", 8, SMALL)
-    staging, meta, _ = InstanceBuilder(store, SMALL, "127.0.0.1:1", None).build(
+    staging, meta, _ = InstanceBuilder(store, SMALL, "127.0.0.1:1").build(
         "ds", src, src.scan(), None
     )
     instances = Instances(store, "127.0.0.1:1", make_policy("stable"))
     ds, _ = instances.open(store.publish(staging, meta), False)
-    yield DiskTier(store, instances, None), ds
+    yield DiskTier(store, instances), ds
     shutil.rmtree(root, ignore_errors=True)
 
 

@@ -25,7 +25,6 @@ from kspeedfs.node.readthrough.places import InstancePlaces
 from kspeedfs.node.readthrough.policy import EvictionPolicy
 from kspeedfs.node.records import DatasetRecord
 from kspeedfs.node.safedir import unlink_file
-from kspeedfs.node.spill import SpillArea
 from kspeedfs.node.store import SegmentStore
 
 log = logging.getLogger(__name__)
@@ -60,17 +59,13 @@ class CachedDataset:
         return str(self.manifest.header.get("endpoint") or "")
 
     @property
-    def spill_key(self) -> str:
-        return SpillArea.key(self.name, self.uuid)
-
-    @property
     def max_memory(self) -> int:
         """Bytes of segments it may hold in memory (0: no cap; set when it was registered)."""
         return int(self.manifest.header.get("max_memory") or 0)
 
     @property
     def max_disk(self) -> int:
-        """Bytes it may hold on the spill folder (0: no cap)."""
+        """Bytes it may hold on the disk tier, segments and spilled copies (0: no cap)."""
         return int(self.manifest.header.get("max_disk") or 0)
 
     @property
@@ -144,11 +139,6 @@ def open_instance(
     return ds, mtimes
 
 
-def spilled(spill: SpillArea | None, ds: CachedDataset, seg: int) -> bool:
-    """Whether the spill folder holds segment `seg` of `ds`."""
-    return spill is not None and spill.has(ds.spill_key, seg)
-
-
 def file_checksum(path: Path) -> int:
     """xxh3 of a file's bytes, never 0 (0 in SEGSUMS_FILE means "never filled")."""
     with open(path, "rb") as f:
@@ -201,8 +191,8 @@ class Instances:
                 self.policy.admitted((ds.name, seg))
 
     def forget(self, ds: CachedDataset) -> None:
-        """Drop an instance from the table; its spilled segments go with the next prune, its
-        disk-tier claims now (the store removed their folder with the instance)."""
+        """Drop an instance from the table; its disk-tier claims go (the store removed its
+        disk folder, segments and spilled copies, with the instance)."""
         if self.current(ds):
             del self.by_name[ds.name]
         ds.places.forget()
@@ -215,6 +205,3 @@ class Instances:
         uid, n = self.changed.get(ds.name, ("", 0))
         if uid != ds.uuid or n == 0:
             self.changed[ds.name] = (ds.uuid, 1)
-
-    def spill_keys(self) -> set[str]:
-        return {ds.spill_key for ds in self.by_name.values()}
