@@ -32,8 +32,9 @@ from kspeedfs.node.segments import SegmentPlaces
 
 
 class InstancePlaces:
-    """The places of one instance's segments. On the cache's event loop, except
-    `reclaimed_from_disk` (under the budgets' lock, from inside a reservation)."""
+    """The places of one instance's segments. Changed on the cache's event loop only, the
+    `reclaimed_*` calls under the budgets' lock (from inside a reservation); read from worker
+    threads too (a refresh's build and carry)."""
 
     def __init__(self, record: DatasetRecord, seg_len: np.ndarray, budgets: Budgets):
         self.record = record
