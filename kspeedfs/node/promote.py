@@ -13,14 +13,15 @@ Each kind supplies only what differs (`Promotable`): where its disk segments are
 and how a move is committed to its places. A preload's places are meta.json's
 (`PreloadPromotions`, here: SegmentPlaces.promote, node/segments.py, copies, renames into the
 shm folder and unlinks from disk: its readers see one copy or the other, never part of one);
-a read-through instance's are the cache's (`CachePromotions`, readthrough/promote.py). Both
+a read-through instance's are its `InstancePlaces` (`CachePromotions`, readthrough/promote.py,
+readthrough/places.py). Both
 copy with the same checked copy (node/segments.py; the cache's through
 SegmentPlaces.copy_from_disk). A copy that fails its check
 never joins memory: a preload's segment is quarantined and fetched again, a read-through
 one dropped from disk (filled again on its next miss).
 
-Not folded in yet: the spill folder (its own area, filled by evictions), and where the
-read-through cache records its places (`CachedDataset.resident` / `on_disk`, not meta.json).
+A read-through instance's spilled copies (readthrough/disktier.py: segments evicted from
+memory, kept in its disk folder's spill/) are not promoted: a fill copies one back on a miss.
 """
 
 from __future__ import annotations

@@ -35,7 +35,8 @@ class DatasetRecord:
     disk: list[int] = dataclasses.field(default_factory=list)  # held ones on the disk tier
     disk_stored: int = 0  # bytes of the disk tier it takes
     # Caps on this node (0: none): the most bytes of its segments in memory and on the disk
-    # tier (a read-through dataset's: its spill folder share, kept by the read-through cache).
+    # tier (a read-through dataset's: its segments and spilled copies on the disk tier together,
+    # kept by the read-through cache).
     max_memory: int = 0
     max_disk: int = 0
 

@@ -36,8 +36,7 @@ from kspeedfs.node.preload import Stager
 from kspeedfs.node.promote import PreloadPromotions, Promoter
 from kspeedfs.node.readthrough import LocalCatalog, ReadThroughCache
 from kspeedfs.node.scrub import Scrubber
-from kspeedfs.node.spill import TIER_DIR
-from kspeedfs.node.store import SegmentStore
+from kspeedfs.node.store import TIER_DIR, SegmentStore
 from kspeedfs.node.unload import Unloader
 from kspeedfs.rdma.server import RdmaService
 

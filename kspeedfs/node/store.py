@@ -79,8 +79,8 @@ class SegmentStore:
     ):
         self.root = root
         self.group = group
-        # None: no disk tier. Its parent is the spill folder, which the read-through spill
-        # shares (and its budget, where the spill gives way).
+        # None: no disk tier. Its parent is the spill folder (spill_dir); the read-through
+        # cache's spilled copies are the tier's too (readthrough/disktier.py).
         self.disk_root = disk_root
         # "datasets", "staging", "trash" (of the shm folder), "tier" and "tier_staging" (of the
         # disk tier) -> open folder
@@ -487,6 +487,7 @@ class SegmentStore:
             hook(name, segments)
 
 
+TIER_DIR = "tier"  # the disk tier's folder in the spill folder (spill_dir)
 DISK_STAGING = ".staging"  # under the disk tier's root: preloads' disk parts in progress
 
 

@@ -114,6 +114,38 @@ def test_evicted_segments_are_read_back_from_the_spill_folder(
     assert f"in {spill}" in done.stdout
 
 
+def test_a_refresh_carries_the_unchanged_spilled_segments_and_never_the_old_bytes(
+    make_node, tmp_path: Path, mounts: list[MountProcess]
+) -> None:
+    """Spilled segments are the disk tier's, in their instance's folder: a refresh links the
+    unchanged ones into the new instance's folder (read back from there, not the source), the
+    changed file's segment is read from the source, and the old folder goes."""
+    spill = tmp_path / "spill"
+    node = make_node("--spill-dir", str(spill), "--spill", "16MiB")
+    src = tmp_path / "big"
+    files = write_files(src, 16, 700_000)
+    m = mount_source(node, tmp_path, mounts, src)
+    for rel in sorted(files):
+        assert (m.mountpoint / rel).read_bytes() == files[rel]
+    st = cache_status(node, "big")
+    assert st["on_spill"] > 0 and st["in_memory"] + st["on_spill"] == 16
+    changed = sorted(files)[0]
+    files[changed] = bytes(reversed(files[changed]))
+    (src / changed).write_bytes(files[changed])
+    done = node.request("refresh", name="big")
+    assert done["state"] == "refreshed" and done["changed"] == 1 and done["kept"] == 15, done
+    record = next(d for d in node.request("list")["datasets"] if d["name"] == "big")
+    folders = [f.name for f in (spill / "tier").iterdir() if f.name.startswith("big.")]
+    assert folders == [f"big.{record['uuid']}"]  # the old instance's copies went with it
+
+    again = mount_source(node, tmp_path, mounts, src, mnt="mnt2")
+    for rel in sorted(files):
+        assert (again.mountpoint / rel).read_bytes() == files[rel]
+    st2 = cache_status(node, "big")
+    assert st2["fills_spill"] > st["fills_spill"]
+    assert st2["source_reads"] == st["source_reads"] + 1  # the changed file's segment only
+
+
 def test_spill_budget_is_kept(make_node, tmp_path: Path, mounts: list[MountProcess]) -> None:
     spill = tmp_path / "spill"
     node = make_node("--spill-dir", str(spill), "--spill", "2MiB")

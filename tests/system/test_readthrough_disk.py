@@ -34,7 +34,6 @@ from kspeedfs.node.readthrough.dataset import (
     CachedDataset,
     Instances,
     file_checksum,
-    open_instance,
 )
 from kspeedfs.node.readthrough.disktier import DiskTier
 from kspeedfs.node.readthrough.policy import make_policy
@@ -324,11 +323,12 @@ def instance(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[DiskTie
     store.recover(verify=False)
     src = open_source(str(work / "src"))
     write_files(work / "src", 8, SMALL)
-    staging, meta, _ = InstanceBuilder(store, SMALL, "127.0.0.1:1", None).build(
+    staging, meta, _ = InstanceBuilder(store, SMALL, "127.0.0.1:1").build(
         "ds", src, src.scan(), None
     )
-    ds, _ = open_instance(store.publish(staging, meta), False)
-    yield DiskTier(store, Instances(store, "127.0.0.1:1", make_policy("stable")), None), ds
+    instances = Instances(store, "127.0.0.1:1", make_policy("stable"))
+    ds, _ = instances.open(store.publish(staging, meta), False)
+    yield DiskTier(store, instances), ds
     shutil.rmtree(root, ignore_errors=True)
 
 
@@ -362,10 +362,9 @@ def test_recovery_keeps_exactly_the_sound_disk_segments(
     for entry in [*folder.iterdir(), *(folder / "seg").iterdir()]:
         if entry.name != "seg":
             entry.unlink()
-    for seg in list(ds.disk_claims):
-        disk.release(ds, seg)
+    ds.places.forget()
     ds.sums[:] = 0
-    ds.resident = set(resident)
+    ds.places.found(resident, ds.base_bytes)
     for seg, kind in kinds.items():
         data = os.urandom({"short": SMALL - 1, "long": SMALL + 1}.get(kind, SMALL))
         path = folder / "seg" / f"{seg:08d}"
@@ -383,5 +382,6 @@ def test_recovery_keeps_exactly_the_sound_disk_segments(
     sound = {seg for seg, kind in kinds.items() if kind == "good" and seg not in resident}
     assert sorted(os.listdir(folder)) == ["seg"]
     assert sorted(os.listdir(folder / "seg")) == sorted(f"{seg:08d}" for seg in sound)
-    assert ds.on_disk == ds.disk_claims == sound
+    assert ds.on_disk == sound
+    assert all(ds.places.claimed(seg) == (seg in sound) for seg in range(8))
     assert disk.store.budgets.disk_used() == len(sound) * SMALL

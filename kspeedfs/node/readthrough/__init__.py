@@ -28,14 +28,14 @@ One module a job: `register` (listing a source, etcd claims, adoption), `fill` (
 Promoter needs to move them back to memory when it frees up),
 `evict` (the budget and the caps) with `policy` (the order) and `plans` (the readers' plans
 it follows), `watch` (source checks, refresh, pruning), `build` (staging an instance),
-`dataset` (the instances), `status`. `ReadThroughCache` only
+`dataset` (the instances) with `places` (where each instance's segments lie, and what they
+take of the budgets: the one writer of both), `status`. `ReadThroughCache` only
 composes them, registers their ops and runs their tasks.
 """
 
 from __future__ import annotations
 
 import logging
-from pathlib import Path
 from typing import Any
 
 import trio
@@ -51,12 +51,12 @@ from kspeedfs.format.contract.readthrough import (
 )
 from kspeedfs.format.errors import KSpeedError
 from kspeedfs.format.readthrough_view import READTHROUGH
-from kspeedfs.format.units import format_size, parse_size
+from kspeedfs.format.units import format_size
 from kspeedfs.node.loads import LoadTable
 from kspeedfs.node.ops import ADMIN, JOB, OpRegistry
 from kspeedfs.node.readthrough.build import InstanceBuilder
 from kspeedfs.node.readthrough.catalog import ClusterCatalog, LocalCatalog
-from kspeedfs.node.readthrough.dataset import CachedDataset, Instances, open_instance
+from kspeedfs.node.readthrough.dataset import CachedDataset, Instances
 from kspeedfs.node.readthrough.disktier import DiskTier
 from kspeedfs.node.readthrough.evict import Evictor
 from kspeedfs.node.readthrough.fill import Filler
@@ -66,7 +66,6 @@ from kspeedfs.node.readthrough.promote import CachePromotions
 from kspeedfs.node.readthrough.register import SourceRegistrar
 from kspeedfs.node.readthrough.status import cache_status
 from kspeedfs.node.readthrough.watch import SourceWatch
-from kspeedfs.node.spill import SpillArea
 from kspeedfs.node.store import SegmentStore
 
 __all__ = ["CachedDataset", "ClusterCatalog", "EvictionPolicy", "LocalCatalog", "ReadThroughCache"]
@@ -88,22 +87,18 @@ class ReadThroughCache:
     ):
         self.store = store
         self.settings = settings
-        self.spill: SpillArea | None = None
-        spill_dir, spill_budget = settings.spill_dir, parse_size(settings.spill)
-        if spill_dir is not None:  # with its budget: load_settings checks that they go together
-            self.spill = SpillArea(Path(spill_dir), spill_budget, store.budgets.disk_used)
         policy = policy or make_policy(settings.eviction)
         self.instances = Instances(store, address, policy)
         self.plans = PlanTable(self.instances, uses_plans=policy.name == "plan")
-        self.evictor = Evictor(store, self.instances, self.spill)
-        self.disk = DiskTier(store, self.instances, self.spill)
+        # The spill folder's budget and the disk tier's are the store's (spill_dir, spill).
+        self.disk = DiskTier(store, self.instances)
+        self.evictor = Evictor(store, self.instances, self.disk)
         self.promotions = CachePromotions(store, self.instances, self.evictor, self.disk)
-        builder = InstanceBuilder(store, settings.segment_size, address, self.spill)
+        builder = InstanceBuilder(store, settings.segment_size, address)
         self.filler = Filler(
             store,
             self.instances,
             self.evictor,
-            self.spill,
             self.disk,
             max(1.0, settings.timeout / 2),
         )
@@ -114,7 +109,6 @@ class ReadThroughCache:
             store,
             self.instances,
             builder,
-            self.spill,
             self.disk,
             settings.source_check_interval,
             catalog,
@@ -156,7 +150,7 @@ class ReadThroughCache:
             if record.lifetime != READTHROUGH:
                 continue
             try:
-                ds, mtimes = open_instance(record, verify)
+                ds, mtimes = self.instances.open(record, verify)
             except (KSpeedError, OSError, ValueError) as e:
                 log.error("dropping broken read-through dataset %s: %s", record.name, e)
                 self.store.unload(record.name)
@@ -166,8 +160,7 @@ class ReadThroughCache:
             found.extend((t, record.name, seg) for seg, t in mtimes.items())
         for _t, name, seg in sorted(found):
             self.instances.policy.admitted((name, seg))
-        if self.spill is not None:
-            self.spill.recover(self.instances.spill_keys())
+        self.disk.remove_old_spill()
         over = self.store.budgets.used() - self.store.budgets.memory
         if over > 0:
             log.warning("%s over the memory budget after restart: evicting", format_size(over))
@@ -192,4 +185,4 @@ class ReadThroughCache:
         self.evictor.note_reads(name, segments)
 
     def status(self) -> dict[str, Any]:
-        return cache_status(self.store, self.instances, self.spill)
+        return cache_status(self.store, self.instances, self.disk)

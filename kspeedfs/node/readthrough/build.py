@@ -17,9 +17,8 @@ from kspeedfs.format.manifest import plan_layout, write_manifest
 from kspeedfs.format.readthrough_view import EPOCH_FILE, READTHROUGH, SEGSUMS_FILE
 from kspeedfs.format.tree import Tree
 from kspeedfs.node.preload import tree_digest
-from kspeedfs.node.readthrough.dataset import CachedDataset, base_bytes, spilled
+from kspeedfs.node.readthrough.dataset import CachedDataset, base_bytes
 from kspeedfs.node.safedir import link_segment
-from kspeedfs.node.spill import SpillArea
 from kspeedfs.node.store import SegmentStore
 from kspeedfs.sources import version
 from kspeedfs.sources.source import Source
@@ -42,13 +41,10 @@ def catalog_fields(meta: dict[str, Any]) -> ListedInstance:
 class InstanceBuilder:
     """Stages instances in the store (blocking: run it in a worker thread)."""
 
-    def __init__(
-        self, store: SegmentStore, segment_size: int, address: str, spill: SpillArea | None
-    ):
+    def __init__(self, store: SegmentStore, segment_size: int, address: str):
         self.store = store
         self.segment_size = segment_size
         self.address = address
-        self.spill = spill
 
     def build(
         self,
@@ -106,7 +102,7 @@ class InstanceBuilder:
                         try:
                             link_segment(segment_path(old.record.path, o), segment_path(staging, n))
                         except OSError:  # evicted meanwhile: from the spill, else read again
-                            if not spilled(self.spill, old, o):
+                            if o not in old.places.spilled:
                                 sums[n] = 0
             sums.tofile(staging / SEGSUMS_FILE)
             (staging / EPOCH_FILE).write_bytes(bytes(8))
@@ -146,7 +142,7 @@ class InstanceBuilder:
         have = {
             old.layout.signature(old.manifest, k): k
             for k in range(old.manifest.segments)
-            if old.holds(k) or spilled(self.spill, old, k)
+            if old.holds(k) or k in old.places.spilled
         }
         out = {}
         for n in range(layout.segments):

@@ -3,6 +3,7 @@ the table of them by name."""
 
 from __future__ import annotations
 
+import collections.abc
 import dataclasses
 import logging
 import mmap
@@ -19,11 +20,11 @@ from kspeedfs.format.layout import Layout
 from kspeedfs.format.localdata import MANIFEST_FILE
 from kspeedfs.format.manifest import Manifest
 from kspeedfs.format.readthrough_view import EPOCH_FILE, SEGSUMS_FILE
+from kspeedfs.node.budget import Budgets
+from kspeedfs.node.readthrough.places import InstancePlaces
 from kspeedfs.node.readthrough.policy import EvictionPolicy
 from kspeedfs.node.records import DatasetRecord
 from kspeedfs.node.safedir import unlink_file
-from kspeedfs.node.segments import SegmentPlaces
-from kspeedfs.node.spill import SpillArea
 from kspeedfs.node.store import SegmentStore
 
 log = logging.getLogger(__name__)
@@ -41,9 +42,7 @@ class CachedDataset:
     sums: np.ndarray  # writable map of SEGSUMS_FILE
     epoch: np.ndarray  # writable map of EPOCH_FILE
     base_bytes: int  # manifest and side files
-    resident: set[int] = dataclasses.field(default_factory=set)  # in memory
-    on_disk: set[int] = dataclasses.field(default_factory=set)  # on the disk tier
-    disk_claims: set[int] = dataclasses.field(default_factory=set)  # on_disk and fills to it
+    places: InstancePlaces  # where its segments lie: the only writer of that
     stats: Counter[str] = dataclasses.field(default_factory=Counter)
     lock: trio.Lock = dataclasses.field(default_factory=trio.Lock)
 
@@ -60,17 +59,13 @@ class CachedDataset:
         return str(self.manifest.header.get("endpoint") or "")
 
     @property
-    def spill_key(self) -> str:
-        return SpillArea.key(self.name, self.uuid)
-
-    @property
     def max_memory(self) -> int:
         """Bytes of segments it may hold in memory (0: no cap; set when it was registered)."""
         return int(self.manifest.header.get("max_memory") or 0)
 
     @property
     def max_disk(self) -> int:
-        """Bytes it may hold on the spill folder (0: no cap)."""
+        """Bytes it may hold on the disk tier, segments and spilled copies (0: no cap)."""
         return int(self.manifest.header.get("max_disk") or 0)
 
     @property
@@ -79,36 +74,46 @@ class CachedDataset:
         return self.record.stored - self.base_bytes
 
     @property
+    def resident(self) -> collections.abc.Set[int]:
+        """Its segments in memory (read-only: `places` changes them)."""
+        return self.places.memory
+
+    @property
+    def on_disk(self) -> collections.abc.Set[int]:
+        """Its segments on the disk tier (read-only: `places` changes them)."""
+        return self.places.disk
+
+    @property
     def disk_bytes(self) -> int:
         """Bytes of its segments on the disk tier."""
-        return sum(self.seg_len(seg) for seg in self.on_disk)
+        return self.places.disk_bytes()
 
     def seg_len(self, seg: int) -> int:
         return int(self.manifest.seg_len[seg])
 
-    def disk_claim(self, seg: int) -> str:
-        """The store's name of the disk-tier claim of segment `seg` (names have no colon)."""
-        return f"rtdisk:{self.uuid}:{seg}"
-
     def holds(self, seg: int) -> bool:
         """Whether segment `seg` is on this node, in memory or on the disk tier."""
-        return seg in self.resident or seg in self.on_disk
+        return self.places.holds(seg)
 
 
 def base_bytes(folder: Path) -> int:
     return sum((folder / f).stat().st_size for f in BASE_FILES)
 
 
-def open_instance(record: DatasetRecord, verify: bool) -> tuple[CachedDataset, dict[int, float]]:
+def open_instance(
+    record: DatasetRecord, verify: bool, budgets: Budgets
+) -> tuple[CachedDataset, dict[int, float]]:
     """State of one instance from its folder: which segments are here (and sound), with
-    their mtimes; unsound segment files are removed."""
+    their mtimes; unsound segment files are removed. Its places count in `budgets`."""
     m = Manifest(record.path / MANIFEST_FILE)
     sums = np.memmap(record.path / SEGSUMS_FILE, dtype="<u8", mode="r+")
     if sums.size != m.segments:
         raise DataError(f"{SEGSUMS_FILE} has the wrong length")
     epoch = np.memmap(record.path / EPOCH_FILE, dtype="<u8", mode="r+", shape=(1,))
     base = base_bytes(record.path)
-    ds = CachedDataset(record, m, m.layout, sums, epoch, base)
+    ds = CachedDataset(
+        record, m, m.layout, sums, epoch, base, InstancePlaces(record, m.seg_len, budgets)
+    )
     mtimes: dict[int, float] = {}
     for fname in os.listdir(record.path / "seg"):
         path = record.path / "seg" / fname
@@ -129,15 +134,9 @@ def open_instance(record: DatasetRecord, verify: bool) -> tuple[CachedDataset, d
             log.warning("dropping unsound cached segment %s of %s", fname, record.name)
             unlink_file(path)
             continue
-        ds.resident.add(seg)
         mtimes[seg] = st.st_mtime
-    SegmentPlaces.found(record, sorted(ds.resident), base + sum(ds.seg_len(k) for k in ds.resident))
+    ds.places.found(mtimes, base)
     return ds, mtimes
-
-
-def spilled(spill: SpillArea | None, ds: CachedDataset, seg: int) -> bool:
-    """Whether the spill folder holds segment `seg` of `ds`."""
-    return spill is not None and spill.has(ds.spill_key, seg)
 
 
 def file_checksum(path: Path) -> int:
@@ -164,6 +163,11 @@ class Instances:
         self.stats: Counter[str] = Counter()  # node-wide: evictions, source reads and bytes
         self.evictions_by: Counter[str] = Counter()  # by the policy that chose them, "preload"
 
+    def open(self, record: DatasetRecord, verify: bool) -> tuple[CachedDataset, dict[int, float]]:
+        """The state of published instance `record` from its folder (`open_instance`), its
+        places counted in the store's budgets; not in the table yet (`add`). Blocking."""
+        return open_instance(record, verify, self.store.budgets)
+
     def find(self, name: str, uuid: str = "") -> CachedDataset:
         """The current instance of `name` (and of `uuid` when given), else NotFound."""
         ds = self.by_name.get(name)
@@ -187,14 +191,11 @@ class Instances:
                 self.policy.admitted((ds.name, seg))
 
     def forget(self, ds: CachedDataset) -> None:
-        """Drop an instance from the table; its spilled segments go with the next prune, its
-        disk-tier claims now (the store removed their folder with the instance)."""
+        """Drop an instance from the table; its disk-tier claims go (the store removed its
+        disk folder, segments and spilled copies, with the instance)."""
         if self.current(ds):
             del self.by_name[ds.name]
-        for seg in ds.disk_claims:
-            self.store.budgets.release(ds.disk_claim(seg))
-        ds.disk_claims.clear()
-        ds.on_disk.clear()
+        ds.places.forget()
         for seg in ds.resident:
             self.policy.forgotten((ds.name, seg))
         self.policy.dropped_plan(ds.name)
@@ -204,6 +205,3 @@ class Instances:
         uid, n = self.changed.get(ds.name, ("", 0))
         if uid != ds.uuid or n == 0:
             self.changed[ds.name] = (ds.uuid, 1)
-
-    def spill_keys(self) -> set[str]:
-        return {ds.spill_key for ds in self.by_name.values()}

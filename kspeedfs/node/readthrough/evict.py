@@ -1,5 +1,5 @@
 """Making room in the store's one memory budget: read-through segments leave in the order the
-eviction policy gives, spilled to disk first when the node has a spill folder.
+eviction policy gives, spilled to the disk tier first when the node has one (disktier.py).
 
 The evictor decides which datasets a miss may take from; the policy picks the segment. A
 dataset with a cap (`max_memory`) never holds more: past it, only its own segments make room.
@@ -11,7 +11,6 @@ order evictions come here too (fills, mounts' `touch` reports, other nodes' read
 
 from __future__ import annotations
 
-import functools
 import logging
 
 import trio
@@ -20,9 +19,9 @@ from kspeedfs.format.contract.readthrough import Touch, Touched
 from kspeedfs.format.errors import InvalidArgument, NoSpace, NotFound
 from kspeedfs.format.localdata import segment_path
 from kspeedfs.format.units import format_size
-from kspeedfs.node.readthrough.dataset import CachedDataset, Instances, spilled
+from kspeedfs.node.readthrough.dataset import CachedDataset, Instances
+from kspeedfs.node.readthrough.disktier import DiskTier
 from kspeedfs.node.safedir import unlink_file
-from kspeedfs.node.spill import SpillArea
 from kspeedfs.node.store import SegmentStore
 
 log = logging.getLogger(__name__)
@@ -38,11 +37,11 @@ class Evictor:
     """Asks the policy (Instances.policy) for victims; the store calls `reclaim` when a
     preload needs memory that read-through data holds."""
 
-    def __init__(self, store: SegmentStore, instances: Instances, spill: SpillArea | None):
+    def __init__(self, store: SegmentStore, instances: Instances, disk: DiskTier):
         self.store = store
         self.instances = instances
         self.policy = instances.policy
-        self.spill = spill
+        self.disk = disk
         self.filling: dict[str, int] = {}  # bytes of fills in progress, by dataset
         store.budgets.add_reclaimer(self.reclaim)
 
@@ -156,10 +155,10 @@ class Evictor:
                     f"{format_size(self.store.budgets.memory)}, less pinned datasets and other caps)"
                 )
         if max_disk:
-            if self.spill is None:
+            if not self.disk.enabled:
                 raise InvalidArgument("--max-disk needs a node with a spill folder (--spill-dir)")
             capped = sum(d.max_disk for d in self.instances.by_name.values() if d.name != name)
-            free = self.spill.room() - capped
+            free = self.disk.spill_room() - capped
             if max_disk > free:
                 raise NoSpace(
                     f"--max-disk {format_size(max_disk)} for {name!r} is more than the "
@@ -203,14 +202,8 @@ class Evictor:
         return None
 
     async def _evict(self, ds: CachedDataset, seg: int, why: str) -> None:
-        # `max_disk` caps the spill and the disk tier together: the spill has what is left.
-        left = ds.max_disk - sum(ds.seg_len(k) for k in ds.disk_claims) if ds.max_disk else None
-        room = left is None or left > 0
-        if self.spill is not None and room and not spilled(self.spill, ds, seg):
-            path = segment_path(ds.record.path, seg)
-            put = functools.partial(self.spill.put, ds.spill_key, seg, path, left or 0)
-            if await trio.to_thread.run_sync(put):
-                ds.stats["spilled"] += 1
+        if await self.disk.spill(ds, seg):
+            ds.stats["spilled"] += 1
         if seg in ds.resident and self.instances.current(ds):
             path = segment_path(ds.record.path, seg)
             await trio.to_thread.run_sync(unlink_file, path)
@@ -224,9 +217,7 @@ class Evictor:
             # tmpfs: one unlink, no I/O; reclaim() runs inside the store's reserve, which is
             # synchronous, so a preload's reservation frees memory at once.
             unlink_file(segment_path(ds.record.path, seg))
-        ds.resident.discard(seg)
-        length = ds.seg_len(seg)
-        self.store.segments.evicted(ds.record, seg, length)
+        length = ds.places.evicted(seg)
         ds.epoch[0] += 1  # readers drop their maps of it: the memory really returns
         ds.stats["evictions"] += 1
         self.instances.stats["evictions"] += 1

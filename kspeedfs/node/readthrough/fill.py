@@ -1,6 +1,6 @@
-"""Filling the segments readers miss: once per segment however many readers wait, from the
-spill folder when it holds the segment, else from the source, written under a temporary name
-and renamed into the instance's seg/ folder where every local reader maps it.
+"""Filling the segments readers miss: once per segment however many readers wait, from its
+spilled copy on the disk tier when there is one, else from the source, written under a
+temporary name and renamed into the instance's seg/ folder where every local reader maps it.
 
 A miss the eviction policy does not keep (the dataset's share or cap is full) is filled onto
 the node's disk tier when it has one with room (disktier.py), the same way, into the
@@ -31,11 +31,10 @@ from kspeedfs.format.localdata import segment_path
 from kspeedfs.format.manifest import Manifest
 from kspeedfs.node import sourceio
 from kspeedfs.node.metrics import segment_seconds
-from kspeedfs.node.readthrough.dataset import CachedDataset, Instances, file_checksum, spilled
+from kspeedfs.node.readthrough.dataset import CachedDataset, Instances, file_checksum
 from kspeedfs.node.readthrough.disktier import DiskTier
 from kspeedfs.node.readthrough.evict import Evictor, NotAdmitted
 from kspeedfs.node.safedir import seal_file
-from kspeedfs.node.spill import SpillArea
 from kspeedfs.node.store import SegmentStore
 from kspeedfs.node.tasks import Tasks
 from kspeedfs.sources.source import Source, open_source
@@ -61,14 +60,12 @@ class Filler:
         store: SegmentStore,
         instances: Instances,
         evictor: Evictor,
-        spill: SpillArea | None,
         disk: DiskTier,
         fill_wait: float,
     ):
         self.store = store
         self.instances = instances
         self.evictor = evictor
-        self.spill = spill
         self.disk = disk
         self.fill_wait = fill_wait  # how long a fill op waits before it answers "filling"
         self.fills: dict[tuple[str, int], Fill] = {}
@@ -138,9 +135,10 @@ class Filler:
                 # On the same filesystem as the disk folder's seg/: renamed in, never copied.
                 tmp = self.disk.folder(ds) / f".fill.{seg:08d}.{uuid.uuid4().hex[:8]}"
             checksum = 0
-            if spilled(self.spill, ds, seg):
+            if seg in ds.places.spilled:
                 try:
                     checksum = await trio.to_thread.run_sync(self._from_spill, ds, seg, tmp)
+                    ds.places.spill_used(seg, time.time())
                     ds.stats["fills_spill"] += 1
                     origin = "spill"
                 except (OSError, DataError) as e:
@@ -150,8 +148,8 @@ class Filler:
                         ds.name,
                         e,
                     )
-                    assert self.spill is not None
-                    self.spill.drop(ds.spill_key, seg)
+                    if seg in ds.places.spilled and self.instances.current(ds):
+                        self.disk.drop_spilled(ds, seg)
                     tmp.unlink(missing_ok=True)
             if not checksum:
                 source = open_source(ds.record.source, ds.endpoint)
@@ -171,14 +169,13 @@ class Filler:
                     final = segment_path(self.disk.folder(ds), seg)
                     await trio.to_thread.run_sync(os.rename, tmp, final)
                     await trio.to_thread.run_sync(seal_file, final)  # nobody cuts it short
-                    ds.on_disk.add(seg)
+                    ds.places.placed_on_disk(seg)
                     ds.stats["fills_disk"] += 1
                 else:
                     final = segment_path(ds.record.path, seg)
                     await trio.to_thread.run_sync(os.rename, tmp, final)
                     await trio.to_thread.run_sync(seal_file, final)
-                    ds.resident.add(seg)
-                    self.store.segments.cached(ds.record, seg, length)
+                    ds.places.cached(seg)
                     self.evictor.admitted(ds, seg)
             self.seconds.labels(origin).observe(time.perf_counter() - started)
         except SourceChanged as e:
@@ -202,8 +199,7 @@ class Filler:
             fill.done.set()
 
     def _from_spill(self, ds: CachedDataset, seg: int, tmp: Path) -> int:
-        assert self.spill is not None
-        self.spill.copy_out(ds.spill_key, seg, tmp)
+        self.disk.copy_out(ds, seg, tmp)
         checksum = file_checksum(tmp)
         if checksum != int(ds.sums[seg]):
             raise DataError("it fails its checksum")

@@ -5,9 +5,9 @@ room.
 The node's Promoter (node/promote.py) decides for preloads and read-through instances alike
 which segment moves next (dataset name then segment, while free memory and the dataset's
 `max_memory` cap have room; nothing is evicted for a promotion). This supplies what differs
-for a read-through instance (`Promotable`), whose places are the cache's
-(`CachedDataset.resident`, `on_disk`), not meta.json's: its disk segments, its cap, and the
-move, committed to those places. A segment is copied into the shm folder under a temporary
+for a read-through instance (`Promotable`), whose places are its `InstancePlaces`
+(places.py), not meta.json's: its disk segments, its cap, and the move, committed to those
+places (`promoted`: counted in memory, its disk claim gone, in one call). A segment is copied into the shm folder under a temporary
 name by the copy a preload's promotion makes (`SegmentPlaces.copy_from_disk`: through a
 mapping, checked against the checksum of its fill), renamed into seg/, counted in memory and
 entered in the eviction policy, then unlinked from disk and its disk claim released. A reader
@@ -95,11 +95,9 @@ class CachePromotions:
                 final = segment_path(ds.record.path, seg)
                 await trio.to_thread.run_sync(tmp.rename, final)
                 await trio.to_thread.run_sync(seal_file, final)
-                ds.resident.add(seg)
-                self.store.segments.cached(ds.record, seg, length)
+                ds.places.promoted(seg)  # in memory, its disk claim gone
                 self.store.budgets.release(reservation)
                 self.evictor.admitted(ds, seg)
-                self.disk.release(ds, seg)
                 await trio.to_thread.run_sync(unlink_file, disk_file)
         finally:
             self.store.budgets.release(reservation)

@@ -24,7 +24,7 @@ from kspeedfs.node import sourceio
 from kspeedfs.node.loads import LoadTable
 from kspeedfs.node.readthrough.build import InstanceBuilder, catalog_fields
 from kspeedfs.node.readthrough.catalog import ClusterCatalog
-from kspeedfs.node.readthrough.dataset import Instances, open_instance
+from kspeedfs.node.readthrough.dataset import Instances
 from kspeedfs.node.store import SegmentStore
 from kspeedfs.node.tasks import Tasks
 from kspeedfs.sources.loader import Progress, manifest_size_estimate
@@ -193,7 +193,7 @@ class SourceRegistrar:
             staging = built
             record = await trio.to_thread.run_sync(self.store.publish, built, meta)
             staging = None
-            ds, _ = await trio.to_thread.run_sync(open_instance, record, False)
+            ds, _ = await trio.to_thread.run_sync(self.instances.open, record, False)
             self.instances.add(ds)
             # Ready for everyone; the members adopt it.
             await self.catalog.publish(name, uid, catalog_fields(meta))
@@ -250,5 +250,5 @@ class SourceRegistrar:
             with trio.CancelScope(shield=True):
                 await trio.to_thread.run_sync(self.store.discard_staging, staging)
             raise
-        ds, _ = await trio.to_thread.run_sync(open_instance, record, False)
+        ds, _ = await trio.to_thread.run_sync(self.instances.open, record, False)
         self.instances.add(ds)

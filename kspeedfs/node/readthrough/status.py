@@ -8,7 +8,7 @@ from collections import Counter
 from typing import Any
 
 from kspeedfs.node.readthrough.dataset import Instances
-from kspeedfs.node.spill import SpillArea
+from kspeedfs.node.readthrough.disktier import DiskTier
 from kspeedfs.node.store import SegmentStore
 
 COUNTERS = (
@@ -27,9 +27,7 @@ COUNTERS = (
 )
 
 
-def cache_status(
-    store: SegmentStore, instances: Instances, spill: SpillArea | None
-) -> dict[str, Any]:
+def cache_status(store: SegmentStore, instances: Instances, disk: DiskTier) -> dict[str, Any]:
     datasets: dict[str, Any] = {}
     for record in store.datasets.values():
         uid, changed = instances.changed.get(record.name, ("", 0))
@@ -49,8 +47,8 @@ def cache_status(
                 resident_bytes=ds.segment_bytes,
                 on_disk=len(ds.on_disk),
                 disk_bytes=ds.disk_bytes,
-                on_spill=spill.count(ds.spill_key) if spill is not None else 0,
-                spill_bytes=spill.bytes_of(ds.spill_key) if spill is not None else 0,
+                on_spill=len(ds.places.spilled),
+                spill_bytes=ds.places.spilled_bytes(),
                 plan=instances.policy.plan_position(ds.name),
                 max_memory=ds.max_memory,
                 max_disk=ds.max_disk,
@@ -59,8 +57,12 @@ def cache_status(
             )
         datasets[record.name] = d
     spill_info: dict[str, Any] | None = None
-    if spill is not None:
-        spill_info = {"dir": str(spill.root), "used": spill.used, "budget": spill.room()}
+    if disk.root is not None:
+        spill_info = {
+            "dir": str(disk.root),
+            "used": disk.spilled_bytes(),
+            "budget": disk.spill_room(),
+        }
     return {
         "datasets": datasets,
         "spill": spill_info,

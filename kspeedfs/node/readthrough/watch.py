@@ -1,7 +1,7 @@
 """Watching the sources and the store: a changed source is served as cached and shown stale
 until a refresh makes a new instance from a new listing (keeping the segments whose contents
 did not change, in memory, on the disk tier or spilled); instances the store unloaded are
-forgotten, with their spilled segments."""
+forgotten."""
 
 from __future__ import annotations
 
@@ -18,9 +18,8 @@ from kspeedfs.node import sourceio
 from kspeedfs.node.preload import tree_digest
 from kspeedfs.node.readthrough.build import InstanceBuilder, catalog_fields
 from kspeedfs.node.readthrough.catalog import ClusterCatalog
-from kspeedfs.node.readthrough.dataset import CachedDataset, Instances, open_instance
+from kspeedfs.node.readthrough.dataset import CachedDataset, Instances
 from kspeedfs.node.readthrough.disktier import DiskTier
-from kspeedfs.node.spill import SpillArea
 from kspeedfs.node.store import SegmentStore
 from kspeedfs.sources import version
 from kspeedfs.sources.source import Source, diff_counts, open_source
@@ -38,7 +37,6 @@ class SourceWatch:
         store: SegmentStore,
         instances: Instances,
         builder: InstanceBuilder,
-        spill: SpillArea | None,
         disk: DiskTier,
         check_interval: float,
         catalog: ClusterCatalog,
@@ -46,7 +44,6 @@ class SourceWatch:
         self.store = store
         self.instances = instances
         self.builder = builder
-        self.spill = spill
         self.disk = disk
         self.check_interval = check_interval  # seconds between checks of the sources; 0: never
         self.catalog = catalog  # a refresh's new instance replaces the old one there too
@@ -74,9 +71,6 @@ class SourceWatch:
             record = self.store.datasets.get(name)
             if record is None or record.uuid != uid:
                 changed.pop(name, None)
-        if self.spill is not None:
-            for key in self.spill.keys() - self.instances.spill_keys():
-                await trio.to_thread.run_sync(self.spill.drop_dataset, key)
 
     async def check_sources(self) -> None:
         """Compare each dataset this node coordinates with its source; remember what changed."""
@@ -169,12 +163,8 @@ class SourceWatch:
                     await trio.to_thread.run_sync(self.store.discard_disk_staging, disk_staging)
             raise
         new_record = await trio.to_thread.run_sync(self.store.publish, staging, meta, disk_staging)
-        new, _ = await trio.to_thread.run_sync(open_instance, new_record, False)
+        new, _ = await trio.to_thread.run_sync(self.instances.open, new_record, False)
         new.stats = ds.stats
-        if self.spill is not None:
-            await trio.to_thread.run_sync(
-                self.spill.rename_dataset, ds.spill_key, new.spill_key, carried
-            )
         self.instances.forget(ds)  # its disk claims go before the new instance claims its own
         await trio.to_thread.run_sync(self.disk.recover, new, False)
         self.instances.add(new)

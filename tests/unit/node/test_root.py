@@ -53,13 +53,14 @@ def test_without_etcd_a_read_through_dataset_is_this_nodes_alone(tmp_path: Path)
             registered = await n.cache.registrar.op_register_source(request)
             assert registered.state == "scanning"
             with trio.fail_after(30):
-                # Published, then the listing ends (the name is busy until then).
-                while "ds" not in n.store.datasets or n.cache.busy:
+                # Its load ends after the publish, in the same step as the listing.
+                while "ds" not in n.store.datasets or n.loads.get("ds") is not None:
                     progress = n.loads.get("ds")
                     assert progress is None or progress.state != "failed", progress.error
                     await trio.sleep(0.01)
             first = n.store.datasets["ds"]
             assert (first.lifetime, first.members, first.held) == (READTHROUGH, [n.address], [])
+            assert not n.cache.busy  # the listing is over
             again = await n.cache.registrar.op_register_source(request)
             assert (again.state, again.lifetime) == ("ready", READTHROUGH)
 
