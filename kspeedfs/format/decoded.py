@@ -27,6 +27,7 @@ from typing import Any
 import numpy as np
 from PIL import Image
 
+from kspeedfs.format.contract.decoded import check_size
 from kspeedfs.format.errors import DataError, InvalidArgument, NotFound
 
 MAGIC = b"KSPDDEC1"
@@ -53,12 +54,6 @@ _ARRAYS = (("state", "u1"), ("height", "<u4"), ("width", "<u4"), ("seg", "<u4"),
 def variant_dir(size: int) -> str:
     """The variant's folder name inside a dataset folder."""
     return f"decoded-{check_size(size)}"
-
-
-def check_size(size: Any) -> int:
-    if isinstance(size, bool) or not isinstance(size, int) or not 0 <= size <= 65535:
-        raise InvalidArgument(f"decoded size must be an int from 0 to 65535, not {size!r}")
-    return size
 
 
 def is_image(name: bytes | str) -> bool:

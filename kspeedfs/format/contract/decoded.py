@@ -7,7 +7,15 @@ import dataclasses
 from typing import Any, Literal
 
 from kspeedfs.format.contract import Request, Wire, at_least, checked, dataset_name
-from kspeedfs.format.decoded import check_size
+from kspeedfs.format.errors import InvalidArgument
+
+
+def check_size(size: Any) -> int:
+    """A variant's size (0: the images as they are). Here, not in format.decoded, so that the
+    contract (which every CLI call imports) does not pull numpy and PIL in with it."""
+    if isinstance(size, bool) or not isinstance(size, int) or not 0 <= size <= 65535:
+        raise InvalidArgument(f"decoded size must be an int from 0 to 65535, not {size!r}")
+    return size
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

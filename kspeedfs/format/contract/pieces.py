@@ -14,12 +14,13 @@ import dataclasses
 import functools
 import os
 from collections.abc import Callable, Iterator
-from typing import Any, Self
-
-import numpy as np
+from typing import TYPE_CHECKING, Any, Self
 
 from kspeedfs.format.contract import Wire, at_least
 from kspeedfs.format.errors import DataError, InvalidArgument
+
+if TYPE_CHECKING:  # numpy is imported where a column is decoded: the CLI's calls need none
+    import numpy as np
 
 # Raw bytes in one piece: about 1.4 MiB once in base64 and JSON, well inside a control frame.
 PIECE = 1 << 20
@@ -148,6 +149,8 @@ def column_to_base64(column: np.ndarray) -> str:
 def column_from_base64(text: str, dtype: str, what: str) -> np.ndarray:
     """The column of `dtype` that `text` encodes; InvalidArgument naming `what` when it is not
     base64 or not a whole number of values."""
+    import numpy as np
+
     raw = from_base64(text, what)
     if len(raw) % np.dtype(dtype).itemsize:
         raise InvalidArgument(f"{what} is not a whole number of {dtype} values")
