@@ -33,8 +33,8 @@ from kspeedfs.format.errors import (
 from kspeedfs.format.tls import client_context
 from kspeedfs.format.units import parse_address
 from kspeedfs.net.connection import NodeClient
+from kspeedfs.sources.naming import name_from_source
 from kspeedfs.sources.scan import check_source
-from kspeedfs.sources.source import name_from_source
 
 from . import lease
 

@@ -25,7 +25,7 @@ from kspeedfs.format.contract.readthrough import Refresh, Refreshed
 from kspeedfs.format.errors import InvalidArgument, KSpeedError, NotFound
 from kspeedfs.format.units import format_size, parse_size
 from kspeedfs.net.connection import NodeClient
-from kspeedfs.sources.source import name_from_source
+from kspeedfs.sources.naming import name_from_source
 
 
 def cmd_preload(args: argparse.Namespace) -> int:

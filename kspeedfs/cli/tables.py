@@ -7,9 +7,9 @@ from collections.abc import Sequence
 from typing import Any, Protocol
 
 from kspeedfs.client.tier_bytes import ClusterTiers
+from kspeedfs.format.contract import READTHROUGH
 from kspeedfs.format.contract.decoded import VariantSummary
 from kspeedfs.format.contract.node import DatasetEntry, DatasetListing, NodeStatus
-from kspeedfs.format.readthrough_view import READTHROUGH
 from kspeedfs.format.units import format_size
 
 LS_COLUMNS = (

@@ -27,7 +27,7 @@ from kspeedfs.format.errors import (
 from kspeedfs.format.names import validate_name
 from kspeedfs.format.tls import client_context
 from kspeedfs.net.connection import SCAN_TIMEOUT, NodeClient
-from kspeedfs.sources.source import name_from_source, normalize_source
+from kspeedfs.sources.naming import name_from_source, normalize_source
 from kspeedfs.system.progress import ProgressBar
 
 log = logging.getLogger(__name__)

@@ -32,7 +32,7 @@ from kspeedfs.format.errors import AlreadyExists, KSpeedError, NotFound
 from kspeedfs.format.tls import client_context
 from kspeedfs.format.units import parse_address
 from kspeedfs.net.connection import NodeClient
-from kspeedfs.sources.source import normalize_source
+from kspeedfs.sources.naming import normalize_source
 
 from .volumes import Volume, VolumeRecords
 

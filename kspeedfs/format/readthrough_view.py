@@ -15,11 +15,9 @@ import struct
 from pathlib import Path
 
 from kspeedfs.format import sealing
+from kspeedfs.format.contract import READTHROUGH
 from kspeedfs.format.errors import DataError
 from kspeedfs.format.localdata import LocalDataset, read_meta
-
-READTHROUGH = "readthrough"  # the lifetime of a read-through dataset
-
 
 SEGSUMS_FILE = "segsums"  # u64 per segment: xxh3 of its bytes once filled (0: never filled)
 

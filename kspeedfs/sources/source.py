@@ -14,7 +14,6 @@ import datetime
 import errno
 import logging
 import os
-import re
 import stat
 import threading
 from collections.abc import Callable, Iterator
@@ -37,11 +36,11 @@ from kspeedfs.format.manifest import Manifest
 from kspeedfs.format.tree import Tree
 from kspeedfs.sources import version
 from kspeedfs.sources.beneath import open_beneath, open_root
+from kspeedfs.sources.naming import URL_RE, is_url
 from kspeedfs.sources.scan import check_source, scan_tree, tree_from_listing
 
 log = logging.getLogger(__name__)
 
-_URL_RE = re.compile(r"^([a-z][a-z0-9+.-]*)://(.*)$")
 CHECKSUM_CHUNK = 8 << 20
 # Object store reads are split into ranges of at most this many bytes, fetched in parallel.
 FETCH_CHUNK = 8 << 20
@@ -58,26 +57,6 @@ _FILE_OPEN = os.O_RDONLY | os.O_NONBLOCK | os.O_NOCTTY
 _DURING = "while loading"
 
 PieceDone = Callable[[FilePiece, memoryview], None]
-
-
-def is_url(source: str) -> bool:
-    return _URL_RE.match(source) is not None
-
-
-def normalize_source(source: str) -> str:
-    """The form the node records: an absolute, existing folder, or a URL as given."""
-    if is_url(source):
-        return source.rstrip("/") if not source.endswith("://") else source
-    return os.path.abspath(check_source(source))
-
-
-def name_from_source(source: str) -> str:
-    """A dataset name derived from the source's last path part (`/nfs/imagenet` -> imagenet)."""
-    m = _URL_RE.match(source)
-    path = m.group(2) if m else source
-    last = path.rstrip("/").rsplit("/", 1)[-1].lower()
-    name = re.sub(r"[^a-z0-9._-]+", "-", last).lstrip("._-")[:64]
-    return name or "dataset"
 
 
 class Source(abc.ABC):
@@ -350,7 +329,7 @@ class FsspecSource(Source):
 
     def __init__(self, url: str, endpoint: str = ""):
         super().__init__(url, endpoint)
-        m = _URL_RE.match(url)
+        m = URL_RE.match(url)
         assert m is not None
         self.protocol = m.group(1)
         try:

@@ -24,6 +24,8 @@ from typing import Any, ClassVar, Literal, Self, Union, get_args, get_origin
 from kspeedfs.format.errors import InvalidArgument
 from kspeedfs.format.names import validate_name
 
+READTHROUGH = "readthrough"  # the lifetime of a read-through dataset (on the wire and in meta.json)
+
 _CHECK = "kspeedfs.check"  # the metadata key of a field's extra check
 _MISSING: Any = dataclasses.MISSING
 

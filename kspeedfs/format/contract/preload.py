@@ -11,14 +11,15 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Any, Literal, Self, get_args
-
-import numpy as np
+from typing import TYPE_CHECKING, Any, Literal, Self, get_args
 
 from kspeedfs.format.contract import Request, Wire, at_least, checked, dataset_name
 from kspeedfs.format.contract.pieces import BlobPiece, column_from_base64, column_to_base64
 from kspeedfs.format.errors import InvalidArgument
 from kspeedfs.format.units import MAX_SIZE
+
+if TYPE_CHECKING:
+    import numpy as np
 
 Tier = Literal["memory", "disk", "auto"]
 
@@ -307,6 +308,8 @@ class Checksummed(Wire):
     @classmethod
     def of(cls, files: dict[int, int], segments: dict[int, int]) -> Checksummed:
         """The answer of a stage whose whole files have checksums `files` (index -> sum)."""
+        import numpy as np  # here: the contract is imported by every CLI call, which needs none
+
         idx = np.array(sorted(files), dtype="<u4")
         sums = np.array([files[int(i)] for i in idx], dtype="<u8")
         return cls(
