@@ -19,16 +19,17 @@ demo: deps
 # off (PYTHONDONTWRITEBYTECODE, set in some images) each compiles every module it imports, and
 # pytest rewrites every test module again. 87 s -> 70 s for `make quick` on 2 CPUs.
 PYTEST := env -u PYTHONDONTWRITEBYTECODE $(BIN)/pytest
-# Twice the CPUs, at most 8: a quick test mostly waits on the processes it started.
-QUICK_WORKERS := $(shell $(PYTHON) -c 'import os; print(min(8, 2 * len(os.sched_getaffinity(0))))')
+# Both run spread over the cores (pytest-xdist; each test has its own ports, folders, network
+# namespace and health table): twice the CPUs, at most 8, since a test mostly waits on the
+# processes it started. One process ran the whole suite in 23 min on 2 CPUs (docs/testing.md).
+WORKERS := $(shell $(PYTHON) -c 'import os; print(min(8, 2 * len(os.sched_getaffinity(0))))')
 
 test: deps lint
-	$(PYTEST) -q
+	$(PYTEST) -q -n $(WORKERS)
 
-# The quick loop while changing code: no multi-node, etcd, nspawn, DALI or 1M-line tests,
-# spread over the cores (pytest-xdist; each test has its own ports, folders and health table).
+# The quick loop while changing code: no multi-node, etcd, nspawn, DALI or 1M-line tests.
 quick: deps
-	$(PYTEST) -q -m "not slow" -n $(QUICK_WORKERS)
+	$(PYTEST) -q -m "not slow" -n $(WORKERS)
 
 lint: deps
 	$(BIN)/ruff check $(CHECKED)
