@@ -38,6 +38,9 @@ class Reservation:
     nbytes: int
     written: Callable[[], int] | None = None  # how much of it is on the filesystem already
     tier: str = "memory"  # or "disk": counted in the disk tier's budget
+    # A copy kept only while nothing else needs the room (a read-through segment spilled to the
+    # disk tier): any other disk claim may count its bytes as free, and its owner drops it.
+    gives_way: bool = False
 
     def unwritten(self) -> int:
         return max(0, self.nbytes - (self.written() if self.written is not None else 0))
@@ -103,10 +106,23 @@ class Budgets:
         if self.disk_root is None:
             return 0
         with self.lock:
-            promised = sum(r.nbytes for r in self.reserved.values() if r.tier == "disk")
+            giving = self._giving_way()
             st = os.statvfs(self.disk_root)
-            fs_free = st.f_bavail * st.f_frsize - promised
-            return max(0, min(self.disk - self.disk_used(), fs_free))
+            fs_free = st.f_bavail * st.f_frsize - self._disk_promised(False)
+            return max(0, min(self.disk - self.disk_used() + giving, fs_free + giving))
+
+    def _giving_way(self) -> int:
+        """Bytes of the disk tier's claims that give way to any other (spilled copies)."""
+        return sum(r.nbytes for r in self.reserved.values() if r.tier == "disk" and r.gives_way)
+
+    def _disk_promised(self, all_claims: bool) -> int:
+        """Bytes of disk claims a new claim must leave room for on the filesystem: all of them,
+        or all but those that give way (they are written: their room is counted back)."""
+        return sum(
+            r.nbytes
+            for r in self.reserved.values()
+            if r.tier == "disk" and (all_claims or not r.gives_way)
+        )
 
     def reserve(
         self,
@@ -117,6 +133,8 @@ class Budgets:
         instead_of: str = "",
         evict: bool = True,
         tier: str = "memory",
+        gives_way: bool = False,
+        over_giving: bool = False,
     ) -> None:
         """Claim budget for work before it starts; refuse what cannot fit (`what` names it in
         the refusal). One check and claim under the lock: of two claims that do not both fit,
@@ -125,21 +143,26 @@ class Budgets:
         earlier claim for the same work (a preload's admission) that this one replaces: its
         bytes count as free here, and it stays when this one is refused. `evict` lets the
         reclaimers (read-through eviction, which lives on the event loop) make room. `tier`
-        "disk" claims the disk tier's budget instead (NoSpace when the node has none)."""
+        "disk" claims the disk tier's budget instead (NoSpace when the node has none).
+        `gives_way`: a copy kept only while nothing else needs its room (a spilled read-through
+        segment). `over_giving`: a disk claim that may take the room of those (a heal's segment,
+        claimed from a worker thread, which cannot make them go: their owner drops them at its
+        next spill, as the spill folder gave way to the tier before it was folded in)."""
         with self.lock:
             if name in self._datasets or name in self.reserved:
                 raise AlreadyExists(f"dataset {name!r} is already loaded or loading")
             earlier = self.reserved.pop(instead_of, None)
             try:
                 if tier == "disk":
-                    self._check_disk_fits(nbytes, what, self._disk_reclaimers if evict else [])
+                    reclaimers = self._disk_reclaimers if evict else []
+                    self._check_disk_fits(nbytes, what, reclaimers, over_giving)
                 else:
                     self._check_fits(nbytes, what, self._reclaimers if evict else [])
             except BaseException:
                 if earlier is not None:
                     self.reserved[instead_of] = earlier
                 raise
-            self.reserved[name] = Reservation(nbytes, written, tier)
+            self.reserved[name] = Reservation(nbytes, written, tier, gives_way)
 
     def release(self, name: str) -> None:
         """Give claim `name` back (none: nothing happens); memory given back is told."""
@@ -154,17 +177,23 @@ class Budgets:
         self.reserved.pop(name, None)
 
     def _check_disk_fits(
-        self, nbytes: int, what: str, reclaimers: list[Callable[[int], int]]
+        self,
+        nbytes: int,
+        what: str,
+        reclaimers: list[Callable[[int], int]],
+        over_giving: bool = False,
     ) -> None:
         """Refuse (NoSpace) a claim the disk tier's budget or filesystem cannot hold, once
-        `reclaimers` freed what they could. Called under the lock."""
+        `reclaimers` freed what they could; `over_giving`: counting the claims that give way
+        as free. Called under the lock."""
         if self.disk_root is None:
             raise NoSpace(f"{what} needs a disk tier, and this node has none (spill_dir)")
         for reclaim in reclaimers:
             if self.disk - self.disk_used() >= nbytes:
                 break
             reclaim(nbytes - (self.disk - self.disk_used()))
-        free = self.disk - self.disk_used()
+        giving = self._giving_way() if over_giving else 0
+        free = self.disk - self.disk_used() + giving
         if free < nbytes:
             raise NoSpace(
                 f"{what} needs {format_size(nbytes)} of disk on this node but only "
@@ -172,8 +201,8 @@ class Budgets:
                 " is free"
             )
         st = os.statvfs(self.disk_root)
-        promised = sum(r.nbytes for r in self.reserved.values() if r.tier == "disk")
-        if nbytes > st.f_bavail * st.f_frsize - promised:
+        promised = self._disk_promised(not over_giving)
+        if nbytes > st.f_bavail * st.f_frsize - promised + giving:
             raise NoSpace(
                 f"{what} needs {format_size(nbytes)} but {self.disk_root} has only "
                 f"{format_size(st.f_bavail * st.f_frsize)} free"

@@ -103,7 +103,9 @@ class SegmentPlaces:
                 raise
             if record.max_disk and record.disk_stored + length > record.max_disk:
                 raise NoSpace(f"{what} would take it past its --max-disk on this node") from None
-            self.budgets.reserve(reservation, length, what=what, tier="disk", evict=False)
+            self.budgets.reserve(
+                reservation, length, what=what, tier="disk", evict=False, over_giving=True
+            )
             place = self._add_disk_segment
         try:
             place(record, seg, length, fill, reservation)

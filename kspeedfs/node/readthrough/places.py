@@ -167,7 +167,7 @@ class InstancePlaces:
         try:
             length = int(self._seg_len[seg])
             name = self.spill_claim_name(seg)
-            self._budgets.reserve(name, length, what=what, tier="disk", evict=False)
+            self._budgets.reserve(name, length, what=what, tier="disk", evict=False, gives_way=True)
         except (NoSpace, AlreadyExists):
             return False
         self._spill_claims.add(seg)

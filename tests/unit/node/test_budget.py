@@ -158,3 +158,28 @@ def test_claims_never_take_more_than_the_budget(steps: list[tuple[str, int, int]
         granted[name] = kib * KIB
         assert b.used() == 8 * KIB + sum(granted.values()) <= 64 * KIB
     assert b.memory_free() == 56 * KIB - sum(granted.values())
+
+
+def test_spilled_copies_give_way_to_a_heal_and_to_a_cap_but_not_to_each_other() -> None:
+    """A spilled read-through copy (gives_way) holds disk-tier room only while nothing else
+    needs it: a heal's segment, claimed from a thread that cannot drop it, may take that room,
+    and a preload's cap is checked against it as free; another spilled copy and a read-through
+    miss onto the tier (which make the copies go themselves) see no room."""
+    b, table = budgets(disk=64 * KIB, pinned=Record(disk_stored=16 * KIB))
+    b.reserve("rtspill:a:0", 32 * KIB, tier="disk", evict=False, gives_way=True)
+    b.reserve("rtspill:a:1", 16 * KIB, tier="disk", evict=False, gives_way=True)
+    assert b.disk_used() == 64 * KIB
+    assert b.disk_free() == 48 * KIB  # the copies' room counts as free for a cap
+    for claim in ("rtspill:a:2", "rtdisk:a:3"):  # another copy, a miss onto the tier
+        with pytest.raises(NoSpace):
+            b.reserve(claim, 8 * KIB, tier="disk", evict=False, gives_way=claim[2] == "s")
+    b.reserve("segment:ds:5", 40 * KIB, tier="disk", evict=False, over_giving=True)
+    with pytest.raises(NoSpace):  # more than the copies hold
+        b.reserve("segment:ds:6", 16 * KIB, tier="disk", evict=False, over_giving=True)
+    # The heal is counted at once; the copies' owner drops them at its next spill.
+    assert b.disk_used() == 104 * KIB
+    b.release("rtspill:a:0")
+    b.release("rtspill:a:1")
+    assert b.disk_used() == 56 * KIB
+    assert set(b.reserved) == {"segment:ds:5"}
+    assert table["pinned"].disk_stored == 16 * KIB
