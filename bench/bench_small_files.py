@@ -20,7 +20,7 @@ or apt that column is left out). Printed, with the mount's ratio to each:
   shape), to show what polling gives and costs on this machine;
 - `fuse_uring` (`--uring ROUNDS`, off by default) against the classic transport: the buffered
   pass on fresh mounts, the two alternating (order reversed every other round), each round
-  beside the source's figure of that moment; every figure printed (enable_uring, which the
+  beside the source's figure of that moment, and the two computing readers; every figure printed (enable_uring, which the
   mount sets to Y as root, is put back as it was);
 - ImageFolder (stock torchvision, raw bytes loader) over the mount's tar view `ds@tar/` of tars
   of those files, against the same over the extracted tree on the same mount (`--no-tar`
@@ -353,7 +353,7 @@ def main() -> int:
                 cache.mount(mnt)
 
             # ---- FUSE over io_uring (fuse_uring, off by default) against /dev/fuse
-            uring_rounds: dict[str, list[tuple[float, float]]] = {"uring": [], "classic": []}
+            uring_rounds: dict[str, list[tuple[float, float, float]]] = {"uring": [], "classic": []}
             if args.uring:
                 switch = Path("/sys/module/fuse/parameters/enable_uring")
                 before = switch.read_text() if switch.exists() else None
@@ -372,10 +372,11 @@ def main() -> int:
                             s_rate = len(src_paths) / min(
                                 buffered_reads(src_paths) for _ in range(args.repeat)
                             )
+                            computing = computing_readers(mount_paths)
                             through = stats(mnt).get("uring", 0)
                             if side == "uring" and not through:
                                 print("  fuse_uring: this mount served nothing through rings")
-                            uring_rounds[side].append((m_rate, s_rate))
+                            uring_rounds[side].append((m_rate, s_rate, computing))
                 finally:
                     if before is not None and os.geteuid() == 0:
                         switch.write_text(before)
@@ -427,11 +428,14 @@ def main() -> int:
             rounds = uring_rounds[side]
             print(
                 f"  buffered pass 2, fuse_uring {'on' if side == 'uring' else 'off'}: mount "
-                + " ".join(f"{m:,.0f}" for m, _ in rounds)
+                + " ".join(f"{m:,.0f}" for m, _, _ in rounds)
                 + " files/s; source "
-                + " ".join(f"{s:,.0f}" for _, s in rounds)
+                + " ".join(f"{s:,.0f}" for _, s, _ in rounds)
                 + "; mount/source "
-                + " ".join(ratio(m, s) for m, s in rounds)
+                + " ".join(ratio(m, s) for m, s, _ in rounds)
+                + "; two readers computing between files "
+                + " ".join(f"{c:,.0f}" for _, _, c in rounds)
+                + " files/s"
             )
         if tars:
             view, tree = results["tar"]
