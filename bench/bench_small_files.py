@@ -2,7 +2,7 @@
 
     PYTHONPATH=$PWD .venv/bin/python bench/bench_small_files.py [--walk-files 1281000]
         [--walk-folders 1000] [--files 2000] [--size 100000] [--no-squashfs] [--no-tar]
-        [--poll-us 300]
+        [--poll-us 300] [--uring 3]
 
 One run, one tree, three ways to read it: the source folder (warm page cache), a kspeedfs
 mount of a private node, and squashfuse_ll (C, libfuse low-level) over a squashfs image of the
@@ -18,6 +18,10 @@ or apt that column is left out). Printed, with the mount's ratio to each:
 - `fuse_poll_us` (`--poll-us`, off by default) against 0 on fresh mounts, alternating: the
   buffered pass, and two processes that compute between their files (DataLoader workers'
   shape), to show what polling gives and costs on this machine;
+- `fuse_uring` (`--uring ROUNDS`, off by default) against the classic transport: the buffered
+  pass on fresh mounts, the two alternating (order reversed every other round), each round
+  beside the source's figure of that moment, and the two computing readers; every figure printed (enable_uring, which the
+  mount sets to Y as root, is put back as it was);
 - ImageFolder (stock torchvision, raw bytes loader) over the mount's tar view `ds@tar/` of tars
   of those files, against the same over the extracted tree on the same mount (`--no-tar`
   leaves it out; needs torchvision).
@@ -218,6 +222,12 @@ def main() -> int:
         default=300,
         help="fuse_poll_us measured against 0 on the same files (0: leave that out)",
     )
+    p.add_argument(
+        "--uring",
+        type=int,
+        default=0,
+        help="rounds of the buffered pass with fuse_uring against without (0: leave that out)",
+    )
     p.add_argument("--repeat", type=int, default=3, help="warm passes timed (best kept)")
     p.add_argument("--tmp", default=None, help="work folder (default: a temporary one)")
     args = p.parse_args()
@@ -342,6 +352,36 @@ def main() -> int:
                 ]
                 cache.mount(mnt)
 
+            # ---- FUSE over io_uring (fuse_uring, off by default) against /dev/fuse
+            uring_rounds: dict[str, list[tuple[float, float, float]]] = {"uring": [], "classic": []}
+            if args.uring:
+                switch = Path("/sys/module/fuse/parameters/enable_uring")
+                before = switch.read_text() if switch.exists() else None
+                src_paths = [str(src / r) for r in read_rel]
+                mount_paths = [str(mroot / r) for r in read_rel]
+                try:
+                    for i in range(args.uring):
+                        sides = ("uring", "classic") if i % 2 == 0 else ("classic", "uring")
+                        for side in sides:
+                            on = "1" if side == "uring" else "0"
+                            cache.mount(mnt, env={"KSPEEDFS_FUSE_URING": on})
+                            buffered_reads(mount_paths)
+                            m_rate = len(mount_paths) / min(
+                                buffered_reads(mount_paths) for _ in range(args.repeat)
+                            )
+                            s_rate = len(src_paths) / min(
+                                buffered_reads(src_paths) for _ in range(args.repeat)
+                            )
+                            computing = computing_readers(mount_paths)
+                            through = stats(mnt).get("uring", 0)
+                            if side == "uring" and not through:
+                                print("  fuse_uring: this mount served nothing through rings")
+                            uring_rounds[side].append((m_rate, s_rate, computing))
+                finally:
+                    if before is not None and os.geteuid() == 0:
+                        switch.write_text(before)
+                cache.mount(mnt)
+
             # ---- ImageFolder over the tar view against the extracted tree, same mount
             if tars:
                 results["tar"] = imagefolder_tar(mnt, args.repeat)
@@ -383,6 +423,19 @@ def main() -> int:
                 f"mount/source {ratio(tight_on, results['pass 2 buffered open().read()'][0])}; "
                 f"two readers computing between files {computing_on:,.0f} against "
                 f"{computing_off:,.0f} files/s ({ratio(computing_on, computing_off)})"
+            )
+        for side in ("uring", "classic") if args.uring else ():
+            rounds = uring_rounds[side]
+            print(
+                f"  buffered pass 2, fuse_uring {'on' if side == 'uring' else 'off'}: mount "
+                + " ".join(f"{m:,.0f}" for m, _, _ in rounds)
+                + " files/s; source "
+                + " ".join(f"{s:,.0f}" for _, s, _ in rounds)
+                + "; mount/source "
+                + " ".join(ratio(m, s) for m, s, _ in rounds)
+                + "; two readers computing between files "
+                + " ".join(f"{c:,.0f}" for _, _, c in rounds)
+                + " files/s"
             )
         if tars:
             view, tree = results["tar"]

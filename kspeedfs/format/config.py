@@ -85,6 +85,10 @@ class Settings:
             next request of a reader that asks again within it, yielding its CPU between
             polls (0: never): on a VM whose idle CPUs halt, a tight loop of opens through the
             mount gets faster, and computing work on the polling CPUs slower (mounts.md).
+        fuse_uring: serve a mount's requests through FUSE over io_uring (Linux 6.14+), a
+            ring per CPU in each serving process, where the kernel allows it; else through
+            /dev/fuse, saying why in the log (mounts.md: who sets enable_uring, and what a
+            killed serving process means).
     Read-through datasets (readthrough.md):
         spill_dir: a disk folder for read-through segments evicted from memory and for the
             disk tier of preloads (tiers.md) ("": none); a folder of the node's own, checked as
@@ -164,6 +168,8 @@ class Settings:
     # After a request that came within this many microseconds of the one before, the first
     # serving process polls this long for the next before it sleeps (0 = never).
     fuse_poll_us: int = 0
+    # FUSE over io_uring where the kernel allows it (off: /dev/fuse only; mounts.md).
+    fuse_uring: bool = False
     # Decoded variants: processes a fill may decode with (0 = one per CPU); fewer leaves CPUs
     # to the training jobs on the node while a variant fills.
     decode_workers: int = 0

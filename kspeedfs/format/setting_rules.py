@@ -260,6 +260,7 @@ RULES: dict[str, Callable[[Any], Any]] = {
     "fuse_workers": lambda v: _to_int(v, 0, MAX_PROCESSES),
     "fuse_read_ahead": _to_size,
     "fuse_poll_us": lambda v: _to_int(v, 0, 100_000),
+    "fuse_uring": _to_bool,
     "decode_workers": lambda v: _to_int(v, 0, MAX_PROCESSES),
     "etcd": _to_endpoints,
     "cluster": lambda v: validate_cluster(_string(v)),

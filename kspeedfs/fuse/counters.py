@@ -1,8 +1,10 @@
 """Request counters shared by the processes serving one mount: a row per serving thread.
 
 One memfd, mapped by the supervisor and every worker; each row belongs to one serving thread
-(a worker process has one), which alone writes it, so increments need no lock. Any process
-reads every row: `user.kspeedfs.stats` is answered by whichever worker gets the request.
+(a worker process has one), which alone writes it, so increments need no lock. (With
+fuse_uring a worker's ring threads count in its row too: an increment may rarely be lost when
+two of them meet, which statistics can bear.) Any process reads every row:
+`user.kspeedfs.stats` is answered by whichever worker gets the request.
 """
 
 from __future__ import annotations
@@ -28,6 +30,8 @@ SOURCE_SLOTS = {
     **{key: SLOTS + i for i, key in enumerate(latency.keys(latency.REMOTE_READ))},
 }
 assert max(SOURCE_SLOTS.values()) < ROW_SLOTS
+RING_SLOT = 63  # requests that came through io_uring rings (fuse_uring), also counted by opcode
+NOT_REQUESTS = frozenset(SOURCE_SLOTS.values()) | {RING_SLOT}
 ROW_BYTES = ROW_SLOTS * 8
 
 
@@ -57,18 +61,21 @@ class SharedCounters:
             row = self.row(r)
             for slot in range(SLOTS):
                 n = row[slot]
-                if n and slot not in SOURCE_SLOTS.values():
+                if n and slot not in NOT_REQUESTS:
                     name = names.get(slot, "other")
                     out[name] = out.get(name, 0) + n
         return out
 
     def by_row(self) -> list[int]:
         """Requests answered by each row's thread."""
-        skip = set(SOURCE_SLOTS.values())
         return [
-            sum(n for slot, n in enumerate(self.row(r)) if slot not in skip)
+            sum(n for slot, n in enumerate(self.row(r)) if slot not in NOT_REQUESTS)
             for r in range(self.rows)
         ]
+
+    def ring_requests(self) -> int:
+        """Requests that came through io_uring rings, over every row."""
+        return sum(self.row(r)[RING_SLOT] for r in range(self.rows))
 
     def sources(self) -> dict[str, int]:
         """Where cluster reads were served from, over every row."""

@@ -457,6 +457,7 @@ class KSpeedFS:
             return {}
         stats: dict[str, Any] = self.counters.totals(OPCODE_NAMES)
         stats["by_worker"] = self.counters.by_row()
+        stats["uring"] = self.counters.ring_requests()
         return stats
 
 

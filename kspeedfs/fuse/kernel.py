@@ -37,7 +37,8 @@ from concurrent.futures import CancelledError, Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from kspeedfs.fuse.counters import SLOTS, SharedCounters
+from kspeedfs.fuse import uring
+from kspeedfs.fuse.counters import RING_SLOT, SLOTS, SharedCounters
 from kspeedfs.system.memory import map_pages
 from kspeedfs.system.mountinfo import mount_at
 
@@ -84,6 +85,7 @@ DO_READDIRPLUS = 1 << 13
 PARALLEL_DIROPS = 1 << 18
 FLAG_MAX_PAGES = 1 << 22
 CACHE_SYMLINKS = 1 << 23
+INIT_EXT = 1 << 30  # flags2 follows flags (then FUSE_OVER_IO_URING may be claimed)
 WANTED_FLAGS = DO_READDIRPLUS | PARALLEL_DIROPS | FLAG_MAX_PAGES | CACHE_SYMLINKS
 
 FOPEN_KEEP_CACHE = 1 << 1
@@ -114,6 +116,7 @@ DIRENT = struct.Struct("<QQII")
 INVAL_ENTRY = struct.Struct("<QII")
 INTERRUPT_IN = struct.Struct("<Q")
 ENOTTY_REPLY = struct.pack("<Ii", OUT_HEADER.size, -errno.ENOTTY)  # then the request's unique
+FLAGS2 = struct.Struct("<I")  # fuse_init_in.flags2, after the first 16 bytes (INIT_EXT)
 
 
 class FuseError(Exception):
@@ -171,6 +174,9 @@ class StatFs:
 
 Buffer = bytes | bytearray | memoryview
 ReadResult = Buffer | Callable[[], Buffer]
+# How a request is answered: (unique, errno or 0, reply body). Over /dev/fuse a write to the
+# fd; over io_uring a commit through the ring entry that holds the request.
+Answer = Callable[[int, int, Buffer], None]
 
 
 class PackedListing:
@@ -288,7 +294,13 @@ class RequestLoop:
     the kernel interrupts a pending read (the reader got a signal), EIO when a read passes
     `deadline` seconds, EAGAIN when MAX_PENDING reads already wait; a reply the kernel refuses
     is logged and replaced by an error reply. An INTERRUPT for a request this loop does not hold
-    goes to `on_stray_interrupt` (with cloned fds it may belong to another process)."""
+    goes to `on_stray_interrupt` (with cloned fds it may belong to another process).
+
+    With `use_uring` (setting fuse_uring) the loop claims FUSE over io_uring at INIT where the
+    kernel offers it and a ring can be made here, and serves requests from a ring per CPU
+    (uring.py) besides its /dev/fuse threads, which keep INIT, FORGET and INTERRUPT. One
+    dispatch (`_dispatch`) answers both: what differs is the `Answer` a request carries, and a
+    read the pool answers later commits through the ring entry that holds its request."""
 
     def __init__(
         self,
@@ -299,6 +311,7 @@ class RequestLoop:
         deadline: float | None = None,
         poll_window: float = 0.0,
         done: threading.Event | None = None,
+        use_uring: bool = False,
     ):
         self.fs = fs
         self.fd = fd
@@ -306,8 +319,15 @@ class RequestLoop:
         self.on_stray_interrupt = on_stray_interrupt
         self.deadline = deadline
         self.poll_window = poll_window  # seconds thread 0 polls for the next request of a burst
-        self._pool = ThreadPoolExecutor(max_workers=POOL_THREADS, thread_name_prefix="fuse-pool")
-        self._pending: dict[int, float] = {}  # unique -> when it went to the pool
+        affinity = os.sched_getaffinity(0)
+        self._pool = ThreadPoolExecutor(
+            max_workers=POOL_THREADS,
+            thread_name_prefix="fuse-pool",
+            # a pool thread started by a ring thread would inherit its pin to one CPU
+            initializer=lambda: os.sched_setaffinity(0, affinity),
+        )
+        # unique -> when it went to the pool, and how it is to be answered
+        self._pending: dict[int, tuple[float, Answer]] = {}
         self._interrupted: dict[int, None] = {}  # interrupts that came before their request
         self._lock = threading.Lock()
         self._threads: list[threading.Thread] = []
@@ -317,6 +337,11 @@ class RequestLoop:
         self._listing: Callable[[int, bool], PackedListing | None] | None = getattr(
             fs, "listing", None
         )
+        # io_uring: claimed at INIT only if a ring can be made here (else it could hang the
+        # mount: the kernel serves nothing until every CPU's queue has an entry)
+        self.uring_unusable = uring.ring_unusable() if use_uring else "fuse_uring is off"
+        self._rings: list[uring.QueueRing] = []
+        self._ring_row: memoryview | None = None
 
     def start(self) -> None:
         for i, row in enumerate(self.rows):
@@ -328,6 +353,26 @@ class RequestLoop:
             self._threads.append(t)
         if self.deadline is not None:
             threading.Thread(target=self._expire_late, name="fuse-deadline", daemon=True).start()
+        if self.uring_unusable is None:
+            self._start_rings(self.rows[0])
+
+    def _start_rings(self, row: memoryview) -> None:
+        """A ring per possible CPU, each registering its entries as soon as the kernel has
+        processed the INIT reply (whichever process answered it); if the connection does not
+        use io_uring (not offered at INIT), they end and the /dev/fuse threads serve alone."""
+        self._ring_row = row
+        size = uring.payload_size(MAX_WRITE, MAX_PAGES)
+        for qid in range(uring.possible_cpus()):
+            ring = uring.QueueRing(
+                self.fd, qid, uring.DEPTH, size, self._ring_request, self._ring_ended
+            )
+            self._rings.append(ring)
+        for ring in self._rings:
+            ring.thread.start()
+
+    def _ring_ended(self, ring: uring.QueueRing, why: str | None) -> None:
+        if why is not None and ring.qid == 0:
+            log.debug("FUSE rings stop: %s", why)
 
     def join(self, timeout: float) -> bool:
         """Wait up to `timeout` for the serving threads; True if they all ended."""
@@ -344,14 +389,14 @@ class RequestLoop:
         """The kernel asks to abort request `unique`: if it is a read still pending here, the
         reader gets EINTR now (its process can then die or handle its signal)."""
         with self._lock:
-            found = self._pending.pop(unique, None) is not None
-            if not found:
+            held = self._pending.pop(unique, None)
+            if held is None:
                 self._interrupted[unique] = None
                 while len(self._interrupted) > MAX_PENDING:
                     del self._interrupted[next(iter(self._interrupted))]
-        if found:
-            self._reply_error(unique, errno.EINTR)
-        return found
+        if held is not None:
+            held[1](unique, errno.EINTR, b"")
+        return held is not None
 
     def pending(self) -> int:
         return len(self._pending)
@@ -397,10 +442,35 @@ class RequestLoop:
 
     def _handle(self, req: memoryview, row: memoryview) -> None:
         _length, opcode, unique, ino, _uid, _gid, _pid, _ext, _ = IN_HEADER.unpack_from(req)
+        self._dispatch(opcode, unique, ino, req[IN_HEADER.size :], row, self._answer)
+
+    def _ring_request(self, entry: uring.RingEntry) -> None:
+        """A request in a ring entry (its ring's thread, on the reader's CPU)."""
+        row = self._ring_row
+        assert row is not None
+        _length, opcode, unique, ino, _uid, _gid, _pid, _ext, _ = IN_HEADER.unpack_from(
+            entry.header
+        )
+        row[RING_SLOT] += 1
+        if opcode == IOCTL:  # isatty() of Python's open(): as in _serve
+            row[IOCTL] += 1
+            entry.commit(unique, errno.ENOTTY, b"")
+            return
+        try:
+            self._dispatch(opcode, unique, ino, entry.body(opcode), row, entry.commit)
+        except Exception:  # as in _serve; the entry must still be answered
+            log.exception("FUSE request failed")
+            entry.commit(unique, errno.EIO, b"")
+
+    def _dispatch(
+        self, opcode: int, unique: int, ino: int, body: memoryview, row: memoryview, answer: Answer
+    ) -> None:
+        """Answer one request, from either transport: inline through `answer`, or later from
+        the pool for a read that may block."""
         row[opcode if opcode < SLOTS else 0] += 1
         if opcode in NO_REPLY:
             if opcode == INTERRUPT:
-                (target,) = INTERRUPT_IN.unpack_from(req, IN_HEADER.size)
+                (target,) = INTERRUPT_IN.unpack_from(body)
                 if not self.interrupt(target) and self.on_stray_interrupt is not None:
                     self.on_stray_interrupt(target)
             return
@@ -410,40 +480,40 @@ class RequestLoop:
             handler = _HANDLERS.get(opcode)
             if handler is None:
                 raise FuseError(errno.ENOSYS)
-            reply = handler(self, ino, req[IN_HEADER.size :])
+            reply = handler(self, ino, body)
         except FuseError as e:
-            self._reply_error(unique, e.errno)
+            answer(unique, e.errno, b"")
             return
         except Exception:
             log.exception("FUSE %s of inode %d failed", OPCODE_NAMES.get(opcode, opcode), ino)
-            self._reply_error(unique, errno.EIO)
+            answer(unique, errno.EIO, b"")
             return
         if callable(reply):
-            self._submit(unique, reply)
+            self._submit(unique, reply, answer)
         else:
-            self._reply(unique, reply)
+            answer(unique, 0, reply)
 
-    def _submit(self, unique: int, work: Callable[[], Buffer]) -> None:
+    def _submit(self, unique: int, work: Callable[[], Buffer], answer: Answer) -> None:
         with self._lock:
             interrupted = self._interrupted.pop(unique, 0) is None
             overloaded = not interrupted and len(self._pending) >= MAX_PENDING
             if not interrupted and not overloaded:
-                self._pending[unique] = time.monotonic()
+                self._pending[unique] = (time.monotonic(), answer)
         if interrupted:
-            self._reply_error(unique, errno.EINTR)
+            answer(unique, errno.EINTR, b"")
             return
         if overloaded:
             now = time.monotonic()
             if now - self._last_overload_log > 10:
                 self._last_overload_log = now
                 log.warning("%d reads already wait on other nodes: EAGAIN", MAX_PENDING)
-            self._reply_error(unique, errno.EAGAIN)
+            answer(unique, errno.EAGAIN, b"")
             return
         try:
             self._pool.submit(self._reply_later, unique, work)
         except RuntimeError:  # the pool is shut down: we are stopping
             if self._pending.pop(unique, None) is not None:
-                self._reply_error(unique, errno.EIO)
+                answer(unique, errno.EIO, b"")
 
     def _reply_later(self, unique: int, work: Callable[[], Buffer]) -> None:
         if unique not in self._pending:
@@ -458,25 +528,29 @@ class RequestLoop:
             log.exception("FUSE read failed")
             error = errno.EIO
         with self._lock:
-            mine = self._pending.pop(unique, None) is not None
-        if not mine:
+            held = self._pending.pop(unique, None)
+        if held is None:
             return  # answered meanwhile (EINTR or the deadline)
-        if data is None:
-            self._reply_error(unique, error)
-        else:
-            self._reply(unique, data)
+        held[1](unique, error, b"" if data is None else data)
 
     def _expire_late(self) -> None:
         assert self.deadline is not None
         while not self.done.wait(min(1.0, self.deadline / 4)):
             limit = time.monotonic() - self.deadline
             with self._lock:
-                late = [u for u, since in self._pending.items() if since < limit]
-                for u in late:
+                late = [(u, held) for u, held in self._pending.items() if held[0] < limit]
+                for u, _held in late:
                     del self._pending[u]
-            for u in late:
+            for u, (_since, answer) in late:
                 log.error("a read waited more than %.0fs for other nodes: EIO", self.deadline)
-                self._reply_error(u, errno.EIO)
+                answer(u, errno.EIO, b"")
+
+    def _answer(self, unique: int, error: int, data: Buffer) -> None:
+        """Reply over /dev/fuse."""
+        if error:
+            self._reply_error(unique, error)
+        else:
+            self._reply(unique, data)
 
     def _reply(self, unique: int, data: Buffer) -> None:
         if isinstance(data, memoryview):  # a mapped segment: see map_pages
@@ -505,9 +579,20 @@ class RequestLoop:
         major, minor, max_readahead, flags = INIT_IN.unpack_from(body)
         if major != KERNEL_VERSION:
             raise FuseError(errno.EPROTO)
+        got = flags & WANTED_FLAGS
+        if self.uring_unusable is None:
+            flags2 = FLAGS2.unpack_from(body, INIT_IN.size)[0] if flags & INIT_EXT else 0
+            if flags2 << 32 & uring.FUSE_OVER_IO_URING:
+                got |= INIT_EXT | uring.FUSE_OVER_IO_URING
+                log.info("FUSE over io_uring: serving from a ring per CPU")
+            else:
+                log.warning(
+                    "fuse_uring: serving through /dev/fuse: the kernel did not offer io_uring "
+                    "(%s was N when mounted)", uring.ENABLE_URING,
+                )  # fmt: skip
         return INIT_OUT.pack(
-            KERNEL_VERSION, min(minor, OUR_MINOR), max_readahead, flags & WANTED_FLAGS,
-            16, 12, MAX_WRITE, 1, MAX_PAGES, 0, 0, 0, 0,
+            KERNEL_VERSION, min(minor, OUR_MINOR), max_readahead, got & 0xFFFFFFFF,
+            16, 12, MAX_WRITE, 1, MAX_PAGES, 0, got >> 32, 0, 0,
         )  # fmt: skip
 
     def _lookup(self, ino: int, body: memoryview) -> Buffer:

@@ -7,6 +7,7 @@ are `kspeedfs mount --foreground`) and mount.kspeedfs all run this module's serv
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import shutil
@@ -24,6 +25,7 @@ from kspeedfs.format.contract.node import Ping
 from kspeedfs.format.errors import ERROR_CLASSES, KSpeedError, MountError
 from kspeedfs.format.names import validate_mount_name
 from kspeedfs.format.tls import client_context
+from kspeedfs.fuse import uring
 from kspeedfs.fuse.counters import SharedCounters
 from kspeedfs.fuse.datasets import DatasetList
 from kspeedfs.fuse.kernel import FuseSession
@@ -102,6 +104,11 @@ async def serve_mount(
     check_here = not _automount_point(Path(mountpoint))
     # Held until this process exits, however it ends: `umount` waits for that.
     mountlock.hold(mountpoint)
+    if settings.fuse_uring:  # before the mount: the kernel offers io_uring in its INIT
+        why = uring.enable_in_kernel(os.geteuid() == 0)
+        if why is not None:
+            log.warning("fuse_uring: serving through /dev/fuse: %s", why)
+            settings = dataclasses.replace(settings, fuse_uring=False)
     counters = SharedCounters.create(count)  # a row for each serving process
     session = FuseSession(None, str(mountpoint), options, counters=counters)
     try:

@@ -168,6 +168,11 @@ class Workers:
                 os.close(fd)
                 raise MountError(f"the serving process failed to start ({_describe(code)})")
             log.warning("worker %d %s: restarting it", index, _describe(code))
+            if self.settings.fuse_uring:
+                log.warning(
+                    "worker %d served through io_uring: a request it held gets no answer "
+                    "until the mount ends (docs/mounts.md)", index,
+                )  # fmt: skip
             # Its fd is still open here: the requests it had read wait there, to be resent.
             self.session.resend_pending()
             os.close(fd)

@@ -158,7 +158,10 @@ def serve(fuse_fd: int, control_fd: int, counters_fd: int) -> int:
         on_stray_interrupt=link.forward_interrupt,
         deadline=DEADLINE_TIMEOUTS * settings.timeout,
         poll_window=settings.fuse_poll_us / 1e6,  # every serving process (BurstPoll)
+        use_uring=settings.fuse_uring,  # the supervisor turned it off where it cannot be used
     )
+    if settings.fuse_uring and loop.uring_unusable is not None:
+        log.warning("fuse_uring: this process serves through /dev/fuse: %s", loop.uring_unusable)
     loop.start()
     link.post("ready")
     last_touch = time.monotonic()

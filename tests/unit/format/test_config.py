@@ -175,6 +175,7 @@ BAD = {
     "fuse_workers": "100000",
     "fuse_read_ahead": "lots",
     "fuse_poll_us": "200000",
+    "fuse_uring": "sometimes",
     "decode_workers": "-1",
     "etcd": "http://etcd:99999",
     "cluster": "a/b",

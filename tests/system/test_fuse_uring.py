@@ -1,0 +1,278 @@
+"""A mount served through FUSE over io_uring (setting fuse_uring): bytes, listings and stat
+equal to the source, remote reads answered later through the ring entry, interrupts, and what
+a killed serving process means (docs/mounts.md)."""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import shutil
+import signal
+import stat
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from clusterutil import Cluster, running
+from conftest import MountProcess, NodeProcess, make_tree, run_cli, wait_for
+
+from kspeedfs.format import placement
+from kspeedfs.format.localdata import MANIFEST_FILE
+from kspeedfs.format.manifest import Manifest
+from kspeedfs.fuse import uring
+
+pytestmark = [pytest.mark.fuse, pytest.mark.slow]
+
+URING = {"KSPEEDFS_FUSE_URING": "1"}
+
+
+@pytest.fixture(autouse=True)
+def enable_uring() -> Iterator[None]:
+    """Skips where FUSE over io_uring cannot be had; puts enable_uring back as it was (the
+    mount sets it to Y and leaves it)."""
+    why = uring.ring_unusable()
+    if why is None and os.geteuid() != 0 and not uring.kernel_offers():
+        why = "enable_uring is N and only root may set it"
+    if why is not None:
+        pytest.skip(f"FUSE over io_uring unavailable: {why}")
+    before = uring.ENABLE_URING.read_text()
+    yield
+    if os.geteuid() == 0:
+        uring.ENABLE_URING.write_text(before)
+
+
+def children(pid: int) -> list[int]:
+    found = []
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        try:
+            found.extend(int(c) for c in (task / "children").read_text().split())
+        except FileNotFoundError:
+            pass
+    return found
+
+
+def stats(mountpoint: Path) -> dict[str, int]:
+    found: dict[str, int] = json.loads(os.getxattr(mountpoint, "user.kspeedfs.stats"))
+    return found
+
+
+def start(
+    env: dict[str, str], tmp_path: Path, mounts: list[MountProcess], workers: int = 2
+) -> MountProcess:
+    m = MountProcess(tmp_path / "mnt", {**env, **URING}, tmp_path, args=("--workers", str(workers)))
+    mounts.append(m)
+    m.start()
+    assert m.proc is not None
+    pid = m.proc.pid
+    wait_for(lambda: len(children(pid)) == workers, what=f"{workers} workers")
+    wait_for(lambda: " served by " in m.log(), what="the mount's own check that it answers")
+    return m
+
+
+def preload(node: NodeProcess, source: Path, name: str) -> None:
+    done = run_cli("preload", str(source), "--name", name, "-q", env=node.env())
+    assert done.returncode == 0, done.stderr
+
+
+@pytest.fixture
+def tree(tmp_path: Path) -> Path:
+    root = make_tree(tmp_path / "src")
+    for d in range(8):
+        folder = root / f"many{d}"
+        folder.mkdir()
+        for i in range(60):
+            (folder / f"f{i:03d}.bin").write_bytes(os.urandom((i * 997 + d * 131) % 150_000))
+    return root
+
+
+def walk(root: Path) -> dict[bytes, os.stat_result]:
+    base = os.fsencode(root)
+    out = {}
+    for dirpath, dirs, names in os.walk(base):
+        for name in dirs + names:
+            full = os.path.join(dirpath, name)
+            out[os.path.relpath(full, base)] = os.lstat(full)
+    return out
+
+
+def wrong_bytes(got: bytes, want: bytes) -> int:
+    return sum(a != b for a, b in zip(got, want, strict=False)) + abs(len(got) - len(want))
+
+
+def test_a_tree_reads_back_equal_through_the_rings(
+    node: NodeProcess, tree: Path, tmp_path: Path, mounts: list[MountProcess]
+) -> None:
+    preload(node, tree, "ds")
+    m = start(node.env(), tmp_path, mounts)
+    served = m.mountpoint / "ds"
+    source, mounted = walk(tree), walk(served)
+    assert sorted(mounted) == sorted(source)
+    for rel, want in source.items():
+        got = mounted[rel]
+        assert got.st_mtime_ns == want.st_mtime_ns, rel
+        assert got.st_mode & ~0o222 == want.st_mode & ~0o222, rel  # read-only: no write bits
+        if not stat.S_ISDIR(want.st_mode):
+            assert got.st_size == want.st_size, rel
+    before = stats(m.mountpoint)
+    wrong = 0
+    files = [rel for rel, st in source.items() if stat.S_ISREG(st.st_mode)]
+    for rel in files:
+        want = (tree / os.fsdecode(rel)).read_bytes()
+        fd = os.open(os.path.join(os.fsencode(served), rel), os.O_RDONLY)  # unbuffered
+        try:
+            got = b"".join(iter(lambda fd=fd: os.read(fd, 1 << 20), b""))
+        finally:
+            os.close(fd)
+        wrong += wrong_bytes(got, want)
+        with open(os.path.join(os.fsencode(served), rel), "rb") as f:  # buffered: isatty too
+            wrong += wrong_bytes(f.read(), want)
+    assert wrong == 0
+    assert os.readlink(served / "link-to-small") == "a/small.txt"
+    after = stats(m.mountpoint)
+    # Every READ and IOCTL of the pass came through the rings, none through /dev/fuse.
+    through = after["uring"] - before["uring"]
+    asked = sum(after.get(k, 0) - before.get(k, 0) for k in ("read", "ioctl", "lookup"))
+    assert through >= asked >= len(files)
+    assert "serving from a ring per CPU" in m.log()
+
+
+@pytest.fixture
+def pair(token_file: Path, tmp_path: Path) -> Iterator[Cluster]:
+    with running(Cluster(token_file, tmp_path, size=2, segment_size="64KiB")) as c:
+        yield c
+
+
+def remote_only_files(cluster: Cluster, name: str) -> list[str]:
+    local, remote = cluster.nodes
+    m = Manifest(local.shm_dir / "datasets" / name / MANIFEST_FILE)
+    where = placement.Placement(name, m.segments, m.header["members"], int(m.header["replicas"]))
+    out = []
+    for i in m.iter_files():
+        owners = {o for seg, _, _ in m.ranges(i) for o in where.owners(seg)}
+        if owners == {remote.address}:
+            out.append(os.fsdecode(m.path(i)))
+    return out
+
+
+def test_remote_reads_are_answered_later_through_the_ring_entry(
+    pair: Cluster, tmp_path: Path, mounts: list[MountProcess]
+) -> None:
+    """Reads of files only the other node holds go to the pool and commit through the entry
+    that holds them; one blocked on a frozen node is interrupted (SIGINT: EINTR committed
+    through its entry), and the next read of it, thawed, is right."""
+    source = tmp_path / "src"
+    source.mkdir()
+    for i in range(16):
+        (source / f"f{i:02d}.bin").write_bytes(os.urandom(50_000 + i))
+    pair.preload(source, "ds", replicas=1)
+    local, remote = pair.nodes
+    victims = remote_only_files(pair, "ds")
+    assert len(victims) >= 2
+    wants = {v: (source / v).read_bytes() for v in victims}
+    shutil.move(source, tmp_path / "gone")  # no source to fall back on: the node or nothing
+    env = {**pair.env(local=local), "KSPEEDFS_TIMEOUT": "60"}
+    m = start(env, tmp_path, mounts)
+    served = m.mountpoint / "ds"
+    wrong = sum(wrong_bytes((served / v).read_bytes(), wants[v]) for v in victims[1:])
+    assert wrong == 0
+    assert stats(m.mountpoint)["uring"] > 0
+    path = served / victims[0]
+    assert remote.proc is not None
+    remote.proc.send_signal(signal.SIGSTOP)
+    try:
+        reads = stats(m.mountpoint).get("read", 0)
+        reader = subprocess.Popen([sys.executable, "-c", f"open({str(path)!r}, 'rb').read()"])
+        wait_for(lambda: stats(m.mountpoint).get("read", 0) > reads, what="the read to arrive")
+        # Under test: the read stays blocked on the frozen node (nothing to wait for but time).
+        with pytest.raises(subprocess.TimeoutExpired):
+            reader.wait(timeout=0.5)
+        reader.send_signal(signal.SIGINT)
+        wait_for(lambda: reader.poll() is not None, timeout=5.0, what="the reader to go")
+    finally:
+        remote.proc.send_signal(signal.SIGCONT)
+    assert path.read_bytes() == wants[victims[0]]
+    assert m.proc is not None and m.proc.poll() is None
+
+
+def reading(path: Path) -> subprocess.Popen[str]:
+    """A process reading `path` whole (buffered), printing its length or its error."""
+    code = f"import sys\ntry: print(len(open({str(path)!r}, 'rb').read()))\nexcept OSError as e: sys.exit(e.errno)"
+    return subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+
+
+def replaced(m: MountProcess, worker: int) -> bool:
+    assert m.proc is not None
+    now = children(m.proc.pid)
+    return len(now) == 1 and now[0] != worker
+
+
+def test_a_request_on_its_way_to_a_killed_worker_fails_with_ecanceled(
+    node: NodeProcess, tree: Path, tmp_path: Path, mounts: list[MountProcess]
+) -> None:
+    """Dispatched to the worker's ring entry but not yet in its hands (the worker stopped):
+    when the worker dies the kernel ends the request with ECANCELED (docs/mounts.md); the
+    restarted worker serves the next one."""
+    preload(node, tree, "ds")
+    m = start(node.env(), tmp_path, mounts, workers=1)
+    assert m.proc is not None
+    (worker,) = children(m.proc.pid)
+    path = m.mountpoint / "ds" / "many3" / "f007.bin"
+    os.kill(worker, signal.SIGSTOP)
+    reader = reading(path)
+    # Under test: the request reaches the stopped worker's entry (nothing to watch for).
+    with pytest.raises(subprocess.TimeoutExpired):
+        reader.wait(timeout=1.0)
+    os.kill(worker, signal.SIGKILL)
+    assert reader.wait(timeout=20) == errno.ECANCELED
+    wait_for(lambda: replaced(m, worker), what="a new worker")
+    # A request made before the new worker's rings are registered would wait for the next
+    # request on its CPU (docs/mounts.md); nothing outside the worker shows when they are.
+    time.sleep(3)  # under test: the new worker registers its rings
+    assert path.read_bytes() == (tree / "many3" / "f007.bin").read_bytes()
+
+
+def test_a_request_a_killed_worker_held_waits_until_the_mount_ends(
+    pair: Cluster, tmp_path: Path, mounts: list[MountProcess]
+) -> None:
+    """A request in a worker's hands when it dies (here a read waiting on a frozen node in
+    its pool) is never resent: unlike /dev/fuse, the kernel keeps a ring entry's request for
+    that entry alone. Its reader waits, signals or not, until the mount ends; then it gets an
+    error. Other reads go on (docs/mounts.md: why fuse_uring is off by default)."""
+    source = tmp_path / "src"
+    source.mkdir()
+    for i in range(16):
+        (source / f"f{i:02d}.bin").write_bytes(os.urandom(50_000 + i))
+    pair.preload(source, "ds", replicas=1)
+    local, remote = pair.nodes
+    victims = remote_only_files(pair, "ds")
+    assert len(victims) >= 2
+    wants = {v: (source / v).read_bytes() for v in victims}
+    shutil.move(source, tmp_path / "gone")
+    env = {**pair.env(local=local), "KSPEEDFS_TIMEOUT": "60"}
+    m = start(env, tmp_path, mounts, workers=1)
+    assert m.proc is not None and remote.proc is not None
+    (worker,) = children(m.proc.pid)
+    path = m.mountpoint / "ds" / victims[0]
+    os.stat(path)
+    remote.proc.send_signal(signal.SIGSTOP)
+    try:
+        reads = stats(m.mountpoint).get("read", 0)
+        reader = reading(path)
+        wait_for(lambda: stats(m.mountpoint).get("read", 0) > reads, what="the read to arrive")
+        os.kill(worker, signal.SIGKILL)
+        wait_for(lambda: replaced(m, worker), what="a new worker")
+    finally:
+        remote.proc.send_signal(signal.SIGCONT)
+    time.sleep(3)  # under test: the new worker registers its rings (as in the test above)
+    assert (m.mountpoint / "ds" / victims[1]).read_bytes() == wants[victims[1]]
+    reader.send_signal(signal.SIGINT)
+    # Under test: thawed, interrupted, the held read still gets no answer.
+    with pytest.raises(subprocess.TimeoutExpired):
+        reader.wait(timeout=3.0)
+    assert "a request it held gets no answer until the mount ends" in m.log()
+    m.stop()
+    assert reader.wait(timeout=30) != 0
