@@ -12,7 +12,6 @@ import signal
 import stat
 import subprocess
 import sys
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -204,6 +203,30 @@ def reading(path: Path) -> subprocess.Popen[str]:
     return subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
 
 
+def rings_registered(pid: int) -> bool:
+    """Whether every possible CPU's ring of serving process `pid` has its entries registered,
+    read from the kernel (/proc/PID/fdinfo of its io_uring fds): each ring's submissions the
+    kernel took (SqHead) less its completions (CqTail, a REGISTER refused before INIT or a
+    request) is what stays registered."""
+    outstanding: dict[str, int] = {}
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        try:
+            if os.readlink(f"/proc/{pid}/fd/{fd}") != "anon_inode:[io_uring]":
+                continue
+            fields = dict(
+                line.split(":", 1)
+                for line in Path(f"/proc/{pid}/fdinfo/{fd}").read_text().splitlines()
+                if ":" in line
+            )
+        except OSError:
+            continue  # closed meanwhile
+        head, done = int(fields["SqHead"]), int(fields["CqTail"])
+        outstanding[fields["ino"].strip()] = head - done
+    return len(outstanding) == uring.possible_cpus() and all(
+        n >= uring.DEPTH for n in outstanding.values()
+    )
+
+
 def replaced(m: MountProcess, worker: int) -> bool:
     assert m.proc is not None
     now = children(m.proc.pid)
@@ -230,8 +253,9 @@ def test_a_request_on_its_way_to_a_killed_worker_fails_with_ecanceled(
     assert reader.wait(timeout=20) == errno.ECANCELED
     wait_for(lambda: replaced(m, worker), what="a new worker")
     # A request made before the new worker's rings are registered would wait for the next
-    # request on its CPU (docs/mounts.md); nothing outside the worker shows when they are.
-    time.sleep(3)  # under test: the new worker registers its rings
+    # request on its CPU (docs/mounts.md): the kernel's count of them is waited for.
+    (new,) = children(m.proc.pid)
+    wait_for(lambda: rings_registered(new), what="the new worker's rings registered")
     assert path.read_bytes() == (tree / "many3" / "f007.bin").read_bytes()
 
 
@@ -267,7 +291,8 @@ def test_a_request_a_killed_worker_held_waits_until_the_mount_ends(
         wait_for(lambda: replaced(m, worker), what="a new worker")
     finally:
         remote.proc.send_signal(signal.SIGCONT)
-    time.sleep(3)  # under test: the new worker registers its rings (as in the test above)
+    (new,) = children(m.proc.pid)
+    wait_for(lambda: rings_registered(new), what="the new worker's rings registered")
     assert (m.mountpoint / "ds" / victims[1]).read_bytes() == wants[victims[1]]
     reader.send_signal(signal.SIGINT)
     # Under test: thawed, interrupted, the held read still gets no answer.
