@@ -24,7 +24,9 @@ from kspeedfs.format.localdata import MANIFEST_FILE
 from kspeedfs.format.manifest import Manifest
 from kspeedfs.fuse import uring
 
-pytestmark = [pytest.mark.fuse, pytest.mark.slow]
+# The kernel's switches (enable_uring, io_uring_disabled) are the machine's: the tests that
+# change them run on one xdist worker, one after another (`--dist loadgroup`).
+pytestmark = [pytest.mark.fuse, pytest.mark.slow, pytest.mark.xdist_group("kernel_uring")]
 
 URING = {"KSPEEDFS_FUSE_URING": "1"}
 

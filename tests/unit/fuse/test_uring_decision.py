@@ -16,6 +16,10 @@ from kspeedfs.fuse import uring
 from kspeedfs.fuse.counters import SharedCounters
 from kspeedfs.fuse.kernel import INIT_EXT, INIT_OUT, RequestLoop
 
+# These change the machine's switches (enable_uring, io_uring_disabled) under the mounts of
+# test_fuse_uring: one xdist worker runs both modules (`--dist loadgroup`).
+pytestmark = pytest.mark.xdist_group("kernel_uring")
+
 IO_URING_DISABLED = Path("/proc/sys/kernel/io_uring_disabled")
 
 needs_root = pytest.mark.skipif(os.geteuid() != 0, reason="writes the kernel's switches")
