@@ -71,6 +71,9 @@ def start_mount(
     assert m.proc is not None
     pid = m.proc.pid
     wait_for(lambda: len(children(pid)) == workers, what=f"{workers} workers")
+    # Every worker ready: one killed before its first start fails the mount ("failed to
+    # start"), which is what a loaded machine showed when a test killed one too early.
+    wait_for(lambda: " served by " in m.log(), what="every worker ready")
     return m
 
 
