@@ -20,17 +20,16 @@ demo: deps
 # pytest rewrites every test module again. 87 s -> 70 s for `make quick` on 2 CPUs.
 PYTEST := env -u PYTHONDONTWRITEBYTECODE $(BIN)/pytest
 # Both run spread over the cores (pytest-xdist; each test has its own ports, folders, network
-# namespace and health table; the few that change the machine's switches share an
-# xdist_group): twice the CPUs, at most 8, since a test mostly waits on the
-# processes it started. One process ran the whole suite in 23 min on 2 CPUs (docs/testing.md).
+# namespace and health table; the few that change a switch of the machine hold a lock): twice
+# the CPUs, at most 8, since a test mostly waits on the processes it started (docs/testing.md).
 WORKERS := $(shell $(PYTHON) -c 'import os; print(min(8, 2 * len(os.sched_getaffinity(0))))')
 
 test: deps lint
-	$(PYTEST) -q -n $(WORKERS) --dist loadgroup
+	$(PYTEST) -q -n $(WORKERS)
 
 # The quick loop while changing code: no multi-node, etcd, nspawn, DALI or 1M-line tests.
 quick: deps
-	$(PYTEST) -q -m "not slow" -n $(WORKERS) --dist loadgroup
+	$(PYTEST) -q -m "not slow" -n $(WORKERS)
 
 lint: deps
 	$(BIN)/ruff check $(CHECKED)

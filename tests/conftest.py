@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import fcntl
 import os
 import shutil
 import subprocess
@@ -165,6 +166,24 @@ def tracebacks_since(sizes: dict[Path, int]) -> list[tuple[Path, str]]:
         found += [(path, tb) for tb in logged_tracebacks(text)]
     STARTED[:] = [(path, proc) for path, proc in STARTED if proc.poll() is None]
     return found
+
+
+# The machine's io_uring switches (/sys/module/fuse/parameters/enable_uring,
+# /proc/sys/kernel/io_uring_disabled) are one for every test: the tests that change them or
+# depend on them hold this lock, so that under xdist (`make test`, `make quick`) one of them
+# runs at a time whatever the worker. (Not xdist_group: `--dist loadgroup` in pytest-xdist 3.8
+# hangs for good once a crashed worker is replaced, pytest-xdist#1323/#1327/#1378.)
+MACHINE_SWITCHES_LOCK = Path("/tmp/kspeedfs-tests-machine-switches.lock")
+
+
+@pytest.fixture
+def machine_switches() -> Iterator[None]:
+    with open(MACHINE_SWITCHES_LOCK, "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
 
 
 @pytest.fixture(autouse=True)

@@ -24,15 +24,16 @@ from kspeedfs.format.localdata import MANIFEST_FILE
 from kspeedfs.format.manifest import Manifest
 from kspeedfs.fuse import uring
 
-# The kernel's switches (enable_uring, io_uring_disabled) are the machine's: the tests that
-# change them run on one xdist worker, one after another (`--dist loadgroup`).
-pytestmark = [pytest.mark.fuse, pytest.mark.slow, pytest.mark.xdist_group("kernel_uring")]
+# The kernel's switches (enable_uring, io_uring_disabled) are the machine's: each test here
+# holds the lock of the tests that change them (conftest.machine_switches, taken by the
+# autouse fixture below before it reads them).
+pytestmark = [pytest.mark.fuse, pytest.mark.slow]
 
 URING = {"KSPEEDFS_FUSE_URING": "1"}
 
 
 @pytest.fixture(autouse=True)
-def enable_uring() -> Iterator[None]:
+def enable_uring(machine_switches: None) -> Iterator[None]:
     """Skips where FUSE over io_uring cannot be had; puts enable_uring back as it was (the
     mount sets it to Y and leaves it)."""
     why = uring.ring_unusable()

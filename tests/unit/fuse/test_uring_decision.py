@@ -17,8 +17,8 @@ from kspeedfs.fuse.counters import SharedCounters
 from kspeedfs.fuse.kernel import INIT_EXT, INIT_OUT, RequestLoop
 
 # These change the machine's switches (enable_uring, io_uring_disabled) under the mounts of
-# test_fuse_uring: one xdist worker runs both modules (`--dist loadgroup`).
-pytestmark = pytest.mark.xdist_group("kernel_uring")
+# test_fuse_uring: each holds their lock (conftest.machine_switches).
+pytestmark = pytest.mark.usefixtures("machine_switches")
 
 IO_URING_DISABLED = Path("/proc/sys/kernel/io_uring_disabled")
 
