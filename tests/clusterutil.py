@@ -10,7 +10,9 @@ from typing import Any
 
 from conftest import NodeProcess, run_cli
 
-from kspeedfs.format.localdata import SEGMENT_DIR
+from kspeedfs.format import placement
+from kspeedfs.format.localdata import MANIFEST_FILE, SEGMENT_DIR
+from kspeedfs.format.manifest import Manifest
 from kspeedfs.testing.cluster import LocalCluster
 
 
@@ -53,3 +55,16 @@ def running(cluster: Cluster) -> Iterator[Cluster]:
         yield cluster.start()
     finally:
         cluster.stop()
+
+
+def remote_only_files(cluster: Cluster, name: str) -> list[str]:
+    """Files of dataset `name` all of whose segments only the cluster's second node holds."""
+    local, remote = cluster.nodes
+    m = Manifest(local.shm_dir / "datasets" / name / MANIFEST_FILE)
+    where = placement.Placement(name, m.segments, m.header["members"], int(m.header["replicas"]))
+    out = []
+    for i in m.iter_files():
+        owners = {o for seg, _, _ in m.ranges(i) for o in where.owners(seg)}
+        if owners == {remote.address}:
+            out.append(os.fsdecode(m.path(i)))
+    return out

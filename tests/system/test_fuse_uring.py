@@ -16,12 +16,9 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from clusterutil import Cluster, running
+from clusterutil import Cluster, remote_only_files, running
 from conftest import MountProcess, NodeProcess, make_tree, run_cli, wait_for
 
-from kspeedfs.format import placement
-from kspeedfs.format.localdata import MANIFEST_FILE
-from kspeedfs.format.manifest import Manifest
 from kspeedfs.fuse import uring
 
 # The kernel's switches (enable_uring, io_uring_disabled) are the machine's: each test here
@@ -148,16 +145,22 @@ def pair(token_file: Path, tmp_path: Path) -> Iterator[Cluster]:
         yield c
 
 
-def remote_only_files(cluster: Cluster, name: str) -> list[str]:
-    local, remote = cluster.nodes
-    m = Manifest(local.shm_dir / "datasets" / name / MANIFEST_FILE)
-    where = placement.Placement(name, m.segments, m.header["members"], int(m.header["replicas"]))
-    out = []
-    for i in m.iter_files():
-        owners = {o for seg, _, _ in m.ranges(i) for o in where.owners(seg)}
-        if owners == {remote.address}:
-            out.append(os.fsdecode(m.path(i)))
-    return out
+def remote_files(
+    pair: Cluster, tmp_path: Path
+) -> tuple[list[str], dict[str, bytes], dict[str, str]]:
+    """Dataset "ds" over the pair, one copy of each segment, its source gone (no fallback: the
+    other node or nothing): the files only the second node holds, their bytes, and the
+    environment of a mount on the first node."""
+    source = tmp_path / "src"
+    source.mkdir()
+    for i in range(16):
+        (source / f"f{i:02d}.bin").write_bytes(os.urandom(50_000 + i))
+    pair.preload(source, "ds", replicas=1)
+    victims = remote_only_files(pair, "ds")
+    assert len(victims) >= 2
+    wants = {v: (source / v).read_bytes() for v in victims}
+    shutil.move(source, tmp_path / "gone")
+    return victims, wants, {**pair.env(local=pair.nodes[0]), "KSPEEDFS_TIMEOUT": "60"}
 
 
 def test_remote_reads_are_answered_later_through_the_ring_entry(
@@ -166,17 +169,8 @@ def test_remote_reads_are_answered_later_through_the_ring_entry(
     """Reads of files only the other node holds go to the pool and commit through the entry
     that holds them; one blocked on a frozen node is interrupted (SIGINT: EINTR committed
     through its entry), and the next read of it, thawed, is right."""
-    source = tmp_path / "src"
-    source.mkdir()
-    for i in range(16):
-        (source / f"f{i:02d}.bin").write_bytes(os.urandom(50_000 + i))
-    pair.preload(source, "ds", replicas=1)
-    local, remote = pair.nodes
-    victims = remote_only_files(pair, "ds")
-    assert len(victims) >= 2
-    wants = {v: (source / v).read_bytes() for v in victims}
-    shutil.move(source, tmp_path / "gone")  # no source to fall back on: the node or nothing
-    env = {**pair.env(local=local), "KSPEEDFS_TIMEOUT": "60"}
+    victims, wants, env = remote_files(pair, tmp_path)
+    remote = pair.nodes[1]
     m = start(env, tmp_path, mounts)
     served = m.mountpoint / "ds"
     wrong = sum(wrong_bytes((served / v).read_bytes(), wants[v]) for v in victims[1:])
@@ -269,17 +263,8 @@ def test_a_request_a_killed_worker_held_waits_until_the_mount_ends(
     its pool) is never resent: unlike /dev/fuse, the kernel keeps a ring entry's request for
     that entry alone. Its reader waits, signals or not, until the mount ends; then it gets an
     error. Other reads go on (docs/mounts.md: why fuse_uring is off by default)."""
-    source = tmp_path / "src"
-    source.mkdir()
-    for i in range(16):
-        (source / f"f{i:02d}.bin").write_bytes(os.urandom(50_000 + i))
-    pair.preload(source, "ds", replicas=1)
-    local, remote = pair.nodes
-    victims = remote_only_files(pair, "ds")
-    assert len(victims) >= 2
-    wants = {v: (source / v).read_bytes() for v in victims}
-    shutil.move(source, tmp_path / "gone")
-    env = {**pair.env(local=local), "KSPEEDFS_TIMEOUT": "60"}
+    victims, wants, env = remote_files(pair, tmp_path)
+    remote = pair.nodes[1]
     m = start(env, tmp_path, mounts, workers=1)
     assert m.proc is not None and remote.proc is not None
     (worker,) = children(m.proc.pid)

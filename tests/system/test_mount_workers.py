@@ -16,12 +16,8 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from clusterutil import Cluster, running
+from clusterutil import Cluster, remote_only_files, running
 from conftest import MountProcess, NodeProcess, make_tree, run_cli, wait_for
-
-from kspeedfs.format import placement
-from kspeedfs.format.localdata import MANIFEST_FILE
-from kspeedfs.format.manifest import Manifest
 
 pytestmark = [pytest.mark.fuse, pytest.mark.slow]  # several mount workers, a second node
 
@@ -257,19 +253,6 @@ def test_unload_and_reload_while_readers_run_through_several_workers(
 def pair(token_file: Path, tmp_path: Path) -> Iterator[Cluster]:
     with running(Cluster(token_file, tmp_path, size=2, segment_size="64KiB")) as c:
         yield c
-
-
-def remote_only_files(cluster: Cluster, name: str) -> list[str]:
-    """Files all of whose segments only the second node holds."""
-    local, remote = cluster.nodes
-    m = Manifest(local.shm_dir / "datasets" / name / MANIFEST_FILE)
-    where = placement.Placement(name, m.segments, m.header["members"], int(m.header["replicas"]))
-    out = []
-    for i in m.iter_files():
-        owners = {o for seg, _, _ in m.ranges(i) for o in where.owners(seg)}
-        if owners == {remote.address}:
-            out.append(os.fsdecode(m.path(i)))
-    return out
 
 
 def daemon_reads(mountpoint: Path) -> int:
