@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 from conftest import MountProcess, NodeProcess, run_cli, wait_for
 from treeutil import walk
+from workerutil import children
 
 pytestmark = [pytest.mark.fuse, pytest.mark.slow]  # a node and a mount per test
 
@@ -263,12 +264,3 @@ def test_unload_frees_the_memory_a_mount_had_mapped(
     # Nobody touches the mount: its own periodic refresh notices, and lets go of the maps.
     wait_for(lambda: segment_maps() == 0, timeout=30, what="the mount to unmap the segments")
     assert os.path.ismount(mount_all.mountpoint)
-
-
-def children(pid: int) -> list[int]:
-    """The live child processes of `pid` (each thread lists those it started)."""
-    return [
-        int(c)
-        for t in Path(f"/proc/{pid}/task").iterdir()
-        for c in (t / "children").read_text().split()
-    ]

@@ -5,7 +5,6 @@ a killed serving process means (docs/mounts.md)."""
 from __future__ import annotations
 
 import errno
-import json
 import os
 import shutil
 import signal
@@ -18,6 +17,7 @@ from pathlib import Path
 import pytest
 from clusterutil import Cluster, remote_only_files, running
 from conftest import MountProcess, NodeProcess, make_tree, run_cli, wait_for
+from workerutil import children, start_workers_mount, stats
 
 from kspeedfs.fuse import uring
 
@@ -44,32 +44,10 @@ def enable_uring(machine_switches: None) -> Iterator[None]:
         uring.ENABLE_URING.write_text(before)
 
 
-def children(pid: int) -> list[int]:
-    found = []
-    for task in Path(f"/proc/{pid}/task").iterdir():
-        try:
-            found.extend(int(c) for c in (task / "children").read_text().split())
-        except FileNotFoundError:
-            pass
-    return found
-
-
-def stats(mountpoint: Path) -> dict[str, int]:
-    found: dict[str, int] = json.loads(os.getxattr(mountpoint, "user.kspeedfs.stats"))
-    return found
-
-
 def start(
     env: dict[str, str], tmp_path: Path, mounts: list[MountProcess], workers: int = 2
 ) -> MountProcess:
-    m = MountProcess(tmp_path / "mnt", {**env, **URING}, tmp_path, args=("--workers", str(workers)))
-    mounts.append(m)
-    m.start()
-    assert m.proc is not None
-    pid = m.proc.pid
-    wait_for(lambda: len(children(pid)) == workers, what=f"{workers} workers")
-    wait_for(lambda: " served by " in m.log(), what="the mount's own check that it answers")
-    return m
+    return start_workers_mount({**env, **URING}, tmp_path, mounts, workers)
 
 
 def preload(node: NodeProcess, source: Path, name: str) -> None:

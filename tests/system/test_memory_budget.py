@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import shutil
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -85,13 +85,21 @@ def test_reading_more_than_the_budget_evicts_and_keeps_pinned_data(
     assert cache_status(node, "pinned")["in_memory"] == len(pinned_files)
 
 
-def test_evicted_segments_are_read_back_from_the_spill_folder(
-    make_node, tmp_path: Path, mounts: list[MountProcess]
-) -> None:
+def spilling_node(
+    make_node: Callable[..., NodeProcess], tmp_path: Path
+) -> tuple[NodeProcess, Path, Path, dict[str, bytes]]:
+    """A node with a 16 MiB spill folder, and a source of 16 files of 700,000 bytes (about
+    11 MiB): the node, its spill folder, the source and the files' bytes by name."""
     spill = tmp_path / "spill"
     node = make_node("--spill-dir", str(spill), "--spill", "16MiB")
     src = tmp_path / "big"
-    files = write_files(src, 16, 700_000)
+    return node, spill, src, write_files(src, 16, 700_000)
+
+
+def test_evicted_segments_are_read_back_from_the_spill_folder(
+    make_node, tmp_path: Path, mounts: list[MountProcess]
+) -> None:
+    node, spill, src, files = spilling_node(make_node, tmp_path)
     m = mount_source(node, tmp_path, mounts, src)
     for rel in sorted(files):
         assert (m.mountpoint / rel).read_bytes() == files[rel]
@@ -120,10 +128,7 @@ def test_a_refresh_carries_the_unchanged_spilled_segments_and_never_the_old_byte
     """Spilled segments are the disk tier's, in their instance's folder: a refresh links the
     unchanged ones into the new instance's folder (read back from there, not the source), the
     changed file's segment is read from the source, and the old folder goes."""
-    spill = tmp_path / "spill"
-    node = make_node("--spill-dir", str(spill), "--spill", "16MiB")
-    src = tmp_path / "big"
-    files = write_files(src, 16, 700_000)
+    node, spill, src, files = spilling_node(make_node, tmp_path)
     m = mount_source(node, tmp_path, mounts, src)
     for rel in sorted(files):
         assert (m.mountpoint / rel).read_bytes() == files[rel]

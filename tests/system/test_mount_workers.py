@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import errno
-import json
 import mmap
 import os
 import random
@@ -18,6 +17,7 @@ from pathlib import Path
 import pytest
 from clusterutil import Cluster, remote_only_files, running
 from conftest import MountProcess, NodeProcess, make_tree, run_cli, wait_for
+from workerutil import children, start_workers_mount, stats
 
 pytestmark = [pytest.mark.fuse, pytest.mark.slow]  # several mount workers, a second node
 
@@ -42,35 +42,10 @@ def files_of(root: Path) -> dict[bytes, bytes]:
     return out
 
 
-def children(pid: int) -> list[int]:
-    """The live child processes of `pid` (each thread lists those it started)."""
-    found = []
-    for task in Path(f"/proc/{pid}/task").iterdir():
-        try:
-            found.extend(int(c) for c in (task / "children").read_text().split())
-        except FileNotFoundError:
-            pass  # a thread that ended meanwhile
-    return found
-
-
-def stats(mountpoint: Path) -> dict[str, object]:
-    found: dict[str, object] = json.loads(os.getxattr(mountpoint, "user.kspeedfs.stats"))
-    return found
-
-
 def start_mount(
     node: NodeProcess, tmp_path: Path, mounts: list[MountProcess], workers: int
 ) -> MountProcess:
-    m = MountProcess(tmp_path / "mnt", node.env(), tmp_path, args=("--workers", str(workers)))
-    mounts.append(m)
-    m.start()
-    assert m.proc is not None
-    pid = m.proc.pid
-    wait_for(lambda: len(children(pid)) == workers, what=f"{workers} workers")
-    # Every worker ready: one killed before its first start fails the mount ("failed to
-    # start"), which is what a loaded machine showed when a test killed one too early.
-    wait_for(lambda: " served by " in m.log(), what="every worker ready")
-    return m
+    return start_workers_mount(node.env(), tmp_path, mounts, workers)
 
 
 class Readers:
