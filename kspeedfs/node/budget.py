@@ -69,15 +69,18 @@ class Budgets:
         self.lock = threading.Lock()
         self._reclaimers: list[Callable[[int], int]] = []
         self._disk_reclaimers: list[Callable[[int], int]] = []
-        # Called from any thread (maybe under the lock: a hook must not take it) when memory
-        # may have freed up: an unload, a segment dropped or evicted, a reservation given back.
-        # Promotion waits on it.
-        self.on_memory_freed: list[Callable[[], None]] = []
+        self._memory_freed: list[Callable[[], None]] = []  # when_memory_freed's callbacks
+
+    def when_memory_freed(self, callback: Callable[[], None]) -> None:
+        """`callback()` is called from any thread (maybe under the lock: it must not take it)
+        when memory may have freed up: an unload, a segment dropped or evicted, a reservation
+        given back. Promotion waits on it."""
+        self._memory_freed.append(callback)
 
     def memory_freed(self) -> None:
         """Tell the followers that memory may have freed up."""
-        for hook in self.on_memory_freed:
-            hook()
+        for callback in self._memory_freed:
+            callback()
 
     def add_reclaimer(self, reclaim: Callable[[int], int], tier: str = "memory") -> None:
         """Someone holding evictable (read-through) memory, or disk-tier bytes with `tier`

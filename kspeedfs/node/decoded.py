@@ -44,6 +44,7 @@ from kspeedfs.format.contract.decoded import (
 from kspeedfs.format.errors import InvalidArgument, KSpeedError, NoSpace, NotFound, StaleDataset
 from kspeedfs.format.localdata import LocalDataset
 from kspeedfs.format.units import format_size
+from kspeedfs.node.events import DatasetEvents
 from kspeedfs.node.ops import ADMIN, JOB, READ, OpRegistry
 from kspeedfs.node.peers import Ask, ask_all
 from kspeedfs.node.safedir import DIR_FLAGS, remove_beneath
@@ -181,15 +182,21 @@ class VariantFill:
 class DecodedVariants:
     """The variants this node holds: fills them, lists them, drops them with their dataset."""
 
-    def __init__(self, store: SegmentStore, address: str, ask: Ask, workers: int | None = None):
+    def __init__(
+        self,
+        store: SegmentStore,
+        events: DatasetEvents,
+        address: str,
+        ask: Ask,
+        workers: int | None = None,
+    ):
         self.store = store
         self.address = address
         self._ask = ask  # a request on a member (this node's own answered in process)
         self.workers = workers or os.cpu_count() or 1
         self.fills: dict[tuple[str, int], VariantFill] = {}
         self._lock = threading.Lock()
-        store.on_publish.append(self._found)
-        store.before_unload.append(self._unloading)
+        events.follow(self)
 
     def register_ops(self, ops: OpRegistry) -> None:
         ops.add(Decode, self.op_decode, JOB)
@@ -471,7 +478,7 @@ class DecodedVariants:
         fill.finished.wait(60)
         self._remove(fill)
 
-    def _unloading(self, name: str) -> None:
+    def unloading(self, name: str) -> None:
         """Before the dataset's files go: stop its fills, release their budget."""
         with self._lock:
             fills = [(k, f) for k, f in self.fills.items() if k[0] == name]
@@ -481,7 +488,7 @@ class DecodedVariants:
             f.cancel.set()
             self.store.budgets.release(variant_key(*k))
 
-    def _found(self, name: str) -> None:
+    def published(self, name: str) -> None:
         """A dataset became visible (published, or found at start): take its complete variants
         back into the budget; an incomplete one (the node stopped mid-fill) is removed."""
         record = self.store.datasets.get(name)

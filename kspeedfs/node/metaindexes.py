@@ -43,6 +43,7 @@ from kspeedfs.format.readthrough_view import READTHROUGH
 from kspeedfs.format.tree import Tree
 from kspeedfs.format.units import format_size
 from kspeedfs.node import sourceio, tarindexes
+from kspeedfs.node.events import DatasetEvents
 from kspeedfs.node.ops import ADMIN, JOB, READ, OpRegistry, caller_role
 from kspeedfs.node.peers import Ask, ask_all
 from kspeedfs.node.records import DatasetRecord
@@ -297,14 +298,13 @@ class AddedIndexes:
     into the instance's meta/ folder under a temporary name, checks it, and publishes it with
     one rename that also counts it in the instance's stored bytes."""
 
-    def __init__(self, store: SegmentStore, address: str, ask: Ask):
+    def __init__(self, store: SegmentStore, events: DatasetEvents, address: str, ask: Ask):
         self.store = store
         self.address = address
         self._ask = ask  # a request on a member (this node's own answered in process)
         self._locks: dict[tuple[str, str, str], trio.Lock] = {}
         self._reserved: dict[str, set[str]] = {}  # dataset -> reservations of adds in flight
-        store.on_publish.append(self._found)
-        store.before_unload.append(self._unloading)
+        events.follow(self)
 
     def register_ops(self, ops: OpRegistry) -> None:
         ops.add(MetaAdd, self.op_meta_add, JOB)
@@ -509,12 +509,12 @@ class AddedIndexes:
             pass  # the instance went, and its files with it
         return IndexAddAborted(node=self.address)
 
-    def _unloading(self, name: str) -> None:
+    def unloading(self, name: str) -> None:
         """Before the dataset's files go: the reservations of its adds in flight end."""
         for key in list(self._reserved.pop(name, ())):
             self.store.budgets.release(key)
 
-    def _found(self, name: str) -> None:
+    def published(self, name: str) -> None:
         """A dataset became visible (published, or found at start): an add the node stopped in
         the middle of left its temporary file; it goes (it was never counted)."""
         record = self.store.datasets.get(name)

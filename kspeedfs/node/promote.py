@@ -2,7 +2,7 @@
 
 One owner, the Promoter, with its own task, decides for every dataset with segments on the
 disk tier, preloaded or read-through: the store tells it when memory may have freed up
-(`Budgets.on_memory_freed`, from any thread) and it looks at once; a slow poll
+(`Budgets.when_memory_freed`, from any thread) and it looks at once; a slow poll
 (POLL_INTERVAL_S) catches what nobody reports (another user of the shm filesystem freeing
 room). It moves segments one at a time, in dataset name then segment order over both kinds,
 while the memory budget has room for the next one and the dataset's memory cap
@@ -90,6 +90,7 @@ class Promoter:
         self.kinds = list(kinds)
         self._freed = trio.Event()
         self._token: trio.lowlevel.TrioToken | None = None
+        budgets.when_memory_freed(self.wake)  # (a no-op until `run` starts)
 
     def wake(self) -> None:
         """Memory may have freed up: look now. Safe from any thread, also once the node's
@@ -103,7 +104,6 @@ class Promoter:
 
     async def run(self, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         self._token = trio.lowlevel.current_trio_token()
-        self.budgets.on_memory_freed.append(self.wake)
         task_status.started()
         while True:  # a first look at once: a restarted node may have room already
             self._freed = trio.Event()  # what frees from now on wakes the next look

@@ -24,6 +24,7 @@ from kspeedfs.node.control.static import StaticControl
 from kspeedfs.node.coordinator import PreloadCoordinator
 from kspeedfs.node.decoded import DecodedVariants
 from kspeedfs.node.discovery import placement_list
+from kspeedfs.node.events import DatasetEvents
 from kspeedfs.node.fdserver import FdServer
 from kspeedfs.node.info import NodeInfo
 from kspeedfs.node.leases import LeaseOwner, LeaseTable
@@ -40,9 +41,9 @@ from kspeedfs.node.store import TIER_DIR, SegmentStore
 from kspeedfs.node.unload import Unloader
 from kspeedfs.rdma.server import RdmaService
 
-# Makes the node's RDMA service over its store: RdmaService.start unless given (a test's is
-# over a stand-in device).
-RdmaFactory = Callable[[SegmentStore], RdmaService]
+# Makes the node's RDMA service over its store, following its dataset events:
+# RdmaService.start unless given (a test's is over a stand-in device).
+RdmaFactory = Callable[[SegmentStore, DatasetEvents], RdmaService]
 
 
 def cluster_members(settings: Settings) -> list[str]:
@@ -60,17 +61,21 @@ class Node:
         self.stats = {"connections": 0, "reads": 0, "read_bytes": 0, "refused": 0}
         self.members = cluster_members(settings)
         self.ops = OpRegistry()
+        # Built first: the store tells it, and each follower of the datasets (added indexes,
+        # decoded variants, RDMA, the scrubber) is given it when built and subscribes then.
+        events = DatasetEvents()
         self.store = SegmentStore(
             settings.shm_dir,
             settings.memory_budget(),
             settings.group,
             disk_root=settings.spill_dir / TIER_DIR if settings.spill_dir is not None else None,
             disk_budget=parse_size(settings.spill),
+            events=events,
         )
         self.loads = LoadTable()
         self.leases = LeaseTable(settings.lease_ttl)
         self.peers = PeerPool(settings.token_file, settings.timeout, tls=client_context(settings))
-        self.rdma = (rdma or functools.partial(RdmaService.start, settings))(self.store)
+        self.rdma = (rdma or functools.partial(RdmaService.start, settings))(self.store, events)
         self.users = users.UsersFile(settings.users_path())
         self.fds = FdServer(
             self.store, settings.socket_path(), settings.access, settings.timeout, self.users
@@ -81,8 +86,10 @@ class Node:
         etcd = EtcdCatalog.of(settings, self.ask) if settings.etcd else None
         catalog = etcd or LocalCatalog(self.address)
         self.cache = ReadThroughCache(self.store, settings, self.address, self.loads, catalog)
-        self.decoded = DecodedVariants(self.store, self.address, self.ask, settings.decode_workers)
-        self.meta_indexes = AddedIndexes(self.store, self.address, self.ask)
+        self.decoded = DecodedVariants(
+            self.store, events, self.address, self.ask, settings.decode_workers
+        )
+        self.meta_indexes = AddedIndexes(self.store, events, self.address, self.ask)
         # Unloading forgets a dataset in the same catalog, so it is built before the control
         # plane, which unloads what the catalog no longer places here.
         self.unloader = Unloader(
@@ -115,7 +122,7 @@ class Node:
             self.ask,
             self.decoded.after_preload,
         )
-        self.scrubber = Scrubber(settings, self.store, lambda: self.address)
+        self.scrubber = Scrubber(settings, self.store, events, lambda: self.address)
         self.preload_promotions = PreloadPromotions(self.store, self.scrubber.quarantined)
         self.promoter = Promoter(
             self.store.budgets, [self.preload_promotions, self.cache.promotions]

@@ -32,6 +32,7 @@ from kspeedfs.format.errors import DataError, KSpeedError, StaleDataset
 from kspeedfs.format.tls import client_context
 from kspeedfs.format.units import parse_size
 from kspeedfs.node import sourceio
+from kspeedfs.node.events import DatasetEvents
 from kspeedfs.node.ops import READ, OpRegistry
 from kspeedfs.node.peers import PeerPool, read_segment_into
 from kspeedfs.node.store import SegmentStore
@@ -45,7 +46,13 @@ IDLE_S = 5.0  # the scrubber looks again this often when there is no disk-tier s
 class Scrubber:
     """Finds damaged segments (reports, promotion, start, the scrub) and makes them again."""
 
-    def __init__(self, settings: Settings, store: SegmentStore, address: Callable[[], str]):
+    def __init__(
+        self,
+        settings: Settings,
+        store: SegmentStore,
+        events: DatasetEvents,
+        address: Callable[[], str],
+    ):
         self.store = store
         self.address = address
         self.rate = parse_size(settings.scrub_rate)  # bytes/s the scrubber reads (0: off)
@@ -61,11 +68,12 @@ class Scrubber:
             "passes": 0,  # complete passes over the disk tier
         }
         self._send, self._receive = trio.open_memory_channel[tuple[str, int, str]](math.inf)
-        # Damage the node's own reads found (SegmentStore.on_damage_found, any thread).
+        # Damage the node's own reads found (DatasetEvents.follow_damage, any thread).
         self._found_send, self._found_receive = trio.open_memory_channel[tuple[str, list[int]]](
             math.inf
         )
         self._token: trio.lowlevel.TrioToken | None = None
+        events.follow_damage(self._found_by_node)  # (dropped until `run` starts)
         self._pending: set[tuple[str, int]] = set()
 
     def register_ops(self, ops: OpRegistry) -> None:
@@ -79,7 +87,6 @@ class Scrubber:
             self._found(name, seg, "", quarantined=True)
         self.store.damaged_at_start = []
         self._token = trio.lowlevel.current_trio_token()
-        self.store.on_damage_found.append(self._found_by_node)
         async with trio.open_nursery() as nursery:
             nursery.start_soon(self._repairs)
             nursery.start_soon(self._checks_of_found)

@@ -22,7 +22,6 @@ import logging
 import os
 import stat
 import uuid
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -46,6 +45,7 @@ from kspeedfs.format.names import validate_name
 from kspeedfs.format.readthrough_view import READTHROUGH, open_local
 from kspeedfs.format.units import format_size
 from kspeedfs.node.budget import Budgets
+from kspeedfs.node.events import DatasetEvents
 from kspeedfs.node.records import DatasetRecord, load_meta, rewrite_meta
 from kspeedfs.node.safedir import (
     DIR_FLAGS,
@@ -76,6 +76,8 @@ class SegmentStore:
         group: str = "",
         disk_root: Path | None = None,
         disk_budget: int = 0,
+        *,
+        events: DatasetEvents,
     ):
         self.root = root
         self.group = group
@@ -99,12 +101,10 @@ class SegmentStore:
         self.segments = SegmentPlaces(
             self.datasets, self.budgets, self._fd, self.open, self._reopen, disk_root
         )
-        # Followers of the datasets (the RDMA registration): called with a dataset's name once
-        # it is visible (also for each one found at start), and before its files are unlinked.
-        self.on_publish: list[Callable[[str], None]] = []
-        self.before_unload: list[Callable[[str], None]] = []
-        # Told (from any thread) the segments the node's own reads found damaged.
-        self.on_damage_found: list[Callable[[str, list[int]], None]] = []
+        # Told a dataset's name once it is visible (also each one found at start) and before
+        # its files are unlinked, and (from any thread) the segments the node's own reads
+        # found damaged; its followers subscribed when they were built (node/events.py).
+        self.events = events
         # Segments recover() found damaged and quarantined: (dataset, segment), to fetch again.
         self.damaged_at_start: list[tuple[str, int]] = []
 
@@ -146,8 +146,7 @@ class SegmentStore:
             )
         self._recover_disk()
         for name in sorted(self.datasets):
-            for hook in self.on_publish:
-                hook(name)
+            self.events.published(name)
 
     def _open_folders(self) -> None:
         """Open the shm folder and, with a disk tier, the spill folder and its tier folder:
@@ -335,8 +334,7 @@ class SegmentStore:
             self.datasets[name] = record
             self.budgets.drop_claim(name)
             self.budgets.drop_claim(disk_claim(record.uuid))
-        for hook in self.on_publish:
-            hook(name)
+        self.events.published(name)
         return record
 
     def unload(self, name: str) -> DatasetRecord:
@@ -345,8 +343,7 @@ class SegmentStore:
             if record is None:
                 raise NotFound(f"no dataset named {name!r}")
             self._open.pop(name, None)
-        for hook in self.before_unload:
-            hook(name)
+        self.events.unloading(name)
         self._discard(record.path.name)
         if self.disk_root is not None:  # also a folder whose segments all moved to memory
             # Unlinked: a reader's map of a disk segment keeps its pages, as in memory.
@@ -474,17 +471,14 @@ class SegmentStore:
             if record is None:
                 raise NotFound(f"no dataset named {name!r}")
             ds = self._open[name] = open_local(record.path)
-            # Damage the node's own reads find (serving a peer, decoding): told the scrubber.
-            ds.on_damage = functools.partial(self._damage_found, name)
+            # Damage the node's own reads find (serving a peer, decoding): told the events (the
+            # scrubber follows it).
+            ds.on_damage = functools.partial(self.events.damage_found, name)
         return ds
 
     def _reopen(self, name: str) -> None:
         """Forget the map of `name`: its segments changed, the next open() maps them."""
         self._open.pop(name, None)
-
-    def _damage_found(self, name: str, segments: list[int]) -> None:
-        for hook in self.on_damage_found:
-            hook(name, segments)
 
 
 TIER_DIR = "tier"  # the disk tier's folder in the spill folder (spill_dir)

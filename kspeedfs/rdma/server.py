@@ -36,12 +36,16 @@ from kspeedfs.rdma.wire import Endpoint, table_to_wire
 
 
 class PublishedDatasets(Protocol):
-    """What the service needs of the node's store: its datasets and their comings and goings."""
-
-    on_publish: list[Callable[[str], None]]
-    before_unload: list[Callable[[str], None]]
+    """What the service needs of the node's store: its datasets."""
 
     def open(self, name: str) -> LocalDataset: ...
+
+
+class DatasetNews(Protocol):
+    """What the service needs of the node's dataset events (node/events.py, DatasetEvents):
+    to follow them, told `published(name)` and `unloading(name)`."""
+
+    def follow(self, follower: RdmaService) -> None: ...
 
 
 class OpTable(Protocol):
@@ -79,12 +83,13 @@ _current_peers: contextvars.ContextVar[PeerSet | None] = contextvars.ContextVar(
 
 class RdmaService:
     """Enabled with a device; otherwise a stand-in that says why and answers "not available".
-    Serves the datasets `store` publishes: registers each one published, deregisters it
-    before it goes."""
+    Serves the datasets `store` publishes: follows `events` (when enabled), registers each
+    one published, deregisters it before it goes."""
 
     def __init__(
         self,
         store: PublishedDatasets,
+        events: DatasetNews,
         reason: str = "",
         device: Device | None = None,
         registry: SegmentRegistry | None = None,
@@ -98,8 +103,7 @@ class RdmaService:
         # Datasets published on the event loop, registered in worker threads by `run`.
         self._published, self._to_register = trio.open_memory_channel[str](math.inf)
         if self.enabled:
-            store.on_publish.append(self.dataset_published)
-            store.before_unload.append(self.dataset_unloading)
+            events.follow(self)
         self._cq: Any = None
         self._probe_map: mmap.mmap | None = None
         self._probe: MemoryRegion | None = None
@@ -111,23 +115,25 @@ class RdmaService:
             self._probe = device.register(self._probe_map, PROBE_BYTES)
 
     @classmethod
-    def start(cls, settings: Settings, store: PublishedDatasets) -> RdmaService:
+    def start(
+        cls, settings: Settings, store: PublishedDatasets, events: DatasetNews
+    ) -> RdmaService:
         """Open the device the settings allow; without one, TCP only (an error if forced)."""
         if settings.transport == "tcp":
-            return cls(store, "RDMA disabled by the transport setting")
+            return cls(store, events, "RDMA disabled by the transport setting")
         found = probe(settings.rdma_device)
         device: Device | None = None
         reason = found.reason
         if found.usable:
             try:
                 device = open_device(found.device, found.port, settings.rdma_gid_index)
-                return cls(store, device=device, registry=SegmentRegistry(device))
+                return cls(store, events, device=device, registry=SegmentRegistry(device))
             except VerbsError as e:
                 reason = str(e)
         if settings.transport == "rdma":
             raise InvalidArgument(f"transport is rdma, but this node cannot use RDMA: {reason}")
         log.info("RDMA off (%s): serving over TCP only", reason)
-        return cls(store, reason)
+        return cls(store, events, reason)
 
     @property
     def enabled(self) -> bool:
@@ -153,7 +159,7 @@ class RdmaService:
             async for name in self._to_register:
                 nursery.start_soon(trio.to_thread.run_sync, self._register_logged, name)
 
-    def dataset_published(self, name: str) -> None:
+    def published(self, name: str) -> None:
         """Register a dataset that became visible: now when off the event loop (start-up
         recovery runs in a worker thread), else in a worker thread started by `run` (one not
         registered yet is registered by the first `rdma_segments` that asks for it)."""
@@ -166,7 +172,7 @@ class RdmaService:
             return
         self._published.send_nowait(name)
 
-    def dataset_unloading(self, name: str) -> None:
+    def unloading(self, name: str) -> None:
         """Before the files go: no remote read reaches the segments once this returns."""
         if self.registry is not None and self.registry.deregister(name):
             log.info("deregistered the RDMA memory of %s", name)

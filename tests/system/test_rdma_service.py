@@ -37,7 +37,7 @@ from kspeedfs.rdma import client as rdma_client
 from kspeedfs.rdma import verbs
 from kspeedfs.rdma.client import RdmaTransport
 from kspeedfs.rdma.registry import SegmentRegistry
-from kspeedfs.rdma.server import PublishedDatasets, RdmaService
+from kspeedfs.rdma.server import DatasetNews, PublishedDatasets, RdmaService
 
 
 @pytest.fixture(autouse=True)
@@ -80,9 +80,9 @@ def shm(template: tuple[Path, Path, Path]) -> Iterator[Path]:
 def with_fake_device(registrar: FakeRegistrar) -> RdmaFactory:
     """The node's RDMA service as it is with a device, the device being the stand-in."""
 
-    def make(store: PublishedDatasets) -> RdmaService:
+    def make(store: PublishedDatasets, events: DatasetNews) -> RdmaService:
         device = FakeDevice(registrar)
-        return RdmaService(store, device=device, registry=SegmentRegistry(registrar))  # type: ignore[arg-type]
+        return RdmaService(store, events, device=device, registry=SegmentRegistry(registrar))  # type: ignore[arg-type]
 
     return make
 
@@ -350,7 +350,10 @@ def test_forced_rdma_refuses_a_node_without_it(
 ) -> None:
     fake = FakeRegistrar()
     server = make_server(
-        shm, template[2], fake, rdma=lambda store: RdmaService(store, "no RDMA device")
+        shm,
+        template[2],
+        fake,
+        rdma=lambda store, events: RdmaService(store, events, "no RDMA device"),
     )
     server.store.recover(verify=False)
     t, _, _ = new_transport(server, fake, transport="rdma")

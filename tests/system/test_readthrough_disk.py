@@ -29,6 +29,7 @@ from rt_util import (
 
 from kspeedfs.client import admin
 from kspeedfs.format.sealing import unseal_at
+from kspeedfs.node.events import DatasetEvents
 from kspeedfs.node.readthrough.build import InstanceBuilder
 from kspeedfs.node.readthrough.dataset import (
     CachedDataset,
@@ -319,7 +320,9 @@ def instance(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[DiskTie
     published as a node publishes one (its disk folder made and named in meta.json)."""
     work = tmp_path_factory.mktemp("recover")
     root = Path("/dev/shm") / f"kspeedfs-test-{uuid.uuid4().hex[:10]}"
-    store = SegmentStore(root, 1 << 30, disk_root=work / "tier", disk_budget=1 << 30)
+    store = SegmentStore(
+        root, 1 << 30, disk_root=work / "tier", disk_budget=1 << 30, events=DatasetEvents()
+    )
     store.recover(verify=False)
     src = open_source(str(work / "src"))
     write_files(work / "src", 8, SMALL)

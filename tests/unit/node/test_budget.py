@@ -33,7 +33,7 @@ def budgets(
 def test_a_claim_counts_until_released_and_its_release_is_told() -> None:
     b, _ = budgets(pinned=Record(stored=16 * KIB))
     told: list[str] = []
-    b.on_memory_freed.append(lambda: told.append("freed"))
+    b.when_memory_freed(lambda: told.append("freed"))
     b.reserve("load", 8 * KIB)
     assert b.used() == 24 * KIB
     assert b.memory_free() == 40 * KIB
@@ -112,7 +112,7 @@ def test_disk_reclaimers_serve_disk_claims_only() -> None:
 
     b.add_reclaimer(reclaim_disk, tier="disk")
     told: list[str] = []
-    b.on_memory_freed.append(lambda: told.append("freed"))
+    b.when_memory_freed(lambda: told.append("freed"))
     b.reserve("disk:1", 4 * KIB, tier="disk")
     assert (disk_asked, memory_asked) == ([2 * KIB], [])
     assert b.disk_used() == 32 * KIB

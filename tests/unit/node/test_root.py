@@ -1,7 +1,8 @@
 """The composition root's wiring, in-process (nothing listens, etcd is never reached): the
 read-through cache is built with its catalog and the control plane with the same one, so no
-part is told of another after it is built; without etcd a read-through dataset is this node's
-alone (LocalCatalog), registered, listed and refreshed as before."""
+part is told of another after it is built; the store and the followers of its datasets are
+given one events object; without etcd a read-through dataset is this node's alone
+(LocalCatalog), registered, listed and refreshed as before."""
 
 from __future__ import annotations
 
@@ -9,13 +10,17 @@ from pathlib import Path
 from typing import Any
 
 import trio
+from rdmafakes import FakeDevice, FakeRegistrar
 
 from kspeedfs.format.config import Settings
 from kspeedfs.format.contract.readthrough import Refresh, RegisterSource
 from kspeedfs.format.readthrough_view import READTHROUGH
 from kspeedfs.node.control import ControlPlane, EtcdCatalog
+from kspeedfs.node.events import DatasetEvents
 from kspeedfs.node.readthrough import LocalCatalog
 from kspeedfs.node.root import Node
+from kspeedfs.node.store import SegmentStore
+from kspeedfs.rdma.server import RdmaService
 
 
 def node(tmp_path: Path, **settings: Any) -> Node:
@@ -33,6 +38,29 @@ def test_with_etcd_the_cache_and_the_control_plane_share_one_catalog(tmp_path: P
     assert n.control.membership is catalog.membership
     assert n.control.adoption.catalog is catalog
     assert n.control.adoption.readthrough is n.cache
+
+
+def test_the_store_tells_the_events_its_followers_subscribed_to(tmp_path: Path) -> None:
+    n = node(tmp_path)
+    events = n.store.events
+    # (transport tcp: RDMA is off and follows nothing)
+    assert events._followers == [n.decoded, n.meta_indexes]
+    assert events._damage == [n.scrubber._found_by_node]
+
+
+def test_with_a_device_rdma_follows_the_stores_events(tmp_path: Path) -> None:
+    made: list[RdmaService] = []
+
+    def rdma(store: SegmentStore, events: DatasetEvents) -> RdmaService:
+        service = RdmaService(store, events, device=FakeDevice(FakeRegistrar()))  # type: ignore[arg-type]
+        made.append(service)
+        return service
+
+    tmp = {"shm_dir": tmp_path / "shm", "token_file": tmp_path / "token"}
+    n = Node(Settings(**tmp, transport="tcp"), rdma=rdma)
+    assert made == [n.rdma]
+    # Subscribed first, as it is built first.
+    assert n.store.events._followers == [n.rdma, n.decoded, n.meta_indexes]
 
 
 def test_without_etcd_a_read_through_dataset_is_this_nodes_alone(tmp_path: Path) -> None:

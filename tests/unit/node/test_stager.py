@@ -21,6 +21,7 @@ from kspeedfs.format.contract.preload import Preload
 from kspeedfs.format.errors import NoSpace
 from kspeedfs.node.control.static import StaticControl
 from kspeedfs.node.coordinator import PreloadCoordinator
+from kspeedfs.node.events import DatasetEvents
 from kspeedfs.node.loads import LoadTable
 from kspeedfs.node.ops import READ, OpRegistry
 from kspeedfs.node.preload import Stager
@@ -45,7 +46,7 @@ class Member:
     """A member's store, stager and ops."""
 
     def __init__(self, address: str, root: Path, budget: int):
-        self.store = SegmentStore(root / address.replace(":", "_"), budget)
+        self.store = SegmentStore(root / address.replace(":", "_"), budget, events=DatasetEvents())
         self.store.recover(verify=False)
         self.stager = Stager(self.store, address)
         self.ops = OpRegistry()

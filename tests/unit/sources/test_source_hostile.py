@@ -30,6 +30,7 @@ from kspeedfs.format.errors import KSpeedError, SourceChanged
 from kspeedfs.format.layout import Layout, plan_layout
 from kspeedfs.format.localdata import segment_path
 from kspeedfs.format.tree import Tree
+from kspeedfs.node.events import DatasetEvents
 from kspeedfs.node.store import SegmentStore
 from kspeedfs.sources.loader import Progress, load_segments
 from kspeedfs.sources.source import LocalSource
@@ -88,7 +89,7 @@ class _Mutating(Progress):
 @pytest.fixture(scope="module")
 def store() -> Iterator[SegmentStore]:
     root = Path("/dev/shm") / f"kspeedfs-test-{uuid.uuid4().hex[:10]}"
-    s = SegmentStore(root, 1 << 30)
+    s = SegmentStore(root, 1 << 30, events=DatasetEvents())
     s.recover(verify=False)
     yield s
     shutil.rmtree(root, ignore_errors=True)

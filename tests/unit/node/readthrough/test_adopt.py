@@ -16,6 +16,7 @@ from kspeedfs.format.contract.readthrough import RegisterSource
 from kspeedfs.format.readthrough_view import READTHROUGH
 from kspeedfs.node.control import ControlPlane, EtcdCatalog
 from kspeedfs.node.control.membership import Membership
+from kspeedfs.node.events import DatasetEvents
 from kspeedfs.node.loads import LoadTable
 from kspeedfs.node.readthrough import ReadThroughCache
 from kspeedfs.node.store import SegmentStore
@@ -50,7 +51,7 @@ class CacheMember:
     def __init__(self, address: str, tmp: Path, peers: MemoryPeers):
         s = settings(tmp)
         self.address = address
-        self.store = SegmentStore(s.shm_dir, s.memory_budget())
+        self.store = SegmentStore(s.shm_dir, s.memory_budget(), events=DatasetEvents())
         self.store.recover(False)
         catalog = EtcdCatalog.of(s, peers.ask)
         self.cache = ReadThroughCache(self.store, s, address, LoadTable(), catalog)

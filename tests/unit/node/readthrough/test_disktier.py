@@ -13,6 +13,7 @@ import pytest
 import trio
 
 from kspeedfs.format.localdata import segment_path
+from kspeedfs.node.events import DatasetEvents
 from kspeedfs.node.readthrough.build import InstanceBuilder
 from kspeedfs.node.readthrough.dataset import CachedDataset, Instances, file_checksum
 from kspeedfs.node.readthrough.disktier import SPILL_DIR, DiskTier
@@ -32,7 +33,11 @@ class Node:
     def __init__(self, work: Path, disk_budget: int = 1 << 30):
         self.work = work
         self.store = SegmentStore(
-            work / "shm", 1 << 30, disk_root=work / "spill" / TIER_DIR, disk_budget=disk_budget
+            work / "shm",
+            1 << 30,
+            disk_root=work / "spill" / TIER_DIR,
+            disk_budget=disk_budget,
+            events=DatasetEvents(),
         )
         self.store.recover(verify=False)
         self.instances = Instances(self.store, "127.0.0.1:1", make_policy("lru"))
