@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import threading
+import types
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Protocol
@@ -64,7 +65,12 @@ class Budgets:
         self.disk_root = disk_root
         self.disk = disk
         self._datasets = datasets  # the store's: published datasets, by name
-        self.reserved: dict[str, Reservation] = {}  # by name: work that has not published
+        self._reserved: dict[str, Reservation] = {}  # by name: work that has not published
+        # Running sums of the claims (read-through segments on the tier hold one claim each:
+        # a sum over all of them on every claim would cost a miss O(segments)).
+        self._claimed = {"memory": 0, "disk": 0}
+        self._giving = 0  # of the disk claims, those that give way
+        self._memory_claims: dict[str, Reservation] = {}  # the memory budget's, for _fs_room
         # Held by whoever changes what the budgets count: the claims here, the store's records.
         self.lock = threading.Lock()
         self._reclaimers: list[Callable[[int], int]] = []
@@ -88,15 +94,36 @@ class Budgets:
         (called under the lock) and returns the bytes it freed."""
         (self._disk_reclaimers if tier == "disk" else self._reclaimers).append(reclaim)
 
+    @property
+    def reserved(self) -> Mapping[str, Reservation]:
+        """The claims, by name (a read-only view: `reserve`, `release` and `drop_claim` change
+        them)."""
+        return types.MappingProxyType(self._reserved)
+
+    def _claim(self, name: str, claim: Reservation) -> None:
+        self._reserved[name] = claim
+        if claim.tier == "memory":
+            self._memory_claims[name] = claim
+        self._claimed[claim.tier] += claim.nbytes
+        if claim.gives_way:
+            self._giving += claim.nbytes
+
+    def _unclaim(self, name: str) -> Reservation | None:
+        claim = self._reserved.pop(name, None)
+        self._memory_claims.pop(name, None)
+        if claim is not None:
+            self._claimed[claim.tier] -= claim.nbytes
+            if claim.gives_way:
+                self._giving -= claim.nbytes
+        return claim
+
     def used(self) -> int:
         """Bytes of the memory budget taken (datasets and claims)."""
-        reserved = sum(r.nbytes for r in self.reserved.values() if r.tier == "memory")
-        return sum(r.stored for r in self._datasets.values()) + reserved
+        return sum(r.stored for r in self._datasets.values()) + self._claimed["memory"]
 
     def disk_used(self) -> int:
         """Bytes of the disk budget the tier takes: its datasets' segments and claims."""
-        reserved = sum(r.nbytes for r in self.reserved.values() if r.tier == "disk")
-        return sum(r.disk_stored for r in self._datasets.values()) + reserved
+        return sum(r.disk_stored for r in self._datasets.values()) + self._claimed["disk"]
 
     def memory_free(self) -> int:
         """What a claim on the memory budget could take now, without evicting anything."""
@@ -116,16 +143,12 @@ class Budgets:
 
     def _giving_way(self) -> int:
         """Bytes of the disk tier's claims that give way to any other (spilled copies)."""
-        return sum(r.nbytes for r in self.reserved.values() if r.tier == "disk" and r.gives_way)
+        return self._giving
 
     def _disk_promised(self, all_claims: bool) -> int:
         """Bytes of disk claims a new claim must leave room for on the filesystem: all of them,
         or all but those that give way (they are written: their room is counted back)."""
-        return sum(
-            r.nbytes
-            for r in self.reserved.values()
-            if r.tier == "disk" and (all_claims or not r.gives_way)
-        )
+        return self._claimed["disk"] - (0 if all_claims else self._giving)
 
     def reserve(
         self,
@@ -152,9 +175,9 @@ class Budgets:
         claimed from a worker thread, which cannot make them go: their owner drops them at its
         next spill, as the spill folder gave way to the tier before it was folded in)."""
         with self.lock:
-            if name in self._datasets or name in self.reserved:
+            if name in self._datasets or name in self._reserved:
                 raise AlreadyExists(f"dataset {name!r} is already loaded or loading")
-            earlier = self.reserved.pop(instead_of, None)
+            earlier = self._unclaim(instead_of)
             try:
                 if tier == "disk":
                     reclaimers = self._disk_reclaimers if evict else []
@@ -163,21 +186,21 @@ class Budgets:
                     self._check_fits(nbytes, what, self._reclaimers if evict else [])
             except BaseException:
                 if earlier is not None:
-                    self.reserved[instead_of] = earlier
+                    self._claim(instead_of, earlier)
                 raise
-            self.reserved[name] = Reservation(nbytes, written, tier, gives_way)
+            self._claim(name, Reservation(nbytes, written, tier, gives_way))
 
     def release(self, name: str) -> None:
         """Give claim `name` back (none: nothing happens); memory given back is told."""
         with self.lock:
-            given_back = self.reserved.pop(name, None)
+            given_back = self._unclaim(name)
         if given_back is not None and given_back.tier == "memory":
             self.memory_freed()
 
     def drop_claim(self, name: str) -> None:
         """Drop claim `name` in place, telling no one: its bytes are counted in a dataset's
         record now, or freed by a reclaimer. Called under the lock."""
-        self.reserved.pop(name, None)
+        self._unclaim(name)
 
     def _check_disk_fits(
         self,
@@ -244,5 +267,5 @@ class Budgets:
     def _fs_room(self) -> tuple[int, int]:
         """The shm filesystem's free bytes, and how many of them claims have yet to write."""
         st = os.statvfs(self.shm_root)
-        promised = sum(r.unwritten() for r in self.reserved.values() if r.tier == "memory")
+        promised = sum(r.unwritten() for r in self._memory_claims.values())
         return st.f_bavail * st.f_frsize, promised

@@ -190,12 +190,13 @@ class DiskTier:
     def _oldest_spilled(
         self, only: CachedDataset | None = None
     ) -> tuple[CachedDataset, int] | None:
-        """The least recently used spilled copy (of `only`, when given)."""
+        """The least recently used spilled copy (of `only`, when given): each instance's
+        oldest, compared."""
         best: tuple[float, CachedDataset, int] | None = None
         for ds in [only] if only is not None else self.instances.by_name.values():
-            for seg, when in ds.places.spilled.items():
-                if best is None or when < best[0]:
-                    best = (when, ds, seg)
+            oldest = ds.places.oldest_spilled()
+            if oldest is not None and (best is None or oldest[0] < best[0]):
+                best = (oldest[0], ds, oldest[1])
         return None if best is None else (best[1], best[2])
 
     def _drop_oldest_spilled(self, only: CachedDataset | None = None) -> bool:

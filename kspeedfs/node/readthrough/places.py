@@ -21,7 +21,6 @@ memory again: the next eviction of it writes nothing.
 from __future__ import annotations
 
 import collections.abc
-import itertools
 
 import numpy as np
 
@@ -43,8 +42,14 @@ class InstancePlaces:
         self._memory: set[int] = set()
         self._disk: set[int] = set()
         self._claims: set[int] = set()  # disk-tier room held: the disk segments, fills onto it
-        self._spilled: dict[int, float] = {}  # spilled copies there -> when last used
+        # spilled copies there -> when last used, least recently used first
+        self._spilled: dict[int, float] = {}
         self._spill_claims: set[int] = set()  # the spilled copies, and copies being written
+        # Running sums, kept by the calls that change the sets above (an instance on the tier
+        # may hold thousands of segments; a spill and a miss ask these each time).
+        self._disk_bytes = 0
+        self._claimed_bytes = 0
+        self._spilled_bytes = 0
 
     @property
     def memory(self) -> collections.abc.Set[int]:
@@ -70,7 +75,7 @@ class InstancePlaces:
 
     def disk_bytes(self) -> int:
         """Bytes of the segments on the disk tier."""
-        return sum(int(self._seg_len[k]) for k in self._disk)
+        return self._disk_bytes
 
     @property
     def spilled(self) -> collections.abc.Mapping[int, float]:
@@ -80,12 +85,17 @@ class InstancePlaces:
     def claimed_bytes(self) -> int:
         """Bytes of the disk tier's budget this instance holds: its segments there, its
         spilled copies and the fills and copies onto it (what `max_disk` caps)."""
-        claims = itertools.chain(self._claims, self._spill_claims)
-        return sum(int(self._seg_len[k]) for k in claims)
+        return self._claimed_bytes
 
     def spilled_bytes(self) -> int:
         """Bytes of its spilled copies."""
-        return sum(int(self._seg_len[k]) for k in self._spilled)
+        return self._spilled_bytes
+
+    def oldest_spilled(self) -> tuple[float, int] | None:
+        """(when last used, segment) of its least recently used spilled copy; None: none."""
+        for seg, when in self._spilled.items():
+            return when, seg
+        return None
 
     def claim_name(self, seg: int) -> str:
         """The budgets' name of the disk-tier claim of segment `seg` (names have no colon)."""
@@ -133,28 +143,38 @@ class InstancePlaces:
         except (NoSpace, AlreadyExists):
             return False
         self._claims.add(seg)
+        self._claimed_bytes += length
         return True
 
     def placed_on_disk(self, seg: int) -> None:
         """Segment `seg`, claimed, is in the instance's disk folder now (a fill renamed it in,
         or recovery found it sound)."""
         assert seg in self._claims, f"segment {seg} placed on disk without a claim"
-        self._disk.add(seg)
+        if seg not in self._disk:
+            self._disk.add(seg)
+            self._disk_bytes += int(self._seg_len[seg])
 
     def release_disk(self, seg: int) -> None:
         """Segment `seg` leaves the disk tier, or its fill onto it ended without it: its claim
         goes."""
         self._budgets.release(self.claim_name(seg))
-        self._claims.discard(seg)
-        self._disk.discard(seg)
+        self._leaves_disk(seg)
 
     def reclaimed_from_disk(self, seg: int) -> int:
         """Segment `seg` was unlinked from the disk tier for a preload's claim, under the
         budgets' lock (its claim is dropped in place, not released); returns its bytes."""
         self._budgets.drop_claim(self.claim_name(seg))
-        self._claims.discard(seg)
-        self._disk.discard(seg)
+        self._leaves_disk(seg)
         return int(self._seg_len[seg])
+
+    def _leaves_disk(self, seg: int) -> None:
+        length = int(self._seg_len[seg])
+        if seg in self._claims:
+            self._claims.discard(seg)
+            self._claimed_bytes -= length
+        if seg in self._disk:
+            self._disk.discard(seg)
+            self._disk_bytes -= length
 
     # Spilled copies, on the disk tier too.
 
@@ -171,32 +191,41 @@ class InstancePlaces:
         except (NoSpace, AlreadyExists):
             return False
         self._spill_claims.add(seg)
+        self._claimed_bytes += length
         return True
 
     def placed_spilled(self, seg: int, when: float) -> None:
         """The copy of segment `seg`, claimed, is in the instance's spill folder now (`when`:
         its last use, the file's time when recovery found it)."""
         assert seg in self._spill_claims, f"segment {seg} spilled without a claim"
-        self._spilled[seg] = when
+        if self._spilled.pop(seg, None) is None:
+            self._spilled_bytes += int(self._seg_len[seg])
+        self._spilled[seg] = when  # the most recently used: last
 
     def spill_used(self, seg: int, when: float) -> None:
         """A fill copied the spilled copy of segment `seg` back at `when`."""
-        if seg in self._spilled:
-            self._spilled[seg] = when
+        if self._spilled.pop(seg, None) is not None:
+            self._spilled[seg] = when  # the most recently used: last
 
     def release_spill(self, seg: int) -> None:
         """The spilled copy of segment `seg` is gone, or its copy was never finished."""
         self._budgets.release(self.spill_claim_name(seg))
-        self._spill_claims.discard(seg)
-        self._spilled.pop(seg, None)
+        self._unspilled(seg)
 
     def reclaimed_spill(self, seg: int) -> int:
         """The spilled copy of segment `seg` was unlinked for a preload's claim, under the
         budgets' lock; returns its bytes."""
         self._budgets.drop_claim(self.spill_claim_name(seg))
-        self._spill_claims.discard(seg)
-        self._spilled.pop(seg, None)
+        self._unspilled(seg)
         return int(self._seg_len[seg])
+
+    def _unspilled(self, seg: int) -> None:
+        length = int(self._seg_len[seg])
+        if seg in self._spill_claims:
+            self._spill_claims.discard(seg)
+            self._claimed_bytes -= length
+        if self._spilled.pop(seg, None) is not None:
+            self._spilled_bytes -= length
 
     def promoted(self, seg: int) -> None:
         """Segment `seg` moved from the disk tier to memory: counted in memory, its disk claim
@@ -216,3 +245,4 @@ class InstancePlaces:
         self._disk.clear()
         self._spill_claims.clear()
         self._spilled.clear()
+        self._disk_bytes = self._claimed_bytes = self._spilled_bytes = 0

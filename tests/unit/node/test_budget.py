@@ -183,3 +183,48 @@ def test_spilled_copies_give_way_to_a_heal_and_to_a_cap_but_not_to_each_other() 
     assert b.disk_used() == 56 * KIB
     assert set(b.reserved) == {"segment:ds:5"}
     assert table["pinned"].disk_stored == 16 * KIB
+
+
+CLAIM_OPS = st.lists(
+    st.tuples(
+        st.sampled_from(["reserve", "release", "drop"]),
+        st.sampled_from(["a", "b", "c", "d", "e"]),
+        st.integers(1, 8 * KIB),
+        st.sampled_from(["memory", "disk"]),
+        st.booleans(),
+    ),
+    max_size=40,
+)
+
+
+@given(CLAIM_OPS)
+def test_the_running_sums_equal_the_claims_summed(ops: list) -> None:
+    """The budgets keep running sums of their claims: after any sequence of claims, releases
+    and drops (refusals included) they equal the claims summed."""
+    b, _ = budgets(memory=32 * KIB, disk=32 * KIB, pinned=Record(stored=KIB, disk_stored=KIB))
+    for op, name, nbytes, tier, gives_way in ops:
+        if op == "reserve":
+            try:
+                b.reserve(name, nbytes, tier=tier, gives_way=gives_way and tier == "disk")
+            except (AlreadyExists, NoSpace):
+                pass
+        elif op == "release":
+            b.release(name)
+        else:
+            with b.lock:
+                b.drop_claim(name)
+        claims = list(b.reserved.values())
+        memory = sum(r.nbytes for r in claims if r.tier == "memory")
+        disk = sum(r.nbytes for r in claims if r.tier == "disk")
+        giving = sum(r.nbytes for r in claims if r.gives_way)
+        assert b.used() == KIB + memory
+        assert b.disk_used() == KIB + disk
+        # (the folder's filesystem has far more free than these budgets)
+        assert b.disk_free() == max(0, 32 * KIB - KIB - disk + giving)
+
+
+def test_the_claims_are_read_only_outside() -> None:
+    b, _ = budgets()
+    b.reserve("load", KIB)
+    with pytest.raises(TypeError):
+        b.reserved["other"] = b.reserved["load"]  # type: ignore[index]

@@ -7,6 +7,8 @@ from __future__ import annotations
 from pathlib import Path
 
 import numpy as np
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from kspeedfs.node.budget import Budgets
 from kspeedfs.node.readthrough.places import InstancePlaces
@@ -83,3 +85,69 @@ def test_a_promotion_moves_the_count_from_the_disk_budget_to_memory() -> None:
     assert set(places.memory) == {4} and set(places.disk) == set()
     assert budgets.disk_used() == 0 and budgets.used() == SEG
     assert places.record.held == [4]
+
+
+PLACE_OPS = st.lists(
+    st.tuples(
+        st.sampled_from(
+            [
+                "claim_disk",
+                "placed_on_disk",
+                "release_disk",
+                "reclaimed_from_disk",
+                "claim_spill",
+                "placed_spilled",
+                "spill_used",
+                "release_spill",
+                "reclaimed_spill",
+                "forget",
+            ]
+        ),
+        st.integers(0, 2),  # few segments: the same one claimed, placed and let go
+    ),
+    max_size=50,
+)
+
+
+@settings(max_examples=300)
+@given(PLACE_OPS)
+def test_the_running_sums_equal_the_places_summed(ops: list[tuple[str, int]]) -> None:
+    """The places keep running sums of their disk and spilled bytes and an LRU order of the
+    spilled copies: after any sequence of what callers may tell them, they equal the places
+    summed, and the oldest copy is the one least recently placed or used."""
+    places, budgets = instance(segments=3, disk=4 * SEG)
+    clock = 0.0
+    for op, seg in ops:
+        clock += 1
+        if op == "claim_disk":
+            places.claim_disk(seg, "s")
+        elif op == "placed_on_disk" and places.claimed(seg):
+            places.placed_on_disk(seg)
+        elif op == "release_disk":
+            places.release_disk(seg)
+        elif op == "reclaimed_from_disk" and places.claimed(seg):
+            with budgets.lock:
+                places.reclaimed_from_disk(seg)
+        elif op == "claim_spill":
+            places.claim_spill(seg, "s")
+        elif op == "placed_spilled" and places.spill_claimed(seg):
+            places.placed_spilled(seg, clock)
+        elif op == "spill_used":
+            places.spill_used(seg, clock)
+        elif op == "release_spill":
+            places.release_spill(seg)
+        elif op == "reclaimed_spill" and places.spill_claimed(seg):
+            with budgets.lock:
+                places.reclaimed_spill(seg)
+        elif op == "forget":
+            places.forget()
+        claimed = [k for k in range(3) if places.claimed(k)]
+        claimed += [k for k in range(3) if places.spill_claimed(k)]
+        assert places.claimed_bytes() == SEG * len(claimed) == budgets.disk_used()
+        assert places.disk_bytes() == SEG * len(places.disk)
+        assert places.spilled_bytes() == SEG * len(places.spilled)
+        if places.spilled:
+            when, oldest = min((w, k) for k, w in places.spilled.items())
+            assert places.oldest_spilled() == (when, oldest)
+        else:
+            assert places.oldest_spilled() is None
