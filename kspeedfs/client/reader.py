@@ -338,17 +338,17 @@ class ClusterReader:
         if d is None or d.uuid != info.uuid or not d.path:
             return None
         try:
-            local = open_local(d.path)
+            report = functools.partial(self._report_damage, info.name, info.uuid)
+            local = open_local(d.path, on_damage=report)
         except KSpeedError as e:
             # Not in the segments' group: the node passes the descriptors instead.
             try:
-                local = passed.attach(self.settings, d.path, info.name, info.uuid)
+                local = passed.attach(self.settings, d.path, info.name, info.uuid, report)
             except KSpeedError as why:
                 log.info("%s: no local map (%s; %s)", info.name, e, why)
                 return None
         if local.uuid != info.uuid:
             return None
-        local.on_damage = functools.partial(self._report_damage, info.name, local.uuid)
         return local
 
     def _report_damage(self, name: str, uuid: str, segments: list[int]) -> None:

@@ -74,6 +74,10 @@ REPORT_EVERY_S = 1.0  # a damaged segment is logged and reported at most this of
 _DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 
 
+# Told the segments a process found damaged (from any thread).
+DamageReport = Callable[[list[int]], None]
+
+
 class DamagedSegment(DataError):
     """Bytes of a disk-tier segment that are not the manifest's (flipped, cut short, grown):
     the read goes elsewhere, and the node is told (`segments`)."""
@@ -121,7 +125,9 @@ class LocalDataset:
     # read-through dataset's manifest has no checksums: its fills check their own).
     checks_disk = True
 
-    def __init__(self, path: str | os.PathLike[str]):
+    def __init__(self, path: str | os.PathLike[str], *, on_damage: DamageReport | None = None):
+        """`on_damage` is told, from any thread, the segments this process found damaged (the
+        node's own reads tell its scrubber; a reader tells its node)."""
         self.path = Path(path)
         self._dir_fd = self._seg_fd = self._disk_fd = -1
         try:
@@ -153,9 +159,12 @@ class LocalDataset:
         # Published datasets never change, so which segments are here is known once and for all.
         disk = _segments_in(self._disk_fd)
         self.held = frozenset(_segments_in(self._seg_fd) | disk)
-        self._init_copies(os.fstat(self._dir_fd).st_dev if self._disk_fd >= 0 else None, disk)
+        memory_dev = os.fstat(self._dir_fd).st_dev if self._disk_fd >= 0 else None
+        self._init_copies(memory_dev, disk, on_damage)
 
-    def _init_copies(self, memory_dev: int | None, on_disk: set[int]) -> None:
+    def _init_copies(
+        self, memory_dev: int | None, on_disk: set[int], on_damage: DamageReport | None
+    ) -> None:
         """Reads of the disk tier: `memory_dev` is the device of the memory folder (a segment
         on another one is on the disk tier; None: every segment is in memory), `on_disk` the
         segments that lay on the disk tier when opened (one promoted since is still read as a
@@ -175,8 +184,7 @@ class LocalDataset:
         self._seg_ok: set[int] = set()
         # Disk-tier segments found sealed: mapped (never dropped like the open files above).
         self._sealed_disk: set[int] = set()
-        # Told the segments found damaged (the reader tells the node); from any thread.
-        self.on_damage: Callable[[list[int]], None] | None = None
+        self.on_damage = on_damage
         # Segments found damaged in this process that the node could not be told of, and when:
         # read elsewhere for DAMAGED_RETRY_S, then tried here again.
         self.damaged: dict[int, float] = {}

@@ -17,7 +17,7 @@ from pathlib import Path
 from kspeedfs.format import sealing
 from kspeedfs.format.contract import READTHROUGH
 from kspeedfs.format.errors import DataError
-from kspeedfs.format.localdata import LocalDataset, read_meta
+from kspeedfs.format.localdata import DamageReport, LocalDataset, read_meta
 
 SEGSUMS_FILE = "segsums"  # u64 per segment: xxh3 of its bytes once filled (0: never filled)
 
@@ -25,13 +25,17 @@ SEGSUMS_FILE = "segsums"  # u64 per segment: xxh3 of its bytes once filled (0: n
 EPOCH_FILE = "epoch"  # u64 the node bumps on every eviction
 
 
-def open_local(path: str | os.PathLike[str]) -> LocalDataset:
-    """The right view of a published dataset folder: static, or read-through."""
+def open_local(
+    path: str | os.PathLike[str], *, on_damage: DamageReport | None = None
+) -> LocalDataset:
+    """The right view of a published dataset folder: static, or read-through (`on_damage`:
+    told the segments this process finds damaged)."""
     try:
         lifetime = read_meta(Path(path)).get("lifetime")
     except (OSError, ValueError):
         lifetime = None
-    return ReadThroughDataset(path) if lifetime == READTHROUGH else LocalDataset(path)
+    view = ReadThroughDataset if lifetime == READTHROUGH else LocalDataset
+    return view(path, on_damage=on_damage)
 
 
 class ReadThroughDataset(LocalDataset):
@@ -39,8 +43,8 @@ class ReadThroughDataset(LocalDataset):
 
     checks_disk = False  # its manifest has no checksums: its fills check what they write
 
-    def __init__(self, path: str | os.PathLike[str]):
-        super().__init__(path)
+    def __init__(self, path: str | os.PathLike[str], *, on_damage: DamageReport | None = None):
+        super().__init__(path, on_damage=on_damage)
         self._present: set[int] = set(self.held)
         self._inodes: dict[int, int] = {}
         self._epoch = _map_epoch(self.path / EPOCH_FILE)

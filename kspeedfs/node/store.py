@@ -470,10 +470,10 @@ class SegmentStore:
             record = self.datasets.get(name)
             if record is None:
                 raise NotFound(f"no dataset named {name!r}")
-            ds = self._open[name] = open_local(record.path)
             # Damage the node's own reads find (serving a peer, decoding): told the events (the
             # scrubber follows it).
-            ds.on_damage = functools.partial(self.events.damage_found, name)
+            damage = functools.partial(self.events.damage_found, name)
+            ds = self._open[name] = open_local(record.path, on_damage=damage)
         return ds
 
     def _reopen(self, name: str) -> None:
