@@ -116,31 +116,28 @@ def test_the_running_sums_equal_the_places_summed(ops: list[tuple[str, int]]) ->
     spilled copies: after any sequence of what callers may tell them, they equal the places
     summed, and the oldest copy is the one least recently placed or used."""
     places, budgets = instance(segments=3, disk=4 * SEG)
-    clock = 0.0
-    for op, seg in ops:
-        clock += 1
-        if op == "claim_disk":
-            places.claim_disk(seg, "s")
-        elif op == "placed_on_disk" and places.claimed(seg):
-            places.placed_on_disk(seg)
-        elif op == "release_disk":
-            places.release_disk(seg)
-        elif op == "reclaimed_from_disk" and places.claimed(seg):
-            with budgets.lock:
-                places.reclaimed_from_disk(seg)
-        elif op == "claim_spill":
-            places.claim_spill(seg, "s")
-        elif op == "placed_spilled" and places.spill_claimed(seg):
-            places.placed_spilled(seg, clock)
-        elif op == "spill_used":
-            places.spill_used(seg, clock)
-        elif op == "release_spill":
-            places.release_spill(seg)
-        elif op == "reclaimed_spill" and places.spill_claimed(seg):
-            with budgets.lock:
-                places.reclaimed_spill(seg)
-        elif op == "forget":
-            places.forget()
+    # What may only be told of a claimed segment (as the callers do).
+    needs = {
+        "placed_on_disk": places.claimed,
+        "reclaimed_from_disk": places.claimed,
+        "placed_spilled": places.spill_claimed,
+        "reclaimed_spill": places.spill_claimed,
+    }
+    for clock, (op, seg) in enumerate(ops):
+        if op in needs and not needs[op](seg):
+            continue
+        tell = getattr(places, op)
+        if op == "forget":
+            tell()
+        elif op.startswith("claim"):
+            tell(seg, "s")
+        elif op in ("placed_spilled", "spill_used"):
+            tell(seg, float(clock))
+        elif op.startswith("reclaimed"):
+            with budgets.lock:  # a preload's reclaim, under the budgets' lock
+                tell(seg)
+        else:
+            tell(seg)
         claimed = [k for k in range(3) if places.claimed(k)]
         claimed += [k for k in range(3) if places.spill_claimed(k)]
         assert places.claimed_bytes() == SEG * len(claimed) == budgets.disk_used()
