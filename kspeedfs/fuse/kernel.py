@@ -426,8 +426,8 @@ class RequestLoop:
                 if burst is not None:
                     burst.arrived(READER.unpack_from(buf, READER_OFFSET)[0])
                 if buf[4] == IOCTL and n >= IN_HEADER.size and not any(buf[5:8]):
-                    # Python's open() asks isatty() of every file (TCGETS): answered here, no
-                    # handler, no exception (see _ioctl).
+                    # Python's open() asks isatty() of every file (TCGETS): answered here,
+                    # before the header is unpacked (see _dispatch).
                     row[IOCTL] += 1
                     self._write(0, [ENOTTY_REPLY, view[8:16]])
                 else:
@@ -452,10 +452,6 @@ class RequestLoop:
             entry.header
         )
         row[RING_SLOT] += 1
-        if opcode == IOCTL:  # isatty() of Python's open(): as in _serve
-            row[IOCTL] += 1
-            entry.commit(unique, errno.ENOTTY, b"")
-            return
         try:
             self._dispatch(opcode, unique, ino, entry.body(opcode), row, entry.commit)
         except Exception:  # as in _serve; the entry must still be answered
@@ -468,6 +464,14 @@ class RequestLoop:
         """Answer one request, from either transport: inline through `answer`, or later from
         the pool for a read that may block."""
         row[opcode if opcode < SLOTS else 0] += 1
+        if opcode == IOCTL:
+            # Python's open() asks isatty() of every file it opens (TCGETS): one request a
+            # file that the kernel forwards every time (fs/fuse/ioctl.c: no flag in INIT or
+            # OPEN stops it, no answer is remembered, ENOSYS is turned into ENOTTY and asked
+            # again). Answered first, with no handler and no exception; _serve answers it
+            # before even unpacking the header, with a reply it keeps packed.
+            answer(unique, errno.ENOTTY, b"")
+            return
         if opcode in NO_REPLY:
             if opcode == INTERRUPT:
                 (target,) = INTERRUPT_IN.unpack_from(body)
@@ -650,13 +654,6 @@ class RequestLoop:
     def _flush(self, ino: int, body: memoryview) -> bytes:
         raise FuseError(errno.ENOSYS)  # nothing to flush: the kernel stops sending it
 
-    def _ioctl(self, ino: int, body: memoryview) -> bytes:
-        # Python's open() asks isatty() of every file it opens (TCGETS): one request a file
-        # that the kernel forwards every time (fs/fuse/ioctl.c: no flag in INIT or OPEN stops
-        # it, no answer is remembered, ENOSYS is turned into ENOTTY and asked again). _serve
-        # answers it before any handler; this is for a caller of _handle itself.
-        raise FuseError(errno.ENOTTY)
-
     def _destroy(self, ino: int, body: memoryview) -> bytes:
         return b""
 
@@ -668,7 +665,7 @@ _HANDLERS: dict[int, Callable[[RequestLoop, int, memoryview], ReadResult]] = {
     READDIR: RequestLoop._readdir, READDIRPLUS: RequestLoop._readdirplus,
     STATFS: RequestLoop._statfs, GETXATTR: RequestLoop._getxattr,
     LISTXATTR: RequestLoop._listxattr, ACCESS: RequestLoop._access, FLUSH: RequestLoop._flush,
-    IOCTL: RequestLoop._ioctl, DESTROY: RequestLoop._destroy,
+    DESTROY: RequestLoop._destroy,
 }  # fmt: skip
 
 
