@@ -69,7 +69,7 @@ class Budgets:
         # Running sums of the claims (read-through segments on the tier hold one claim each:
         # a sum over all of them on every claim would cost a miss O(segments)).
         self._claimed = {"memory": 0, "disk": 0}
-        self._giving = 0  # of the disk claims, those that give way
+        self._giving = 0  # of the disk claims, those that give way to any other (spilled copies)
         self._memory_claims: dict[str, Reservation] = {}  # the memory budget's, for _fs_room
         # Held by whoever changes what the budgets count: the claims here, the store's records.
         self.lock = threading.Lock()
@@ -136,14 +136,10 @@ class Budgets:
         if self.disk_root is None:
             return 0
         with self.lock:
-            giving = self._giving_way()
+            giving = self._giving
             st = os.statvfs(self.disk_root)
             fs_free = st.f_bavail * st.f_frsize - self._disk_promised(False)
             return max(0, min(self.disk - self.disk_used() + giving, fs_free + giving))
-
-    def _giving_way(self) -> int:
-        """Bytes of the disk tier's claims that give way to any other (spilled copies)."""
-        return self._giving
 
     def _disk_promised(self, all_claims: bool) -> int:
         """Bytes of disk claims a new claim must leave room for on the filesystem: all of them,
@@ -218,7 +214,7 @@ class Budgets:
             if self.disk - self.disk_used() >= nbytes:
                 break
             reclaim(nbytes - (self.disk - self.disk_used()))
-        giving = self._giving_way() if over_giving else 0
+        giving = self._giving if over_giving else 0
         free = self.disk - self.disk_used() + giving
         if free < nbytes:
             raise NoSpace(
