@@ -33,7 +33,6 @@ import socket
 import ssl
 import time
 from collections.abc import Callable
-from http.client import RemoteDisconnected
 from pathlib import Path
 from typing import Any, TypeVar
 from urllib.parse import urlsplit
@@ -215,8 +214,10 @@ class ClusterState:
                 why = "etcd closed the connection in the handshake (set tls_cert, tls_key, tls_ca)"
             return AuthError(f"TLS with etcd at {url} failed: {why}")
         host, port = parts.hostname or "127.0.0.1", parts.port or 2379
-        # What etcd does to plain HTTP on a TLS port: it hangs up without a reply.
-        if _under(e, RemoteDisconnected) and _speaks_tls(host, port, self.timeout):
+        # What etcd does to plain HTTP on a TLS port: it hangs up without a reply, closing
+        # (RemoteDisconnected) or, with the request still unread, resetting the connection.
+        hung_up = _under(e, ConnectionResetError) or _under(e, BrokenPipeError)
+        if hung_up and _speaks_tls(host, port, self.timeout):
             return AuthError(
                 f"etcd at {url} accepts TLS connections only: use https:// endpoints "
                 "(with tls_cert, tls_key and tls_ca)"
