@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import os
+import uuid
+from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -13,8 +15,10 @@ from imagefolders import FIXED, make_images
 from torchvision import datasets, transforms
 from torchvision.io import ImageReadMode, decode_image, read_file
 
+from kspeedfs.format import auth
 from kspeedfs.format.errors import InvalidArgument, KSpeedError, NotFound
 from kspeedfs.sample import make_sample
+from kspeedfs.testing.node import remove_tree
 from pytorch_ext import (
     KSpeedCallable,
     KSpeedDataset,
@@ -24,14 +28,23 @@ from pytorch_ext import (
 )
 
 
-@pytest.fixture
-def images(tmp_path: Path) -> Path:
-    return make_images(tmp_path / "data")
+@pytest.fixture(scope="module")
+def node(tmp_path_factory: pytest.TempPathFactory) -> Iterator[NodeProcess]:
+    """One node for the module: the tests only read, each dataset under a name of its own."""
+    tmp = tmp_path_factory.mktemp("fastpath")
+    token = tmp / "token"
+    auth.write_token(token, auth.new_admin_token())
+    shm = Path("/dev/shm") / f"kspeedfs-test-{uuid.uuid4().hex[:10]}"
+    n = NodeProcess(shm, token, tmp).start()
+    yield n
+    n.stop()
+    remove_tree(shm)
 
 
-@pytest.fixture
-def loaded(node: NodeProcess, images: Path) -> Path:
+@pytest.fixture(scope="module")
+def loaded(node: NodeProcess, tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The images preloaded offline (the parent folder: the dataset root is a subfolder)."""
+    images = make_images(tmp_path_factory.mktemp("imgs") / "data")
     preload(node, images.parent, "imgs")
     return images
 
@@ -152,19 +165,19 @@ def test_folder_lists_files_like_a_sorted_walk(node: NodeProcess, loaded: Path) 
         ds.read("n00000001")
 
 
-@pytest.fixture
-def arrays(tmp_path: Path) -> Path:
-    folder = tmp_path / "features"
-    folder.mkdir()
+@pytest.fixture(scope="module")
+def arrays(node: NodeProcess, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Two .npy files, preloaded as "feats"."""
+    folder = tmp_path_factory.mktemp("features")
     rng = np.random.default_rng(0)
     # 1.2 MB: with 1 MiB segments some rows straddle a segment boundary.
     np.save(folder / "x.npy", rng.standard_normal((1000, 3, 100)).astype(np.float32))
     np.save(folder / "y.npy", np.arange(1000, dtype=np.int64) * 7)
+    preload(node, folder, "feats")
     return folder
 
 
 def test_npy_rows_and_batches(node: NodeProcess, arrays: Path) -> None:
-    preload(node, arrays, "feats")
     x = np.load(arrays / "x.npy")
     for local in (None, False):
         ds = KSpeedDataset(str(arrays / "x.npy"), batch_size=8, local=local, **kw(node))
@@ -183,7 +196,6 @@ def test_npy_rows_and_batches(node: NodeProcess, arrays: Path) -> None:
 
 
 def test_npy_row_is_a_view_of_shared_memory(node: NodeProcess, arrays: Path) -> None:
-    preload(node, arrays, "feats")
     ds = KSpeedDataset(str(arrays / "x.npy"), **kw(node))
     r = ds._reader
     assert r.local is not None
@@ -238,12 +250,12 @@ def test_missing_source_fails_at_construction(node: NodeProcess, tmp_path: Path)
 
 
 def test_over_budget_fails_at_construction(
-    shm_dir: Path, token_file: Path, tmp_path: Path, images: Path
+    shm_dir: Path, token_file: Path, tmp_path: Path, loaded: Path
 ) -> None:
     small = NodeProcess(shm_dir, token_file, tmp_path, memory="20KiB").start()
     try:
         with pytest.raises(KSpeedError) as err:
-            KSpeedImageFolder(str(images), nodes=small.address, token=str(token_file))
+            KSpeedImageFolder(str(loaded), nodes=small.address, token=str(token_file))
         assert "budget" in str(err.value) and "\n" not in str(err.value)
         listing = small.request("list")["datasets"]
         assert [d["state"] for d in listing] in ([], ["failed"])

@@ -12,6 +12,7 @@ import os
 import socket
 import subprocess
 import threading
+import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -29,14 +30,22 @@ from kspeedfs.format.units import Address
 from kspeedfs.net import fdpass
 from kspeedfs.net.connection import NodeClient
 from kspeedfs.node import fdsocket
+from kspeedfs.testing.node import remove_tree
 
 NAME = "priv"
 SECRET = os.urandom(5000)
 
 
-@pytest.fixture
-def loaded(shm_dir: Path, token_file: Path, tmp_path: Path, public_dir: Path) -> Iterator[Loaded]:
-    """A node holding a root-owned 0600 file, and a read token that uid 65534 can use."""
+@pytest.fixture(scope="module")
+def loaded(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Loaded]:
+    """A node holding a root-owned 0600 file, and a read token that uid 65534 can use: one for
+    the module (each test's files in the drop folder have names of their own)."""
+    tmp_path = tmp_path_factory.mktemp("channels")
+    token_file = tmp_path / "token"
+    auth.write_token(token_file, auth.new_admin_token())
+    shm_dir = Path("/dev/shm") / f"kspeedfs-test-{uuid.uuid4().hex[:10]}"
+    public_dir = Path("/tmp") / f"kspeedfs-public-{uuid.uuid4().hex[:8]}"
+    public_dir.mkdir(mode=0o755)
     src = public_dir / "src"
     src.mkdir(mode=0o755)
     (src / "secret.bin").write_bytes(SECRET)
@@ -48,16 +57,18 @@ def loaded(shm_dir: Path, token_file: Path, tmp_path: Path, public_dir: Path) ->
     try:
         node.request("preload", name=NAME, source=str(src))
         wait_for(lambda: node.request("progress", name=NAME)["state"] == "ready")
-        uuid = next(d["uuid"] for d in node.request("list")["datasets"] if d["name"] == NAME)
+        held = next(d["uuid"] for d in node.request("list")["datasets"] if d["name"] == NAME)
         drop = public_dir / "nobody"  # where uid 65534 may make files
         drop.mkdir()
         os.chown(drop, NOBODY, NOBODY)
         read_token = drop / "read.token"
         auth.write_token(read_token, auth.derive_read_token(auth.read_token(token_file)))
         os.chown(read_token, NOBODY, NOBODY)
-        yield Loaded(node, uuid, read_token, drop)
+        yield Loaded(node, held, read_token, drop)
     finally:
         node.stop()
+        remove_tree(shm_dir)
+        remove_tree(public_dir)
 
 
 class Loaded:
