@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import os
 import shutil
@@ -9,7 +10,7 @@ import subprocess
 import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import pytest
 from hypothesis import settings
@@ -280,6 +281,24 @@ def node(shm_dir: Path, token_file: Path, tmp_path: Path) -> Iterator[NodeProces
     n = NodeProcess(shm_dir, token_file, tmp_path).start()
     yield n
     n.stop()
+
+
+@contextlib.contextmanager
+def node_in(folder: Path, **options: Any) -> Iterator[NodeProcess]:
+    """A started node with an admin token in `folder` (its logs there too) and a /dev/shm folder
+    of its own, for a fixture that outlives one test; stopped and its folder removed after.
+    `options`: NodeProcess's (memory, base_env, ...)."""
+    from kspeedfs.format import auth
+
+    token = folder / "token"
+    auth.write_token(token, auth.new_admin_token())
+    shm = Path("/dev/shm") / f"kspeedfs-test-{uuid.uuid4().hex[:10]}"
+    node = NodeProcess(shm, token, folder, **options).start()
+    try:
+        yield node
+    finally:
+        node.stop()
+        remove_tree(shm)
 
 
 @pytest.fixture

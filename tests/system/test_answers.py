@@ -7,17 +7,16 @@ import dataclasses
 import os
 import random
 import subprocess
-import uuid
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 import trio
-from conftest import NodeProcess, make_tree, run_cli
+from conftest import NodeProcess, make_tree, node_in, run_cli
 from uidutil import NOBODY, as_user
 
-from kspeedfs.format import auth, contract
+from kspeedfs.format import contract
 from kspeedfs.format.config import Settings
 from kspeedfs.format.contract import Request
 from kspeedfs.format.errors import InternalError, InvalidArgument, KSpeedError, NoSpace
@@ -40,18 +39,11 @@ class World:
 def world(tmp_path_factory: pytest.TempPathFactory) -> Iterator[World]:
     """One node holding one dataset, for a whole module of requests."""
     tmp = tmp_path_factory.mktemp("answers")
-    token = tmp / "token"
-    auth.write_token(token, auth.new_admin_token())
-    shm = Path("/dev/shm") / f"kspeedfs-test-{uuid.uuid4().hex[:10]}"
-    node = NodeProcess(shm, token, tmp).start()
-    try:
+    with node_in(tmp) as node:
         src = make_tree(tmp / "src")
         done = run_cli("preload", str(src), "--name", DATASET, "-q", env=node.env())
         assert done.returncode == 0, done.stderr
         yield World(tmp, src, node, node.request("progress", name=DATASET)["uuid"])
-    finally:
-        node.stop()
-        subprocess.run(["rm", "-rf", str(shm)], check=False)
 
 
 def assert_one_line_error(done: subprocess.CompletedProcess[str], code: int, fragment: str) -> None:

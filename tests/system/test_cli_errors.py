@@ -5,14 +5,12 @@ from __future__ import annotations
 import dataclasses
 import os
 import re
-import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from conftest import MountProcess, NodeProcess, free_port, make_tree, run_cli
+from conftest import MountProcess, NodeProcess, free_port, make_tree, node_in, run_cli
 
-from kspeedfs.format import auth
 from kspeedfs.format.errors import EXIT_CODES_DOC, InvalidArgument
 
 
@@ -28,22 +26,13 @@ class World:
 def world(tmp_path_factory: pytest.TempPathFactory) -> Iterator[World]:
     """One node with one dataset ("ok") that fills most of a small memory budget."""
     tmp = tmp_path_factory.mktemp("cli")
-    token = tmp / "token"
-    auth.write_token(token, auth.new_admin_token())
-    shm = Path("/dev/shm") / f"kspeedfs-test-{uuid.uuid4().hex[:10]}"
-    node = NodeProcess(shm, token, tmp, memory="4MiB").start()
-    try:
+    with node_in(tmp, memory="4MiB") as node:
         src = make_tree(tmp / "src")
         done = run_cli("preload", str(src), "--name", "ok", "-q", env=node.env())
         assert done.returncode == 0, done.stderr
         (tmp / "a-file").write_text("not a folder")
         (tmp / "mnt").mkdir()
-        yield World(tmp, src, shm, node)
-    finally:
-        node.stop()
-        import shutil
-
-        shutil.rmtree(shm, ignore_errors=True)
+        yield World(tmp, src, node.shm_dir, node)
 
 
 def documented_codes() -> dict[int, str]:

@@ -12,11 +12,10 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from conftest import NodeProcess, free_port, make_tree, run_cli
+from conftest import NodeProcess, free_port, make_tree, node_in, run_cli
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kspeedfs.format import auth
 from kspeedfs.system.mountinfo import lazy_unmount, mount_at
 
 
@@ -30,23 +29,17 @@ class World:
 def world(tmp_path_factory: pytest.TempPathFactory) -> Iterator[World]:
     """One node holding one dataset, and the odd files the cases name."""
     tmp = tmp_path_factory.mktemp("settings")
-    token = tmp / "token"
-    auth.write_token(token, auth.new_admin_token())
-    shm = Path("/dev/shm") / f"kspeedfs-test-{uuid.uuid4().hex[:10]}"
-    node = NodeProcess(shm, token, tmp, memory="64MiB").start()
-    try:
-        done = run_cli("preload", str(make_tree(tmp / "src")), "--name", "ok", "-q", env=node.env())
-        assert done.returncode == 0, done.stderr
-        (tmp / "latin1.toml").write_bytes('shm_dir = "/dev/shm/caf\xe9"\n'.encode("latin-1"))
-        os.mkfifo(tmp / "fifo")
-        (tmp / "mnt").mkdir()
-        yield World(tmp, node)
-    finally:
-        lazy_unmount(tmp / "mnt")  # should a setting let through have mounted after all
-        node.stop()
-        import shutil
-
-        shutil.rmtree(shm, ignore_errors=True)
+    with node_in(tmp, memory="64MiB") as node:
+        try:
+            src = make_tree(tmp / "src")
+            done = run_cli("preload", str(src), "--name", "ok", "-q", env=node.env())
+            assert done.returncode == 0, done.stderr
+            (tmp / "latin1.toml").write_bytes('shm_dir = "/dev/shm/caf\xe9"\n'.encode("latin-1"))
+            os.mkfifo(tmp / "fifo")
+            (tmp / "mnt").mkdir()
+            yield World(tmp, node)
+        finally:
+            lazy_unmount(tmp / "mnt")  # should a setting let through have mounted after all
 
 
 def snapshot(world: World) -> tuple[str, list[str]]:

@@ -13,7 +13,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from conftest import KSPEEDFS, NodeProcess, run_cli, wait_for
+from conftest import KSPEEDFS, NodeProcess, node_in, run_cli, wait_for
 from mountdutil import (
     MOUNTD,
     MountdProcess,
@@ -24,7 +24,6 @@ from mountdutil import (
     unmount_all_under,
 )
 
-from kspeedfs.format import auth
 from kspeedfs.system.mountinfo import is_stale, kspeedfs_mounted
 from mountd.declarations import Declaration, InvalidDeclaration, load_declarations
 
@@ -37,22 +36,15 @@ FILES = {"sub/x.txt": b"hello from the cache\n", "y.bin": os.urandom(3000)}
 def cache(tmp_path_factory: pytest.TempPathFactory) -> Iterator[NodeProcess]:
     """One node for the module, with datasets alpha and beta loaded from FILES (in its source)."""
     base = tmp_path_factory.mktemp("mountd-node")
-    token = base / "token"
-    auth.write_token(token, auth.new_admin_token())
-    shm = Path("/dev/shm") / f"kspeedfs-test-{uuid.uuid4().hex[:10]}"
-    node = NodeProcess(shm, token, base).start()
     src = base / "src"
     for rel, data in FILES.items():
         (src / rel).parent.mkdir(parents=True, exist_ok=True)
         (src / rel).write_bytes(data)
-    try:
+    with node_in(base) as node:
         for name in ("alpha", "beta"):
             done = run_cli("preload", str(src), "--name", name, "-q", env=node.env())
             assert done.returncode == 0, done.stderr
         yield node
-    finally:
-        node.stop()
-        shutil.rmtree(shm, ignore_errors=True)
 
 
 class Mountds:

@@ -3,22 +3,19 @@
 from __future__ import annotations
 
 import os
-import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
-from conftest import NodeProcess, kw, preload
+from conftest import NodeProcess, kw, node_in, preload
 from imagefolders import FIXED, make_images
 from torchvision import datasets, transforms
 from torchvision.io import ImageReadMode, decode_image, read_file
 
-from kspeedfs.format import auth
 from kspeedfs.format.errors import InvalidArgument, KSpeedError, NotFound
 from kspeedfs.sample import make_sample
-from kspeedfs.testing.node import remove_tree
 from pytorch_ext import (
     KSpeedCallable,
     KSpeedDataset,
@@ -31,14 +28,8 @@ from pytorch_ext import (
 @pytest.fixture(scope="module")
 def node(tmp_path_factory: pytest.TempPathFactory) -> Iterator[NodeProcess]:
     """One node for the module: the tests only read, each dataset under a name of its own."""
-    tmp = tmp_path_factory.mktemp("fastpath")
-    token = tmp / "token"
-    auth.write_token(token, auth.new_admin_token())
-    shm = Path("/dev/shm") / f"kspeedfs-test-{uuid.uuid4().hex[:10]}"
-    n = NodeProcess(shm, token, tmp).start()
-    yield n
-    n.stop()
-    remove_tree(shm)
+    with node_in(tmp_path_factory.mktemp("fastpath")) as n:
+        yield n
 
 
 @pytest.fixture(scope="module")

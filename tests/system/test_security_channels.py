@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import NodeProcess, wait_for
+from conftest import NodeProcess, node_in, wait_for
 from uidutil import NOBODY, in_child
 
 from kspeedfs.client import passed
@@ -40,10 +40,6 @@ SECRET = os.urandom(5000)
 def loaded(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Loaded]:
     """A node holding a root-owned 0600 file, and a read token that uid 65534 can use: one for
     the module (each test's files in the drop folder have names of their own)."""
-    tmp_path = tmp_path_factory.mktemp("channels")
-    token_file = tmp_path / "token"
-    auth.write_token(token_file, auth.new_admin_token())
-    shm_dir = Path("/dev/shm") / f"kspeedfs-test-{uuid.uuid4().hex[:10]}"
     public_dir = Path("/tmp") / f"kspeedfs-public-{uuid.uuid4().hex[:8]}"
     public_dir.mkdir(mode=0o755)
     src = public_dir / "src"
@@ -53,21 +49,20 @@ def loaded(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Loaded]:
     # The node's timeout is how long a silent connection may wait: long, so that none of the
     # idle ones is closed before the test has counted them.
     env = {**os.environ, "KSPEEDFS_TIMEOUT": "300"}
-    node = NodeProcess(shm_dir, token_file, tmp_path, base_env=env).start()
     try:
-        node.request("preload", name=NAME, source=str(src))
-        wait_for(lambda: node.request("progress", name=NAME)["state"] == "ready")
-        held = next(d["uuid"] for d in node.request("list")["datasets"] if d["name"] == NAME)
-        drop = public_dir / "nobody"  # where uid 65534 may make files
-        drop.mkdir()
-        os.chown(drop, NOBODY, NOBODY)
-        read_token = drop / "read.token"
-        auth.write_token(read_token, auth.derive_read_token(auth.read_token(token_file)))
-        os.chown(read_token, NOBODY, NOBODY)
-        yield Loaded(node, held, read_token, drop)
+        with node_in(tmp_path_factory.mktemp("channels"), base_env=env) as node:
+            node.request("preload", name=NAME, source=str(src))
+            wait_for(lambda: node.request("progress", name=NAME)["state"] == "ready")
+            held = next(d["uuid"] for d in node.request("list")["datasets"] if d["name"] == NAME)
+            drop = public_dir / "nobody"  # where uid 65534 may make files
+            drop.mkdir()
+            os.chown(drop, NOBODY, NOBODY)
+            read_token = drop / "read.token"
+            admin = auth.read_token(node.token_file)
+            auth.write_token(read_token, auth.derive_read_token(admin))
+            os.chown(read_token, NOBODY, NOBODY)
+            yield Loaded(node, held, read_token, drop)
     finally:
-        node.stop()
-        remove_tree(shm_dir)
         remove_tree(public_dir)
 
 
