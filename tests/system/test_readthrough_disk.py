@@ -11,6 +11,7 @@ import shutil
 import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -298,13 +299,28 @@ def test_disk_segments_move_to_memory_when_it_frees_up(
     assert before["resident_bytes"] < BUDGET // 2 < before["disk_bytes"], before
 
     node.request("unload", name="pinned")
-    wait_for(lambda: cache_status(node, "big")["promoted"] >= 15, what="promotions")
-    after = cache_status(node, "big")
-    moved = after["promoted"] * SEGMENT
-    assert after["resident_bytes"] == before["resident_bytes"] + moved, after
+    seen: list[dict[str, Any]] = []
+
+    def moved_all_that_fit() -> bool:
+        """The Promoter's stopping point (the next segment does not fit, or none is left on
+        disk), no move under way (its reservation is memory used beyond the dataset's, which
+        is otherwise its few KiB of metadata) and the last one counted: before that, the
+        counts are of a move half made."""
+        seen.append(node.request("status"))
+        used, big = seen[-1]["used"], seen[-1]["cache"]["datasets"]["big"]
+        full = BUDGET - used < SEGMENT or big["disk_bytes"] == 0
+        idle = used - big["resident_bytes"] < SEGMENT
+        counted = big["resident_bytes"] == before["resident_bytes"] + big["promoted"] * SEGMENT
+        return full and idle and counted
+
+    wait_for(moved_all_that_fit, what="the promotions")
+    status = seen[-1]
+    after = status["cache"]["datasets"]["big"]
+    assert after["promoted"] >= 15, after
+    moved = after["promoted"] * SEGMENT  # in memory as many bytes more: the wait saw to that
     assert after["disk_bytes"] == before["disk_bytes"] - moved, after
-    assert node.request("status")["used"] <= BUDGET
-    assert node.request("status")["disk_tier"]["used"] == after["disk_bytes"]
+    assert status["used"] <= BUDGET
+    assert status["disk_tier"]["used"] == after["disk_bytes"]
     (folder,) = disk_folders(node)
     assert len(os.listdir(folder / "seg")) == after["on_disk"]
     assert fast_epochs(node, src, files, "big", planned=False, epochs=1) == [0.0]
