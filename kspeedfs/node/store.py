@@ -337,11 +337,15 @@ class SegmentStore:
         self.events.published(name)
         return record
 
-    def unload(self, name: str) -> DatasetRecord:
+    def unload(self, name: str, uuid: str = "") -> DatasetRecord:
+        """Unload `name` (only instance `uuid`, when given): NotFound when it is not here, as
+        when another caller unloaded it first."""
         with self._lock:
-            record = self.datasets.pop(name, None)
-            if record is None:
-                raise NotFound(f"no dataset named {name!r}")
+            record = self.datasets.get(name)
+            if record is None or (uuid and record.uuid != uuid):
+                instance = f" (instance {uuid[:8]})" if uuid else ""
+                raise NotFound(f"no dataset named {name!r}{instance}")
+            del self.datasets[name]
             self._open.pop(name, None)
         self.events.unloading(name)
         self._discard(record.path.name)

@@ -9,7 +9,7 @@ from collections.abc import Callable
 import trio
 
 from kspeedfs.format.contract.node import Unload, Unloaded, UnloadLocal
-from kspeedfs.format.errors import KSpeedError
+from kspeedfs.format.errors import KSpeedError, NotFound
 from kspeedfs.node.leases import LeaseTable
 from kspeedfs.node.loads import LoadTable
 from kspeedfs.node.ops import ADMIN, OpRegistry
@@ -73,7 +73,10 @@ class Unloader:
         record = self.store.datasets.get(name)
         if record is None or (uuid and record.uuid != uuid):
             return False
-        await trio.to_thread.run_sync(self.store.unload, name)
+        try:
+            await trio.to_thread.run_sync(self.store.unload, name, uuid)
+        except NotFound:  # unloaded meanwhile: by the converger, the read-through watch, an op
+            return False
         self.leases.forget(name)  # they kept that instance; a reload must not count them
         log.info("unloaded %s", name)
         return True

@@ -226,9 +226,10 @@ class SourceRegistrar:
             await self.catalog.forget(name, uid)
         except KSpeedError as e:
             log.warning("could not remove %s from the catalog: %s", name, e)
-        record = self.store.datasets.get(name)
-        if record is not None and record.uuid == uid:
-            await trio.to_thread.run_sync(self.store.unload, name)
+        try:
+            await trio.to_thread.run_sync(self.store.unload, name, uid)
+        except NotFound:
+            pass  # never published, or unloaded meanwhile
 
     async def adopt(self, name: str, entry: CatalogEntry) -> None:
         """etcd: list the catalog's instance of `entry` here, holding no segment (its manifest

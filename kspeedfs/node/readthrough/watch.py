@@ -155,7 +155,7 @@ class SourceWatch:
             disk_staging = await trio.to_thread.run_sync(self.disk.carry, ds, carried)
             if not await self.catalog.replace(name, ds.uuid, catalog_fields(meta)):
                 raise NotFound(f"the catalog no longer has this instance of {name!r}")
-            await trio.to_thread.run_sync(self.store.unload, name)
+            await trio.to_thread.run_sync(self.store.unload, name, ds.uuid)
         except BaseException:
             with trio.CancelScope(shield=True):
                 await trio.to_thread.run_sync(self.store.discard_staging, staging)
