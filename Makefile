@@ -29,8 +29,8 @@ test: deps lint
 
 # The quick loop while changing code: no multi-node, etcd, nspawn, DALI or 1M-line tests. Its
 # tests mostly compute rather than wait, and each worker imports every test module (torch
-# among them, ~6 CPU-s): one worker more than the CPUs, not twice (2 CPUs: 3 workers, 35-47 s;
-# 4 workers, 46-71 s, docs/testing.md).
+# among them, ~6 CPU-s): one worker more than the CPUs, not twice (2 CPUs: 3 workers, 35-47 s
+# in most runs; 4 workers, 46-71 s, docs/testing.md).
 QUICK_WORKERS := $(shell $(PYTHON) -c 'import os; print(min(8, len(os.sched_getaffinity(0)) + 1))')
 
 quick: deps
