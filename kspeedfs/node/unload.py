@@ -69,13 +69,12 @@ class Unloader:
         return Unloaded(name=request.name, state="unloaded" if unloaded else "absent")
 
     async def unload_local(self, name: str, uuid: str = "") -> bool:
-        """Unload this member's part of `name` (of instance `uuid` only, when given)."""
-        record = self.store.datasets.get(name)
-        if record is None or (uuid and record.uuid != uuid):
-            return False
+        """Unload this member's part of `name` (of instance `uuid` only, when given); False
+        when it is not here. The store looks and unloads in one step: another caller (the
+        converger, the read-through watch, an op) may unload it at any time."""
         try:
             await trio.to_thread.run_sync(self.store.unload, name, uuid)
-        except NotFound:  # unloaded meanwhile: by the converger, the read-through watch, an op
+        except NotFound:
             return False
         self.leases.forget(name)  # they kept that instance; a reload must not count them
         log.info("unloaded %s", name)
