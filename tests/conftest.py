@@ -372,10 +372,19 @@ def etcd_cluster(tmp_path: Path, token_file: Path, etcd: EtcdProcess) -> Iterato
     c.stop()
 
 
-@pytest.fixture
-def public_dir() -> Iterator[Path]:
-    """A folder an unprivileged uid can reach (pytest's tmp_path is root's 0700)."""
+@contextlib.contextmanager
+def public_folder() -> Iterator[Path]:
+    """A folder an unprivileged uid can reach (pytest's tmp_path is root's 0700), removed
+    after."""
     path = Path("/tmp") / f"kspeedfs-public-{uuid.uuid4().hex[:8]}"
     path.mkdir(mode=0o755)
-    yield path
-    remove_tree(path)
+    try:
+        yield path
+    finally:
+        remove_tree(path)
+
+
+@pytest.fixture
+def public_dir() -> Iterator[Path]:
+    with public_folder() as path:
+        yield path

@@ -12,13 +12,12 @@ import os
 import socket
 import subprocess
 import threading
-import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import NodeProcess, node_in, wait_for
+from conftest import NodeProcess, node_in, public_folder, wait_for
 from uidutil import NOBODY, in_child
 
 from kspeedfs.client import passed
@@ -30,7 +29,6 @@ from kspeedfs.format.units import Address
 from kspeedfs.net import fdpass
 from kspeedfs.net.connection import NodeClient
 from kspeedfs.node import fdsocket
-from kspeedfs.testing.node import remove_tree
 
 NAME = "priv"
 SECRET = os.urandom(5000)
@@ -40,16 +38,14 @@ SECRET = os.urandom(5000)
 def loaded(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Loaded]:
     """A node holding a root-owned 0600 file, and a read token that uid 65534 can use: one for
     the module (each test's files in the drop folder have names of their own)."""
-    public_dir = Path("/tmp") / f"kspeedfs-public-{uuid.uuid4().hex[:8]}"
-    public_dir.mkdir(mode=0o755)
-    src = public_dir / "src"
-    src.mkdir(mode=0o755)
-    (src / "secret.bin").write_bytes(SECRET)
-    os.chmod(src / "secret.bin", 0o600)
     # The node's timeout is how long a silent connection may wait: long, so that none of the
     # idle ones is closed before the test has counted them.
     env = {**os.environ, "KSPEEDFS_TIMEOUT": "300"}
-    try:
+    with public_folder() as public_dir:
+        src = public_dir / "src"
+        src.mkdir(mode=0o755)
+        (src / "secret.bin").write_bytes(SECRET)
+        os.chmod(src / "secret.bin", 0o600)
         with node_in(tmp_path_factory.mktemp("channels"), base_env=env) as node:
             node.request("preload", name=NAME, source=str(src))
             wait_for(lambda: node.request("progress", name=NAME)["state"] == "ready")
@@ -62,8 +58,6 @@ def loaded(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Loaded]:
             auth.write_token(read_token, auth.derive_read_token(admin))
             os.chown(read_token, NOBODY, NOBODY)
             yield Loaded(node, held, read_token, drop)
-    finally:
-        remove_tree(public_dir)
 
 
 class Loaded:
