@@ -116,11 +116,15 @@ def _recv_exact(sock: socket.socket, n: int) -> bytes:
 
 
 def _serve_unix(path: Path) -> socket.socket:
+    """A listening socket at `path`, put there only once it listens: the tests wait for the
+    path to appear, and a connect between bind and listen is refused."""
     server = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-    server.bind(os.fspath(path))
-    os.chmod(path, 0o666)
+    bound = path.with_name(path.name + ".binding")
+    server.bind(os.fspath(bound))
+    os.chmod(bound, 0o666)
     server.listen(8)
     server.settimeout(30)
+    os.rename(bound, path)
     return server
 
 
