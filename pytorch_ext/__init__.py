@@ -11,6 +11,7 @@ from .prefetch import ClairvoyantSampler
 from .priority import PrioritySampler
 from .tar_folder import KSpeedTarFolder
 from .tar_shards import KSpeedWebDataset
+from .untar_folder import KSpeedUntarFolder
 
 __all__ = [
     "ClairvoyantSampler",
@@ -20,6 +21,7 @@ __all__ = [
     "KSpeedImageFolder",
     "KSpeedMetaDataset",
     "KSpeedTarFolder",
+    "KSpeedUntarFolder",
     "KSpeedWebDataset",
     "MiniEpochSampler",
     "PrioritySampler",

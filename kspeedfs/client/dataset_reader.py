@@ -147,6 +147,16 @@ class Reader:
                 self._seg_views[seg] = mv
         return mv[off : off + length]
 
+    def range_bytes(self, entry: int, offset: int, length: int) -> memoryview:
+        """Bytes [offset, offset+length) of file `entry`: a view of its mapped segment where
+        `range_view` gives one, else read by the read policy into a buffer of their own."""
+        view = self.range_view(entry, offset, length)
+        if view is not None:
+            return view
+        out = memoryview(bytearray(length))
+        self.gather([(entry, offset, length)], out)
+        return out
+
     def is_local(self, entry: int) -> bool:
         return self.all_local or (self.local is not None and self.local.holds_file(entry))
 

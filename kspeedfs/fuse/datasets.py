@@ -23,7 +23,7 @@ from kspeedfs.format.contract.decoded import Decode
 from kspeedfs.format.contract.node import DatasetEntry, DatasetListing, List
 from kspeedfs.format.errors import KSpeedError, NodeUnreachable, NotFound
 from kspeedfs.format.names import split_variant
-from kspeedfs.fuse import variants
+from kspeedfs.fuse import untar, variants
 from kspeedfs.net.aconnection import AsyncNodeClient
 from kspeedfs.net.connection import SCAN_TIMEOUT
 
@@ -41,8 +41,8 @@ class MountedDataset:
     uuid: str
     data: DatasetHandle
     info: DatasetEntry | None = None  # the node's listing entry (of `view.base`, for a view)
-    # A decoded variant's files or a tar view's (in a worker).
-    variant: variants.VariantFiles | variants.TarFiles | None = None
+    # A decoded variant's files or a tar view's or a merged tar view's (in a worker).
+    variant: variants.VariantFiles | variants.TarFiles | untar.UntarFiles | None = None
     view: variants.ViewOf | None = None  # a folder showing another dataset: which, and how
 
 
@@ -180,7 +180,7 @@ class DatasetList:
             if name in by_name or base not in by_name:
                 continue
             of = by_name[base]
-            view = variants.ViewOf(base, size)  # size None: a tar view
+            view = variants.ViewOf(base, size, name.endswith(untar.UNTAR_SUFFIX))
             mounted = MountedDataset(
                 self._next_slot, name, of.uuid, of.data, ready[base], view=view
             )
@@ -196,7 +196,8 @@ class DatasetList:
     def _tar_views(
         self, ready: dict[str, DatasetEntry], by_name: dict[str, MountedDataset]
     ) -> dict[str, tuple[str, None]]:
-        """`NAME@tar` for each open dataset that holds a `.tar` file: {name: (NAME, None)}."""
+        """`NAME@tar` and `NAME@untar` for each open dataset that holds a `.tar` file:
+        {name: (NAME, None)}."""
         out: dict[str, tuple[str, None]] = {}
         for name in ready:
             mounted = by_name.get(name)
@@ -207,6 +208,7 @@ class DatasetList:
                 self._has_tars[key] = bool(variants.tar_entries(mounted.data.manifest).size)
             if self._has_tars[key]:
                 out[variants.tar_folder_name(name)] = (name, None)
+                out[untar.untar_folder_name(name)] = (name, None)
         return out
 
     async def _start_variant(self, client: AsyncNodeClient, listing: DatasetListing) -> bool:

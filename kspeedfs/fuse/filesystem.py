@@ -48,10 +48,12 @@ from kspeedfs.fuse.kernel import (
     StatFs,
 )
 from kspeedfs.fuse.listings import pack_folder
+from kspeedfs.fuse.untar import UntarFiles
 from kspeedfs.fuse.variants import TarFiles, VariantFiles, ViewOf
 
 log = logging.getLogger(__name__)
 
+TREE_VIEWS = (TarFiles, UntarFiles)  # views with their own tree: nodes past the manifest's
 ROOT = ROOT_INODE
 # An instance's contents never change, and an unloaded instance's names are forgotten by the
 # kernel (datasets.py) and its inodes answered ESTALE: its entries and attributes may be kept
@@ -150,10 +152,12 @@ class KSpeedFS:
 
     def _open_variant(
         self, name: str, uuid: str, view: ViewOf
-    ) -> tuple[DatasetHandle, VariantFiles | TarFiles]:
+    ) -> tuple[DatasetHandle, VariantFiles | TarFiles | UntarFiles]:
         base = self.by_name.get(view.base)
         if base is None or base.uuid != uuid or base.variant is not None:
             raise NotFound(f"no instance {uuid[:8]} of {view.base} for {name}")
+        if view.merged:
+            return base.data, UntarFiles(self.reader, base.data)
         if view.size is None:
             return base.data, TarFiles(self.reader, base.data)
         return base.data, VariantFiles(self.reader, base.data, view.size)
@@ -221,7 +225,7 @@ class KSpeedFS:
 
     def _attr(self, mounted: MountedDataset, idx: int, decide: bool = True) -> Attr:
         variant = mounted.variant
-        fields = variant.stat_fields(idx) if isinstance(variant, TarFiles) else None
+        fields = variant.stat_fields(idx) if isinstance(variant, TREE_VIEWS) else None
         mode, size, uid, gid, mtime_ns = fields or mounted.data.manifest.stat_fields(idx)
         final = True
         if isinstance(variant, VariantFiles):  # `decide`: a variant's image may be decoded now
@@ -277,7 +281,7 @@ class KSpeedFS:
         if name == b"..":
             if idx == 0:
                 return self._root_attr()
-            if isinstance(mounted.variant, TarFiles):
+            if isinstance(mounted.variant, TREE_VIEWS):
                 return self._attr(mounted, mounted.variant.parent(idx))
             return self._attr(mounted, int(mounted.data.manifest.parent[idx]))
         if mounted.variant is not None:
@@ -340,7 +344,7 @@ class KSpeedFS:
             if not self.single:
                 return False  # the top-level list changes: no cached listing
         mounted, idx = self._locate(ino)
-        if isinstance(mounted.variant, TarFiles):
+        if isinstance(mounted.variant, TREE_VIEWS):
             is_dir = mounted.variant.is_dir(idx)
         else:
             is_dir = mounted.data.manifest.is_dir(idx)
@@ -355,7 +359,7 @@ class KSpeedFS:
                 yield top.encode(), self._attr(by_name[top], 0)
             return
         mounted, idx = self._locate(ino)
-        if isinstance(mounted.variant, TarFiles):
+        if isinstance(mounted.variant, TREE_VIEWS):
             for name, child in mounted.variant.children(idx)[start:]:
                 yield name, self._attr(mounted, child)
             return
@@ -405,7 +409,7 @@ class KSpeedFS:
 
     def readlink(self, ino: int) -> bytes:
         mounted, idx = self._locate(ino)
-        if isinstance(mounted.variant, TarFiles):
+        if isinstance(mounted.variant, TREE_VIEWS):
             target = mounted.variant.readlink(idx)
             if target is not None:
                 return target
@@ -433,7 +437,8 @@ class KSpeedFS:
             if ino == ROOT and not self.single:
                 return on_mount.describe_attr("", "", "", "", False)
             mounted, idx = self._locate(ino)
-            rel = os.fsdecode(mounted.data.manifest.path(idx))
+            merged = isinstance(mounted.variant, UntarFiles)  # its rows are not the manifest's
+            rel = "" if merged else os.fsdecode(mounted.data.manifest.path(idx))
             is_variant = mounted.variant is not None
             return on_mount.describe_attr(
                 mounted.name, mounted.uuid, mounted.data.source, rel, is_variant
@@ -465,7 +470,7 @@ def _shown_decoded(mounted: MountedDataset, idx: int) -> bool:
     """A variant's image, a tar view's tar (a folder) or member: its bytes are not those of a
     dataset file (no checksum to give)."""
     variant = mounted.variant
-    if isinstance(variant, TarFiles):
+    if isinstance(variant, TREE_VIEWS):
         return not variant.shows_own_bytes(idx)
     return variant is not None and variant.is_image(idx)
 

@@ -51,10 +51,12 @@ SHOWN_STATES = ("filling", "ready")  # a variant whose index is written
 @dataclasses.dataclass(frozen=True)
 class ViewOf:
     """A folder that shows dataset `base` another way (what the supervisor sends with it):
-    its decoded variant at `size`, or (size None) its tar view."""
+    its decoded variant at `size`, or (size None) its tar view, or (merged) its merged tar
+    view (`NAME@untar`, fuse/untar.py)."""
 
     base: str
     size: int | None = None
+    merged: bool = False
 
 
 def folder_name(name: str, size: int) -> str:
@@ -296,6 +298,25 @@ def tar_entries(manifest: Any) -> Any:
     return files[np.all(tails == np.frombuffer(b".tar", dtype=np.uint8), axis=1)]
 
 
+def tar_bytes(
+    reader: ClusterReader, data: DatasetHandle, tar: int, offset: int, size: int
+) -> Buffer:
+    """Bytes of a tar file of the dataset (a view of the local segment where it is held here);
+    EIO, logged, where no copy serves them."""
+    local = data.local
+    if local is not None:
+        try:
+            return local.read_view(tar, offset, size)
+        except DataError:
+            pass
+    try:
+        return reader.read(data, tar, offset, size)
+    except KSpeedError as e:
+        path = os.fsdecode(data.manifest.path(tar))
+        log.error("cannot read %s/%s: %s", data.name, path, e)
+        raise FuseError(errno.EIO) from None
+
+
 class TarFiles:
     """`NAME@tar/` as a serving process shows it: the dataset's tree, each `.tar` file a
     folder of its members (format/tarview.py), parsed at its first use and kept.
@@ -341,19 +362,7 @@ class TarFiles:
             return self._trees[tar]
 
     def _raw(self, tar: int, offset: int, size: int) -> Buffer:
-        """Bytes of the tar file (a view of the local segment where it is held here)."""
-        local = self.data.local
-        if local is not None:
-            try:
-                return local.read_view(tar, offset, size)
-            except DataError:
-                pass
-        try:
-            return self.reader.read(self.data, tar, offset, size)
-        except KSpeedError as e:
-            path = os.fsdecode(self.manifest.path(tar))
-            log.error("cannot read %s/%s: %s", self.data.name, path, e)
-            raise FuseError(errno.EIO) from None
+        return tar_bytes(self.reader, self.data, tar, offset, size)
 
     def is_tar(self, idx: int) -> bool:
         return idx in self._tar_at

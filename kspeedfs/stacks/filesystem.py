@@ -42,11 +42,13 @@ from kspeedfs.format.errors import (
 )
 from kspeedfs.format.names import validate_name
 from kspeedfs.stacks.file import KSpeedFile
+from kspeedfs.stacks.untar import UNTAR_VIEW, MergedViews
 
 log = logging.getLogger(__name__)
 
 REFRESH_S = 5.0
 TAR_VIEW = "@tar"  # NAME@tar: the dataset with each .tar a folder of its members
+VIEWS = (TAR_VIEW, UNTAR_VIEW)  # folders that read their dataset's tars
 MAX_LINKS = 16  # symlinks followed for one open, as a kernel would stop a loop
 
 
@@ -85,6 +87,7 @@ class KSpeedFileSystem(AbstractFileSystem):
         self._folders: dict[str, tuple[Reader, int]] = {}
         # Parsed tars of the tar views, by (instance, entry); None: refused (damaged).
         self._tars: dict[tuple[str, int], tarview.TarTree | None] = {}
+        self._untar = MergedViews()  # NAME@untar: every tar of NAME extracted in one tree
 
     # Paths.
 
@@ -105,7 +108,7 @@ class KSpeedFileSystem(AbstractFileSystem):
         """(dataset name, path inside it) of a stripped path; a bad name is InvalidArgument."""
         path = self._strip_protocol(path)
         name, _, rel = path.partition("/")
-        validate_name(name.removesuffix(TAR_VIEW))
+        validate_name(_base_name(name))
         try:
             os.fsencode(rel)
         except UnicodeEncodeError:  # a lone surrogate: no name in any manifest is spelled so
@@ -140,7 +143,7 @@ class KSpeedFileSystem(AbstractFileSystem):
 
     def _reader(self, name: str) -> Reader:
         """This filesystem's reader of the current instance of `name`."""
-        name = name.removesuffix(TAR_VIEW)  # a tar view reads its dataset
+        name = _base_name(name)  # a tar view reads its dataset
         info = self._datasets().get(name) or self._datasets(force=True).get(name)
         for _attempt in range(3):
             if info is None:
@@ -210,13 +213,8 @@ class KSpeedFileSystem(AbstractFileSystem):
         key = (reader.ref.uuid, entry)
         if key not in self._tars:
 
-            def read(offset: int, n: int) -> memoryview | bytearray:
-                view = reader.range_view(entry, offset, n)
-                if view is not None:
-                    return view
-                out = bytearray(n)
-                reader.gather([(entry, offset, n)], memoryview(out))
-                return out
+            def read(offset: int, n: int) -> memoryview:
+                return reader.range_bytes(entry, offset, n)
 
             try:
                 tree: tarview.TarTree | None = tarview.parse(read, int(reader.manifest.size[entry]))
@@ -368,7 +366,10 @@ class KSpeedFileSystem(AbstractFileSystem):
         path = self._strip_protocol(path)
         if path == "":
             return {"name": "", "size": 0, "type": "directory"}
-        if self._split(path)[0].endswith(TAR_VIEW):
+        name, rel = self._split(path)
+        if name.endswith(UNTAR_VIEW):
+            return self._untar.info(self._reader(name), rel, path)
+        if name.endswith(TAR_VIEW):
             name, reader, entry, tree, node = self._tar_spot(path)
             return self._describe_tar(name, reader, entry, tree, node, path)
         reader, entry, name = self._entry(path, follow=False)
@@ -378,6 +379,9 @@ class KSpeedFileSystem(AbstractFileSystem):
         path = self._strip_protocol(path)
         if path == "":
             found = self._root_entries()
+        elif self._split(path)[0].endswith(UNTAR_VIEW):
+            name, rel = self._split(path)
+            found = self._untar.ls(self._reader(name), rel, path)
         elif self._split(path)[0].endswith(TAR_VIEW):
             found = self._tar_ls(path)
         else:
@@ -411,7 +415,12 @@ class KSpeedFileSystem(AbstractFileSystem):
         if mode != "rb":
             raise ReadOnlyFileSystem(f"kspeedfs:// is read-only: cannot open {path} for {mode!r}")
         path = self._strip_protocol(path)
-        if self._split(path)[0].endswith(TAR_VIEW):
+        name, rel = self._split(path)
+        if name.endswith(UNTAR_VIEW):
+            reader = self._reader(name)
+            entry, offset, size, details = self._untar.member(reader, rel, path)
+            return KSpeedFile(self, path, reader, entry, details, (offset, size))
+        if name.endswith(TAR_VIEW):
             reader, entry, offset, size, details = self._tar_file(path)
             return KSpeedFile(self, path, reader, entry, details, (offset, size))
         reader, entry, name = self._entry(path)
@@ -423,7 +432,7 @@ class KSpeedFileSystem(AbstractFileSystem):
     def cat_file(
         self, path: str, start: int | None = None, end: int | None = None, **kwargs: Any
     ) -> bytes:
-        if self._split(path)[0].endswith(TAR_VIEW):
+        if self._split(path)[0].endswith(VIEWS):
             with self._open(path) as f:
                 lo, hi = _clip(start, end, f.size)
                 f.seek(lo)
@@ -471,7 +480,7 @@ class KSpeedFileSystem(AbstractFileSystem):
         batches: dict[int, tuple[Reader, list[tuple[int, int, int, int]]]] = {}
         for k, (path, start, end) in enumerate(zip(paths, starts_, ends_, strict=True)):
             try:
-                if self._split(path)[0].endswith(TAR_VIEW):  # a member: its own read
+                if self._split(path)[0].endswith(VIEWS):  # a member: its own read
                     out[k] = self.cat_file(path, start, end)
                     continue
                 reader, entry = self._file(path)
@@ -506,6 +515,14 @@ class KSpeedFileSystem(AbstractFileSystem):
 
     mkdir = makedirs = rmdir = rm_file = _rm = rm = touch = _refuse
     pipe_file = put_file = cp_file = mv = copy = setxattrs = _refuse
+
+
+def _base_name(name: str) -> str:
+    """The dataset a top-level name reads: NAME of NAME, NAME@tar and NAME@untar."""
+    for view in VIEWS:
+        if name.endswith(view):
+            return name.removesuffix(view)
+    return name
 
 
 def _clip(start: int | None, end: int | None, size: int) -> tuple[int, int]:

@@ -1,0 +1,339 @@
+"""The merged tar view's table: every shard's members in one tree, as extracting them would give.
+
+`NAME@untar/` shows, for a dataset's `.tar` files, what extracting each of them in path order
+into its own folder of one empty tree gives (`for t in $(find . -name '*.tar' | sort); do
+tar -xf $t -C $(dirname $t); done`): the shards of one folder merged into that folder. A later
+member of the same path replaces an earlier one, across shards as within one; folders are
+implied by member paths. Each shard is parsed by the tar view's rules (kspeedfs.format.tarview:
+long GNU/PAX names, links, hostile tars), so a shard that view refuses is refused here too, and
+so is a shard whose paths make a file of an earlier shard's folder or a folder of its file (a
+hard link to another shard's file is such a refusal: its shard's own view refuses it too).
+
+The table holds no Python object per member: rows in the order of a depth-first walk (a
+folder's children sorted by name), each a name in one byte blob and fixed-width fields, and
+per folder its children's rows in one array, so a lookup is a binary search. Its size is
+`nbytes`: ~60 bytes per member beside its name (docs/webdataset.md gives ImageNet's figure).
+"""
+
+from __future__ import annotations
+
+import stat
+from array import array
+from collections.abc import Callable, Iterable, Iterator
+
+import numpy as np
+
+from kspeedfs.format import tarview
+from kspeedfs.format.errors import DataError
+from kspeedfs.format.manifest import Manifest
+
+DIR, FILE, LINK = 0, 1, 2
+_KINDS = {tarview.DIR: DIR, tarview.FILE: FILE, tarview.LINK: LINK}
+NO_SHARD = -1  # a folder's row: no shard holds its bytes
+_SEP = b"\0"  # sorts below every name byte: a folder's rows follow it, before its next sibling
+
+
+class _Rows:
+    """Member rows as they are gathered, shard after shard (compact columns; keys are the
+    paths with `/` as NUL, so that sorting them walks the tree depth first)."""
+
+    def __init__(self) -> None:
+        self.keys: list[bytes] = []
+        self.shard = array("i")
+        self.kind = array("B")
+        self.mode = array("H")
+        self.mtime = array("q")
+        self.offset = array("q")
+        self.size = array("q")
+        self.targets: dict[int, bytes] = {}  # a link's row -> its target
+
+    def add(
+        self, key: bytes, shard: int, kind: int, mode: int, mtime: int, offset: int, size: int
+    ) -> None:
+        self.keys.append(key)
+        self.shard.append(shard)
+        self.kind.append(kind)
+        self.mode.append(mode & 0o7777)
+        self.mtime.append(mtime)
+        self.offset.append(offset)
+        self.size.append(size)
+
+    def add_tree(self, prefix: bytes, shard: int, tree: tarview.TarTree) -> None:
+        """Every node of one shard's tree, under `prefix` (its folder's key, b"" at the top)."""
+        stack = [(0, prefix)]
+        while stack:
+            number, at = stack.pop()
+            for name, child in tree.children(number):
+                node = tree.nodes[child]
+                key = at + _SEP + name if at else name
+                if node.kind == tarview.LINK:
+                    self.targets[len(self.keys)] = node.target
+                self.add(
+                    key, shard, _KINDS[node.kind], node.mode, node.mtime, node.offset, node.size
+                )
+                if node.kind == tarview.DIR:
+                    stack.append((child, key))
+
+
+def _first_conflict(rows: _Rows, order: list[int]) -> int | None:
+    """The shard to refuse first, or None: the lowest shard that makes a file (or link) of a
+    path an earlier shard made a folder, or the reverse. Refusing it and looking again gives
+    what extracting in order and refusing each shard that clashes with those kept would."""
+    keys, shard, kind = rows.keys, rows.shard, rows.kind
+    worst: int | None = None
+    k, n = 0, len(order)
+    while k < n:
+        key = keys[order[k]]
+        end = k
+        first_dir = first_other = None
+        while end < n and keys[order[end]] == key:
+            s = shard[order[end]]
+            if kind[order[end]] == DIR:
+                first_dir = s if first_dir is None else min(first_dir, s)
+            else:
+                first_other = s if first_other is None else min(first_other, s)
+            end += 1
+        if first_other is not None:
+            below = key + _SEP
+            j = end
+            while j < n and keys[order[j]].startswith(below):
+                s = shard[order[j]]
+                first_dir = s if first_dir is None else min(first_dir, s)
+                j += 1
+            if first_dir is not None:
+                clash = max(first_dir, first_other)
+                worst = clash if worst is None else min(worst, clash)
+        k = end
+    return worst
+
+
+class MergedTree:
+    """The merged view's rows; row 0 is its top folder. `shards[s]` is what the caller named
+    shard s (a manifest entry)."""
+
+    def __init__(self, arrays: dict[str, np.ndarray], refused: dict[int, str]):
+        self.arrays = arrays
+        self.refused = refused  # shard -> why (one line each)
+        self.names = arrays["names"].tobytes()
+        self.name_off = arrays["name_off"]
+        self.parent = arrays["parent"]
+        self.kind = arrays["kind"]
+        self.mode = arrays["mode"]
+        self.mtime = arrays["mtime"]
+        self.shard = arrays["shard"]
+        self.offset = arrays["offset"]
+        self.size = arrays["size"]
+        self.kids = arrays["kids"]
+        self.kid_start = arrays["kid_start"]
+        self.targets = arrays["targets"].tobytes()
+
+    @property
+    def rows(self) -> int:
+        return len(self.kind)
+
+    @property
+    def nbytes(self) -> int:
+        """What the table holds in memory."""
+        return sum(a.nbytes for a in self.arrays.values()) + len(self.names) + len(self.targets)
+
+    @property
+    def members(self) -> int:
+        return int(np.count_nonzero(self.kind != DIR))
+
+    def name(self, row: int) -> bytes:
+        return self.names[int(self.name_off[row]) : int(self.name_off[row + 1])]
+
+    def is_dir(self, row: int) -> bool:
+        return int(self.kind[row]) == DIR
+
+    def children(self, row: int) -> Iterator[tuple[bytes, int]]:
+        """A folder's (name, row), sorted by name bytes."""
+        for c in self.kids[int(self.kid_start[row]) : int(self.kid_start[row + 1])].tolist():
+            yield self.name(c), c
+
+    def lookup(self, row: int, name: bytes) -> int | None:
+        lo, hi = int(self.kid_start[row]), int(self.kid_start[row + 1])
+        while lo < hi:
+            mid = (lo + hi) // 2
+            if self.name(int(self.kids[mid])) < name:
+                lo = mid + 1
+            else:
+                hi = mid
+        if lo < int(self.kid_start[row + 1]) and self.name(int(self.kids[lo])) == name:
+            return int(self.kids[lo])
+        return None
+
+    def resolve(self, path: bytes) -> int | None:
+        """The row at `path` (no links followed), or None."""
+        row: int | None = 0
+        for part in path.split(b"/"):
+            if part in (b"", b"."):
+                continue
+            if row is None or not self.is_dir(row):
+                return None
+            row = self.lookup(row, part)
+        return row
+
+    def path(self, row: int) -> bytes:
+        parts = []
+        while row:
+            parts.append(self.name(row))
+            row = int(self.parent[row])
+        return b"/".join(reversed(parts))
+
+    def target(self, row: int) -> bytes:
+        """A link's target."""
+        a = int(self.offset[row])
+        return self.targets[a : a + int(self.size[row])]
+
+    def member(self, row: int) -> tuple[int, int, int]:
+        """A file's (shard, data offset in its tar, size)."""
+        return int(self.shard[row]), int(self.offset[row]), int(self.size[row])
+
+    def shown_mode(self, row: int) -> int:
+        """Readable by everyone, executable files kept executable, never writable (as the
+        tar view shows a member)."""
+        kind = int(self.kind[row])
+        if kind == LINK:
+            return stat.S_IFLNK | 0o777
+        if kind == DIR:
+            return stat.S_IFDIR | 0o555
+        return stat.S_IFREG | (0o555 if int(self.mode[row]) & 0o111 else 0o444)
+
+    def shown_size(self, row: int) -> int:
+        return 0 if self.is_dir(row) else int(self.size[row])
+
+
+Parser = Callable[[], tarview.TarTree]
+Read = Callable[[int, int, int], tarview.Reader]  # (tar entry, offset, size) -> bytes
+
+
+def tars_below(m: Manifest, top: int) -> list[int]:
+    """Entries of the `.tar` files under folder `top`, in path order."""
+    found: list[tuple[bytes, int]] = []
+    folders = [top]
+    while folders:
+        for i in m.children(folders.pop()):
+            if m.is_dir(i):
+                folders.append(i)
+            elif m.is_file(i) and tarview.is_tar_name(m.name(i)):
+                found.append((m.path(i), i))
+    return [i for _path, i in sorted(found)]
+
+
+def merge_folder(m: Manifest, top: int, read: Read) -> tuple[MergedTree, list[int]]:
+    """The merged view of the tars under folder `top` of a dataset, and the tar entries its
+    shard numbers stand for; `read(entry, offset, size)` reads a tar's bytes."""
+    tars = tars_below(m, top)
+    base = len(m.path(top))
+
+    def shard(t: int) -> tuple[bytes, Parser]:
+        folder = m.path(int(m.parent[t]))[base:]
+        size = int(m.size[t])
+        return folder, lambda: tarview.parse(lambda off, n: read(t, off, n), size)
+
+    return merge(shard(t) for t in tars), tars
+
+
+def merge(shards: Iterable[tuple[bytes, Parser]]) -> MergedTree:
+    """The merged tree of `shards`, given in path order as (folder of the shard relative to
+    the view's top, b"" for the top; a parser of its tree, raising DataError). A shard that
+    is refused is in `refused` with its one-line reason, and none of its members is shown."""
+    rows = _Rows()
+    refused: dict[int, str] = {}
+    for s, (folder, parse) in enumerate(shards):
+        prefix = folder.strip(b"/").replace(b"/", _SEP)
+        if prefix:  # the shard's folder is there even if it is refused or empty
+            rows.add(prefix, NO_SHARD, DIR, 0o755, 0, 0, 0)
+        try:
+            tree = parse()
+        except DataError as e:
+            refused[s] = str(e)
+            continue
+        rows.add_tree(prefix, s, tree)
+    keys = rows.keys
+    order = sorted(range(len(keys)), key=keys.__getitem__)  # stable: later shards last
+    while (clash := _first_conflict(rows, order)) is not None:
+        refused[clash] = "its paths make a file of an earlier shard's folder, or the reverse"
+        order = [r for r in order if rows.shard[r] != clash]
+    return _table(rows, order, refused)
+
+
+def _table(rows: _Rows, order: list[int], refused: dict[int, str]) -> MergedTree:
+    """Rows in depth-first order, each path once (the last record of it), with the folders
+    that paths imply."""
+    keys = rows.keys
+    names = bytearray()
+    name_off = array("q", [0, 0])  # the top has no name
+    parent = array("i", [0])
+    picked = array("q", [-1])  # the record a row shows; -1 an implied folder (and the top)
+    chain: list[tuple[bytes, int]] = []  # (key, row) of the folders above the walk
+    k, n = 0, len(order)
+    while k < n:
+        key = keys[order[k]]
+        while k + 1 < n and keys[order[k + 1]] == key:
+            k += 1
+        record = order[k]
+        k += 1
+        parts = key.split(_SEP)
+        while chain and not key.startswith(chain[-1][0] + _SEP):
+            chain.pop()
+        for depth in range(len(chain), len(parts) - 1):  # folders no record names
+            folder_key = _SEP.join(parts[: depth + 1])
+            chain.append(
+                (folder_key, _add_row(names, name_off, parent, picked, parts[depth], chain, -1))
+            )
+        row = _add_row(names, name_off, parent, picked, parts[-1], chain, record)
+        if rows.kind[record] == DIR:
+            chain.append((key, row))
+    sel = np.frombuffer(picked, dtype=np.int64)
+    real = sel >= 0
+    at = np.where(real, sel, 0)
+
+    def column(values: array, dtype: str, default: int) -> np.ndarray:
+        full = np.frombuffer(values, dtype=values.typecode).astype(dtype)[at]
+        full[~real] = default
+        return full
+
+    kind = column(rows.kind, "u1", DIR)
+    offset = column(rows.offset, "<i8", 0)
+    size = column(rows.size, "<i8", 0)
+    targets = bytearray()
+    for row in np.flatnonzero(kind == LINK).tolist():
+        target = rows.targets[int(sel[row])]
+        offset[row], size[row] = len(targets), len(target)
+        targets += target
+    parents = np.frombuffer(parent, dtype=np.int32).copy()
+    kids = np.argsort(parents[1:], kind="stable").astype("<i4") + 1  # depth-first: names sorted
+    kid_start = np.searchsorted(parents[kids], np.arange(len(parents) + 1)).astype("<i8")
+    arrays: dict[str, np.ndarray] = {
+        "names": np.frombuffer(bytes(names), dtype=np.uint8),
+        "name_off": np.frombuffer(name_off, dtype=np.int64).copy(),
+        "parent": parents,
+        "kind": kind,
+        "mode": column(rows.mode, "<u2", 0o755),
+        "mtime": column(rows.mtime, "<i8", 0),
+        "shard": column(rows.shard, "<i4", NO_SHARD),
+        "offset": offset,
+        "size": size,
+        "kids": kids,
+        "kid_start": kid_start,
+        "targets": np.frombuffer(bytes(targets), dtype=np.uint8),
+    }
+    return MergedTree(arrays, dict(sorted(refused.items())))
+
+
+def _add_row(
+    names: bytearray,
+    name_off: array,
+    parent: array,
+    picked: array,
+    name: bytes,
+    chain: list[tuple[bytes, int]],
+    record: int,
+) -> int:
+    names += name
+    name_off.append(len(names))
+    parent.append(chain[-1][1] if chain else 0)
+    picked.append(record)
+    return len(picked) - 1
