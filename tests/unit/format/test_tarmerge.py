@@ -67,7 +67,7 @@ def test_a_damaged_shard_is_refused_and_the_others_shown(tmp_path: Path) -> None
     tars = {**good, "s1b.tar": bytes(bad)}
     tree, order = merged(tars)
     assert list(tree.refused) == [order.index("s1b.tar")]
-    assert "checksum" in tree.refused[order.index("s1b.tar")] or tree.refused
+    assert "unreadable tar header" in tree.refused[order.index("s1b.tar")]
     want = tree_of(extract_in_order(good, tmp_path / "x"))
     assert shown(tree, tars, order) == want
 
