@@ -24,7 +24,17 @@ or apt that column is left out). Printed, with the mount's ratio to each:
   mount sets to Y as root, is put back as it was);
 - ImageFolder (stock torchvision, raw bytes loader) over the mount's tar view `ds@tar/` of tars
   of those files, against the same over the extracted tree on the same mount (`--no-tar`
-  leaves it out; needs torchvision).
+  leaves it out; needs torchvision);
+- pass 1 as a training job reads (buffered `open().read()`, which asks isatty: LOOKUP, IOCTL
+  and READ per file) on a fresh mount against a fresh squashfuse_ll, with µs per file and the
+  mount's requests per file;
+- the merged tar view `ds@untar/` (`--members N`, 0 leaves it out; `--only-untar` runs it
+  alone, on a node of its own): N members of `--member-size` bytes in `--untar-shards` tars,
+  each class folder spread over every shard, beside their extraction: the time a fresh mount
+  takes to list the view (its table built from the tars' headers), the memory each serving
+  process holds for it, and a stock ImageFolder epoch (`--epoch-files` samples at most, in a
+  shuffled order) over the view against the extraction through the same mount and on the
+  source.
 Run it with PYTHONPATH set to the tree to measure (the bench's own imports follow it), so that
 a "before" is the same script over an older tree: sections that tree lacks print "n/a".
 """
@@ -33,6 +43,7 @@ from __future__ import annotations
 
 import argparse
 import inspect
+import io
 import json
 import multiprocessing
 import os
@@ -230,7 +241,15 @@ def main() -> int:
     )
     p.add_argument("--repeat", type=int, default=3, help="warm passes timed (best kept)")
     p.add_argument("--tmp", default=None, help="work folder (default: a temporary one)")
+    p.add_argument("--members", type=int, default=0, help="members of the merged view's tars")
+    p.add_argument("--untar-shards", type=int, default=1024, help="tars they are spread over")
+    p.add_argument("--member-size", type=int, default=100, help="bytes of each member")
+    p.add_argument("--classes", type=int, default=1000, help="class folders of the members")
+    p.add_argument("--epoch-files", type=int, default=50_000, help="samples an epoch reads")
+    p.add_argument("--only-untar", action="store_true", help="the merged view alone")
     args = p.parse_args()
+    if args.only_untar:
+        return untar_bench(args)
 
     squash_ok = not args.no_squashfs and ensure_squashfs()
     with tempfile.TemporaryDirectory(prefix="kspeedfs-bench-small-", dir=args.tmp) as tmp_:
@@ -329,6 +348,24 @@ def main() -> int:
                 out: list[float | None] = [read_pass(os_reads, True)(src), first(mroot)]
                 out.append(first(squash.mountpoint) if squash is not None else None)
                 results[name] = out
+            # Pass 1 as a training job reads it: buffered open() asks isatty (an IOCTL) first.
+            cache.unmount(mnt)
+            cache.mount(mnt)
+            if squash is not None:
+                squash.mount()
+            drop_caches()
+            timed: list[float | None] = [read_pass(buffered_reads, True)(src)]
+            counts["bp1_0"] = stats(mnt)
+            warm_memory(len(read_rel) * args.size)
+            timed.append(len(read_rel) / buffered_reads([str(mroot / x) for x in read_rel]))
+            counts["bp1_1"] = stats(mnt)
+            if squash is not None:
+                warm_memory(len(read_rel) * args.size)
+                paths = [str(squash.mountpoint / x) for x in read_rel]
+                timed.append(len(paths) / buffered_reads(paths))
+            else:
+                timed.append(None)
+            results["pass 1 buffered open().read()"] = timed
             three("pass 2 os.read", read_pass(os_reads, True))
             counts["buf0"] = stats(mnt)
             three("pass 2 buffered open().read()", read_pass(buffered_reads, True))
@@ -394,7 +431,14 @@ def main() -> int:
         )
         print(f"  {halt_polling()}")
         print(f"  {'':<34}{'source':>12}{'mount':>12}{'squashfuse':>12}")
-        for name in ("walk", "pass 1 os.read", "pass 2 os.read", "pass 2 buffered open().read()"):
+        passes = (
+            "walk",
+            "pass 1 os.read",
+            "pass 1 buffered open().read()",
+            "pass 2 os.read",
+            "pass 2 buffered open().read()",
+        )
+        for name in passes:
             row(name, results[name], "files/s")
         print()
         for name, target in (
@@ -403,13 +447,20 @@ def main() -> int:
         ):
             s, m, _ = results[name]
             print(f"  {name}: mount/source {ratio(m, s)} (target >= {TARGETS[target]})")
-        for name in ("walk", "pass 1 os.read", "pass 2 os.read", "pass 2 buffered open().read()"):
+        for name in passes:
             _, m, q = results[name]
             print(f"  {name}: mount/squashfuse {ratio(m, q)} (target >= {TARGETS['squash']})")
+        for name in ("pass 1 os.read", "pass 1 buffered open().read()"):
+            _, m, q = results[name]
+            print(f"  {name}: µs per file, mount {micros(m)}, squashfuse_ll {micros(q)}")
         n = walk_files
         print(f"  requests per file, first walk: {per_file(counts['walk0'], counts['walk1'], n)}")
         print(
             f"  requests per file, pass 1: {per_file(counts['p1_0'], counts['p1_1'], args.files)}"
+        )
+        print(
+            "  requests per file, buffered pass 1 (squashfuse_ll keeps no count): "
+            + per_file(counts["bp1_0"], counts["bp1_1"], args.files)
         )
         reads = args.files * (args.repeat + 1)
         print(
@@ -446,7 +497,152 @@ def main() -> int:
                 if view
                 else "  ImageFolder over the tar view: n/a (no tar view in this tree)"
             )
+    if args.members:
+        return untar_bench(args)
     return 0
+
+
+def micros(rate: float | None) -> str:
+    return f"{1e6 / rate:,.0f}" if rate else "n/a"
+
+
+def make_untar_source(root: Path, members: int, shards: int, size: int, classes: int) -> None:
+    """`shards/train-NNNN.tar`: member i is `train/nCCCC/IIIIIII.JPEG` of class i % classes in
+    shard i % shards (every class in every shard, as ImageNet's and LAION's shards are), and
+    `extracted/`: what extracting them gives."""
+    rng = random.Random(2)
+    (root / "shards").mkdir(parents=True)
+    for c in range(classes):
+        (root / "extracted" / "train" / f"n{c:04d}").mkdir(parents=True)
+    for s in range(shards):
+        with tarfile.open(
+            root / "shards" / f"train-{s:04d}.tar", "w", format=tarfile.USTAR_FORMAT
+        ) as out:
+            for i in range(s, members, shards):
+                rel = f"train/n{i % classes:04d}/{i:07d}.JPEG"
+                data = rng.randbytes(size)
+                (root / "extracted" / rel).write_bytes(data)
+                info = tarfile.TarInfo(rel)
+                info.size = size
+                out.addfile(info, io.BytesIO(data))
+                out.members = []  # one TarInfo at a time
+
+
+def descendants(pid: int) -> list[int]:
+    out, todo = [], [pid]
+    while todo:
+        p = todo.pop()
+        for task in Path(f"/proc/{p}/task").glob("*"):
+            try:
+                kids = [int(k) for k in (task / "children").read_text().split()]
+            except OSError:
+                continue
+            out += kids
+            todo += kids
+    return out
+
+
+def private_kib(pid: int) -> int:
+    """Anonymous memory of a process (its own heap: what a table built in it costs)."""
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("RssAnon:"):
+                return int(line.split()[1])
+    except OSError:
+        pass
+    return 0
+
+
+def untar_bench(args: argparse.Namespace) -> int:
+    """The merged tar view's section (see the module's doc)."""
+    from torchvision.datasets import DatasetFolder
+
+    n, shards, size = args.members, args.untar_shards, args.member_size
+    with tempfile.TemporaryDirectory(prefix="kspeedfs-bench-untar-", dir=args.tmp) as tmp_:
+        tmp = Path(tmp_)
+        src = tmp / "src"
+        started = time.perf_counter()
+        make_untar_source(src, n, shards, size, min(args.classes, n))
+        print(
+            f"made {n:,} members in {shards:,} tars and their extraction in "
+            f"{time.perf_counter() - started:.0f}s"
+        )
+        tar_bytes = sum(p.stat().st_size for p in (src / "shards").iterdir())
+        cache = LocalCache(tmp / "work", n * 2048 + 2 * tar_bytes + (512 << 20))
+        mnt = tmp / "mnt"
+        with cache:
+            started = time.perf_counter()
+            cache.preload(src, "ds", show_progress=False)
+            print(f"preloaded in {time.perf_counter() - started:.0f}s")
+            m = cache.mount(mnt)
+            pid = cache.mount_pid(mnt)
+            workers = descendants(pid) if pid else []
+            before = {w: private_kib(w) for w in workers}
+            stats0 = stats(mnt)
+            started = time.perf_counter()
+            listed = sum(len(names) for _d, _s, names in os.walk(mnt / "ds@untar"))
+            list_s = time.perf_counter() - started
+            stats1 = stats(mnt)
+            grown = {w: private_kib(w) - kib for w, kib in before.items()}
+            built = [ln for ln in m.log_path.read_text().splitlines() if "ds@untar:" in ln]
+            ds = {}
+            roots = {
+                "view": mnt / "ds@untar" / "train",
+                "extracted, same mount": mnt / "ds" / "extracted" / "train",
+                "extracted, source": src / "extracted" / "train",
+            }
+            scan_s = {}
+            for side, root in roots.items():
+                started = time.perf_counter()
+                ds[side] = DatasetFolder(str(root), loader=_load, extensions=(".jpeg",))
+                scan_s[side] = time.perf_counter() - started
+            order = list(range(len(ds["view"])))
+            random.Random(3).shuffle(order)
+            order = order[: args.epoch_files]
+            epochs: dict[str, list[float]] = {}
+            for side in roots:
+                epochs[side] = []
+                for _ in range(2):  # pass 1 (the mount's first reads), pass 2 (page cache)
+                    started = time.perf_counter()
+                    for i in order:
+                        ds[side][i]
+                    epochs[side].append(len(order) / (time.perf_counter() - started))
+        print(
+            f"\nkspeedfs merged tar view: {n:,} members of {size} B in {shards:,} tars "
+            f"({tar_bytes / 2**20:,.0f} MiB); the machine may be shared and loaded"
+        )
+        print(
+            f"  a fresh mount lists ds@untar/ ({listed:,} files, its table built) in "
+            f"{list_s:.1f}s: {list_s / max(listed, 1) * 1e6:.1f} µs per member; requests "
+            f"{per_file(stats0, stats1, max(listed, 1))} per member"
+        )
+        for line in built:
+            print(f"  mount log: {line.split('ds@untar: ', 1)[-1]}")
+        for w, kib in grown.items():
+            print(
+                f"  serving process {w}: +{kib / 1024:,.1f} MiB anonymous memory "
+                f"({kib * 1024 / max(n, 1):,.0f} B per member)"
+            )
+        print("  ImageFolder scan: " + ", ".join(f"{k} {v:.1f}s" for k, v in scan_s.items()))
+        for side, (p1, p2) in epochs.items():
+            print(
+                f"  ImageFolder epoch ({len(order):,} samples, shuffled), {side}: pass 1 "
+                f"{p1:,.0f}, pass 2 {p2:,.0f} files/s"
+            )
+        for k in (0, 1):
+            view = epochs["view"][k]
+            print(
+                f"  pass {k + 1}: view/extracted same mount "
+                f"{ratio(view, epochs['extracted, same mount'][k])} (target >= "
+                f"{TARGETS['tar_imagefolder']}), view/extracted on the source "
+                f"{ratio(view, epochs['extracted, source'][k])}"
+            )
+    return 0
+
+
+def _load(path: str) -> bytes:
+    with open(path, "rb") as f:
+        return f.read()
 
 
 def crc_after_read(path: str) -> int:

@@ -291,7 +291,8 @@ def _table(rows: _Rows, order: list[int], refused: dict[int, str]) -> MergedTree
     at = np.where(real, sel, 0)
 
     def column(values: array, dtype: str, default: int) -> np.ndarray:
-        full = np.frombuffer(values, dtype=values.typecode).astype(dtype)[at]
+        given = np.frombuffer(values, dtype=values.typecode).astype(dtype)
+        full = given[at] if given.size else np.zeros(len(at), dtype)  # no member at all
         full[~real] = default
         return full
 

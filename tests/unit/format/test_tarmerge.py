@@ -119,3 +119,11 @@ def test_the_table_holds_arrays_and_counts_its_bytes() -> None:
     assert tree.members == 50 and tree.rows == 61  # the top, 10 folders, 50 files
     assert all(hasattr(a, "dtype") and a.dtype != object for a in tree.arrays.values())
     assert tree.nbytes >= sum(a.nbytes for a in tree.arrays.values())
+
+
+def test_tars_without_members_show_their_folders_only() -> None:
+    tree, _ = merged({"a/empty.tar": tar_of([]), "b.tar": tar_of([])})
+    assert tree.refused == {} and tree.members == 0
+    assert [name for name, _ in tree.children(0)] == [b"a"]
+    tree, _ = merged({"empty.tar": tar_of([])})
+    assert tree.rows == 1 and list(tree.children(0)) == []
