@@ -587,7 +587,7 @@ def untar_bench(args: argparse.Namespace) -> int:
             built = [ln for ln in m.log_path.read_text().splitlines() if "ds@untar:" in ln]
             ds = {}
             roots = {
-                "view": mnt / "ds@untar" / "train",
+                "view": mnt / "ds@untar" / "shards" / "train",  # each tar into its folder
                 "extracted, same mount": mnt / "ds" / "extracted" / "train",
                 "extracted, source": src / "extracted" / "train",
             }

@@ -23,7 +23,7 @@ from collections.abc import Callable, Iterable, Iterator
 
 import numpy as np
 
-from kspeedfs.format import tarview
+from kspeedfs.format import tarscan, tarview
 from kspeedfs.format.errors import DataError
 from kspeedfs.format.manifest import Manifest
 
@@ -73,6 +73,16 @@ class _Rows:
                 )
                 if node.kind == tarview.DIR:
                     stack.append((child, key))
+
+    def add_headers(self, prefix: bytes, shard: int, headers: list[tarscan.Header]) -> None:
+        """A plain shard's headers in tar order (a later one of a path replaces an earlier
+        one when the rows are sorted, as in the tar view)."""
+        for parts, is_dir, mode, mtime, offset, size in headers:
+            if not parts:
+                continue  # the tar's own folder (`./`)
+            key = _SEP.join(parts)
+            key = prefix + _SEP + key if prefix else key
+            self.add(key, shard, DIR if is_dir else FILE, mode, mtime, offset, size)
 
 
 def _first_conflict(rows: _Rows, order: list[int]) -> int | None:
@@ -204,8 +214,8 @@ class MergedTree:
         return 0 if self.is_dir(row) else int(self.size[row])
 
 
-Parser = Callable[[], tarview.TarTree]
 Read = Callable[[int, int, int], tarview.Reader]  # (tar entry, offset, size) -> bytes
+Shard = tuple[bytes, Callable[[int, int], tarview.Reader], int]  # (folder, read, size)
 
 
 def tars_below(m: Manifest, top: int) -> list[int]:
@@ -227,26 +237,29 @@ def merge_folder(m: Manifest, top: int, read: Read) -> tuple[MergedTree, list[in
     tars = tars_below(m, top)
     base = len(m.path(top))
 
-    def shard(t: int) -> tuple[bytes, Parser]:
-        folder = m.path(int(m.parent[t]))[base:]
-        size = int(m.size[t])
-        return folder, lambda: tarview.parse(lambda off, n: read(t, off, n), size)
+    def shard(t: int) -> Shard:
+        return m.path(int(m.parent[t]))[base:], lambda off, n: read(t, off, n), int(m.size[t])
 
     return merge(shard(t) for t in tars), tars
 
 
-def merge(shards: Iterable[tuple[bytes, Parser]]) -> MergedTree:
+def merge(shards: Iterable[Shard]) -> MergedTree:
     """The merged tree of `shards`, given in path order as (folder of the shard relative to
-    the view's top, b"" for the top; a parser of its tree, raising DataError). A shard that
-    is refused is in `refused` with its one-line reason, and none of its members is shown."""
+    the view's top, b"" for the top; `read(offset, size)` of its bytes; its size). A shard
+    that is refused is in `refused` with its one-line reason, and none of its members is
+    shown. Plain shards are read by tarscan, the others by the tar view's parser."""
     rows = _Rows()
     refused: dict[int, str] = {}
-    for s, (folder, parse) in enumerate(shards):
+    for s, (folder, read, size) in enumerate(shards):
         prefix = folder.strip(b"/").replace(b"/", _SEP)
         if prefix:  # the shard's folder is there even if it is refused or empty
             rows.add(prefix, NO_SHARD, DIR, 0o755, 0, 0, 0)
+        headers = tarscan.scan(read, size)
+        if headers is not None:
+            rows.add_headers(prefix, s, headers)
+            continue
         try:
-            tree = parse()
+            tree = tarview.parse(read, size)
         except DataError as e:
             refused[s] = str(e)
             continue

@@ -11,18 +11,18 @@ from typing import Any
 
 import pytest
 from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 from untarutil import extract_in_order, merged_tree_of, shard_tars, shards_st, tree_of
 
-from kspeedfs.format import tarmerge, tarview
+from kspeedfs.format import tarmerge, tarscan
 
 
 def merged(tars: dict[str, bytes]) -> tuple[tarmerge.MergedTree, list[str]]:
     order = sorted(tars, key=lambda p: p.encode())
 
-    def shard(rel: str) -> tuple[bytes, tarmerge.Parser]:
+    def shard(rel: str) -> tarmerge.Shard:
         raw = tars[rel]
-        folder = rel.rpartition("/")[0].encode()
-        return folder, lambda: tarview.parse(lambda o, n: raw[o : o + n], len(raw))
+        return rel.rpartition("/")[0].encode(), lambda o, n: raw[o : o + n], len(raw)
 
     return tarmerge.merge(shard(rel) for rel in order), order
 
@@ -127,3 +127,35 @@ def test_tars_without_members_show_their_folders_only() -> None:
     assert [name for name, _ in tree.children(0)] == [b"a"]
     tree, _ = merged({"empty.tar": tar_of([])})
     assert tree.rows == 1 and list(tree.children(0)) == []
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(drawn=shards_st, damage=st.tuples(st.integers(0, 5), st.integers(0, 1 << 16)))
+def test_the_bulk_header_scan_gives_what_the_tar_view_parser_gives(
+    drawn: Any, damage: tuple[int, int]
+) -> None:
+    """Plain shards are read by tarscan, the others by tarview.parse: the same rows either
+    way, damaged shards refused either way (one byte of one shard flipped)."""
+    tars = shard_tars(*drawn)
+    which, at = damage
+    rel = sorted(tars)[which % len(tars)]
+    raw = bytearray(tars[rel])
+    if raw:
+        raw[at % len(raw)] ^= 0x41
+    tars[rel] = bytes(raw)
+    scanned, order = merged(tars)
+    with pytest.MonkeyPatch.context() as patched:
+        patched.setattr(tarscan, "scan", lambda read, size: None)
+        parsed, _ = merged(tars)
+    assert scanned.refused.keys() == parsed.refused.keys()
+    assert shown(scanned, tars, order) == shown(parsed, tars, order)
+    assert [int(scanned.mode[r]) for r in range(scanned.rows)] == [
+        int(parsed.mode[r]) for r in range(parsed.rows)
+    ]
+
+
+def test_plain_shards_are_scanned_and_others_parsed() -> None:
+    plain = tar_of([("c/x.jpg", b"x"), ("c/", b"")])
+    assert tarscan.scan(lambda o, n: plain[o : o + n], len(plain)) is not None
+    for odd in (tar_of([("c/" + "l" * 120 + ".jpg", b"x")]), tar_of([("../x", b"x")]), b""):
+        assert tarscan.scan(lambda o, n, odd=odd: odd[o : o + n], len(odd)) is None
