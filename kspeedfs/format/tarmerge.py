@@ -38,7 +38,8 @@ class _Rows:
     paths with `/` as NUL, so that sorting them walks the tree depth first)."""
 
     def __init__(self) -> None:
-        self.keys: list[bytes] = []
+        self.blob = bytearray()  # the keys, back to back
+        self.ends = array("q")  # where each key ends in it
         self.shard = array("i")
         self.kind = array("B")
         self.mode = array("H")
@@ -50,7 +51,8 @@ class _Rows:
     def add(
         self, key: bytes, shard: int, kind: int, mode: int, mtime: int, offset: int, size: int
     ) -> None:
-        self.keys.append(key)
+        self.blob += key
+        self.ends.append(len(self.blob))
         self.shard.append(shard)
         self.kind.append(kind)
         self.mode.append(mode & 0o7777)
@@ -67,7 +69,7 @@ class _Rows:
                 node = tree.nodes[child]
                 key = at + _SEP + name if at else name
                 if node.kind == tarview.LINK:
-                    self.targets[len(self.keys)] = node.target
+                    self.targets[len(self.ends)] = node.target
                 self.add(
                     key, shard, _KINDS[node.kind], node.mode, node.mtime, node.offset, node.size
                 )
@@ -85,20 +87,63 @@ class _Rows:
             self.add(key, shard, DIR if is_dir else FILE, mode, mtime, offset, size)
 
 
-def _first_conflict(rows: _Rows, order: list[int]) -> int | None:
+class _Sorted:
+    """The rows' records in key order (stable: for one path, later shards last), and their
+    keys. Sorted as one fixed-width numpy array (`SORT_BYTES` at most, freed after), not as
+    a Python object per key; wider keys (long names) fall back to a sort of Python bytes."""
+
+    def __init__(self, rows: _Rows):
+        self.blob = rows.blob
+        self.ends = np.frombuffer(rows.ends, dtype=np.int64)
+        self.starts = np.concatenate([[0], self.ends[:-1]]).astype(np.int64)
+        n = len(self.ends)
+        lens = self.ends - self.starts
+        width = int(lens.max()) if n else 1
+        if n * width <= SORT_BYTES:
+            grid = np.zeros((n, width), dtype=np.uint8)
+            data = np.frombuffer(self.blob, dtype=np.uint8)
+            for j in range(width):  # column j of every key that long
+                at = np.flatnonzero(lens > j)
+                grid[at, j] = data[self.starts[at] + j]
+            self.order = np.argsort(grid.view(f"S{width}").ravel(), kind="stable")
+            del grid
+        else:
+            keys = [self.key_of(r) for r in range(n)]
+            self.order = np.array(sorted(range(n), key=keys.__getitem__), dtype=np.int64)
+
+    def key_of(self, record: int) -> bytes:
+        return bytes(self.blob[int(self.starts[record]) : int(self.ends[record])])
+
+    def __len__(self) -> int:
+        return len(self.order)
+
+    def record(self, k: int) -> int:
+        return int(self.order[k])
+
+    def key(self, k: int) -> bytes:
+        return self.key_of(int(self.order[k]))
+
+    def drop_shard(self, shard: np.ndarray, refused: int) -> None:
+        self.order = self.order[shard[self.order] != refused]
+
+
+SORT_BYTES = 256 << 20
+
+
+def _first_conflict(rows: _Rows, order: _Sorted) -> int | None:
     """The shard to refuse first, or None: the lowest shard that makes a file (or link) of a
     path an earlier shard made a folder, or the reverse. Refusing it and looking again gives
     what extracting in order and refusing each shard that clashes with those kept would."""
-    keys, shard, kind = rows.keys, rows.shard, rows.kind
+    shard, kind = rows.shard, rows.kind
     worst: int | None = None
     k, n = 0, len(order)
     while k < n:
-        key = keys[order[k]]
+        key = order.key(k)
         end = k
         first_dir = first_other = None
-        while end < n and keys[order[end]] == key:
-            s = shard[order[end]]
-            if kind[order[end]] == DIR:
+        while end < n and order.key(end) == key:
+            s = shard[order.record(end)]
+            if kind[order.record(end)] == DIR:
                 first_dir = s if first_dir is None else min(first_dir, s)
             else:
                 first_other = s if first_other is None else min(first_other, s)
@@ -106,8 +151,8 @@ def _first_conflict(rows: _Rows, order: list[int]) -> int | None:
         if first_other is not None:
             below = key + _SEP
             j = end
-            while j < n and keys[order[j]].startswith(below):
-                s = shard[order[j]]
+            while j < n and order.key(j).startswith(below):
+                s = shard[order.record(j)]
                 first_dir = s if first_dir is None else min(first_dir, s)
                 j += 1
             if first_dir is not None:
@@ -264,18 +309,17 @@ def merge(shards: Iterable[Shard]) -> MergedTree:
             refused[s] = str(e)
             continue
         rows.add_tree(prefix, s, tree)
-    keys = rows.keys
-    order = sorted(range(len(keys)), key=keys.__getitem__)  # stable: later shards last
+    order = _Sorted(rows)
+    shards = np.frombuffer(rows.shard, dtype=np.int32)
     while (clash := _first_conflict(rows, order)) is not None:
         refused[clash] = "its paths make a file of an earlier shard's folder, or the reverse"
-        order = [r for r in order if rows.shard[r] != clash]
+        order.drop_shard(shards, clash)
     return _table(rows, order, refused)
 
 
-def _table(rows: _Rows, order: list[int], refused: dict[int, str]) -> MergedTree:
+def _table(rows: _Rows, order: _Sorted, refused: dict[int, str]) -> MergedTree:
     """Rows in depth-first order, each path once (the last record of it), with the folders
     that paths imply."""
-    keys = rows.keys
     names = bytearray()
     name_off = array("q", [0, 0])  # the top has no name
     parent = array("i", [0])
@@ -283,10 +327,10 @@ def _table(rows: _Rows, order: list[int], refused: dict[int, str]) -> MergedTree
     chain: list[tuple[bytes, int]] = []  # (key, row) of the folders above the walk
     k, n = 0, len(order)
     while k < n:
-        key = keys[order[k]]
-        while k + 1 < n and keys[order[k + 1]] == key:
+        key = order.key(k)
+        while k + 1 < n and order.key(k + 1) == key:
             k += 1
-        record = order[k]
+        record = order.record(k)
         k += 1
         parts = key.split(_SEP)
         while chain and not key.startswith(chain[-1][0] + _SEP):
@@ -322,19 +366,29 @@ def _table(rows: _Rows, order: list[int], refused: dict[int, str]) -> MergedTree
     kid_start = np.searchsorted(parents[kids], np.arange(len(parents) + 1)).astype("<i8")
     arrays: dict[str, np.ndarray] = {
         "names": np.frombuffer(bytes(names), dtype=np.uint8),
-        "name_off": np.frombuffer(name_off, dtype=np.int64).copy(),
+        "name_off": _narrow(np.frombuffer(name_off, dtype=np.int64)),
         "parent": parents,
         "kind": kind,
         "mode": column(rows.mode, "<u2", 0o755),
-        "mtime": column(rows.mtime, "<i8", 0),
+        "mtime": _narrow(column(rows.mtime, "<i8", 0)),
         "shard": column(rows.shard, "<i4", NO_SHARD),
-        "offset": offset,
-        "size": size,
+        "offset": _narrow(offset),
+        "size": _narrow(size),
         "kids": kids,
-        "kid_start": kid_start,
+        "kid_start": _narrow(kid_start),
         "targets": np.frombuffer(bytes(targets), dtype=np.uint8),
     }
     return MergedTree(arrays, dict(sorted(refused.items())))
+
+
+def _narrow(values: np.ndarray) -> np.ndarray:
+    """`values` in 4 bytes each where they fit (offsets in tars under 4 GiB, sizes, times),
+    else in 8: half the table at ImageNet's shape."""
+    if not values.size or (int(values.min()) >= 0 and int(values.max()) < 1 << 32):
+        return values.astype("<u4")
+    if int(values.min()) >= -(1 << 31) and int(values.max()) < 1 << 31:
+        return values.astype("<i4")
+    return values.astype("<i8")
 
 
 def _add_row(

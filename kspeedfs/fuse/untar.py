@@ -22,6 +22,7 @@ from kspeedfs.format import tarmerge
 from kspeedfs.format.errors import DataError
 from kspeedfs.fuse.kernel import Buffer, FuseError, ReadResult
 from kspeedfs.fuse.variants import tar_bytes
+from kspeedfs.system.memory import trim_heap
 
 log = logging.getLogger(__name__)
 
@@ -58,6 +59,7 @@ class UntarFiles:
                 merged = self._merged
                 if merged is None:
                     merged = tarmerge.merge_folder(self.manifest, 0, self._raw)
+                    trim_heap()
                     self._merged = merged
                     self._log_built(merged)
         return merged

@@ -14,6 +14,7 @@ from typing import Any
 from kspeedfs.client.dataset_reader import Reader
 from kspeedfs.format import tarmerge
 from kspeedfs.format.errors import NoSuchPath
+from kspeedfs.system.memory import trim_heap
 
 log = logging.getLogger(__name__)
 
@@ -33,6 +34,7 @@ class MergedViews:
             found = self._trees.get(uuid)
             if found is None:
                 found = tarmerge.merge_folder(reader.manifest, 0, reader.range_bytes)
+                trim_heap()
                 for shard, why in found[0].refused.items():
                     path = os.fsdecode(reader.manifest.path(found[1][shard]))
                     log.warning(
