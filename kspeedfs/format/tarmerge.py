@@ -110,6 +110,8 @@ class _Sorted:
         else:
             keys = [self.key_of(r) for r in range(n)]
             self.order = np.array(sorted(range(n), key=keys.__getitem__), dtype=np.int64)
+        self._chunk_no = -1
+        self._chunk: list[bytes] = []
 
     def key_of(self, record: int) -> bytes:
         return bytes(self.blob[int(self.starts[record]) : int(self.ends[record])])
@@ -121,13 +123,26 @@ class _Sorted:
         return int(self.order[k])
 
     def key(self, k: int) -> bytes:
-        return self.key_of(int(self.order[k]))
+        """The k-th key in order (read a chunk at a time: the walks go forward)."""
+        chunk = k >> _CHUNK_BITS
+        if chunk != self._chunk_no:
+            records = self.order[chunk << _CHUNK_BITS : (chunk + 1) << _CHUNK_BITS]
+            starts, ends, blob = (
+                self.starts[records].tolist(),
+                self.ends[records].tolist(),
+                self.blob,
+            )
+            self._chunk = [bytes(blob[a:b]) for a, b in zip(starts, ends, strict=True)]
+            self._chunk_no = chunk
+        return self._chunk[k & ((1 << _CHUNK_BITS) - 1)]
 
     def drop_shard(self, shard: np.ndarray, refused: int) -> None:
         self.order = self.order[shard[self.order] != refused]
+        self._chunk_no = -1
 
 
 SORT_BYTES = 256 << 20
+_CHUNK_BITS = 16  # keys materialised 65,536 at a time
 
 
 def _first_conflict(rows: _Rows, order: _Sorted) -> int | None:

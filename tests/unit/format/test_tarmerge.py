@@ -159,3 +159,19 @@ def test_plain_shards_are_scanned_and_others_parsed() -> None:
     assert tarscan.scan(lambda o, n: plain[o : o + n], len(plain)) is not None
     for odd in (tar_of([("c/" + "l" * 120 + ".jpg", b"x")]), tar_of([("../x", b"x")]), b""):
         assert tarscan.scan(lambda o, n, odd=odd: odd[o : o + n], len(odd)) is None
+
+
+@settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(drawn=shards_st)
+def test_small_key_chunks_and_the_bytes_sort_give_the_same_table(drawn: Any) -> None:
+    """Keys read 2 at a time (chunk edges everywhere) and sorted as Python bytes (the long
+    names' way) give the table the one-array sort gives."""
+    tars = shard_tars(*drawn)
+    want, order = merged(tars)
+    with pytest.MonkeyPatch.context() as patched:
+        patched.setattr(tarmerge, "_CHUNK_BITS", 1)
+        patched.setattr(tarmerge, "SORT_BYTES", 0)
+        got, _ = merged(tars)
+    assert got.refused == want.refused
+    for name in want.arrays:
+        assert got.arrays[name].tolist() == want.arrays[name].tolist(), name
