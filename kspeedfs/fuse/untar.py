@@ -42,6 +42,9 @@ class UntarFiles:
         self.manifest = data.manifest
         self._merged: tuple[tarmerge.MergedTree, list[int]] | None = None
         self._lock = threading.Lock()
+        _, _, self._uid, self._gid, self._top_mtime = self.manifest.stat_fields(0)
+        # The folder listed last: a listing comes in several replies, each from an offset.
+        self._listed: tuple[int, list[tuple[bytes, int]]] = (-1, [])
 
     def close(self) -> None:
         with self._lock:
@@ -92,9 +95,8 @@ class UntarFiles:
         """(mode, size, uid, gid, mtime_ns); owners are the dataset's top folder's, as a tar
         view's members take their tar's."""
         row, tree = self._row(idx), self.tree
-        _, _, uid, gid, top_mtime = self.manifest.stat_fields(0)
-        mtime = int(tree.mtime[row]) * 1_000_000_000 if row else top_mtime
-        return tree.shown_mode(row), tree.shown_size(row), uid, gid, mtime
+        mtime = int(tree.mtime[row]) * 1_000_000_000 if row else self._top_mtime
+        return tree.shown_mode(row), tree.shown_size(row), self._uid, self._gid, mtime
 
     def is_dir(self, idx: int) -> bool:
         return self.tree.is_dir(self._row(idx))
@@ -107,8 +109,13 @@ class UntarFiles:
         return tree.lookup(row, name) if tree.is_dir(row) else None
 
     def children(self, idx: int) -> list[tuple[bytes, int]]:
+        listed = self._listed
+        if listed[0] == idx:
+            return listed[1]
         row, tree = self._row(idx), self.tree
-        return list(tree.children(row)) if tree.is_dir(row) else []
+        kids = list(tree.children(row)) if tree.is_dir(row) else []
+        self._listed = (idx, kids)
+        return kids
 
     def readlink(self, idx: int) -> bytes | None:
         row, tree = self._row(idx), self.tree
