@@ -33,7 +33,7 @@ NO_SHARD = -1  # a folder's row: no shard holds its bytes
 _SEP = b"\0"  # sorts below every name byte: a folder's rows follow it, before its next sibling
 
 
-class _Rows:
+class _Records:
     """Member rows as they are gathered, shard after shard (compact columns; keys are the
     paths with `/` as NUL, so that sorting them walks the tree depth first)."""
 
@@ -87,12 +87,12 @@ class _Rows:
             self.add(key, shard, DIR if is_dir else FILE, mode, mtime, offset, size)
 
 
-class _Sorted:
+class _SortedRecords:
     """The rows' records in key order (stable: for one path, later shards last), and their
     keys. Sorted as one fixed-width numpy array (`SORT_BYTES` at most, freed after), not as
     a Python object per key; wider keys (long names) fall back to a sort of Python bytes."""
 
-    def __init__(self, rows: _Rows):
+    def __init__(self, rows: _Records):
         self.blob = rows.blob
         self.ends = np.frombuffer(rows.ends, dtype=np.int64)
         self.starts = np.concatenate([[0], self.ends[:-1]]).astype(np.int64)
@@ -145,7 +145,7 @@ SORT_BYTES = 256 << 20
 _CHUNK_BITS = 16  # keys materialised 65,536 at a time
 
 
-def _first_conflict(rows: _Rows, order: _Sorted) -> int | None:
+def _first_conflict(rows: _Records, order: _SortedRecords) -> int | None:
     """The shard to refuse first, or None: the lowest shard that makes a file (or link) of a
     path an earlier shard made a folder, or the reverse. Refusing it and looking again gives
     what extracting in order and refusing each shard that clashes with those kept would."""
@@ -308,7 +308,7 @@ def merge(shards: Iterable[Shard]) -> MergedTree:
     the view's top, b"" for the top; `read(offset, size)` of its bytes; its size). A shard
     that is refused is in `refused` with its one-line reason, and none of its members is
     shown. Plain shards are read by tarscan, the others by the tar view's parser."""
-    rows = _Rows()
+    rows = _Records()
     refused: dict[int, str] = {}
     for s, (folder, read, size) in enumerate(shards):
         prefix = folder.strip(b"/").replace(b"/", _SEP)
@@ -324,7 +324,7 @@ def merge(shards: Iterable[Shard]) -> MergedTree:
             refused[s] = str(e)
             continue
         rows.add_tree(prefix, s, tree)
-    order = _Sorted(rows)
+    order = _SortedRecords(rows)
     shards = np.frombuffer(rows.shard, dtype=np.int32)
     while (clash := _first_conflict(rows, order)) is not None:
         refused[clash] = "its paths make a file of an earlier shard's folder, or the reverse"
@@ -332,7 +332,7 @@ def merge(shards: Iterable[Shard]) -> MergedTree:
     return _table(rows, order, refused)
 
 
-def _table(rows: _Rows, order: _Sorted, refused: dict[int, str]) -> MergedTree:
+def _table(rows: _Records, order: _SortedRecords, refused: dict[int, str]) -> MergedTree:
     """Rows in depth-first order, each path once (the last record of it), with the folders
     that paths imply."""
     names = bytearray()

@@ -350,7 +350,8 @@ class KSpeedFileSystem(AbstractFileSystem):
         return out
 
     def _root_entries(self) -> list[dict[str, Any]]:
-        """A folder per dataset (the tar views are not listed: open `NAME@tar/` by name)."""
+        """A folder per dataset (the tar views are not listed: open `NAME@tar/` or
+        `NAME@untar/` by name)."""
         return [
             {
                 "name": name,
