@@ -23,6 +23,7 @@ import pytest
 from conftest import MountProcess, NodeProcess, run_cli, wait_for
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from untarutil import tree_of
 
 from kspeedfs.format import tarview
 from kspeedfs.format.errors import DataError
@@ -90,24 +91,6 @@ def extracted(raw: bytes, dest: Path) -> dict[bytes, tuple[str, bytes]]:
     with tarfile.open(fileobj=io.BytesIO(raw)) as tar:
         tar.extractall(dest, filter="fully_trusted")
     return tree_of(dest)
-
-
-def tree_of(root: Path) -> dict[bytes, tuple[str, bytes]]:
-    """Relative path -> (kind, bytes or link target), names as bytes."""
-    out: dict[bytes, tuple[str, bytes]] = {}
-    base = os.fsencode(root)
-    for dirpath, dirs, files in os.walk(base):
-        for name in dirs + files:
-            full = os.path.join(dirpath, name)
-            rel = os.path.relpath(full, base)
-            if os.path.islink(full):
-                out[rel] = ("link", os.readlink(full))
-            elif os.path.isdir(full):
-                out[rel] = ("dir", b"")
-            else:
-                with open(full, "rb") as f:
-                    out[rel] = ("file", f.read())
-    return out
 
 
 def parsed(raw: bytes) -> dict[bytes, tuple[str, bytes]]:
