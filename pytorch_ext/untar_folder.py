@@ -16,6 +16,7 @@ import os
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from kspeedfs.client import on_mount
 from kspeedfs.format import tarmerge
 from kspeedfs.format.errors import InvalidArgument
 
@@ -26,8 +27,10 @@ log = logging.getLogger(__name__)
 
 
 class KSpeedUntarFolder(MemberFolder):
-    """DatasetFolder over the merged members of the cached tars under `root` (a folder of a
-    cached dataset, by its source path or its path on a mount); see MemberFolder."""
+    """DatasetFolder over the merged members of the cached tars under `root`: a folder of a
+    cached dataset (by its source path or its path on a mount), or a folder of the merged
+    view on a mount (`/mnt/kspeedfs/NAME@untar/train`: what ImageFolder over it gives); see
+    MemberFolder."""
 
     def __init__(
         self,
@@ -45,7 +48,12 @@ class KSpeedUntarFolder(MemberFolder):
         local: bool | None = None,
     ):
         self._configure(root, loader, transform, target_transform)
-        m = self._attach(self.root, objname, nodes, token, local)
+        on = on_mount.behind(self.root)
+        if on is not None and on.untar is not None:  # a folder of NAME@untar on a mount
+            folder = os.path.join(on.untar, folder) if folder else on.untar
+            m = self._attach(on.source, objname or on.dataset, nodes, token, local)
+        else:
+            m = self._attach(self.root, objname, nodes, token, local)
         if not m.is_dir(self._top):
             raise InvalidArgument(f"{self.root} is not a folder of a cached dataset")
         tree, tars = tarmerge.merge_folder(m, self._top, self._reader.range_bytes)
@@ -58,7 +66,8 @@ class KSpeedUntarFolder(MemberFolder):
             raise InvalidArgument(
                 f"no folder {folder!r} among the members of the tars in {self.root}"
             )
-        self.root = os.path.join(self.root, folder) if folder else self.root
+        if on is None or on.untar is None:
+            self.root = os.path.join(self.root, folder) if folder else self.root
         self.shards = [os.fsdecode(m.path(t)) for t in tars]  # shard numbers -> paths
         self.refused = dict(tree.refused)
 

@@ -34,6 +34,7 @@ class MountedPath:
     source: str = ""
     rel: str = ""  # the path inside the dataset ("" its root)
     variant: bool = False  # inside a decoded variant's folder (NAME@N)
+    untar: str | None = None  # the path inside the merged tar view (NAME@untar) of `dataset`
 
     def describe(self) -> str:
         """`PATH is dataset D` or `PATH is folder F of dataset D`, on a kspeedfs mount."""
@@ -41,10 +42,16 @@ class MountedPath:
         return f"{self.path} is {inside} on a kspeedfs mount"
 
 
-def describe_attr(dataset: str, instance: str, source: str, rel: str, variant: bool) -> bytes:
-    """The value of DATASET_XATTR the mount answers."""
-    fields = {"dataset": dataset, "instance": instance, "source": source, "path": rel}
-    return json.dumps(dict(fields, variant=variant), sort_keys=True).encode()
+def describe_attr(
+    dataset: str, instance: str, source: str, rel: str, variant: bool, untar: str | None = None
+) -> bytes:
+    """The value of DATASET_XATTR the mount answers; `untar`: the path inside the merged tar
+    view (`NAME@untar/`) of dataset `dataset`."""
+    fields: dict[str, Any] = {"dataset": dataset, "instance": instance, "source": source}
+    fields.update(path=rel, variant=variant)
+    if untar is not None:
+        fields["untar"] = untar
+    return json.dumps(fields, sort_keys=True).encode()
 
 
 def behind(path: str | os.PathLike[str]) -> MountedPath | None:
@@ -75,6 +82,7 @@ def behind(path: str | os.PathLike[str]) -> MountedPath | None:
             str(d.get("source", "")),
             str(d.get("path", "")),
             bool(d.get("variant", False)),
+            None if d.get("untar") is None else str(d["untar"]),
         )
     except (ValueError, KeyError, TypeError):
         raise InvalidArgument(f"{shown} is on a kspeedfs mount that answers {raw[:80]!r}") from None
@@ -91,6 +99,11 @@ def check_dataset(on: MountedPath, objname: str | None = None) -> None:
         raise InvalidArgument(
             f"{on.path} is in a decoded variant's folder on a kspeedfs mount ({on.dataset}):"
             " give the dataset's own folder (and decoded=N)"
+        )
+    if on.untar is not None:
+        raise InvalidArgument(
+            f"{on.path} is in the merged tar view of {on.dataset} on a kspeedfs mount: read it"
+            " with KSpeedUntarFolder, or give the dataset's own folder"
         )
     if objname is not None and objname != on.dataset:
         raise InvalidArgument(f"{on.describe()}, not of dataset {objname}")

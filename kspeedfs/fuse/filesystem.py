@@ -437,8 +437,12 @@ class KSpeedFS:
             if ino == ROOT and not self.single:
                 return on_mount.describe_attr("", "", "", "", False)
             mounted, idx = self._locate(ino)
-            merged = isinstance(mounted.variant, UntarFiles)  # its rows are not the manifest's
-            rel = "" if merged else os.fsdecode(mounted.data.manifest.path(idx))
+            if isinstance(mounted.variant, UntarFiles) and mounted.view is not None:
+                inside = os.fsdecode(mounted.variant.path(idx))
+                return on_mount.describe_attr(
+                    mounted.view.base, mounted.uuid, mounted.data.source, "", False, inside
+                )
+            rel = os.fsdecode(mounted.data.manifest.path(idx))
             is_variant = mounted.variant is not None
             return on_mount.describe_attr(
                 mounted.name, mounted.uuid, mounted.data.source, rel, is_variant

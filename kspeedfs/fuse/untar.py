@@ -98,6 +98,10 @@ class UntarFiles:
         mtime = int(tree.mtime[row]) * 1_000_000_000 if row else self._top_mtime
         return tree.shown_mode(row), tree.shown_size(row), self._uid, self._gid, mtime
 
+    def path(self, idx: int) -> bytes:
+        """Where `idx` is inside the view."""
+        return self.tree.path(self._row(idx))
+
     def is_dir(self, idx: int) -> bool:
         return self.tree.is_dir(self._row(idx))
 

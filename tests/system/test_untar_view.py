@@ -26,7 +26,7 @@ from untarutil import extract_in_order, shard_tars, shards_st, tree_of, write_sh
 
 from kspeedfs.format.errors import InvalidArgument
 from kspeedfs.stacks.filesystem import KSpeedFileSystem
-from pytorch_ext import KSpeedUntarFolder
+from pytorch_ext import KSpeedImageFolder, KSpeedUntarFolder
 
 pytestmark = [pytest.mark.slow, pytest.mark.fuse]
 EXTENSIONS = (".jpg", ".png")
@@ -169,6 +169,15 @@ def test_stock_imagefolder_over_the_view_equals_it_over_the_extraction(
     assert [fast[i][0].tobytes() for i in range(len(fast))] == [
         over_tree[i][0].tobytes() for i in range(len(over_tree))
     ]
+    # The fast path given the view's folder on the mount: the same samples, read from the
+    # cache (not back through FUSE); the other fast-path datasets refuse it in one line.
+    on_view = KSpeedUntarFolder(view, loader=bytes, **kw(node))
+    assert on_view.samples == over_view.samples
+    assert [on_view[i][0] for i in range(len(on_view))] == [
+        read_bytes(p) for p, _ in over_view.samples
+    ]
+    with pytest.raises(InvalidArgument, match="merged tar view"):
+        KSpeedImageFolder(view, **kw(node))
 
 
 def test_a_damaged_shard_is_one_line_and_the_others_are_served(
