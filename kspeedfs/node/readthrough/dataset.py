@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import collections.abc
 import dataclasses
+import functools
 import logging
 import mmap
 import os
@@ -90,6 +91,11 @@ class CachedDataset:
 
     def seg_len(self, seg: int) -> int:
         return int(self.manifest.seg_len[seg])
+
+    @functools.cached_property
+    def size(self) -> int:
+        """Bytes of all its segments: what it would hold all in memory (its share's limit)."""
+        return int(self.manifest.seg_len.sum())
 
     def holds(self, seg: int) -> bool:
         """Whether segment `seg` is on this node, in memory or on the disk tier."""
