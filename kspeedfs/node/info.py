@@ -33,10 +33,10 @@ from kspeedfs.node.leases import LeaseTable
 from kspeedfs.node.loads import LoadTable
 from kspeedfs.node.ops import READ, OpRegistry
 from kspeedfs.node.peers import PeerPool
-from kspeedfs.node.preload import Stager
 from kspeedfs.node.promote import PreloadPromotions
 from kspeedfs.node.readthrough import ReadThroughCache
 from kspeedfs.node.scrub import Scrubber
+from kspeedfs.node.stager import Stager
 from kspeedfs.node.store import SegmentStore
 from kspeedfs.rdma.server import RdmaService
 

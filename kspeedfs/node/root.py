@@ -33,10 +33,10 @@ from kspeedfs.node.metaindexes import AddedIndexes
 from kspeedfs.node.metrics import serve_metrics
 from kspeedfs.node.ops import OpRegistry
 from kspeedfs.node.peers import PeerPool
-from kspeedfs.node.preload import Stager
 from kspeedfs.node.promote import PreloadPromotions, Promoter
 from kspeedfs.node.readthrough import LocalCatalog, ReadThroughCache
 from kspeedfs.node.scrub import Scrubber
+from kspeedfs.node.stager import Stager
 from kspeedfs.node.store import TIER_DIR, SegmentStore
 from kspeedfs.node.unload import Unloader
 from kspeedfs.rdma.server import RdmaService

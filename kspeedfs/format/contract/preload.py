@@ -1,5 +1,5 @@
 """The preload's ops: a client asks a coordinator (`preload`, `progress`); the coordinator
-drives every member's stage (node.preload.Stager) through the `stage*`, `commit` and `abort`
+drives every member's stage (node.stager.Stager) through the `stage*`, `commit` and `abort`
 ops, admin only.
 
 `progress` and `stage_status` are long-polled: a caller passes the `version` of the state it

@@ -24,7 +24,7 @@ from kspeedfs.node.coordinator import PreloadCoordinator
 from kspeedfs.node.events import DatasetEvents
 from kspeedfs.node.loads import LoadTable
 from kspeedfs.node.ops import READ, OpRegistry
-from kspeedfs.node.preload import Stager
+from kspeedfs.node.stager import Stager
 from kspeedfs.node.store import SegmentStore
 from kspeedfs.sources.source import LocalSource
 from unit.controlfakes import inline_threads, run
