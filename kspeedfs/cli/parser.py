@@ -65,6 +65,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--endpoint", help="object store endpoint URL of an s3:// source")
     p.add_argument("--no-wait", action="store_true", help="return once the node accepted it")
+    p.add_argument(
+        "--queue",
+        action="store_true",
+        help="when it does not fit, wait in the node's queue for room instead of failing",
+    )
     p.add_argument("--replicas", type=int, default=1, help="copies of each segment (default 1)")
     p.add_argument(
         "--tier",

@@ -52,6 +52,7 @@ from kspeedfs.format.errors import (
     AlreadyExists,
     AuthError,
     KSpeedError,
+    NoSpace,
     SourceModified,
     SourceNotVisible,
     error_from_wire,
@@ -64,6 +65,7 @@ from kspeedfs.node.loads import LoadTable, answer_on_change, failure_reason, pro
 from kspeedfs.node.ops import ADMIN, JOB, READ, OpRegistry, answering, caller_role, refusal
 from kspeedfs.node.peers import Ask
 from kspeedfs.node.preload import Plan, plan_preload
+from kspeedfs.node.preload_queue import PreloadQueue, Waiting
 from kspeedfs.node.stager import Stager
 from kspeedfs.node.store import SegmentStore
 from kspeedfs.node.tasks import Tasks
@@ -94,6 +96,7 @@ class PreloadCoordinator:
         control: ClusterControl,
         ask: Ask,
         after_preload: AfterPreload,
+        queue: PreloadQueue,
     ):
         self.settings = settings
         self.store = store
@@ -103,6 +106,7 @@ class PreloadCoordinator:
         self.ask = ask
         self.after_preload = after_preload
         self.tasks = Tasks()  # the preloads under way
+        self.queue = queue  # the preloads waiting for room (--queue)
 
     def register_ops(self, ops: OpRegistry) -> None:
         ops.add(Preload, self.op_preload, JOB)  # a job's: under source_roots, leased
@@ -124,11 +128,12 @@ class PreloadCoordinator:
         except BaseException:
             self.loads.finish(name)
             raise
-        progress.state = "loading"
+        progress.state = "loading" if pushed is not None else "queued"
         progress.files_total, progress.bytes_total = plan.tree.file_count, plan.tree.data_bytes
         self.tasks.start_soon(self._coordinate, plan, progress, pushed, request)
         log.info(
-            "preloading %s from %s over %d nodes: %d files, %s",
+            "%s %s from %s over %d nodes: %d files, %s",
+            "preloading" if pushed is not None else "queued for room: preload of",
             name,
             plan.source,
             len(plan.members),
@@ -140,6 +145,7 @@ class PreloadCoordinator:
             files_total=plan.tree.file_count,
             bytes_total=plan.tree.data_bytes,
             nodes=plan.members,
+            queued=0 if pushed is not None else len(self.queue.waiting) + 1,
         )
 
     async def op_progress(self, request: LoadProgress) -> Progressing | Published:
@@ -180,15 +186,22 @@ class PreloadCoordinator:
                 log.warning("node %s is down, placing data on the others: %s", member, e)
         return live
 
-    async def _start_preload(self, request: Preload) -> tuple[Plan, set[str]]:
-        """Scan and plan a preload, claim its name, start every member's stage."""
+    async def _start_preload(self, request: Preload) -> tuple[Plan, set[str] | None]:
+        """Scan and plan a preload, claim its name, start every member's stage. With
+        `request.queue`, a preload that does not fit is planned and claimed but not started
+        (None: `_coordinate` waits in the queue for its admission)."""
         claimed = ""  # control plane: the instance this preload claimed the name for
         try:
             live = await self.live_members()
             plan = await plan_preload(request, self.settings.segment_size, live)
             await self.control.claim_preload(plan, self.stager.address)  # etcd: one wins
             claimed = plan.uuid
-            pushed = await start_stages(plan, self.ask, self.stager)
+            try:
+                pushed: set[str] | None = await start_stages(plan, self.ask, self.stager)
+            except NoSpace:
+                if not request.queue:
+                    raise
+                pushed = None
         except BaseException:
             if claimed:
                 with trio.CancelScope(shield=True):
@@ -196,11 +209,27 @@ class PreloadCoordinator:
             raise
         return plan, pushed
 
+    async def _admitted(self, plan: Plan, progress: Progress) -> set[str]:
+        """A queued preload's admission, once it is at the head of the queue and fits."""
+        here = plan.assignment.get(self.stager.address, [])
+        entry = Waiting(
+            plan.name,
+            plan.source,
+            sum(int(plan.laid.seg_len[k]) for k in here) or plan.tree.data_bytes,
+            progress,
+        )
+        pushed = await self.queue.admit(entry, lambda: start_stages(plan, self.ask, self.stager))
+        progress.state = "loading"
+        log.info("preload of %s admitted after %d tries in the queue", plan.name, entry.tries)
+        return pushed
+
     async def _coordinate(
-        self, plan: Plan, progress: Progress, pushed: set[str], request: Preload
+        self, plan: Plan, progress: Progress, pushed: set[str] | None, request: Preload
     ) -> None:
         try:
             for attempt in range(1, LOAD_ATTEMPTS + 1):
+                if pushed is None:
+                    pushed = await self._admitted(plan, progress)
                 try:
                     scratch = self.store.staging_dir
                     await coordinate(plan, self.ask, progress, scratch, pushed)
