@@ -14,6 +14,7 @@ from __future__ import annotations
 import errno
 import logging
 import os
+import stat
 import threading
 
 from kspeedfs.client.handle import DatasetHandle
@@ -93,9 +94,12 @@ class UntarFiles:
 
     def stat_fields(self, idx: int) -> tuple[int, int, int, int, int]:
         """(mode, size, uid, gid, mtime_ns); owners are the dataset's top folder's, as a tar
-        view's members take their tar's."""
+        view's members take their tar's. The top's need no table: a stat of the mount's root
+        names (the mount's own check that it answers) does not build it."""
+        if idx == 0:
+            return stat.S_IFDIR | 0o555, 0, self._uid, self._gid, self._top_mtime
         row, tree = self._row(idx), self.tree
-        mtime = int(tree.mtime[row]) * 1_000_000_000 if row else self._top_mtime
+        mtime = int(tree.mtime[row]) * 1_000_000_000
         return tree.shown_mode(row), tree.shown_size(row), self._uid, self._gid, mtime
 
     def path(self, idx: int) -> bytes:
@@ -103,10 +107,10 @@ class UntarFiles:
         return self.tree.path(self._row(idx))
 
     def is_dir(self, idx: int) -> bool:
-        return self.tree.is_dir(self._row(idx))
+        return idx == 0 or self.tree.is_dir(self._row(idx))
 
     def parent(self, idx: int) -> int:
-        return int(self.tree.parent[self._row(idx)])
+        return 0 if idx == 0 else int(self.tree.parent[self._row(idx)])
 
     def lookup(self, parent: int, name: bytes) -> int | None:
         row, tree = self._row(parent), self.tree
