@@ -16,6 +16,7 @@ import logging
 import os
 import stat
 import threading
+import time
 
 from kspeedfs.client.handle import DatasetHandle
 from kspeedfs.client.reader import ClusterReader
@@ -62,29 +63,31 @@ class UntarFiles:
             with self._lock:
                 merged = self._merged
                 if merged is None:
+                    started = time.monotonic()
                     merged = tarmerge.merge_folder(self.manifest, 0, self._raw)
                     trim_heap()
                     self._merged = merged
-                    self._log_built(merged)
+                    self._log_built(merged, time.monotonic() - started)
         return merged
 
     @property
     def tree(self) -> tarmerge.MergedTree:
         return self._built()[0]
 
-    def _log_built(self, merged: tuple[tarmerge.MergedTree, list[int]]) -> None:
+    def _log_built(self, merged: tuple[tarmerge.MergedTree, list[int]], seconds: float) -> None:
         tree, tars = merged
         name = untar_folder_name(self.data.name)
         for shard, why in tree.refused.items():
             path = os.fsdecode(self.manifest.path(tars[shard]))
             log.error("%s: the shard %s is left out: %s", name, path, why)
         log.info(
-            "%s: %d members of %d shards in %d rows (%d bytes)",
+            "%s: %d members of %d shards in %d rows (%d bytes), built in %.1fs",
             name,
             tree.members,
             len(tars) - len(tree.refused),
             tree.rows,
             tree.nbytes,
+            seconds,
         )
 
     def _row(self, idx: int) -> int:
