@@ -64,13 +64,15 @@ class CsiClient:
         self.channel.close()
 
 
-def inline_context(dataset: str, pod: str = "trainer", **attrs: str) -> dict[str, str]:
+def inline_context(
+    dataset: str, pod: str = "trainer", namespace: str = "default", **attrs: str
+) -> dict[str, str]:
     """The volume context kubelet sends for an inline volume of a pod (podInfoOnMount)."""
     return {
         "dataset": dataset,
         **attrs,
         "csi.storage.k8s.io/pod.name": pod,
-        "csi.storage.k8s.io/pod.namespace": "default",
+        "csi.storage.k8s.io/pod.namespace": namespace,
         "csi.storage.k8s.io/pod.uid": "5f0c3c1e-8a4e-4f5e-9d6a-0123456789ab",
         "csi.storage.k8s.io/serviceAccount.name": "default",
         "csi.storage.k8s.io/ephemeral": "true",
@@ -142,7 +144,10 @@ class PluginDaemon(Daemon):
         env: Mapping[str, str],
         node_id: str = "node-a",
         publish_timeout: float = 60.0,
+        kubelet_dir: Path | None = None,
+        policy: Path | None = None,
     ):
+        """`kubelet_dir`: the folder the targets are in (default: `run_dir`'s parent)."""
         self.socket = run_dir / "csi.sock"
         argv = [
             *KSPEEDFS,
@@ -159,7 +164,11 @@ class PluginDaemon(Daemon):
             str(run_dir / "mountd.json"),
             "--publish-timeout",
             str(publish_timeout),
+            "--kubelet-dir",
+            str(kubelet_dir or run_dir.parent),
         ]
+        if policy is not None:
+            argv += ["--policy", str(policy)]
         super().__init__(argv, env, run_dir / "plugin.log")
 
     def start(self) -> Self:
