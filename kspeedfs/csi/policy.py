@@ -69,12 +69,15 @@ def parse_policy(path: Path, text: str) -> list[Rule]:
     try:
         data = tomllib.loads(text)
     except tomllib.TOMLDecodeError as e:
-        raise InvalidArgument(f"policy {path}: {e}") from None
+        raise InvalidArgument(f"policy {path}: {' '.join(str(e).split())}") from None
     unknown = sorted(set(data) - {"allow"})
     if unknown:
         raise InvalidArgument(f"policy {path}: unknown key {unknown[0]!r} (known: allow)")
+    tables = data.get("allow", [])
+    if not isinstance(tables, list):
+        raise InvalidArgument(f"policy {path}: allow must be [[allow]] tables")
     rules = []
-    for table in data.get("allow", []):
+    for table in tables:
         if not isinstance(table, dict):
             raise InvalidArgument(f"policy {path}: allow must be [[allow]] tables")
         bad = sorted(set(table) - RULE_KEYS)
