@@ -1,18 +1,24 @@
-"""`kspeedfs kubernetes manifests`: what installs kspeedfs on a cluster, as Kubernetes objects.
+"""`kspeedfs kubernetes manifests`: what installs kspeedfs on a cluster, as Kubernetes objects
+(one YAML stream, or a Kustomize base), made from the install's values (values.py).
 
-One DaemonSet pod per machine runs four containers that share one process namespace:
+One DaemonSet pod per machine (system-node-critical, a request on every container, no memory
+limit) runs five containers that share one process namespace:
 - `node`: `kspeedfs node` on the host network (port 7420), its segments in the host's /dev/shm
-  (they outlive the container, and jobs on the machine map them), its peers named by the
-  headless Service's DNS name (`nodes = ["dns:..."]` in the ConfigMap);
+  (they outlive the container, and jobs on the machine map them; charged to this container,
+  so its memory request is the cache budget), its peers named by the headless Service's DNS
+  name (`nodes = ["dns:..."]` in the ConfigMap), /metrics on a named port;
 - `mountd`: `kspeedfs-mountd`, the owner of every volume's FUSE mount, with the kubelet folder
   shared both ways (mountPropagation Bidirectional), so a mount it makes reaches the host and
   kubelet's bind into the pod;
-- `csi-plugin`: `kspeedfs csi`, which declares the volumes to mountd; it can be killed or
-  upgraded without touching a mount (docs/kubernetes.md, "Upgrade");
-- `node-driver-registrar`: registers the plugin's socket with kubelet.
+- `csi-plugin`: `kspeedfs csi`, which declares the volumes to mountd under the admin's volume
+  policy (policy.toml in the ConfigMap); it can be killed or restarted without touching a
+  mount (docs/kubernetes.md, "Upgrade");
+- `node-driver-registrar`: registers the plugin's socket with kubelet (and probes it);
+- `liveness-probe`: calls the plugin's Probe, for the plugin's liveness probe.
 
 Every object here validates against the Kubernetes schemas of 1.29 through 1.37 with unknown
-fields refused (tests/system/test_k8s_manifests.py, the `kubernetes-validate` package).
+fields refused, and the Kustomize base renders with `kubectl kustomize`
+(tests/system/test_k8s_manifests.py).
 """
 
 from __future__ import annotations

