@@ -108,7 +108,7 @@ def _node(values: Values, env: list[dict[str, Any]], config: list[dict[str, Any]
         "command": ["kspeedfs", "node"],
         "env": node_env,
         "ports": ports,
-        "resources": values.requests("node"),
+        "resources": values.resources_for("node"),
         "readinessProbe": {"tcpSocket": {"port": values.port}, "periodSeconds": 5},
         "livenessProbe": {
             "tcpSocket": {"port": values.port},
@@ -158,7 +158,7 @@ def install(values: Values) -> list[dict[str, Any]]:
             "run",
         ],
         "env": common_env,
-        "resources": values.requests("mountd"),
+        "resources": values.resources_for("mountd"),
         "securityContext": privileged,  # /dev/fuse and mount(2) in the kubelet folder
         "volumeMounts": [
             *config_mounts,
@@ -194,7 +194,7 @@ def install(values: Values) -> list[dict[str, Any]]:
             POLICY,
         ],
         "env": common_env,
-        "resources": values.requests("csi-plugin"),
+        "resources": values.resources_for("csi-plugin"),
         # Restarted when its Probe fails (the liveness-probe sidecar asks it, on healthz).
         "livenessProbe": {
             "httpGet": {"host": "127.0.0.1", "path": "/healthz", "port": "healthz"},
@@ -217,7 +217,7 @@ def install(values: Values) -> list[dict[str, Any]]:
         "name": "node-driver-registrar",
         "image": values.registrar_image,
         "args": ["--csi-address=/csi/csi.sock", registration],
-        "resources": values.requests("node-driver-registrar"),
+        "resources": values.resources_for("node-driver-registrar"),
         # Restarted when kubelet does not know the plugin (lost registration after a kubelet
         # restart): the registrar's own check of it.
         "livenessProbe": {
@@ -245,7 +245,7 @@ def install(values: Values) -> list[dict[str, Any]]:
             f"--http-endpoint=127.0.0.1:{values.health_port}",
         ],
         "ports": [health],
-        "resources": values.requests("liveness-probe"),
+        "resources": values.resources_for("liveness-probe"),
         "volumeMounts": [{"name": "plugin-dir", "mountPath": "/csi"}],
     }
     pod_spec: dict[str, Any] = {

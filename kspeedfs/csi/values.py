@@ -56,7 +56,9 @@ class Values:
     resources: Mapping[str, Mapping[str, Any]] = dataclasses.field(default_factory=dict)
     priority_class: str = "system-node-critical"
     metrics_port: int = 9420  # the node's /metrics (0: off)
-    health_port: int = 9808  # the liveness-probe sidecar's /healthz (the plugin's Probe)
+    # The liveness-probe sidecar's /healthz (the plugin's Probe), on the host's loopback: not
+    # 9808, the sidecar's default, which other drivers on the host network take.
+    health_port: int = 9825
     port: int = 7420
     cluster_domain: str = "cluster.local"
 
@@ -74,7 +76,7 @@ class Values:
     def cache_bytes(self) -> int:
         return quantity_bytes(self.cache_memory)
 
-    def requests(self, container: str) -> dict[str, Any]:
+    def resources_for(self, container: str) -> dict[str, Any]:
         """The container's resources: the defaults, then `resources` of the values."""
         base: dict[str, Any] = {"requests": dict(DEFAULT_REQUESTS[container])}
         if container == "node":

@@ -19,9 +19,9 @@ from conftest import KSPEEDFS
 
 from kspeedfs.cli.parser import build_parser
 from kspeedfs.csi.fluid import fluid_profile
-from kspeedfs.csi.manifests import DRIVER_NAME, render
+from kspeedfs.csi.manifests import DRIVER_NAME, render, values_yaml
 from kspeedfs.csi.policy import parse_policy
-from kspeedfs.csi.values import Values, load_values, quantity_bytes, split_image
+from kspeedfs.csi.values import KEYS, Values, load_values, quantity_bytes, split_image
 from kspeedfs.format.config import load_settings
 from kspeedfs.format.errors import InvalidArgument
 from kspeedfs.format.setting_rules import RULES
@@ -245,6 +245,7 @@ def test_probes_and_metrics() -> None:
     assert "--csi-address=/csi/csi.sock" in liveness["args"]
     health = {p["name"]: p["containerPort"] for p in liveness["ports"]}["healthz"]
     assert f"--http-endpoint=127.0.0.1:{health}" in liveness["args"]
+    assert health == 9825  # not the sidecar's default 9808, which other drivers take
     get = containers["csi-plugin"]["livenessProbe"]["httpGet"]
     assert (get["port"], get["path"], get["host"]) == ("healthz", "/healthz", "127.0.0.1")
     # The node's /metrics on a named port, from its own environment (mounts do not inherit it).
@@ -584,3 +585,30 @@ def test_the_pages_objects_are_valid(tmp_path: Path) -> None:
                 kubernetes_validate.validate(doc, version, strict=True)
     rules = [parse_policy(Path("page"), b) for b in page_blocks("toml")]
     assert rules and all(rules)
+
+
+def test_the_pages_values_table_is_the_code() -> None:
+    """Each value's row in docs/kubernetes.md names its key, a flag the command has (or
+    "file only"), and the default the code has."""
+    page = (Path(__file__).parents[2] / "docs" / "kubernetes.md").read_text()
+    table = page.split("### Values", 1)[1].split("\n\n### ", 1)[0]
+    rows = {
+        m.group(1): (m.group(2), m.group(3))
+        for m in re.finditer(r"^\| `(\w+)` \| ([^|]+) \| ([^|]+) \|", table, re.M)
+    }
+    defaults = yaml.safe_load(values_yaml(Values(image=IMAGE)).split("\n", 1)[1])
+    assert set(rows) == set(KEYS)
+    for key, (flag, default) in rows.items():
+        if flag.strip() != "(file only)":
+            option = flag.strip().split("`")[1]
+            _, unknown = build_parser().parse_known_args(["kubernetes", "manifests", option, "1"])
+            assert not unknown, key
+        shown, value = default.strip(), defaults[key]
+        if key == "image":
+            assert shown == "required"
+        elif key == "imagePullSecrets":
+            assert shown == "none" and value == []
+        elif key == "resources":
+            assert shown == "the requests above" and value == {}
+        else:
+            assert yaml.safe_load(shown.strip("`")) == value, key
