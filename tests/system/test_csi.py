@@ -26,9 +26,12 @@ from hypothesis import strategies as st
 
 from kspeedfs.csi import csi_pb2 as pb
 from kspeedfs.csi.harness import (
+    BUSYBOX,
     CsiClient,
     MountdDaemon,
     PluginDaemon,
+    busybox_root,
+    container_command,
     inline_context,
     pod_command,
     run_pod,
@@ -764,3 +767,66 @@ def test_the_plugin_listens_before_it_renews(tmp_path: Path) -> None:
         client.close()
         plugin.stop()
         hung.close()
+
+
+# Real containers: podman with runc, the volume bound as the container runtime binds it.
+
+# Every file under /data with its sha256, and whether a write fails, from a busybox root.
+CONTAINER_READ = (
+    'cd /data && find . -type f | sort | while read -r f; do sha256sum "$f"; done; '
+    "touch /data/x 2>/dev/null && echo WRITABLE; grep ' /data ' /proc/self/mountinfo"
+)
+
+
+@pytest.fixture
+def shared_kubelet(stack: Stack) -> Iterator[Stack]:
+    """The stack with its kubelet folder a shared mount of its own, as kubelet makes its root
+    (`rshared`), so that a container's `rslave` bind of a target is a slave of the host's."""
+    stack.kubelet.mkdir(parents=True, exist_ok=True)
+    subprocess.run(["mount", "--bind", str(stack.kubelet), str(stack.kubelet)], check=True)
+    subprocess.run(["mount", "--make-rshared", str(stack.kubelet)], check=True)
+    yield stack
+    for path in stack.pods.glob("*/volumes/*/*/mount"):
+        if kspeedfs_mounted(path):
+            lazy_unmount(path)
+    subprocess.run(["umount", "-l", str(stack.kubelet)], check=False)
+
+
+@pytest.mark.slow
+@pytest.mark.fuse
+def test_a_container_reads_a_published_volume(shared_kubelet: Stack, tmp_path: Path) -> None:
+    """A real OCI container (podman, runc, a static busybox root) with the published target
+    bound `ro,rslave` at /data reads every file of the source byte-equal (sha256 of each,
+    computed in the container), cannot write, and sees the kspeedfs mount as a slave of the
+    host's."""
+    for tool in ("podman", "runc", BUSYBOX):
+        if shutil.which(tool) is None:
+            pytest.skip(
+                f"{tool} is not installed (make test installs podman, runc, busybox-static)"
+            )
+    stack, c = shared_kubelet, shared_kubelet.client
+    src = tmp_path / "imagenet"
+    make_sample(src, classes=3, per_class=6, file_size=6000, bases=3)
+    target = stack.target("pod-c")
+    c.publish("vol-c", target, inline_context("imagenet", source=str(src)))
+    root = busybox_root(tmp_path / "rootfs")
+    done = subprocess.run(
+        container_command(root, {target: "/data"}, ["/bin/sh", "-c", CONTAINER_READ]),
+        capture_output=True,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stderr.decode(errors="replace")
+    lines = done.stdout.decode(errors="replace").splitlines()
+    mountinfo = [line for line in lines if " /data " in line]
+    sums = [line.split("  ./", 1) for line in lines if "  ./" in line]
+    want = {
+        str(p.relative_to(src)): hashlib.sha256(p.read_bytes()).hexdigest()
+        for p in src.rglob("*")
+        if p.is_file()
+    }
+    assert {path: digest for digest, path in sums} == want
+    assert len(want) == 18
+    assert "WRITABLE" not in lines
+    (line,) = mountinfo
+    assert "fuse.kspeedfs" in line and "master:" in line, line
+    c.unpublish("vol-c", target)
