@@ -146,6 +146,8 @@ def check(v: Values) -> None:
             raise InvalidArgument(f"imagePullSecrets: not a Secret name: {secret!r}")
     _absolute("kubeletDir", v.kubelet_dir)
     _absolute("dataDir", v.data_dir)
+    if not _DOMAIN_RE.match(v.priority_class) or len(v.priority_class) > 253:
+        raise InvalidArgument(f"priorityClassName: not a PriorityClass name: {v.priority_class!r}")
     if not _DOMAIN_RE.match(v.cluster_domain):
         raise InvalidArgument(f"clusterDomain must be a DNS name: {v.cluster_domain!r}")
     if quantity_bytes(v.cache_memory) < 64 << 20:

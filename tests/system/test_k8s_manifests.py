@@ -221,6 +221,8 @@ def test_values_that_disagree_are_refused_in_one_line(tmp_path: Path) -> None:
         ({"cluster_domain": "Cluster Local"}, "clusterDomain"),
         ({"cache_memory": "lots"}, "not a memory quantity"),
         ({"metrics_port": 7420}, "must differ"),
+        ({"priority_class": ""}, "not a PriorityClass name"),
+        ({"image_pull_secrets": ("Reg Cred",)}, "not a Secret name"),
     ]:
         with pytest.raises(InvalidArgument, match=why) as caught:
             Values(**{"image": IMAGE, **kw})
