@@ -14,15 +14,19 @@ bytes against its max-min share; the expected source share from the second epoch
 1 - share/size (issue 39: two 192 MiB datasets on 128 MiB read 4.1-4.8x their size per epoch
 when each miss could take from a dataset holding one segment more). Every byte is compared
 with the source. The readers run this tree's client either way: only the node differs.
+Then the queue: how long after an unload frees room a queued preload (`preload --queue`)
+leaves the queue (target: within 1 s).
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import statistics
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
@@ -30,6 +34,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import numpy as np  # noqa: E402
 
 from kspeedfs.client import admin  # noqa: E402
+from kspeedfs.client.admin import connect  # noqa: E402
+from kspeedfs.format.contract.node import Unload  # noqa: E402
 from kspeedfs.format.units import format_size, parse_size  # noqa: E402
 from kspeedfs.node.readthrough.shares import Demand, fair_shares  # noqa: E402
 from kspeedfs.testing.bench import warm_memory  # noqa: E402
@@ -120,6 +126,44 @@ def run_side(
         subprocess.run(["rm", "-rf", str(cache.shm_dir)], capture_output=True)
 
 
+def queue_latency(work: Path, budget: int, rounds: int) -> list[float]:
+    """Seconds from an unload's answer to a queued preload (`preload --queue`) leaving the
+    queue, `rounds` times: a dataset of 5/8 of the budget loaded, a second one queued behind
+    it, the first unloaded."""
+    cache = LocalCache(work, budget, segment_size="1MiB")
+    cache.start()
+    rng = np.random.default_rng(3)
+    sources = []
+    for name in ("a", "b"):
+        folder = work / f"queue-{name}"
+        for i in range(budget * 5 // 8 // (1 << 20)):
+            (folder / f"f{i:04d}").parent.mkdir(parents=True, exist_ok=True)
+            (folder / f"f{i:04d}").write_bytes(rng.bytes(1 << 20))
+        sources.append(folder)
+    out = []
+    try:
+        with connect(cache.settings) as client:
+            held, queued = sources
+            for r in range(rounds):
+                first, second = f"held{r}", f"queued{r}"
+                admin.preload(cache.settings, str(held), first, show_progress=False)
+                admin.start_preload(client, second, str(queued), "offline", queue=True)
+                assert admin.load_status(client, second).state == "queued"
+                client.call(Unload(name=first))
+                unloaded = time.perf_counter()
+                while admin.load_status(client, second).state == "queued":
+                    time.sleep(0.005)
+                out.append(time.perf_counter() - unloaded)
+                admin.wait_ready(client, second)
+                client.call(Unload(name=second))
+                held, queued = queued, held
+    finally:
+        cache.node.stop()
+        subprocess.run(["chattr", "-R", "-i", str(cache.shm_dir)], capture_output=True)
+        subprocess.run(["rm", "-rf", str(cache.shm_dir)], capture_output=True)
+    return out
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--before", default="", help="a git revision whose node to run beside this one")
@@ -127,6 +171,7 @@ def main() -> int:
     p.add_argument("--sizes", default="96,160", help="dataset sizes in files of one segment")
     p.add_argument("--segment", type=parse_size, default=1 << 20, help="segment size")
     p.add_argument("--epochs", type=int, default=3)
+    p.add_argument("--queue-rounds", type=int, default=5, help="queue latency rounds (0: none)")
     p.add_argument("--interleave", default="strict", choices=("strict", "random"))
     p.add_argument("--policy", default="stable", choices=("stable", "plan", "lru"))
     args = p.parse_args()
@@ -184,6 +229,14 @@ def main() -> int:
             for k, r in enumerate(resident)
         )
         print(f"{label:<22} resident: {held}; wrong bytes {wrong}")
+    if args.queue_rounds:
+        with tempfile.TemporaryDirectory(prefix="bench-queue-") as tmp:
+            waits = queue_latency(Path(tmp), parse_size(args.budget), args.queue_rounds)
+        print(
+            f"queued preload started after the unload that freed room: median "
+            f"{statistics.median(waits) * 1000:.0f} ms, max {max(waits) * 1000:.0f} ms "
+            f"({len(waits)} rounds; target <= 1 s)"
+        )
     if len(results) == 2:
         (_, (old, _, _)), (_, (new, _, _)) = results.items()
         later_old = sum(s for row in old[1:] for s, _ in row)

@@ -16,6 +16,7 @@ import numpy as np
 import trio
 import xxhash
 
+from kspeedfs.format.contract.readthrough import LIMITS
 from kspeedfs.format.errors import DataError, NotFound
 from kspeedfs.format.layout import Layout
 from kspeedfs.format.localdata import MANIFEST_FILE
@@ -68,6 +69,20 @@ class CachedDataset:
     def max_disk(self) -> int:
         """Bytes it may hold on the disk tier, segments and spilled copies (0: no cap)."""
         return int(self.manifest.header.get("max_disk") or 0)
+
+    @property
+    def min_memory(self) -> int:
+        """Its floor: bytes in memory no other dataset's miss and no preload takes (0: none)."""
+        return int(self.manifest.header.get("min_memory") or 0)
+
+    @property
+    def weight(self) -> int:
+        """Its weight in the shares of the memory the uncapped datasets share (default 1)."""
+        return int(self.manifest.header.get("weight") or 1)
+
+    def limits(self) -> dict[str, int]:
+        """Its caps, floor and weight as its manifest header keeps them (a refresh keeps them)."""
+        return {k: int(self.manifest.header[k]) for k in LIMITS if self.manifest.header.get(k)}
 
     @property
     def segment_bytes(self) -> int:

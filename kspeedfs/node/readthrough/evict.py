@@ -19,7 +19,7 @@ import logging
 
 import trio
 
-from kspeedfs.format.contract.readthrough import Touch, Touched
+from kspeedfs.format.contract.readthrough import RegisterSource, Touch, Touched
 from kspeedfs.format.errors import InvalidArgument, NoSpace, NotFound
 from kspeedfs.format.localdata import segment_path
 from kspeedfs.format.units import format_size
@@ -140,7 +140,9 @@ class Evictor:
         held = sum(self.held(ds) for ds in sharing)
         budgets = self.store.budgets
         pool = budgets.memory - (budgets.used() - held) - capped_room
-        return fair_shares(pool, {ds.name: Demand(ds.size) for ds in sharing})
+        return fair_shares(
+            pool, {ds.name: Demand(ds.size, ds.weight, ds.min_memory) for ds in sharing}
+        )
 
     def _takes_from(self, ds: CachedDataset, length: int) -> list[str]:
         """The dataset a miss of `ds` (a segment of `length`) may take memory from: for a
@@ -157,27 +159,24 @@ class Evictor:
         most = max(over, key=over.__getitem__, default=None)
         return [most] if most is not None and over[most] >= length else []
 
-    def check_cap(self, name: str, max_memory: int, max_disk: int) -> None:
-        """Refuse (one line, nothing changed) a cap larger than the node has free: its budget
-        less the pinned datasets, the work in progress and the other datasets' caps."""
-        if max_memory:
-            pinned = sum(
-                r.stored
-                for r in self.store.datasets.values()
-                if r.name not in self.instances.by_name
+    def check_limits(self, request: RegisterSource) -> None:
+        """Refuse (one line, nothing changed) a cap or a floor larger than the node has free:
+        its budget less the pinned datasets, the work in progress and the other datasets'
+        caps and floors (both are memory set aside for one dataset)."""
+        name, max_memory, max_disk = request.name, request.max_memory, request.max_disk
+        min_memory = request.min_memory
+        if max_memory and min_memory > max_memory:
+            raise InvalidArgument(
+                f"--min-memory {format_size(min_memory)} for {name!r} is more than its "
+                f"--max-memory {format_size(max_memory)}"
             )
-            work = sum(
-                r.nbytes
-                for k, r in self.store.budgets.reserved.items()
-                if r.tier == "memory" and not k.startswith("fill:")
-            )
-            capped = sum(d.max_memory for d in self.instances.by_name.values() if d.name != name)
-            free = self.store.budgets.memory - pinned - work - capped
-            if max_memory > free:
+        for flag, wanted in (("--max-memory", max_memory), ("--min-memory", min_memory)):
+            if wanted and wanted > (free := self._memory_free_for(name)):
                 raise NoSpace(
-                    f"--max-memory {format_size(max_memory)} for {name!r} is more than the "
+                    f"{flag} {format_size(wanted)} for {name!r} is more than the "
                     f"{format_size(max(free, 0))} this node has free (a budget of "
-                    f"{format_size(self.store.budgets.memory)}, less pinned datasets and other caps)"
+                    f"{format_size(self.store.budgets.memory)}, less pinned datasets and other "
+                    "caps and floors)"
                 )
         if max_disk:
             if not self.disk.enabled:
@@ -190,10 +189,26 @@ class Evictor:
                     f"{format_size(max(free, 0))} of the spill folder not capped by others"
                 )
 
+    def _memory_free_for(self, name: str) -> int:
+        """What a new cap or floor of `name` may set aside: the budget less the pinned
+        datasets, the work in progress and the other datasets' caps and floors."""
+        pinned = sum(
+            r.stored for r in self.store.datasets.values() if r.name not in self.instances.by_name
+        )
+        work = sum(
+            r.nbytes
+            for k, r in self.store.budgets.reserved.items()
+            if r.tier == "memory" and not k.startswith("fill:")
+        )
+        set_aside = sum(
+            d.max_memory or d.min_memory for d in self.instances.by_name.values() if d.name != name
+        )
+        return self.store.budgets.memory - pinned - work - set_aside
+
     def reclaim(self, nbytes: int) -> int:
         """Free at least nbytes of read-through memory for a preload (the store calls this in
         the event loop): in the policy's order, unlinked without spilling, so it is quick.
-        Capped shares stay."""
+        Capped shares and floors stay."""
         return self._reclaim(nbytes, protect_caps=True)
 
     def reclaim_over_budget(self, nbytes: int) -> int:
@@ -202,12 +217,12 @@ class Evictor:
 
     def _reclaim(self, nbytes: int, protect_caps: bool) -> int:
         freed = 0
-        others = [
-            ds.name
-            for ds in self.instances.by_name.values()
-            if not (protect_caps and ds.max_memory)
-        ]
         while freed < nbytes:
+            others = [
+                ds.name
+                for ds in self.instances.by_name.values()
+                if not (protect_caps and (ds.max_memory or self.held(ds) <= ds.min_memory))
+            ]
             key = self.policy.victim(None, others)
             if key is None:
                 break
