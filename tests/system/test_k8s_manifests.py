@@ -614,3 +614,27 @@ def test_the_pages_values_table_is_the_code() -> None:
             assert shown == "the requests above" and value == {}
         else:
             assert yaml.safe_load(shown.strip("`")) == value, key
+
+
+def test_the_pages_admission_policy_refuses_sources() -> None:
+    """The ValidatingAdmissionPolicy's CEL, evaluated on pods: the examples' pod (a volume
+    with a source) is refused, a pod of a cached dataset and pods of other volumes pass."""
+    celpy = pytest.importorskip("celpy")
+    objects = [d for b in page_blocks("yaml") for d in yaml.safe_load_all(b) if d]
+    (policy,) = [d for d in objects if d.get("kind") == "ValidatingAdmissionPolicy"]
+    (validation,) = policy["spec"]["validations"]
+    env = celpy.Environment()
+    program = env.program(env.compile(validation["expression"]))
+
+    def admitted(pod: dict[str, Any]) -> bool:
+        return bool(program.evaluate({"object": celpy.json_to_cel(pod)}))
+
+    example = next(d for d in documents(with_examples=True) if d["kind"] == "Pod")
+    assert not admitted(example)
+    cached = copy.deepcopy(example)
+    del cached["spec"]["volumes"][0]["csi"]["volumeAttributes"]["source"]
+    assert admitted(cached)
+    other = copy.deepcopy(example)
+    other["spec"]["volumes"][0]["csi"]["driver"] = "ebs.csi.aws.com"
+    assert admitted(other)
+    assert admitted({"spec": {"containers": [{"name": "c", "image": "i"}]}})
