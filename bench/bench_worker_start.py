@@ -4,19 +4,20 @@ before pytorch_ext's imports were made lazy, side by side in one run.
     PYTHONPATH=$PWD .venv/bin/python bench/bench_worker_start.py [--rounds 5] [--base REV]
 
 Two figures per tree, each the median of `rounds` runs, the trees alternating:
-- "import": the wall time of `python -c "import pytorch_ext; pytorch_ext.KSpeedFolder"` (what a
+- "import" (and "import CPU", its CPU seconds): the wall time of `python -c "import pytorch_ext; pytorch_ext.KSpeedFolder"` (what a
   spawned worker pays to unpickle its dataset, the interpreter's own start included);
 - "first batch": from `iter(loader)` to the first batch of a DataLoader with one spawned worker
   over a KSpeedFolder of a preloaded dataset (one node, started from this tree).
 The base tree (default: the commit before pytorch_ext/__init__.py last changed) is checked out
 with `git worktree add` into a temporary folder and removed after; each tree runs with
-PYTHONPATH naming it alone.
+PYTHONPATH naming it alone, in it (`python -c` puts its working folder first on sys.path).
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import resource
 import statistics
 import subprocess
 import sys
@@ -61,17 +62,24 @@ def default_base() -> str:
     return git("rev-parse", git("log", "-1", "--format=%H", "--", "pytorch_ext/__init__.py") + "~1")
 
 
-def timed_import(tree: Path) -> float:
+def timed_import(tree: Path) -> tuple[float, float]:
+    """(wall seconds, CPU seconds) of the import in a fresh interpreter: the CPU time is the
+    steadier figure on a loaded machine."""
     env = {**os.environ, "PYTHONPATH": str(tree)}
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
     started = time.perf_counter()
-    subprocess.run([sys.executable, "-c", IMPORT], env=env, check=True)
-    return time.perf_counter() - started
+    subprocess.run([sys.executable, "-c", IMPORT], env=env, cwd=tree, check=True)
+    wall = time.perf_counter() - started
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    cpu = after.ru_utime + after.ru_stime - before.ru_utime - before.ru_stime
+    return wall, cpu
 
 
 def first_batch(tree: Path, args: list[str], env: dict[str, str]) -> float:
     done = subprocess.run(
         [sys.executable, "-c", FIRST_BATCH, *args],
         env={**env, "PYTHONPATH": str(tree)},
+        cwd=tree,  # `-c` puts the working folder first on sys.path
         capture_output=True,
         text=True,
         check=False,
@@ -113,10 +121,13 @@ def main() -> int:
             run_args = [str(source), "ws", node.address, str(token)]
             trees = {f"old ({base_rev[:10]})": base, "new (this tree)": HERE}
             imports: dict[str, list[float]] = {k: [] for k in trees}
+            import_cpu: dict[str, list[float]] = {k: [] for k in trees}
             batches: dict[str, list[float]] = {k: [] for k in trees}
             for _ in range(args.rounds):
                 for label, tree in trees.items():
-                    imports[label].append(timed_import(tree))
+                    wall, cpu = timed_import(tree)
+                    imports[label].append(wall)
+                    import_cpu[label].append(cpu)
                     batches[label].append(first_batch(tree, run_args, env))
         finally:
             node.stop()
@@ -124,12 +135,16 @@ def main() -> int:
             git("worktree", "remove", "--force", str(base))
     print(f"machine: {os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.2f}")
     print(f"median of {args.rounds} runs, seconds:")
-    print(f"{'tree':<24} {'import':>8} {'first batch':>12}")
+    print(f"{'tree':<24} {'import':>8} {'import CPU':>11} {'first batch':>12}")
+    figures = {"import": imports, "import CPU": import_cpu, "first batch": batches}
     for label in trees:
-        imp, first = statistics.median(imports[label]), statistics.median(batches[label])
-        print(f"{label:<24} {imp:>8.2f} {first:>12.2f}")
+        row = " ".join(
+            f"{statistics.median(runs[label]):>{len(what) + 1}.2f}"
+            for what, runs in figures.items()
+        )
+        print(f"{label:<24} {row}")
     old, new = list(trees)
-    for what, runs in (("import", imports), ("first batch", batches)):
+    for what, runs in figures.items():
         o, n = statistics.median(runs[old]), statistics.median(runs[new])
         print(f"{what}: {o - n:.2f} s sooner, old/new {o / n:.2f}x")
     return 0
