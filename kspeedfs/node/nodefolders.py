@@ -42,16 +42,22 @@ def hold(folder_fd: int, shown: Path, what: str) -> BinaryIO:
         raise InvalidArgument(f"refusing {what} {shown}: its {MARKER}: {e.strerror}") from None
     marker = os.fdopen(fd, "rb", buffering=0)
     try:
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
-            raise InvalidArgument(f"refusing {what} {shown}: its {MARKER} is not a file")
-        try:
-            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
-        except BlockingIOError:
-            raise InUse(f"refusing {what} {shown}: `kspeedfs clean-node` is removing it") from None
+        _lock(fd, f"{what} {shown}", fcntl.LOCK_SH, "`kspeedfs clean-node` is removing it")
     except BaseException:
         marker.close()
         raise
     return marker
+
+
+def _lock(fd: int, shown: str, kind: int, held: str) -> None:
+    """Lock marker `fd` (`kind`: LOCK_SH, LOCK_EX) without waiting; refused in one line when
+    it is not a regular file (InvalidArgument) or the other side holds it (InUse, `held`)."""
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        raise InvalidArgument(f"refusing {shown}: its {MARKER} is not a file")
+    try:
+        fcntl.flock(fd, kind | fcntl.LOCK_NB)
+    except BlockingIOError:
+        raise InUse(f"refusing {shown}: {held}") from None
 
 
 @dataclass
@@ -128,15 +134,8 @@ def _locked_marker(c: _Claimed) -> int:
             f"refusing {c.path}: {why} {MARKER}, so it is not a node's folder (nothing removed)"
         ) from None
     try:
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
-            raise InvalidArgument(f"refusing {c.path}: its {MARKER} is not a file")
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            raise InUse(
-                f"refusing {c.path}: a node runs on it (it holds the folder's lock); "
-                "stop it first (nothing removed)"
-            ) from None
+        held = "a node runs on it (it holds the folder's lock); stop it first (nothing removed)"
+        _lock(fd, str(c.path), fcntl.LOCK_EX, held)
     except BaseException:
         os.close(fd)
         raise
