@@ -144,6 +144,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--max-disk", help="with --source: the most of the spill folder it takes, e.g. 64GiB"
     )
+    p.add_argument(
+        "--min-memory",
+        help="with --source: its floor, memory no other dataset's miss or preload takes, e.g. 8GiB",
+    )
+    p.add_argument(
+        "--weight",
+        type=int,
+        help="with --source: its weight in the shares of memory (a whole number, default 1)",
+    )
     p.add_argument("-f", "--foreground", action="store_true", help="do not go to the background")
     p.add_argument("-o", dest="options", default="", help="FUSE options: allow_other,...")
     p.add_argument("--log-file", help="where the background mount logs")

@@ -255,13 +255,22 @@ def register_source(
     name: str | None = None,
     max_memory: int = 0,
     max_disk: int = 0,
+    min_memory: int = 0,
+    weight: int = 1,
 ) -> str:
     """Make (or find) the read-through dataset of a source on the node, with its caps in
-    memory and on the spill folder when it is created (0: none); returns its name."""
+    memory and on the spill folder (0: none), its floor in memory (0: none) and its weight
+    in the shares, when it is created; returns its name."""
     source = normalize_source(source)
     name = validate_name(name) if name else validate_name(name_from_source(source))
     request = RegisterSource(
-        name=name, source=source, endpoint=endpoint, max_memory=max_memory, max_disk=max_disk
+        name=name,
+        source=source,
+        endpoint=endpoint,
+        max_memory=max_memory,
+        max_disk=max_disk,
+        min_memory=min_memory,
+        weight=weight,
     )
     with connect(settings) as client:
         registered = Registered.from_wire(client.call(request))

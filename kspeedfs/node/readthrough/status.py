@@ -5,6 +5,7 @@ by tier."""
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Mapping
 from typing import Any
 
 from kspeedfs.node.readthrough.dataset import Instances
@@ -27,7 +28,9 @@ COUNTERS = (
 )
 
 
-def cache_status(store: SegmentStore, instances: Instances, disk: DiskTier) -> dict[str, Any]:
+def cache_status(
+    store: SegmentStore, instances: Instances, disk: DiskTier, shares: Mapping[str, int]
+) -> dict[str, Any]:
     datasets: dict[str, Any] = {}
     for record in store.datasets.values():
         uid, changed = instances.changed.get(record.name, ("", 0))
@@ -52,6 +55,9 @@ def cache_status(store: SegmentStore, instances: Instances, disk: DiskTier) -> d
                 plan=instances.policy.plan_position(ds.name),
                 max_memory=ds.max_memory,
                 max_disk=ds.max_disk,
+                min_memory=ds.min_memory,
+                weight=ds.weight,
+                share=shares.get(ds.name, ds.max_memory),  # a capped one's share is its cap
                 **{k: ds.stats[k] for k in COUNTERS},
                 **tiers(ds.stats),
             )
