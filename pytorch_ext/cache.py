@@ -153,7 +153,7 @@ def attach(
         on_mount.check_dataset(on, objname)
     preloaded = False
     for _attempt in range(5):
-        node, reply = cluster.live_call(List())
+        node, reply = cluster.pool.live_call(List())
         listed = DatasetListing.from_wire(reply).datasets
         found = _match(listed, path, objname) if on is None else _mounted(listed, on, node)
         if found is None:

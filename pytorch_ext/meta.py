@@ -83,7 +83,7 @@ def ask_to_index(reader: cache.Reader, metas: Sequence[str]) -> None:
     ref = reader.ref
     log.info("asking the cache to index %d files of %s (%s)", len(metas), ref.name, metas[0])
     try:
-        reader.cluster.live_call(
+        reader.cluster.pool.live_call(
             MetaAdd(name=ref.name, uuid=ref.uuid, meta=list(metas)), answer_within=SCAN_TIMEOUT
         )
     except AuthError as e:
@@ -97,13 +97,13 @@ def _fetch(reader: cache.Reader, meta: str, kind: type[Index]) -> Index:
     a temporary file this process maps."""
     ref = reader.ref
     cluster = reader.cluster
-    first, reply = cluster.live_call(FetchMetaIndex(name=ref.name, uuid=ref.uuid, meta=meta))
+    first, reply = cluster.pool.live_call(FetchMetaIndex(name=ref.name, uuid=ref.uuid, meta=meta))
 
     def ask(offset: int) -> BlobPiece:
         nonlocal reply
         if offset:
             request = FetchMetaIndex(name=ref.name, uuid=ref.uuid, meta=meta, offset=offset)
-            reply = cluster.call(first, request)
+            reply = cluster.pool.call(first, request)
         return MetaIndexPiece.from_wire(reply).piece
 
     fd, path = tempfile.mkstemp(prefix=f"kspeedfs-{ref.name}-", suffix=".kmi")
