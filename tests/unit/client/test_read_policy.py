@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import json
 import shutil
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -66,7 +66,7 @@ def _file(ds: DatasetHandle, k: int) -> int:
 
 
 @pytest.fixture
-def reader_of(tmp_path: Path, data: LocalDataset) -> Iterator[object]:
+def reader_of() -> Iterator[Callable[[FakeCluster], ClusterReader]]:
     readers: list[ClusterReader] = []
 
     def make(cluster: FakeCluster) -> ClusterReader:
@@ -79,7 +79,7 @@ def reader_of(tmp_path: Path, data: LocalDataset) -> Iterator[object]:
 
 
 def test_local_map_then_owners_then_the_source(
-    tmp_path: Path, data: LocalDataset, reader_of
+    tmp_path: Path, data: LocalDataset, reader_of: Callable[[FakeCluster], ClusterReader]
 ) -> None:
     cluster = _cluster(tmp_path, data)
     reader = reader_of(cluster)
@@ -102,7 +102,7 @@ def test_local_map_then_owners_then_the_source(
 
 
 def test_a_dead_owner_falls_to_its_replica_then_the_source(
-    tmp_path: Path, data: LocalDataset, reader_of
+    tmp_path: Path, data: LocalDataset, reader_of: Callable[[FakeCluster], ClusterReader]
 ) -> None:
     cluster = _cluster(tmp_path, data)
     reader = reader_of(cluster)
@@ -119,7 +119,7 @@ def test_a_dead_owner_falls_to_its_replica_then_the_source(
 
 
 def test_an_owner_serving_wrong_bytes_is_passed_over(
-    tmp_path: Path, data: LocalDataset, reader_of
+    tmp_path: Path, data: LocalDataset, reader_of: Callable[[FakeCluster], ClusterReader]
 ) -> None:
     cluster = _cluster(tmp_path, data)
     reader = reader_of(cluster)
@@ -132,7 +132,10 @@ def test_an_owner_serving_wrong_bytes_is_passed_over(
 
 
 def test_a_slow_first_owner_is_answered_by_the_second_and_its_answer_drained(
-    tmp_path: Path, data: LocalDataset, reader_of, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path,
+    data: LocalDataset,
+    reader_of: Callable[[FakeCluster], ClusterReader],
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     monkeypatch.setattr(hedged, "RECEIVE_STALL_S", 60.0)  # the drain waits for the thaw
     cluster = _cluster(tmp_path, data)
@@ -151,7 +154,7 @@ def test_a_slow_first_owner_is_answered_by_the_second_and_its_answer_drained(
 
 
 def test_a_hedged_read_all_of_whose_owners_fail_is_one_clear_error(
-    tmp_path: Path, data: LocalDataset, reader_of
+    tmp_path: Path, data: LocalDataset, reader_of: Callable[[FakeCluster], ClusterReader]
 ) -> None:
     cluster = _cluster(tmp_path, data, timeout=0.3)
     reader = reader_of(cluster)
