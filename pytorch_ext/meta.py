@@ -21,7 +21,7 @@ from torchvision.datasets import VisionDataset
 from torchvision.datasets.folder import default_loader
 
 from kspeedfs.format import metaindex
-from kspeedfs.format.contract.metaindexes import FetchMetaIndex, MetaAdd, MetaIndexPiece
+from kspeedfs.format.contract.metaindexes import FetchMetaIndex, MetaAdd
 from kspeedfs.format.contract.pieces import BlobPiece, fetch_all
 from kspeedfs.format.errors import AuthError, DataError, InvalidArgument, KSpeedError, NotFound
 from kspeedfs.format.metaindex import MetaIndex
@@ -104,7 +104,7 @@ def _fetch(reader: cache.Reader, meta: str, kind: type[Index]) -> Index:
         if offset:
             request = FetchMetaIndex(name=ref.name, uuid=ref.uuid, meta=meta, offset=offset)
             reply = cluster.pool.call(first, request)
-        return MetaIndexPiece.from_wire(reply).piece
+        return reply.piece
 
     fd, path = tempfile.mkstemp(prefix=f"kspeedfs-{ref.name}-", suffix=".kmi")
     try:

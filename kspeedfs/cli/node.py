@@ -152,7 +152,7 @@ def _ask_status(settings: Settings) -> list[NodeView]:
             with NodeClient(
                 addr, settings.credential(), wait, tls, connect_timeout=CONNECT_TIMEOUT
             ) as client:
-                status = NodeStatus.from_wire(client.call(Status()))
+                status = client.call(Status())
                 return NodeView(status.node, status)
         except KSpeedError as e:
             # A refused token is this client's problem, not a node that is down.

@@ -13,12 +13,12 @@ import os
 import threading
 import time
 from collections.abc import Callable
-from typing import Any, Protocol
+from typing import Protocol
 
 from kspeedfs.client.health import NodeHealth
 from kspeedfs.client.transport import open_transport
 from kspeedfs.format.config import Settings
-from kspeedfs.format.contract import Request
+from kspeedfs.format.contract import Answer, Request
 from kspeedfs.format.contract.node import Ping
 from kspeedfs.format.discovery import NodeWatch
 from kspeedfs.format.errors import KSpeedError, NodeUnreachable
@@ -56,7 +56,7 @@ class Caller(Protocol):
 
     def __exit__(self, *exc: object) -> None: ...
 
-    def call(self, request: Request, *, answer_within: float | None = None) -> dict[str, Any]: ...
+    def call(self, request: Request[Answer], *, answer_within: float | None = None) -> Answer: ...
 
 
 OpenTransport = Callable[[Address, Settings], Transport]
@@ -272,15 +272,15 @@ class NodePool:
     # Requests.
 
     def call(
-        self, node: str, request: Request, answer_within: float | None = None
-    ) -> dict[str, Any]:
+        self, node: str, request: Request[Answer], answer_within: float | None = None
+    ) -> Answer:
         """A typed request (kspeedfs.format.contract) to `node` and its answer."""
         with self._connect(parse_address(node), self.settings, self.settings.timeout) as c:
             return c.call(request, answer_within=answer_within)
 
     def live_call(
-        self, request: Request, answer_within: float | None = None
-    ) -> tuple[str, dict[str, Any]]:
+        self, request: Request[Answer], answer_within: float | None = None
+    ) -> tuple[str, Answer]:
         """A typed request to the first node that answers (the local one first)."""
         order = sorted(
             self.nodes, key=lambda n: (n != self.local_node, self.is_down(n), self.is_suspect(n))

@@ -37,13 +37,11 @@ from kspeedfs.client.nodepool import NodePool
 from kspeedfs.format.config import Settings
 from kspeedfs.format.contract.node import (
     DatasetEntry,
-    DatasetListing,
     List,
-    ManifestPiece,
     ManifestReq,
 )
 from kspeedfs.format.contract.pieces import BlobPiece, fetch_all
-from kspeedfs.format.contract.readthrough import Filled, FillSegment
+from kspeedfs.format.contract.readthrough import FillSegment
 from kspeedfs.format.contract.scrub import ReportDamage
 from kspeedfs.format.errors import (
     DataError,
@@ -142,7 +140,7 @@ class ClusterReader:
     def list_datasets(self) -> dict[str, DatasetEntry]:
         """Ready datasets by name, from the first node that answers."""
         _node, listing = self.pool.live_call(List())
-        return DatasetListing.from_wire(listing).ready()
+        return listing.ready()
 
     def open_dataset(self, name: str, info: DatasetEntry | None = None) -> DatasetHandle:
         if info is None:
@@ -173,7 +171,7 @@ class ClusterReader:
         if self.local_node is None:
             return None
         try:
-            listed = DatasetListing.from_wire(self.pool.call(self.local_node, List())).ready()
+            listed = self.pool.call(self.local_node, List()).ready()
         except NodeUnreachable:
             listed = {info.name: info}  # the node is down; its shm folder may still be here
         d = listed.get(info.name)
@@ -208,7 +206,7 @@ class ClusterReader:
             nonlocal reply
             if offset:
                 reply = self.pool.call(node, ManifestReq(name=name, uuid=uuid, offset=offset))
-            return ManifestPiece.from_wire(reply).piece
+            return reply.piece
 
         fd, path = tempfile.mkstemp(prefix=f"kspeedfs-{name}-", suffix=".ksm")
         try:
@@ -382,7 +380,7 @@ class ClusterReader:
             return True
         request = FillSegment(name=ds.name, uuid=ds.uuid, segment=seg, length=nbytes)
         try:
-            filled = Filled.from_wire(self.pool.call(owner, request))
+            filled = self.pool.call(owner, request)
         except NodeUnreachable as e:
             self.pool.mark_down(owner, str(e))
             return False

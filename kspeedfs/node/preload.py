@@ -763,7 +763,7 @@ async def coordinate(
             status = StageStatus(
                 name=plan.name, uuid=plan.uuid, wait_for_change_after=seen, wait_s=STATUS_WAIT_S
             )
-            p = Progressing.from_wire(await ask(member, status))
+            p = await ask(member, status)
             seen = p.version
             member_progress[member] = (p.bytes_done, p.bytes_total)
             done = sum(d for d, _ in member_progress.values())
@@ -775,8 +775,7 @@ async def coordinate(
             if p.state == "failed":
                 kind = p.error_kind or "DataError"
                 raise error_from_wire(kind, f"node {member}: {p.error}")
-        result = await ask(member, StageResult(name=plan.name, uuid=plan.uuid))
-        results[member] = Checksummed.from_wire(result)
+        results[member] = await ask(member, StageResult(name=plan.name, uuid=plan.uuid))
 
     async def push_segment(member: str, seg: int) -> None:
         data = await sourceio.run_sync(source.read_segment, tree, layout, seg)

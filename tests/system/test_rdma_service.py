@@ -25,7 +25,7 @@ from uidutil import in_child
 
 from kspeedfs.format import auth
 from kspeedfs.format.config import Settings
-from kspeedfs.format.contract import Request
+from kspeedfs.format.contract import Answer, Request
 from kspeedfs.format.contract.node import UnloadLocal
 from kspeedfs.format.errors import InvalidArgument, NotFound
 from kspeedfs.format.localdata import META_FILE, LocalDataset, read_meta
@@ -117,10 +117,10 @@ class InProcessControl:
         result: dict[str, Any] = self.context.run(trio.run, self.server.ops.dispatch, msg, ADMIN)
         return result
 
-    def call(self, request: Request) -> dict[str, Any]:
+    def call(self, request: Request[Answer]) -> Answer:
         """A typed request, sent as NodeClient.call sends it: its fields off the wire."""
         fields = request.to_wire()
-        return self.request(fields.pop("op"), **fields)
+        return request.answer(self.request(fields.pop("op"), **fields))
 
 
 class InProcessTcp:

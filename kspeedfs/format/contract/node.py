@@ -12,7 +12,7 @@ from kspeedfs.format.names import validate_name
 
 
 @dataclasses.dataclass(frozen=True)
-class Ping(Request):
+class Ping(Request["Pong"]):
     OP = "ping"
 
 
@@ -23,7 +23,7 @@ class Pong(Wire):
 
 
 @dataclasses.dataclass(frozen=True)
-class ManifestReq(Request):
+class ManifestReq(Request["ManifestPiece"]):
     """A piece of a published dataset's manifest (a client or member that holds none of it
     fetches the whole file piece by piece, with kspeedfs.format.contract.pieces.fetch_all)."""
 
@@ -42,7 +42,7 @@ class ManifestPiece(Wire):
 
 
 @dataclasses.dataclass(frozen=True)
-class Status(Request):
+class Status(Request["NodeStatus"]):
     """What the node holds and does: budget, datasets, connections, subsystems."""
 
     OP = "status"
@@ -88,7 +88,7 @@ class NodeStatus(Wire):
 
 
 @dataclasses.dataclass(frozen=True)
-class List(Request):
+class List(Request["DatasetListing"]):
     """Every dataset the node holds or is loading."""
 
     OP = "list"
@@ -177,7 +177,7 @@ class DatasetListing(Wire):
 
 
 @dataclasses.dataclass(frozen=True)
-class Unload(Request):
+class Unload(Request["Unloaded"]):
     """Unload a dataset on every member (or cancel its load, or forget its failure)."""
 
     OP = "unload"
@@ -196,7 +196,7 @@ class Unloaded(Wire):
 
 
 @dataclasses.dataclass(frozen=True)
-class UnloadLocal(Request):
+class UnloadLocal(Request["Unloaded"]):
     """Unload this member's part of a dataset (of instance `uuid` only, when given)."""
 
     OP = "unload_local"
@@ -205,7 +205,7 @@ class UnloadLocal(Request):
 
 
 @dataclasses.dataclass(frozen=True)
-class Shutdown(Request):
+class Shutdown(Request["Stopping"]):
     OP = "shutdown"
 
 
@@ -222,7 +222,7 @@ def _name_or_all(value: str) -> str:
 
 
 @dataclasses.dataclass(frozen=True)
-class Rebalance(Request):
+class Rebalance(Request["Rebalanced"]):
     """Control plane: place one dataset (or every one, with no name) over the live members."""
 
     OP = "rebalance"

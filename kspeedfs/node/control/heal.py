@@ -22,7 +22,7 @@ from kspeedfs.client.clusterstate import (
 )
 from kspeedfs.format import placement
 from kspeedfs.format.config import Settings
-from kspeedfs.format.contract.node import DatasetEntry, DatasetListing, List
+from kspeedfs.format.contract.node import DatasetEntry, List
 from kspeedfs.format.errors import DataError, KSpeedError, NoSpace
 from kspeedfs.format.manifest import Manifest
 from kspeedfs.format.readthrough_view import READTHROUGH
@@ -187,7 +187,7 @@ class Healer:
             if peer not in self.membership.live:
                 continue
             try:
-                listing = DatasetListing.from_wire(await self.ask(peer, List()))
+                listing = await self.ask(peer, List())
             except KSpeedError as e:
                 log.debug("%s: cannot ask %s what it holds: %s", name, peer, e)
                 continue

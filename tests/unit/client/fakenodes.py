@@ -11,12 +11,12 @@ import os
 import select
 import threading
 from pathlib import Path
-from typing import Any
 
 from kspeedfs.client.health import NodeHealth
 from kspeedfs.client.nodepool import NodePool
 from kspeedfs.format.config import Settings
-from kspeedfs.format.contract import Request
+from kspeedfs.format.contract import Answer, Request
+from kspeedfs.format.contract.node import Pong
 from kspeedfs.format.errors import DataError, NodeUnreachable
 from kspeedfs.format.units import Address, parse_address
 from kspeedfs.net.transport import Range
@@ -128,11 +128,11 @@ class FakeCaller:
     def __exit__(self, *exc: object) -> None:
         pass
 
-    def call(self, request: Request, *, answer_within: float | None = None) -> dict[str, Any]:
+    def call(self, request: Request[Answer], *, answer_within: float | None = None) -> Answer:
         if request.OP != "ping":
             raise AssertionError(f"a fake node answers ping, not {request.OP}")
         self.node.pings += 1
-        return {}
+        return request.answer(Pong(node=self.node.name, version=1).to_wire())
 
 
 class FakeCluster:

@@ -10,7 +10,7 @@ import pytest
 
 from kspeedfs.client.health import NodeHealth
 from kspeedfs.client.nodepool import HEDGE_FLOOR_S, NodePool
-from kspeedfs.format.contract.node import Ping
+from kspeedfs.format.contract.node import Ping, Pong
 from kspeedfs.format.errors import NodeUnreachable
 from kspeedfs.testing.process import wait_until
 
@@ -84,7 +84,7 @@ def test_live_call_skips_a_down_node_and_marks_it(cluster: FakeCluster) -> None:
     pool = cluster.pool(local_node=A)
     cluster.nodes[A].down = True
     node, answer = pool.live_call(Ping())
-    assert node != A and answer == {}
+    assert node != A and answer == Pong(node=node, version=1)
     assert pool.is_down(A)
     for fake in cluster.nodes.values():
         fake.down = True

@@ -9,14 +9,13 @@ import shutil
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 import pytest
 import trio
 
 from kspeedfs.format.config import Settings
-from kspeedfs.format.contract import Request
-from kspeedfs.format.contract.node import Ping
+from kspeedfs.format.contract import Answer, Request
+from kspeedfs.format.contract.node import Ping, Pong
 from kspeedfs.format.contract.preload import Preload
 from kspeedfs.format.errors import NoSpace
 from kspeedfs.node.control.static import StaticControl
@@ -52,9 +51,10 @@ class Member:
         self.ops = OpRegistry()
         self.stager.register_ops(self.ops)
         self.ops.add(Ping, self.pong, READ)
+        self.address = address
 
-    async def pong(self, request: Ping) -> dict[str, Any]:
-        return {}
+    async def pong(self, request: Ping) -> Pong:
+        return Pong(self.address, 1)
 
 
 def source(tmp_path: Path, files: int) -> Path:
@@ -68,7 +68,7 @@ def source(tmp_path: Path, files: int) -> Path:
 def coordinator_over(members: dict[str, Member]) -> PreloadCoordinator:
     settings = Settings(segment_size=SEGMENT)
 
-    async def ask(member: str, request: Request) -> dict[str, Any]:
+    async def ask(member: str, request: Request[Answer]) -> Answer:
         return await members[member].ops.call(request)
 
     async def after_preload(name: str, uuid: str, decoded: int) -> None:
