@@ -8,6 +8,14 @@ from typing import Any, Literal
 from kspeedfs.format.contract import Request, Wire, at_least, checked, dataset_name
 from kspeedfs.format.contract.decoded import VariantProgress
 from kspeedfs.format.contract.pieces import PIECE, BlobPiece
+from kspeedfs.format.contract.status import (
+    CacheStatus,
+    ControlStatus,
+    DiskTierStatus,
+    IntegrityStatus,
+    LocalSocketStatus,
+    RdmaStatus,
+)
 from kspeedfs.format.names import validate_name
 
 
@@ -60,29 +68,29 @@ class HeldSegments(Wire):
 class NodeStatus(Wire):
     """What a node holds and does. The figures of each subsystem (disk tier, integrity, local
     socket, RDMA, read-through cache, control plane, peers) are that subsystem's own
-    `status()`, passed through as it gives them."""
+    `status()` (contract/status.py)."""
 
     node: str
     pid: int
     shm_dir: str
     budget: int
     used: int
-    disk_tier: dict[str, Any] | None  # None: the node has no disk tier
-    integrity: dict[str, Any]
+    disk_tier: DiskTierStatus | None  # None: the node has no disk tier
+    integrity: IntegrityStatus
     datasets: int = at_least(0)
     loading: list[str]  # the names being loaded
     segments: int = at_least(0)  # segment files on this node, both tiers
     uptime: float
     stats: dict[str, int]
-    local_socket: dict[str, Any]
+    local_socket: LocalSocketStatus
     transport: str
-    rdma: dict[str, Any]
+    rdma: RdmaStatus
     leases: int = at_least(0)
-    cache: dict[str, Any]
+    cache: CacheStatus
     loaded: dict[str, int]  # what this node loaded from sources
     decoded: dict[str, dict[str, VariantProgress]]  # dataset -> size -> its variant here
     members: list[str]
-    control: dict[str, Any] | None  # None: no control plane (a static node list)
+    control: ControlStatus | None  # None: no control plane (a static node list)
     peers: dict[str, int]
     held: dict[str, HeldSegments]
 

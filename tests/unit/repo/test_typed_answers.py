@@ -45,6 +45,14 @@ from kspeedfs.format.contract.preload import (
     StageStarted,
 )
 from kspeedfs.format.contract.rdma import RdmaConnect, RdmaRefused, RdmaSegments, RdmaSegmentTable
+from kspeedfs.format.contract.status import (
+    CacheStatus,
+    ControlStatus,
+    DiskTierStatus,
+    IntegrityStatus,
+    LocalSocketStatus,
+    RdmaStatus,
+)
 from kspeedfs.format.errors import InvalidArgument
 from kspeedfs.node.loads import progressing
 from kspeedfs.node.ops import OpRegistry
@@ -71,6 +79,12 @@ ANSWERS: list[type[Wire]] = [
     IndexCommitted,
     IndexAddAborted,
     Checksummed,
+    DiskTierStatus,
+    IntegrityStatus,
+    LocalSocketStatus,
+    RdmaStatus,
+    CacheStatus,
+    ControlStatus,
 ]
 
 
@@ -82,6 +96,8 @@ def values(hint: Any) -> st.SearchStrategy[Any]:
     """Values of a field of type `hint` that its checks pass (the answers' numbers are counts,
     sizes and times: none is below 0)."""
     origin = get_origin(hint)
+    if origin in (Union, types.UnionType):
+        return st.one_of(*(st.none() if a is type(None) else values(a) for a in get_args(hint)))
     if origin is Literal:
         return st.sampled_from(get_args(hint))
     if origin is list:
