@@ -52,8 +52,11 @@ def cmd_preload(args: argparse.Namespace) -> int:
         tier=args.tier,
         max_memory=max_memory,
         max_disk=max_disk,
+        queue=args.queue,
     )
-    state = "loading" if isinstance(result, PreloadStarted) else result.state
+    state: str = "loading" if isinstance(result, PreloadStarted) else result.state
+    if isinstance(result, PreloadStarted) and result.queued:
+        state = f"queued (position {result.queued})"
     print(f"{args.name}: {state}, {result.files_total} files, {format_size(result.bytes_total)}")
     if args.decoded is not None:
         _preload_decoded(args)

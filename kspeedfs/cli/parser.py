@@ -65,6 +65,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--endpoint", help="object store endpoint URL of an s3:// source")
     p.add_argument("--no-wait", action="store_true", help="return once the node accepted it")
+    p.add_argument(
+        "--queue",
+        action="store_true",
+        help="when it does not fit, wait in the node's queue for room instead of failing",
+    )
     p.add_argument("--replicas", type=int, default=1, help="copies of each segment (default 1)")
     p.add_argument(
         "--tier",
@@ -143,6 +148,15 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--max-disk", help="with --source: the most of the spill folder it takes, e.g. 64GiB"
+    )
+    p.add_argument(
+        "--min-memory",
+        help="with --source: its floor, memory no other dataset's miss or preload takes, e.g. 8GiB",
+    )
+    p.add_argument(
+        "--weight",
+        type=int,
+        help="with --source: its weight in the shares of memory (a whole number, default 1)",
     )
     p.add_argument("-f", "--foreground", action="store_true", help="do not go to the background")
     p.add_argument("-o", dest="options", default="", help="FUSE options: allow_other,...")

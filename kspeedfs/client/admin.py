@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import sys
 import time
 from collections.abc import Sequence
 
@@ -125,13 +126,15 @@ def start_preload(
     tier: str = "auto",
     max_memory: int = 0,
     max_disk: int = 0,
+    queue: bool = False,
 ) -> PreloadStarted:
     """Ask for a load of `src` (normalized) as `name`; answers once the node has scanned it.
     `meta`: meta files in it (relative paths) to index as well; `tier`: where its segments
     go (memory, disk, or auto: memory first); `max_memory`, `max_disk`: the most bytes of
-    its segments in each node's memory and disk tier (0: no cap)."""
+    its segments in each node's memory and disk tier (0: no cap); `queue`: wait for room
+    rather than be refused when it does not fit."""
     fields = {"name": name, "source": src, "lifetime": lifetime, "replicas": replicas}
-    caps = {"max_memory": max_memory, "max_disk": max_disk}
+    caps = {"max_memory": max_memory, "max_disk": max_disk, "queue": queue}
     request = Preload.from_wire(
         {**fields, "endpoint": endpoint, "meta": list(meta), "tier": tier, **caps}
     )
@@ -151,16 +154,20 @@ def preload(
     tier: str = "auto",
     max_memory: int = 0,
     max_disk: int = 0,
+    queue: bool = False,
 ) -> PreloadStarted | Progressing | Published:
     """Ask the node to load `source` (a folder or an s3:// URL) as `name`; with `wait`, poll
     until ready or failed (Ctrl-C cancels the load) and return the last `progress` answer,
-    else the load's start. The caps hold on each node (0: none)."""
+    else the load's start. The caps hold on each node (0: none). With `queue`, a preload
+    that does not fit waits in the node's queue for room."""
     validate_name(name)
     src = normalize_source(source)
     with connect(settings) as client:
         started = start_preload(
-            client, name, src, lifetime, replicas, endpoint, meta, tier, max_memory, max_disk
+            client, name, src, lifetime, replicas, endpoint, meta, tier, max_memory, max_disk, queue
         )
+        if started.queued and show_progress:
+            print(f"{name}: queued for room, position {started.queued}", file=sys.stderr)
         if not wait:
             return started
         try:
@@ -254,13 +261,22 @@ def register_source(
     name: str | None = None,
     max_memory: int = 0,
     max_disk: int = 0,
+    min_memory: int = 0,
+    weight: int = 1,
 ) -> str:
     """Make (or find) the read-through dataset of a source on the node, with its caps in
-    memory and on the spill folder when it is created (0: none); returns its name."""
+    memory and on the spill folder (0: none), its floor in memory (0: none) and its weight
+    in the shares, when it is created; returns its name."""
     source = normalize_source(source)
     name = validate_name(name) if name else validate_name(name_from_source(source))
     request = RegisterSource(
-        name=name, source=source, endpoint=endpoint, max_memory=max_memory, max_disk=max_disk
+        name=name,
+        source=source,
+        endpoint=endpoint,
+        max_memory=max_memory,
+        max_disk=max_disk,
+        min_memory=min_memory,
+        weight=weight,
     )
     with connect(settings) as client:
         registered = client.call(request)

@@ -34,10 +34,11 @@ from kspeedfs.node.leases import LeaseTable
 from kspeedfs.node.loads import LoadTable
 from kspeedfs.node.ops import READ, OpRegistry
 from kspeedfs.node.peers import PeerPool
-from kspeedfs.node.preload import Stager
+from kspeedfs.node.preload_queue import PreloadQueue
 from kspeedfs.node.promote import PreloadPromotions
 from kspeedfs.node.readthrough import ReadThroughCache
 from kspeedfs.node.scrub import Scrubber
+from kspeedfs.node.stager import Stager
 from kspeedfs.node.store import SegmentStore
 from kspeedfs.rdma.server import RdmaService
 
@@ -50,6 +51,7 @@ class NodeParts(Protocol):
     loads: LoadTable
     leases: LeaseTable
     stager: Stager
+    preload_queue: PreloadQueue
     preload_promotions: PreloadPromotions
     scrubber: Scrubber
     cache: ReadThroughCache
@@ -95,6 +97,7 @@ class NodeInfo:
             integrity=n.scrubber.status(),  # damaged segments found and repaired, scrub
             datasets=len(n.store.datasets),
             loading=sorted(name for name, p in n.loads.items() if p.state == "loading"),
+            queue=n.preload_queue.status(),
             segments=segments,
             uptime=time.time() - n.started,
             stats=dict(n.stats),

@@ -32,10 +32,11 @@ from kspeedfs.node.metaindexes import AddedIndexes
 from kspeedfs.node.metrics import serve_metrics
 from kspeedfs.node.ops import OpRegistry
 from kspeedfs.node.peers import PeerPool
-from kspeedfs.node.preload import Stager
+from kspeedfs.node.preload_queue import PreloadQueue
 from kspeedfs.node.promote import PreloadPromotions, Promoter
 from kspeedfs.node.readthrough import LocalCatalog, ReadThroughCache
 from kspeedfs.node.scrub import Scrubber
+from kspeedfs.node.stager import Stager
 from kspeedfs.node.store import TIER_DIR, SegmentStore
 from kspeedfs.node.unload import Unloader
 from kspeedfs.rdma.server import RdmaService
@@ -112,6 +113,7 @@ class Node:
         self.lease_owner = LeaseOwner(
             self.leases, self.store, lambda: self.address, self.unloader.unload
         )
+        self.preload_queue = PreloadQueue(self.store.budgets)
         self.coordinator = PreloadCoordinator(
             settings,
             self.store,
@@ -120,6 +122,7 @@ class Node:
             self.control,
             self.ask,
             self.decoded.after_preload,
+            self.preload_queue,
         )
         self.scrubber = Scrubber(settings, self.store, events, lambda: self.address)
         self.preload_promotions = PreloadPromotions(self.store, self.scrubber.quarantined)

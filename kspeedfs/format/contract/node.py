@@ -79,6 +79,9 @@ class NodeStatus(Wire):
     integrity: IntegrityStatus
     datasets: int = at_least(0)
     loading: list[str]  # the names being loaded
+    # The preloads waiting for room (`preload --queue`), first first: position, name, source,
+    # bytes, waiting_since, short_by (the head's: memory still to free), reason.
+    queue: list[dict[str, Any]] = dataclasses.field(default_factory=list)
     segments: int = at_least(0)  # segment files on this node, both tiers
     uptime: float
     stats: dict[str, int]

@@ -1,5 +1,5 @@
 """The preload's ops: a client asks a coordinator (`preload`, `progress`); the coordinator
-drives every member's stage (node.preload.Stager) through the `stage*`, `commit` and `abort`
+drives every member's stage (node.stager.Stager) through the `stage*`, `commit` and `abort`
 ops, admin only.
 
 `progress` and `stage_status` are long-polled: a caller passes the `version` of the state it
@@ -26,7 +26,7 @@ Tier = Literal["memory", "disk", "auto"]
 
 # The states of a load (a coordinator's or a member's part), in the order they come; a
 # long-polled answer's `version` is its state's place here (state_version).
-LoadState = Literal["scanning", "receiving", "loading", "staged", "ready", "failed"]
+LoadState = Literal["scanning", "queued", "receiving", "loading", "staged", "ready", "failed"]
 LOAD_STATES: tuple[LoadState, ...] = get_args(LoadState)
 
 # The longest a long-polled answer is held back: well inside a client's timeout.
@@ -76,6 +76,9 @@ class Preload(Request["PreloadStarted"]):
     # The most of each node's memory and disk tier its segments take there (0: no cap).
     max_memory: int = cap_bytes()
     max_disk: int = cap_bytes()
+    # When it does not fit: wait in the coordinator's queue for room (state "queued") instead
+    # of being refused.
+    queue: bool = False
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -84,6 +87,7 @@ class PreloadStarted(Wire):
     files_total: int
     bytes_total: int
     nodes: list[str]
+    queued: int = 0  # its place in the queue when it waits for room (0: loading)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

@@ -24,6 +24,26 @@ class RegisterSource(Request["Registered"]):
     # dataset is created, refused when larger than what the node has free.
     max_memory: int = at_least(0, default=0)
     max_disk: int = at_least(0, default=0)
+    # Its floor in memory, which no other dataset's miss and no preload takes (0: none), and
+    # its weight in the max-min shares of what the uncapped datasets share.
+    min_memory: int = at_least(0, default=0)
+    weight: int = at_least(1, default=1)
+
+    def limits(self) -> dict[str, int]:
+        """What the new dataset's manifest header keeps of these (defaults left out)."""
+        return {
+            key: value
+            for key in LIMITS
+            if (value := getattr(self, key)) != RegisterSource.__dataclass_fields__[key].default
+        }
+
+
+LIMITS = (
+    "max_memory",
+    "max_disk",
+    "min_memory",
+    "weight",
+)  # a read-through dataset's, in its header
 
 
 @dataclasses.dataclass(frozen=True)

@@ -78,6 +78,9 @@ class DatasetCacheStatus(Wire):
     on_disk: int = at_least(0, default=0)
     on_spill: int = at_least(0, default=0)
     spill_bytes: int = at_least(0, default=0)
+    min_memory: int = at_least(0, default=0)  # its floor in the shares of memory
+    weight: int = at_least(0, default=0)  # its weight in them
+    share: int = at_least(0, default=0)  # its share of memory now (a capped one's: its cap)
     plan: dict[str, list[int]] | None = None  # per reader, (where it is, uses in all)
     hits: int = at_least(0, default=0)
     misses: int = at_least(0, default=0)

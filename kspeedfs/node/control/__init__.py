@@ -32,8 +32,9 @@ from kspeedfs.node.control.converge import Converger
 from kspeedfs.node.control.heal import Healer, placed
 from kspeedfs.node.ops import ADMIN, OpRegistry
 from kspeedfs.node.peers import Ask, PeerPool
-from kspeedfs.node.preload import Plan, Stager
+from kspeedfs.node.preload import Plan
 from kspeedfs.node.readthrough import ReadThroughCache
+from kspeedfs.node.stager import Stager
 from kspeedfs.node.store import SegmentStore
 
 __all__ = ["ClusterControl", "ControlPlane", "EtcdCatalog", "loading_record", "placed"]

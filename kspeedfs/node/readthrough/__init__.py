@@ -109,7 +109,7 @@ class ReadThroughCache:
             max(1.0, settings.timeout / 2),
         )
         self.registrar = SourceRegistrar(
-            store, self.instances, builder, loads, address, self.evictor.check_cap, catalog
+            store, self.instances, builder, loads, address, self.evictor.check_limits, catalog
         )
         self.watch = SourceWatch(
             store,
@@ -191,4 +191,4 @@ class ReadThroughCache:
         self.evictor.note_reads(name, segments)
 
     def status(self) -> CacheStatus:
-        return cache_status(self.store, self.instances, self.disk)
+        return cache_status(self.store, self.instances, self.disk, self.evictor.shares())

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections import Counter
+from collections.abc import Mapping
 from typing import Any
 
 from kspeedfs.format.contract.status import CacheStatus, DatasetCacheStatus, SpillStatus
@@ -29,7 +30,9 @@ COUNTERS = (
 )
 
 
-def cache_status(store: SegmentStore, instances: Instances, disk: DiskTier) -> CacheStatus:
+def cache_status(
+    store: SegmentStore, instances: Instances, disk: DiskTier, shares: Mapping[str, int]
+) -> CacheStatus:
     datasets: dict[str, DatasetCacheStatus] = {}
     for record in store.datasets.values():
         uid, changed = instances.changed.get(record.name, ("", 0))
@@ -58,6 +61,9 @@ def cache_status(store: SegmentStore, instances: Instances, disk: DiskTier) -> C
                 plan=None if plan is None else {k: list(v) for k, v in plan.items()},
                 max_memory=ds.max_memory,
                 max_disk=ds.max_disk,
+                min_memory=ds.min_memory,
+                weight=ds.weight,
+                share=shares.get(ds.name, ds.max_memory),  # a capped one's share is its cap
                 **figures,
             )
         datasets[record.name] = d
