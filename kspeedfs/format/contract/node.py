@@ -14,6 +14,7 @@ from kspeedfs.format.contract.status import (
     DiskTierStatus,
     IntegrityStatus,
     LocalSocketStatus,
+    QueuedPreload,
     RdmaStatus,
 )
 from kspeedfs.format.names import validate_name
@@ -81,7 +82,7 @@ class NodeStatus(Wire):
     loading: list[str]  # the names being loaded
     # The preloads waiting for room (`preload --queue`), first first: position, name, source,
     # bytes, waiting_since, short_by (the head's: memory still to free), reason.
-    queue: list[dict[str, Any]] = dataclasses.field(default_factory=list)
+    queue: list[QueuedPreload] = dataclasses.field(default_factory=list)
     segments: int = at_least(0)  # segment files on this node, both tiers
     uptime: float
     stats: dict[str, int]

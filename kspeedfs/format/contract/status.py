@@ -147,3 +147,16 @@ class ControlStatus(Wire):
     live: list[str]
     heal: HealStatus
     under_replicated: dict[str, int]  # dataset -> segments short of their replicas
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class QueuedPreload(Wire):
+    """A preload waiting in the coordinator's queue (node/preload_queue.py) for memory."""
+
+    position: int  # 1: the head
+    name: str
+    source: str
+    bytes: int = at_least(0)
+    waiting_since: float
+    short_by: int | None  # the head's: memory this node needs free before it fits
+    reason: str

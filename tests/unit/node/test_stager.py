@@ -105,7 +105,7 @@ async def settled(coordinator: PreloadCoordinator, name: str) -> str:
 
 async def in_queue(coordinator: PreloadCoordinator, name: str) -> None:
     """Wait until `name` waits in the coordinator's queue, refused there at least once."""
-    while not any(w["name"] == name and w["reason"] for w in coordinator.queue.status()):
+    while not any(w.name == name and w.reason for w in coordinator.queue.status()):
         await trio.sleep(0.01)  # polling the queue
 
 
@@ -196,8 +196,8 @@ def test_a_queued_preload_waits_for_room_and_starts_when_an_unload_frees_it(
             progress = coordinator.loads.get("two")
             assert progress is not None and progress.state == "queued"
             (waiting,) = coordinator.queue.status()
-            assert waiting["name"] == "two" and waiting["position"] == 1
-            assert waiting["short_by"] > 0 and "held by one" in waiting["reason"]
+            assert waiting.name == "two" and waiting.position == 1
+            assert waiting.short_by and "held by one" in waiting.reason
             for member in members.values():  # nothing of "two" claimed while it waits
                 assert not any("two" in k for k in member.store.budgets.reserved)
             for member in members.values():

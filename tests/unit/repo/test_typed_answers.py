@@ -51,6 +51,7 @@ from kspeedfs.format.contract.status import (
     DiskTierStatus,
     IntegrityStatus,
     LocalSocketStatus,
+    QueuedPreload,
     RdmaStatus,
 )
 from kspeedfs.format.errors import InvalidArgument
@@ -85,6 +86,7 @@ ANSWERS: list[type[Wire]] = [
     RdmaStatus,
     CacheStatus,
     ControlStatus,
+    QueuedPreload,
 ]
 
 
