@@ -4,11 +4,17 @@ from __future__ import annotations
 
 import hashlib
 import os
+from collections.abc import Callable
 from pathlib import Path
 
 
-def walk(root: Path) -> dict[bytes, tuple[str, bytes]]:
-    """Relative path -> (kind, sha256 of the bytes or link target), names kept as raw bytes."""
+def sha256(data: bytes) -> bytes:
+    return hashlib.sha256(data).digest()
+
+
+def walk(root: Path, content: Callable[[bytes], bytes] = sha256) -> dict[bytes, tuple[str, bytes]]:
+    """Relative path -> (kind, `content` of the bytes (their sha256) or link target), names
+    kept as raw bytes."""
     out: dict[bytes, tuple[str, bytes]] = {}
     base = os.fsencode(root)
     for dirpath, dirnames, filenames in os.walk(base):
@@ -22,5 +28,5 @@ def walk(root: Path) -> dict[bytes, tuple[str, bytes]]:
                 out[rel] = ("dir", b"")
             else:
                 with open(full, "rb") as f:
-                    out[rel] = ("file", hashlib.sha256(f.read()).digest())
+                    out[rel] = ("file", content(f.read()))
     return out

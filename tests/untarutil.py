@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from hypothesis import strategies as st
+from treeutil import walk
 
 from kspeedfs.format import tarmerge
 
@@ -104,20 +105,7 @@ def extract_in_order(tars: dict[str, bytes], dest: Path, skip: set[str] = frozen
 
 def tree_of(root: Path) -> dict[bytes, tuple[str, bytes]]:
     """Relative path -> (kind, bytes or link target), names as bytes."""
-    out: dict[bytes, tuple[str, bytes]] = {}
-    base = os.fsencode(root)
-    for dirpath, dirs, files in os.walk(base):
-        for name in dirs + files:
-            full = os.path.join(dirpath, name)
-            rel = os.path.relpath(full, base)
-            if os.path.islink(full):
-                out[rel] = ("link", os.readlink(full))
-            elif os.path.isdir(full):
-                out[rel] = ("dir", b"")
-            else:
-                with open(full, "rb") as f:
-                    out[rel] = ("file", f.read())
-    return out
+    return walk(root, bytes)
 
 
 def merged_tree_of(

@@ -45,6 +45,9 @@ def mount(node: NodeProcess, tmp_path_factory: pytest.TempPathFactory) -> Iterat
     folder = tmp_path_factory.mktemp("untar-mount")
     m = MountProcess(folder / "mnt", node.env(), folder)
     m.start()
+    # The mount checks its root lists what the node holds before it says it is mounted: a
+    # dataset preloaded during that check can fail it (the mount then exits), so wait.
+    wait_for(lambda: "served by" in m.log(), 30, "the mount's own check")
     yield m
     m.stop()
 
