@@ -15,6 +15,9 @@ def test_share_and_verdicts():
 
 
 def test_summary_reads_as_the_issue_says():
-    assert stall.summary(0.17 * 3780, 0.83 * 3780) == "data-bound (moderately): 17% of 1 h 03 m waiting"
+    assert (
+        stall.summary(0.17 * 3780, 0.83 * 3780)
+        == "data-bound (moderately): 17% of 1 h 03 m waiting"
+    )
     assert stall.duration(245) == "4 m 05 s"
     assert stall.duration(12.34) == "12.3 s"
