@@ -51,13 +51,13 @@ class LoopMeter:
 
     def batch(self, since: float, samples: int) -> None:
         """A batch came after waiting since `since`."""
+        if self.report is None:  # before the clock: the loop waits for this too
+            self._first_batch()
         now = perf_counter()
         self.blocked += now - since
         self.batches += 1
         self.samples += samples
         self.last = now
-        if self.report is None:
-            self._first_batch()
 
     def started(self, since: float) -> None:
         """A pass began (iter() returned): starting the workers was waiting too."""
@@ -68,7 +68,9 @@ class LoopMeter:
         """The loader ran out: the wait counts, the time until the next pass does not."""
         self.blocked += perf_counter() - since
         self.last = None
+        printing = perf_counter()
         self.print_table()
+        self.blocked += perf_counter() - printing  # the loop waits for the table too
 
     def _first_batch(self) -> None:
         from kspeedfs.client.loop_reports import LoopReporter

@@ -74,7 +74,7 @@ class LoopReporter:
     def _run(self) -> None:
         job, rank, pid = job_identity.this_job(), job_identity.this_rank(), os.getpid()
         client: NodeClient | None = None
-        while not self._stop.wait(REPORT_EVERY_S):
+        while True:  # the first report at once: the node's seconds start with the loop
             blocked, busy, batches, samples = self._figures()
             report = LoopReport(
                 job=job,
@@ -97,3 +97,5 @@ class LoopReporter:
                 if client is not None:
                     client.close()
                 client = None
+            if self._stop.wait(REPORT_EVERY_S):
+                return

@@ -75,26 +75,26 @@ class JobSecond(Wire):
     and its datasets' hits and misses."""
 
     t: float  # seconds since the job's first report
-    blocked: float = at_least(0)
-    busy: float = at_least(0)
-    samples: int = at_least(0)
-    hits: int = at_least(0)
-    misses: int = at_least(0)
+    blocked: float = at_least(0, default=0)
+    busy: float = at_least(0, default=0)
+    samples: int = at_least(0, default=0)
+    hits: int = at_least(0, default=0)
+    misses: int = at_least(0, default=0)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class JobEntry(Wire):
     job: str
     tenant: str = ""  # empty until tenants exist
-    ranks: int = at_least(0)
-    blocked: float = at_least(0)
-    busy: float = at_least(0)
-    batches: int = at_least(0)
-    samples: int = at_least(0)
-    samples_per_s: float = at_least(0)  # over the last RATE_WINDOW seconds
-    stall: float = at_least(0)  # over the whole run
-    recent_stall: float = at_least(0)  # over the last RATE_WINDOW seconds
-    idle_s: float = at_least(0)  # since its last report
+    ranks: int = at_least(0, default=0)
+    blocked: float = at_least(0, default=0)
+    busy: float = at_least(0, default=0)
+    batches: int = at_least(0, default=0)
+    samples: int = at_least(0, default=0)
+    samples_per_s: float = at_least(0, default=0)  # over the last RATE_WINDOW seconds
+    stall: float = at_least(0, default=0)  # over the whole run
+    recent_stall: float = at_least(0, default=0)  # over the last RATE_WINDOW seconds
+    idle_s: float = at_least(0, default=0)  # since its last report
     datasets: list[JobDataset] = dataclasses.field(default_factory=list)
     history: list[JobSecond] = dataclasses.field(default_factory=list)
 
