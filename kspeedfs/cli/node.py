@@ -1,4 +1,5 @@
-"""Node commands: run the daemon, show the nodes (status), stop the daemon."""
+"""Node commands: run the daemon, show the nodes (status), stop the daemon, remove a stopped
+node's folders."""
 
 from __future__ import annotations
 
@@ -7,12 +8,13 @@ import dataclasses
 import json
 import logging
 import time
+from pathlib import Path
 from typing import Any
 
 from kspeedfs.cli.settings import settings_from
 from kspeedfs.cli.tables import print_table
 from kspeedfs.client import admin
-from kspeedfs.format.config import Settings
+from kspeedfs.format.config import Settings, load_settings
 from kspeedfs.format.contract.node import NodeStatus, Shutdown, Status
 from kspeedfs.format.errors import AuthError, KSpeedError
 from kspeedfs.format.units import format_size
@@ -239,4 +241,18 @@ def _print_members(members: list[dict[str, Any]], nodes: list[NodeView]) -> None
 def cmd_shutdown(args: argparse.Namespace) -> int:
     with admin.connect(settings_from(args)) as client:
         client.call(Shutdown())
+    return 0
+
+
+def cmd_clean_node(args: argparse.Namespace) -> int:
+    """Remove a stopped node's folders: those named, else its configured shm and spill folders
+    (refused in one line while a node runs on one, or for a folder that is not a node's)."""
+    from kspeedfs.node.nodefolders import remove_stopped
+
+    folders = [Path(f) for f in (args.shm_dir, args.spill_dir) if f]
+    if not folders:
+        settings = load_settings({}, config_file=args.config)
+        folders = [f for f in (settings.shm_dir, settings.spill_dir) if f is not None]
+    for line in remove_stopped(folders):
+        print(line)
     return 0

@@ -229,6 +229,16 @@ def build_parser() -> argparse.ArgumentParser:
         default=110.0,
         help="seconds a publish waits for a warm load and its mount (default 110: kubelet waits 120)",
     )
+    p.add_argument(
+        "--kubelet-dir",
+        default="/var/lib/kubelet",
+        help="kubelet's root folder: targets outside it are refused (default /var/lib/kubelet)",
+    )
+    p.add_argument(
+        "--policy",
+        help="the admin's volume policy (TOML): which namespaces may use which datasets; "
+        "without it every publish is allowed",
+    )
 
     p = sub.add_parser("kubernetes", help="Kubernetes: print the manifests to install kspeedfs")
     ksub = p.add_subparsers(dest="kubernetes_command", required=True, metavar="ACTION")
@@ -236,8 +246,37 @@ def build_parser() -> argparse.ArgumentParser:
         "manifests",
         help="DaemonSet, CSIDriver, RBAC, ConfigMap, Service and examples, as one YAML stream",
     )
-    t.add_argument("--namespace", default="kspeedfs", help="namespace (default kspeedfs)")
-    t.add_argument("--image", default="ghcr.io/kspeedfs/kspeedfs:0.1.0", help="the kspeedfs image")
+    t.add_argument(
+        "--image",
+        help="the kspeedfs image your machines pull (required: in --values or here; none is published)",
+    )
+    t.add_argument("--values", help="a YAML file of install values (docs/kubernetes.md, Values)")
+    t.add_argument("--namespace", help="namespace (default kspeedfs)")
+    t.add_argument(
+        "--image-pull-secret",
+        action="append",
+        dest="image_pull_secrets",
+        metavar="SECRET",
+        help="a Secret to pull the images with (repeatable)",
+    )
+    t.add_argument("--registrar-image", help="the node-driver-registrar image")
+    t.add_argument("--livenessprobe-image", help="the CSI livenessprobe image")
+    t.add_argument("--kubelet-dir", help="kubelet's root folder (default /var/lib/kubelet)")
+    t.add_argument("--data-dir", help="the host's folder of sources (default /data)")
+    t.add_argument(
+        "--cache-memory",
+        help="the node's memory request, and so its cache budget (default 8Gi)",
+    )
+    t.add_argument("--priority-class", help="default system-node-critical")
+    t.add_argument(
+        "--metrics-port", type=int, help="the node's /metrics port (default 9420, 0 off)"
+    )
+    t.add_argument("--cluster-domain", help="the cluster's DNS domain (default cluster.local)")
+    t.add_argument(
+        "--kustomize",
+        metavar="DIR",
+        help="write a Kustomize base (one file per part, values.yaml) into DIR instead",
+    )
     t.add_argument(
         "--examples",
         action="store_true",
@@ -256,6 +295,14 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("shutdown", help="stop the node daemon")
     _client_options(p)
+
+    p = sub.add_parser(
+        "clean-node",
+        help="remove a stopped node's folders (shm folder, spill folder), sealed segments too",
+    )
+    p.add_argument("--config", help="TOML config file (env KSPEEDFS_CONFIG)")
+    p.add_argument("--shm-dir", help="its shm folder (default: the config's shm_dir)")
+    p.add_argument("--spill-dir", help="its spill folder (default: the config's spill_dir)")
 
     p = sub.add_parser("token", help="cluster tokens")
     tsub = p.add_subparsers(dest="token_command", required=True, metavar="ACTION")

@@ -34,6 +34,7 @@ from kspeedfs.format.units import parse_address
 from kspeedfs.net.connection import NodeClient
 from kspeedfs.sources.naming import normalize_source
 
+from .policy import NotAllowed
 from .volumes import Volume, VolumeRecords
 
 log = logging.getLogger(__name__)
@@ -73,9 +74,10 @@ class WarmDatasets:
                 return listing.node, d
         return None
 
-    def prepare(self, volume: Volume, timeout: float) -> Volume:
+    def prepare(self, volume: Volume, timeout: float, may_load: bool = True) -> Volume:
         """The volume with its dataset ready (and its lease, for a leased dataset): NotFound
-        for an unknown dataset and no source, NotResident after `timeout` seconds."""
+        for an unknown dataset and no source, NotAllowed for one the policy does not let it
+        load (`may_load`), NotResident after `timeout` seconds."""
         deadline = time.monotonic() + timeout
         for _ in range(3):  # unloaded between ready and the lease: look again
             found = self.lookup(volume.dataset)
@@ -85,6 +87,11 @@ class WarmDatasets:
                     raise NotFound(
                         f"dataset {volume.dataset} is not in the cache{why} and the volume "
                         f"names no source to load it from"
+                    )
+                if not may_load:
+                    raise NotAllowed(
+                        f"dataset {volume.dataset} is not in the cache, and the volume policy "
+                        f"does not let this namespace load it"
                     )
                 self._start(volume)
             node, info = self._wait_ready(volume, deadline)
@@ -203,5 +210,8 @@ class LeaseRenewer:
                         self.records.put(renewed)
 
     def _run(self) -> None:
+        # At once first: the leases of the volumes adopted at start (the plugin listens by
+        # now, so a slow node delays no registration).
+        self.renew_all()
         while not self._stop.wait(self.warm.settings.lease_ttl / 3):
             self.renew_all()

@@ -79,3 +79,28 @@ def test_a_queued_preload_waits_for_room_and_loads_after_an_unload(
     assert status(node)["queue"] == []
     ds = KSpeedFolder(second, objname="second", nodes=node.address, token=node.token_file)
     assert sum(wrong_bytes(ds[i], files[ds.files[i]]) for i in range(len(ds))) == 0
+
+
+def test_a_jobs_active_preload_that_does_not_fit_reads_through(
+    make_node: StartNode, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Two jobs whose active preloads together exceed the budget: the first loads (leased),
+    the second is read through within its share, said in one line; it never fails at
+    construction, and both read every byte right."""
+    node = make_node("stable")
+    sources = [tmp_path / "job1", tmp_path / "job2"]
+    files = [write_files(src, 20, SEGMENT) for src in sources]  # 5 MiB each, 8 MiB budget
+    jobs = []
+    for k, src in enumerate(sources):
+        with caplog.at_level("WARNING", logger="pytorch_ext.cache"):
+            jobs.append(
+                KSpeedFolder(src, objname=f"job{k + 1}", nodes=node.address, token=node.token_file)
+            )
+    said = [r.getMessage() for r in caplog.records if r.name == "pytorch_ext.cache"]
+    assert len(said) == 1 and "read through within its share" in said[0], said
+    assert "held by job1" in said[0], said
+    for _epoch in range(2):
+        for ds, want in zip(jobs, files, strict=True):
+            assert sum(wrong_bytes(ds[i], want[ds.files[i]]) for i in range(len(ds))) == 0
+    lifetimes = {n: d["lifetime"] for n, d in status(node)["cache"]["datasets"].items()}
+    assert lifetimes == {"job1": "leased", "job2": "readthrough"}, lifetimes
