@@ -203,6 +203,9 @@ def main() -> None:
                 check=True,
             )
             accuracy(node, source)
+            print("\n$ kspeedfs jobs")
+            jobs = [sys.executable, "-m", "kspeedfs.cli", "jobs"]
+            subprocess.run(jobs, env=node.env(), check=True)
             if args.svg:
                 picture(node, args.svg)
                 print(f"\nwrote {args.svg}")

@@ -24,7 +24,7 @@ class SlowItems(Dataset[int]):
         return self.n
 
     def __getitem__(self, i: int) -> int:
-        time.sleep(self.delay)
+        time.sleep(self.delay)  # under test: the sample's cost the loop waits for
         return i
 
 
@@ -42,7 +42,7 @@ class Sleep:
         self.delay = delay
 
     def __call__(self, x: Any) -> Any:
-        time.sleep(self.delay)
+        time.sleep(self.delay)  # under test: the transform's cost the loop waits for
         return x
 
 
@@ -102,8 +102,11 @@ def main(config: dict[str, Any]) -> dict[str, Any]:
     from pytorch_ext import loop_watch
 
     meter = loop_watch.meter()
-    if config.get("linger"):  # the reports reach the node before the process exits
-        time.sleep(config["linger"])
+    if config.get("linger"):  # a report after the loop's end reaches the node before exit
+        sent = meter.report.sent
+        deadline = time.monotonic() + config["linger"] + 5
+        while meter.report.sent < sent + 2 and time.monotonic() < deadline:
+            time.sleep(0.05)
     return {
         "truth": blocked / (blocked + busy),
         "reported": meter.blocked / max(meter.blocked + meter.busy, 1e-9),

@@ -130,7 +130,7 @@ def job_row(e: JobEntry) -> tuple[str, ...]:
         e.job,
         str(e.ranks),
         f"{e.samples_per_s:.1f}",
-        f"{e.recent_stall:.1%} {_short_verdict(e.recent_stall)}",
+        f"{e.recent_stall:.1%} {_short_verdict(e.recent_stall)}" if e.samples_per_s else "idle",
         f"{e.stall:.1%} {_short_verdict(e.stall)}",
         f"{1 - e.stall:.0%} {'pass' if 1 - e.stall >= stall.AU_PASS else 'below'}",
         "-" if hit is None else f"{hit:.1%}",
