@@ -12,7 +12,7 @@ import json
 import sys
 import time
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, TypeVar
 
 from kspeedfs.cli.settings import settings_from
 from kspeedfs.cli.tables import print_table
@@ -21,6 +21,8 @@ from kspeedfs.format.config import Settings
 from kspeedfs.format.contract.jobs import JobDataset, JobEntry, JobsAnswer, JobSecond, JobsReq
 from kspeedfs.format.errors import AuthError, InvalidArgument, KSpeedError, NotFound
 from kspeedfs.format.units import format_size
+
+W = TypeVar("W", JobDataset, JobSecond)
 
 COLUMNS = (
     "JOB",
@@ -75,22 +77,11 @@ def merge(entries: Sequence[JobEntry]) -> JobEntry:
     datasets: dict[str, JobDataset] = {}
     for e in entries:
         for d in e.datasets:
-            was = datasets.get(d.name)
-            datasets[d.name] = (
-                d
-                if was is None
-                else JobDataset(
-                    name=d.name,
-                    hits=was.hits + d.hits,
-                    misses=was.misses + d.misses,
-                    source_bytes=was.source_bytes + d.source_bytes,
-                    resident_bytes=was.resident_bytes + d.resident_bytes,
-                )
-            )
+            datasets[d.name] = _sum(datasets[d.name], d) if d.name in datasets else d
     seconds: dict[float, JobSecond] = {}
     for e in entries:  # each node counts seconds from when it first heard of the job
         for s in e.history:
-            seconds[s.t] = _add(seconds[s.t], s) if s.t in seconds else s
+            seconds[s.t] = _sum(seconds[s.t], s) if s.t in seconds else s
     return dataclasses.replace(
         entries[0],
         ranks=ranks,
@@ -107,14 +98,16 @@ def merge(entries: Sequence[JobEntry]) -> JobEntry:
     )
 
 
-def _add(a: JobSecond, b: JobSecond) -> JobSecond:
-    return JobSecond(
-        t=a.t,
-        blocked=a.blocked + b.blocked,
-        busy=a.busy + b.busy,
-        samples=a.samples + b.samples,
-        hits=a.hits + b.hits,
-        misses=a.misses + b.misses,
+def _sum(a: W, b: W) -> W:
+    """`a` with each number field the sum of `a`'s and `b`'s (its name and time kept)."""
+    kept = ("name", "t")
+    return dataclasses.replace(
+        a,
+        **{
+            f.name: getattr(a, f.name) + getattr(b, f.name)
+            for f in dataclasses.fields(a)
+            if f.name not in kept
+        },
     )
 
 

@@ -8,6 +8,7 @@ import time
 from pathlib import Path
 
 import pytest
+import watchloop
 
 from pytorch_ext import loop_watch
 
@@ -29,20 +30,7 @@ def fresh_meter(monkeypatch):
 
 @pytest.mark.parametrize("wait,step", [(0.0, 0.01), (0.01, 0.01), (0.02, 0.002)])
 def test_reported_stall_is_the_loops_own(fresh_meter, capsys, wait, step):
-    blocked = busy = 0.0
-    it = iter(loop_watch.watch(slow_batches(30, wait)))
-    t = time.perf_counter()
-    while True:
-        try:
-            next(it)
-        except StopIteration:
-            blocked += time.perf_counter() - t
-            break
-        now = time.perf_counter()
-        blocked += now - t
-        time.sleep(step)  # the "GPU step"
-        t = time.perf_counter()
-        busy += t - now
+    blocked, busy, _ = watchloop.timed_loop(loop_watch.watch(slow_batches(30, wait)), step)
     meter = fresh_meter()
     truth = blocked / (blocked + busy)
     reported = meter.blocked / (meter.blocked + meter.busy)
