@@ -28,7 +28,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from kspeedfs.format import auth  # noqa: E402
-from kspeedfs.format.contract.jobs import JobsAnswer, JobsReq  # noqa: E402
+from kspeedfs.format.contract.jobs import JobsReq  # noqa: E402
 from kspeedfs.sample import make_sample  # noqa: E402
 from kspeedfs.testing.node import NodeProcess, remove_tree  # noqa: E402
 from kspeedfs.testing.process import free_port  # noqa: E402
@@ -94,7 +94,7 @@ def accuracy(node: NodeProcess, source: Path) -> None:
         env = {**node.env(), "KSPEEDFS_JOB": job}
         r = run({**config, "explicit": True, "linger": 1.2}, env)
         with node.client() as client:
-            (entry,) = JobsAnswer.from_wire(client.call(JobsReq(job=job))).jobs
+            (entry,) = client.call(JobsReq(job=job)).jobs
         shown = f"{entry.stall:.1%} {entry.datasets and 'on ' + entry.datasets[0].name or ''}"
         hit = "-" if entry.hit_rate is None else f"{entry.hit_rate:.0%}"
         print(

@@ -12,7 +12,7 @@ from collections.abc import Sequence
 from typing import TypeVar
 
 from kspeedfs.format import metaindex
-from kspeedfs.format.contract.metaindexes import FetchMetaIndex, MetaAdd, MetaIndexPiece
+from kspeedfs.format.contract.metaindexes import FetchMetaIndex, MetaAdd
 from kspeedfs.format.contract.pieces import BlobPiece, fetch_all
 from kspeedfs.format.errors import AuthError, DataError, NotFound
 from kspeedfs.format.metaindex import MetaIndex
@@ -71,7 +71,7 @@ def ask_to_index(reader: cache.Reader, metas: Sequence[str]) -> None:
     ref = reader.ref
     log.info("asking the cache to index %d files of %s (%s)", len(metas), ref.name, metas[0])
     try:
-        reader.cluster.live_call(
+        reader.cluster.pool.live_call(
             MetaAdd(name=ref.name, uuid=ref.uuid, meta=list(metas)), answer_within=SCAN_TIMEOUT
         )
     except AuthError as e:
@@ -85,14 +85,14 @@ def _fetch(reader: cache.Reader, meta: str, kind: type[Index]) -> Index:
     a temporary file this process maps."""
     ref = reader.ref
     cluster = reader.cluster
-    first, reply = cluster.live_call(FetchMetaIndex(name=ref.name, uuid=ref.uuid, meta=meta))
+    first, reply = cluster.pool.live_call(FetchMetaIndex(name=ref.name, uuid=ref.uuid, meta=meta))
 
     def ask(offset: int) -> BlobPiece:
         nonlocal reply
         if offset:
             request = FetchMetaIndex(name=ref.name, uuid=ref.uuid, meta=meta, offset=offset)
-            reply = cluster.call(first, request)
-        return MetaIndexPiece.from_wire(reply).piece
+            reply = cluster.pool.call(first, request)
+        return reply.piece
 
     fd, path = tempfile.mkstemp(prefix=f"kspeedfs-{ref.name}-", suffix=".kmi")
     try:

@@ -18,7 +18,7 @@ from kspeedfs.cli.settings import settings_from
 from kspeedfs.cli.tables import print_table
 from kspeedfs.format import stall
 from kspeedfs.format.config import Settings
-from kspeedfs.format.contract.jobs import JobDataset, JobEntry, JobsAnswer, JobSecond, JobsReq
+from kspeedfs.format.contract.jobs import JobDataset, JobEntry, JobSecond, JobsReq
 from kspeedfs.format.errors import AuthError, InvalidArgument, KSpeedError, NotFound
 from kspeedfs.format.units import format_size
 
@@ -49,7 +49,7 @@ def ask_jobs(settings: Settings, job: str = "", history: bool = False) -> list[J
             with NodeClient(
                 address, settings.credential(), settings.timeout, client_context(settings)
             ) as client:
-                answer = JobsAnswer.from_wire(client.call(JobsReq(job=job, history=history)))
+                answer = client.call(JobsReq(job=job, history=history))
         except NotFound:
             continue
         except KSpeedError as e:

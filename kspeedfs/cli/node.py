@@ -100,7 +100,7 @@ def cmd_status(args: argparse.Namespace) -> int:
             continue
         mem = f"{format_size(s.used)} / {format_size(s.budget)}"
         tier = s.disk_tier
-        disk = f"{format_size(tier['used'])} / {format_size(tier['budget'])}" if tier else "-"
+        disk = f"{format_size(tier.used)} / {format_size(tier.budget)}" if tier else "-"
         loading = f" (+{len(s.loading)} loading)" if s.loading else ""
         rows.append(
             (
@@ -154,7 +154,7 @@ def _ask_status(settings: Settings) -> list[NodeView]:
             with NodeClient(
                 addr, settings.credential(), wait, tls, connect_timeout=CONNECT_TIMEOUT
             ) as client:
-                status = NodeStatus.from_wire(client.call(Status()))
+                status = client.call(Status())
                 return NodeView(status.node, status)
         except KSpeedError as e:
             # A refused token is this client's problem, not a node that is down.
@@ -223,16 +223,17 @@ def _etcd_members(settings: Settings) -> list[dict[str, Any]] | None:
 
 def _print_members(members: list[dict[str, Any]], nodes: list[NodeView]) -> None:
     rows = [("MEMBER (etcd)", "STATE", "SINCE", "HEAL")]
-    control = {n.node: n.status.control or {} for n in nodes if n.status is not None}
+    control = {n.node: n.status.control for n in nodes if n.status is not None}
     for m in members:
         since = "-"
         if m["since"]:
             since = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(m["since"]))
-        heal = control.get(m["node"], {}).get("heal")
-        under = sum((control.get(m["node"], {}).get("under_replicated") or {}).values())
+        seen = control.get(m["node"])
         text = "-"
-        if heal:
-            text = f"{heal['segments']} copied, {heal['pending']} pending, {under} under-replicated"
+        if seen is not None:
+            under = sum(seen.under_replicated.values())
+            heal = seen.heal
+            text = f"{heal.segments} copied, {heal.pending} pending, {under} under-replicated"
         rows.append((m["node"], m["state"], since, text))
     print_table(rows)
     print()

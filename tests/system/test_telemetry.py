@@ -60,7 +60,7 @@ def run_script(config: dict[str, Any], env: dict[str, str], hook: bool = False) 
 
 def jobs_of(node: NodeProcess, job: str = "") -> JobsAnswer:
     with node.client() as client:
-        return JobsAnswer.from_wire(client.call(JobsReq(job=job)))
+        return client.call(JobsReq(job=job))
 
 
 def metrics(port: int) -> str:

@@ -28,7 +28,7 @@ def _datasets(names: list[str]) -> list[str]:
 
 
 @dataclasses.dataclass(frozen=True)
-class LoopReport(Request):
+class LoopReport(Request["LoopReported"]):
     """One process's training loop so far (running totals: a lost report loses nothing):
     seconds blocked in next(loader) and busy between calls, batches and samples drawn."""
 
@@ -49,7 +49,7 @@ class LoopReported(Wire):
 
 
 @dataclasses.dataclass(frozen=True)
-class JobsReq(Request):
+class JobsReq(Request["JobsAnswer"]):
     """The node's jobs (or the one named), with their per-second history when asked."""
 
     OP = "jobs"
