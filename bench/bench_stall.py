@@ -6,7 +6,8 @@ own timing of next(loader), and the microseconds a next() pays for being watched
 One node (a subprocess of this tree) with /metrics; each run is tests/watchloop.py in a process
 of its own (a job of its own): a DataLoader with real workers whose "GPU step" is a sleep.
 Printed per run: the loop's own stall (truth), the stall the watch reported, their difference
-in points, the stall and verdict `kspeedfs jobs` shows for it, and the hit rate. Then the cost:
+in points, the stall `kspeedfs jobs` shows for it, the hit rate, and the cause split: the
+workers' fetch time in CPU (__getitem__ but reads) and in kspeedfs reads by path. Then the cost:
 a watched iterable (pytorch_ext.watch) and the KSPEEDFS_WATCH hook's patched __next__ against
 the same unwatched, in µs per next() (the issue's bound: 2 µs). `--svg` draws the picture of
 a run that turns from computing to waiting (kspeedfs report JOB --svg).
@@ -27,6 +28,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from kspeedfs.client import read_times  # noqa: E402
 from kspeedfs.format import auth  # noqa: E402
 from kspeedfs.format.contract.jobs import JobsReq  # noqa: E402
 from kspeedfs.sample import make_sample  # noqa: E402
@@ -62,6 +64,7 @@ def scenarios(node: NodeProcess, source: Path) -> list[tuple[str, dict]]:
     return [
         ("preloaded, long steps", {**fast, "step": 0.05, "epochs": 3}),
         ("preloaded, short steps", {**fast, "step": 0.001, "epochs": 3}),
+        ("over the socket, short steps", {**fast, "local": False, "step": 0.001, "epochs": 3}),
         (
             "slow __getitem__, 1 worker",
             {
@@ -88,7 +91,10 @@ def scenarios(node: NodeProcess, source: Path) -> list[tuple[str, dict]]:
 
 
 def accuracy(node: NodeProcess, source: Path) -> None:
-    print(f"{'run':<30} {'truth':>7} {'reported':>9} {'diff':>6} {'jobs shows':>28} {'hit %':>6}")
+    print(
+        f"{'run':<30} {'truth':>7} {'reported':>9} {'diff':>6} {'jobs shows':>28} {'hit %':>6}"
+        "  workers' time: cpu / local / remote / source"
+    )
     for i, (title, config) in enumerate(scenarios(node, source)):
         job = f"bench-{i}"
         env = {**node.env(), "KSPEEDFS_JOB": job}
@@ -97,9 +103,11 @@ def accuracy(node: NodeProcess, source: Path) -> None:
             (entry,) = client.call(JobsReq(job=job)).jobs
         shown = f"{entry.stall:.1%} {entry.datasets and 'on ' + entry.datasets[0].name or ''}"
         hit = "-" if entry.hit_rate is None else f"{entry.hit_rate:.0%}"
+        cause = read_times.cause(entry.read_seconds, entry.fetch_seconds)
+        split = " / ".join(f"{cause.get(p, 0):.0%}" for p in ("cpu", *read_times.PATHS))
         print(
             f"{title:<30} {r['truth']:>7.1%} {r['reported']:>9.1%} "
-            f"{100 * (r['reported'] - r['truth']):>+6.2f} {shown:>28} {hit:>6}"
+            f"{100 * (r['reported'] - r['truth']):>+6.2f} {shown:>28} {hit:>6}  {split}"
         )
 
 

@@ -21,7 +21,7 @@ from collections.abc import Iterable, Iterator
 from time import perf_counter
 from typing import Any, Generic, TypeVar
 
-from kspeedfs.client import job_identity
+from kspeedfs.client import job_identity, read_times
 from kspeedfs.format import stall
 
 T = TypeVar("T")
@@ -78,9 +78,15 @@ class LoopMeter:
         self.report = LoopReporter(self.figures)
         self.report.start()
 
-    def figures(self) -> tuple[float, float, int, int]:
-        """blocked, busy, batches, samples (what a report sends)."""
-        return self.blocked, self.busy, self.batches, self.samples
+    def figures(self) -> dict[str, Any]:
+        """What a report sends: the loop's, and the batches fetched here (no workers)."""
+        return {
+            "blocked": self.blocked,
+            "busy": self.busy,
+            "batches": self.batches,
+            "samples": self.samples,
+            **worker_figures(),
+        }
 
     def print_table(self) -> None:
         """The table on stderr, when batches came since it was last printed."""
@@ -131,6 +137,63 @@ def meter() -> LoopMeter:
         return _meter
 
 
+def worker_figures() -> dict[str, Any]:
+    """A process's batch fetches and the kspeedfs reads inside them (read_times)."""
+    return {
+        "fetch": read_times.fetch_seconds,
+        "reads": {p: s for p, s in read_times.seconds.items() if s},
+    }
+
+
+_worker_reporter: Any = None  # this worker's reporter (one per process)
+_worker_pid = -1
+
+
+def _worker_fetched(started: float) -> None:
+    """After a batch was fetched (in a worker, or in the loop's process without workers)."""
+    global _worker_reporter, _worker_pid
+    read_times.fetched(started)
+    if _worker_pid != os.getpid():
+        _worker_pid = os.getpid()
+        from torch.utils.data import get_worker_info
+
+        if get_worker_info() is not None:  # else the loop's own reports carry the fetches
+            from kspeedfs.client.loop_reports import LoopReporter
+
+            def figures() -> dict[str, Any]:
+                return {"blocked": 0.0, "busy": 0.0, "batches": 0, "samples": 0} | {
+                    **worker_figures(),
+                    "worker": True,
+                }
+
+            _worker_reporter = LoopReporter(figures)
+            _worker_reporter.start()
+
+
+def time_workers() -> None:
+    """Before a watched DataLoader starts its workers: their fetches and reads timed (the
+    fetchers patched once; forked workers inherit it, spawned ones import it again through
+    KSPEEDFS_WATCH's hook)."""
+    read_times.enable()
+    fetch_module = sys.modules.get("torch.utils.data._utils.fetch")
+    if fetch_module is None:
+        return
+    for cls in (fetch_module._MapDatasetFetcher, fetch_module._IterableDatasetFetcher):
+        if getattr(cls, "_kspeedfs_timed", False):
+            continue
+        original = cls.fetch
+
+        def fetch(self: Any, index: Any, original: Any = original) -> Any:
+            started = perf_counter()
+            try:
+                return original(self, index)
+            finally:
+                _worker_fetched(started)
+
+        cls.fetch = fetch
+        cls._kspeedfs_timed = True
+
+
 def note_datasets(loader: object) -> None:
     """The dataset behind a loader's dataset folder, when it is on a kspeedfs mount (stock
     ImageFolder over the mount): named in the loop's reports. Fast-path datasets name theirs
@@ -156,6 +219,7 @@ class WatchedLoader(Generic[T]):
         self._samples = getattr(loader, "batch_size", None) or 1
 
     def __iter__(self) -> Iterator[T]:
+        time_workers()
         m = meter()
         since = m.enter()
         it = iter(self.loader)  # starting the workers is waiting too

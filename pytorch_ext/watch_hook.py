@@ -26,7 +26,8 @@ def enabled() -> bool:
 
 def patch(module: ModuleType) -> None:
     """Time every iterator of the DataLoader in `module` (torch.utils.data.dataloader)."""
-    from pytorch_ext.loop_watch import hooked, meter, note_datasets
+    from kspeedfs.client import read_times
+    from pytorch_ext.loop_watch import hooked, meter, note_datasets, time_workers
 
     loader_cls, iter_cls = module.DataLoader, module._BaseDataLoaderIter
     if loader_cls in hooked:
@@ -34,6 +35,7 @@ def patch(module: ModuleType) -> None:
     original_iter, original_next = loader_cls.__iter__, iter_cls.__next__
 
     def __iter__(self: Any) -> Any:
+        time_workers()
         m = meter()
         since = m.enter()
         it = original_iter(self)
@@ -57,6 +59,8 @@ def patch(module: ModuleType) -> None:
     loader_cls.__iter__ = __iter__
     iter_cls.__next__ = __next__
     hooked.append(loader_cls)
+    if read_times.enabled:  # a spawned worker of a watched loader: its fetches timed too
+        time_workers()
 
 
 class _AfterDataLoader(importlib.abc.MetaPathFinder):

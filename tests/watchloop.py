@@ -51,7 +51,9 @@ def loader_of(config: dict[str, Any]) -> DataLoader:  # type: ignore[type-arg]
     if kind == "slow":
         ds: Dataset[Any] = SlowItems(config["samples"], config["delay"])
     elif kind == "fast":
-        ds = FileSizes(config["root"], nodes=config["nodes"], token=config["token"])
+        ds = FileSizes(
+            config["root"], nodes=config["nodes"], token=config["token"], local=config.get("local")
+        )
     else:  # stock ImageFolder (over the mount)
         from torchvision import datasets, transforms
 

@@ -16,6 +16,7 @@ from typing import Any, TypeVar
 
 from kspeedfs.cli.settings import settings_from
 from kspeedfs.cli.tables import print_table
+from kspeedfs.client import read_times
 from kspeedfs.format import stall
 from kspeedfs.format.config import Settings
 from kspeedfs.format.contract.jobs import JobDataset, JobEntry, JobSecond, JobsReq
@@ -31,6 +32,7 @@ COLUMNS = (
     "STALL (10 s)",
     "STALL (RUN)",
     "AU / 90%",
+    "CAUSE (WORKERS)",
     "HIT %",
     "DATASETS",
     "RESIDENT",
@@ -94,6 +96,10 @@ def merge(entries: Sequence[JobEntry]) -> JobEntry:
         recent_stall=sum(e.recent_stall * e.ranks for e in entries) / max(ranks, 1),
         idle_s=min(e.idle_s for e in entries),
         datasets=sorted(datasets.values(), key=lambda d: d.name),
+        fetch_seconds=sum(e.fetch_seconds for e in entries),
+        read_seconds={
+            p: sum(e.read_seconds.get(p, 0.0) for e in entries) for p in read_times.PATHS
+        },
         history=[seconds[t] for t in sorted(seconds)],
     )
 
@@ -126,10 +132,20 @@ def job_row(e: JobEntry) -> tuple[str, ...]:
         f"{e.recent_stall:.1%} {_short_verdict(e.recent_stall)}" if e.samples_per_s else "idle",
         f"{e.stall:.1%} {_short_verdict(e.stall)}",
         f"{1 - e.stall:.0%} {'pass' if 1 - e.stall >= stall.AU_PASS else 'below'}",
+        _dominant(e),
         "-" if hit is None else f"{hit:.1%}",
         ",".join(d.name for d in e.datasets) or "-",
         format_size(sum(d.resident_bytes for d in e.datasets)),
     )
+
+
+def _dominant(e: JobEntry) -> str:
+    """The largest share of the workers' fetch time: a read path or cpu ("-": none timed)."""
+    shares = read_times.cause(e.read_seconds, e.fetch_seconds)
+    if not shares:
+        return "-"
+    path = max(shares, key=lambda p: shares[p])
+    return f"{path} {shares[path]:.0%}"
 
 
 def job_json(e: JobEntry) -> dict[str, Any]:
@@ -138,6 +154,7 @@ def job_json(e: JobEntry) -> dict[str, Any]:
         verdict=stall.verdict(e.stall),
         accelerator_utilisation=1 - e.stall,
         hit_rate=e.hit_rate,
+        cause=read_times.cause(e.read_seconds, e.fetch_seconds),
         datasets=[d.to_wire() for d in e.datasets],
     )
     out.pop("history", None)

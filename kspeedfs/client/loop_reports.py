@@ -10,9 +10,11 @@ once. KSPEEDFS_WATCH_REPORT=0 turns the reports off.
 from __future__ import annotations
 
 import logging
+import multiprocessing.util
 import os
 import threading
 from collections.abc import Callable
+from typing import Any
 
 from kspeedfs.client import job_identity
 from kspeedfs.format.config import load_settings
@@ -25,7 +27,7 @@ from kspeedfs.net.connection import NodeClient
 log = logging.getLogger(__name__)
 
 REPORT_EVERY_S = 1.0
-Figures = Callable[[], tuple[float, float, int, int]]  # blocked, busy, batches, samples
+Figures = Callable[[], dict[str, Any]]  # a LoopReport's figures: blocked, busy, ...
 
 _datasets: dict[str, None] = {}  # the datasets this process opened, in order
 
@@ -42,12 +44,16 @@ def datasets() -> list[str]:
 
 
 class LoopReporter:
-    """One process's reports: a thread sending `figures()` every REPORT_EVERY_S."""
+    """One process's reports: a thread sending `figures()` (LoopReport's fields but the job's
+    identity and datasets) every REPORT_EVERY_S, and once more at exit (a DataLoader worker's
+    too: multiprocessing runs its finalizers)."""
 
     def __init__(self, figures: Figures):
         self._figures = figures
         self._stop = threading.Event()
+        self._lock = threading.Lock()  # the thread and the exit share one connection
         self._client: NodeClient | None = None
+        self._identity = (job_identity.this_job(), job_identity.this_rank(), os.getpid())
         self.sent = 0
         self.failed = 0
 
@@ -56,6 +62,7 @@ class LoopReporter:
             return
         thread = threading.Thread(target=self._run, name="kspeedfs-loop-report", daemon=True)
         thread.start()
+        multiprocessing.util.Finalize(self, self.send, exitpriority=10)
 
     def _connect(self) -> NodeClient:
         settings = load_settings({}, cli_origin="the watched loop")
@@ -71,31 +78,25 @@ class LoopReporter:
         client.connect()
         return client
 
-    def _run(self) -> None:
-        job, rank, pid = job_identity.this_job(), job_identity.this_rank(), os.getpid()
-        client: NodeClient | None = None
-        while True:  # the first report at once: the node's seconds start with the loop
-            blocked, busy, batches, samples = self._figures()
-            report = LoopReport(
-                job=job,
-                rank=rank,
-                pid=pid,
-                blocked=blocked,
-                busy=busy,
-                batches=batches,
-                samples=samples,
-                datasets=datasets(),
-            )
+    def send(self) -> None:
+        """One report of the figures so far (a failure is logged once, tried again next time)."""
+        job, rank, pid = self._identity
+        report = LoopReport(job=job, rank=rank, pid=pid, datasets=datasets(), **self._figures())
+        with self._lock:
             try:
-                client = client or self._connect()
-                client.call(report)
+                self._client = self._client or self._connect()
+                self._client.call(report)
                 self.sent += 1
             except (KSpeedError, OSError, IndexError) as e:
                 level = logging.DEBUG if self.sent or self.failed else logging.INFO
                 log.log(level, "the loop's figures reach no node (tried again): %s", e)
                 self.failed += 1
-                if client is not None:
-                    client.close()
-                client = None
+                if self._client is not None:
+                    self._client.close()
+                self._client = None
+
+    def _run(self) -> None:
+        while True:  # the first report at once: the node's seconds start with the loop
+            self.send()
             if self._stop.wait(REPORT_EVERY_S):
                 return

@@ -158,9 +158,13 @@ class JobTable:
                 )
             )
         seconds = [JobSecond(**dataclasses.asdict(s)) for s in job.history] if history else []
+        reads: dict[str, float] = {}
+        for report in job.reports.values():
+            for path, spent in report.reads.items():
+                reads[path] = reads.get(path, 0.0) + spent
         return JobEntry(
             job=name,
-            ranks=len(job.reports),
+            ranks=sum(1 for r in job.reports.values() if not r.worker),
             blocked=blocked,
             busy=busy,
             batches=int(job.total("batches")),
@@ -171,4 +175,6 @@ class JobTable:
             idle_s=now - job.last,
             datasets=datasets,
             history=seconds,
+            fetch_seconds=job.total("fetch"),
+            read_seconds=reads,
         )

@@ -275,8 +275,21 @@ class JobCollector(Collector):
             "memory the job's dataset holds on this node",
             labels=per_dataset,
         )
+        fetch = CounterMetricFamily(
+            "kspeedfs_job_worker_fetch_seconds",
+            "seconds the job's DataLoader workers spent fetching batches (__getitem__ and collate)",
+            labels=labels,
+        )
+        read_wait = CounterMetricFamily(
+            "kspeedfs_job_read_wait_seconds",
+            "of those, seconds in kspeedfs reads by path (local, remote, source)",
+            labels=[*labels, "path"],
+        )
         for job in jobs:
             names = [job.job, job.tenant]
+            fetch.add_metric(names, job.fetch_seconds)
+            for path, spent in sorted(job.read_seconds.items()):
+                read_wait.add_metric([*names, path], spent)
             blocked.add_metric(names, job.blocked)
             busy.add_metric(names, job.busy)
             samples.add_metric(names, job.samples)
@@ -286,4 +299,4 @@ class JobCollector(Collector):
                 hits.add_metric([*names, ds.name], ds.hits)
                 misses.add_metric([*names, ds.name], ds.misses)
                 resident.add_metric([*names, ds.name], ds.resident_bytes)
-        yield from (blocked, busy, samples, ranks, source, hits, misses, resident)
+        yield from (blocked, busy, samples, ranks, fetch, read_wait, source, hits, misses, resident)

@@ -17,6 +17,7 @@ import watchloop
 from conftest import NodeProcess, free_port, node_in, preload, run_cli, wait_for
 from imagefolders import make_images
 
+from kspeedfs.client import read_times
 from kspeedfs.format.contract.jobs import JobsAnswer, JobsReq
 from kspeedfs.sample import make_sample
 from kspeedfs.testing.mount import MountProcess
@@ -147,6 +148,10 @@ def test_slow_getitem_is_highly_data_bound(metrics_node, tmp_path) -> None:
     assert abs(result["reported"] - result["truth"]) <= 0.02, result
     assert "data-bound (highly)" in result["stderr"]
     wait_for(lambda: bool(jobs_of(node, "slow-job").jobs), timeout=5.0, what="slow-job")
+    (entry,) = jobs_of(node, "slow-job").jobs
+    cause = read_times.cause(entry.read_seconds, entry.fetch_seconds)
+    assert cause["cpu"] >= 0.8, cause  # the worker's time is its __getitem__'s, no reads
+    assert entry.ranks == 1  # the worker reported too, as a worker
     svg = tmp_path / "slow.svg"
     done = run_cli("report", "slow-job", "--svg", str(svg), env=node.env())
     assert done.returncode == 0, done.stderr
@@ -198,3 +203,33 @@ def test_the_pth_hook_watches_stock_imagefolder_on_the_mount(metrics_node, tmp_p
         assert [d.name for d in entry.datasets] == ["imgs"]
     finally:
         mount.stop()
+
+
+def test_remote_reads_are_the_cause(metrics_node) -> None:
+    """The fast path reading over the node's socket (local=False) with a cheap __getitem__:
+    the workers' time is mostly remote reads, and the family says so by path."""
+    node, port, source = metrics_node
+    env = {**node.env(), "KSPEEDFS_JOB": "remote-job"}
+    config = {
+        "kind": "fast",
+        "local": False,
+        "root": str(source / "train"),
+        "nodes": node.address,
+        "token": str(node.token_file),
+        "batch": 8,
+        "workers": 2,
+        "step": 0.001,
+        "epochs": 2,
+        "explicit": True,
+        "linger": 1.5,
+    }
+    result = run_script(config, env)
+    assert abs(result["reported"] - result["truth"]) <= 0.02, result
+    wait_for(lambda: bool(jobs_of(node, "remote-job").jobs), timeout=5.0, what="remote-job")
+    (entry,) = jobs_of(node, "remote-job").jobs
+    cause = read_times.cause(entry.read_seconds, entry.fetch_seconds)
+    assert cause["remote"] == max(cause.values()), cause
+    assert (
+        'kspeedfs_job_read_wait_seconds_total{job="remote-job",path="remote",tenant=""}'
+        in metrics(port)
+    )

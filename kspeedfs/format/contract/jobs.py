@@ -27,6 +27,18 @@ def _datasets(names: list[str]) -> list[str]:
     return names
 
 
+READ_PATHS = ("local", "remote", "source")  # kspeedfs.client.read_times.PATHS
+
+
+def _reads(reads: dict[str, float]) -> dict[str, float]:
+    for path, seconds in reads.items():
+        if path not in READ_PATHS:
+            raise InvalidArgument(f"unknown read path {path!r}: one of {', '.join(READ_PATHS)}")
+        if seconds < 0:
+            raise InvalidArgument(f"seconds of {path} must be at least 0, not {seconds}")
+    return reads
+
+
 @dataclasses.dataclass(frozen=True)
 class LoopReport(Request["LoopReported"]):
     """One process's training loop so far (running totals: a lost report loses nothing):
@@ -41,6 +53,11 @@ class LoopReport(Request["LoopReported"]):
     batches: int = at_least(0)
     samples: int = at_least(0)
     datasets: list[str] = checked(_datasets, factory=list)
+    # A DataLoader worker's (or a loop without workers'): seconds fetching batches, and of them
+    # seconds in kspeedfs reads by path (kspeedfs.client.read_times).
+    worker: bool = False  # a worker: not a rank of the job
+    fetch: float = at_least(0, default=0.0)
+    reads: dict[str, float] = checked(_reads, factory=dict)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -95,6 +112,9 @@ class JobEntry(Wire):
     stall: float = at_least(0, default=0)  # over the whole run
     recent_stall: float = at_least(0, default=0)  # over the last RATE_WINDOW seconds
     idle_s: float = at_least(0, default=0)  # since its last report
+    # Its workers' seconds fetching batches, and of them in kspeedfs reads by path.
+    fetch_seconds: float = at_least(0, default=0)
+    read_seconds: dict[str, float] = dataclasses.field(default_factory=dict)
     datasets: list[JobDataset] = dataclasses.field(default_factory=list)
     history: list[JobSecond] = dataclasses.field(default_factory=list)
 

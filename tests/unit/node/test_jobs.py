@@ -84,3 +84,28 @@ def test_a_bad_report_is_refused_off_the_wire():
     for field, value in (("job", "a b"), ("job", ""), ("blocked", -1.0), ("datasets", ["../x"])):
         with pytest.raises(InvalidArgument):
             LoopReport.from_wire({**wire, field: value})
+
+
+def test_workers_add_their_fetches_not_ranks():
+    clock = Clock()
+    table = JobTable(clock, lambda name: None)
+    table.report(report(blocked=1.0, busy=1.0, samples=8))
+    for pid in (7, 8):
+        worker = LoopReport(
+            job="train",
+            rank=0,
+            pid=pid,
+            blocked=0.0,
+            busy=0.0,
+            batches=0,
+            samples=0,
+            worker=True,
+            fetch=2.0,
+            reads={"remote": 0.5},
+        )
+        table.report(worker)
+    (entry,) = table.answer().jobs
+    assert entry.ranks == 1
+    assert entry.fetch_seconds == 4.0 and entry.read_seconds == {"remote": 1.0}
+    with pytest.raises(InvalidArgument):
+        LoopReport.from_wire({**report().to_wire(), "reads": {"tape": 1.0}})
