@@ -1,19 +1,29 @@
 """`kspeedfs report JOB --svg`: a job's loop over time as an SVG, written by hand (no plotting
 library): per interval a bar of its time split into computing (below) and waiting for data
-(above), and its datasets' hit rate as a line on the same 0-100% scale."""
+(above), the wait split by what its workers spent their time on (CPU, kspeedfs reads by path)
+where they were timed, and its datasets' hit rate as a line on the same 0-100% scale."""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from xml.sax.saxutils import escape
 
+from kspeedfs.client import read_times
 from kspeedfs.format import stall
 from kspeedfs.format.contract.jobs import JobEntry, JobSecond
 
 WIDTH, HEIGHT = 900, 450
 LEFT, RIGHT, TOP, BOTTOM = 60, 20, 40, 90  # margins: the axes' labels and the title
 MAX_BARS = 120  # more seconds than this are summed into wider bars
-COMPUTE, WAITING, HIT = "#4c9a5a", "#d9534f", "#1f5fbf"
+COMPUTE, HIT = "#4c9a5a", "#1f5fbf"
+# The wait's parts, bottom up: (series, label, colour); "" is a wait whose workers were not timed.
+WAITS = (
+    ("cpu", "waiting: workers' CPU", "#f0ad4e"),
+    ("local", "waiting: local reads", "#9b7fd1"),
+    ("remote", "waiting: remote reads", "#d9534f"),
+    ("source", "waiting: source reads", "#7a1f1f"),
+    ("", "waiting for data", "#999999"),
+)
 
 
 def buckets(seconds: Sequence[JobSecond], most: int = MAX_BARS) -> list[JobSecond]:
@@ -36,7 +46,28 @@ def buckets(seconds: Sequence[JobSecond], most: int = MAX_BARS) -> list[JobSecon
     return [out[k] for k in sorted(out)]
 
 
-_FIELDS = ("blocked", "busy", "samples", "hits", "misses")
+_FIELDS = (
+    "blocked",
+    "busy",
+    "samples",
+    "hits",
+    "misses",
+    "fetch",
+    "read_local",
+    "read_remote",
+    "read_source",
+)
+
+
+def wait_parts(b: JobSecond) -> dict[str, float]:
+    """The bar's wait (a share of its time) split by its workers' time (read_times.cause);
+    all of it under "" when no worker fetch was timed in it."""
+    waiting = stall.stall(b.blocked, b.busy)
+    reads = {"local": b.read_local, "remote": b.read_remote, "source": b.read_source}
+    shares = read_times.cause(reads, b.fetch)
+    if not shares:
+        return {"": waiting}
+    return {path: waiting * share for path, share in shares.items()}
 
 
 def svg(entry: JobEntry) -> str:
@@ -59,33 +90,44 @@ def svg(entry: JobEntry) -> str:
         f'<rect width="{WIDTH}" height="{HEIGHT}" fill="white"/>',
         f'<text id="title" x="{LEFT}" y="24" font-size="15">{escape(title)}</text>',
     ]
-    compute, waiting, points = [], [], []
+    compute: list[str] = []
+    waits: dict[str, list[str]] = {series: [] for series, _label, _colour in WAITS}
+    points = []
     for i, b in enumerate(bars):
         x = LEFT + i * bar_w
         share = stall.stall(b.blocked, b.busy)
         if b.blocked + b.busy > 0:
-            compute.append(_rect(x, y(1 - share), bar_w, plot_h * (1 - share), b, "compute"))
-            waiting.append(_rect(x, y(1), bar_w, plot_h * share, b, "waiting"))
+            compute.append(_rect(x, y(1 - share), bar_w, plot_h * (1 - share), "computing", share))
+            below = 1 - share
+            parts = wait_parts(b)
+            for series, label, _colour in WAITS:
+                part = parts.get(series, 0.0)
+                if part > 0:
+                    waits[series].append(
+                        _rect(x, y(below + part), bar_w, plot_h * part, label, part)
+                    )
+                    below += part
         if b.hits + b.misses:
             points.append(f"{x + bar_w / 2:.1f},{y(b.hits / (b.hits + b.misses)):.1f}")
     out.append(f'<g id="series-compute" fill="{COMPUTE}">{"".join(compute)}</g>')
-    out.append(f'<g id="series-waiting" fill="{WAITING}">{"".join(waiting)}</g>')
+    shown = [(series, label, colour) for series, label, colour in WAITS if waits[series]]
+    for series, _label, colour in shown:
+        name = f"series-waiting-{series}" if series else "series-waiting"
+        out.append(f'<g id="{name}" fill="{colour}">{"".join(waits[series])}</g>')
     out.append(
         f'<polyline id="series-hit-rate" fill="none" stroke="{HIT}" stroke-width="2.5" '
         f'points="{" ".join(points)}"/>'
     )
     out.append(_axes(plot_w, plot_h, start, span))
-    out.append(_legend())
+    out.append(_legend(shown or [WAITS[-1]]))
     out.append("</svg>")
     return "\n".join(out) + "\n"
 
 
-def _rect(x: float, top: float, w: float, h: float, b: JobSecond, what: str) -> str:
-    share = stall.stall(b.blocked, b.busy)
-    shown = share if what == "waiting" else 1 - share
+def _rect(x: float, top: float, w: float, h: float, label: str, share: float) -> str:
     return (
         f'<rect x="{x:.1f}" y="{top:.1f}" width="{max(w - 1, 0.5):.1f}" height="{h:.1f}">'
-        f"<title>{b.t:.0f} s: {what} {shown:.0%}</title></rect>"
+        f"<title>{escape(label)} {share:.0%}</title></rect>"
     )
 
 
@@ -121,23 +163,22 @@ def _axes(plot_w: float, plot_h: float, start: float, span: float) -> str:
     return "".join(parts)
 
 
-def _legend() -> str:
+def _legend(waits: Sequence[tuple[str, str, str]]) -> str:
+    """One row under the axes: computing, the wait's parts drawn, the hit rate."""
+    items = [(COMPUTE, "rect", "computing (between batches)")]
+    items += [(colour, "rect", label) for _series, label, colour in waits]
+    items.append((HIT, "line", "hit rate"))
     x, y = LEFT, HEIGHT - 12
-    items = [
-        (COMPUTE, "rect", "computing (between batches)"),
-        (WAITING, "rect", "waiting for data"),
-        (HIT, "line", "hit rate"),
-    ]
     parts = ['<g id="legend">']
-    for i, (color, kind, label) in enumerate(items):
-        xx = x + (0, 215, 355)[i]
+    for colour, kind, label in items:
         if kind == "rect":
-            parts.append(f'<rect x="{xx}" y="{y - 10}" width="12" height="12" fill="{color}"/>')
+            parts.append(f'<rect x="{x}" y="{y - 10}" width="12" height="12" fill="{colour}"/>')
         else:
             parts.append(
-                f'<line x1="{xx}" y1="{y - 4}" x2="{xx + 14}" y2="{y - 4}" stroke="{color}" '
+                f'<line x1="{x}" y1="{y - 4}" x2="{x + 14}" y2="{y - 4}" stroke="{colour}" '
                 'stroke-width="2.5"/>'
             )
-        parts.append(f'<text class="legend-label" x="{xx + 17}" y="{y}">{label}</text>')
+        parts.append(f'<text class="legend-label" x="{x + 17}" y="{y}">{escape(label)}</text>')
+        x += 17 + 7 * len(label) + 18  # about 7 pixels a character at 12 px
     parts.append("</g>")
     return "".join(parts)

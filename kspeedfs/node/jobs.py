@@ -55,6 +55,10 @@ class _Second:
     samples: int = 0
     hits: int = 0
     misses: int = 0
+    fetch: float = 0.0  # the workers' fetches, and of them the reads by path
+    read_local: float = 0.0
+    read_remote: float = 0.0
+    read_source: float = 0.0
 
 
 @dataclasses.dataclass
@@ -110,6 +114,11 @@ class JobTable:
             second.blocked += max(0.0, report.blocked - before.blocked)
             second.busy += max(0.0, report.busy - before.busy)
             second.samples += max(0, report.samples - before.samples)
+            second.fetch += max(0.0, report.fetch - before.fetch)
+            for path, spent in report.reads.items():
+                field = f"read_{path}"
+                was = before.reads.get(path, 0.0)
+                setattr(second, field, getattr(second, field) + max(0.0, spent - was))
         for name in report.datasets:
             counters = self._counters(name)
             if counters is None:

@@ -97,6 +97,11 @@ class JobSecond(Wire):
     samples: int = at_least(0, default=0)
     hits: int = at_least(0, default=0)
     misses: int = at_least(0, default=0)
+    # The workers' seconds fetching batches, and of them in kspeedfs reads by path.
+    fetch: float = at_least(0, default=0)
+    read_local: float = at_least(0, default=0)
+    read_remote: float = at_least(0, default=0)
+    read_source: float = at_least(0, default=0)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

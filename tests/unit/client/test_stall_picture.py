@@ -2,6 +2,8 @@
 
 import xml.etree.ElementTree as ET
 
+import pytest
+
 from kspeedfs.cli import stall_picture
 from kspeedfs.format.contract.jobs import JobEntry, JobSecond
 
@@ -48,3 +50,29 @@ def test_the_parts_are_there():
     labels = [t.text for t in root.iter(f"{NS}text") if t.get("class") == "legend-label"]
     assert labels == ["computing (between batches)", "waiting for data", "hit rate"]
     assert "data-bound (highly): 50% of 10 m 00 s waiting" in (root.find(f"{NS}text").text or "")
+
+
+def test_the_wait_is_split_by_the_workers_time():
+    split = [
+        JobSecond(t=t, blocked=0.6, busy=0.4, fetch=2.0, read_remote=1.5, read_local=0.1)
+        for t in range(1, 11)
+    ]
+    parts = stall_picture.wait_parts(split[0])
+    assert parts == pytest.approx({"cpu": 0.12, "local": 0.03, "remote": 0.45, "source": 0.0})
+    entry = JobEntry(job="j", blocked=6, busy=4, stall=0.6, history=split)
+    root = ET.fromstring(stall_picture.svg(entry))
+    ids = {e.get("id") for e in root.iter()}
+    assert {"series-waiting-cpu", "series-waiting-local", "series-waiting-remote"} <= ids
+    assert "series-waiting" not in ids and "series-waiting-source" not in ids
+    remote = root.find(f".//{NS}g[@id='series-waiting-remote']")
+    assert remote is not None and len(remote) == 10
+    plot_h = stall_picture.HEIGHT - stall_picture.TOP - stall_picture.BOTTOM
+    assert float(remote[0].get("height", "0")) == pytest.approx(plot_h * 0.45, abs=0.1)
+    labels = [t.text for t in root.iter(f"{NS}text") if t.get("class") == "legend-label"]
+    assert labels == [
+        "computing (between batches)",
+        "waiting: workers' CPU",
+        "waiting: local reads",
+        "waiting: remote reads",
+        "hit rate",
+    ]
