@@ -157,20 +157,30 @@ def cost(calls: int) -> None:
     print("  (at 1,000 batches/s that is", f"{(hooked - bare) / 1000:.3%} of the loop's time)")
 
 
-def picture(node: NodeProcess, svg: Path) -> None:
-    """A run that computes (long steps), then waits (a heavy transform), drawn."""
+def picture(node: NodeProcess, source: Path, svg: Path) -> None:
+    """A run that computes (long steps), then waits on remote reads (the fast path over the
+    node's socket), then on a heavy transform, drawn."""
     env = {**node.env(), "KSPEEDFS_JOB": "bench-picture"}
-    config = {"kind": "slow", "batch": 4, "workers": 1, "explicit": True, "linger": 1.2}
+    config = {"batch": 4, "workers": 1}
     script = (
         f"import json, sys, time; sys.path.insert(0, {str(LOOP.parent)!r}); import watchloop; "
         "from pytorch_ext import watch; "
-        "[watchloop.timed_loop(watch(watchloop.loader_of(c)), c['step']) for c in json.loads(sys.argv[1])]; "
+        "[watchloop.timed_loop(watch(watchloop.loader_of(c)), c['step'], c.get('epochs', 1)) "
+        "for c in json.loads(sys.argv[1])]; "
         "time.sleep(1.5)"
     )
+    remote = {
+        "kind": "fast",
+        "local": False,
+        "root": str(source / "train"),
+        "nodes": node.address,
+        "token": str(node.token_file),
+    }
     phases = [
-        {**config, "samples": 160, "delay": 0.002, "step": 0.03},
-        {**config, "samples": 400, "delay": 0.006, "step": 0.004},
-        {**config, "samples": 240, "delay": 0.003, "step": 0.012},
+        {**config, "kind": "slow", "samples": 160, "delay": 0.002, "step": 0.03},
+        {**config, **remote, "step": 0.001, "epochs": 8},
+        {**config, "kind": "slow", "samples": 400, "delay": 0.006, "step": 0.004},
+        {**config, "kind": "slow", "samples": 240, "delay": 0.003, "step": 0.012},
     ]
     subprocess.run([sys.executable, "-c", script, json.dumps(phases)], env=env, check=True)
     subprocess.run(
@@ -215,7 +225,7 @@ def main() -> None:
             jobs = [sys.executable, "-m", "kspeedfs.cli", "jobs"]
             subprocess.run(jobs, env=node.env(), check=True)
             if args.svg:
-                picture(node, args.svg)
+                picture(node, source, args.svg)
                 print(f"\nwrote {args.svg}")
         finally:
             node.stop()

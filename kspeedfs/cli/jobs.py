@@ -9,6 +9,8 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import shutil
+import subprocess
 import sys
 import time
 from collections.abc import Sequence
@@ -208,10 +210,20 @@ def cmd_report(args: argparse.Namespace) -> int:
     print(
         f"{entry.job}: {stall.summary(entry.blocked, entry.busy)}; {stall.au_verdict(entry.stall)}"
     )
+    picture = stall_picture.svg(entry)
+    if args.png and not shutil.which("rsvg-convert"):
+        raise InvalidArgument("--png needs rsvg-convert (librsvg2-bin); --svg needs nothing")
     if args.svg:
         with open(args.svg, "w") as f:
-            f.write(stall_picture.svg(entry))
+            f.write(picture)
         print(f"wrote {args.svg}")
+    if args.png:
+        subprocess.run(
+            ["rsvg-convert", "--format", "png", "--output", args.png],
+            input=picture.encode(),
+            check=True,
+        )
+        print(f"wrote {args.png}")
     return 0
 
 

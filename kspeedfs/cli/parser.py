@@ -134,6 +134,7 @@ def build_parser() -> argparse.ArgumentParser:
     _client_options(p)
     p.add_argument("job", help="the job (as `kspeedfs jobs` names it)")
     p.add_argument("--svg", metavar="FILE", help="draw the stall and hit rate over time here")
+    p.add_argument("--png", metavar="FILE", help="the same picture as PNG (needs rsvg-convert)")
 
     p = sub.add_parser("dashboard", help="print a Grafana dashboard (JSON) of the job metrics")
     p.add_argument(

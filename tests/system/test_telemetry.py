@@ -153,9 +153,11 @@ def test_slow_getitem_is_highly_data_bound(metrics_node, tmp_path) -> None:
     assert cause["cpu"] >= 0.8, cause  # the worker's time is its __getitem__'s, no reads
     assert entry.ranks == 1  # the worker reported too, as a worker
     svg = tmp_path / "slow.svg"
-    done = run_cli("report", "slow-job", "--svg", str(svg), env=node.env())
+    png = tmp_path / "slow.png"
+    done = run_cli("report", "slow-job", "--svg", str(svg), "--png", str(png), env=node.env())
     assert done.returncode == 0, done.stderr
     assert "data-bound (highly)" in done.stdout
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     root = ET.parse(svg).getroot()
     ids = {e.get("id") for e in root.iter()}
     assert {"axes", "x-axis", "y-axis", "series-compute", "series-waiting-cpu", "legend"} <= ids
