@@ -23,9 +23,9 @@ from kspeedfs.format.config import Settings
 from kspeedfs.format.contract.node import DatasetEntry
 from kspeedfs.format.contract.readthrough import PlanReq
 from kspeedfs.format.errors import DataError, InvalidArgument
-from kspeedfs.format.localdata import LocalDataset
 from kspeedfs.format.manifest import Manifest
-from kspeedfs.format.readthrough_view import ReadThroughDataset
+from kspeedfs.system.local_dataset import LocalDataset
+from kspeedfs.system.readthrough_view import ReadThroughDataset
 
 PLAN_CHUNK = 65536  # segment uses per `plan` request: well inside a frame
 
@@ -79,6 +79,10 @@ class Reader:
         self._scratch = threading.local()
         self._seg_views: dict[int, memoryview] = {}
         self._disk_views: dict[int, memoryview] = {}  # sealed disk-tier segments' maps
+        # The node's damage news (system/damage.py): one word of shared memory, and the
+        # generation these views were kept in; news drops them (and the dataset's own maps).
+        self._news = self.local.news.words if self.local is not None else None
+        self._news_seen = self.local.listen() if self.local is not None else 0
         self._data = self.manifest.data
         self._size = self.manifest.size
         self._seg_size = self.manifest.segment_size
@@ -89,6 +93,8 @@ class Reader:
         seg, off = divmod(start, self._seg_size)
         end = off + int(self._size[entry])
         assert self.local is not None
+        if self._news is not None and self._news[0] != self._news_seen:
+            self._heard()
         if end > self._seg_size:
             # Spans segments: joined. (It called view(), which came back here: a RecursionError
             # for every file over a segment boundary.)
@@ -99,7 +105,7 @@ class Reader:
         mv = self._seg_views.get(seg)
         if mv is None:
             mv = self._disk_views.get(seg)  # (only disk-tier segments are in it)
-            if mv is not None and self.local.file_checked(entry):
+            if mv is not None and self.local.disk.file_checked(entry):
                 return mv[off:end]
             if seg in self.local.on_disk:
                 return self._disk_view(entry, seg, off, end)
@@ -111,6 +117,14 @@ class Reader:
                 return mv[off:end]  # unsealed: its size is checked at each use (localdata)
             self._seg_views[seg] = mv
         return mv[off:end]
+
+    def _heard(self) -> None:
+        """Damage news: the kept views are let go (the dataset drops its maps and checks of
+        the damaged segments; the next read maps and checks them again, or reads elsewhere)."""
+        assert self.local is not None
+        self._seg_views.clear()
+        self._disk_views.clear()
+        self._news_seen = self.local.listen()
 
     def _disk_view(self, entry: int, seg: int, off: int, end: int) -> memoryview:
         """File `entry`, which lies on the disk tier: a view of its map where the segment is
@@ -137,6 +151,8 @@ class Reader:
         seg, off = divmod(int(self._data[entry]) + offset, self._seg_size)
         if off + length > self._seg_size or not local.holds(seg) or seg in local.on_disk:
             return None  # (disk-tier bytes are copied and checked: never a map)
+        if self._news is not None and self._news[0] != self._news_seen:
+            self._heard()
         mv = self._seg_views.get(seg) if self.all_local else None
         if mv is None:
             try:
@@ -172,8 +188,10 @@ class Reader:
         local = self.local
         return (
             local is not None
-            and local.has_disk_part
-            and any(local.copies_by_pread(seg) for seg, _off, _n in self.manifest.ranges(entry))
+            and bool(local.on_disk)
+            and any(
+                local.disk.copies_by_pread(seg) for seg, _off, _n in self.manifest.ranges(entry)
+            )
         )
 
     def view(self, entry: int) -> memoryview:

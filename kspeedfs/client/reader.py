@@ -60,14 +60,14 @@ from kspeedfs.format.errors import (
     NotFound,
     StaleDataset,
 )
-from kspeedfs.format.localdata import LocalDataset
 from kspeedfs.format.manifest import Manifest
-from kspeedfs.format.readthrough_view import ReadThroughDataset, open_local
 from kspeedfs.format.tls import client_context
 from kspeedfs.format.units import parse_address
 from kspeedfs.net.connection import NodeClient
 from kspeedfs.net.transport import CONNECT_TIMEOUT, HedgeableTransport, Range, Transport
 from kspeedfs.sources.source import open_source
+from kspeedfs.system.local_dataset import LocalDataset
+from kspeedfs.system.readthrough_view import ReadThroughDataset, open_local
 
 log = logging.getLogger(__name__)
 

@@ -26,10 +26,10 @@ from typing import Any
 
 from kspeedfs.format import auth, users
 from kspeedfs.format.errors import AuthError, KSpeedError, NotFound, StaleDataset
-from kspeedfs.format.localdata import LocalDataset
 from kspeedfs.net import fdpass
 from kspeedfs.node import fdsocket
 from kspeedfs.node.store import SegmentStore
+from kspeedfs.system.local_dataset import LocalDataset
 
 log = logging.getLogger(__name__)
 
@@ -186,7 +186,7 @@ class FdServer:
         fds = [os.open(ds.manifest.file, flags)]
         try:
             for seg in segs:
-                fds.append(ds._open_segment(seg))
+                fds.append(ds.open_segment(seg))
         except BaseException:
             for fd in fds:
                 os.close(fd)

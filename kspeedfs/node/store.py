@@ -25,6 +25,7 @@ import uuid
 from pathlib import Path
 from typing import Any
 
+from kspeedfs.format.contract import READTHROUGH
 from kspeedfs.format.errors import (
     AlreadyExists,
     DataError,
@@ -34,15 +35,9 @@ from kspeedfs.format.errors import (
     NotFound,
     StaleDataset,
 )
-from kspeedfs.format.localdata import (
-    MANIFEST_FILE,
-    META_FILE,
-    LocalDataset,
-    segment_path,
-)
+from kspeedfs.format.localdata import MANIFEST_FILE, META_FILE, segment_path
 from kspeedfs.format.manifest import Manifest
 from kspeedfs.format.names import validate_name
-from kspeedfs.format.readthrough_view import READTHROUGH, open_local
 from kspeedfs.format.units import format_size
 from kspeedfs.node.budget import Budgets
 from kspeedfs.node.events import DatasetEvents
@@ -61,6 +56,9 @@ from kspeedfs.node.safedir import (
     seal_segment,
 )
 from kspeedfs.node.segments import SegmentPlaces, open_disk_instance, segment_fault
+from kspeedfs.system import damage
+from kspeedfs.system.local_dataset import LocalDataset
+from kspeedfs.system.readthrough_view import open_local
 
 log = logging.getLogger(__name__)
 
@@ -138,6 +136,9 @@ class SegmentStore:
             if record.lifetime != READTHROUGH:  # (one a node before sealing left: sealed now)
                 with closing_fd(os.open(name, DIR_FLAGS, dir_fd=datasets_fd)) as fd:
                     _seal_segments(fd)
+                    # (one an older node published has no damage news yet)
+                    segments = Manifest(path / MANIFEST_FILE).segments
+                    damage.create_table(fd, segments, FILE_MODE, os.fstat(fd).st_gid)
             log.info(
                 "found dataset %s: %d files, %s",
                 record.name,
@@ -315,6 +316,9 @@ class SegmentStore:
             flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC
             with os.fdopen(os.open(META_FILE, flags, FILE_MODE, dir_fd=staging_fd), "w") as f:
                 json.dump(meta, f)
+            if seal:  # (a read-through one's segments come and go: its readers follow `epoch`)
+                segments = Manifest(staging / MANIFEST_FILE).segments
+                damage.create_table(staging_fd, segments, FILE_MODE)
             restrict_files(staging_fd)
             if seal:
                 _seal_segments(staging_fd)

@@ -29,10 +29,10 @@ from kspeedfs.format.contract.rdma import (
     RdmaSegmentTable,
 )
 from kspeedfs.format.errors import InvalidArgument, KSpeedError
-from kspeedfs.format.localdata import LocalDataset
 from kspeedfs.rdma.registry import SegmentRegistry
 from kspeedfs.rdma.verbs import Device, MemoryRegion, ResponderQP, VerbsError, open_device, probe
 from kspeedfs.rdma.wire import Endpoint, table_to_wire
+from kspeedfs.system.local_dataset import LocalDataset
 
 
 class PublishedDatasets(Protocol):

@@ -27,11 +27,11 @@ from hypothesis import strategies as st
 from kspeedfs.format import auth, protocol, tls
 from kspeedfs.format.config import Settings
 from kspeedfs.format.errors import AuthError
-from kspeedfs.format.localdata import LocalDataset
 from kspeedfs.format.protocol import HEADER, MsgType
 from kspeedfs.format.units import Address
 from kspeedfs.net import fdpass
 from kspeedfs.net.connection import NodeClient
+from kspeedfs.system.local_dataset import LocalDataset
 
 pytestmark = [pytest.mark.fuse, pytest.mark.slow]  # three nodes with TLS
 

@@ -32,10 +32,11 @@ from kspeedfs.client.dataset_reader import CacheRef, Reader
 from kspeedfs.format import localdata
 from kspeedfs.format.contract.node import DatasetEntry
 from kspeedfs.format.errors import DataError, KSpeedError
-from kspeedfs.format.localdata import MANIFEST_FILE, LocalDataset
+from kspeedfs.format.localdata import MANIFEST_FILE
 from kspeedfs.format.manifest import Manifest
 from kspeedfs.format.sealing import sealed_beneath
 from kspeedfs.format.units import format_size
+from kspeedfs.system.local_dataset import LocalDataset
 from kspeedfs.testing.node import NO_IMMUTABLE, can_seal
 from pytorch_ext import KSpeedFolder
 
