@@ -9,6 +9,8 @@ next read of one comes to a worker, which has dropped its maps and checks of tho
 
 from __future__ import annotations
 
+import functools
+import logging
 import stat
 
 import numpy as np
@@ -18,6 +20,8 @@ from kspeedfs.format.manifest import Manifest
 from kspeedfs.fuse.datasets import SLOT_SHIFT, DatasetList
 from kspeedfs.fuse.kernel import FuseSession
 from kspeedfs.system.damage import DamageNews
+
+log = logging.getLogger(__name__)
 
 POLL_S = 0.02  # how long news waits at most to reach the kernel's page cache
 
@@ -56,6 +60,12 @@ async def drop_damaged_pages(datasets: DatasetList, session: FuseSession) -> Non
                     session.invalidate_pages_async(
                         [(slot << SLOT_SHIFT) | (i + 1) for i in entries]
                     )
+                    said = functools.partial(
+                        log.info,
+                        "%s: segments %s found damaged: the kernel's pages of %d files dropped",
+                        mounted.name, ",".join(map(str, damaged)), len(entries),
+                    )  # fmt: skip
+                    session.after_invalidations(said)
         for slot in followed.keys() - datasets.by_slot.keys():
             del followed[slot]
         await trio.sleep(POLL_S)

@@ -133,6 +133,7 @@ class SegmentStore:
                 log.error("segment %d of %s %s: quarantined, to be fetched again", seg, name, why)
                 self.segments.drop_segment(name, seg)
                 self.damaged_at_start.append((name, seg))
+                damage.announce(path, [seg])  # readers that outlived the last node: news now
             if record.lifetime != READTHROUGH:  # (one a node before sealing left: sealed now)
                 with closing_fd(os.open(name, DIR_FLAGS, dir_fd=datasets_fd)) as fd:
                     _seal_segments(fd)

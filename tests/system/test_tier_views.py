@@ -11,11 +11,9 @@ from __future__ import annotations
 import json
 import os
 import random
-import shutil
 import stat
 import time
 import urllib.request
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -59,16 +57,6 @@ def make_source(root: Path, files: int, size: int, seed: int = 0) -> dict[str, b
 def shm_node(tmp_path: Path, token_file: Path, *extra: str, **kw: Any) -> NodeProcess:
     shm = Path("/dev/shm") / f"kspeedfs-test-{os.urandom(5).hex()}"
     return NodeProcess(shm, token_file, tmp_path, extra=extra, **kw)
-
-
-@pytest.fixture
-def nodes() -> Iterator[list[NodeProcess]]:
-    made: list[NodeProcess] = []
-    yield made
-    for n in made:
-        n.stop()
-        shutil.rmtree(n.shm_dir, ignore_errors=True)
-        shutil.rmtree(n.shm_dir.with_name(n.shm_dir.name + ".run"), ignore_errors=True)  # socket
 
 
 def ls_json(env: dict[str, str]) -> dict[str, dict]:
