@@ -68,12 +68,14 @@ def attach(
     """The local node's copy of an instance, through its socket (KSpeedError when refused;
     `on_damage`: told the segments this process finds damaged)."""
     token = auth.secret(settings.credential())
-    manifest_fd, segments = fdpass.attach(
+    got = fdpass.attach(
         settings.socket_path(), token, name, uuid, settings.timeout, settings.node_user
     )
     try:
-        return PassedDataset(path, manifest_fd, segments, on_damage=on_damage)
+        return PassedDataset(
+            path, got.manifest_fd, got.segments, got.damage_fd, on_damage=on_damage
+        )
     except BaseException:
-        for fd in segments.values():
+        for fd in got.segments.values():
             os.close(fd)
         raise

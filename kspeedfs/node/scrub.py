@@ -1,7 +1,7 @@
 """Bytes at rest kept sound: a damaged segment costs that segment, never the dataset or a reader.
 
 Damage is found four ways: a reader's check of disk-tier bytes before it serves them
-(localdata; the reader reports it with `report_damage` and the node checks again itself),
+(system/disk_copies; the reader reports it with `report_damage` and the node checks again itself),
 promotion (SegmentPlaces.promote checks a segment before it joins memory), a restart with
 `verify_on_start` (SegmentStore.recover keeps the dataset, and names the damaged segments in
 `damaged_at_start`), and the scrubber: a task that re-reads every disk-tier segment of the

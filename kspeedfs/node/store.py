@@ -1,7 +1,8 @@
 """The node's shared-memory folder: published datasets, staging, publishing, recovery.
 
 Layout under shm_dir:
-    datasets/NAME/   published datasets (meta.json, manifest.ksm, seg/NNNNNNNN)
+    datasets/NAME/   published datasets (meta.json, manifest.ksm, seg/NNNNNNNN, damage: the
+                     damage news every reader maps, system/damage.py)
     staging/NAME.ID/ preloads in progress; renamed into datasets/ when complete (atomic publish)
     trash/           unloaded or broken datasets, removed right away (mapped pages live on)
 
@@ -10,8 +11,8 @@ memory budget, under DISK_ROOT/NAME.UUID/seg/NNNNNNNN (staged under DISK_ROOT/.s
 in the dataset's meta.json ("disk", "disk_dir"). They count in the disk budget, not the memory
 one, and move to memory when memory frees up (segments.py places segments). DISK_ROOT is
 SPILL_DIR/tier; the spill folder and the tier are checked and owned as the shm folder is
-(safedir), so that readers in the group read disk-tier segments (by pread: localdata) as they
-map memory ones.
+(safedir), so that readers in the group read disk-tier segments (by pread: system/disk_copies)
+as they map memory ones.
 """
 
 from __future__ import annotations

@@ -192,7 +192,7 @@ class RdmaService:
             ds = self._store.open(name)
         except KSpeedError:
             return None
-        # Memory segments only: disk-tier ones are never mapped (localdata), their reads go
+        # Memory segments only: disk-tier ones are never mapped (disk_copies), their reads go
         # over TCP, by pread, checked.
         segments = {k: ds.segment(k) for k in sorted(ds.held) if k not in ds.on_disk}
         table = self.registry.register(name, ds.uuid, ds.manifest.segments, segments, epoch=epoch)

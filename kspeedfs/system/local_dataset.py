@@ -133,6 +133,9 @@ class LocalDataset:
         self.reports = DamageReports(self.path.name, on_damage)
         self.news = news
         self._news = news.words  # (the one load every read pays: a word of shared memory)
+        # Maps let go of so far: a reader that keeps views of them (dataset_reader) lets its
+        # own go when this moves, so that it never serves a map other than the one checked.
+        self.dropped = 0
 
     def __del__(self) -> None:
         # Closed only here, never in release(): a thread may still be opening a segment
@@ -192,6 +195,7 @@ class LocalDataset:
     def _drop_map(self, seg: int) -> None:
         """Forget the map of `seg` (dropped, not closed: a reader's view keeps it alive; the
         next read maps the file again, the node's new copy once it fetched one)."""
+        self.dropped += 1
         self._maps.pop(seg, None)
         self._plain.pop(seg, None)
         self._watched.pop(seg, None)
@@ -266,6 +270,7 @@ class LocalDataset:
         """Stop using this instance (it was unloaded): its maps and files are dropped, not
         closed, since a reader may still hold one; each closes when its last reference goes."""
         with self.lock:
+            self.dropped += 1
             self._maps.clear()
             self._watched.clear()
             self._plain.clear()

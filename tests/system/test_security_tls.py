@@ -442,10 +442,9 @@ def _node_fds(node: NodeProcess) -> int:
 def _attach_works(tls_cluster: TlsCluster) -> None:
     node = tls_cluster.node
     token = auth.derive_read_token(auth.read_token(node.token_file))
-    manifest_fd, segments = fdpass.attach(Path(_socket_path(node)), token, NAME, tls_cluster.uuid)
-    for fd in [manifest_fd, *segments.values()]:
-        os.close(fd)
-    assert segments
+    got = fdpass.attach(Path(_socket_path(node)), token, NAME, tls_cluster.uuid)
+    got.close()
+    assert got.segments
 
 
 def _socket_path(node: NodeProcess) -> str:
