@@ -189,7 +189,7 @@ class LocalDataset:
                 damaged, passed = news.take()
                 for seg in damaged:
                     self._drop_map(seg)
-                self.disk.forget(damaged, everything=passed)
+                self.disk.forget(damaged, scrub_pass=passed)
         return news.seen
 
     def _drop_map(self, seg: int) -> None:
