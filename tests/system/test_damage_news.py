@@ -158,23 +158,25 @@ def found_at_a_restart(node: NodeProcess, src: Path, files: dict[str, bytes]) ->
     assert integrity(node)["damaged"] >= 1
 
 
-def test_after_a_readers_report_no_reader_serves_the_flipped_byte(
-    tmp_path: Path, token_file: Path, nodes: list[NodeProcess], mounts: list[MountProcess]
+@pytest.mark.parametrize(
+    ("scrub_rate", "find"),
+    [
+        ("0", found_by_a_report),
+        # Slow enough that the readers' reads before the find are served from their old checks.
+        ("2MiB", found_by_the_scrubber),
+        ("0", found_at_a_restart),
+    ],
+    ids=["report", "scrubber", "restart"],
+)
+def test_after_the_first_finder_no_reader_serves_the_flipped_byte(
+    tmp_path: Path,
+    token_file: Path,
+    nodes: list[NodeProcess],
+    mounts: list[MountProcess],
+    scrub_rate: str,
+    find: Callable[[NodeProcess, Path, dict[str, bytes]], None],
 ) -> None:
-    a_flip_then_found(tmp_path, token_file, nodes, mounts, "0", found_by_a_report)
-
-
-def test_after_the_scrubber_finds_it_no_reader_serves_the_flipped_byte(
-    tmp_path: Path, token_file: Path, nodes: list[NodeProcess], mounts: list[MountProcess]
-) -> None:
-    # Slow enough that the readers' reads before the find are served from their old checks.
-    a_flip_then_found(tmp_path, token_file, nodes, mounts, "2MiB", found_by_the_scrubber)
-
-
-def test_after_a_restart_finds_it_no_reader_serves_the_flipped_byte(
-    tmp_path: Path, token_file: Path, nodes: list[NodeProcess], mounts: list[MountProcess]
-) -> None:
-    a_flip_then_found(tmp_path, token_file, nodes, mounts, "0", found_at_a_restart)
+    a_flip_then_found(tmp_path, token_file, nodes, mounts, scrub_rate, find)
 
 
 def test_every_flip_found_by_anyone_is_served_by_no_one_afterwards(
