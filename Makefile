@@ -7,7 +7,8 @@ STAMP   := $(VENV)/.installed
 PYTHON  ?= python3
 SUDO    := $(shell [ "$$(id -u)" -eq 0 ] || echo sudo)
 APT_PKGS := fuse3 libfuse3-dev pkg-config gcc systemd attr etcd-server etcd-client debootstrap \
-	systemd-container dnsmasq-base squashfuse squashfs-tools faketime iproute2
+	systemd-container dnsmasq-base squashfuse squashfs-tools faketime iproute2 \
+	podman runc busybox-static
 CHECKED := kspeedfs mountd pytorch_ext tests bench
 
 .PHONY: demo test quick lint deps apt bench clean

@@ -270,15 +270,15 @@ def small_file_rates(cluster: BenchCluster, name: str, batch: int) -> tuple[floa
     )
     try:
         for ranges in files[:20]:  # warm up the connection
-            reader.read_ranges(node, name, m.uuid, ranges, buf[: sum(r[2] for r in ranges)])
+            reader.pool.read_ranges(node, name, m.uuid, ranges, buf[: sum(r[2] for r in ranges)])
         started = time.perf_counter()
         for ranges in files:
-            reader.read_ranges(node, name, m.uuid, ranges, buf[: sum(r[2] for r in ranges)])
+            reader.pool.read_ranges(node, name, m.uuid, ranges, buf[: sum(r[2] for r in ranges)])
         one = len(files) / (time.perf_counter() - started)
         started = time.perf_counter()
         for i in range(0, len(files), batch):
             ranges = [r for f in files[i : i + batch] for r in f]
-            reader.read_ranges(node, name, m.uuid, ranges, buf[: sum(r[2] for r in ranges)])
+            reader.pool.read_ranges(node, name, m.uuid, ranges, buf[: sum(r[2] for r in ranges)])
         batched = len(files) / (time.perf_counter() - started)
     finally:
         reader.close()

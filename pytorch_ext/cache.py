@@ -21,7 +21,7 @@ from kspeedfs.client.dataset_reader import Reader as Reader
 from kspeedfs.client.job_settings import client_settings as client_settings
 from kspeedfs.client.reader import ClusterReader, local_node_for
 from kspeedfs.format.config import Settings
-from kspeedfs.format.contract.node import DatasetEntry, DatasetListing, List, LoadingEntry
+from kspeedfs.format.contract.node import DatasetEntry, List, LoadingEntry
 from kspeedfs.format.errors import (
     AuthError,
     DataError,
@@ -153,8 +153,8 @@ def attach(
         on_mount.check_dataset(on, objname)
     preloaded = False
     for _attempt in range(5):
-        node, reply = cluster.live_call(List())
-        listed = DatasetListing.from_wire(reply).datasets
+        node, reply = cluster.pool.live_call(List())
+        listed = reply.datasets
         found = _match(listed, path, objname) if on is None else _mounted(listed, on, node)
         if found is None:
             if preloaded:
@@ -196,7 +196,9 @@ def _active_preload(
 ) -> None:
     """Preload `source` with a leased lifetime, or join its load already under way (another job
     or rank started it); waits for it (progress shown on rank 0). A name of its own choosing
-    that a dataset of another source holds is refused: it would wait for that one."""
+    that a dataset of another source holds is refused: it would wait for that one. A preload
+    that does not fit the node's memory does not fail the job: the source is read through
+    (cached as it is read, within its share of the memory), said in one line."""
     try:
         src = os.path.abspath(check_source(source))
     except KSpeedError as e:
@@ -216,7 +218,17 @@ def _active_preload(
         raise AuthError(
             f"{source} is not in the cache and this client may not load it: {e}"
         ) from None
-    except (NoSpace, NotFound, InvalidArgument) as e:
+    except NoSpace as e:
+        if meta:  # meta-file indexes are built by a preload only
+            raise NoSpace(f"{source} is not in the cache and cannot be loaded: {e}") from None
+        log.warning(
+            "%s does not fit in the cache, so it is read through within its share of the"
+            " memory: %s",
+            source,
+            e,
+        )
+        admin.register_source(settings, src, name=name)
+    except (NotFound, InvalidArgument) as e:
         raise type(e)(f"{source} is not in the cache and cannot be loaded: {e}") from None
 
 

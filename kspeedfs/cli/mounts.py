@@ -24,7 +24,7 @@ def cmd_mount(args: argparse.Namespace) -> int:
         on = None  # another cluster's mount: read through it as any source
     if on is not None:  # a dataset on a kspeedfs mount: mount it, not a second copy of it
         on_mount.check_dataset(on, args.name or args.dataset)
-        if on.rel or args.endpoint or args.max_memory or args.max_disk:
+        if on.rel or args.endpoint or _limits_given(args):
             raise InvalidArgument(
                 f"{on.describe()}: mount --dataset {on.dataset}, or give its source"
                 f" ({on.source}) to --source"
@@ -41,9 +41,14 @@ def cmd_mount(args: argparse.Namespace) -> int:
             args.name or args.dataset,
             max_memory=parse_size(args.max_memory) if args.max_memory else 0,
             max_disk=parse_size(args.max_disk) if args.max_disk else 0,
+            min_memory=parse_size(args.min_memory) if args.min_memory else 0,
+            weight=1 if args.weight is None else args.weight,
         )
-    elif args.endpoint or args.name or args.max_memory or args.max_disk:
-        raise InvalidArgument("--endpoint, --name, --max-memory and --max-disk go with --source")
+    elif args.endpoint or args.name or _limits_given(args):
+        raise InvalidArgument(
+            "--endpoint, --name, --max-memory, --max-disk, --min-memory and --weight go with"
+            " --source"
+        )
     run_mount(
         args.mountpoint,
         settings,
@@ -66,3 +71,8 @@ def cmd_mounts(args: argparse.Namespace) -> int:
     from mountd.state import DEFAULT_STATE_FILE, print_status
 
     return print_status(Path(args.state_file or DEFAULT_STATE_FILE), args.json)
+
+
+def _limits_given(args: argparse.Namespace) -> bool:
+    """Whether any of a read-through dataset's caps, floor or weight was given."""
+    return bool(args.max_memory or args.max_disk or args.min_memory or args.weight is not None)

@@ -65,6 +65,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--endpoint", help="object store endpoint URL of an s3:// source")
     p.add_argument("--no-wait", action="store_true", help="return once the node accepted it")
+    p.add_argument(
+        "--queue",
+        action="store_true",
+        help="when it does not fit, wait in the node's queue for room instead of failing",
+    )
     p.add_argument("--replicas", type=int, default=1, help="copies of each segment (default 1)")
     p.add_argument(
         "--tier",
@@ -144,6 +149,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--max-disk", help="with --source: the most of the spill folder it takes, e.g. 64GiB"
     )
+    p.add_argument(
+        "--min-memory",
+        help="with --source: its floor, memory no other dataset's miss or preload takes, e.g. 8GiB",
+    )
+    p.add_argument(
+        "--weight",
+        type=int,
+        help="with --source: its weight in the shares of memory (a whole number, default 1)",
+    )
     p.add_argument("-f", "--foreground", action="store_true", help="do not go to the background")
     p.add_argument("-o", dest="options", default="", help="FUSE options: allow_other,...")
     p.add_argument("--log-file", help="where the background mount logs")
@@ -192,6 +206,16 @@ def build_parser() -> argparse.ArgumentParser:
         default=110.0,
         help="seconds a publish waits for a warm load and its mount (default 110: kubelet waits 120)",
     )
+    p.add_argument(
+        "--kubelet-dir",
+        default="/var/lib/kubelet",
+        help="kubelet's root folder: targets outside it are refused (default /var/lib/kubelet)",
+    )
+    p.add_argument(
+        "--policy",
+        help="the admin's volume policy (TOML): which namespaces may use which datasets; "
+        "without it every publish is allowed",
+    )
 
     p = sub.add_parser("kubernetes", help="Kubernetes: print the manifests to install kspeedfs")
     ksub = p.add_subparsers(dest="kubernetes_command", required=True, metavar="ACTION")
@@ -199,8 +223,37 @@ def build_parser() -> argparse.ArgumentParser:
         "manifests",
         help="DaemonSet, CSIDriver, RBAC, ConfigMap, Service and examples, as one YAML stream",
     )
-    t.add_argument("--namespace", default="kspeedfs", help="namespace (default kspeedfs)")
-    t.add_argument("--image", default="ghcr.io/kspeedfs/kspeedfs:0.1.0", help="the kspeedfs image")
+    t.add_argument(
+        "--image",
+        help="the kspeedfs image your machines pull (required: in --values or here; none is published)",
+    )
+    t.add_argument("--values", help="a YAML file of install values (docs/kubernetes.md, Values)")
+    t.add_argument("--namespace", help="namespace (default kspeedfs)")
+    t.add_argument(
+        "--image-pull-secret",
+        action="append",
+        dest="image_pull_secrets",
+        metavar="SECRET",
+        help="a Secret to pull the images with (repeatable)",
+    )
+    t.add_argument("--registrar-image", help="the node-driver-registrar image")
+    t.add_argument("--livenessprobe-image", help="the CSI livenessprobe image")
+    t.add_argument("--kubelet-dir", help="kubelet's root folder (default /var/lib/kubelet)")
+    t.add_argument("--data-dir", help="the host's folder of sources (default /data)")
+    t.add_argument(
+        "--cache-memory",
+        help="the node's memory request, and so its cache budget (default 8Gi)",
+    )
+    t.add_argument("--priority-class", help="default system-node-critical")
+    t.add_argument(
+        "--metrics-port", type=int, help="the node's /metrics port (default 9420, 0 off)"
+    )
+    t.add_argument("--cluster-domain", help="the cluster's DNS domain (default cluster.local)")
+    t.add_argument(
+        "--kustomize",
+        metavar="DIR",
+        help="write a Kustomize base (one file per part, values.yaml) into DIR instead",
+    )
     t.add_argument(
         "--examples",
         action="store_true",
@@ -219,6 +272,14 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("shutdown", help="stop the node daemon")
     _client_options(p)
+
+    p = sub.add_parser(
+        "clean-node",
+        help="remove a stopped node's folders (shm folder, spill folder), sealed segments too",
+    )
+    p.add_argument("--config", help="TOML config file (env KSPEEDFS_CONFIG)")
+    p.add_argument("--shm-dir", help="its shm folder (default: the config's shm_dir)")
+    p.add_argument("--spill-dir", help="its spill folder (default: the config's spill_dir)")
 
     p = sub.add_parser("token", help="cluster tokens")
     tsub = p.add_subparsers(dest="token_command", required=True, metavar="ACTION")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import sys
 import time
 from collections.abc import Sequence
 
@@ -14,9 +15,8 @@ from kspeedfs.format.contract.preload import (
     PreloadStarted,
     Progressing,
     Published,
-    load_status_from_wire,
 )
-from kspeedfs.format.contract.readthrough import Filled, FillSegment, Registered, RegisterSource
+from kspeedfs.format.contract.readthrough import FillSegment, RegisterSource
 from kspeedfs.format.errors import (
     AlreadyExists,
     DataError,
@@ -75,7 +75,7 @@ def load_status(
     """`progress` of `name`: its load's progress, or its record once published; long-polled
     past `wait_for_change_after` (a version seen before) for up to `wait_s` seconds."""
     request = LoadProgress(name=name, wait_for_change_after=wait_for_change_after, wait_s=wait_s)
-    return load_status_from_wire(client.call(request))
+    return client.call(request)
 
 
 def preload_done(progress: Progressing | Published, what: str) -> bool:
@@ -126,17 +126,19 @@ def start_preload(
     tier: str = "auto",
     max_memory: int = 0,
     max_disk: int = 0,
+    queue: bool = False,
 ) -> PreloadStarted:
     """Ask for a load of `src` (normalized) as `name`; answers once the node has scanned it.
     `meta`: meta files in it (relative paths) to index as well; `tier`: where its segments
     go (memory, disk, or auto: memory first); `max_memory`, `max_disk`: the most bytes of
-    its segments in each node's memory and disk tier (0: no cap)."""
+    its segments in each node's memory and disk tier (0: no cap); `queue`: wait for room
+    rather than be refused when it does not fit."""
     fields = {"name": name, "source": src, "lifetime": lifetime, "replicas": replicas}
-    caps = {"max_memory": max_memory, "max_disk": max_disk}
+    caps = {"max_memory": max_memory, "max_disk": max_disk, "queue": queue}
     request = Preload.from_wire(
         {**fields, "endpoint": endpoint, "meta": list(meta), "tier": tier, **caps}
     )
-    return PreloadStarted.from_wire(client.call(request, answer_within=SCAN_TIMEOUT))
+    return client.call(request, answer_within=SCAN_TIMEOUT)
 
 
 def preload(
@@ -152,16 +154,20 @@ def preload(
     tier: str = "auto",
     max_memory: int = 0,
     max_disk: int = 0,
+    queue: bool = False,
 ) -> PreloadStarted | Progressing | Published:
     """Ask the node to load `source` (a folder or an s3:// URL) as `name`; with `wait`, poll
     until ready or failed (Ctrl-C cancels the load) and return the last `progress` answer,
-    else the load's start. The caps hold on each node (0: none)."""
+    else the load's start. The caps hold on each node (0: none). With `queue`, a preload
+    that does not fit waits in the node's queue for room."""
     validate_name(name)
     src = normalize_source(source)
     with connect(settings) as client:
         started = start_preload(
-            client, name, src, lifetime, replicas, endpoint, meta, tier, max_memory, max_disk
+            client, name, src, lifetime, replicas, endpoint, meta, tier, max_memory, max_disk, queue
         )
+        if started.queued and show_progress:
+            print(f"{name}: queued for room, position {started.queued}", file=sys.stderr)
         if not wait:
             return started
         try:
@@ -221,7 +227,7 @@ def preload_partial(
         typical = -(-record.bytes // max(segments, 1))  # a segment, rounded up
         held: set[int] = set()
         for seg in range(segments):
-            status = NodeStatus.from_wire(client.call(Status()))
+            status = client.call(Status())
             held = _resident(status, name)
             if seg in held:
                 continue
@@ -229,14 +235,14 @@ def preload_partial(
                 break  # full: the rest is read through
             while True:
                 fill = FillSegment(name=name, segment=seg, uuid=record.uuid)
-                filled = Filled.from_wire(client.call(fill))
+                filled = client.call(fill)
                 if filled.state != "filling":
                     break
             if filled.state == "failed":
                 raise DataError(f"partial preload of {name}: segment {seg}: {filled.error}")
             if filled.state == "source":
                 break  # not kept: its cap (its share of memory) is full
-            before, held = held, _resident(NodeStatus.from_wire(client.call(Status())), name)
+            before, held = held, _resident(client.call(Status()), name)
             if len(held) <= len(before):
                 break  # kept in place of one of its own (an lru node at the cap): full
     return len(held), segments
@@ -255,16 +261,25 @@ def register_source(
     name: str | None = None,
     max_memory: int = 0,
     max_disk: int = 0,
+    min_memory: int = 0,
+    weight: int = 1,
 ) -> str:
     """Make (or find) the read-through dataset of a source on the node, with its caps in
-    memory and on the spill folder when it is created (0: none); returns its name."""
+    memory and on the spill folder (0: none), its floor in memory (0: none) and its weight
+    in the shares, when it is created; returns its name."""
     source = normalize_source(source)
     name = validate_name(name) if name else validate_name(name_from_source(source))
     request = RegisterSource(
-        name=name, source=source, endpoint=endpoint, max_memory=max_memory, max_disk=max_disk
+        name=name,
+        source=source,
+        endpoint=endpoint,
+        max_memory=max_memory,
+        max_disk=max_disk,
+        min_memory=min_memory,
+        weight=weight,
     )
     with connect(settings) as client:
-        registered = Registered.from_wire(client.call(request))
+        registered = client.call(request)
         if registered.state != "ready":
             wait_ready(client, name, what=f"listing {source}")
     return name

@@ -275,7 +275,7 @@ class Reader:
                     horizon=len(runs[0]),
                     reader=reader,
                 )
-                if not self.cluster.call(node, request).get("used", False):
+                if not self.cluster.pool.call(node, request).used:
                     break  # this node's policy does not use plans
 
     def _segment_uses(self, entries: np.ndarray) -> np.ndarray:

@@ -50,7 +50,7 @@ class _Target:
             return
         request = Touch(name=self.name, uuid=self.uuid, segments=segments, hits=hits)
         try:
-            self.cluster.call(self.node, request)
+            self.cluster.pool.call(self.node, request)
             self.last_failed = False
         except KSpeedError as e:
             self.last_failed = True

@@ -1,9 +1,11 @@
 """kubelet's side, for tests and the bench: a CSI client on the plugin's socket, the plugin and
-mountd as subprocesses, and a "pod" (a process in a mount namespace of its own)."""
+mountd as subprocesses, a "pod" (a process in a mount namespace of its own), and a real
+container (podman) with a volume bound as the container runtime binds it."""
 
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 from collections.abc import Mapping
@@ -64,13 +66,15 @@ class CsiClient:
         self.channel.close()
 
 
-def inline_context(dataset: str, pod: str = "trainer", **attrs: str) -> dict[str, str]:
+def inline_context(
+    dataset: str, pod: str = "trainer", namespace: str = "default", **attrs: str
+) -> dict[str, str]:
     """The volume context kubelet sends for an inline volume of a pod (podInfoOnMount)."""
     return {
         "dataset": dataset,
         **attrs,
         "csi.storage.k8s.io/pod.name": pod,
-        "csi.storage.k8s.io/pod.namespace": "default",
+        "csi.storage.k8s.io/pod.namespace": namespace,
         "csi.storage.k8s.io/pod.uid": "5f0c3c1e-8a4e-4f5e-9d6a-0123456789ab",
         "csi.storage.k8s.io/serviceAccount.name": "default",
         "csi.storage.k8s.io/ephemeral": "true",
@@ -142,7 +146,10 @@ class PluginDaemon(Daemon):
         env: Mapping[str, str],
         node_id: str = "node-a",
         publish_timeout: float = 60.0,
+        kubelet_dir: Path | None = None,
+        policy: Path | None = None,
     ):
+        """`kubelet_dir`: the folder the targets are in (default: `run_dir`'s parent)."""
         self.socket = run_dir / "csi.sock"
         argv = [
             *KSPEEDFS,
@@ -159,7 +166,11 @@ class PluginDaemon(Daemon):
             str(run_dir / "mountd.json"),
             "--publish-timeout",
             str(publish_timeout),
+            "--kubelet-dir",
+            str(kubelet_dir or run_dir.parent),
         ]
+        if policy is not None:
+            argv += ["--policy", str(policy)]
         super().__init__(argv, env, run_dir / "plugin.log")
 
     def start(self) -> Self:
@@ -193,3 +204,27 @@ def run_pod(code: str, *args: str, env: Mapping[str, str] | None = None) -> str:
     if done.returncode != 0:
         raise RuntimeError(f"pod failed ({done.returncode}): {done.stderr.strip()[-2000:]}")
     return done.stdout
+
+
+BUSYBOX = "/usr/bin/busybox"  # Debian's busybox-static: a container root of one file
+
+
+def busybox_root(folder: Path) -> Path:
+    """A container's root file system: a static busybox as /bin/busybox and /bin/sh."""
+    (folder / "bin").mkdir(parents=True, exist_ok=True)
+    shutil.copy2(BUSYBOX, folder / "bin" / "busybox")
+    if not (folder / "bin" / "sh").is_symlink():
+        os.symlink("busybox", folder / "bin" / "sh")
+    return folder
+
+
+def container_command(rootfs: Path, volumes: Mapping[Path, str], argv: list[str]) -> list[str]:
+    """`argv` in a real OCI container (podman with runc; crun refuses hybrid cgroups), each
+    volume's target bound at its path as the container runtime binds a pod's CSI volume: a
+    bind of the target alone, read-only, `rslave` (mountPropagation HostToContainer)."""
+    command = ["podman", "run", "--rm", "--runtime", "runc", "--cgroup-manager=cgroupfs"]
+    command += ["--network", "none", "--ulimit", "nofile=20000:20000"]
+    command += ["--ulimit", "nproc=4096:4096"]
+    for target, path in volumes.items():
+        command += ["-v", f"{target}:{path}:ro,rslave"]
+    return [*command, "--rootfs", str(rootfs), *argv]

@@ -42,6 +42,7 @@ from kspeedfs.system.mountinfo import clear_stale, kspeedfs_mounted
 
 from . import csi_pb2 as pb
 from .mounts import MountdLink, MountdUnavailable
+from .policy import NotAllowed, VolumePolicy
 from .volumes import DRIVER_NAME, Volume, VolumeRecords, volume_from_request
 from .warm import LeaseRenewer, NotResident, WarmDatasets
 
@@ -60,6 +61,7 @@ ERROR_CODES: list[tuple[type[KSpeedError], grpc.StatusCode]] = [
     (MountdUnavailable, grpc.StatusCode.UNAVAILABLE),
     (NodeUnreachable, grpc.StatusCode.UNAVAILABLE),
     (AuthError, grpc.StatusCode.PERMISSION_DENIED),
+    (NotAllowed, grpc.StatusCode.PERMISSION_DENIED),
     (KSpeedError, grpc.StatusCode.INTERNAL),
 ]
 
@@ -79,8 +81,12 @@ class NodePlugin:
         mounts_dir: Path,
         mountd_state: Path,
         publish_timeout: float = DEFAULT_PUBLISH_TIMEOUT,
+        kubelet_dir: Path = Path("/var/lib/kubelet"),
+        policy: Path | None = None,
     ):
         self.node_id = node_id
+        self.kubelet_dir = os.path.normpath(kubelet_dir)
+        self.policy = VolumePolicy(policy)
         self.settings = settings
         self.records = VolumeRecords(state_dir / "volumes")
         self.mounts = MountdLink(mounts_dir, mountd_state, settings)
@@ -99,19 +105,50 @@ class NodePlugin:
             yield
 
     def adopt(self) -> int:
-        """On start: the volumes published before (by this plugin's last run), declared to
-        mountd again if it lost them, and their leases renewed. Returns how many."""
-        volumes = self.records.all()
-        for volume in volumes:
+        """On start, before listening: the volumes published before (by this plugin's last
+        run) declared to mountd again if it lost them; the records of pods that are gone
+        dropped. Their leases are renewed once it listens (LeaseRenewer). Returns how many
+        volumes it kept."""
+        kept = 0
+        for volume in self.records.all():
+            if not os.path.isdir(os.path.dirname(volume.target)):
+                # kubelet removed the pod's folder (the pod is gone, its unpublish never
+                # came: a reboot): declaring it again would make the folder and mount a
+                # dataset for nobody, and keep its lease, for ever.
+                self._forget(volume)
+                continue
+            kept += 1
             try:
                 if not self.mounts.declared(volume.target):
                     log.warning("volume %s: declaring it to mountd again", volume.volume_id)
                     self.mounts.declare(volume)
             except KSpeedError as e:
                 log.error("volume %s: %s", volume.volume_id, e)
-        self.renewer.renew_all()
-        log.info("adopted %d published volumes", len(volumes))
-        return len(volumes)
+        log.info("adopted %d published volumes", kept)
+        return kept
+
+    def _forget(self, volume: Volume) -> None:
+        """Drop a gone pod's volume: its declaration, its lease (in the background: the node
+        may be slow, and nothing waits for it) and its record."""
+        log.warning(
+            "volume %s: its pod's folder %s is gone: dropping its record",
+            volume.volume_id, os.path.dirname(volume.target),
+        )  # fmt: skip
+        try:
+            if self.mounts.declared(volume.target):
+                self.mounts.withdraw(volume.target)
+        except KSpeedError as e:
+            log.error("volume %s: %s", volume.volume_id, e)
+        with self._records_lock:
+            self.records.remove(volume.target)
+        if volume.lease:
+            threading.Thread(target=self._release, args=(volume,), daemon=True).start()
+
+    def _release(self, volume: Volume) -> None:
+        try:
+            self.warm.release(volume)
+        except KSpeedError as e:
+            log.warning("volume %s: its lease is left to expire: %s", volume.volume_id, e)
 
     # Identity
 
@@ -143,12 +180,15 @@ class NodePlugin:
         return pb.NodeGetCapabilitiesResponse(capabilities=[pb.NodeServiceCapability(rpc=rpc)])
 
     def node_publish_volume(self, request: pb.NodePublishVolumeRequest) -> Any:
+        context = dict(request.volume_context)
         volume = volume_from_request(
-            request.volume_id,
-            request.target_path,
-            dict(request.volume_context),
-            request.readonly,
+            request.volume_id, request.target_path, context, request.readonly
         )
+        if not volume.target.startswith(self.kubelet_dir.rstrip("/") + "/"):
+            raise InvalidArgument(
+                f"target_path {volume.target} is not under kubelet's folder {self.kubelet_dir} "
+                f"(the plugin's --kubelet-dir)"
+            )
         if not request.HasField("volume_capability"):
             raise InvalidArgument("volume_capability is missing")
         if request.volume_capability.HasField("block"):
@@ -164,7 +204,8 @@ class NodePlugin:
                     )
                 volume = known  # the same volume again: make sure it is mounted, answer OK
             else:
-                volume = self.warm.prepare(volume, self.publish_timeout)
+                grant = self.policy.check(volume, context)
+                volume = self.warm.prepare(volume, self.publish_timeout, grant.may_load)
                 with self._records_lock:
                     self.records.put(volume)  # before the mount: a restart finds the lease
             try:
@@ -340,13 +381,13 @@ def serve(plugin: NodePlugin, endpoint: str, workers: int = 8) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     with contextlib.suppress(FileNotFoundError):
         path.unlink()
-    plugin.adopt()
+    plugin.adopt()  # local only (records, mountd's folder): no network before it listens
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=workers))
     server.add_generic_rpc_handlers(handlers(plugin))
     if not server.add_insecure_port(f"unix://{path}"):
         raise KSpeedError(f"cannot listen on {path}")
     server.start()
-    plugin.renewer.start()
+    plugin.renewer.start()  # renews at once, then a third of the ttl apart
     log.info("CSI node plugin %s for node %s on %s", DRIVER_NAME, plugin.node_id, path)
     stop = threading.Event()
     for signum in (signal.SIGTERM, signal.SIGINT):

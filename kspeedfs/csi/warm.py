@@ -22,11 +22,10 @@ from kspeedfs.client.reader import local_node_for
 from kspeedfs.format.config import Settings
 from kspeedfs.format.contract.leases import (
     LeaseAcquire,
-    LeaseHeld,
     LeaseRelease,
     LeaseRenew,
 )
-from kspeedfs.format.contract.node import DatasetEntry, DatasetListing, List, LoadingEntry
+from kspeedfs.format.contract.node import DatasetEntry, List, LoadingEntry
 from kspeedfs.format.discovery import NodeWatch
 from kspeedfs.format.errors import AlreadyExists, KSpeedError, NotFound
 from kspeedfs.format.tls import client_context
@@ -34,6 +33,7 @@ from kspeedfs.format.units import parse_address
 from kspeedfs.net.connection import NodeClient
 from kspeedfs.sources.naming import normalize_source
 
+from .policy import NotAllowed
 from .volumes import Volume, VolumeRecords
 
 log = logging.getLogger(__name__)
@@ -67,15 +67,16 @@ class WarmDatasets:
     def lookup(self, name: str) -> tuple[str, DatasetEntry | LoadingEntry] | None:
         """The node that answered and its listing of dataset `name` (None: not listed)."""
         with self._client() as client:
-            listing = DatasetListing.from_wire(client.call(List()))
+            listing = client.call(List())
         for d in listing.datasets:
             if d.name == name:
                 return listing.node, d
         return None
 
-    def prepare(self, volume: Volume, timeout: float) -> Volume:
+    def prepare(self, volume: Volume, timeout: float, may_load: bool = True) -> Volume:
         """The volume with its dataset ready (and its lease, for a leased dataset): NotFound
-        for an unknown dataset and no source, NotResident after `timeout` seconds."""
+        for an unknown dataset and no source, NotAllowed for one the policy does not let it
+        load (`may_load`), NotResident after `timeout` seconds."""
         deadline = time.monotonic() + timeout
         for _ in range(3):  # unloaded between ready and the lease: look again
             found = self.lookup(volume.dataset)
@@ -85,6 +86,11 @@ class WarmDatasets:
                     raise NotFound(
                         f"dataset {volume.dataset} is not in the cache{why} and the volume "
                         f"names no source to load it from"
+                    )
+                if not may_load:
+                    raise NotAllowed(
+                        f"dataset {volume.dataset} is not in the cache, and the volume policy "
+                        f"does not let this namespace load it"
                     )
                 self._start(volume)
             node, info = self._wait_ready(volume, deadline)
@@ -139,7 +145,7 @@ class WarmDatasets:
         holder = f"csi:{self.node_id}:{volume.volume_id}"
         acquire = LeaseAcquire(name=volume.dataset, uuid=info.uuid, holder=holder)
         with self._client(home) as client:
-            held = LeaseHeld.from_wire(client.call(acquire))
+            held = client.call(acquire)
         log.info("volume %s: lease on %s at %s", volume.volume_id, volume.dataset, home)
         return dataclasses.replace(volume, lease=held.lease, lease_home=home)
 
@@ -203,5 +209,8 @@ class LeaseRenewer:
                         self.records.put(renewed)
 
     def _run(self) -> None:
+        # At once first: the leases of the volumes adopted at start (the plugin listens by
+        # now, so a slow node delays no registration).
+        self.renew_all()
         while not self._stop.wait(self.warm.settings.lease_ttl / 3):
             self.renew_all()

@@ -366,7 +366,13 @@ class RequestLoop:
         size = uring.payload_size(MAX_WRITE, MAX_PAGES)
         for qid in range(uring.possible_cpus()):
             ring = uring.QueueRing(
-                self.fd, qid, uring.DEPTH, size, self._ring_request, self._ring_ended
+                self.fd,
+                qid,
+                uring.DEPTH,
+                size,
+                self._ring_request,
+                self._ring_ended,
+                self.interrupt,
             )
             self._rings.append(ring)
         for ring in self._rings:

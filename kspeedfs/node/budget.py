@@ -230,6 +230,18 @@ class Budgets:
                 f"{format_size(st.f_bavail * st.f_frsize)} free"
             )
 
+    def _holders(self, most: int = 3) -> str:
+        """Who holds the memory, largest first: the `most` largest datasets and the claims of
+        work in progress (what a refused claim's one line names)."""
+        held = sorted(self._datasets.items(), key=lambda item: -item[1].stored)
+        parts = [f"{name} {format_size(r.stored)}" for name, r in held[:most] if r.stored]
+        if len(held) > most:
+            rest = sum(r.stored for _, r in held[most:])
+            parts.append(f"{len(held) - most} more {format_size(rest)}")
+        if self._claimed["memory"]:
+            parts.append(f"loads and fills in progress {format_size(self._claimed['memory'])}")
+        return ", ".join(parts) or "nothing"
+
     def _check_fits(self, nbytes: int, what: str, reclaimers: list[Callable[[int], int]]) -> None:
         """Refuse (NoSpace) a claim of nbytes that the budget or the filesystem cannot hold
         beside the claims made, once `reclaimers` freed what they could. Called under the
@@ -243,6 +255,7 @@ class Budgets:
             raise NoSpace(
                 f"{what} needs {format_size(nbytes)} on this node but only "
                 f"{format_size(max(free, 0))} of its {format_size(self.memory)} budget is free"
+                f" (held by {self._holders()})"
             )
         # The filesystem may hold less than the budget (other users of /dev/shm, a small
         # tmpfs): its free space, less what earlier claims are still to write; evictable

@@ -10,13 +10,12 @@ from __future__ import annotations
 import functools
 import time
 from collections.abc import Callable
-from typing import Any
 
 import trio
 
 from kspeedfs.format import auth, users
 from kspeedfs.format.config import Settings
-from kspeedfs.format.contract import Request
+from kspeedfs.format.contract import Answer, Request
 from kspeedfs.format.tls import client_context
 from kspeedfs.format.units import parse_size
 from kspeedfs.node.control import ClusterControl, ControlPlane, EtcdCatalog
@@ -33,10 +32,11 @@ from kspeedfs.node.metaindexes import AddedIndexes
 from kspeedfs.node.metrics import serve_metrics
 from kspeedfs.node.ops import OpRegistry
 from kspeedfs.node.peers import PeerPool
-from kspeedfs.node.preload import Stager
+from kspeedfs.node.preload_queue import PreloadQueue
 from kspeedfs.node.promote import PreloadPromotions, Promoter
 from kspeedfs.node.readthrough import LocalCatalog, ReadThroughCache
 from kspeedfs.node.scrub import Scrubber
+from kspeedfs.node.stager import Stager
 from kspeedfs.node.store import TIER_DIR, SegmentStore
 from kspeedfs.node.unload import Unloader
 from kspeedfs.rdma.server import RdmaService
@@ -113,6 +113,7 @@ class Node:
         self.lease_owner = LeaseOwner(
             self.leases, self.store, lambda: self.address, self.unloader.unload
         )
+        self.preload_queue = PreloadQueue(self.store.budgets)
         self.coordinator = PreloadCoordinator(
             settings,
             self.store,
@@ -121,6 +122,7 @@ class Node:
             self.control,
             self.ask,
             self.decoded.after_preload,
+            self.preload_queue,
         )
         self.scrubber = Scrubber(settings, self.store, events, lambda: self.address)
         self.preload_promotions = PreloadPromotions(self.store, self.scrubber.quarantined)
@@ -181,7 +183,7 @@ class Node:
     def cancel_loads(self) -> None:
         self.loads.cancel_all()
 
-    async def ask(self, member: str, request: Request) -> dict[str, Any]:
+    async def ask(self, member: str, request: Request[Answer]) -> Answer:
         """A typed request on a member: directly when it is this node (answered as a remote
         member would answer it), else over a kept connection."""
         if member == self.address:

@@ -30,6 +30,7 @@ import xxhash
 from kspeedfs.format import placement
 from kspeedfs.format.config import Settings
 from kspeedfs.format.contract.scrub import DamageChecked, ReportDamage
+from kspeedfs.format.contract.status import IntegrityStatus
 from kspeedfs.format.errors import DataError, KSpeedError, StaleDataset
 from kspeedfs.format.tls import client_context
 from kspeedfs.format.units import parse_size
@@ -82,8 +83,19 @@ class Scrubber:
     def register_ops(self, ops: OpRegistry) -> None:
         ops.add(ReportDamage, self.op_report_damage, READ)
 
-    def status(self) -> dict[str, Any]:
-        return dict(self.stats, scrub_rate=self.rate)
+    def status(self) -> IntegrityStatus:
+        s = self.stats
+        return IntegrityStatus(
+            damaged=s["damaged"],
+            repaired=s["repaired"],
+            repair_failed=s["repair_failed"],
+            from_source=s["from_source"],
+            reported=s["reported"],
+            scrubbed_bytes=s["scrubbed_bytes"],
+            scrub_cpu_seconds=s["scrub_cpu_seconds"],
+            passes=s["passes"],
+            scrub_rate=self.rate,
+        )
 
     async def run(self, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         for name, seg in self.store.damaged_at_start:

@@ -5,6 +5,7 @@ Layout under shm_dir:
                      damage news every reader maps, system/damage.py)
     staging/NAME.ID/ preloads in progress; renamed into datasets/ when complete (atomic publish)
     trash/           unloaded or broken datasets, removed right away (mapped pages live on)
+    .kspeedfs-node   the marker of a node's folder, locked while the node runs (nodefolders)
 
 The disk tier (a node with `spill_dir`): segments of preloaded datasets that did not fit the
 memory budget, under DISK_ROOT/NAME.UUID/seg/NNNNNNNN (staged under DISK_ROOT/.staging/), named
@@ -24,7 +25,7 @@ import os
 import stat
 import uuid
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 from kspeedfs.format.contract import READTHROUGH
 from kspeedfs.format.errors import (
@@ -40,6 +41,7 @@ from kspeedfs.format.localdata import MANIFEST_FILE, META_FILE, segment_path
 from kspeedfs.format.manifest import Manifest
 from kspeedfs.format.names import validate_name
 from kspeedfs.format.units import format_size
+from kspeedfs.node import nodefolders
 from kspeedfs.node.budget import Budgets
 from kspeedfs.node.events import DatasetEvents
 from kspeedfs.node.records import DatasetRecord, load_meta, rewrite_meta
@@ -87,6 +89,7 @@ class SegmentStore:
         # disk tier) -> open folder
         self._fd: dict[str, int] = {}
         self._gid = -1  # the readers' group, once recover() resolved it
+        self._markers: list[BinaryIO] = []  # the folders' markers, locked (node/nodefolders.py)
         self.datasets_dir = root / "datasets"
         self.staging_dir = root / "staging"
         self.trash_dir = root / "trash"
@@ -164,6 +167,11 @@ class SegmentStore:
                 owned.append(open_owned_subdir(owned[1], tier, self.disk_root, "disk tier folder"))
             for fd in owned:
                 claim_dir(fd, self._gid)
+            # Held while this node runs: `kspeedfs clean-node` refuses these folders meanwhile.
+            self._markers = [nodefolders.hold(owned[0], self.root, "shm folder")]
+            if self.disk_root is not None:
+                spill = self.disk_root.parent
+                self._markers.append(nodefolders.hold(owned[1], spill, "spill folder"))
             for name in ("datasets", "staging", "trash"):
                 self._fd[name] = open_subdir(owned[0], name, self.root / name)
             if self.disk_root is not None:

@@ -28,6 +28,7 @@ from kspeedfs.format.contract.rdma import (
     RdmaSegments,
     RdmaSegmentTable,
 )
+from kspeedfs.format.contract.status import RdmaStatus
 from kspeedfs.format.errors import InvalidArgument, KSpeedError
 from kspeedfs.rdma.registry import SegmentRegistry
 from kspeedfs.rdma.verbs import Device, MemoryRegion, ResponderQP, VerbsError, open_device, probe
@@ -267,16 +268,19 @@ class RdmaService:
         with self._lock:
             self._peer_count -= len(qps)
 
-    def status(self) -> dict[str, Any]:
+    def status(self) -> RdmaStatus:
         if self.device is None:
-            return {"enabled": False, "reason": self.reason}
+            return RdmaStatus(enabled=False, reason=self.reason)
         assert self.registry is not None
-        return {
-            "enabled": True,
-            "device": self.device.name,
-            "port": self.device.port,
-            "gid": self.device.gid,
-            "gid_index": self.device.gid_index,
-            "peers": self._peer_count,
-            **self.registry.statistics(),
-        }
+        registered = self.registry.statistics()
+        return RdmaStatus(
+            enabled=True,
+            device=self.device.name,
+            port=self.device.port,
+            gid=self.device.gid,
+            gid_index=self.device.gid_index,
+            peers=self._peer_count,
+            datasets=registered["datasets"],
+            regions=registered["regions"],
+            bytes=registered["bytes"],
+        )

@@ -26,14 +26,23 @@ from hypothesis import strategies as st
 
 from kspeedfs.csi import csi_pb2 as pb
 from kspeedfs.csi.harness import (
+    BUSYBOX,
     CsiClient,
     MountdDaemon,
     PluginDaemon,
+    busybox_root,
+    container_command,
     inline_context,
     pod_command,
     run_pod,
 )
-from kspeedfs.csi.volumes import ATTRIBUTES, POD_PREFIX, Volume, volume_from_request
+from kspeedfs.csi.volumes import (
+    ATTRIBUTES,
+    POD_PREFIX,
+    Volume,
+    VolumeRecords,
+    volume_from_request,
+)
 from kspeedfs.format import auth
 from kspeedfs.format.errors import InvalidArgument
 from kspeedfs.sample import make_sample
@@ -167,8 +176,12 @@ def test_hostile_requests_are_refused_in_one_line(
 class Stack:
     """A node, mountd and the plugin, as the DaemonSet runs them, in `root`."""
 
-    def __init__(self, root: Path, node_env: dict[str, str] | None = None):
+    def __init__(
+        self, root: Path, node_env: dict[str, str] | None = None, policy: Path | None = None
+    ):
         self.root = root
+        self.kubelet = root / "kubelet"
+        self.policy = policy
         token = root / "token"
         auth.write_token(token, auth.new_admin_token())
         (root / "empty.toml").write_text("")
@@ -181,9 +194,18 @@ class Stack:
         self.run.mkdir()
         self.mountd = MountdDaemon(self.run / "mounts.d", self.run / "mountd.json", self.env, root)
         self.mountd.start()
-        self.plugin = PluginDaemon(self.run, self.env).start()
+        self.plugin = self._plugin().start()
         self.client = CsiClient(self.plugin.socket)
-        self.pods = root / "kubelet" / "pods"
+        self.pods = self.kubelet / "pods"
+
+    def _plugin(self, publish_timeout: float = 60.0) -> PluginDaemon:
+        return PluginDaemon(
+            self.run,
+            self.env,
+            publish_timeout=publish_timeout,
+            kubelet_dir=self.kubelet,
+            policy=self.policy,
+        )
 
     def target(self, pod: str, volume: str = "data") -> Path:
         """kubelet's target path for a pod's CSI volume; kubelet makes its parent."""
@@ -193,7 +215,7 @@ class Stack:
 
     def restart_plugin(self, publish_timeout: float = 60.0) -> None:
         self.client.close()
-        self.plugin = PluginDaemon(self.run, self.env, publish_timeout=publish_timeout).start()
+        self.plugin = self._plugin(publish_timeout).start()
         self.client = CsiClient(self.plugin.socket)
 
     def datasets(self) -> dict[str, dict[str, object]]:
@@ -566,3 +588,246 @@ def test_plugin_without_mountd_or_node(tmp_path: Path) -> None:
     finally:
         client.close()
         plugin.stop()
+
+
+# The admin's volume policy, the kubelet folder, records of gone pods, listening first.
+
+
+def refused(call: object, code: grpc.StatusCode, why: str) -> None:
+    """`call` fails with `code` and a one-line message that says `why`."""
+    with pytest.raises(grpc.RpcError) as caught:
+        call()  # type: ignore[operator]
+    assert caught.value.code() == code, caught.value.details()
+    assert why in caught.value.details() and "\n" not in caught.value.details()
+
+
+POLICY = """
+[[allow]]
+namespaces = ["team-a"]
+datasets = ["vision-*"]
+sources = ["{allowed}"]
+load = true
+pin = false
+
+[[allow]]
+namespaces = ["team-b", "team-b-*"]
+datasets = ["vision-shared"]
+sources = ["{allowed}"]
+load = false
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.fuse
+def test_volume_policy(tmp_path: Path) -> None:
+    """A namespace uses only what the policy names: a namespace not allowed, a dataset not
+    named, a source outside its prefixes (`..` included), a pin where pinning is not allowed,
+    a load where loading is not: PERMISSION_DENIED in one line, nothing loaded, nothing
+    mounted, nothing recorded. What it allows works, and an edit applies at the next publish."""
+    allowed, elsewhere = tmp_path / "allowed", tmp_path / "elsewhere"
+    src = make_tree(allowed / "vision")
+    make_tree(elsewhere / "vision")
+    policy = tmp_path / "policy.toml"
+    policy.write_text(POLICY.format(allowed=allowed))
+    stack = Stack(tmp_path / "stack", policy=policy)
+    try:
+        c, denied = stack.client, grpc.StatusCode.PERMISSION_DENIED
+        target = stack.target("pod-x")
+
+        def publish(namespace: str, dataset: str, **attrs: str) -> object:
+            context = inline_context(dataset, namespace=namespace, **attrs)
+            return lambda: c.publish("vol-x", target, context)
+
+        here = str(src)
+        refused(publish("team-c", "vision-a", source=here), denied, "namespace team-c may not")
+        refused(publish("team-a", "text-a", source=here), denied, "may not use dataset text-a")
+        outside = str(elsewhere / "vision")
+        refused(publish("team-a", "vision-a", source=outside), denied, "not under its sources")
+        climbing = f"{allowed}/../elsewhere/vision"
+        refused(publish("team-a", "vision-a", source=climbing), denied, "not under its sources")
+        refused(
+            publish("team-a", "vision-a", source=here, lifetime="persistent"), denied, "may not pin"
+        )
+        refused(publish("team-b", "vision-shared", source=here), denied, "does not let")
+        no_namespace = {"dataset": "vision-a", "source": here}
+        refused(lambda: c.publish("vol-x", target, no_namespace), denied, "podInfoOnMount")
+        assert stack.datasets() == {}
+        assert not kspeedfs_mounted(target)
+        assert not list((stack.run / "state" / "volumes").glob("*.json"))
+        assert not list((stack.run / "mounts.d").glob("*.toml"))
+
+        # Allowed: team-a loads from its prefix; team-b reads what is cached.
+        publish("team-a", "vision-a", source=here)()
+        assert (target / "a" / "small.txt").read_bytes() == b"hello kspeedfs\n"
+        preload(stack.node, src, "vision-shared")
+        other = stack.target("pod-y")
+        c.publish("vol-y", other, inline_context("vision-shared", namespace="team-b-7"))
+        assert (other / "big.bin").read_bytes() == (src / "big.bin").read_bytes()
+
+        # An edit applies at the next publish; a policy that cannot be read refuses all.
+        policy.write_text(POLICY.format(allowed=allowed).replace('"team-b", ', ""))
+        third = stack.target("pod-z")
+        again = inline_context("vision-shared", namespace="team-b")
+        refused(lambda: c.publish("vol-z", third, again), denied, "namespace team-b may not")
+        policy.write_text("[[allow]]\nnamespaces = 'team-b'\n")
+        refused(lambda: c.publish("vol-z", third, again), denied, "must be a list")
+        policy.unlink()
+        refused(lambda: c.publish("vol-z", third, again), denied, "cannot be read")
+        assert not kspeedfs_mounted(third)
+        # What was published stays published, and unpublishes.
+        c.unpublish("vol-x", target)
+        c.unpublish("vol-y", other)
+        wait_for(lambda: "vision-a" not in stack.datasets(), what="vision-a unloaded")
+    finally:
+        stack.stop()
+
+
+@pytest.mark.slow
+@pytest.mark.fuse
+def test_targets_outside_the_kubelet_dir_are_refused(stack: Stack) -> None:
+    """The plugin publishes only under its --kubelet-dir (the manifests' kubeletDir)."""
+    outside = stack.root / "elsewhere" / "mount"
+    outside.parent.mkdir()
+    refused(
+        lambda: stack.client.publish("v", outside, inline_context("any")),
+        grpc.StatusCode.INVALID_ARGUMENT,
+        "is not under kubelet's folder",
+    )
+    assert not outside.exists()
+
+
+@pytest.mark.slow
+@pytest.mark.fuse
+def test_records_of_gone_pods_are_dropped(stack: Stack, tmp_path: Path) -> None:
+    """After a reboot (mountd's run folder gone, kubelet's pod folders cleaned), a record whose
+    pod folder is gone is dropped at start, with its lease (released: the default ttl is far
+    longer than the test): nothing is mounted for it and its dataset is unloaded. A record
+    whose pod is there is declared and mounted again, its lease kept."""
+    c = stack.client
+    src = make_tree(tmp_path / "src")
+    gone, kept = stack.target("pod-gone"), stack.target("pod-kept")
+    c.publish("vol-gone", gone, inline_context("gone", source=str(src)))
+    c.publish("vol-kept", kept, inline_context("kept", source=str(src)))
+    stack.plugin.stop()
+    stack.mountd.stop()  # unmounts both
+    for path in (stack.run / "mounts.d").glob("*.toml"):
+        path.unlink()  # the pod's emptyDir: gone with the reboot
+    stack.mountd.state_file.unlink(missing_ok=True)  # mountd removes it as it stops
+    shutil.rmtree(stack.pods / "pod-gone")
+    stack.mountd = MountdDaemon(
+        stack.run / "mounts.d", stack.mountd.state_file, stack.env, stack.root
+    ).start()
+    stack.restart_plugin()
+    records = [json.loads(p.read_text()) for p in (stack.run / "state" / "volumes").iterdir()]
+    assert [r["volume_id"] for r in records] == ["vol-kept"]
+    wait_for(lambda: kspeedfs_mounted(kept), what="the kept volume mounted again")
+    wait_for(lambda: "gone" not in stack.datasets(), what="the gone volume's lease released")
+    assert not (stack.pods / "pod-gone").exists()
+    assert stack.datasets()["kept"]["leases"] == 1
+    c = stack.client
+    c.unpublish("vol-kept", kept)
+
+
+@pytest.mark.slow
+def test_the_plugin_listens_before_it_renews(tmp_path: Path) -> None:
+    """A lease whose node hangs (accepts, never answers) does not keep the plugin from
+    listening: it serves kubelet while that renewal waits."""
+    import socket
+
+    hung = socket.create_server(("127.0.0.1", 0))
+    (tmp_path / "empty.toml").write_text("")
+    auth.write_token(tmp_path / "token", auth.new_admin_token())
+    env = {
+        **os.environ,
+        "KSPEEDFS_CONFIG": str(tmp_path / "empty.toml"),
+        "KSPEEDFS_TOKEN_FILE": str(tmp_path / "token"),
+        "KSPEEDFS_NODES": f"127.0.0.1:{hung.getsockname()[1]}",
+        "KSPEEDFS_TIMEOUT": "600",
+    }
+    run = tmp_path / "run"
+    run.mkdir()
+    target = tmp_path / "kubelet" / "pods" / "p" / "mount"
+    target.parent.mkdir(parents=True)
+    volume = Volume(
+        volume_id="v",
+        target=str(target),
+        dataset="d",
+        lease="l-1",
+        lease_home=f"127.0.0.1:{hung.getsockname()[1]}",
+    )
+    VolumeRecords(run / "state" / "volumes").put(volume)
+    plugin = PluginDaemon(run, env).start()
+    client = CsiClient(plugin.socket, timeout=30)
+    try:
+        hung.settimeout(60)
+        conn, _ = hung.accept()  # the renewal has begun, and waits on this connection
+        assert client.call("GetPluginInfo").name == "csi.kspeedfs.io"
+        assert client.call("NodeGetInfo").node_id == "node-a"
+        conn.close()
+    finally:
+        client.close()
+        plugin.stop()
+        hung.close()
+
+
+# Real containers: podman with runc, the volume bound as the container runtime binds it.
+
+# Every file under /data with its sha256, and whether a write fails, from a busybox root.
+CONTAINER_READ = (
+    'cd /data && find . -type f | sort | while read -r f; do sha256sum "$f"; done; '
+    "touch /data/x 2>/dev/null && echo WRITABLE; grep ' /data ' /proc/self/mountinfo"
+)
+
+
+@pytest.fixture
+def shared_kubelet(stack: Stack) -> Iterator[Stack]:
+    """The stack with its kubelet folder a shared mount of its own, as kubelet makes its root
+    (`rshared`), so that a container's `rslave` bind of a target is a slave of the host's."""
+    stack.kubelet.mkdir(parents=True, exist_ok=True)
+    subprocess.run(["mount", "--bind", str(stack.kubelet), str(stack.kubelet)], check=True)
+    subprocess.run(["mount", "--make-rshared", str(stack.kubelet)], check=True)
+    yield stack
+    for path in stack.pods.glob("*/volumes/*/*/mount"):
+        if kspeedfs_mounted(path):
+            lazy_unmount(path)
+    subprocess.run(["umount", "-l", str(stack.kubelet)], check=False)
+
+
+@pytest.mark.slow
+@pytest.mark.fuse
+def test_a_container_reads_a_published_volume(shared_kubelet: Stack, tmp_path: Path) -> None:
+    """A real OCI container (podman, runc, a static busybox root) with the published target
+    bound `ro,rslave` at /data reads every file of the source byte-equal (sha256 of each,
+    computed in the container), cannot write, and sees the kspeedfs mount as a slave of the
+    host's."""
+    for tool in ("podman", "runc", BUSYBOX):
+        if shutil.which(tool) is None:
+            pytest.skip(
+                f"{tool} is not installed (make test installs podman, runc, busybox-static)"
+            )
+    stack, c = shared_kubelet, shared_kubelet.client
+    src = tmp_path / "imagenet"
+    make_sample(src, classes=3, per_class=6, file_size=6000, bases=3)
+    target = stack.target("pod-c")
+    c.publish("vol-c", target, inline_context("imagenet", source=str(src)))
+    root = busybox_root(tmp_path / "rootfs")
+    done = subprocess.run(
+        container_command(root, {target: "/data"}, ["/bin/sh", "-c", CONTAINER_READ]),
+        capture_output=True,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stderr.decode(errors="replace")
+    lines = done.stdout.decode(errors="replace").splitlines()
+    mountinfo = [line for line in lines if " /data " in line]
+    sums = [line.split("  ./", 1) for line in lines if "  ./" in line]
+    want = {
+        str(p.relative_to(src)): hashlib.sha256(p.read_bytes()).hexdigest()
+        for p in src.rglob("*")
+        if p.is_file()
+    }
+    assert {path: digest for digest, path in sums} == want
+    assert len(want) == 18
+    assert "WRITABLE" not in lines
+    (line,) = mountinfo
+    assert "fuse.kspeedfs" in line and "master:" in line, line
+    c.unpublish("vol-c", target)

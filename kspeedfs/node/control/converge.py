@@ -10,7 +10,7 @@ import trio
 from kspeedfs.client.catalog import CatalogEntry
 from kspeedfs.client.clusterstate import ClusterState
 from kspeedfs.node.control.adopt import Adoption, Unload
-from kspeedfs.node.preload import Stager
+from kspeedfs.node.stager import Stager
 from kspeedfs.node.store import SegmentStore
 
 log = logging.getLogger(__name__)

@@ -36,7 +36,6 @@ composes them, registers their ops and runs their tasks.
 from __future__ import annotations
 
 import logging
-from typing import Any
 
 import trio
 
@@ -50,6 +49,7 @@ from kspeedfs.format.contract.readthrough import (
     RegisterSource,
     Touch,
 )
+from kspeedfs.format.contract.status import CacheStatus
 from kspeedfs.format.errors import KSpeedError
 from kspeedfs.format.units import format_size
 from kspeedfs.node.loads import LoadTable
@@ -68,7 +68,13 @@ from kspeedfs.node.readthrough.status import cache_status
 from kspeedfs.node.readthrough.watch import SourceWatch
 from kspeedfs.node.store import SegmentStore
 
-__all__ = ["CachedDataset", "ClusterCatalog", "EvictionPolicy", "LocalCatalog", "ReadThroughCache"]
+__all__ = [
+    "CachedDataset",
+    "ClusterCatalog",
+    "EvictionPolicy",
+    "LocalCatalog",
+    "ReadThroughCache",
+]
 
 log = logging.getLogger(__name__)
 
@@ -103,7 +109,7 @@ class ReadThroughCache:
             max(1.0, settings.timeout / 2),
         )
         self.registrar = SourceRegistrar(
-            store, self.instances, builder, loads, address, self.evictor.check_cap, catalog
+            store, self.instances, builder, loads, address, self.evictor.check_limits, catalog
         )
         self.watch = SourceWatch(
             store,
@@ -184,5 +190,5 @@ class ReadThroughCache:
         """Segments another node read from here (its reads miss this node's policy otherwise)."""
         self.evictor.note_reads(name, segments)
 
-    def status(self) -> dict[str, Any]:
-        return cache_status(self.store, self.instances, self.disk)
+    def status(self) -> CacheStatus:
+        return cache_status(self.store, self.instances, self.disk, self.evictor.shares())

@@ -61,7 +61,7 @@ class InstanceBuilder:
         carried over (hard links: no copy, no memory), and its caps. Returns the carried
         segments too, old -> new."""
         if caps is None:
-            caps = {"max_memory": old.max_memory, "max_disk": old.max_disk} if old else {}
+            caps = old.limits() if old else {}
         segment_size = self.segment_size
         offsets, seg_len = plan_layout(tree, segment_size)
         header = {

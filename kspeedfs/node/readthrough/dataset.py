@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import collections.abc
 import dataclasses
+import functools
 import logging
 import mmap
 import os
@@ -15,6 +16,7 @@ import numpy as np
 import trio
 import xxhash
 
+from kspeedfs.format.contract.readthrough import LIMITS
 from kspeedfs.format.errors import DataError, NotFound
 from kspeedfs.format.layout import Layout
 from kspeedfs.format.localdata import EPOCH_FILE, MANIFEST_FILE, SEGSUMS_FILE
@@ -68,6 +70,20 @@ class CachedDataset:
         return int(self.manifest.header.get("max_disk") or 0)
 
     @property
+    def min_memory(self) -> int:
+        """Its floor: bytes in memory no other dataset's miss and no preload takes (0: none)."""
+        return int(self.manifest.header.get("min_memory") or 0)
+
+    @property
+    def weight(self) -> int:
+        """Its weight in the shares of the memory the uncapped datasets share (default 1)."""
+        return int(self.manifest.header.get("weight") or 1)
+
+    def limits(self) -> dict[str, int]:
+        """Its caps, floor and weight as its manifest header keeps them (a refresh keeps them)."""
+        return {k: int(self.manifest.header[k]) for k in LIMITS if self.manifest.header.get(k)}
+
+    @property
     def segment_bytes(self) -> int:
         """Bytes of its segments in memory (what its cap counts)."""
         return self.record.stored - self.base_bytes
@@ -89,6 +105,11 @@ class CachedDataset:
 
     def seg_len(self, seg: int) -> int:
         return int(self.manifest.seg_len[seg])
+
+    @functools.cached_property
+    def size(self) -> int:
+        """Bytes of all its segments: what it would hold all in memory (its share's limit)."""
+        return int(self.manifest.seg_len.sum())
 
     def holds(self, seg: int) -> bool:
         """Whether segment `seg` is on this node, in memory or on the disk tier."""

@@ -4,9 +4,13 @@ eviction policy gives, spilled to the disk tier first when the node has one (dis
 The evictor decides which datasets a miss may take from; the policy picks the segment. A
 dataset with a cap (`max_memory`) never holds more: past it, only its own segments make room.
 A capped dataset's segments are its share: no other dataset's miss, and no preload, takes
-them. Under a policy with fair shares (`stable`, `plan`), a miss takes from another uncapped
-dataset only when that one holds more than the miss's own dataset. When the policy finds no
-victim, the miss is not kept (`NotAdmitted`): the reader reads the source. The reads that
+them. The uncapped ones share the rest by max-min (shares.py): under every policy, a miss
+takes from another dataset only while its own is under its share, and only from the one most
+over its share by at least a segment; else the policy picks among the miss's own segments
+(`lru`, `plan`) or keeps what is there (`stable`). So holdings settle at the shares and never
+move back and forth (two datasets at equal holdings took a segment from each other on every
+miss while "holds more" was the test). When the policy finds no victim, the miss is not kept
+(`NotAdmitted`): the reader reads the source. The reads that
 order evictions come here too (fills, mounts' `touch` reports, other nodes' reads)."""
 
 from __future__ import annotations
@@ -15,12 +19,13 @@ import logging
 
 import trio
 
-from kspeedfs.format.contract.readthrough import Touch, Touched
+from kspeedfs.format.contract.readthrough import RegisterSource, Touch, Touched
 from kspeedfs.format.errors import InvalidArgument, NoSpace, NotFound
 from kspeedfs.format.localdata import segment_path
 from kspeedfs.format.units import format_size
 from kspeedfs.node.readthrough.dataset import CachedDataset, Instances
 from kspeedfs.node.readthrough.disktier import DiskTier
+from kspeedfs.node.readthrough.shares import Demand, fair_shares
 from kspeedfs.node.safedir import unlink_file
 from kspeedfs.node.store import SegmentStore
 
@@ -88,10 +93,10 @@ class Evictor:
             over_cap = bool(ds.max_memory) and self.held(ds) + length > ds.max_memory
             if not over_cap and self.store.budgets.memory - self.store.budgets.used() >= length:
                 break
-            others = [] if over_cap else self._others(ds)
+            others = [] if over_cap else self._takes_from(ds, length)
             key = self.policy.victim((ds.name, seg), others)
             if key is None:
-                if over_cap or others or self._holds_any(ds):
+                if over_cap or self._holds_any(ds) or self._sharing(ds):
                     raise NotAdmitted(f"{ds.name} keeps what it holds")
                 raise NoSpace(
                     f"no room for a {format_size(length)} segment: the "
@@ -117,42 +122,61 @@ class Evictor:
     def _holds_any(self, ds: CachedDataset) -> bool:
         return bool(ds.resident)
 
-    def _others(self, ds: CachedDataset) -> list[str]:
-        """The datasets a miss of `ds` may take memory from: uncapped ones (a cap is a share
-        nobody else takes), and under fair shares only those holding more than `ds` (unless
-        `ds` is capped: its share is reserved for it)."""
-        fair = self.policy.fair_share and not ds.max_memory
-        mine = self.held(ds)
+    def _sharing(self, ds: CachedDataset) -> list[CachedDataset]:
+        """The other datasets holding memory that a miss of `ds` could take: uncapped ones (a
+        cap is a share nobody else takes)."""
         return [
-            other.name
+            other
             for other in self.instances.by_name.values()
-            if other is not ds
-            and not other.max_memory
-            and other.resident
-            and (not fair or other.segment_bytes > mine)
+            if other is not ds and not other.max_memory and other.resident
         ]
 
-    def check_cap(self, name: str, max_memory: int, max_disk: int) -> None:
-        """Refuse (one line, nothing changed) a cap larger than the node has free: its budget
-        less the pinned datasets, the work in progress and the other datasets' caps."""
-        if max_memory:
-            pinned = sum(
-                r.stored
-                for r in self.store.datasets.values()
-                if r.name not in self.instances.by_name
+    def shares(self) -> dict[str, int]:
+        """Each uncapped dataset's fair share of the memory they share: the budget less what
+        others hold (pinned datasets, claims of other work) and the caps of capped ones."""
+        datasets = self.instances.by_name.values()
+        sharing = [ds for ds in datasets if not ds.max_memory]
+        capped_room = sum(max(0, ds.max_memory - self.held(ds)) for ds in datasets if ds.max_memory)
+        held = sum(self.held(ds) for ds in sharing)
+        budgets = self.store.budgets
+        pool = budgets.memory - (budgets.used() - held) - capped_room
+        return fair_shares(
+            pool, {ds.name: Demand(ds.size, ds.weight, ds.min_memory) for ds in sharing}
+        )
+
+    def _takes_from(self, ds: CachedDataset, length: int) -> list[str]:
+        """The dataset a miss of `ds` (a segment of `length`) may take memory from: for a
+        capped one, any uncapped one (its cap is reserved for it); else, while `ds` is under
+        its share, the one most over its share by at least `length`."""
+        if ds.max_memory:
+            return [other.name for other in self._sharing(ds)]
+        shares = self.shares()
+        if self.held(ds) >= shares.get(ds.name, 0):
+            return []
+        over = {
+            other.name: self.held(other) - shares.get(other.name, 0) for other in self._sharing(ds)
+        }
+        most = max(over, key=over.__getitem__, default=None)
+        return [most] if most is not None and over[most] >= length else []
+
+    def check_limits(self, request: RegisterSource) -> None:
+        """Refuse (one line, nothing changed) a cap or a floor larger than the node has free:
+        its budget less the pinned datasets, the work in progress and the other datasets'
+        caps and floors (both are memory set aside for one dataset)."""
+        name, max_memory, max_disk = request.name, request.max_memory, request.max_disk
+        min_memory = request.min_memory
+        if max_memory and min_memory > max_memory:
+            raise InvalidArgument(
+                f"--min-memory {format_size(min_memory)} for {name!r} is more than its "
+                f"--max-memory {format_size(max_memory)}"
             )
-            work = sum(
-                r.nbytes
-                for k, r in self.store.budgets.reserved.items()
-                if r.tier == "memory" and not k.startswith("fill:")
-            )
-            capped = sum(d.max_memory for d in self.instances.by_name.values() if d.name != name)
-            free = self.store.budgets.memory - pinned - work - capped
-            if max_memory > free:
+        for flag, wanted in (("--max-memory", max_memory), ("--min-memory", min_memory)):
+            if wanted and wanted > (free := self._memory_free_for(name)):
                 raise NoSpace(
-                    f"--max-memory {format_size(max_memory)} for {name!r} is more than the "
+                    f"{flag} {format_size(wanted)} for {name!r} is more than the "
                     f"{format_size(max(free, 0))} this node has free (a budget of "
-                    f"{format_size(self.store.budgets.memory)}, less pinned datasets and other caps)"
+                    f"{format_size(self.store.budgets.memory)}, less pinned datasets and other "
+                    "caps and floors)"
                 )
         if max_disk:
             if not self.disk.enabled:
@@ -165,10 +189,26 @@ class Evictor:
                     f"{format_size(max(free, 0))} of the spill folder not capped by others"
                 )
 
+    def _memory_free_for(self, name: str) -> int:
+        """What a new cap or floor of `name` may set aside: the budget less the pinned
+        datasets, the work in progress and the other datasets' caps and floors."""
+        pinned = sum(
+            r.stored for r in self.store.datasets.values() if r.name not in self.instances.by_name
+        )
+        work = sum(
+            r.nbytes
+            for k, r in self.store.budgets.reserved.items()
+            if r.tier == "memory" and not k.startswith("fill:")
+        )
+        set_aside = sum(
+            d.max_memory or d.min_memory for d in self.instances.by_name.values() if d.name != name
+        )
+        return self.store.budgets.memory - pinned - work - set_aside
+
     def reclaim(self, nbytes: int) -> int:
         """Free at least nbytes of read-through memory for a preload (the store calls this in
         the event loop): in the policy's order, unlinked without spilling, so it is quick.
-        Capped shares stay."""
+        Capped shares and floors stay."""
         return self._reclaim(nbytes, protect_caps=True)
 
     def reclaim_over_budget(self, nbytes: int) -> int:
@@ -177,12 +217,12 @@ class Evictor:
 
     def _reclaim(self, nbytes: int, protect_caps: bool) -> int:
         freed = 0
-        others = [
-            ds.name
-            for ds in self.instances.by_name.values()
-            if not (protect_caps and ds.max_memory)
-        ]
         while freed < nbytes:
+            others = [
+                ds.name
+                for ds in self.instances.by_name.values()
+                if not (protect_caps and (ds.max_memory or self.held(ds) <= ds.min_memory))
+            ]
             key = self.policy.victim(None, others)
             if key is None:
                 break

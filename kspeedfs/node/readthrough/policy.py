@@ -8,8 +8,9 @@ room for a miss: one of the miss's own dataset where the policy allows that, els
 `others` the evictor names (it knows the caps and shares); None means "do not keep this
 miss" (it is read from the source and not admitted).
 
-- `lru`: the segment read longest ago, of any dataset. With shuffled epochs this is close to
-  the worst order: a sample's last use lies anywhere in the last two epochs.
+- `lru`: the segment read longest ago, of the datasets the evictor names (those over their
+  shares), else of the miss's own. With shuffled epochs this is close to the worst order: a
+  sample's last use lies anywhere in the last two epochs.
 - `stable`: never a segment of the miss's own dataset, so what a dataset admitted stays and a
   dataset twice the budget keeps half of itself (one source read per miss, never two).
 - `plan`: where the readers sent their order (the `plan` op), the segment of the miss's own
@@ -34,7 +35,6 @@ Key = tuple[str, int]  # (dataset name, segment)
 
 class EvictionPolicy(Protocol):
     name: str  # the setting's value; evictions are counted by it
-    fair_share: bool  # a miss takes from another dataset only when that one holds more
 
     def admitted(self, key: Key) -> None:
         """`key` is resident now."""
@@ -77,7 +77,6 @@ class _Recency(abc.ABC):
     says which of them goes (`victim`)."""
 
     name = "lru"
-    fair_share = False
 
     def __init__(self) -> None:
         self._order: OrderedDict[Key, None] = OrderedDict()  # oldest first
@@ -126,15 +125,17 @@ class _Recency(abc.ABC):
 
 
 class LeastRecentlyUsed(_Recency):
-    """The segment read longest ago goes first, of the miss's own dataset or another; a
-    segment joins as the newest when it becomes resident, and a read makes it the newest."""
+    """The segment read longest ago goes first: of the `others` the evictor names (datasets
+    over their shares), else of the miss's own dataset; a segment joins as the newest when it
+    becomes resident, and a read makes it the newest."""
 
     def victim(
         self, incoming: Key | None = None, others: Collection[str] | None = None
     ) -> Key | None:
-        if others is None:
-            return self._oldest(None)
-        return self._oldest({*others, incoming[0]} if incoming is not None else others)
+        if others is None or incoming is None:
+            return self._oldest(others)
+        found = self._oldest([n for n in others if n != incoming[0]])
+        return found if found is not None else self._oldest({incoming[0]})
 
 
 class StableResidentSet(_Recency):
@@ -142,7 +143,6 @@ class StableResidentSet(_Recency):
     oldest of `others`), else it is not kept."""
 
     name = "stable"
-    fair_share = True
 
     def victim(
         self, incoming: Key | None = None, others: Collection[str] | None = None
@@ -229,7 +229,6 @@ class PlannedUses(_Recency):
     MAX_USES uses in all: a plan beyond them drops the ones sent longest ago."""
 
     name = "plan"
-    fair_share = True
     MAX_READERS = 64
     MAX_USES = 1 << 26  # of a dataset's plans together (one plan longer is refused before)
 

@@ -46,11 +46,11 @@ class SourceRegistrar:
         builder: InstanceBuilder,
         loads: LoadTable,
         address: str,
-        check_cap: Callable[[str, int, int], None],
+        check_limits: Callable[[RegisterSource], None],
         catalog: ClusterCatalog,
     ):
         self.store = store
-        self.check_cap = check_cap  # refuses a cap larger than the node has free
+        self.check_limits = check_limits  # refuses a cap or floor larger than the node has free
         self.instances = instances
         self.builder = builder
         self.loads = loads
@@ -70,8 +70,8 @@ class SourceRegistrar:
         found = self._existing(name, source, endpoint)
         if found is not None:
             return found  # its caps are the ones it was created with
-        caps = {"max_memory": request.max_memory, "max_disk": request.max_disk}
-        self.check_cap(name, request.max_memory, request.max_disk)
+        caps = request.limits()
+        self.check_limits(request)
         entry = await self.catalog.entry_now(name)
         if entry is not None:
             return await self._join(name, source, endpoint, entry)

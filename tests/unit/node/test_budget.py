@@ -52,7 +52,7 @@ def test_a_claim_past_the_budget_is_refused_in_one_line_and_claims_nothing() -> 
     assert "\n" not in message
     assert message == (
         "segment 3 of big needs 8.0 KiB on this node but only 4.0 KiB of its 64.0 KiB budget"
-        " is free"
+        " is free (held by pinned 60.0 KiB)"  # who holds the memory, largest first
     )
     assert b.reserved == {}
     assert b.used() == 60 * KIB

@@ -21,12 +21,14 @@ from kspeedfs.format.contract import Request
 from kspeedfs.format.contract.node import Ping
 from kspeedfs.format.contract.preload import Abort, Preload, StageClaim
 from kspeedfs.format.errors import AlreadyExists, AuthError, NodeUnreachable, NoSpace
+from kspeedfs.node.budget import Budgets
 from kspeedfs.node.control import ControlPlane, EtcdCatalog
 from kspeedfs.node.control.membership import Membership
 from kspeedfs.node.control.static import StaticControl
 from kspeedfs.node.coordinator import PreloadCoordinator
 from kspeedfs.node.loads import LoadTable
 from kspeedfs.node.ops import JOB, caller_role
+from kspeedfs.node.preload_queue import PreloadQueue
 from unit.controlfakes import ETCD_URL, MemoryEtcd, run
 
 MEMBERS = ["a:1", "b:1", "c:1"]
@@ -69,6 +71,7 @@ def coordinator(control: Any, members: Members, tmp_path: Path, **more: Any) -> 
         control,
         members.ask,
         after_preload=None,  # type: ignore[arg-type]
+        queue=PreloadQueue(Budgets(tmp_path, 1 << 30, {})),
     )
 
 

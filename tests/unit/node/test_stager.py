@@ -9,14 +9,13 @@ import shutil
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 import pytest
 import trio
 
 from kspeedfs.format.config import Settings
-from kspeedfs.format.contract import Request
-from kspeedfs.format.contract.node import Ping
+from kspeedfs.format.contract import Answer, Request
+from kspeedfs.format.contract.node import Ping, Pong
 from kspeedfs.format.contract.preload import Preload
 from kspeedfs.format.errors import NoSpace
 from kspeedfs.node.control.static import StaticControl
@@ -24,7 +23,8 @@ from kspeedfs.node.coordinator import PreloadCoordinator
 from kspeedfs.node.events import DatasetEvents
 from kspeedfs.node.loads import LoadTable
 from kspeedfs.node.ops import READ, OpRegistry
-from kspeedfs.node.preload import Stager
+from kspeedfs.node.preload_queue import PreloadQueue
+from kspeedfs.node.stager import Stager
 from kspeedfs.node.store import SegmentStore
 from kspeedfs.sources.source import LocalSource
 from unit.controlfakes import inline_threads, run
@@ -52,9 +52,10 @@ class Member:
         self.ops = OpRegistry()
         self.stager.register_ops(self.ops)
         self.ops.add(Ping, self.pong, READ)
+        self.address = address
 
-    async def pong(self, request: Ping) -> dict[str, Any]:
-        return {}
+    async def pong(self, request: Ping) -> Pong:
+        return Pong(self.address, 1)
 
 
 def source(tmp_path: Path, files: int) -> Path:
@@ -68,7 +69,7 @@ def source(tmp_path: Path, files: int) -> Path:
 def coordinator_over(members: dict[str, Member]) -> PreloadCoordinator:
     settings = Settings(segment_size=SEGMENT)
 
-    async def ask(member: str, request: Request) -> dict[str, Any]:
+    async def ask(member: str, request: Request[Answer]) -> Answer:
         return await members[member].ops.call(request)
 
     async def after_preload(name: str, uuid: str, decoded: int) -> None:
@@ -83,17 +84,29 @@ def coordinator_over(members: dict[str, Member]) -> PreloadCoordinator:
         StaticControl(settings, MEMBERS),
         ask,
         after_preload,
+        PreloadQueue(a.store.budgets),
     )
 
 
 async def preload(coordinator: PreloadCoordinator, request: Preload) -> str:
     """The preload's final state (ready, or failed)."""
     await coordinator.op_preload(request)
-    while (progress := coordinator.loads.get(request.name)) is not None:
+    return await settled(coordinator, request.name)
+
+
+async def settled(coordinator: PreloadCoordinator, name: str) -> str:
+    """The final state (ready, or failed) of the load of `name` under way."""
+    while (progress := coordinator.loads.get(name)) is not None:
         if progress.state == "failed":
             return "failed"
         await trio.sleep(0.05)  # polling the load table
     return "ready"
+
+
+async def in_queue(coordinator: PreloadCoordinator, name: str) -> None:
+    """Wait until `name` waits in the coordinator's queue, refused there at least once."""
+    while not any(w.name == name and w.reason for w in coordinator.queue.status()):
+        await trio.sleep(0.01)  # polling the queue
 
 
 def test_each_member_publishes_the_segments_placed_on_it(
@@ -150,3 +163,57 @@ def test_a_member_that_refuses_its_part_leaves_nothing_anywhere(
         assert member.store.datasets == {}, m
         assert member.store.budgets.reserved == {}, m  # every claim given back
         assert member.stager.stages == {} and member.stager.claims == {}, m
+
+
+def test_a_queued_preload_waits_for_room_and_starts_when_an_unload_frees_it(
+    tmp_path: Path, shm: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Two members with room for one of two datasets: the second, queued, waits (state
+    "queued", first in the queue, nothing claimed) and loads once the first is unloaded; a
+    third, not queued, is refused as before; an unload of a queued one cancels it."""
+    inline_threads(monkeypatch)
+    first, second = tmp_path / "one", tmp_path / "two"
+    for folder in (first, second):
+        folder.mkdir()
+        for i in range(6):
+            (folder / f"f{i}").write_bytes(bytes([i + 1]) * (SEGMENT - 4096))
+    members = {m: Member(m, shm, 4 * SEGMENT) for m in MEMBERS}
+    coordinator = coordinator_over(members)
+
+    async def main() -> None:
+        async with trio.open_nursery() as nursery:
+            for m in members.values():
+                await nursery.start(m.stager.run)
+            await nursery.start(coordinator.run)
+            assert await preload(coordinator, Preload(name="one", source=str(first))) == "ready"
+            with pytest.raises(NoSpace, match="held by one"):
+                await coordinator.op_preload(Preload(name="no", source=str(second)))
+            started = await coordinator.op_preload(
+                Preload(name="two", source=str(second), queue=True)
+            )
+            assert started.queued == 1
+            await in_queue(coordinator, "two")
+            progress = coordinator.loads.get("two")
+            assert progress is not None and progress.state == "queued"
+            (waiting,) = coordinator.queue.status()
+            assert waiting.name == "two" and waiting.position == 1
+            assert waiting.short_by and "held by one" in waiting.reason
+            for member in members.values():  # nothing of "two" claimed while it waits
+                assert not any("two" in k for k in member.store.budgets.reserved)
+            for member in members.values():
+                member.store.unload("one")
+            assert await settled(coordinator, "two") == "ready"
+            assert coordinator.queue.status() == []
+            # A queued preload that an unload cancels: failed, out of the queue.
+            await coordinator.op_preload(Preload(name="three", source=str(first), queue=True))
+            await in_queue(coordinator, "three")
+            waiting = coordinator.loads.get("three")
+            assert waiting is not None and waiting.state == "queued"
+            waiting.cancel.set()  # what an unload of it does
+            assert await settled(coordinator, "three") == "failed"
+            assert coordinator.queue.status() == []
+            nursery.cancel_scope.cancel()
+
+    run(main)
+    for member in members.values():
+        assert set(member.store.datasets) == {"two"}
