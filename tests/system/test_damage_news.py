@@ -108,41 +108,6 @@ def flip_in(tmp_path: Path, record: dict, readers: LongLivedReaders, rel: str) -
     return seg
 
 
-def a_flip_then_found(
-    tmp_path: Path,
-    token_file: Path,
-    nodes: list[NodeProcess],
-    mounts: list[MountProcess],
-    scrub_rate: str,
-    find: Callable[[NodeProcess, Path, dict[str, bytes]], None],
-) -> None:
-    """The case of the module's docstring, with `find` the first finder."""
-    if not can_seal(tmp_path):
-        pytest.skip("needs root (CAP_LINUX_IMMUTABLE) and filesystems with the immutable flag")
-    node, src, files, record = dataset_on_disk(tmp_path, token_file, nodes, scrub_rate)
-    # One serving process: it has checked every file before the flip, so the read before the
-    # find fills the kernel's page cache with the flipped byte (which only news drops).
-    mount = MountProcess(tmp_path / "mnt", node.env(), tmp_path, args=("--workers", "1"))
-    mounts.append(mount.start())
-    readers = LongLivedReaders(node, src, token_file, mount)
-    rels = sorted(files)
-    assert readers.wrong(files, rels) == dict.fromkeys(DOORS, 0)  # each checked every file
-    victim = rels[len(rels) // 2]
-    since = mount.log_path.stat().st_size
-    seg = flip_in(tmp_path, record, readers, victim)
-    early = {  # before anyone found it: what each checked before (not counted)
-        door: wrong_bytes(readers.read(door, victim, past_the_page_cache=True), files[victim])
-        for door in DOORS
-    }
-    find(node, src, files)
-    wait_for(lambda: seg in heard(mount, since), what="the mount dropping the kernel's pages")
-    assert readers.wrong(files, rels) == dict.fromkeys(DOORS, 0), early
-    wait_for(lambda: all_sound(tmp_path, node, src.name), what="the segment fetched again")
-    assert readers.wrong(files, rels) == dict.fromkeys(DOORS, 0)
-    assert os.path.ismount(mount.mountpoint) and mount.proc is not None
-    assert mount.proc.poll() is None
-
-
 def found_by_a_report(node: NodeProcess, src: Path, files: dict[str, bytes]) -> None:
     assert read_in_a_new_process(node, src, files) == 0  # it reads elsewhere, and reports
     assert integrity(node)["reported"] >= 1
@@ -176,7 +141,31 @@ def test_after_the_first_finder_no_reader_serves_the_flipped_byte(
     scrub_rate: str,
     find: Callable[[NodeProcess, Path, dict[str, bytes]], None],
 ) -> None:
-    a_flip_then_found(tmp_path, token_file, nodes, mounts, scrub_rate, find)
+    """The case of the module's docstring, with `find` the first finder."""
+    if not can_seal(tmp_path):
+        pytest.skip("needs root (CAP_LINUX_IMMUTABLE) and filesystems with the immutable flag")
+    node, src, files, record = dataset_on_disk(tmp_path, token_file, nodes, scrub_rate)
+    # One serving process: it has checked every file before the flip, so the read before the
+    # find fills the kernel's page cache with the flipped byte (which only news drops).
+    mount = MountProcess(tmp_path / "mnt", node.env(), tmp_path, args=("--workers", "1"))
+    mounts.append(mount.start())
+    readers = LongLivedReaders(node, src, token_file, mount)
+    rels = sorted(files)
+    assert readers.wrong(files, rels) == dict.fromkeys(DOORS, 0)  # each checked every file
+    victim = rels[len(rels) // 2]
+    since = mount.log_path.stat().st_size
+    seg = flip_in(tmp_path, record, readers, victim)
+    early = {  # before anyone found it: what each checked before (not counted)
+        door: wrong_bytes(readers.read(door, victim, past_the_page_cache=True), files[victim])
+        for door in DOORS
+    }
+    find(node, src, files)
+    wait_for(lambda: seg in heard(mount, since), what="the mount dropping the kernel's pages")
+    assert readers.wrong(files, rels) == dict.fromkeys(DOORS, 0), early
+    wait_for(lambda: all_sound(tmp_path, node, src.name), what="the segment fetched again")
+    assert readers.wrong(files, rels) == dict.fromkeys(DOORS, 0)
+    assert os.path.ismount(mount.mountpoint) and mount.proc is not None
+    assert mount.proc.poll() is None
 
 
 def test_every_flip_found_by_anyone_is_served_by_no_one_afterwards(
