@@ -51,10 +51,10 @@ from kspeedfs.format.errors import (
     NotFound,
     StaleDataset,
 )
-from kspeedfs.format.localdata import LocalDataset
 from kspeedfs.format.manifest import Manifest
-from kspeedfs.format.readthrough_view import ReadThroughDataset, open_local
 from kspeedfs.sources.source import open_source
+from kspeedfs.system.local_dataset import LocalDataset
+from kspeedfs.system.readthrough_view import ReadThroughDataset, open_local
 
 log = logging.getLogger(__name__)
 
