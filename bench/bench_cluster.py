@@ -44,12 +44,13 @@ from kspeedfs.client import admin, passed
 from kspeedfs.client.reader import ClusterReader
 from kspeedfs.format import placement
 from kspeedfs.format.config import Settings
-from kspeedfs.format.localdata import MANIFEST_FILE, LocalDataset
+from kspeedfs.format.localdata import MANIFEST_FILE
 from kspeedfs.format.manifest import Manifest
 from kspeedfs.format.tls import client_context
 from kspeedfs.format.units import Address, format_size, parse_address, parse_size
 from kspeedfs.net.connection import NodeClient
 from kspeedfs.net.transport import TcpTransport
+from kspeedfs.system.local_dataset import LocalDataset
 from kspeedfs.testing.cluster import LocalCluster
 from kspeedfs.testing.mount import MountProcess
 from kspeedfs.testing.node import NodeProcess, remove_tree

@@ -23,7 +23,7 @@ from kspeedfs.client.handle import DatasetHandle
 from kspeedfs.client.reader import ClusterReader
 from kspeedfs.format.contract.readthrough import Touch
 from kspeedfs.format.errors import KSpeedError
-from kspeedfs.format.readthrough_view import ReadThroughDataset
+from kspeedfs.system.readthrough_view import ReadThroughDataset
 
 log = logging.getLogger(__name__)
 

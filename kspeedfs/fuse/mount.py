@@ -27,6 +27,7 @@ from kspeedfs.format.names import validate_mount_name
 from kspeedfs.format.tls import client_context
 from kspeedfs.fuse import uring
 from kspeedfs.fuse.counters import SharedCounters
+from kspeedfs.fuse.damage_news import drop_damaged_pages
 from kspeedfs.fuse.datasets import DatasetList
 from kspeedfs.fuse.kernel import FuseSession
 from kspeedfs.fuse.metrics import serve_mount_metrics
@@ -128,6 +129,7 @@ async def serve_mount(
             async with trio.open_nursery() as nursery:
                 await nursery.start(pool.run)
                 nursery.start_soon(datasets.keep_refreshed, pool.on_change)
+                nursery.start_soon(drop_damaged_pages, datasets, session)
                 nursery.start_soon(_unmount_on_signal, signals, session, pool)
                 if check_here:
                     error = await _answering(session, datasets, settings.timeout + READY_WAIT)

@@ -49,13 +49,13 @@ from kspeedfs.format.errors import (
     ProtocolError,
     StaleDataset,
 )
-from kspeedfs.format.localdata import LocalDataset
 from kspeedfs.format.units import format_size
 from kspeedfs.node.events import DatasetEvents
 from kspeedfs.node.ops import ADMIN, JOB, READ, OpRegistry
 from kspeedfs.node.peers import Ask, ask_all
 from kspeedfs.node.safedir import DIR_FLAGS, remove_beneath
 from kspeedfs.node.store import SegmentStore
+from kspeedfs.system.local_dataset import LocalDataset
 from kspeedfs.system.memory import keep_freed_memory
 
 log = logging.getLogger(__name__)

@@ -17,7 +17,7 @@ from typing import Any, Literal, Protocol
 import trio
 
 from kspeedfs.format import metaindex
-from kspeedfs.format.contract import Request
+from kspeedfs.format.contract import READTHROUGH, Request
 from kspeedfs.format.contract.metaindexes import (
     FetchMetaIndex,
     IndexAddAborted,
@@ -39,7 +39,6 @@ from kspeedfs.format.contract.pieces import BlobPiece, read_piece
 from kspeedfs.format.errors import DataError, InvalidArgument, KSpeedError, NotFound, StaleDataset
 from kspeedfs.format.localdata import MANIFEST_FILE
 from kspeedfs.format.manifest import Manifest
-from kspeedfs.format.readthrough_view import READTHROUGH
 from kspeedfs.format.tree import Tree
 from kspeedfs.format.units import format_size
 from kspeedfs.node import sourceio, tarindexes

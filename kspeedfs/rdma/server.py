@@ -30,10 +30,10 @@ from kspeedfs.format.contract.rdma import (
 )
 from kspeedfs.format.contract.status import RdmaStatus
 from kspeedfs.format.errors import InvalidArgument, KSpeedError
-from kspeedfs.format.localdata import LocalDataset
 from kspeedfs.rdma.registry import SegmentRegistry
 from kspeedfs.rdma.verbs import Device, MemoryRegion, ResponderQP, VerbsError, open_device, probe
 from kspeedfs.rdma.wire import Endpoint, table_to_wire
+from kspeedfs.system.local_dataset import LocalDataset
 
 
 class PublishedDatasets(Protocol):
@@ -193,7 +193,7 @@ class RdmaService:
             ds = self._store.open(name)
         except KSpeedError:
             return None
-        # Memory segments only: disk-tier ones are never mapped (localdata), their reads go
+        # Memory segments only: disk-tier ones are never mapped (disk_copies), their reads go
         # over TCP, by pread, checked.
         segments = {k: ds.segment(k) for k in sorted(ds.held) if k not in ds.on_disk}
         table = self.registry.register(name, ds.uuid, ds.manifest.segments, segments, epoch=epoch)

@@ -19,13 +19,13 @@ from kspeedfs.client import transport as client_transport
 from kspeedfs.client.transport import open_transport
 from kspeedfs.format.config import load_settings
 from kspeedfs.format.errors import InvalidArgument
-from kspeedfs.format.localdata import LocalDataset
 from kspeedfs.format.units import Address, parse_address
 from kspeedfs.net.transport import TcpTransport
 from kspeedfs.rdma import client as rdma_client
 from kspeedfs.rdma import verbs
 from kspeedfs.rdma.client import RdmaTransport
 from kspeedfs.rdma.verbs import DeviceProbe
+from kspeedfs.system.local_dataset import LocalDataset
 
 ADDR = Address("127.0.0.1", 7420)
 

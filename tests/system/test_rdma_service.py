@@ -28,7 +28,7 @@ from kspeedfs.format.config import Settings
 from kspeedfs.format.contract import Answer, Request
 from kspeedfs.format.contract.node import UnloadLocal
 from kspeedfs.format.errors import InvalidArgument, NotFound
-from kspeedfs.format.localdata import META_FILE, LocalDataset, read_meta
+from kspeedfs.format.localdata import META_FILE, read_meta
 from kspeedfs.format.units import Address
 from kspeedfs.node.ops import ADMIN
 from kspeedfs.node.root import RdmaFactory
@@ -38,6 +38,7 @@ from kspeedfs.rdma import verbs
 from kspeedfs.rdma.client import RdmaTransport
 from kspeedfs.rdma.registry import SegmentRegistry
 from kspeedfs.rdma.server import DatasetNews, PublishedDatasets, RdmaService
+from kspeedfs.system.local_dataset import LocalDataset
 
 
 @pytest.fixture(autouse=True)

@@ -22,11 +22,11 @@ from kspeedfs.client.clusterstate import (
 )
 from kspeedfs.format import placement
 from kspeedfs.format.config import Settings
+from kspeedfs.format.contract import READTHROUGH
 from kspeedfs.format.contract.node import DatasetEntry, List
 from kspeedfs.format.contract.status import HealStatus
 from kspeedfs.format.errors import DataError, KSpeedError, NoSpace
 from kspeedfs.format.manifest import Manifest
-from kspeedfs.format.readthrough_view import READTHROUGH
 from kspeedfs.format.tls import client_context
 from kspeedfs.node import sourceio
 from kspeedfs.node.control.adopt import Adoption

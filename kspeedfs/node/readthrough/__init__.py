@@ -41,6 +41,7 @@ import trio
 
 from kspeedfs.client.catalog import CatalogEntry
 from kspeedfs.format.config import Settings
+from kspeedfs.format.contract import READTHROUGH
 from kspeedfs.format.contract.readthrough import (
     FillSegment,
     PlanReq,
@@ -50,7 +51,6 @@ from kspeedfs.format.contract.readthrough import (
 )
 from kspeedfs.format.contract.status import CacheStatus
 from kspeedfs.format.errors import KSpeedError
-from kspeedfs.format.readthrough_view import READTHROUGH
 from kspeedfs.format.units import format_size
 from kspeedfs.node.loads import LoadTable
 from kspeedfs.node.ops import ADMIN, JOB, OpRegistry

@@ -16,7 +16,7 @@ from kspeedfs.client.handle import DatasetHandle
 from kspeedfs.client.reader import ClusterReader
 from kspeedfs.format.errors import StaleDataset
 from kspeedfs.format.manifest import Manifest
-from kspeedfs.format.readthrough_view import open_local
+from kspeedfs.system.readthrough_view import open_local
 from kspeedfs.testing.process import wait_until
 from unit.controlfakes import LocalDataset, local_dataset
 
