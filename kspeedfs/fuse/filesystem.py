@@ -442,6 +442,8 @@ class KSpeedFS:
                 return on_mount.describe_attr(
                     mounted.view.base, mounted.uuid, mounted.data.source, "", False, inside
                 )
+            if idx >= mounted.data.manifest.entries:
+                raise FuseError(ENOATTR)  # a member inside a tar (NAME@tar): no file of its own
             rel = os.fsdecode(mounted.data.manifest.path(idx))
             is_variant = mounted.variant is not None
             return on_mount.describe_attr(

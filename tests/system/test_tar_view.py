@@ -11,6 +11,7 @@ WebDataset opens `kspeedfs://` URLs.
 
 from __future__ import annotations
 
+import errno
 import io
 import os
 import tarfile
@@ -256,6 +257,11 @@ def test_tar_view_through_the_mount_and_kspeedfs_url(
         assert tree_of(view / "tars" / name) == tree_of(src / "extracted" / name), name
     assert os.listdir(view / "damaged" / "bad.tar") == []
     assert "bad.tar is shown empty" in m.log()
+    # A member is no file of the dataset: it has no dataset attribute (not an EIO).
+    member = next(p for p in (view / "tars" / "shard-0000.tar").rglob("*") if p.is_file())
+    with pytest.raises(OSError) as no_attr:
+        os.getxattr(member, "user.kspeedfs.dataset")
+    assert no_attr.value.errno == errno.ENODATA
     assert (view / "extracted" / "rich.tar" / "x.jpg").read_bytes() == (
         src / "extracted" / "rich.tar" / "x.jpg"
     ).read_bytes()  # the rest of the dataset shows as it is
