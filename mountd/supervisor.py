@@ -8,6 +8,7 @@ import functools
 import logging
 import os
 import signal
+import socket
 import subprocess
 import time
 from collections.abc import Callable
@@ -17,9 +18,11 @@ import trio
 
 from kspeedfs.client import admin
 from kspeedfs.format.config import Settings, load_settings
-from kspeedfs.format.errors import KSpeedError, MountError
+from kspeedfs.format.errors import KSpeedError, MountError, ProtocolError
 from kspeedfs.format.names import split_variant
+from kspeedfs.fuse import takeover
 from kspeedfs.fuse.mount import check_answers
+from kspeedfs.net import fdpass
 from kspeedfs.system.mountinfo import clear_stale, kspeedfs_mounted, require_free_mountpoint
 
 from .declarations import Declaration
@@ -101,6 +104,8 @@ class MountSupervisor:
         self._after = after or []
         self._cancel = trio.CancelScope()
         self._last_error_line: str | None = None
+        # Dups of the live mount's FUSE fds: its next process takes the connection over.
+        self.kept: takeover.Kept | None = None
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -135,6 +140,7 @@ class MountSupervisor:
                     await event.wait()
                 await self._keep_mounted()
         finally:
+            self._let_go()  # stopping: our dups must not keep a dead mount's connection
             with trio.CancelScope(shield=True):
                 await self._unmount_leftover()
             self.settled.set()
@@ -152,10 +158,19 @@ class MountSupervisor:
                 log.exception("%s: mount attempt failed", self.decl.name)
                 reason = f"internal error: {e!r}"
             self.settled.set()
+            was_mounted = self.mounted_since is not None
             if self.mounted_since is not None:
                 if time.time() - self.mounted_since >= self.timing.stable_after:
                     delay = self.timing.retry_min
                 self.mounted_since = None
+            if was_mounted and self.kept is not None:
+                # Readers wait on the kept connection meanwhile: no backoff, no remount.
+                log.warning(
+                    "%s: %s; a new process takes its connection over", self.decl.name, reason
+                )
+                self.last_error = reason
+                self.restarts += 1
+                continue
             log.warning("%s: %s; mounting again in %.1fs", self.decl.name, reason, delay)
             self.last_error = reason
             self._set("retrying", reason, next_retry=time.time() + delay)
@@ -166,31 +181,46 @@ class MountSupervisor:
     async def _attempt(self) -> str:
         """Mount once and watch it; returns why it is not (or no longer) mounted."""
         decl = self.decl
-        self._set("mounting", self.error)
-        try:
-            settings = await trio.to_thread.run_sync(prepare_mountpoint, decl)
-            if decl.source and decl.dataset:
-                self._set("loading", self.error)
-                await ensure_dataset(settings, decl.dataset, decl.source)
-        except KSpeedError as e:
-            return str(e)
-        except OSError as e:
-            return f"{e.strerror or e}"
+        if self.kept is not None and not self.kept.usable():
+            self._let_go()  # unmounted, aborted, or a mount that cannot be taken over
+        if self.kept is None:
+            self._set("mounting", self.error)
+            try:
+                settings = await trio.to_thread.run_sync(prepare_mountpoint, decl)
+                if decl.source and decl.dataset:
+                    self._set("loading", self.error)
+                    await ensure_dataset(settings, decl.dataset, decl.source)
+            except KSpeedError as e:
+                return str(e)
+            except OSError as e:
+                return f"{e.strerror or e}"
+        else:
+            self._set("taking over", self.error)
         self._last_error_line = None
-        proc = await trio.lowlevel.open_process(
-            decl.mount_argv(self.verbose),
-            stdin=subprocess.DEVNULL,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            env=child_env(),
-            start_new_session=True,  # a terminal's Ctrl-C reaches mountd only; mountd stops it
-        )
+        ours, theirs = takeover.keeper_pair()
+        try:
+            takeover.offer(ours, self.kept)  # waits in the socket for the child
+            proc = await trio.lowlevel.open_process(
+                decl.mount_argv(self.verbose),
+                stdin=subprocess.DEVNULL,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                env={**child_env(), takeover.KEEPER_ENV: str(theirs.fileno())},
+                pass_fds=(theirs.fileno(),),
+                start_new_session=True,  # a terminal's Ctrl-C reaches mountd only; it stops it
+            )
+        except BaseException:
+            ours.close()
+            raise
+        finally:
+            theirs.close()
         self.pid = proc.pid
         try:
             async with trio.open_nursery() as nursery:
                 output_done = trio.Event()
                 assert proc.stdout is not None
                 nursery.start_soon(self._read_output, proc.stdout, output_done)
+                nursery.start_soon(self._keep_fds, ours)
                 reason = await self._watch(proc)
                 if proc.poll() is not None:
                     # Its last line on stderr says why it failed: read it before reporting.
@@ -202,10 +232,38 @@ class MountSupervisor:
         finally:
             with trio.CancelScope(shield=True):
                 await self._stop_process(proc)
-                await self._unmount_leftover()
+                self._take_fds(ours)  # what it said last, before it died
+                ours.close()
+                if self.kept is None or not self.kept.usable():
+                    self._let_go()
+                    # A look at a kept mount would wait for a process that is not there.
+                    await self._unmount_leftover()
                 if proc.stdout is not None:
                     await proc.stdout.aclose()
             self.pid = None
+
+    async def _keep_fds(self, sock: socket.socket) -> None:
+        """Keep what the mount process sends: dups of its FUSE fds, its instances' slots."""
+        sock.setblocking(False)
+        while self._take_fds(sock):
+            await trio.lowlevel.wait_readable(sock)
+
+    def _take_fds(self, sock: socket.socket) -> bool:
+        """Every message waiting on `sock`; False once the mount process's end is closed."""
+        sock.setblocking(False)
+        while True:
+            try:
+                msg, fds = fdpass.receive(sock, takeover.MAX_FDS)
+            except BlockingIOError:
+                return True
+            except (OSError, ProtocolError):
+                return False  # closed (or garbled: the next process mounts anew)
+            self.kept = takeover.apply(self.kept, msg, fds)
+
+    def _let_go(self) -> None:
+        if self.kept is not None:
+            self.kept.close()
+            self.kept = None
 
     async def _watch(self, proc: trio.Process) -> str:
         mountpoint = self.decl.mountpoint

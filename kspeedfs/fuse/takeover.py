@@ -1,0 +1,169 @@
+"""A mount's FUSE connection kept by mountd across a death of its mount process, and handed over.
+
+The kernel keeps a FUSE connection alive while any fd of it (/dev/fuse or a clone) is open,
+and ends the requests a closing fd had read (ECONNABORTED) unless another holder of the same
+open file keeps it. So mountd (the keeper) holds a dup of the session's fd and of every
+worker's clone: when the mount process dies (an OOM kill), its workers end with it, the
+requests they had read stay parked on the kept fds, new ones queue, and nothing fails. mountd
+starts a new mount process and hands it the kept fds instead of mounting again: it asks the
+kernel to resend what was parked (FUSE_NOTIFY_RESEND) and serves the SAME connection, so a
+container that bound the mountpoint never sees ENOTCONN. The kernel sends INIT once per
+connection; our INIT answer is fixed (kernel.py) except FUSE over io_uring, whose rings die
+with their process: a mount with fuse_uring (or auto_unmount, whose fusermount3 unmounts when
+the process dies) records that it cannot be taken over and is mounted again instead. The
+kernel also keeps the inodes it was given, `slot << 32 | entry + 1`: the record carries the
+slot of every instance, so the new process numbers them the same (datasets.py).
+
+mountd gives each mount process one end of a SOCK_SEQPACKET socket (its fd in KEEPER_ENV):
+    keeper -> mount: {"take_over": RECORD or null} + the kept fds (session first)
+    mount  -> keeper: {"kept": RECORD} + its fds, once mounted (or taken over)
+    mount  -> keeper: {"slots": SLOTS, "next_slot": N} after each dataset change, sent
+                      before any worker hears of it
+RECORD: {"device", "workers", "can_take_over", "max_write", "slots", "next_slot"}; SLOTS:
+[[slot, name, uuid], ...].
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import select
+import socket
+from typing import Any
+
+from kspeedfs.format.errors import ProtocolError
+from kspeedfs.net import fdpass
+
+log = logging.getLogger(__name__)
+
+KEEPER_ENV = "KSPEEDFS_KEEPER_FD"
+MAX_FDS = 64  # the session's fd and a clone per worker (at most 8 by default)
+HANDOFF_WAIT = 10.0  # seconds a mount process waits for the keeper's first message
+
+Slots = dict[tuple[str, str], int]  # (name, instance uuid) -> slot
+
+
+@dataclasses.dataclass
+class Kept:
+    """A live connection's fds (the session's first, then each worker's clone) and its record."""
+
+    record: dict[str, Any]
+    fds: list[int]
+
+    @property
+    def workers(self) -> int:
+        return len(self.fds) - 1
+
+    def slots(self) -> Slots:
+        return {(str(name), str(uuid)): int(slot) for slot, name, uuid in self.record["slots"]}
+
+    def connected(self) -> bool:
+        """Whether the kernel still serves this connection (not unmounted, not aborted)."""
+        events = select.poll()
+        events.register(self.fds[0], select.POLLIN)
+        bad = select.POLLERR | select.POLLHUP | select.POLLNVAL
+        return not any(ev & bad for _, ev in events.poll(0))
+
+    def usable(self) -> bool:
+        return bool(self.record.get("can_take_over")) and self.workers > 0 and self.connected()
+
+    def close(self) -> None:
+        for fd in self.fds:
+            os.close(fd)
+        self.fds = []
+
+
+def slot_list(slots: Slots) -> list[list[Any]]:
+    return [[slot, name, uuid] for (name, uuid), slot in sorted(slots.items())]
+
+
+# ---- the mount process's side
+
+
+class KeeperLink:
+    """The mount process's end of its keeper's socket (None where it runs without mountd)."""
+
+    def __init__(self, sock: socket.socket):
+        self.sock = sock
+        self.sock.settimeout(HANDOFF_WAIT)
+        self._failed = False
+
+    @classmethod
+    def from_env(cls) -> KeeperLink | None:
+        value = os.environ.pop(KEEPER_ENV, "")  # not for the workers or fusermount3
+        if not value.isdigit():
+            return None
+        try:
+            sock = socket.socket(fileno=int(value))
+        except OSError as e:
+            log.warning("no keeper for this mount (%s=%s: %s)", KEEPER_ENV, value, e)
+            return None
+        sock.set_inheritable(False)
+        return cls(sock)
+
+    def handoff(self) -> Kept | None:
+        """The connection the keeper hands over, or None: mount anew."""
+        try:
+            msg, fds = fdpass.receive(self.sock, MAX_FDS)
+        except (OSError, ProtocolError) as e:
+            log.warning("the keeper sent nothing to take over (%s): mounting anew", e)
+            return None
+        record = msg.get("take_over")
+        if not isinstance(record, dict) or not fds:
+            for fd in fds:
+                os.close(fd)
+            return None
+        for fd in fds:
+            os.set_inheritable(fd, False)
+        return Kept(record, fds)
+
+    def keep(self, record: dict[str, Any], fds: list[int]) -> None:
+        self._send({"kept": record}, fds)
+
+    def slots_changed(self, slots: Slots, next_slot: int) -> None:
+        self._send({"slots": slot_list(slots), "next_slot": next_slot})
+
+    def _send(self, msg: dict[str, Any], fds: list[int] | None = None) -> None:
+        try:
+            fdpass.send(self.sock, msg, fds)
+        except OSError as e:
+            if not self._failed:  # the mount serves on; only a takeover is lost
+                log.warning("cannot tell the keeper (a crash would remount): %s", e)
+            self._failed = True
+
+    def close(self) -> None:
+        self.sock.close()
+
+
+# ---- the keeper's side (mountd)
+
+
+def keeper_pair() -> tuple[socket.socket, socket.socket]:
+    """(the keeper's end, the mount process's end: inheritable, its fd goes in KEEPER_ENV)."""
+    ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    theirs.set_inheritable(True)
+    return ours, theirs
+
+
+def offer(sock: socket.socket, kept: Kept | None) -> None:
+    """The keeper's first message: the connection to take over, or none."""
+    if kept is None:
+        fdpass.send(sock, {"take_over": None})
+    else:
+        fdpass.send(sock, {"take_over": kept.record}, kept.fds)
+
+
+def apply(kept: Kept | None, msg: dict[str, Any], fds: list[int]) -> Kept | None:
+    """A message of the mount process applied to what the keeper holds; returns what it holds
+    now (a newly kept connection replaces the old one: the same or a new mount)."""
+    if "kept" in msg and isinstance(msg["kept"], dict) and fds:
+        if kept is not None:
+            kept.close()
+        return Kept(dict(msg["kept"]), fds)
+    for fd in fds:
+        os.close(fd)
+    if "slots" in msg and kept is not None:
+        kept.record["slots"] = msg["slots"]
+        kept.record["next_slot"] = msg["next_slot"]
+    return kept
