@@ -25,6 +25,7 @@ from mountdutil import (
 )
 
 from kspeedfs.system.mountinfo import is_stale, kspeedfs_mounted
+from kspeedfs.testing.readgap import HostReader
 from mountd.declarations import Declaration, InvalidDeclaration, load_declarations
 
 pytestmark = [pytest.mark.fuse, pytest.mark.slow]  # the mount daemon restarting mounts
@@ -372,3 +373,37 @@ def test_check_command_reports_bad_declarations(tmp_path: Path) -> None:
         f"bad  {d / 'bad.toml'}: mountpoint must be an absolute path: 'rel'",
         f"ok   {d / 'ok.toml'}: all datasets at /mnt/ok",
     ]
+
+
+def test_a_killed_mount_process_is_taken_over_without_a_failed_read(
+    mountds: Mountds, tmp_path: Path
+) -> None:
+    """The mount process SIGKILLed twice (as an OOM kill would) while a reader reads every file
+    through the kernel in a loop: mountd's dups of its FUSE fds keep the connection, the next
+    process takes it over, and no read fails or reads wrong bytes; the mount is never made
+    again (same device, one mount at the mountpoint)."""
+    a = tmp_path / "mnt" / "a"
+    declare(mountds.mounts_dir, "a", mountpoint=str(a), dataset="alpha")
+    mountd = mountds.start()
+    mountd.wait_mount("a", lambda m: m["state"] == "mounted", "mounted")
+    device = os.stat(a).st_dev
+    reader = HostReader({a / rel: data for rel, data in FILES.items()}).start()
+    wait_for(lambda: reader.reads.good >= 20, what="the reader reads")
+    for _ in range(2):
+        before = mountd.mount("a")
+        assert before
+        pid = before["pid"]
+        os.kill(pid, signal.SIGKILL)
+        mountd.wait_mount(
+            "a",
+            lambda m, old=pid: m["state"] == "mounted" and m["pid"] not in (None, old),
+            "taken over by a new process",
+        )
+        good = reader.reads.good
+        wait_for(lambda n=good: reader.reads.good >= n + 20, what="reads after the takeover")
+    reads = reader.stop()
+    print(reads.line("host reader, mount process killed twice"))
+    assert reads.failed == []
+    assert os.stat(a).st_dev == device
+    assert kspeedfs_mounts_under(tmp_path) == [str(a.resolve())]
+    assert "took over the connection" in mountd.log()
