@@ -25,12 +25,15 @@ from kspeedfs.fuse.mount import check_answers
 from kspeedfs.net import fdpass
 from kspeedfs.system.mountinfo import clear_stale, kspeedfs_mounted, require_free_mountpoint
 
+from .adopt import ADOPT_WAIT, AdoptedProcess
 from .declarations import Declaration
 
 log = logging.getLogger(__name__)
 
 # The child is not the service's main process: systemd would drop its notifications anyway,
 # and a test socket must only see mountd's own.
+Watched = trio.Process | AdoptedProcess  # a mount process: our child, or adopted
+
 CHILD_ENV_DROP = ("NOTIFY_SOCKET", "WATCHDOG_USEC", "WATCHDOG_PID", "LISTEN_FDS", "LISTEN_PID")
 
 
@@ -87,8 +90,10 @@ class MountSupervisor:
         on_change: Callable[[], None],
         verbose: bool = False,
         after: list[trio.Event] | None = None,
+        keeper_address: str = "",
     ):
         self.decl = decl
+        self.keeper_address = keeper_address  # where this mountd listens (adopt.py)
         self.timing = timing
         self.verbose = verbose
         self.state = "starting"
@@ -106,6 +111,9 @@ class MountSupervisor:
         self._last_error_line: str | None = None
         # Dups of the live mount's FUSE fds: its next process takes the connection over.
         self.kept: takeover.Kept | None = None
+        # A live mount process of an earlier mountd that called (adopt.py): its socket, pid.
+        self._adopted: tuple[socket.socket, int] | None = None
+        self._adoption = trio.Event()
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -138,6 +146,9 @@ class MountSupervisor:
             with self._cancel:
                 for event in self._after:  # a replaced mount of the same mountpoint goes first
                     await event.wait()
+                if kspeedfs_mounted(self.decl.mountpoint):  # an earlier mountd's, maybe live
+                    with trio.move_on_after(ADOPT_WAIT):
+                        await self._adoption.wait()
                 await self._keep_mounted()
         finally:
             self._let_go()  # stopping: our dups must not keep a dead mount's connection
@@ -174,12 +185,25 @@ class MountSupervisor:
             log.warning("%s: %s; mounting again in %.1fs", self.decl.name, reason, delay)
             self.last_error = reason
             self._set("retrying", reason, next_retry=time.time() + delay)
-            await trio.sleep(delay)
+            with trio.move_on_after(delay):  # a live mount calling ends the wait
+                await self._adoption.wait()
+            self._adoption = trio.Event()
             delay = min(delay * 2, self.timing.retry_max)
             self.restarts += 1
 
     async def _attempt(self) -> str:
         """Mount once and watch it; returns why it is not (or no longer) mounted."""
+        if self._adopted is not None:
+            ours, pid = self._adopted
+            self._adopted = None
+            try:
+                adopted = AdoptedProcess(pid)
+            except OSError:
+                ours.close()
+                return f"the mount process {pid} that called is gone"
+            log.info("%s: watching mount process %d of an earlier mountd", self.decl.name, pid)
+            self._set("taking over", self.error)
+            return await self._serve(adopted, ours)
         decl = self.decl
         if self.kept is not None and not self.kept.usable():
             self._let_go()  # unmounted, aborted, or a mount that cannot be taken over
@@ -205,7 +229,11 @@ class MountSupervisor:
                 stdin=subprocess.DEVNULL,
                 stdout=subprocess.PIPE,
                 stderr=subprocess.STDOUT,
-                env={**child_env(), takeover.KEEPER_ENV: str(theirs.fileno())},
+                env={
+                    **child_env(),
+                    takeover.KEEPER_ENV: str(theirs.fileno()),
+                    takeover.KEEPER_SOCKET_ENV: self.keeper_address,
+                },
                 pass_fds=(theirs.fileno(),),
                 start_new_session=True,  # a terminal's Ctrl-C reaches mountd only; it stops it
             )
@@ -214,12 +242,29 @@ class MountSupervisor:
             raise
         finally:
             theirs.close()
+        return await self._serve(proc, ours)
+
+    def adopt(self, sock: socket.socket, kept: takeover.Kept, pid: int) -> bool:
+        """A live mount process of an earlier mountd called with its connection: watch it
+        (next attempt) rather than mount; False while this supervisor runs a child."""
+        if self.pid is not None or self._adopted is not None:
+            return False
+        if self.kept is not None:
+            self.kept.close()
+        self.kept, self._adopted = kept, (sock, pid)
+        self._adoption.set()
+        return True
+
+    async def _serve(self, proc: Watched, ours: socket.socket) -> str:
+        """Watch a mount process (ours or adopted) while keeping its fds; why it ended."""
         self.pid = proc.pid
         try:
             async with trio.open_nursery() as nursery:
                 output_done = trio.Event()
-                assert proc.stdout is not None
-                nursery.start_soon(self._read_output, proc.stdout, output_done)
+                if proc.stdout is not None:
+                    nursery.start_soon(self._read_output, proc.stdout, output_done)
+                else:
+                    output_done.set()
                 nursery.start_soon(self._keep_fds, ours)
                 reason = await self._watch(proc)
                 if proc.poll() is not None:
@@ -265,7 +310,7 @@ class MountSupervisor:
             self.kept.close()
             self.kept = None
 
-    async def _watch(self, proc: trio.Process) -> str:
+    async def _watch(self, proc: Watched) -> str:
         mountpoint = self.decl.mountpoint
         deadline = trio.current_time() + self.timing.mount_timeout
         # Reading mountinfo is cheap and does not touch the new mount.
@@ -289,7 +334,7 @@ class MountSupervisor:
             if problem:
                 return problem
 
-    async def _check_health(self, proc: trio.Process) -> str | None:
+    async def _check_health(self, proc: Watched) -> str | None:
         if proc.poll() is not None:
             return "exited"
         if not kspeedfs_mounted(self.decl.mountpoint):
@@ -311,7 +356,7 @@ class MountSupervisor:
             return f"the mount fails: {e.strerror}"
         return None
 
-    async def _check_answers(self, proc: trio.Process) -> str | None:
+    async def _check_answers(self, proc: Watched) -> str | None:
         """Mounted means what the mount process itself waits for: its root lists."""
         try:
             with trio.fail_after(self.timing.mount_timeout):
@@ -324,9 +369,11 @@ class MountSupervisor:
             return "exited" if proc.poll() is not None else str(e)
         return None
 
-    def _exit_reason(self, proc: trio.Process) -> str:
+    def _exit_reason(self, proc: Watched) -> str:
         code = proc.returncode
         assert code is not None
+        if isinstance(proc, AdoptedProcess):
+            return "mount process (of an earlier mountd) ended"
         if code < 0:
             return f"mount process killed by {signal.Signals(-code).name}"
         if self._last_error_line:
@@ -357,7 +404,7 @@ class MountSupervisor:
         if line.startswith("kspeedfs: "):  # the CLI's one-line error
             self._last_error_line = line.removeprefix("kspeedfs: ")
 
-    async def _stop_process(self, proc: trio.Process) -> None:
+    async def _stop_process(self, proc: Watched) -> None:
         if proc.poll() is None:
             # The mount unmounts itself on SIGTERM; SIGKILL only when it does not end in time.
             proc.send_signal(signal.SIGTERM)

@@ -16,6 +16,7 @@ import subprocess
 import sys
 from collections.abc import AsyncIterator, Callable, Collection, Iterable
 from pathlib import Path
+from typing import Any
 
 import trio
 
@@ -144,19 +145,22 @@ async def serve_mount(
         session, datasets, settings, dataset, count, clients, counters,
         fds=kept.fds[1:] if kept is not None else None, before_change=tell_slots,
     )  # fmt: skip
+
+    def kept_now() -> tuple[dict[str, Any], list[int]]:
+        """What mountd keeps of this mount: the record (takeover.py) and the fds."""
+        record: dict[str, Any] = {
+            "device": session.device,
+            "workers": count,
+            # io_uring rings end with their process; fusermount3 unmounts (auto_unmount)
+            "can_take_over": not settings.fuse_uring and "auto_unmount" not in options,
+            "max_write": MAX_WRITE,
+            "slots": slot_list(datasets.slots()),
+            "next_slot": datasets.next_slot,
+        }
+        return record, [session.fd, *pool.fds]
+
     if keeper is not None:
-        keeper.keep(
-            {
-                "device": session.device,
-                "workers": count,
-                # io_uring rings end with their process; fusermount3 unmounts (auto_unmount)
-                "can_take_over": not settings.fuse_uring and "auto_unmount" not in options,
-                "max_write": MAX_WRITE,
-                "slots": slot_list(datasets.slots()),
-                "next_slot": datasets.next_slot,
-            },
-            [session.fd, *pool.fds],
-        )
+        keeper.keep(*kept_now())
     if settings.metrics_listen:  # metrics: Prometheus /metrics over the shared counters
         serve_mount_metrics(settings.metrics_listen, counters)
     error: MountError | None = None
@@ -166,6 +170,8 @@ async def serve_mount(
                 await nursery.start(pool.run)
                 nursery.start_soon(datasets.keep_refreshed, pool.on_change)
                 nursery.start_soon(_unmount_on_signal, signals, session, pool)
+                if keeper is not None:
+                    nursery.start_soon(keeper.stay_kept, str(mountpoint), kept_now)
                 if check_here:
                     error = await _answering(session, datasets, settings.timeout + READY_WAIT)
                 if error is None:

@@ -30,7 +30,10 @@ import logging
 import os
 import select
 import socket
+from collections.abc import Callable
 from typing import Any
+
+import trio
 
 from kspeedfs.format.errors import ProtocolError
 from kspeedfs.net import fdpass
@@ -38,6 +41,8 @@ from kspeedfs.net import fdpass
 log = logging.getLogger(__name__)
 
 KEEPER_ENV = "KSPEEDFS_KEEPER_FD"
+KEEPER_SOCKET_ENV = "KSPEEDFS_KEEPER_SOCKET"  # where a restarted mountd listens
+RECONNECT_INTERVAL = 0.2  # seconds between a keeperless mount's tries to reach mountd again
 MAX_FDS = 64  # the session's fd and a clone per worker (at most 8 by default)
 HANDOFF_WAIT = 10.0  # seconds a mount process waits for the keeper's first message
 
@@ -84,14 +89,16 @@ def slot_list(slots: Slots) -> list[list[Any]]:
 class KeeperLink:
     """The mount process's end of its keeper's socket (None where it runs without mountd)."""
 
-    def __init__(self, sock: socket.socket):
+    def __init__(self, sock: socket.socket, address: str = ""):
         self.sock = sock
         self.sock.settimeout(HANDOFF_WAIT)
+        self.address = address  # mountd's listening socket, to be kept again after its restart
         self._failed = False
 
     @classmethod
     def from_env(cls) -> KeeperLink | None:
         value = os.environ.pop(KEEPER_ENV, "")  # not for the workers or fusermount3
+        address = os.environ.pop(KEEPER_SOCKET_ENV, "")
         if not value.isdigit():
             return None
         try:
@@ -100,7 +107,48 @@ class KeeperLink:
             log.warning("no keeper for this mount (%s=%s: %s)", KEEPER_ENV, value, e)
             return None
         sock.set_inheritable(False)
-        return cls(sock)
+        return cls(sock, address)
+
+    async def stay_kept(
+        self, mountpoint: str, kept: Callable[[], tuple[dict[str, Any], list[int]]]
+    ) -> None:
+        """When mountd dies, the mount serves on (its own fds keep the connection); once a
+        new mountd listens at `address`, give it the connection again (`kept()`: the record
+        and the fds) so that it can take over when this process dies."""
+        while True:
+            await trio.lowlevel.wait_readable(self.sock)
+            try:
+                if self.sock.recv(1, socket.MSG_DONTWAIT | socket.MSG_PEEK):
+                    self.sock.recv(fdpass.MAX_MESSAGE)  # nothing is expected: drop it
+                    continue
+            except BlockingIOError:
+                continue
+            except OSError:
+                pass
+            self.sock.close()
+            if not self.address:
+                log.warning("mountd is gone: a crash of this process would remount")
+                return
+            log.warning("mountd is gone: serving on, waiting for a new one at %s", self.address)
+            self.sock = await self._reconnect()
+            record, fds = kept()
+            self._failed = False
+            self._send(
+                {"adopt": {"mountpoint": mountpoint, "pid": os.getpid()}, "kept": record}, fds
+            )
+            log.info("a new mountd keeps this mount's connection")
+
+    async def _reconnect(self) -> socket.socket:
+        while True:
+            sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET | socket.SOCK_CLOEXEC)
+            try:
+                sock.connect(self.address)
+            except OSError:
+                sock.close()
+                await trio.sleep(RECONNECT_INTERVAL)
+                continue
+            sock.settimeout(HANDOFF_WAIT)
+            return sock
 
     def handoff(self) -> Kept | None:
         """The connection the keeper hands over, or None: mount anew."""

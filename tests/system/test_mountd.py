@@ -407,3 +407,47 @@ def test_a_killed_mount_process_is_taken_over_without_a_failed_read(
     assert os.stat(a).st_dev == device
     assert kspeedfs_mounts_under(tmp_path) == [str(a.resolve())]
     assert "took over the connection" in mountd.log()
+
+
+def test_mountd_killed_and_restarted_adopts_its_mount_and_still_takes_it_over(
+    mountds: Mountds, tmp_path: Path
+) -> None:
+    """mountd SIGKILLed while a reader reads: its mount process serves on (its own fds keep
+    the connection) and calls the restarted mountd with them; the new mountd watches it, and
+    when it is SIGKILLed in turn, takes its connection over. No read fails, the mount is
+    never made again."""
+    a = tmp_path / "mnt" / "a"
+    declare(mountds.mounts_dir, "a", mountpoint=str(a), dataset="alpha")
+    first = mountds.start()
+    first.wait_mount("a", lambda m: m["state"] == "mounted", "mounted")
+    pid = first.mount("a")["pid"]  # type: ignore[index]
+    device = os.stat(a).st_dev
+    reader = HostReader({a / rel: data for rel, data in FILES.items()}).start()
+    wait_for(lambda: reader.reads.good >= 20, what="the reader reads")
+    assert first.proc is not None
+    first.proc.kill()
+    first.proc.wait()
+    second = mountds.start(wait_ready=False)
+    assert second.proc is not None
+    new_pid = second.proc.pid
+    second.wait(
+        lambda s: (
+            s["pid"] == new_pid
+            and [(m["state"], m["pid"]) for m in s["mounts"]] == [("mounted", pid)]
+        ),
+        "the live mount process adopted",
+    )
+    good = reader.reads.good
+    wait_for(lambda: reader.reads.good >= good + 20, what="reads after mountd's restart")
+    os.kill(pid, signal.SIGKILL)
+    second.wait_mount(
+        "a", lambda m: m["state"] == "mounted" and m["pid"] not in (None, pid), "taken over"
+    )
+    good = reader.reads.good
+    wait_for(lambda: reader.reads.good >= good + 20, what="reads after the takeover")
+    reads = reader.stop()
+    print(reads.line("host reader, mountd killed and restarted, then the mount process"))
+    assert reads.failed == []
+    assert os.stat(a).st_dev == device
+    assert kspeedfs_mounts_under(tmp_path) == [str(a.resolve())]
+    assert "watching mount process" in second.log()
