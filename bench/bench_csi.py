@@ -54,7 +54,7 @@ from kspeedfs.format.units import format_size, parse_size
 from kspeedfs.system.mountinfo import kspeedfs_mounted, lazy_unmount
 from kspeedfs.testing.cache import LocalCache
 from kspeedfs.testing.node import remove_tree
-from kspeedfs.testing.readgap import CONTAINER_LOOP, ContainerReader, HostReader
+from kspeedfs.testing.readgap import ContainerReader, HostReader, container_loop
 
 READ_PASS = """
 import json, os, sys, time
@@ -238,7 +238,7 @@ def gap_section(
     if all(shutil.which(t) for t in ("podman", "runc", BUSYBOX)):
         rel = {str(p.relative_to(vol)): data for p, data in files.items()}
         root = busybox_root(work / "rootfs")
-        loop = ["/bin/sh", "-c", CONTAINER_LOOP.format(seconds=30)]
+        loop = container_loop(sorted(rel), seconds=30)
         pod = ContainerReader(container_command(root, {vol: "/data"}, loop), rel, vol).start()
         try:
             if pod.first_read(120):

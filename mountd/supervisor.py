@@ -33,6 +33,8 @@ log = logging.getLogger(__name__)
 # The child is not the service's main process: systemd would drop its notifications anyway,
 # and a test socket must only see mountd's own.
 Watched = trio.Process | AdoptedProcess  # a mount process: our child, or adopted
+QUICK_DEATH = 5.0  # a mount process that dies sooner after mounting is replaced after a backoff
+LINGER_END_WAIT = 2.0  # seconds the old workers have to be gone before the kernel resends
 
 CHILD_ENV_DROP = ("NOTIFY_SOCKET", "WATCHDOG_USEC", "WATCHDOG_PID", "LISTEN_FDS", "LISTEN_PID")
 
@@ -114,6 +116,9 @@ class MountSupervisor:
         # A live mount process of an earlier mountd that called (adopt.py): its socket, pid.
         self._adopted: tuple[socket.socket, int] | None = None
         self._adoption = trio.Event()
+        # Process groups of dead mount processes whose workers still serve (takeover.LINGER).
+        self._lingering: list[int] = []
+        self._served = trio.Event()  # the mount process said that all its workers serve
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -151,6 +156,8 @@ class MountSupervisor:
                         await self._adoption.wait()
                 await self._keep_mounted()
         finally:
+            with trio.CancelScope(shield=True):
+                await self._end_lingering()
             self._let_go()  # stopping: our dups must not keep a dead mount's connection
             with trio.CancelScope(shield=True):
                 await self._unmount_leftover()
@@ -169,13 +176,14 @@ class MountSupervisor:
                 log.exception("%s: mount attempt failed", self.decl.name)
                 reason = f"internal error: {e!r}"
             self.settled.set()
-            was_mounted = self.mounted_since is not None
+            up_for = 0.0 if self.mounted_since is None else time.time() - self.mounted_since
             if self.mounted_since is not None:
-                if time.time() - self.mounted_since >= self.timing.stable_after:
+                if up_for >= self.timing.stable_after:
                     delay = self.timing.retry_min
                 self.mounted_since = None
-            if was_mounted and self.kept is not None:
-                # Readers wait on the kept connection meanwhile: no backoff, no remount.
+            if up_for >= QUICK_DEATH and self.kept is not None:
+                # Readers wait on the kept connection meanwhile: no backoff, no remount. (One
+                # that dies sooner is taken over too, after the backoff: it may die again.)
                 log.warning(
                     "%s: %s; a new process takes its connection over", self.decl.name, reason
                 )
@@ -266,6 +274,7 @@ class MountSupervisor:
                 else:
                     output_done.set()
                 nursery.start_soon(self._keep_fds, ours)
+                nursery.start_soon(self._end_lingering_once_served)
                 reason = await self._watch(proc)
                 if proc.poll() is not None:
                     # Its last line on stderr says why it failed: read it before reporting.
@@ -276,10 +285,15 @@ class MountSupervisor:
             return reason
         finally:
             with trio.CancelScope(shield=True):
-                await self._stop_process(proc)
+                if proc.poll() is None:
+                    await self._stop_process(proc)
+                else:  # it died: its workers serve on until the next process serves
+                    await proc.wait()
+                    self._lingering.append(proc.pid)
                 self._take_fds(ours)  # what it said last, before it died
                 ours.close()
                 if self.kept is None or not self.kept.usable():
+                    await self._end_lingering()
                     self._let_go()
                     # A look at a kept mount would wait for a process that is not there.
                     await self._unmount_leftover()
@@ -303,7 +317,33 @@ class MountSupervisor:
                 return True
             except (OSError, ProtocolError):
                 return False  # closed (or garbled: the next process mounts anew)
+            if msg.get("serving"):
+                self._served.set()
             self.kept = takeover.apply(self.kept, msg, fds)
+
+    async def _end_lingering_once_served(self) -> None:
+        """The workers of the process before answer (the mount looks ready) until every
+        worker of the new one serves: only then end them."""
+        self._served = trio.Event()
+        await self._served.wait()
+        await self._end_lingering()
+
+    async def _end_lingering(self) -> None:
+        """End the workers of dead mount processes, then have the kernel resend the requests
+        they had read (our dups of their fds kept those parked)."""
+        if not self._lingering:
+            return
+        for pgid in self._lingering:
+            _kill_group(pgid)
+        with trio.move_on_after(LINGER_END_WAIT):
+            while any(_group_alive(pgid) for pgid in self._lingering):
+                await trio.sleep(0.02)
+        self._lingering = []
+        if self.kept is not None:
+            takeover.resend(self.kept.fds[0])
+        log.info(
+            "%s: the new mount process serves; the old one's workers are ended", self.decl.name
+        )
 
     def _let_go(self) -> None:
         if self.kept is not None:
@@ -416,10 +456,7 @@ class MountSupervisor:
                 )
         # What is left of its session (it has one of its own): the serving processes of a mount
         # process that was killed. Then its mount is stale, and ours to clear.
-        try:
-            os.killpg(proc.pid, signal.SIGKILL)
-        except (ProcessLookupError, PermissionError):
-            pass  # none left
+        _kill_group(proc.pid)
         await proc.wait()
 
     async def _unmount_leftover(self) -> None:
@@ -429,3 +466,38 @@ class MountSupervisor:
             await trio.to_thread.run_sync(clear_stale, self.decl.mountpoint)
         except MountError as e:
             log.error("%s: cannot unmount %s: %s", self.decl.name, self.decl.mountpoint, e)
+
+
+def _kill_group(pgid: int) -> None:
+    try:
+        os.killpg(pgid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass  # none left
+
+
+def _group_alive(pgid: int) -> bool:
+    """Whether a thread of a process of group `pgid` still runs. Not the processes' states: a
+    killed process's leader is a zombie while its other threads still end (and may still read
+    a request); a zombie whose threads are all gone has let go of its fds."""
+    for entry in os.scandir("/proc"):
+        stat = _stat_fields(f"/proc/{entry.name}/stat") if entry.name.isdigit() else None
+        if stat is None or int(stat[2]) != pgid:
+            continue
+        try:
+            tasks = os.listdir(f"/proc/{entry.name}/task")
+        except OSError:
+            continue  # gone meanwhile
+        for task in tasks:
+            fields = _stat_fields(f"/proc/{entry.name}/task/{task}/stat")
+            if fields is not None and fields[0] not in (b"Z", b"X"):
+                return True
+    return False
+
+
+def _stat_fields(path: str) -> list[bytes] | None:
+    """The fields of a /proc stat file after the command (state first); None once gone."""
+    try:
+        with open(path, "rb") as f:
+            return f.read().rsplit(b")", 1)[1].split()
+    except OSError:
+        return None

@@ -32,7 +32,7 @@ from kspeedfs.fuse.datasets import DatasetList
 from kspeedfs.fuse.kernel import MAX_WRITE, FuseSession
 from kspeedfs.fuse.metrics import serve_mount_metrics
 from kspeedfs.fuse.supervisor import Workers, default_workers
-from kspeedfs.fuse.takeover import KeeperLink, Kept, slot_list
+from kspeedfs.fuse.takeover import LINGER, KeeperLink, Kept, slot_list
 from kspeedfs.net.aconnection import AsyncNodeClient
 from kspeedfs.system import mountlock
 from kspeedfs.system.mountinfo import is_stale, kspeedfs_mounted, mount_at
@@ -144,6 +144,7 @@ async def serve_mount(
     pool = Workers(
         session, datasets, settings, dataset, count, clients, counters,
         fds=kept.fds[1:] if kept is not None else None, before_change=tell_slots,
+        linger=LINGER if keeper is not None else 0.0,
     )  # fmt: skip
 
     def kept_now() -> tuple[dict[str, Any], list[int]]:
@@ -168,6 +169,8 @@ async def serve_mount(
         with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT, signal.SIGHUP) as signals:
             async with trio.open_nursery() as nursery:
                 await nursery.start(pool.run)
+                if keeper is not None:
+                    keeper.serving()
                 nursery.start_soon(datasets.keep_refreshed, pool.on_change)
                 nursery.start_soon(_unmount_on_signal, signals, session, pool)
                 if keeper is not None:

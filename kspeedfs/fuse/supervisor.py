@@ -59,6 +59,7 @@ class Workers:
         counters: SharedCounters,
         fds: list[int] | None = None,
         before_change: Callable[[], None] = lambda: None,
+        linger: float = 0.0,
     ):
         self.session = session
         # A clone of the session's fd per worker, kept across its restarts (and by mountd:
@@ -71,6 +72,9 @@ class Workers:
         self.clients = clients
         self.counters = counters
         self.before_change = before_change  # new slots: told to mountd before any worker
+        # Seconds a worker serves on once this process is gone (mountd ends it once a new
+        # mount process took the connection over: takeover.py); 0 without mountd.
+        self.linger = linger
         self.finished = trio.Event()  # the mount is gone (a worker saw ENODEV)
         self.stopping = False
         self._links: dict[int, trio.MemorySendChannel[tuple[Any, ...]]] = {}
@@ -144,7 +148,7 @@ class Workers:
     def _snapshot(self, index: int) -> list[tuple[Any, ...]]:
         """What a new worker is told first: every dataset, then "refreshed"."""
         d = self.datasets
-        hello = ("hello", self.settings, self.dataset, index, self.count)
+        hello = ("hello", self.settings, self.dataset, index, self.count, self.linger)
         adds = [_added(m) for m in d.by_slot.values()]
         return [hello, *adds, ("refreshed", d.node_answers, d.mounted_at_ns, self._changes)]
 

@@ -14,9 +14,14 @@ the process dies) records that it cannot be taken over and is mounted again inst
 kernel also keeps the inodes it was given, `slot << 32 | entry + 1`: the record carries the
 slot of every instance, so the new process numbers them the same (datasets.py).
 
+The dead process's workers serve on meanwhile (for at most LINGER seconds, with the datasets
+they knew), so readers need not wait for the new process's start; mountd ends them once the new
+process serves, then has the kernel resend what they had read.
+
 mountd gives each mount process one end of a SOCK_SEQPACKET socket (its fd in KEEPER_ENV):
     keeper -> mount: {"take_over": RECORD or null} + the kept fds (session first)
     mount  -> keeper: {"kept": RECORD} + its fds, once mounted (or taken over)
+    mount  -> keeper: {"serving": true} once every worker serves
     mount  -> keeper: {"slots": SLOTS, "next_slot": N} after each dataset change, sent
                       before any worker hears of it
 RECORD: {"device", "workers", "can_take_over", "max_write", "slots", "next_slot"}; SLOTS:
@@ -36,6 +41,7 @@ from typing import Any
 import trio
 
 from kspeedfs.format.errors import ProtocolError
+from kspeedfs.fuse.kernel import NOTIFY_RESEND, OUT_HEADER
 from kspeedfs.net import fdpass
 
 log = logging.getLogger(__name__)
@@ -45,6 +51,9 @@ KEEPER_SOCKET_ENV = "KSPEEDFS_KEEPER_SOCKET"  # where a restarted mountd listens
 RECONNECT_INTERVAL = 0.2  # seconds between a keeperless mount's tries to reach mountd again
 MAX_FDS = 64  # the session's fd and a clone per worker (at most 8 by default)
 HANDOFF_WAIT = 10.0  # seconds a mount process waits for the keeper's first message
+# Seconds the workers of a dead mount process serve on, so that readers wait only for the next
+# process's start to be ended, not for it to be served: mountd ends them once it serves.
+LINGER = 60.0
 
 Slots = dict[tuple[str, str], int]  # (name, instance uuid) -> slot
 
@@ -77,6 +86,15 @@ class Kept:
         for fd in self.fds:
             os.close(fd)
         self.fds = []
+
+
+def resend(fd: int) -> None:
+    """Have the kernel queue again the requests read and not answered on the connection (those
+    of workers just ended), for the serving ones."""
+    try:
+        os.writev(fd, [OUT_HEADER.pack(OUT_HEADER.size, NOTIFY_RESEND, 0)])
+    except OSError as e:
+        log.warning("the kernel cannot resend the requests of ended workers: %s", e)
 
 
 def slot_list(slots: Slots) -> list[list[Any]]:
@@ -168,6 +186,10 @@ class KeeperLink:
 
     def keep(self, record: dict[str, Any], fds: list[int]) -> None:
         self._send({"kept": record}, fds)
+
+    def serving(self) -> None:
+        """Every worker serves: the workers of the process before may be ended."""
+        self._send({"serving": True})
 
     def slots_changed(self, slots: Slots, next_slot: int) -> None:
         self._send({"slots": slot_list(slots), "next_slot": next_slot})

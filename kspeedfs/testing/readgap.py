@@ -15,12 +15,17 @@ import threading
 import time
 from pathlib import Path
 
-# A container's loop: every file's sha256 for `seconds`, a failed read said as "FAIL".
-CONTAINER_LOOP = (
-    "cd /data && F=$(find . -type f | sort) && end=$(( $(date +%s) + {seconds} )) && "
-    'while [ "$(date +%s)" -lt "$end" ]; do for f in $F; do '
-    'sha256sum "$f" 2>&1 || echo "FAIL $f"; done; done'
-)
+
+def container_loop(files: list[str], seconds: int) -> list[str]:
+    """A container's loop over `files` (relative to /data, no blanks) for `seconds`: each one's
+    sha256 line, a failed read said as "FAIL"."""
+    script = (
+        f'cd /data && F="{" ".join("./" + f for f in files)}" && '
+        f"end=$(( $(date +%s) + {seconds} )) && "
+        'while [ "$(date +%s)" -lt "$end" ]; do for f in $F; do '
+        'sha256sum "$f" 2>&1 || echo "FAIL $f"; done; done'
+    )
+    return ["/bin/sh", "-c", script]
 
 
 @dataclasses.dataclass
@@ -30,12 +35,14 @@ class Reads:
     good: int = 0
     failed: list[str] = dataclasses.field(default_factory=list)
     longest_gap: float = 0.0
+    gap_ended: float = 0.0  # when the longest gap ended (time.time())
     _last: float = dataclasses.field(default_factory=time.monotonic)
 
     def ok(self) -> None:
         now = time.monotonic()
-        if self.good:  # from the first good read on: a container takes a while to start
-            self.longest_gap = max(self.longest_gap, now - self._last)
+        if self.good and now - self._last > self.longest_gap:  # a container takes a while to start
+            self.longest_gap = now - self._last
+            self.gap_ended = time.time()
         self._last = now
         self.good += 1
 
@@ -98,7 +105,7 @@ class HostReader:
 
 
 class ContainerReader:
-    """A container (`command`, which runs CONTAINER_LOOP) whose output lines are timed here,
+    """A container (`command`, which runs container_loop) whose output lines are timed here,
     checked against `files` (its path relative to /data -> bytes), while a thread keeps the
     files' pages out of the cache through `host_root` (the target on the host)."""
 

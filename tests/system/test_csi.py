@@ -48,7 +48,7 @@ from kspeedfs.format import auth
 from kspeedfs.format.errors import InvalidArgument
 from kspeedfs.sample import make_sample
 from kspeedfs.system.mountinfo import kspeedfs_mounted, lazy_unmount
-from kspeedfs.testing.readgap import CONTAINER_LOOP, ContainerReader
+from kspeedfs.testing.readgap import ContainerReader, container_loop
 
 CSI_DIR = Path(__file__).parents[2] / "kspeedfs" / "csi"
 
@@ -862,7 +862,7 @@ def test_a_container_reads_on_while_its_mount_process_is_killed(
     c.publish("vol-k", target, inline_context("imagenet", source=str(src)))
     files = {str(p.relative_to(src)): p.read_bytes() for p in src.rglob("*") if p.is_file()}
     root = busybox_root(tmp_path / "rootfs")
-    loop = ["/bin/sh", "-c", CONTAINER_LOOP.format(seconds=40)]
+    loop = container_loop(sorted(files), seconds=40)
     reader = ContainerReader(container_command(root, {target: "/data"}, loop), files, target)
     reader.start()
     try:
@@ -871,7 +871,9 @@ def test_a_container_reads_on_while_its_mount_process_is_killed(
         assert pid is not None
         wait_for(lambda: reader.reads.good >= 20, what="the container reads")
         os.kill(pid, signal.SIGKILL)
-        wait_for(lambda: mount_pid(stack) not in (None, pid), timeout=60, what="taken over")
+        wait_for(
+            lambda: "mount process serves" in stack.mountd.log(), timeout=60, what="taken over"
+        )
         good = reader.reads.good
         wait_for(lambda: reader.reads.good >= good + 20, timeout=60, what="reads after it")
     finally:
