@@ -781,6 +781,14 @@ CONTAINER_READ = (
 )
 
 
+def require_container_tools() -> None:
+    for tool in ("podman", "runc", BUSYBOX):
+        if shutil.which(tool) is None:
+            pytest.skip(
+                f"{tool} is not installed (make test installs podman, runc, busybox-static)"
+            )
+
+
 @pytest.fixture
 def shared_kubelet(stack: Stack) -> Iterator[Stack]:
     """The stack with its kubelet folder a shared mount of its own, as kubelet makes its root
@@ -802,11 +810,7 @@ def test_a_container_reads_a_published_volume(shared_kubelet: Stack, tmp_path: P
     bound `ro,rslave` at /data reads every file of the source byte-equal (sha256 of each,
     computed in the container), cannot write, and sees the kspeedfs mount as a slave of the
     host's."""
-    for tool in ("podman", "runc", BUSYBOX):
-        if shutil.which(tool) is None:
-            pytest.skip(
-                f"{tool} is not installed (make test installs podman, runc, busybox-static)"
-            )
+    require_container_tools()
     stack, c = shared_kubelet, shared_kubelet.client
     src = tmp_path / "imagenet"
     make_sample(src, classes=3, per_class=6, file_size=6000, bases=3)
@@ -850,11 +854,7 @@ def test_a_container_reads_on_while_its_mount_process_is_killed(
     is SIGKILLed (as an OOM kill would). mountd keeps the FUSE connection and a new process
     takes it over: no read in the container fails (ENOTCONN or other), every byte is right,
     and the container reads on after the takeover."""
-    for tool in ("podman", "runc", BUSYBOX):
-        if shutil.which(tool) is None:
-            pytest.skip(
-                f"{tool} is not installed (make test installs podman, runc, busybox-static)"
-            )
+    require_container_tools()
     stack, c = shared_kubelet, shared_kubelet.client
     src = tmp_path / "imagenet"
     make_sample(src, classes=2, per_class=4, file_size=6000, bases=2)

@@ -378,6 +378,21 @@ def test_check_command_reports_bad_declarations(tmp_path: Path) -> None:
 SERVES = "the new mount process serves"  # mountd's line once a takeover is done
 
 
+def reads_on(reader: HostReader, what: str) -> None:
+    good = reader.reads.good
+    wait_for(lambda: reader.reads.good >= good + 20, what=what)
+
+
+def no_read_failed(reader: HostReader, what: str, mountpoint: Path, device: int) -> None:
+    """Stop the reader: none of its reads failed, and the mount is the one it was (the same
+    connection, never mounted again)."""
+    reads = reader.stop()
+    print(reads.line(what))
+    assert reads.failed == []
+    assert os.stat(mountpoint).st_dev == device
+    assert kspeedfs_mounts_under(mountpoint.parents[1]) == [str(mountpoint.resolve())]
+
+
 def test_a_killed_mount_process_is_taken_over_without_a_failed_read(
     mountds: Mountds, tmp_path: Path
 ) -> None:
@@ -397,13 +412,8 @@ def test_a_killed_mount_process_is_taken_over_without_a_failed_read(
         assert before
         os.kill(before["pid"], signal.SIGKILL)
         wait_for(lambda n=served: mountd.log().count(SERVES) == n, what="taken over")
-        good = reader.reads.good
-        wait_for(lambda n=good: reader.reads.good >= n + 20, what="reads after the takeover")
-    reads = reader.stop()
-    print(reads.line("host reader, mount process killed twice"))
-    assert reads.failed == []
-    assert os.stat(a).st_dev == device
-    assert kspeedfs_mounts_under(tmp_path) == [str(a.resolve())]
+        reads_on(reader, "reads after the takeover")
+    no_read_failed(reader, "host reader, mount process killed twice", a, device)
     assert "took over the connection" in mountd.log()
 
 
@@ -435,15 +445,10 @@ def test_mountd_killed_and_restarted_adopts_its_mount_and_still_takes_it_over(
         ),
         "the live mount process adopted",
     )
-    good = reader.reads.good
-    wait_for(lambda: reader.reads.good >= good + 20, what="reads after mountd's restart")
+    reads_on(reader, "reads after mountd's restart")
     os.kill(pid, signal.SIGKILL)
     wait_for(lambda: second.log().count(SERVES) == 1, what="taken over")
-    good = reader.reads.good
-    wait_for(lambda: reader.reads.good >= good + 20, what="reads after the takeover")
-    reads = reader.stop()
-    print(reads.line("host reader, mountd killed and restarted, then the mount process"))
-    assert reads.failed == []
-    assert os.stat(a).st_dev == device
-    assert kspeedfs_mounts_under(tmp_path) == [str(a.resolve())]
+    reads_on(reader, "reads after the takeover")
+    what = "host reader, mountd killed and restarted, then the mount process"
+    no_read_failed(reader, what, a, device)
     assert "watching mount process" in second.log()
