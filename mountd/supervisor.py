@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import errno
 import functools
@@ -30,12 +31,12 @@ from .declarations import Declaration
 
 log = logging.getLogger(__name__)
 
-# The child is not the service's main process: systemd would drop its notifications anyway,
-# and a test socket must only see mountd's own.
 Watched = trio.Process | AdoptedProcess  # a mount process: our child, or adopted
 QUICK_DEATH = 5.0  # a mount process that dies sooner after mounting is replaced after a backoff
 LINGER_END_WAIT = 2.0  # seconds the old workers have to be gone before the kernel resends
 
+# The child is not the service's main process: systemd would drop its notifications anyway,
+# and a test socket must only see mountd's own.
 CHILD_ENV_DROP = ("NOTIFY_SOCKET", "WATCHDOG_USEC", "WATCHDOG_PID", "LISTEN_FDS", "LISTEN_PID")
 
 
@@ -266,6 +267,7 @@ class MountSupervisor:
     async def _serve(self, proc: Watched, ours: socket.socket) -> str:
         """Watch a mount process (ours or adopted) while keeping its fds; why it ended."""
         self.pid = proc.pid
+        self._served = trio.Event()
         try:
             async with trio.open_nursery() as nursery:
                 output_done = trio.Event()
@@ -324,7 +326,6 @@ class MountSupervisor:
     async def _end_lingering_once_served(self) -> None:
         """The workers of the process before answer (the mount looks ready) until every
         worker of the new one serves: only then end them."""
-        self._served = trio.Event()
         await self._served.wait()
         await self._end_lingering()
 
@@ -333,12 +334,15 @@ class MountSupervisor:
         they had read (our dups of their fds kept those parked)."""
         if not self._lingering:
             return
-        for pgid in self._lingering:
-            _kill_group(pgid)
-        with trio.move_on_after(LINGER_END_WAIT):
-            while any(_group_alive(pgid) for pgid in self._lingering):
-                await trio.sleep(0.02)
+        # By pid, the serving processes only: a group id is free again once its leader died.
+        pids = [pid for pgid in self._lingering for pid in _workers_in(pgid)]
         self._lingering = []
+        for pid in pids:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        with trio.move_on_after(LINGER_END_WAIT):
+            while any(_running(pid) for pid in pids):
+                await trio.sleep(0.02)
         if self.kept is not None:
             takeover.resend(self.kept.fds[0])
         log.info(
@@ -475,22 +479,34 @@ def _kill_group(pgid: int) -> None:
         pass  # none left
 
 
-def _group_alive(pgid: int) -> bool:
-    """Whether a thread of a process of group `pgid` still runs. Not the processes' states: a
-    killed process's leader is a zombie while its other threads still end (and may still read
-    a request); a zombie whose threads are all gone has let go of its fds."""
+def _workers_in(pgid: int) -> list[int]:
+    """The serving processes (kspeedfs.fuse.worker) of process group `pgid`."""
+    pids = []
     for entry in os.scandir("/proc"):
         stat = _stat_fields(f"/proc/{entry.name}/stat") if entry.name.isdigit() else None
         if stat is None or int(stat[2]) != pgid:
             continue
         try:
-            tasks = os.listdir(f"/proc/{entry.name}/task")
+            with open(f"/proc/{entry.name}/cmdline", "rb") as f:
+                if b"kspeedfs.fuse.worker" in f.read():
+                    pids.append(int(entry.name))
         except OSError:
             continue  # gone meanwhile
-        for task in tasks:
-            fields = _stat_fields(f"/proc/{entry.name}/task/{task}/stat")
-            if fields is not None and fields[0] not in (b"Z", b"X"):
-                return True
+    return pids
+
+
+def _running(pid: int) -> bool:
+    """Whether a thread of `pid` still runs. Not the process's state: a killed process's
+    leader is a zombie while its other threads still end (and may still read a request); a
+    zombie whose threads are all gone has let go of its fds."""
+    try:
+        tasks = os.listdir(f"/proc/{pid}/task")
+    except OSError:
+        return False
+    for task in tasks:
+        fields = _stat_fields(f"/proc/{pid}/task/{task}/stat")
+        if fields is not None and fields[0] not in (b"Z", b"X"):
+            return True
     return False
 
 
