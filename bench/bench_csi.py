@@ -1,4 +1,4 @@
-"""CSI plugin benchmark: publish-to-ready, read rate in a "pod" against the host, the plugin's memory.
+"""CSI plugin benchmark: publish-to-ready, read rate in a "pod" against the host, memory, read gaps.
 
     .venv/bin/python bench/bench_csi.py [--size 1GiB] [--files 1024] [--rounds 3]
 
