@@ -44,12 +44,13 @@ from kspeedfs.client import admin, passed
 from kspeedfs.client.reader import ClusterReader
 from kspeedfs.format import placement
 from kspeedfs.format.config import Settings
-from kspeedfs.format.localdata import MANIFEST_FILE, LocalDataset
+from kspeedfs.format.localdata import MANIFEST_FILE
 from kspeedfs.format.manifest import Manifest
 from kspeedfs.format.tls import client_context
 from kspeedfs.format.units import Address, format_size, parse_address, parse_size
 from kspeedfs.net.connection import NodeClient
 from kspeedfs.net.transport import TcpTransport
+from kspeedfs.system.local_dataset import LocalDataset
 from kspeedfs.testing.cluster import LocalCluster
 from kspeedfs.testing.mount import MountProcess
 from kspeedfs.testing.node import NodeProcess, remove_tree
@@ -269,15 +270,15 @@ def small_file_rates(cluster: BenchCluster, name: str, batch: int) -> tuple[floa
     )
     try:
         for ranges in files[:20]:  # warm up the connection
-            reader.read_ranges(node, name, m.uuid, ranges, buf[: sum(r[2] for r in ranges)])
+            reader.pool.read_ranges(node, name, m.uuid, ranges, buf[: sum(r[2] for r in ranges)])
         started = time.perf_counter()
         for ranges in files:
-            reader.read_ranges(node, name, m.uuid, ranges, buf[: sum(r[2] for r in ranges)])
+            reader.pool.read_ranges(node, name, m.uuid, ranges, buf[: sum(r[2] for r in ranges)])
         one = len(files) / (time.perf_counter() - started)
         started = time.perf_counter()
         for i in range(0, len(files), batch):
             ranges = [r for f in files[i : i + batch] for r in f]
-            reader.read_ranges(node, name, m.uuid, ranges, buf[: sum(r[2] for r in ranges)])
+            reader.pool.read_ranges(node, name, m.uuid, ranges, buf[: sum(r[2] for r in ranges)])
         batched = len(files) / (time.perf_counter() - started)
     finally:
         reader.close()

@@ -88,7 +88,8 @@ def map_against_pread(
     out of a fresh map and with pread, the two alternating (None: this tree's LocalDataset
     has no pread). `cold`: the segments' pages dropped from the page cache before each."""
     from kspeedfs.format import localdata
-    from kspeedfs.format.localdata import LocalDataset, read_meta
+    from kspeedfs.format.localdata import read_meta
+    from kspeedfs.system.local_dataset import LocalDataset
 
     if not hasattr(LocalDataset, "read_into"):
         return None

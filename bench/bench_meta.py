@@ -32,8 +32,8 @@ from torch.utils.data import DataLoader, Dataset  # noqa: E402
 
 from kspeedfs.client import admin  # noqa: E402
 from kspeedfs.format import metaindex  # noqa: E402
-from kspeedfs.format.localdata import LocalDataset  # noqa: E402
 from kspeedfs.sample import make_sample  # noqa: E402
+from kspeedfs.system.local_dataset import LocalDataset  # noqa: E402
 from kspeedfs.testing.cache import LocalCache  # noqa: E402
 from pytorch_ext import KSpeedMetaDataset  # noqa: E402
 

@@ -23,10 +23,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from kspeedfs.client.transport import open_transport
 from kspeedfs.format.config import Settings
-from kspeedfs.format.localdata import LocalDataset
 from kspeedfs.format.units import format_size, parse_size
 from kspeedfs.net.transport import Range, TcpTransport, Transport
 from kspeedfs.rdma.verbs import probe
+from kspeedfs.system.local_dataset import LocalDataset
 from kspeedfs.testing.cache import LocalCache
 from kspeedfs.testing.node import remove_tree
 

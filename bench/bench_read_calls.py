@@ -33,7 +33,7 @@ from bench_fuse import list_files  # noqa: E402
 
 from kspeedfs.demo import ensure_sample  # noqa: E402
 from kspeedfs.format import auth  # noqa: E402
-from kspeedfs.format.localdata import LocalDataset  # noqa: E402
+from kspeedfs.system.local_dataset import LocalDataset  # noqa: E402
 from kspeedfs.testing import node as testing_node  # noqa: E402
 from kspeedfs.testing.node import NodeProcess  # noqa: E402
 from kspeedfs.testing.process import KSPEEDFS  # noqa: E402

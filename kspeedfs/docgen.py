@@ -421,7 +421,12 @@ _DATASET = "DATASET"
 def _node_snapshot() -> dict[str, Any]:
     """A node status with every part present (one dataset, etcd on), so that every family the
     node's collector can export is exported."""
-    from kspeedfs.node.metrics import READTHROUGH, TIERS
+    from kspeedfs.format.contract.status import (
+        CacheStatus,
+        ControlStatus,
+        DatasetCacheStatus,
+        HealStatus,
+    )
 
     return {
         "stats": {"reads": 0, "read_bytes": 0, "connections": 0, "refused": 0},
@@ -430,20 +435,26 @@ def _node_snapshot() -> dict[str, Any]:
         "leases": 0,
         "datasets": {_DATASET: (0, 0, 0)},
         "dataset_leases": {_DATASET: 0},
-        "cache": {
-            "datasets": {
-                _DATASET: {
-                    **{key: 0 for _m, key, _t in READTHROUGH},
-                    **{field: 0 for _tier, *fields in TIERS for field in fields},
-                }
+        "cache": CacheStatus(
+            datasets={
+                _DATASET: DatasetCacheStatus(
+                    lifetime="readthrough", segments=0, in_memory=0, memory_bytes=0, counted=True
+                )
             },
-            "evictions_by_policy": {"stable": 0},
-        },
-        "control": {
-            "heal": {"segments": 0, "bytes": 0, "failed": 0, "pending": 0, "seconds": 0},
-            "live": [],
-            "under_replicated": {_DATASET: 0},
-        },
+            spill=None,
+            stats={},
+            policy="stable",
+            evictions_by_policy={"stable": 0},
+        ),
+        "control": ControlStatus(
+            etcd=[],
+            cluster="",
+            reachable=True,
+            registered=True,
+            live=[],
+            heal=HealStatus(),
+            under_replicated={_DATASET: 0},
+        ),
     }
 
 

@@ -21,7 +21,7 @@ from kspeedfs.client.dataset_reader import Reader as Reader
 from kspeedfs.client.job_settings import client_settings as client_settings
 from kspeedfs.client.reader import ClusterReader, local_node_for
 from kspeedfs.format.config import Settings
-from kspeedfs.format.contract.node import DatasetEntry, DatasetListing, List, LoadingEntry
+from kspeedfs.format.contract.node import DatasetEntry, List, LoadingEntry
 from kspeedfs.format.errors import (
     AuthError,
     DataError,
@@ -153,8 +153,8 @@ def attach(
         on_mount.check_dataset(on, objname)
     preloaded = False
     for _attempt in range(5):
-        node, reply = cluster.live_call(List())
-        listed = DatasetListing.from_wire(reply).datasets
+        node, reply = cluster.pool.live_call(List())
+        listed = reply.datasets
         found = _match(listed, path, objname) if on is None else _mounted(listed, on, node)
         if found is None:
             if preloaded:

@@ -19,7 +19,7 @@ from kspeedfs.client import admin
 from kspeedfs.client import decoded as decoded_client
 from kspeedfs.format import decoded as variants
 from kspeedfs.format.errors import DataError, InvalidArgument, NotFound
-from kspeedfs.format.localdata import LocalDataset
+from kspeedfs.system.local_dataset import LocalDataset
 
 from . import cache
 from .folder import CachedPath, PathLike

@@ -10,9 +10,7 @@ import threading
 from kspeedfs.format.config import Settings
 from kspeedfs.format.contract.leases import (
     LeaseAcquire,
-    LeaseHeld,
     LeaseRelease,
-    LeaseReleased,
     LeaseRenew,
 )
 from kspeedfs.format.errors import KSpeedError, NotFound
@@ -45,7 +43,7 @@ class LeaseKeeper:
     def acquire(self) -> None:
         """Take the lease; raises NotFound when the dataset is gone (or being unloaded)."""
         with self._lock:
-            held = LeaseHeld.from_wire(self._client.call(self._acquire))
+            held = self._client.call(self._acquire)
         self.lease_id = held.lease
         self.ttl = held.ttl or self.ttl
         log.debug("lease on %s at %s: %s (ttl %.1fs)", self.name, self.home, held, self.ttl)
@@ -67,7 +65,7 @@ class LeaseKeeper:
                         self._client.call(LeaseRenew(lease=self.lease_id))
                     except NotFound:
                         # The node restarted or we stalled past the ttl: take a new one.
-                        held = LeaseHeld.from_wire(self._client.call(self._acquire))
+                        held = self._client.call(self._acquire)
                         self.lease_id = held.lease
                         log.warning("lease on %s was lost; took a new one", self.name)
                 if failing:
@@ -88,9 +86,7 @@ class LeaseKeeper:
         self._stop.set()
         try:
             with self._lock:
-                released = LeaseReleased.from_wire(
-                    self._client.call(LeaseRelease(lease=self.lease_id))
-                )
+                released = self._client.call(LeaseRelease(lease=self.lease_id))
             log.debug("released the lease on %s: %s", self.name, released)
         except KSpeedError as e:
             log.warning(

@@ -24,7 +24,7 @@ from kspeedfs.format.manifest import Manifest
 from kspeedfs.format.tarindex import TarIndex
 
 from .folder import CachedPath, PathLike
-from .meta import ask_to_index, open_kind
+from .metaindexes import ask_to_index, open_kind
 
 Sample = dict[str, Any]
 Part = tuple[int, int, int]  # (manifest entry of the shard, data offset, size)

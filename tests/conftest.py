@@ -283,6 +283,17 @@ def node(shm_dir: Path, token_file: Path, tmp_path: Path) -> Iterator[NodeProces
     n.stop()
 
 
+@pytest.fixture
+def nodes() -> Iterator[list[NodeProcess]]:
+    """Nodes a test starts itself (appended here): stopped, their folders removed after."""
+    made: list[NodeProcess] = []
+    yield made
+    for n in made:
+        n.stop()
+        shutil.rmtree(n.shm_dir, ignore_errors=True)
+        shutil.rmtree(n.shm_dir.with_name(n.shm_dir.name + ".run"), ignore_errors=True)  # socket
+
+
 @contextlib.contextmanager
 def node_in(folder: Path, **options: Any) -> Iterator[NodeProcess]:
     """A started node with an admin token in `folder` (its logs there too) and a /dev/shm folder

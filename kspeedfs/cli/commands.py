@@ -27,6 +27,7 @@ COMMANDS: dict[str, Callable[[argparse.Namespace], int]] = {
     "kubernetes": kubernetes.cmd_kubernetes,
     "install-systemd": setup.cmd_install_systemd,
     "shutdown": node.cmd_shutdown,
+    "clean-node": node.cmd_clean_node,
     "token": security.cmd_token,
     "user": security.cmd_user,
     "tls": security.cmd_tls,

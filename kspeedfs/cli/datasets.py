@@ -16,12 +16,10 @@ from kspeedfs.format.contract.node import (
     DatasetListing,
     List,
     Rebalance,
-    Rebalanced,
     Unload,
-    Unloaded,
 )
 from kspeedfs.format.contract.preload import PreloadStarted
-from kspeedfs.format.contract.readthrough import Refresh, Refreshed
+from kspeedfs.format.contract.readthrough import Refresh
 from kspeedfs.format.errors import InvalidArgument, KSpeedError, NotFound
 from kspeedfs.format.units import format_size, parse_size
 from kspeedfs.net.connection import NodeClient
@@ -118,7 +116,7 @@ def _preload_decoded(args: argparse.Namespace) -> None:
 def cmd_ls(args: argparse.Namespace) -> int:
     settings = settings_from(args)
     with admin.connect(settings) as client:
-        listing = DatasetListing.from_wire(client.call(List()))
+        listing = client.call(List())
         variants = _decoded(client, listing)
     # The tiers over the cluster: each member's own bytes, asked of it.
     tiers = cluster_tiers(settings, listing)
@@ -153,7 +151,7 @@ def _decoded(client: NodeClient, listing: DatasetListing) -> dict[str, dict[str,
 
 def cmd_unload(args: argparse.Namespace) -> int:
     with admin.connect(settings_from(args)) as client:
-        result = Unloaded.from_wire(client.call(Unload(name=args.name)))
+        result = client.call(Unload(name=args.name))
     print(f"{args.name}: {result.state}")
     return 0
 
@@ -172,7 +170,7 @@ def cmd_refresh(args: argparse.Namespace) -> int:
     # A refresh lists the whole source: it may take longer than an ordinary request.
     settings.timeout = max(settings.timeout, 600.0)
     with admin.connect(settings) as client:
-        result = Refreshed.from_wire(client.call(Refresh(name=args.name)))
+        result = client.call(Refresh(name=args.name))
     if result.state == "unchanged":
         print(f"{args.name}: unchanged")
     else:
@@ -188,7 +186,7 @@ def cmd_rebalance(args: argparse.Namespace) -> int:
     if not settings.etcd:
         raise InvalidArgument("rebalance needs the etcd control plane (--etcd or KSPEEDFS_ETCD)")
     with admin.connect(settings) as client:
-        reply = Rebalanced.from_wire(client.call(Rebalance(name=args.name or "")))
+        reply = client.call(Rebalance(name=args.name or ""))
     done = ", ".join(reply.datasets) or "nothing"
     print(f"rebalanced {done} over {len(reply.members)} members")
     return 0

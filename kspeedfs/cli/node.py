@@ -1,4 +1,5 @@
-"""Node commands: run the daemon, show the nodes (status), stop the daemon."""
+"""Node commands: run the daemon, show the nodes (status), stop the daemon, remove a stopped
+node's folders."""
 
 from __future__ import annotations
 
@@ -7,12 +8,13 @@ import dataclasses
 import json
 import logging
 import time
+from pathlib import Path
 from typing import Any
 
 from kspeedfs.cli.settings import settings_from
 from kspeedfs.cli.tables import print_table
 from kspeedfs.client import admin
-from kspeedfs.format.config import Settings
+from kspeedfs.format.config import Settings, load_settings
 from kspeedfs.format.contract.node import NodeStatus, Shutdown, Status
 from kspeedfs.format.errors import AuthError, KSpeedError
 from kspeedfs.format.units import format_size
@@ -98,7 +100,7 @@ def cmd_status(args: argparse.Namespace) -> int:
             continue
         mem = f"{format_size(s.used)} / {format_size(s.budget)}"
         tier = s.disk_tier
-        disk = f"{format_size(tier['used'])} / {format_size(tier['budget'])}" if tier else "-"
+        disk = f"{format_size(tier.used)} / {format_size(tier.budget)}" if tier else "-"
         loading = f" (+{len(s.loading)} loading)" if s.loading else ""
         rows.append(
             (
@@ -152,7 +154,7 @@ def _ask_status(settings: Settings) -> list[NodeView]:
             with NodeClient(
                 addr, settings.credential(), wait, tls, connect_timeout=CONNECT_TIMEOUT
             ) as client:
-                status = NodeStatus.from_wire(client.call(Status()))
+                status = client.call(Status())
                 return NodeView(status.node, status)
         except KSpeedError as e:
             # A refused token is this client's problem, not a node that is down.
@@ -221,16 +223,17 @@ def _etcd_members(settings: Settings) -> list[dict[str, Any]] | None:
 
 def _print_members(members: list[dict[str, Any]], nodes: list[NodeView]) -> None:
     rows = [("MEMBER (etcd)", "STATE", "SINCE", "HEAL")]
-    control = {n.node: n.status.control or {} for n in nodes if n.status is not None}
+    control = {n.node: n.status.control for n in nodes if n.status is not None}
     for m in members:
         since = "-"
         if m["since"]:
             since = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(m["since"]))
-        heal = control.get(m["node"], {}).get("heal")
-        under = sum((control.get(m["node"], {}).get("under_replicated") or {}).values())
+        seen = control.get(m["node"])
         text = "-"
-        if heal:
-            text = f"{heal['segments']} copied, {heal['pending']} pending, {under} under-replicated"
+        if seen is not None:
+            under = sum(seen.under_replicated.values())
+            heal = seen.heal
+            text = f"{heal.segments} copied, {heal.pending} pending, {under} under-replicated"
         rows.append((m["node"], m["state"], since, text))
     print_table(rows)
     print()
@@ -239,4 +242,18 @@ def _print_members(members: list[dict[str, Any]], nodes: list[NodeView]) -> None
 def cmd_shutdown(args: argparse.Namespace) -> int:
     with admin.connect(settings_from(args)) as client:
         client.call(Shutdown())
+    return 0
+
+
+def cmd_clean_node(args: argparse.Namespace) -> int:
+    """Remove a stopped node's folders: those named, else its configured shm and spill folders
+    (refused in one line while a node runs on one, or for a folder that is not a node's)."""
+    from kspeedfs.node.nodefolders import remove_stopped
+
+    folders = [Path(f) for f in (args.shm_dir, args.spill_dir) if f]
+    if not folders:
+        settings = load_settings({}, config_file=args.config)
+        folders = [f for f in (settings.shm_dir, settings.spill_dir) if f is not None]
+    for line in remove_stopped(folders):
+        print(line)
     return 0

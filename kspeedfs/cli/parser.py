@@ -273,6 +273,14 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("shutdown", help="stop the node daemon")
     _client_options(p)
 
+    p = sub.add_parser(
+        "clean-node",
+        help="remove a stopped node's folders (shm folder, spill folder), sealed segments too",
+    )
+    p.add_argument("--config", help="TOML config file (env KSPEEDFS_CONFIG)")
+    p.add_argument("--shm-dir", help="its shm folder (default: the config's shm_dir)")
+    p.add_argument("--spill-dir", help="its spill folder (default: the config's spill_dir)")
+
     p = sub.add_parser("token", help="cluster tokens")
     tsub = p.add_subparsers(dest="token_command", required=True, metavar="ACTION")
     t = tsub.add_parser(

@@ -12,7 +12,9 @@ from kspeedfs.format.config import Settings, load_settings
 _FLAGS = {"fuse_workers": "--workers", "verify_on_start": "--no-verify"}
 
 # Commands that talk to no node: a KSPEEDFS_USER in the environment asks for no password there.
-LOCAL_COMMANDS = frozenset({"node", "user", "token", "tls", "sample", "install-systemd"})
+LOCAL_COMMANDS = frozenset(
+    {"node", "user", "token", "tls", "sample", "install-systemd", "clean-node"}
+)
 
 
 def settings_from(args: argparse.Namespace, **extra: Any) -> Settings:

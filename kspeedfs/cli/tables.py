@@ -4,12 +4,13 @@ of every dataset on every node."""
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any, Protocol
+from typing import Protocol
 
 from kspeedfs.client.tier_bytes import ClusterTiers
 from kspeedfs.format.contract import READTHROUGH
 from kspeedfs.format.contract.decoded import VariantSummary
 from kspeedfs.format.contract.node import DatasetEntry, DatasetListing, NodeStatus
+from kspeedfs.format.contract.status import DatasetCacheStatus
 from kspeedfs.format.units import format_size
 
 LS_COLUMNS = (
@@ -104,24 +105,24 @@ def cache_table(nodes: Sequence[Answered]) -> list[tuple[str, ...]]:
         cache = n.status.cache if n.status is not None else None
         if not cache:
             continue
-        for name, d in sorted(cache["datasets"].items()):
-            pinned = d["lifetime"] != READTHROUGH
-            pct = 100.0 * d["in_memory"] / d["segments"] if d["segments"] else 100.0
-            state = f"stale: {d['stale']} files changed" if d["stale"] else "current"
+        for name, d in sorted(cache.datasets.items()):
+            pinned = d.lifetime != READTHROUGH
+            pct = 100.0 * d.in_memory / d.segments if d.segments else 100.0
+            state = f"stale: {d.stale} files changed" if d.stale else "current"
             rows.append(
                 (
                     n.node,
                     name,
-                    d["lifetime"] + (" (pinned)" if pinned else ""),
+                    d.lifetime + (" (pinned)" if pinned else ""),
                     f"{pct:.0f}%",
-                    format_size(d["memory_bytes"]),
-                    format_size(d.get("disk_bytes", 0)),
-                    "-" if pinned else format_size(d["spill_bytes"]),
-                    "-" if pinned else str(d["hits"]),
-                    "-" if pinned else str(d["misses"]),
-                    "-" if pinned else str(d["evictions"]),
-                    "-" if pinned else str(d.get("bypassed", 0)),
-                    "-" if pinned else format_size(d["source_bytes"]),
+                    format_size(d.memory_bytes),
+                    format_size(d.disk_bytes),
+                    "-" if pinned else format_size(d.spill_bytes),
+                    "-" if pinned else str(d.hits),
+                    "-" if pinned else str(d.misses),
+                    "-" if pinned else str(d.evictions),
+                    "-" if pinned else str(d.bypassed),
+                    "-" if pinned else format_size(d.source_bytes),
                     _caps(d),
                     state,
                 )
@@ -129,9 +130,9 @@ def cache_table(nodes: Sequence[Answered]) -> list[tuple[str, ...]]:
     return rows if len(rows) > 1 else []
 
 
-def _caps(d: dict[str, Any]) -> str:
+def _caps(d: DatasetCacheStatus) -> str:
     """A dataset's caps: memory / spill ("-" for none)."""
-    memory, disk = d.get("max_memory", 0), d.get("max_disk", 0)
+    memory, disk = d.max_memory, d.max_disk
     if not memory and not disk:
         return "-"
     return " / ".join(format_size(n) if n else "-" for n in (memory, disk))
@@ -164,15 +165,15 @@ def spill_lines(nodes: Sequence[Answered]) -> list[str]:
     out = []
     for n in nodes:
         cache = n.status.cache if n.status is not None else None
-        if cache and cache.get("policy"):
-            by = cache.get("evictions_by_policy") or {}
+        if cache and cache.policy:
+            by = cache.evictions_by_policy
             counts = ", ".join(f"{p} {c}" for p, c in sorted(by.items())) or "none"
-            out.append(f"eviction on {n.node}: {cache['policy']}; evictions: {counts}")
-        spill = (cache or {}).get("spill")
+            out.append(f"eviction on {n.node}: {cache.policy}; evictions: {counts}")
+        spill = cache.spill if cache else None
         if spill:
             out.append(
-                f"spill of {n.node}: {format_size(spill['used'])} / "
-                f"{format_size(spill['budget'])} in {spill['dir']}"
+                f"spill of {n.node}: {format_size(spill.used)} / "
+                f"{format_size(spill.budget)} in {spill.dir}"
             )
     return out
 

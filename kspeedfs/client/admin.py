@@ -15,9 +15,8 @@ from kspeedfs.format.contract.preload import (
     PreloadStarted,
     Progressing,
     Published,
-    load_status_from_wire,
 )
-from kspeedfs.format.contract.readthrough import Filled, FillSegment, Registered, RegisterSource
+from kspeedfs.format.contract.readthrough import FillSegment, RegisterSource
 from kspeedfs.format.errors import (
     AlreadyExists,
     DataError,
@@ -76,7 +75,7 @@ def load_status(
     """`progress` of `name`: its load's progress, or its record once published; long-polled
     past `wait_for_change_after` (a version seen before) for up to `wait_s` seconds."""
     request = LoadProgress(name=name, wait_for_change_after=wait_for_change_after, wait_s=wait_s)
-    return load_status_from_wire(client.call(request))
+    return client.call(request)
 
 
 def preload_done(progress: Progressing | Published, what: str) -> bool:
@@ -139,7 +138,7 @@ def start_preload(
     request = Preload.from_wire(
         {**fields, "endpoint": endpoint, "meta": list(meta), "tier": tier, **caps}
     )
-    return PreloadStarted.from_wire(client.call(request, answer_within=SCAN_TIMEOUT))
+    return client.call(request, answer_within=SCAN_TIMEOUT)
 
 
 def preload(
@@ -228,7 +227,7 @@ def preload_partial(
         typical = -(-record.bytes // max(segments, 1))  # a segment, rounded up
         held: set[int] = set()
         for seg in range(segments):
-            status = NodeStatus.from_wire(client.call(Status()))
+            status = client.call(Status())
             held = _resident(status, name)
             if seg in held:
                 continue
@@ -236,14 +235,14 @@ def preload_partial(
                 break  # full: the rest is read through
             while True:
                 fill = FillSegment(name=name, segment=seg, uuid=record.uuid)
-                filled = Filled.from_wire(client.call(fill))
+                filled = client.call(fill)
                 if filled.state != "filling":
                     break
             if filled.state == "failed":
                 raise DataError(f"partial preload of {name}: segment {seg}: {filled.error}")
             if filled.state == "source":
                 break  # not kept: its cap (its share of memory) is full
-            before, held = held, _resident(NodeStatus.from_wire(client.call(Status())), name)
+            before, held = held, _resident(client.call(Status()), name)
             if len(held) <= len(before):
                 break  # kept in place of one of its own (an lru node at the cap): full
     return len(held), segments
@@ -280,7 +279,7 @@ def register_source(
         weight=weight,
     )
     with connect(settings) as client:
-        registered = Registered.from_wire(client.call(request))
+        registered = client.call(request)
         if registered.state != "ready":
             wait_ready(client, name, what=f"listing {source}")
     return name

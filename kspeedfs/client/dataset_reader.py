@@ -3,7 +3,7 @@ policy (ClusterReader) for the rest. The fast path and the fsspec filesystem bot
 
 Views are maps (a sealed disk-tier segment's too, each file checked once); reads that copy
 (`scratch_view`, `fetch`, `gather`) read an unsealed segment of the node's disk tier with
-pread instead (localdata). Views of unsealed memory segments are not kept across calls: each
+pread instead (system/disk_copies). Views of unsealed memory segments are not kept across calls: each
 call checks the segment's size first. Reads of a read-through dataset's segments
 through the map are reported to the node (touches), which cannot see them."""
 
@@ -23,9 +23,9 @@ from kspeedfs.format.config import Settings
 from kspeedfs.format.contract.node import DatasetEntry
 from kspeedfs.format.contract.readthrough import PlanReq
 from kspeedfs.format.errors import DataError, InvalidArgument
-from kspeedfs.format.localdata import LocalDataset
 from kspeedfs.format.manifest import Manifest
-from kspeedfs.format.readthrough_view import ReadThroughDataset
+from kspeedfs.system.local_dataset import LocalDataset
+from kspeedfs.system.readthrough_view import ReadThroughDataset
 
 PLAN_CHUNK = 65536  # segment uses per `plan` request: well inside a frame
 
@@ -79,6 +79,13 @@ class Reader:
         self._scratch = threading.local()
         self._seg_views: dict[int, memoryview] = {}
         self._disk_views: dict[int, memoryview] = {}  # sealed disk-tier segments' maps
+        # The node's damage news (system/damage.py): one word of shared memory, and the
+        # generation these views were kept in; news drops them (and the dataset's own maps).
+        self._news = self.local.news.words if self.local is not None else None
+        self._news_seen = self.local.listen() if self.local is not None else 0
+        # The dataset's count of maps let go of when these views were kept (LocalDataset.dropped)
+        self._dropped = self.local.dropped if self.local is not None else 0
+        self._views_lock = threading.Lock()
         self._data = self.manifest.data
         self._size = self.manifest.size
         self._seg_size = self.manifest.segment_size
@@ -89,6 +96,10 @@ class Reader:
         seg, off = divmod(start, self._seg_size)
         end = off + int(self._size[entry])
         assert self.local is not None
+        if self._news is not None and self._news[0] != self._news_seen:
+            self._news_seen = self.local.listen()
+        if self.local.dropped != self._dropped:
+            self._let_go()
         if end > self._seg_size:
             # Spans segments: joined. (It called view(), which came back here: a RecursionError
             # for every file over a segment boundary.)
@@ -98,8 +109,9 @@ class Reader:
                 return self._copied(entry)
         mv = self._seg_views.get(seg)
         if mv is None:
+            dropped = self.local.dropped
             mv = self._disk_views.get(seg)  # (only disk-tier segments are in it)
-            if mv is not None and self.local.file_checked(entry):
+            if mv is not None and self.local.disk.file_checked(entry):
                 return mv[off:end]
             if seg in self.local.on_disk:
                 return self._disk_view(entry, seg, off, end)
@@ -108,21 +120,40 @@ class Reader:
             except DataError:
                 return self._copied(entry)  # unloaded before we mapped it: the read policy
             if not self.local.maps_sealed(seg):
-                return mv[off:end]  # unsealed: its size is checked at each use (localdata)
-            self._seg_views[seg] = mv
+                return mv[off:end]  # unsealed: its size is checked at each use (local_dataset)
+            self._keep(self._seg_views, seg, mv, dropped)
         return mv[off:end]
+
+    def _let_go(self) -> None:
+        """The dataset let go of maps (damage news, damage found here, an unload): so do the
+        kept views, which may be of them (the next read maps and checks again)."""
+        assert self.local is not None
+        with self._views_lock:
+            dropped = self.local.dropped
+            self._seg_views.clear()
+            self._disk_views.clear()
+            self._dropped = dropped
+
+    def _keep(self, views: dict[int, memoryview], seg: int, mv: memoryview, dropped: int) -> None:
+        """Keep `mv`, a map of `seg` got when the dataset had let go of `dropped` maps, unless
+        it let go of one since (then `mv` may be the one it dropped)."""
+        assert self.local is not None
+        with self._views_lock:
+            if self.local.dropped == dropped == self._dropped:
+                views[seg] = mv
 
     def _disk_view(self, entry: int, seg: int, off: int, end: int) -> memoryview:
         """File `entry`, which lies on the disk tier: a view of its map where the segment is
         sealed (the immutable flag), else read with pread; checked against its checksum the
-        first time (localdata). A damaged one is read elsewhere by the read policy."""
+        first time (disk_copies). A damaged one is read elsewhere by the read policy."""
         assert self.local is not None
+        dropped = self.local.dropped
         try:
             view = self.local.mapped_file(entry, seg, off, end)
             if view is not None:
                 if self.all_local and self.local.maps_sealed(seg):
-                    # Kept: its next files cost one test each (checked once, localdata).
-                    self._disk_views[seg] = memoryview(self.local.segment(seg))
+                    # Kept (the map just checked): its next files cost one test each.
+                    self._keep(self._disk_views, seg, memoryview(view.obj), dropped)
                 return view
             return memoryview(self.local.read(entry, 0, int(self._size[entry])))
         except DataError:
@@ -137,14 +168,19 @@ class Reader:
         seg, off = divmod(int(self._data[entry]) + offset, self._seg_size)
         if off + length > self._seg_size or not local.holds(seg) or seg in local.on_disk:
             return None  # (disk-tier bytes are copied and checked: never a map)
+        if self._news is not None and self._news[0] != self._news_seen:
+            self._news_seen = local.listen()
+        if local.dropped != self._dropped:
+            self._let_go()
         mv = self._seg_views.get(seg) if self.all_local else None
         if mv is None:
+            dropped = local.dropped
             try:
                 mv = memoryview(local.segment(seg))
             except DataError:
                 return None  # unloaded before we mapped it: the read policy finds another copy
             if self.all_local and local.maps_sealed(seg):
-                self._seg_views[seg] = mv
+                self._keep(self._seg_views, seg, mv, dropped)
         return mv[off : off + length]
 
     def is_local(self, entry: int) -> bool:
@@ -172,8 +208,10 @@ class Reader:
         local = self.local
         return (
             local is not None
-            and local.has_disk_part
-            and any(local.copies_by_pread(seg) for seg, _off, _n in self.manifest.ranges(entry))
+            and bool(local.on_disk)
+            and any(
+                local.disk.copies_by_pread(seg) for seg, _off, _n in self.manifest.ranges(entry)
+            )
         )
 
     def view(self, entry: int) -> memoryview:
@@ -237,7 +275,7 @@ class Reader:
                     horizon=len(runs[0]),
                     reader=reader,
                 )
-                if not self.cluster.call(node, request).get("used", False):
+                if not self.cluster.pool.call(node, request).used:
                     break  # this node's policy does not use plans
 
     def _segment_uses(self, entries: np.ndarray) -> np.ndarray:

@@ -11,7 +11,7 @@ from kspeedfs.format.contract.decoded import (
     DecodeStatus,
     VariantSummary,
 )
-from kspeedfs.format.errors import DataError
+from kspeedfs.format.errors import DataError, ProtocolError
 from kspeedfs.net.connection import SCAN_TIMEOUT, NodeClient
 from kspeedfs.system.progress import ProgressBar
 
@@ -21,13 +21,15 @@ POLL_S = 0.2
 def start(client: NodeClient, name: str, size: int, uuid: str = "") -> DecodeStarted:
     """Ask every member to decode the images it holds (NoSpace, one line, before any decoding
     when a member's budget cannot take it). An existing variant is left as it is."""
-    reply = client.call(Decode(name=name, size=size, uuid=uuid), answer_within=SCAN_TIMEOUT)
-    return DecodeStarted.from_wire(reply)
+    return client.call(Decode(name=name, size=size, uuid=uuid), answer_within=SCAN_TIMEOUT)
 
 
 def status(client: NodeClient, name: str) -> dict[str, VariantSummary]:
     """{size: summary over the members} of a dataset's variants (see node.decoded.summarize)."""
-    return DatasetVariants.from_wire(client.call(DecodeStatus(name=name))).variants
+    answer = client.call(DecodeStatus(name=name))
+    if not isinstance(answer, DatasetVariants):  # (a member's own, asked with `local`)
+        raise ProtocolError(f"decode_status of {name} answered one member's variants")
+    return answer.variants
 
 
 def wait(

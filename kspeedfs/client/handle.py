@@ -5,8 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from kspeedfs.format import placement
-from kspeedfs.format.localdata import LocalDataset
 from kspeedfs.format.manifest import Manifest
+from kspeedfs.system.local_dataset import LocalDataset
 
 
 @dataclass

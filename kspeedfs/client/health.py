@@ -10,17 +10,29 @@ reader steers every other one at once. Entries are keyed by node address; a row 
 replicas, never a wrong byte: health only orders replicas and sets hedge delays). Times are
 CLOCK_MONOTONIC, one clock for every process of the machine. Where the file cannot be used
 the table is private to the process.
+
+The file goes with its last user: each holds a shared lock on its first byte (an open file
+description's lock, F_OFD_SETLK, apart from the flock that guards taking a slot) for as long
+as it has the table open; one that closes it (or exits, or is collected) and gets the byte's
+exclusive lock at once is the last, and unlinks the file under that lock. The kernel drops a
+crashed user's lock with its files, so a user killed with -9 never holds the file up; one that
+opens the file while the last user removes it waits on the lock, finds the path gone or
+another file, and opens again. A file whose users all crashed stays until the next user leaves.
 """
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
+import functools
 import logging
 import math
 import mmap
 import os
 import stat
+import struct
 import time
+from multiprocessing import util as mp_util
 
 import xxhash
 
@@ -45,6 +57,41 @@ def default_path() -> str:
     return f"/dev/shm/kspeedfs-health.{os.getuid()}"
 
 
+def _lock_first_byte(fd: int, kind: int, wait: bool) -> bool:
+    """Take (or convert to) an open file description's lock of `kind` (F_RDLCK, F_WRLCK) on
+    the file's first byte; False when another description holds a conflicting one and `wait`
+    is False, or where the system has no such locks."""
+    setlk = getattr(fcntl, "F_OFD_SETLKW" if wait else "F_OFD_SETLK", None)
+    if setlk is None:
+        return False
+    # struct flock: l_type, l_whence, l_start, l_len, l_pid (0 for a description's lock).
+    request = struct.pack("hhqqi4x", kind, os.SEEK_SET, 0, 1, 0)
+    try:
+        fcntl.fcntl(fd, setlk, request)
+    except OSError:
+        return False
+    return True
+
+
+def _same_file(fd: int, path: str) -> bool:
+    """Whether `path` still names the file open at `fd`."""
+    try:
+        st, at = os.fstat(fd), os.stat(path, follow_symlinks=False)
+    except OSError:
+        return False
+    return (st.st_dev, st.st_ino) == (at.st_dev, at.st_ino)
+
+
+def _leave(fd: int, path: str, opener: int) -> None:
+    """A user's last word: the table's file unlinked when no other user holds it, then closed.
+    In a forked child the descriptor (and its lock) is its opener's: only closed here."""
+    last = os.getpid() == opener and _lock_first_byte(fd, fcntl.F_WRLCK, wait=False)
+    if last and _same_file(fd, path):
+        with contextlib.suppress(OSError):
+            os.unlink(path)
+    os.close(fd)
+
+
 class NodeHealth:
     """Per-node suspicion, down marks and latency (SRTT and its variance, as TCP keeps them),
     shared by every process that opens the same table."""
@@ -52,6 +99,7 @@ class NodeHealth:
     def __init__(self, path: str | os.PathLike[str] | None = None):
         self.path = default_path() if path is None else os.fspath(path)
         self._fd = -1
+        self._leave: mp_util.Finalize | None = None
         self._map = self._open() if self.path else None
         if self._map is None:
             self._map = mmap.mmap(-1, TABLE_BYTES)
@@ -62,26 +110,44 @@ class NodeHealth:
         self._slots: dict[str, int] = {}
 
     def _open(self) -> mmap.mmap | None:
+        """The shared table, held (a shared lock) until this user leaves; None where it
+        cannot be used."""
+        for _ in range(3):  # the file is removed under us at most by its last user's leaving
+            fd = self._open_file()
+            if fd < 0:
+                return None
+            if not _lock_first_byte(fd, fcntl.F_RDLCK, wait=True) or _same_file(fd, self.path):
+                break  # held (or no such locks here: then the file is never removed)
+            os.close(fd)
+        else:
+            return None
+        try:
+            if os.fstat(fd).st_size < TABLE_BYTES:
+                os.ftruncate(fd, TABLE_BYTES)
+            m = mmap.mmap(fd, TABLE_BYTES)
+        except OSError as e:
+            log.debug("node health kept in this process: %s: %s", self.path, e)
+            _leave(fd, self.path, os.getpid())
+            return None
+        self._fd = fd
+        # At exit (in a multiprocessing child too, which ends without atexit) or when collected.
+        leave = functools.partial(_leave, fd, self.path, os.getpid())
+        self._leave = mp_util.Finalize(self, leave, exitpriority=0)
+        return m
+
+    def _open_file(self) -> int:
+        """The table's file opened (-1 where it cannot be, or is not a private file of ours)."""
         try:
             fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
         except OSError as e:
             log.debug("node health kept in this process: %s: %s", self.path, e)
-            return None
-        try:
-            st = os.fstat(fd)
-            if not stat.S_ISREG(st.st_mode) or st.st_uid != os.getuid() or st.st_mode & 0o077:
-                log.warning("%s is not a private file of ours: node health kept here", self.path)
-                os.close(fd)
-                return None
-            if st.st_size < TABLE_BYTES:
-                os.ftruncate(fd, TABLE_BYTES)
-            m = mmap.mmap(fd, TABLE_BYTES)
-        except OSError as e:
+            return -1
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode) or st.st_uid != os.getuid() or st.st_mode & 0o077:
+            log.warning("%s is not a private file of ours: node health kept here", self.path)
             os.close(fd)
-            log.debug("node health kept in this process: %s: %s", self.path, e)
-            return None
-        self._fd = fd
-        return m
+            return -1
+        return fd
 
     def _slot(self, node: str) -> int:
         """The word index of `node`'s row (taken on first use)."""
@@ -207,10 +273,12 @@ class NodeHealth:
         return out
 
     def close(self) -> None:
+        """Leave the table: its file is removed when this was its last user."""
         self._q.release()
         self._d.release()
         if self._map is not None:
             self._map.close()
-        if self._fd >= 0:
-            os.close(self._fd)
-            self._fd = -1
+        if self._leave is not None:
+            self._leave()  # closes the descriptor
+            self._leave = None
+        self._fd = -1

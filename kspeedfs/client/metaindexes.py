@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from kspeedfs.format.contract.metaindexes import IndexAdded, MetaAdd, MetaAdded
+from kspeedfs.format.contract.metaindexes import IndexAdded, MetaAdd
 from kspeedfs.format.units import format_size
 from kspeedfs.net.connection import SCAN_TIMEOUT, NodeClient
 
@@ -13,7 +13,7 @@ def add(client: NodeClient, name: str, metas: Sequence[str], uuid: str = "") -> 
     """Index meta files of dataset `name` on every member (one already indexed is left as it
     is); every name is checked before anything is built. One reply per meta file."""
     request = MetaAdd(name=name, uuid=uuid, meta=list(metas))
-    return MetaAdded.from_wire(client.call(request, answer_within=SCAN_TIMEOUT)).indexes
+    return client.call(request, answer_within=SCAN_TIMEOUT).indexes
 
 
 def describe(name: str, index: IndexAdded) -> str:

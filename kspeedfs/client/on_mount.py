@@ -17,7 +17,7 @@ from typing import Any
 
 from kspeedfs.client import admin
 from kspeedfs.format.config import Settings
-from kspeedfs.format.contract.node import DatasetEntry, DatasetListing, List, LoadingEntry
+from kspeedfs.format.contract.node import DatasetEntry, List, LoadingEntry
 from kspeedfs.format.errors import InvalidArgument
 from kspeedfs.system.mountinfo import mount_entries
 
@@ -101,6 +101,6 @@ def held_here(settings: Settings, on: MountedPath) -> DatasetEntry | LoadingEntr
     source); None where they do not: that mount is another cluster's, a source like any
     other."""
     with admin.connect(settings) as client:
-        listed = DatasetListing.from_wire(client.call(List())).datasets
+        listed = client.call(List()).datasets
     found = [d for d in listed if d.name == on.dataset and d.source == on.source]
     return found[0] if found else None

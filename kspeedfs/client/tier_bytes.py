@@ -89,6 +89,6 @@ def _listing(settings: Settings, node: str) -> dict[str, DatasetEntry] | str:
         with NodeClient(
             address, settings.credential(), settings.timeout, client_context(settings)
         ) as client:
-            return DatasetListing.from_wire(client.call(List())).ready()
+            return client.call(List()).ready()
     except KSpeedError as e:
         return str(e) or type(e).__name__

@@ -23,7 +23,7 @@ from kspeedfs.client.handle import DatasetHandle
 from kspeedfs.client.reader import ClusterReader
 from kspeedfs.format.contract.readthrough import Touch
 from kspeedfs.format.errors import KSpeedError
-from kspeedfs.format.readthrough_view import ReadThroughDataset
+from kspeedfs.system.readthrough_view import ReadThroughDataset
 
 log = logging.getLogger(__name__)
 
@@ -50,7 +50,7 @@ class _Target:
             return
         request = Touch(name=self.name, uuid=self.uuid, segments=segments, hits=hits)
         try:
-            self.cluster.call(self.node, request)
+            self.cluster.pool.call(self.node, request)
             self.last_failed = False
         except KSpeedError as e:
             self.last_failed = True

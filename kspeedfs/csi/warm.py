@@ -22,11 +22,10 @@ from kspeedfs.client.reader import local_node_for
 from kspeedfs.format.config import Settings
 from kspeedfs.format.contract.leases import (
     LeaseAcquire,
-    LeaseHeld,
     LeaseRelease,
     LeaseRenew,
 )
-from kspeedfs.format.contract.node import DatasetEntry, DatasetListing, List, LoadingEntry
+from kspeedfs.format.contract.node import DatasetEntry, List, LoadingEntry
 from kspeedfs.format.discovery import NodeWatch
 from kspeedfs.format.errors import AlreadyExists, KSpeedError, NotFound
 from kspeedfs.format.tls import client_context
@@ -68,7 +67,7 @@ class WarmDatasets:
     def lookup(self, name: str) -> tuple[str, DatasetEntry | LoadingEntry] | None:
         """The node that answered and its listing of dataset `name` (None: not listed)."""
         with self._client() as client:
-            listing = DatasetListing.from_wire(client.call(List()))
+            listing = client.call(List())
         for d in listing.datasets:
             if d.name == name:
                 return listing.node, d
@@ -146,7 +145,7 @@ class WarmDatasets:
         holder = f"csi:{self.node_id}:{volume.volume_id}"
         acquire = LeaseAcquire(name=volume.dataset, uuid=info.uuid, holder=holder)
         with self._client(home) as client:
-            held = LeaseHeld.from_wire(client.call(acquire))
+            held = client.call(acquire)
         log.info("volume %s: lease on %s at %s", volume.volume_id, volume.dataset, home)
         return dataclasses.replace(volume, lease=held.lease, lease_home=home)
 

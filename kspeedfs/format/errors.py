@@ -93,6 +93,13 @@ class ReadOnlyFileSystem(ReadOnly, PermissionError):  # type: ignore[misc]  # as
     """A write through a file-system API (fsspec): also the PermissionError callers expect."""
 
 
+class InUse(KSpeedError):
+    """A folder a running node holds (a removal of its folders is refused)."""
+
+    errno = errno.EBUSY
+    exit_code = 13
+
+
 class InternalError(KSpeedError):
     """A handler failed in a way nobody planned for: answered in one line, logged in full."""
 
@@ -125,4 +132,5 @@ exit codes:
   9  authentication refused
  10  data error (unreadable or corrupt data)
  11  protocol error
- 12  read-only"""
+ 12  read-only
+ 13  in use (a node runs on the folder)"""

@@ -151,9 +151,9 @@ class DatasetList:
         error: KSpeedError | None = None
         for client in self.clients:
             try:
-                listing = DatasetListing.from_wire(await client.call(List()))
+                listing = await client.call(List())
                 if self.single_size is not None and await self._start_variant(client, listing):
-                    listing = DatasetListing.from_wire(await client.call(List()))
+                    listing = await client.call(List())
                 break
             except NodeUnreachable as e:
                 error = e

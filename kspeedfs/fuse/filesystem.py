@@ -34,7 +34,6 @@ from kspeedfs.client.handle import DatasetHandle
 from kspeedfs.client.reader import ClusterReader
 from kspeedfs.format.contract.node import DatasetEntry
 from kspeedfs.format.errors import DataError, KSpeedError, NotFound
-from kspeedfs.format.readthrough_view import ReadThroughDataset
 from kspeedfs.fuse.counters import SOURCE_SLOTS, SharedCounters
 from kspeedfs.fuse.datasets import INDEX_MASK, SLOT_SHIFT, MountedDataset
 from kspeedfs.fuse.kernel import (
@@ -49,6 +48,7 @@ from kspeedfs.fuse.kernel import (
 )
 from kspeedfs.fuse.listings import pack_folder
 from kspeedfs.fuse.variants import TarFiles, VariantFiles, ViewOf
+from kspeedfs.system.readthrough_view import ReadThroughDataset
 
 log = logging.getLogger(__name__)
 

@@ -90,6 +90,7 @@ WANTED_FLAGS = DO_READDIRPLUS | PARALLEL_DIROPS | FLAG_MAX_PAGES | CACHE_SYMLINK
 
 FOPEN_KEEP_CACHE = 1 << 1
 FOPEN_CACHE_DIR = 1 << 3
+NOTIFY_INVAL_INODE = 2
 NOTIFY_INVAL_ENTRY = 3
 NOTIFY_RESEND = 7  # kernel 6.9+
 FUSE_DEV_IOC_CLONE = 0x8004E500  # _IOR(229, 0, uint32_t)
@@ -114,6 +115,7 @@ GETXATTR_OUT = struct.Struct("<II")
 STATFS_OUT = struct.Struct("<QQQQQIIII24x")
 DIRENT = struct.Struct("<QQII")
 INVAL_ENTRY = struct.Struct("<QII")
+INVAL_INODE = struct.Struct("<Qqq")  # fuse_notify_inval_inode_out: ino, off, len
 INTERRUPT_IN = struct.Struct("<Q")
 ENOTTY_REPLY = struct.pack("<Ii", OUT_HEADER.size, -errno.ENOTTY)  # then the request's unique
 FLAGS2 = struct.Struct("<I")  # fuse_init_in.flags2, after the first 16 bytes (INIT_EXT)
@@ -364,7 +366,13 @@ class RequestLoop:
         size = uring.payload_size(MAX_WRITE, MAX_PAGES)
         for qid in range(uring.possible_cpus()):
             ring = uring.QueueRing(
-                self.fd, qid, uring.DEPTH, size, self._ring_request, self._ring_ended
+                self.fd,
+                qid,
+                uring.DEPTH,
+                size,
+                self._ring_request,
+                self._ring_ended,
+                self.interrupt,
             )
             self._rings.append(ring)
         for ring in self._rings:
@@ -830,6 +838,24 @@ class FuseSession:
             last.result(timeout)  # one thread runs them in order: the last done, all done
         except (TimeoutError, CancelledError):
             pass  # a folder lock held elsewhere, or shutting down: the kernel catches up later
+
+    def invalidate_pages_async(self, inodes: list[int]) -> None:
+        """Make the kernel drop its cached pages (and attributes) of `inodes`, whole; one it
+        does not know is skipped. In the notify thread, as entries are."""
+        self._last_invalidation = self._notify.submit(self._invalidate_pages, inodes)
+
+    def _invalidate_pages(self, inodes: list[int]) -> None:
+        for ino in inodes:
+            body = INVAL_INODE.pack(ino, 0, 0)  # from offset 0, length 0: to the end
+            header = OUT_HEADER.pack(OUT_HEADER.size + len(body), NOTIFY_INVAL_INODE, 0)
+            try:
+                os.writev(self.fd, [header, body])
+            except OSError as e:
+                if e.errno == errno.ENOENT:
+                    continue  # not cached
+                if e.errno not in (errno.EBADF, errno.ENODEV):
+                    log.warning("cannot drop the cached pages of inode %d: %s", ino, e)
+                return
 
     def _invalidate_entry(self, parent: int, name: bytes) -> None:
         body = INVAL_ENTRY.pack(parent, len(name), 0) + name + b"\0"

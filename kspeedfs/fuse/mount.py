@@ -28,6 +28,7 @@ from kspeedfs.format.names import validate_mount_name
 from kspeedfs.format.tls import client_context
 from kspeedfs.fuse import uring
 from kspeedfs.fuse.counters import SharedCounters
+from kspeedfs.fuse.damage_news import drop_damaged_pages
 from kspeedfs.fuse.datasets import DatasetList
 from kspeedfs.fuse.kernel import MAX_WRITE, FuseSession
 from kspeedfs.fuse.metrics import serve_mount_metrics
@@ -172,6 +173,7 @@ async def serve_mount(
                 if keeper is not None:
                     keeper.serving()
                 nursery.start_soon(datasets.keep_refreshed, pool.on_change)
+                nursery.start_soon(drop_damaged_pages, datasets, session)
                 nursery.start_soon(_unmount_on_signal, signals, session, pool)
                 if keeper is not None:
                     nursery.start_soon(keeper.stay_kept, str(mountpoint), kept_now)

@@ -15,6 +15,15 @@ argument), `fuse_uring_ent_in_out {flags, commit_id, payload_sz}` at 256; the va
 a request (a LOOKUP's name) and the reply's body are in the payload. The kernel serves nothing
 once io_uring is claimed at INIT until every possible CPU's queue has an entry, so the loop
 claims it only after `ring_unusable` found a ring can be made here (kernel.py).
+
+INTERRUPT still comes through /dev/fuse, and the kernel loses one: it queues a request's
+INTERRUPT only if the request was sent already, and /dev/fuse's read looks back for a signal
+that came before (FR_INTERRUPTED) while the ring's send does not (fs/fuse/dev_uring.c, 6.14 to
+6.18 at least). A buffered read interrupted in its read-ahead is sent again as a one-page READ
+with the signal pending (measured: 2 READs, 1 INTERRUPT): no INTERRUPT for it ever comes, and
+its reader waits for the answer, on a frozen node until the read's deadline. `InterruptWatch`
+gives it: every WATCH_S it looks once at each request an entry has held that long; one whose
+reader has a signal pending that the kernel would have interrupted it for is interrupted.
 """
 
 from __future__ import annotations
@@ -55,6 +64,10 @@ CMD_REQ = struct.Struct("<QQH6x")  # fuse_uring_cmd_req, at SQE offset 48
 COMMIT_ID_OFFSET = 56
 REGISTER_RETRY = (0.01, 0.2)  # seconds between REGISTERs refused before INIT (first, most)
 GONE = frozenset({errno.ENOTCONN, errno.ECANCELED, errno.ENODEV, errno.ECONNABORTED})
+# How often (and after how long) InterruptWatch looks at the requests the entries hold: a lost
+# INTERRUPT comes this late. Inline answers take microseconds: never looked at.
+WATCH_S = 0.1
+IN_UNIQUE_PID = struct.Struct("<8xQ16xI")  # fuse_in_header's unique and pid
 
 # op_in size of each opcode (its in_args[0]); 0 or absent: all of it is in the payload
 OP_IN_SIZE = {
@@ -178,7 +191,10 @@ def _sqe(fuse_fd: int, cmd_op: int, addr: int, length: int, user_data: int, qid:
 class RingEntry:
     """One registered entry: its request while it holds one, and its reply (`commit`)."""
 
-    __slots__ = ("queue", "index", "header", "payload", "_iov", "_register", "_commit")
+    __slots__ = (
+        "queue", "index", "header", "payload", "_iov", "_register", "_commit", "held_since",
+        "looked_at",
+    )  # fmt: skip
 
     def __init__(self, queue: QueueRing, index: int, payload_size: int):
         self.queue = queue
@@ -191,6 +207,8 @@ class RingEntry:
         fd, qid = queue.fuse_fd, queue.qid
         self._register = _sqe(fd, CMD_REGISTER, ctypes.addressof(self._iov), 2, index, qid)
         self._commit = _sqe(fd, CMD_COMMIT_AND_FETCH, 0, 0, index, qid)
+        self.held_since = 0.0  # when its request was handed to the loop (0: none held)
+        self.looked_at = 0.0  # the held_since InterruptWatch looked at
 
     def body(self, opcode: int) -> memoryview:
         """The request after its fuse_in_header, as /dev/fuse would give it."""
@@ -206,6 +224,7 @@ class RingEntry:
     def commit(self, unique: int, error: int, data: bytes | bytearray | memoryview) -> None:
         """Reply to the request this entry holds (error: a positive errno, or 0 with `data`),
         and hand the entry back for the next request. From any thread."""
+        self.held_since = 0.0
         n = len(data) if not error else 0
         if n > len(self.payload):
             error, n = errno.EIO, 0
@@ -230,11 +249,13 @@ class QueueRing:
         payload_size: int,
         on_request: Callable[[RingEntry], None],
         on_end: Callable[[QueueRing, str | None], None],
+        interrupt: Callable[[int], object],
     ):
         self.fuse_fd = fuse_fd
         self.qid = qid
         self.on_request = on_request
         self.on_end = on_end
+        self.interrupt = interrupt  # the loop's: what an INTERRUPT of a request does
         self.ring = Ring(depth * 2)
         self.entries = [RingEntry(self, i, payload_size) for i in range(depth)]
         self.thread_id = 0
@@ -255,12 +276,14 @@ class QueueRing:
         except OSError:
             pass  # a CPU outside our set: served from elsewhere, still correct
         why: str | None = None
+        WATCH.add(self)
         try:
             why = self._serve()
         except Exception as e:  # reported, never raised into a thread nobody joins
             log.exception("FUSE ring of CPU %d failed", self.qid)
             why = str(e)
         finally:
+            WATCH.discard(self)
             self.ring.close()
             self.on_end(self, why)
 
@@ -276,6 +299,7 @@ class QueueRing:
             for index, res in self.ring.completions():
                 entry = self.entries[index]
                 if res >= 0:
+                    entry.held_since = time.monotonic()
                     self.on_request(entry)
                 elif -res == errno.EAGAIN:  # the INIT reply is not processed yet
                     retry.append(entry)
@@ -295,6 +319,79 @@ class QueueRing:
                 for entry in retry:
                     self.submit(entry._register, now=False)
         return None
+
+    def interrupt_lost(self, now: float) -> None:
+        """Interrupt each request an entry has held since WATCH_S or more whose reader the
+        kernel would have interrupted (looked at once: a signal that comes after the request
+        reached us brings its INTERRUPT through /dev/fuse)."""
+        for entry in self.entries:
+            since = entry.held_since
+            if not since or since == entry.looked_at or now - since < WATCH_S:
+                continue
+            entry.looked_at = since
+            unique, pid = IN_UNIQUE_PID.unpack_from(entry.header)
+            if pid and signal_pending(pid):
+                log.debug("FUSE ring of CPU %d: request %d: its INTERRUPT lost", self.qid, unique)
+                self.interrupt(unique)
+
+
+class InterruptWatch:
+    """One thread per process, while it has rings, that gives their held requests the
+    INTERRUPTs the kernel lost (see the module's docstring)."""
+
+    def __init__(self) -> None:
+        self._rings: set[QueueRing] = set()
+        self._lock = threading.Lock()
+        self._thread: threading.Thread | None = None
+
+    def add(self, ring: QueueRing) -> None:
+        with self._lock:
+            self._rings.add(ring)
+            if self._thread is None:
+                self._thread = threading.Thread(
+                    target=self._run, name="fuse-ring-interrupts", daemon=True
+                )
+                self._thread.start()
+
+    def discard(self, ring: QueueRing) -> None:
+        with self._lock:
+            self._rings.discard(ring)
+
+    def _run(self) -> None:
+        while True:
+            time.sleep(WATCH_S)
+            with self._lock:
+                rings = list(self._rings)
+                if not rings:
+                    self._thread = None
+                    return
+            now = time.monotonic()
+            for ring in rings:
+                try:
+                    ring.interrupt_lost(now)
+                except Exception:  # logged; the watch goes on for the other requests
+                    log.exception("FUSE ring of CPU %d: looking for lost interrupts", ring.qid)
+
+
+WATCH = InterruptWatch()
+
+
+def signal_pending(tid: int) -> bool:
+    """Whether thread `tid` (a request's reader) has a signal pending that it does not block:
+    what the kernel interrupts a FUSE request for. Its own, or its process's when it is the
+    main thread, which the kernel gives a signal sent to the process first."""
+    try:
+        status = Path(f"/proc/{tid}/status").read_text()
+    except OSError:
+        return False  # gone
+    fields = dict(line.split(":", 1) for line in status.splitlines() if ":" in line)
+    try:
+        pending = int(fields["SigPnd"], 16)
+        if fields["Tgid"].strip() == str(tid):
+            pending |= int(fields["ShdPnd"], 16)
+        return bool(pending & ~int(fields["SigBlk"], 16))
+    except (KeyError, ValueError):
+        return False
 
 
 def possible_cpus() -> int:

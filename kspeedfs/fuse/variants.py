@@ -38,8 +38,8 @@ from kspeedfs.format import decoded as fmt
 from kspeedfs.format import tarview
 from kspeedfs.format.contract.node import DatasetEntry
 from kspeedfs.format.errors import DataError, KSpeedError, NotFound
-from kspeedfs.format.localdata import LocalDataset
 from kspeedfs.fuse.kernel import Buffer, FuseError, ReadResult
+from kspeedfs.system.local_dataset import LocalDataset
 
 log = logging.getLogger(__name__)
 

@@ -17,7 +17,7 @@ from typing import Any
 import trio
 
 from kspeedfs.format import auth, protocol
-from kspeedfs.format.contract import Request
+from kspeedfs.format.contract import Answer, Request
 from kspeedfs.format.errors import AuthError, NodeUnreachable, ProtocolError, error_from_wire
 from kspeedfs.format.protocol import Frame, MsgType
 from kspeedfs.format.units import Address
@@ -171,11 +171,11 @@ class AsyncNodeClient:
                     await self.aclose()
                 raise
 
-    async def call(self, request: Request, *, answer_within: float | None = None) -> dict[str, Any]:
-        """A typed request (kspeedfs.format.contract) and its answer."""
+    async def call(self, request: Request[Answer], *, answer_within: float | None = None) -> Answer:
+        """A typed request (kspeedfs.format.contract) and its answer, of the type it names."""
         fields = request.to_wire()
         del fields["op"]
-        return await self.request(request.OP, answer_within=answer_within, **fields)
+        return request.answer(await self.request(request.OP, answer_within=answer_within, **fields))
 
     async def request(
         self, op: str, *, answer_within: float | None = None, **args: Any

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from kspeedfs.format import auth, protocol
-from kspeedfs.format.contract import Request
+from kspeedfs.format.contract import Answer, Request
 from kspeedfs.format.errors import AuthError, NodeUnreachable, ProtocolError, error_from_wire
 from kspeedfs.format.protocol import MsgType
 from kspeedfs.format.units import Address
@@ -133,11 +133,11 @@ class NodeClient:
             self._sock.close()
             self._sock = None
 
-    def call(self, request: Request, *, answer_within: float | None = None) -> dict[str, Any]:
-        """A typed request (kspeedfs.format.contract) and its answer."""
+    def call(self, request: Request[Answer], *, answer_within: float | None = None) -> Answer:
+        """A typed request (kspeedfs.format.contract) and its answer, of the type it names."""
         fields = request.to_wire()
         del fields["op"]
-        return self.request(request.OP, answer_within=answer_within, **fields)
+        return request.answer(self.request(request.OP, answer_within=answer_within, **fields))
 
     def request(
         self, op: str, *, answer_within: float | None = None, **args: Any

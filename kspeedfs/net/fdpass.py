@@ -23,7 +23,7 @@ import pwd
 import socket
 import struct
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 from kspeedfs.format import auth, users
 from kspeedfs.format.errors import (
@@ -96,6 +96,20 @@ def check_server(sock: socket.socket, path: Path, node_user: str) -> None:
         )
 
 
+class Attached(NamedTuple):
+    """What the node passed: its manifest's descriptor, each segment's, and its damage
+    news table's (-1: none)."""
+
+    manifest_fd: int
+    segments: dict[int, int]
+    damage_fd: int = -1
+
+    def close(self) -> None:
+        for fd in [self.manifest_fd, self.damage_fd, *self.segments.values()]:
+            if fd >= 0:
+                os.close(fd)
+
+
 def attach(
     path: Path,
     token: str | auth.UserLogin,
@@ -103,8 +117,8 @@ def attach(
     uuid: str,
     timeout: float = 10.0,
     node_user: str = "",
-) -> tuple[int, dict[int, int]]:
-    """(manifest fd, {segment: fd}) of a dataset instance, from the node's socket at path."""
+) -> Attached:
+    """The descriptors of a dataset instance, from the node's socket at path."""
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
     sock.settimeout(timeout)
     try:
@@ -132,16 +146,17 @@ def attach(
                 return auth.verify_node(token, auth.FD_SOCKET, node_nonce, nonce, mac)
 
         send(sock, {**answer, "name": name, "uuid": uuid})
-        head, fds = receive(sock, 1)
+        head, fds = receive(sock, 2)
         if "error" in head:
             raise error_from_wire(str(head["error"]), str(head.get("message", "")))
-        if not proved(head.get("mac")):
+        sound, wanted = proved(head.get("mac")), 1 + bool(head.get("damage"))
+        if not sound or len(fds) != wanted:
             for fd in fds:
                 os.close(fd)
-            raise AuthError(f"the node socket {path} did not prove that it holds the token")
-        if len(fds) != 1:
+            if not sound:
+                raise AuthError(f"the node socket {path} did not prove that it holds the token")
             raise ProtocolError("the node sent no manifest descriptor")
-        manifest_fd, segments = fds[0], dict[int, int]()
+        manifest_fd, damage_fd, segments = fds[0], fds[1] if len(fds) > 1 else -1, dict[int, int]()
         try:
             while len(segments) < int(head["segments"]):
                 msg, fds = receive(sock, FDS_PER_MESSAGE)
@@ -152,10 +167,9 @@ def attach(
                     raise ProtocolError("segment numbers and descriptors do not match")
                 segments.update(zip(segs, fds, strict=True))
         except BaseException:
-            for fd in [manifest_fd, *segments.values()]:
-                os.close(fd)
+            Attached(manifest_fd, segments, damage_fd).close()
             raise
-        return manifest_fd, segments
+        return Attached(manifest_fd, segments, damage_fd)
     except (TimeoutError, OSError) as e:
         raise DataError(f"attaching to {name} over {path} failed: {e}") from None
     finally:

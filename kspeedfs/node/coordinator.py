@@ -467,8 +467,7 @@ class StagedParts:
                 await self.push_segment(member, k)
             await self.ask(member, StageDone(name=plan.name, uuid=plan.uuid))
         await self.wait_staged(member)
-        result = await self.ask(member, StageResult(name=plan.name, uuid=plan.uuid))
-        self.results[member] = Checksummed.from_wire(result)
+        self.results[member] = await self.ask(member, StageResult(name=plan.name, uuid=plan.uuid))
 
     async def push_segment(self, member: str, seg: int) -> None:
         plan = self.plan
@@ -488,7 +487,7 @@ class StagedParts:
                 wait_for_change_after=seen,
                 wait_s=STATUS_WAIT_S,
             )
-            p = Progressing.from_wire(await self.ask(member, status))
+            p = await self.ask(member, status)
             seen = p.version
             self.count(member, p)
             if p.state == "staged":

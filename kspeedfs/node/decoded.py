@@ -41,14 +41,21 @@ from kspeedfs.format.contract.decoded import (
     VariantState,
     VariantSummary,
 )
-from kspeedfs.format.errors import InvalidArgument, KSpeedError, NoSpace, NotFound, StaleDataset
-from kspeedfs.format.localdata import LocalDataset
+from kspeedfs.format.errors import (
+    InvalidArgument,
+    KSpeedError,
+    NoSpace,
+    NotFound,
+    ProtocolError,
+    StaleDataset,
+)
 from kspeedfs.format.units import format_size
 from kspeedfs.node.events import DatasetEvents
 from kspeedfs.node.ops import ADMIN, JOB, READ, OpRegistry
 from kspeedfs.node.peers import Ask, ask_all
 from kspeedfs.node.safedir import DIR_FLAGS, remove_beneath
 from kspeedfs.node.store import SegmentStore
+from kspeedfs.system.local_dataset import LocalDataset
 from kspeedfs.system.memory import keep_freed_memory
 
 log = logging.getLogger(__name__)
@@ -237,7 +244,7 @@ class DecodedVariants:
                 except KSpeedError as e:
                     log.warning("dropping the variant %s@%d on %s: %s", name, size, member, e)
             raise errors[0]
-        parts = {member: VariantProgress.from_wire(a) for member, a in answers.items()}
+        parts = {member: a for member, a in answers.items()}
         return DecodeStarted(
             name=name,
             uuid=record.uuid,
@@ -268,7 +275,12 @@ class DecodedVariants:
         nodes: dict[str, dict[str, Any]] = {}
         for member in record.members or [self.address]:
             try:
-                variants = MemberVariants.from_wire(await self._ask(member, here)).variants
+                answer = await self._ask(member, here)
+                if not isinstance(
+                    answer, MemberVariants
+                ):  # (every member's, asked without `local`)
+                    raise ProtocolError(f"{member} answered decode_status for every member")
+                variants = answer.variants
             except KSpeedError as e:
                 nodes[member] = {"error": str(e)}
                 continue

@@ -26,10 +26,11 @@ from typing import Any
 
 from kspeedfs.format import auth, users
 from kspeedfs.format.errors import AuthError, KSpeedError, NotFound, StaleDataset
-from kspeedfs.format.localdata import LocalDataset
+from kspeedfs.format.localdata import DAMAGE_FILE
 from kspeedfs.net import fdpass
 from kspeedfs.node import fdsocket
 from kspeedfs.node.store import SegmentStore
+from kspeedfs.system.local_dataset import LocalDataset
 
 log = logging.getLogger(__name__)
 
@@ -147,13 +148,15 @@ class FdServer:
             fdpass.refuse(conn, e)
             raise
         fds = self._open_all(ds, segs)
+        damage = _open_damage_table(ds)
+        head = {"segments": len(fds) - 1, "mac": proof, "damage": damage >= 0}
         try:
-            fdpass.send(conn, {"segments": len(fds) - 1, "mac": proof}, fds[:1])
+            fdpass.send(conn, head, fds[:1] + ([damage] if damage >= 0 else []))
             for k in range(0, len(segs), fdpass.FDS_PER_MESSAGE):
                 part = segs[k : k + fdpass.FDS_PER_MESSAGE]
                 fdpass.send(conn, {"segs": part}, fds[1 + k : 1 + k + len(part)])
         finally:
-            for fd in fds:
+            for fd in fds + ([damage] if damage >= 0 else []):
                 os.close(fd)
         with self._count:
             self._served["attached"] += 1
@@ -186,9 +189,17 @@ class FdServer:
         fds = [os.open(ds.manifest.file, flags)]
         try:
             for seg in segs:
-                fds.append(ds._open_segment(seg))
+                fds.append(ds.open_segment(seg))
         except BaseException:
             for fd in fds:
                 os.close(fd)
             raise
         return fds
+
+
+def _open_damage_table(ds: LocalDataset) -> int:
+    """A read-only descriptor of the instance's damage news (system/damage.py; -1: none)."""
+    try:
+        return os.open(ds.path / DAMAGE_FILE, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError:
+        return -1

@@ -24,6 +24,7 @@ from kspeedfs.format.contract.node import (
     Status,
 )
 from kspeedfs.format.contract.pieces import read_piece
+from kspeedfs.format.contract.status import DiskTierStatus, LocalSocketStatus
 from kspeedfs.format.errors import NotFound
 from kspeedfs.format.localdata import MANIFEST_FILE
 from kspeedfs.node.control import ClusterControl
@@ -100,7 +101,7 @@ class NodeInfo:
             segments=segments,
             uptime=time.time() - n.started,
             stats=dict(n.stats),
-            local_socket={"path": str(n.fds.path), **n.fds.stats},
+            local_socket=_local_socket(n),
             transport=n.rdma.label,
             rdma=n.rdma.status(),
             leases=n.leases.total(),
@@ -180,17 +181,29 @@ def _readthrough_disk(disk_stored: int | None) -> dict[str, int]:
     return {} if disk_stored is None else {"disk_stored": disk_stored}
 
 
-def _disk_tier(n: NodeParts) -> dict[str, Any] | None:
+def _disk_tier(n: NodeParts) -> DiskTierStatus | None:
     """The disk tier's figures (None: the node has none)."""
     store = n.store
     if store.disk_root is None:
         return None
-    return {
-        "dir": str(store.disk_root),
-        "budget": store.budgets.disk,
-        "used": store.budgets.disk_used(),
-        "promoted": dict(n.preload_promotions.promoted),
-    }
+    return DiskTierStatus(
+        dir=str(store.disk_root),
+        budget=store.budgets.disk,
+        used=store.budgets.disk_used(),
+        promoted=dict(n.preload_promotions.promoted),
+    )
+
+
+def _local_socket(n: NodeParts) -> LocalSocketStatus:
+    stats = n.fds.stats
+    return LocalSocketStatus(
+        path=str(n.fds.path),
+        attached=stats.get("attached", 0),
+        refused=stats.get("refused", 0),
+        connections=stats.get("connections", 0),
+        busy=stats.get("busy", 0),
+        idle_closed=stats.get("idle_closed", 0),
+    )
 
 
 def _count_files(folders: list[Path]) -> int:

@@ -17,7 +17,7 @@ from typing import Any, Literal, Protocol
 import trio
 
 from kspeedfs.format import metaindex
-from kspeedfs.format.contract import Request
+from kspeedfs.format.contract import READTHROUGH, Request
 from kspeedfs.format.contract.metaindexes import (
     FetchMetaIndex,
     IndexAddAborted,
@@ -39,7 +39,6 @@ from kspeedfs.format.contract.pieces import BlobPiece, read_piece
 from kspeedfs.format.errors import DataError, InvalidArgument, KSpeedError, NotFound, StaleDataset
 from kspeedfs.format.localdata import MANIFEST_FILE
 from kspeedfs.format.manifest import Manifest
-from kspeedfs.format.readthrough_view import READTHROUGH
 from kspeedfs.format.tree import Tree
 from kspeedfs.format.units import format_size
 from kspeedfs.node import sourceio, tarindexes
@@ -331,7 +330,7 @@ class AddedIndexes:
         if members[0] != self.address and not via:
             # Forwarded by the node asked, which gets the index too (admin: a peer).
             forward = MetaAdd(name=name, uuid=record.uuid, meta=raw, via=self.address)
-            return MetaAdded.from_wire(await self._ask(members[0], forward))
+            return await self._ask(members[0], forward)
         m = self.store.open(name).manifest
         if m.uuid != record.uuid:
             raise StaleDataset(f"dataset {name!r} was loaded again: the instance asked for is gone")
@@ -416,14 +415,14 @@ class AddedIndexes:
         answers, errors = await ask_all(self._ask, members, request)
         if errors:
             raise errors[0]
-        return {member: IndexReserved.from_wire(a) for member, a in answers.items()}
+        return {member: a for member, a in answers.items()}
 
     async def _commit_on(self, members: Sequence[str], request: MetaCommit, done: list[str]) -> int:
         """`request` on every member at once; `done` collects the members whose index went
         in place (before the first refusal is raised, once all have answered). Returns how
         many they are."""
         answers, errors = await ask_all(self._ask, members, request)
-        put = [member for member, a in answers.items() if IndexCommitted.from_wire(a).added]
+        put = [member for member, a in answers.items() if a.added]
         done.extend(put)
         if errors:
             raise errors[0]

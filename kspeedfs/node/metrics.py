@@ -11,6 +11,12 @@ from prometheus_client import Histogram, start_http_server
 from prometheus_client.core import CollectorRegistry, CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
+from kspeedfs.format.contract.status import (
+    CacheStatus,
+    ControlStatus,
+    DiskTierStatus,
+    IntegrityStatus,
+)
 from kspeedfs.format.units import parse_address
 
 log = logging.getLogger(__name__)
@@ -52,19 +58,19 @@ class NodeCollector(Collector):
         )
         yield GaugeMetricFamily("kspeedfs_node_memory_budget_bytes", "memory budget", s["budget"])
         yield GaugeMetricFamily("kspeedfs_node_leases", "dataset leases held by jobs", s["leases"])
-        tier = s.get("disk_tier") or {"used": 0, "budget": 0, "promoted": {"bytes": 0}}
+        tier = s.get("disk_tier") or DiskTierStatus(dir="", budget=0, used=0, promoted={})
         yield GaugeMetricFamily(
-            "kspeedfs_node_disk_tier_used_bytes", "disk-tier bytes preloads take", tier["used"]
+            "kspeedfs_node_disk_tier_used_bytes", "disk-tier bytes preloads take", tier.used
         )
         yield GaugeMetricFamily(
-            "kspeedfs_node_disk_tier_budget_bytes", "disk tier budget (0: none)", tier["budget"]
+            "kspeedfs_node_disk_tier_budget_bytes", "disk tier budget (0: none)", tier.budget
         )
         yield CounterMetricFamily(
             "kspeedfs_node_promoted_bytes",
             "bytes moved from the disk tier to memory",
-            tier["promoted"]["bytes"],
+            tier.promoted.get("bytes", 0),
         )
-        yield from _integrity(s.get("integrity") or {})
+        yield from _integrity(s.get("integrity") or IntegrityStatus())
         resident = GaugeMetricFamily(
             "kspeedfs_dataset_resident_bytes",
             "memory a dataset takes on this node",
@@ -93,46 +99,46 @@ class NodeCollector(Collector):
         for name, n in sorted(s.get("dataset_leases", {}).items()):
             leases.add_metric([name], n)
         yield leases
-        yield from _readthrough(s.get("cache") or {})
-        control = s.get("control")
+        yield from _readthrough(s["cache"])
+        control: ControlStatus | None = s.get("control")
         if control:
-            heal = control["heal"]
+            heal = control.heal
             yield CounterMetricFamily(
                 "kspeedfs_heal_segments",
                 "segments copied by healing or rebalance",
-                heal["segments"],
+                heal.segments,
             )
             yield CounterMetricFamily(
-                "kspeedfs_heal_bytes", "bytes copied by healing or rebalance", heal["bytes"]
+                "kspeedfs_heal_bytes", "bytes copied by healing or rebalance", heal.bytes
             )
             yield CounterMetricFamily(
-                "kspeedfs_heal_failed", "segment copies that failed", heal["failed"]
+                "kspeedfs_heal_failed", "segment copies that failed", heal.failed
             )
             yield GaugeMetricFamily(
-                "kspeedfs_heal_pending", "segments this node still has to copy", heal["pending"]
+                "kspeedfs_heal_pending", "segments this node still has to copy", heal.pending
             )
             yield CounterMetricFamily(
-                "kspeedfs_heal_seconds", "time spent copying segments", heal["seconds"]
+                "kspeedfs_heal_seconds", "time spent copying segments", heal.seconds
             )
             yield CounterMetricFamily(
                 "kspeedfs_rebalance_dropped_segments",
                 "segments dropped after a rebalance gave them to new owners",
-                heal.get("dropped", 0),
+                heal.dropped,
             )
             yield CounterMetricFamily(
                 "kspeedfs_rebalance_dropped_bytes",
                 "bytes freed by those drops",
-                heal.get("dropped_bytes", 0),
+                heal.dropped_bytes,
             )
             yield GaugeMetricFamily(
-                "kspeedfs_members_live", "live members in etcd", len(control["live"])
+                "kspeedfs_members_live", "live members in etcd", len(control.live)
             )
             under = GaugeMetricFamily(
                 "kspeedfs_dataset_under_replicated_segments",
                 "segments with an owner that is down",
                 labels=["dataset"],
             )
-            for name, n in sorted(control["under_replicated"].items()):
+            for name, n in sorted(control.under_replicated.items()):
                 under.add_metric([name], n)
             yield under
 
@@ -165,13 +171,13 @@ TIERS = (
 )
 
 
-def _readthrough(cache: dict[str, Any]) -> Iterator[CounterMetricFamily]:
-    datasets: dict[str, Any] = cache.get("datasets") or {}
+def _readthrough(cache: CacheStatus) -> Iterator[CounterMetricFamily]:
+    """Each read-through instance's figures (`counted`: none of another dataset)."""
+    datasets = {name: d for name, d in cache.datasets.items() if d.counted}
     for metric, key, text in READTHROUGH:
         family = CounterMetricFamily(metric, text, labels=["dataset"])
         for name, d in sorted(datasets.items()):
-            if key in d:
-                family.add_metric([name], d[key])
+            family.add_metric([name], getattr(d, key))
         yield family
     for kind in ("hits", "misses"):
         family = CounterMetricFamily(
@@ -183,15 +189,14 @@ def _readthrough(cache: dict[str, Any]) -> Iterator[CounterMetricFamily]:
         for name, d in sorted(datasets.items()):
             for tier, hits, misses in TIERS:
                 field = hits if kind == "hits" else misses
-                if field in d:
-                    family.add_metric([name, tier], d[field])
+                family.add_metric([name, tier], getattr(d, field))
         yield family
     evictions = CounterMetricFamily(
         "kspeedfs_readthrough_evictions_by_policy",
         "read-through segments evicted, by the policy that chose them (preload: room for one)",
         labels=["policy"],
     )
-    for policy, n in sorted((cache.get("evictions_by_policy") or {}).items()):
+    for policy, n in sorted(cache.evictions_by_policy.items()):
         evictions.add_metric([policy], n)
     yield evictions
 
@@ -211,7 +216,7 @@ def serve_metrics(
     return port
 
 
-def _integrity(i: dict[str, Any]) -> Iterator[CounterMetricFamily]:
+def _integrity(i: IntegrityStatus) -> Iterator[CounterMetricFamily]:
     """Damaged segments found (readers, promotion, start, scrub) and made again; the scrub."""
     for key, name, doc in (
         ("damaged", "damaged_segments", "segments found damaged, quarantined and fetched again"),
@@ -220,4 +225,4 @@ def _integrity(i: dict[str, Any]) -> Iterator[CounterMetricFamily]:
         ("scrubbed_bytes", "scrubbed_bytes", "disk-tier bytes the scrubber re-read and checked"),
         ("scrub_cpu_seconds", "scrub_cpu_seconds", "CPU time of the scrubber's reads and hashes"),
     ):
-        yield CounterMetricFamily(f"kspeedfs_node_{name}", doc, i.get(key, 0))
+        yield CounterMetricFamily(f"kspeedfs_node_{name}", doc, getattr(i, key))

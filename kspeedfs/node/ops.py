@@ -12,7 +12,7 @@ from collections.abc import Awaitable, Callable, Iterator
 from typing import Any
 
 from kspeedfs.format.auth import ROLES, allows
-from kspeedfs.format.contract import Request, Wire
+from kspeedfs.format.contract import Answer, Request, Wire
 from kspeedfs.format.errors import AuthError, InternalError, InvalidArgument, KSpeedError
 
 log = logging.getLogger(__name__)
@@ -128,14 +128,14 @@ class OpRegistry:
         with answering(f"op {op.name}"):
             return _answer(await op.handler(request))
 
-    async def call(self, request: Request) -> dict[str, Any]:
+    async def call(self, request: Request[Answer]) -> Answer:
         """A call from inside the node, answered as a client's would be (no role to check):
         checked as if it came off the wire, so a value built in the node is held to the
-        same contract."""
+        same contract, the answer too."""
         op = self.get(request.OP)
         checked = op.request.from_wire(request.to_wire())
         with answering(f"op {op.name}"):
-            return _answer(await op.handler(checked))
+            return request.answer(_answer(await op.handler(checked)))
 
     def names(self, role: str | None = None) -> list[str]:
         """Every op, or those registered with `role`."""

@@ -16,11 +16,11 @@ import threading
 from collections import Counter
 from collections.abc import Awaitable, Callable, Iterator, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import trio
 
-from kspeedfs.format.contract import Request
+from kspeedfs.format.contract import Answer, Request
 from kspeedfs.format.contract.metaindexes import MetaAdd
 from kspeedfs.format.contract.preload import Preload, StageReq
 from kspeedfs.format.errors import KSpeedError
@@ -36,16 +36,20 @@ SLOW_OPS = frozenset({StageReq.OP, Preload.OP, MetaAdd.OP})
 
 # An op on a member: (member, op, arguments) -> its answer.
 Call = Callable[[str, str, dict[str, Any]], Awaitable[dict[str, Any]]]
-# A typed request (kspeedfs.format.contract) to a member -> its answer.
-Ask = Callable[[str, Request], Awaitable[dict[str, Any]]]
+
+
+class Ask(Protocol):
+    """A typed request (kspeedfs.format.contract) to a member -> its answer."""
+
+    def __call__(self, member: str, request: Request[Answer], /) -> Awaitable[Answer]: ...
 
 
 async def ask_all(
-    ask: Ask, members: Sequence[str], request: Request
-) -> tuple[dict[str, dict[str, Any]], list[KSpeedError]]:
+    ask: Ask, members: Sequence[str], request: Request[Answer]
+) -> tuple[dict[str, Answer], list[KSpeedError]]:
     """`request` on every member at once: the answers of those that gave one, and the
     refusals."""
-    answers: dict[str, dict[str, Any]] = {}
+    answers: dict[str, Answer] = {}
     errors: list[KSpeedError] = []
 
     async def one(member: str) -> None:
@@ -94,11 +98,11 @@ class PeerPool:
                 self._closed_stats.update(client.stats)
                 await client.aclose()
 
-    async def ask(self, member: str, request: Request) -> dict[str, Any]:
+    async def ask(self, member: str, request: Request[Answer]) -> Answer:
         """The typed request `request` on `member`; NodeUnreachable when it cannot be reached."""
         fields = request.to_wire()
         del fields["op"]
-        return await self.call(member, request.OP, fields)
+        return request.answer(await self.call(member, request.OP, fields))
 
     @contextlib.contextmanager
     def reader(self, member: str) -> Iterator[NodeClient]:

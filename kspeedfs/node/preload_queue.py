@@ -15,10 +15,11 @@ import dataclasses
 import logging
 import time
 from collections.abc import Awaitable, Callable
-from typing import Any, TypeVar
+from typing import TypeVar
 
 import trio
 
+from kspeedfs.format.contract.status import QueuedPreload
 from kspeedfs.format.errors import KSpeedError, NoSpace
 from kspeedfs.node.budget import Budgets
 from kspeedfs.sources.loader import Progress
@@ -87,19 +88,19 @@ class PreloadQueue:
             self.waiting.remove(entry)
             self._wake_all()  # the next head looks at once
 
-    def status(self) -> list[dict[str, Any]]:
+    def status(self) -> list[QueuedPreload]:
         """The queue as `status --json` shows it: position, name, bytes, since, how much
         more memory this node needs free before the head fits (its estimate of the wait)."""
         free = self.budgets.memory_free()
         return [
-            {
-                "position": position,
-                "name": entry.name,
-                "source": entry.source,
-                "bytes": entry.bytes,
-                "waiting_since": entry.since,
-                "short_by": max(0, entry.bytes - free) if position == 1 else None,
-                "reason": entry.reason,
-            }
+            QueuedPreload(
+                position=position,
+                name=entry.name,
+                source=entry.source,
+                bytes=entry.bytes,
+                waiting_since=entry.since,
+                short_by=max(0, entry.bytes - free) if position == 1 else None,
+                reason=entry.reason,
+            )
             for position, entry in enumerate(self.waiting, 1)
         ]

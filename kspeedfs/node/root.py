@@ -10,13 +10,12 @@ from __future__ import annotations
 import functools
 import time
 from collections.abc import Callable
-from typing import Any
 
 import trio
 
 from kspeedfs.format import auth, users
 from kspeedfs.format.config import Settings
-from kspeedfs.format.contract import Request
+from kspeedfs.format.contract import Answer, Request
 from kspeedfs.format.tls import client_context
 from kspeedfs.format.units import parse_size
 from kspeedfs.node.control import ClusterControl, ControlPlane, EtcdCatalog
@@ -184,7 +183,7 @@ class Node:
     def cancel_loads(self) -> None:
         self.loads.cancel_all()
 
-    async def ask(self, member: str, request: Request) -> dict[str, Any]:
+    async def ask(self, member: str, request: Request[Answer]) -> Answer:
         """A typed request on a member: directly when it is this node (answered as a remote
         member would answer it), else over a kept connection."""
         if member == self.address:

@@ -1,12 +1,14 @@
 """Bytes at rest kept sound: a damaged segment costs that segment, never the dataset or a reader.
 
 Damage is found four ways: a reader's check of disk-tier bytes before it serves them
-(localdata; the reader reports it with `report_damage` and the node checks again itself),
+(system/disk_copies; the reader reports it with `report_damage` and the node checks again itself),
 promotion (SegmentPlaces.promote checks a segment before it joins memory), a restart with
 `verify_on_start` (SegmentStore.recover keeps the dataset, and names the damaged segments in
 `damaged_at_start`), and the scrubber: a task that re-reads every disk-tier segment of the
 preloaded datasets, by pread, at `scrub_rate` bytes per second, and checks it against the
-manifest's checksum (xxh3_64). Each damaged segment is quarantined (unlinked and forgotten:
+manifest's checksum (xxh3_64). Each damaged segment is announced to every reader on the
+machine at once (system/damage.py: they drop their maps and checks of it; a completed pass is
+announced too, and readers check their disk-tier bytes again), quarantined (unlinked and forgotten:
 readers that have it open find it damaged too and read elsewhere) and fetched again, from the
 members that may hold a replica first, else the source, and kept only when it matches the
 manifest's checksum; it lands in memory when there is room, else on the disk tier. One log
@@ -28,6 +30,7 @@ import xxhash
 from kspeedfs.format import placement
 from kspeedfs.format.config import Settings
 from kspeedfs.format.contract.scrub import DamageChecked, ReportDamage
+from kspeedfs.format.contract.status import IntegrityStatus
 from kspeedfs.format.errors import DataError, KSpeedError, StaleDataset
 from kspeedfs.format.tls import client_context
 from kspeedfs.format.units import parse_size
@@ -37,6 +40,7 @@ from kspeedfs.node.ops import READ, OpRegistry
 from kspeedfs.node.peers import PeerPool, read_segment_into
 from kspeedfs.node.store import SegmentStore
 from kspeedfs.sources.source import open_source
+from kspeedfs.system import damage
 
 log = logging.getLogger(__name__)
 
@@ -79,8 +83,19 @@ class Scrubber:
     def register_ops(self, ops: OpRegistry) -> None:
         ops.add(ReportDamage, self.op_report_damage, READ)
 
-    def status(self) -> dict[str, Any]:
-        return dict(self.stats, scrub_rate=self.rate)
+    def status(self) -> IntegrityStatus:
+        s = self.stats
+        return IntegrityStatus(
+            damaged=s["damaged"],
+            repaired=s["repaired"],
+            repair_failed=s["repair_failed"],
+            from_source=s["from_source"],
+            reported=s["reported"],
+            scrubbed_bytes=s["scrubbed_bytes"],
+            scrub_cpu_seconds=s["scrub_cpu_seconds"],
+            passes=s["passes"],
+            scrub_rate=self.rate,
+        )
 
     async def run(self, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         for name, seg in self.store.damaged_at_start:
@@ -109,7 +124,16 @@ class Scrubber:
             return
         self._pending.add((name, seg))
         self.stats["damaged"] += 1
+        self._announce(name, [seg])
         self._send.send_nowait((name, seg, "" if quarantined else why))
+
+    def _announce(self, name: str, segments: list[int], scrub_pass: bool = False) -> None:
+        """News to every reader of `name` on this machine before its next read (system/
+        damage.py): they drop their maps and checks of `segments` (after a pass: all checks).
+        On the event loop: a few words of shared memory, before a reporter hears back."""
+        record = self.store.datasets.get(name)
+        if record is not None:
+            damage.announce(record.path, segments, scrub_pass)
 
     def _found_by_node(self, name: str, segments: list[int]) -> None:
         """The node's own read of `name` found `segments` damaged: checked like a report."""
@@ -236,6 +260,8 @@ class Scrubber:
                 await trio.sleep(nbytes / self.rate)
             if todo:
                 self.stats["passes"] += 1
+                for name in sorted({name for name, _ in todo}):
+                    self._announce(name, [], scrub_pass=True)
             else:
                 await trio.sleep(IDLE_S)
 

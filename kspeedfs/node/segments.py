@@ -22,9 +22,9 @@ from pathlib import Path
 
 import xxhash
 
+from kspeedfs.format.contract import READTHROUGH
 from kspeedfs.format.errors import NoSpace, NotFound
-from kspeedfs.format.localdata import HASH_CHUNK, DamagedSegment, LocalDataset, segment_path
-from kspeedfs.format.readthrough_view import READTHROUGH
+from kspeedfs.format.localdata import HASH_CHUNK, DamagedSegment, segment_path
 from kspeedfs.format.units import format_size
 from kspeedfs.node.budget import Budgets
 from kspeedfs.node.records import DatasetRecord, rewrite_meta
@@ -36,6 +36,7 @@ from kspeedfs.node.safedir import (
     unlink_segment,
     unseal_segment,
 )
+from kspeedfs.system.local_dataset import LocalDataset
 
 log = logging.getLogger(__name__)
 

@@ -1,17 +1,19 @@
 """The node's shared-memory folder: published datasets, staging, publishing, recovery.
 
 Layout under shm_dir:
-    datasets/NAME/   published datasets (meta.json, manifest.ksm, seg/NNNNNNNN)
+    datasets/NAME/   published datasets (meta.json, manifest.ksm, seg/NNNNNNNN, damage: the
+                     damage news every reader maps, system/damage.py)
     staging/NAME.ID/ preloads in progress; renamed into datasets/ when complete (atomic publish)
     trash/           unloaded or broken datasets, removed right away (mapped pages live on)
+    .kspeedfs-node   the marker of a node's folder, locked while the node runs (nodefolders)
 
 The disk tier (a node with `spill_dir`): segments of preloaded datasets that did not fit the
 memory budget, under DISK_ROOT/NAME.UUID/seg/NNNNNNNN (staged under DISK_ROOT/.staging/), named
 in the dataset's meta.json ("disk", "disk_dir"). They count in the disk budget, not the memory
 one, and move to memory when memory frees up (segments.py places segments). DISK_ROOT is
 SPILL_DIR/tier; the spill folder and the tier are checked and owned as the shm folder is
-(safedir), so that readers in the group read disk-tier segments (by pread: localdata) as they
-map memory ones.
+(safedir), so that readers in the group read disk-tier segments (by pread: system/disk_copies)
+as they map memory ones.
 """
 
 from __future__ import annotations
@@ -23,8 +25,9 @@ import os
 import stat
 import uuid
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
+from kspeedfs.format.contract import READTHROUGH
 from kspeedfs.format.errors import (
     AlreadyExists,
     DataError,
@@ -34,16 +37,11 @@ from kspeedfs.format.errors import (
     NotFound,
     StaleDataset,
 )
-from kspeedfs.format.localdata import (
-    MANIFEST_FILE,
-    META_FILE,
-    LocalDataset,
-    segment_path,
-)
+from kspeedfs.format.localdata import MANIFEST_FILE, META_FILE, segment_path
 from kspeedfs.format.manifest import Manifest
 from kspeedfs.format.names import validate_name
-from kspeedfs.format.readthrough_view import READTHROUGH, open_local
 from kspeedfs.format.units import format_size
+from kspeedfs.node import nodefolders
 from kspeedfs.node.budget import Budgets
 from kspeedfs.node.events import DatasetEvents
 from kspeedfs.node.records import DatasetRecord, load_meta, rewrite_meta
@@ -61,6 +59,9 @@ from kspeedfs.node.safedir import (
     seal_segment,
 )
 from kspeedfs.node.segments import SegmentPlaces, open_disk_instance, segment_fault
+from kspeedfs.system import damage
+from kspeedfs.system.local_dataset import LocalDataset
+from kspeedfs.system.readthrough_view import open_local
 
 log = logging.getLogger(__name__)
 
@@ -88,6 +89,7 @@ class SegmentStore:
         # disk tier) -> open folder
         self._fd: dict[str, int] = {}
         self._gid = -1  # the readers' group, once recover() resolved it
+        self._markers: list[BinaryIO] = []  # the folders' markers, locked (node/nodefolders.py)
         self.datasets_dir = root / "datasets"
         self.staging_dir = root / "staging"
         self.trash_dir = root / "trash"
@@ -135,9 +137,13 @@ class SegmentStore:
                 log.error("segment %d of %s %s: quarantined, to be fetched again", seg, name, why)
                 self.segments.drop_segment(name, seg)
                 self.damaged_at_start.append((name, seg))
+                damage.announce(path, [seg])  # readers that outlived the last node: news now
             if record.lifetime != READTHROUGH:  # (one a node before sealing left: sealed now)
                 with closing_fd(os.open(name, DIR_FLAGS, dir_fd=datasets_fd)) as fd:
                     _seal_segments(fd)
+                    # (one an older node published has no damage news yet)
+                    segments = Manifest(path / MANIFEST_FILE).segments
+                    damage.create_table(fd, segments, FILE_MODE, os.fstat(fd).st_gid)
             log.info(
                 "found dataset %s: %d files, %s",
                 record.name,
@@ -161,6 +167,11 @@ class SegmentStore:
                 owned.append(open_owned_subdir(owned[1], tier, self.disk_root, "disk tier folder"))
             for fd in owned:
                 claim_dir(fd, self._gid)
+            # Held while this node runs: `kspeedfs clean-node` refuses these folders meanwhile.
+            self._markers = [nodefolders.hold(owned[0], self.root, "shm folder")]
+            if self.disk_root is not None:
+                spill = self.disk_root.parent
+                self._markers.append(nodefolders.hold(owned[1], spill, "spill folder"))
             for name in ("datasets", "staging", "trash"):
                 self._fd[name] = open_subdir(owned[0], name, self.root / name)
             if self.disk_root is not None:
@@ -315,6 +326,9 @@ class SegmentStore:
             flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC
             with os.fdopen(os.open(META_FILE, flags, FILE_MODE, dir_fd=staging_fd), "w") as f:
                 json.dump(meta, f)
+            if seal:  # (a read-through one's segments come and go: its readers follow `epoch`)
+                segments = Manifest(staging / MANIFEST_FILE).segments
+                damage.create_table(staging_fd, segments, FILE_MODE)
             restrict_files(staging_fd)
             if seal:
                 _seal_segments(staging_fd)

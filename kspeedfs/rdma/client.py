@@ -20,10 +20,8 @@ from typing import Any, Protocol
 from kspeedfs.format.config import Settings
 from kspeedfs.format.contract.rdma import (
     RdmaConnect,
-    RdmaConnected,
     RdmaRefused,
     RdmaSegments,
-    RdmaSegmentTable,
 )
 from kspeedfs.format.errors import (
     DataError,
@@ -293,13 +291,12 @@ class RdmaTransport:
     def _handshake(self, channel: Channel) -> str:
         """'' when connected, else why not; NodeUnreachable when the node does not answer."""
         try:
-            reply = self._tcp.client.call(RdmaConnect(endpoint=channel.endpoint.to_wire()))
+            connected = self._tcp.client.call(RdmaConnect(endpoint=channel.endpoint.to_wire()))
         except InvalidArgument as e:
             return f"node does not offer RDMA ({e})"
+        if isinstance(connected, RdmaRefused):
+            return f"node has no RDMA: {connected.reason}"
         try:
-            if not reply.get("available"):
-                return f"node has no RDMA: {RdmaRefused.from_wire(reply).reason}"
-            connected = RdmaConnected.from_wire(reply)
             channel.connect(Endpoint.from_wire(connected.endpoint))
             probe = connected.probe
             expected = bytes.fromhex(probe.data)
@@ -326,13 +323,12 @@ class RdmaTransport:
             return entry
         if entry is not None and entry > time.monotonic():
             return None
-        reply = self._tcp.client.call(RdmaSegments(name=dataset))
-        if not reply.get("available"):
-            reason = RdmaRefused.from_wire(reply).reason
-            log.info("node %s: reading %s over TCP: %s", self.address, dataset, reason)
+        answer = self._tcp.client.call(RdmaSegments(name=dataset))
+        if isinstance(answer, RdmaRefused):
+            log.info("node %s: reading %s over TCP: %s", self.address, dataset, answer.reason)
             self._tables[dataset] = time.monotonic() + NO_TABLE_RETRY_S
             return None
-        table = table_from_wire(dataset, RdmaSegmentTable.from_wire(reply).table)
+        table = table_from_wire(dataset, answer.table)
         self._tables[dataset] = table
         return table
 

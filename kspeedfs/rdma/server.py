@@ -28,11 +28,12 @@ from kspeedfs.format.contract.rdma import (
     RdmaSegments,
     RdmaSegmentTable,
 )
+from kspeedfs.format.contract.status import RdmaStatus
 from kspeedfs.format.errors import InvalidArgument, KSpeedError
-from kspeedfs.format.localdata import LocalDataset
 from kspeedfs.rdma.registry import SegmentRegistry
 from kspeedfs.rdma.verbs import Device, MemoryRegion, ResponderQP, VerbsError, open_device, probe
 from kspeedfs.rdma.wire import Endpoint, table_to_wire
+from kspeedfs.system.local_dataset import LocalDataset
 
 
 class PublishedDatasets(Protocol):
@@ -192,7 +193,7 @@ class RdmaService:
             ds = self._store.open(name)
         except KSpeedError:
             return None
-        # Memory segments only: disk-tier ones are never mapped (localdata), their reads go
+        # Memory segments only: disk-tier ones are never mapped (disk_copies), their reads go
         # over TCP, by pread, checked.
         segments = {k: ds.segment(k) for k in sorted(ds.held) if k not in ds.on_disk}
         table = self.registry.register(name, ds.uuid, ds.manifest.segments, segments, epoch=epoch)
@@ -267,16 +268,19 @@ class RdmaService:
         with self._lock:
             self._peer_count -= len(qps)
 
-    def status(self) -> dict[str, Any]:
+    def status(self) -> RdmaStatus:
         if self.device is None:
-            return {"enabled": False, "reason": self.reason}
+            return RdmaStatus(enabled=False, reason=self.reason)
         assert self.registry is not None
-        return {
-            "enabled": True,
-            "device": self.device.name,
-            "port": self.device.port,
-            "gid": self.device.gid,
-            "gid_index": self.device.gid_index,
-            "peers": self._peer_count,
-            **self.registry.statistics(),
-        }
+        registered = self.registry.statistics()
+        return RdmaStatus(
+            enabled=True,
+            device=self.device.name,
+            port=self.device.port,
+            gid=self.device.gid,
+            gid_index=self.device.gid_index,
+            peers=self._peer_count,
+            datasets=registered["datasets"],
+            regions=registered["regions"],
+            bytes=registered["bytes"],
+        )

@@ -1,1 +1,2 @@
-"""What the operating system gives every command: logging, sd_notify, mountinfo, progress."""
+"""What the operating system gives every command (logging, sd_notify, mountinfo, progress), and
+a dataset folder as a reading process maps and checks it."""

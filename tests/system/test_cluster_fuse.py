@@ -16,7 +16,7 @@ from clusterutil import Cluster, held_on_disk, running
 from conftest import MountProcess, NodeProcess, wait_for
 from torchvision import datasets, transforms
 
-from kspeedfs.client.reader import DOWN_FOR_S
+from kspeedfs.client.nodepool import DOWN_FOR_S
 from kspeedfs.format import placement
 from kspeedfs.format.localdata import MANIFEST_FILE
 from kspeedfs.format.manifest import Manifest

@@ -19,9 +19,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from kspeedfs.format import auth, protocol
-from kspeedfs.format.localdata import LocalDataset
 from kspeedfs.format.protocol import HEADER, MAX_CONTROL_PAYLOAD, MAX_PAYLOAD, MsgType
 from kspeedfs.node.server import HANDSHAKE_TIMEOUT
+from kspeedfs.system.local_dataset import LocalDataset
 
 SEGMENT = 64 * 1024
 DATASET = "victim"

@@ -14,7 +14,7 @@ from torchvision.datasets.folder import pil_loader
 from torchvision.transforms import Resize
 
 from kspeedfs.format import decoded as fmt
-from kspeedfs.format.localdata import LocalDataset
+from kspeedfs.system.local_dataset import LocalDataset
 
 pytestmark = pytest.mark.slow  # three nodes
 

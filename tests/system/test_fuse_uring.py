@@ -146,7 +146,12 @@ def test_remote_reads_are_answered_later_through_the_ring_entry(
 ) -> None:
     """Reads of files only the other node holds go to the pool and commit through the entry
     that holds them; one blocked on a frozen node is interrupted (SIGINT: EINTR committed
-    through its entry), and the next read of it, thawed, is right."""
+    through its entry), and the next read of it, thawed, is right.
+
+    The reader's read-ahead READ gets its INTERRUPT; the kernel then sends a one-page READ
+    with the signal pending, whose INTERRUPT it never sends over io_uring (uring.py): the
+    reader must end by its SIGINT all the same, not by that READ's answer (an EIO when the
+    node pool gives up: the test passed by that, or failed when it came after 5 s)."""
     victims, wants, env = remote_files(pair, tmp_path)
     remote = pair.nodes[1]
     m = start(env, tmp_path, mounts)
@@ -166,6 +171,8 @@ def test_remote_reads_are_answered_later_through_the_ring_entry(
             reader.wait(timeout=0.5)
         reader.send_signal(signal.SIGINT)
         wait_for(lambda: reader.poll() is not None, timeout=5.0, what="the reader to go")
+        assert reader.returncode == -signal.SIGINT  # its KeyboardInterrupt, not an EIO
+        assert stats(m.mountpoint).get("read", 0) - reads >= 2  # the READ sent again
     finally:
         remote.proc.send_signal(signal.SIGCONT)
     assert path.read_bytes() == wants[victims[0]]

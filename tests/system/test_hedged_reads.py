@@ -20,7 +20,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from kspeedfs.client.health import NodeHealth
-from kspeedfs.client.reader import HEDGE_FLOOR_S, HEDGE_MIN_S, ClusterReader
+from kspeedfs.client.nodepool import HEDGE_FLOOR_S, HEDGE_MIN_S
+from kspeedfs.client.reader import ClusterReader
 from kspeedfs.format.config import load_settings
 from kspeedfs.format.contract.node import Ping
 from kspeedfs.format.units import parse_address
@@ -93,13 +94,13 @@ def _hedges(reader: ClusterReader, node: str, firsts: list[float]) -> tuple[int,
     hedge (and a miss in the table), an earlier one a sample. (hedges, the delays used)."""
     hedged, delays = 0, []
     for first in firsts:
-        delay = reader.hedge_delay(node, 0)
+        delay = reader.pool.hedge_delay(node, 0)
         delays.append(delay)
         if first > delay:
             hedged += 1
-            reader.health.missed(node, delay)
+            reader.pool.health.missed(node, delay)
         else:
-            reader.health.first_byte(node, first)
+            reader.pool.health.first_byte(node, first)
     return hedged, delays
 
 
@@ -113,7 +114,7 @@ def test_the_hedge_delay_reads_a_few_in_a_hundred_twice(seed: int, tmp_path: Pat
     reads are hedged, whatever the tail's shape."""
     reader = _reader(tmp_path, NodeHealth(""))  # private to this example
     node = "127.0.0.1:9"
-    assert reader.hedge_delay(node, 0) == HEDGE_FLOOR_S  # nothing known yet
+    assert reader.pool.hedge_delay(node, 0) == HEDGE_FLOOR_S  # nothing known yet
     firsts = _weather(seed, 6000, 0.0)
     hedged, delays = _hedges(reader, node, firsts)
     assert hedged <= 0.05 * len(firsts)
@@ -149,19 +150,19 @@ def test_a_miss_raises_the_delay_and_answers_bring_it_down(tmp_path: Path) -> No
     node = "127.0.0.1:9"
     for _ in range(500):
         health.first_byte(node, 0.004)
-    low = reader.hedge_delay(node, 0)
+    low = reader.pool.hedge_delay(node, 0)
     assert 0.003 < low < 0.006
     for _ in range(10):
-        health.missed(node, reader.hedge_delay(node, 0))
-    assert reader.hedge_delay(node, 0) > 2 * low
+        health.missed(node, reader.pool.hedge_delay(node, 0))
+    assert reader.pool.hedge_delay(node, 0) > 2 * low
     for _ in range(2000):
         health.first_byte(node, 0.004)
-    assert reader.hedge_delay(node, 0) < 0.006
+    assert reader.pool.hedge_delay(node, 0) < 0.006
     for _ in range(2000):
         health.first_byte(node, 0.0002)  # a node that answers in 0.2 ms: the least delay
-    assert reader.hedge_delay(node, 0) == HEDGE_MIN_S
+    assert reader.pool.hedge_delay(node, 0) == HEDGE_MIN_S
     # A large read is given its transfer time on top.
-    assert reader.hedge_delay(node, 50_000_000) > reader.hedge_delay(node, 0) + 0.09
+    assert reader.pool.hedge_delay(node, 50_000_000) > reader.pool.hedge_delay(node, 0) + 0.09
     assert NodeHealth(str(tmp_path / "health")).late_after(node) == health.late_after(node)
     reader.close()
 
@@ -265,6 +266,7 @@ def test_a_mark_left_by_a_reader_that_is_gone_is_probed_away(
     the same address: the next reader to see the mark probes it and trusts it in about a
     probe interval, instead of skipping it until the mark runs out."""
     table = tmp_path / "health"
+    keeper = NodeHealth(str(table))  # another reader of the machine: the table stays
     NodeHealth(str(table)).down_for(node.address, 3600)  # the reader that saw it die
     (tmp_path / "empty.toml").touch()
     settings = load_settings(
@@ -276,8 +278,9 @@ def test_a_mark_left_by_a_reader_that_is_gone_is_probed_away(
     )
     reader = ClusterReader(settings, local_node=None)
     try:
-        assert reader.is_down(node.address)
-        wait_for(lambda: not reader.is_down(node.address), timeout=5, what="the probe")
-        assert not NodeHealth(str(table)).is_down(node.address)  # every reader sees it
+        assert reader.pool.is_down(node.address)
+        wait_for(lambda: not reader.pool.is_down(node.address), timeout=5, what="the probe")
+        assert not keeper.is_down(node.address)  # every reader sees it
     finally:
         reader.close()
+        keeper.close()

@@ -257,7 +257,7 @@ def test_a_node_restart_does_not_mark_it_down(
     node.stop()
     node.start()
     assert remote.read() == remote.expected
-    assert not remote.reader.is_down(node.address)
+    assert not remote.reader.pool.is_down(node.address)
     assert remote.reader.stats["source"] == 0
     assert "marked down" not in caplog.text
 

@@ -322,14 +322,14 @@ try:
     until("two nodes", lambda: all(members(h) == at(hosts[:2]) for h in hosts[:2]))
     settings = load_settings({}, env={**base, **dns})
     reader = ClusterReader(settings)
-    out["reader_before"] = reader.nodes
+    out["reader_before"] = reader.pool.nodes
     # A third node's pod starts, then its address is added to the Service's records.
     start(2, hosts[2])
     until("third node up", lambda: members(hosts[2]) is not None)
     out["third_alone"] = members(hosts[2])
     records(hosts)
     out["join_s"] = until("third joined", lambda: all(members(h) == at(hosts) for h in hosts))
-    until("reader follows", lambda: reader.nodes == at(hosts))
+    until("reader follows", lambda: reader.pool.nodes == at(hosts))
     done = subprocess.run([*cli, "preload", src, "--name", "train", "-q", "--nodes", f"{hosts[0]}:7420"],
                           env=base, capture_output=True, text=True)
     assert done.returncode == 0, done.stderr
@@ -342,8 +342,8 @@ try:
     records([hosts[0], hosts[2]])
     left = [hosts[0], hosts[2]]
     out["leave_s"] = until("second left", lambda: all(members(h) == at(left) for h in left))
-    until("reader follows", lambda: reader.nodes == at(left))
-    out["reader_after"] = reader.nodes
+    until("reader follows", lambda: reader.pool.nodes == at(left))
+    out["reader_after"] = reader.pool.nodes
     reader.close()
 finally:
     for p in procs.values():

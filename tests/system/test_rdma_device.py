@@ -17,10 +17,10 @@ from conftest import NodeProcess, make_tree, run_cli, wait_for
 from kspeedfs.client.transport import open_transport
 from kspeedfs.format.config import load_settings
 from kspeedfs.format.errors import KSpeedError, NodeUnreachable, NotFound
-from kspeedfs.format.localdata import LocalDataset
 from kspeedfs.format.units import parse_address
 from kspeedfs.net.transport import Transport
 from kspeedfs.rdma.verbs import has_device
+from kspeedfs.system.local_dataset import LocalDataset
 
 pytestmark = [
     pytest.mark.rdma,

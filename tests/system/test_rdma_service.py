@@ -25,10 +25,10 @@ from uidutil import in_child
 
 from kspeedfs.format import auth
 from kspeedfs.format.config import Settings
-from kspeedfs.format.contract import Request
+from kspeedfs.format.contract import Answer, Request
 from kspeedfs.format.contract.node import UnloadLocal
 from kspeedfs.format.errors import InvalidArgument, NotFound
-from kspeedfs.format.localdata import META_FILE, LocalDataset, read_meta
+from kspeedfs.format.localdata import META_FILE, read_meta
 from kspeedfs.format.units import Address
 from kspeedfs.node.ops import ADMIN
 from kspeedfs.node.root import RdmaFactory
@@ -38,6 +38,7 @@ from kspeedfs.rdma import verbs
 from kspeedfs.rdma.client import RdmaTransport
 from kspeedfs.rdma.registry import SegmentRegistry
 from kspeedfs.rdma.server import DatasetNews, PublishedDatasets, RdmaService
+from kspeedfs.system.local_dataset import LocalDataset
 
 
 @pytest.fixture(autouse=True)
@@ -117,10 +118,10 @@ class InProcessControl:
         result: dict[str, Any] = self.context.run(trio.run, self.server.ops.dispatch, msg, ADMIN)
         return result
 
-    def call(self, request: Request) -> dict[str, Any]:
+    def call(self, request: Request[Answer]) -> Answer:
         """A typed request, sent as NodeClient.call sends it: its fields off the wire."""
         fields = request.to_wire()
-        return self.request(fields.pop("op"), **fields)
+        return request.answer(self.request(fields.pop("op"), **fields))
 
 
 class InProcessTcp:
@@ -205,7 +206,7 @@ def test_registered_at_start_and_deregistered_before_the_files_go(
         on_disk = (segs / f"{k:08d}").read_bytes()
         addr, rkey = table.locate(k, 0, len(on_disk))
         assert fake.read(addr, rkey, len(on_disk)) == on_disk
-    assert server.rdma.status()["regions"] == segment_count(shm)
+    assert server.rdma.status().regions == segment_count(shm)
 
     # A restarted daemon registers again, with new keys.
     fake2 = FakeRegistrar()
@@ -275,11 +276,11 @@ def test_reads_over_rdma_are_byte_equal_and_need_no_tcp_reads(
     assert controls[0].client.ops == ["rdma_connect", "rdma_segments"]
     assert channels[0].remote is not None  # connected to the node's queue pair
     assert channels[0].max_outstanding > 1
-    assert server.rdma.status()["peers"] == 1
+    assert server.rdma.status().peers == 1
     # Closing the transport closes its control connection: the node drops the queue pair.
     t.close()
     assert channels[0].closed
-    assert server.rdma.status()["peers"] == 0
+    assert server.rdma.status().peers == 0
     assert all(qp.closed for qp in server.rdma.device.qps)  # type: ignore[union-attr]
 
 
@@ -304,7 +305,7 @@ def test_a_stale_key_is_an_error_then_a_new_table_never_a_read_of_freed_memory(
     assert controls[0].client.ops == ["rdma_connect", "rdma_segments"] * 2
     assert len(channels) == 2 and channels[0].closed and not channels[1].closed
     assert not old_keys & {r.rkey for r in channels[1].posted}, "read with a revoked key"
-    assert server.rdma.status()["peers"] == 1  # the reconnect replaced the queue pair
+    assert server.rdma.status().peers == 1  # the reconnect replaced the queue pair
     assert controls[0].reads == 0
 
     # Unloaded for good: the fresh table is refused like a TCP read would be.

@@ -383,7 +383,6 @@ def test_idle_connections_to_the_fd_socket_cost_no_thread(loaded: Loaded) -> Non
 
 
 def _attach(path: Path, token: str, uuid: str) -> int:
-    manifest_fd, segments = fdpass.attach(path, token, NAME, uuid)
-    for fd in [manifest_fd, *segments.values()]:
-        os.close(fd)
-    return 1 + len(segments)
+    got = fdpass.attach(path, token, NAME, uuid)
+    got.close()
+    return 1 + len(got.segments)

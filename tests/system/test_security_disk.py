@@ -35,7 +35,7 @@ from pathlib import Path
 from kspeedfs.client.reader import ClusterReader
 from kspeedfs.format.config import Settings
 from kspeedfs.format.errors import KSpeedError
-from kspeedfs.format.localdata import LocalDataset
+from kspeedfs.system.local_dataset import LocalDataset
 from kspeedfs.format.units import Address
 
 port, shm, token, seg_dir = int(sys.argv[1]), Path(sys.argv[2]), sys.argv[3], Path(sys.argv[4])

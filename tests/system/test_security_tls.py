@@ -27,11 +27,11 @@ from hypothesis import strategies as st
 from kspeedfs.format import auth, protocol, tls
 from kspeedfs.format.config import Settings
 from kspeedfs.format.errors import AuthError
-from kspeedfs.format.localdata import LocalDataset
 from kspeedfs.format.protocol import HEADER, MsgType
 from kspeedfs.format.units import Address
 from kspeedfs.net import fdpass
 from kspeedfs.net.connection import NodeClient
+from kspeedfs.system.local_dataset import LocalDataset
 
 pytestmark = [pytest.mark.fuse, pytest.mark.slow]  # three nodes with TLS
 
@@ -442,10 +442,9 @@ def _node_fds(node: NodeProcess) -> int:
 def _attach_works(tls_cluster: TlsCluster) -> None:
     node = tls_cluster.node
     token = auth.derive_read_token(auth.read_token(node.token_file))
-    manifest_fd, segments = fdpass.attach(Path(_socket_path(node)), token, NAME, tls_cluster.uuid)
-    for fd in [manifest_fd, *segments.values()]:
-        os.close(fd)
-    assert segments
+    got = fdpass.attach(Path(_socket_path(node)), token, NAME, tls_cluster.uuid)
+    got.close()
+    assert got.segments
 
 
 def _socket_path(node: NodeProcess) -> str:

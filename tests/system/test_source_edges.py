@@ -21,7 +21,7 @@ from conftest import MountProcess, NodeProcess, run_cli, wait_for
 from rt_util import mount_source, read_uncached
 
 from kspeedfs.client import admin
-from kspeedfs.format.localdata import LocalDataset
+from kspeedfs.system.local_dataset import LocalDataset
 
 pytestmark = pytest.mark.slow  # sources that change or hang mid-copy
 

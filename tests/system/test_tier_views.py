@@ -11,11 +11,9 @@ from __future__ import annotations
 import json
 import os
 import random
-import shutil
 import stat
 import time
 import urllib.request
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -32,10 +30,11 @@ from kspeedfs.client.dataset_reader import CacheRef, Reader
 from kspeedfs.format import localdata
 from kspeedfs.format.contract.node import DatasetEntry
 from kspeedfs.format.errors import DataError, KSpeedError
-from kspeedfs.format.localdata import MANIFEST_FILE, LocalDataset
+from kspeedfs.format.localdata import MANIFEST_FILE
 from kspeedfs.format.manifest import Manifest
 from kspeedfs.format.sealing import sealed_beneath
 from kspeedfs.format.units import format_size
+from kspeedfs.system.local_dataset import LocalDataset
 from kspeedfs.testing.node import NO_IMMUTABLE, can_seal
 from pytorch_ext import KSpeedFolder
 
@@ -58,16 +57,6 @@ def make_source(root: Path, files: int, size: int, seed: int = 0) -> dict[str, b
 def shm_node(tmp_path: Path, token_file: Path, *extra: str, **kw: Any) -> NodeProcess:
     shm = Path("/dev/shm") / f"kspeedfs-test-{os.urandom(5).hex()}"
     return NodeProcess(shm, token_file, tmp_path, extra=extra, **kw)
-
-
-@pytest.fixture
-def nodes() -> Iterator[list[NodeProcess]]:
-    made: list[NodeProcess] = []
-    yield made
-    for n in made:
-        n.stop()
-        shutil.rmtree(n.shm_dir, ignore_errors=True)
-        shutil.rmtree(n.shm_dir.with_name(n.shm_dir.name + ".run"), ignore_errors=True)  # socket
 
 
 def ls_json(env: dict[str, str]) -> dict[str, dict]:

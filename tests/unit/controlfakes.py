@@ -31,7 +31,7 @@ from etcd3gw import Etcd3Client
 from etcd3gw import exceptions as etcd_errors
 
 from kspeedfs.client.catalog import CatalogEntry
-from kspeedfs.format.contract import Request
+from kspeedfs.format.contract import Answer, Request
 from kspeedfs.format.contract.node import (
     DatasetEntry,
     DatasetListing,
@@ -374,7 +374,7 @@ class MemoryPeers(PeerPool):
     def reader(self, member: str) -> Iterator[Any]:
         yield _MemoryReader(self, member)
 
-    async def ask(self, member: str, request: Request) -> dict[str, Any]:
+    async def ask(self, member: str, request: Request[Answer]) -> Answer:
         await trio.lowlevel.checkpoint()
         self.asked.append((member, request))
         store = self._store(member)
@@ -383,10 +383,12 @@ class MemoryPeers(PeerPool):
             if found is None or (request.uuid and request.uuid != found.uuid):
                 raise StaleDataset(f"{member} has no instance {request.uuid[:8]} of {request.name}")
             piece = read_piece(found.path, request.offset, request.length)
-            return ManifestPiece(name=found.name, uuid=found.uuid, piece=piece).to_wire()
+            return request.answer(
+                ManifestPiece(name=found.name, uuid=found.uuid, piece=piece).to_wire()
+            )
         if not isinstance(request, List):
             raise AssertionError(f"MemoryPeers answers list and manifest, not {request.OP}")
-        return DatasetListing(
+        listing = DatasetListing(
             node=member,
             datasets=[
                 DatasetEntry(
@@ -416,7 +418,8 @@ class MemoryPeers(PeerPool):
                 )
                 for d in store.datasets.values()
             ],
-        ).to_wire()
+        )
+        return request.answer(listing.to_wire())
 
 
 @dataclasses.dataclass

@@ -4,7 +4,9 @@ frozen dataclass, checked once when it comes off the wire.
 A request type names its op in `OP` and declares its fields with their types; `from_wire`
 turns a JSON object into a checked instance (types, ranges, names) or raises InvalidArgument
 in one line that names the op and the field, so a handler only ever sees checked values.
-`to_wire` is what a caller sends. The modules of this package hold the types of one owner
+`to_wire` is what a caller sends. A request names its answer's type (`class Ping(Request["Pong"])`,
+as 3FS binds BatchReadReq to BatchReadRsp): `answer` checks an answer off the wire into it, the
+one place an answer is decoded, so a call returns the request's own answer type. The modules of this package hold the types of one owner
 each (`contract.preload` for the preload's ops, ...): an op's request type and its owner are
 found by its module's name.
 
@@ -16,10 +18,23 @@ field's metadata: `at_least(n)`, `dataset_name()`, `checked(fn)`.
 from __future__ import annotations
 
 import dataclasses
+import sys
 import types
 import typing
 from collections.abc import Callable, Mapping
-from typing import Any, ClassVar, Literal, Self, Union, get_args, get_origin
+from typing import (
+    Any,
+    ClassVar,
+    ForwardRef,
+    Generic,
+    Literal,
+    Self,
+    TypeVar,
+    Union,
+    cast,
+    get_args,
+    get_origin,
+)
 
 from kspeedfs.format.errors import InvalidArgument
 from kspeedfs.format.names import validate_name
@@ -297,11 +312,31 @@ class Wire:
         return {f.name: _encode(getattr(self, f.name)) for f in _fields(type(self))}
 
 
-class Request(Wire):
-    """The request of one op; `OP` is the op's name on the wire."""
+AnswerT = TypeVar("AnswerT", bound=Wire, covariant=True)
+Answer = TypeVar("Answer", bound=Wire)  # a call's answer: the type its request names
+
+
+class Request(Wire, Generic[AnswerT]):
+    """The request of one op; `OP` is the op's name on the wire, `AnswerT` its answer's type
+    (a union of several: the request's own `answer` tells them apart)."""
 
     OP: ClassVar[str]
     UNKNOWN_FIELDS_REFUSED = True
+    _answer_hint: ClassVar[Any] = None  # AnswerT as the class statement gave it
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        for base in cls.__dict__.get("__orig_bases__", ()):
+            origin = get_origin(base)
+            if isinstance(origin, type) and issubclass(origin, Request):
+                (hint,) = get_args(base)
+                if not isinstance(hint, TypeVar):
+                    cls._answer_hint = hint
+
+    def answer(self, msg: Mapping[str, Any]) -> AnswerT:
+        """This request's answer off the wire, checked (InvalidArgument in one line when it
+        is not of the request's answer type)."""
+        return cast(AnswerT, answer_type(type(self)).from_wire(msg))
 
     @classmethod
     def _what(cls) -> str:
@@ -309,6 +344,29 @@ class Request(Wire):
 
     def to_wire(self) -> dict[str, Any]:
         return {"op": self.OP, **super().to_wire()}
+
+
+_ANSWER_TYPES: dict[type, type[Wire]] = {}
+
+
+def answer_type(cls: type[Request[Any]]) -> type[Wire]:
+    """The Wire type a request class names for its answer (its module's name for it resolved
+    once)."""
+    known = _ANSWER_TYPES.get(cls)
+    if known is None:
+        hint = answer_hint(cls)
+        if not (isinstance(hint, type) and issubclass(hint, Wire)):
+            raise TypeError(f"{cls.__name__} answers {hint!r}: its own `answer` must decode it")
+        known = _ANSWER_TYPES[cls] = hint
+    return known
+
+
+def answer_hint(cls: type[Request[Any]]) -> Any:
+    """A request class's answer type as its annotations would give it (a union resolved)."""
+    hint = cls._answer_hint
+    if isinstance(hint, ForwardRef):
+        hint = eval(hint.__forward_arg__, vars(sys.modules[cls.__module__]))  # noqa: S307
+    return hint
 
 
 def field_types(cls: type[Wire]) -> dict[str, Any]:

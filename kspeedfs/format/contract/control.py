@@ -9,7 +9,7 @@ from kspeedfs.format.contract import Request, Wire, dataset_name
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class Adopt(Request):
+class Adopt(Request["Adopted"]):
     """Take the catalog's ready instance `uuid` of dataset `name` now, not at the next sync."""
 
     OP = "adopt"

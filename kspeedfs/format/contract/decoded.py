@@ -4,6 +4,7 @@ one, drop it, and what the members hold."""
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Mapping
 from typing import Any, Literal
 
 from kspeedfs.format.contract import Request, Wire, at_least, checked, dataset_name
@@ -19,7 +20,7 @@ def check_size(size: Any) -> int:
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class Decode(Request):
+class Decode(Request["DecodeStarted"]):
     """Start the variant of `size` on every member of the dataset (uuid: of that instance)."""
 
     OP = "decode"
@@ -29,7 +30,7 @@ class Decode(Request):
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class DecodeLocal(Request):
+class DecodeLocal(Request["VariantProgress"]):
     """Fill the variant of the images this member holds (a coordinator's call)."""
 
     OP = "decode_local"
@@ -39,7 +40,7 @@ class DecodeLocal(Request):
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class DecodeDrop(Request):
+class DecodeDrop(Request["DecodeDropped"]):
     """Stop and remove the variant on this member (another one refused it)."""
 
     OP = "decode_drop"
@@ -48,12 +49,15 @@ class DecodeDrop(Request):
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class DecodeStatus(Request):
+class DecodeStatus(Request["MemberVariants | DatasetVariants"]):
     """The variants of a dataset: on this member (`local`), or on every member."""
 
     OP = "decode_status"
     name: str = dataset_name()
     local: bool = False
+
+    def answer(self, msg: Mapping[str, Any]) -> MemberVariants | DatasetVariants:
+        return MemberVariants.from_wire(msg) if self.local else DatasetVariants.from_wire(msg)
 
 
 # A variant's fill on one member, from probing its images' headers to ready (or failed).

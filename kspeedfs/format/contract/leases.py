@@ -11,7 +11,7 @@ from kspeedfs.format.contract import Request, Wire, at_least, dataset_name
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class LeaseAcquire(Request):
+class LeaseAcquire(Request["LeaseHeld"]):
     OP = "lease_acquire"
     name: str = dataset_name()
     uuid: str = ""  # when set: that instance, else StaleDataset
@@ -19,13 +19,13 @@ class LeaseAcquire(Request):
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class LeaseRenew(Request):
+class LeaseRenew(Request["LeaseHeld"]):
     OP = "lease_renew"
     lease: str
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class LeaseRelease(Request):
+class LeaseRelease(Request["LeaseReleased"]):
     OP = "lease_release"
     lease: str
 

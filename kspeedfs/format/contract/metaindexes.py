@@ -8,7 +8,7 @@ import dataclasses
 import re
 from typing import Any, Literal
 
-from kspeedfs.format.contract import Request, Wire, at_least, checked, dataset_name
+from kspeedfs.format.contract import AnswerT, Request, Wire, at_least, checked, dataset_name
 from kspeedfs.format.contract.pieces import BlobPiece
 from kspeedfs.format.errors import InvalidArgument
 from kspeedfs.format.metaindex import meta_name
@@ -46,7 +46,7 @@ def meta_file(default: Any = dataclasses.MISSING) -> Any:
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class StageMeta(Request):
+class StageMeta(Request["IndexPieceStaged"]):
     """A piece of a meta index into the stage of preload `uuid` (the coordinator's push)."""
 
     OP = "stage_meta"
@@ -57,7 +57,7 @@ class StageMeta(Request):
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class FetchMetaIndex(Request):
+class FetchMetaIndex(Request["MetaIndexPiece"]):
     """The piece at `offset` of a published index (uuid: of that instance, "" for any)."""
 
     OP = "meta_index"
@@ -78,7 +78,7 @@ class MetaIndexPiece(Wire):
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class MetaAdd(Request):
+class MetaAdd(Request["MetaAdded"]):
     """Index meta files of a published dataset on every member; `via`: the node that asked
     the coordinator on a client's behalf (it gets the index too)."""
 
@@ -90,7 +90,7 @@ class MetaAdd(Request):
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class _OneAdd(Request):
+class _OneAdd(Request[AnswerT]):
     """One add of the index of `meta` to instance `uuid`, named by its id `add`."""
 
     name: str = dataset_name()
@@ -100,7 +100,7 @@ class _OneAdd(Request):
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class MetaReserve(_OneAdd):
+class MetaReserve(_OneAdd["IndexReserved"]):
     """Reserve the index's bytes here, unless it is here already."""
 
     OP = "meta_reserve"
@@ -108,7 +108,7 @@ class MetaReserve(_OneAdd):
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class MetaPut(_OneAdd):
+class MetaPut(_OneAdd["IndexPiecePut"]):
     """A piece of the index, written under the add's temporary name."""
 
     OP = "meta_put"
@@ -116,14 +116,14 @@ class MetaPut(_OneAdd):
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class MetaCommit(_OneAdd):
+class MetaCommit(_OneAdd["IndexCommitted"]):
     """Put the received index in place."""
 
     OP = "meta_commit"
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class MetaAbort(_OneAdd):
+class MetaAbort(_OneAdd["IndexAddAborted"]):
     """Undo the add here; `drop`: the index it put in place too."""
 
     OP = "meta_abort"

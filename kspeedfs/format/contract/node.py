@@ -8,11 +8,20 @@ from typing import Any, Literal
 from kspeedfs.format.contract import Request, Wire, at_least, checked, dataset_name
 from kspeedfs.format.contract.decoded import VariantProgress
 from kspeedfs.format.contract.pieces import PIECE, BlobPiece
+from kspeedfs.format.contract.status import (
+    CacheStatus,
+    ControlStatus,
+    DiskTierStatus,
+    IntegrityStatus,
+    LocalSocketStatus,
+    QueuedPreload,
+    RdmaStatus,
+)
 from kspeedfs.format.names import validate_name
 
 
 @dataclasses.dataclass(frozen=True)
-class Ping(Request):
+class Ping(Request["Pong"]):
     OP = "ping"
 
 
@@ -23,7 +32,7 @@ class Pong(Wire):
 
 
 @dataclasses.dataclass(frozen=True)
-class ManifestReq(Request):
+class ManifestReq(Request["ManifestPiece"]):
     """A piece of a published dataset's manifest (a client or member that holds none of it
     fetches the whole file piece by piece, with kspeedfs.format.contract.pieces.fetch_all)."""
 
@@ -42,7 +51,7 @@ class ManifestPiece(Wire):
 
 
 @dataclasses.dataclass(frozen=True)
-class Status(Request):
+class Status(Request["NodeStatus"]):
     """What the node holds and does: budget, datasets, connections, subsystems."""
 
     OP = "status"
@@ -60,38 +69,38 @@ class HeldSegments(Wire):
 class NodeStatus(Wire):
     """What a node holds and does. The figures of each subsystem (disk tier, integrity, local
     socket, RDMA, read-through cache, control plane, peers) are that subsystem's own
-    `status()`, passed through as it gives them."""
+    `status()` (contract/status.py)."""
 
     node: str
     pid: int
     shm_dir: str
     budget: int
     used: int
-    disk_tier: dict[str, Any] | None  # None: the node has no disk tier
-    integrity: dict[str, Any]
+    disk_tier: DiskTierStatus | None  # None: the node has no disk tier
+    integrity: IntegrityStatus
     datasets: int = at_least(0)
     loading: list[str]  # the names being loaded
     # The preloads waiting for room (`preload --queue`), first first: position, name, source,
     # bytes, waiting_since, short_by (the head's: memory still to free), reason.
-    queue: list[dict[str, Any]] = dataclasses.field(default_factory=list)
+    queue: list[QueuedPreload] = dataclasses.field(default_factory=list)
     segments: int = at_least(0)  # segment files on this node, both tiers
     uptime: float
     stats: dict[str, int]
-    local_socket: dict[str, Any]
+    local_socket: LocalSocketStatus
     transport: str
-    rdma: dict[str, Any]
+    rdma: RdmaStatus
     leases: int = at_least(0)
-    cache: dict[str, Any]
+    cache: CacheStatus
     loaded: dict[str, int]  # what this node loaded from sources
     decoded: dict[str, dict[str, VariantProgress]]  # dataset -> size -> its variant here
     members: list[str]
-    control: dict[str, Any] | None  # None: no control plane (a static node list)
+    control: ControlStatus | None  # None: no control plane (a static node list)
     peers: dict[str, int]
     held: dict[str, HeldSegments]
 
 
 @dataclasses.dataclass(frozen=True)
-class List(Request):
+class List(Request["DatasetListing"]):
     """Every dataset the node holds or is loading."""
 
     OP = "list"
@@ -180,7 +189,7 @@ class DatasetListing(Wire):
 
 
 @dataclasses.dataclass(frozen=True)
-class Unload(Request):
+class Unload(Request["Unloaded"]):
     """Unload a dataset on every member (or cancel its load, or forget its failure)."""
 
     OP = "unload"
@@ -199,7 +208,7 @@ class Unloaded(Wire):
 
 
 @dataclasses.dataclass(frozen=True)
-class UnloadLocal(Request):
+class UnloadLocal(Request["Unloaded"]):
     """Unload this member's part of a dataset (of instance `uuid` only, when given)."""
 
     OP = "unload_local"
@@ -208,7 +217,7 @@ class UnloadLocal(Request):
 
 
 @dataclasses.dataclass(frozen=True)
-class Shutdown(Request):
+class Shutdown(Request["Stopping"]):
     OP = "shutdown"
 
 
@@ -225,7 +234,7 @@ def _name_or_all(value: str) -> str:
 
 
 @dataclasses.dataclass(frozen=True)
-class Rebalance(Request):
+class Rebalance(Request["Rebalanced"]):
     """Control plane: place one dataset (or every one, with no name) over the live members."""
 
     OP = "rebalance"

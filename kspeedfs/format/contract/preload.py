@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any, Literal, Self, get_args
 
 from kspeedfs.format.contract import Request, Wire, at_least, checked, dataset_name
@@ -60,7 +61,7 @@ def cap_bytes() -> int:
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class Preload(Request):
+class Preload(Request["PreloadStarted"]):
     OP = "preload"
     name: str = dataset_name()
     source: str  # an absolute path or a URL
@@ -90,7 +91,7 @@ class PreloadStarted(Wire):
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class LoadProgress(Request):
+class LoadProgress(Request["Progressing | Published"]):
     """A load's progress, or the record of the dataset once it is published."""
 
     OP = "progress"
@@ -98,9 +99,14 @@ class LoadProgress(Request):
     wait_for_change_after: int = -1  # a version seen before; -1: answer at once
     wait_s: float = at_least(0, default=0.0)  # at most MAX_WAIT_S
 
+    def answer(self, msg: Mapping[str, Any]) -> Progressing | Published:
+        """A published dataset's record (it names its instance), else its load's progress
+        (under way, or failed with why)."""
+        return Published.from_wire(msg) if "uuid" in msg else Progressing.from_wire(msg)
+
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class StageClaim(Request):
+class StageClaim(Request["StageClaimed"]):
     """Admission: reserve this member's part of a preload before any member loads."""
 
     OP = "stage_claim"
@@ -115,7 +121,7 @@ class StageClaim(Request):
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class StageReq(Request):
+class StageReq(Request["StageStarted"]):
     """Load the held segments straight from the source (the member scans it itself)."""
 
     OP = "stage"
@@ -130,7 +136,7 @@ class StageReq(Request):
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class StagePush(Request):
+class StagePush(Request["StageStarted"]):
     """Allocate the held segments of a member that cannot read the source; the coordinator
     writes them with stage_put."""
 
@@ -145,7 +151,7 @@ class StagePush(Request):
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class StagePut(Request):
+class StagePut(Request["SegmentPiecePut"]):
     """A piece of a pushed segment (its total: the segment's length)."""
 
     OP = "stage_put"
@@ -156,7 +162,7 @@ class StagePut(Request):
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class StageDone(Request):
+class StageDone(Request["PushStaged"]):
     """Every piece of a pushed stage was put: checksum its segments."""
 
     OP = "stage_done"
@@ -165,7 +171,7 @@ class StageDone(Request):
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class StageStatus(Request):
+class StageStatus(Request["Progressing"]):
     OP = "stage_status"
     name: str = dataset_name()
     uuid: str
@@ -174,7 +180,7 @@ class StageStatus(Request):
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class StageResult(Request):
+class StageResult(Request["Checksummed"]):
     """The checksums of a staged part (files and segments)."""
 
     OP = "stage_result"
@@ -183,7 +189,7 @@ class StageResult(Request):
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class StageManifest(Request):
+class StageManifest(Request["ManifestPieceTaken | ManifestPlaced"]):
     """A piece of the preload's manifest; the last one is checked and put in place."""
 
     OP = "stage_manifest"
@@ -191,9 +197,16 @@ class StageManifest(Request):
     uuid: str
     piece: BlobPiece
 
+    def answer(self, msg: Mapping[str, Any]) -> ManifestPieceTaken | ManifestPlaced:
+        return (
+            ManifestPieceTaken.from_wire(msg)
+            if "received" in msg
+            else ManifestPlaced.from_wire(msg)
+        )
+
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class Commit(Request):
+class Commit(Request["Committed"]):
     """Publish the staged part with one rename, with the dataset's `meta`."""
 
     OP = "commit"
@@ -203,7 +216,7 @@ class Commit(Request):
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class Abort(Request):
+class Abort(Request["Aborted"]):
     """Drop a preload's claim and staged part here (nothing when there is none)."""
 
     OP = "abort"
@@ -259,12 +272,6 @@ class Published(Wire):
     elapsed: float
     error: str = ""
     version: int = at_least(0, default=UNVERSIONED)
-
-
-def load_status_from_wire(msg: Any) -> Progressing | Published:
-    """The answer of `progress`, checked: a published dataset's record (it names its
-    instance), else its load's progress (under way, or failed with why)."""
-    return Published.from_wire(msg) if "uuid" in msg else Progressing.from_wire(msg)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

@@ -4,26 +4,35 @@ dataset's registered segment table."""
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Mapping
 from typing import Any, Literal
 
 from kspeedfs.format.contract import Request, Wire, dataset_name
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class RdmaConnect(Request):
+class RdmaConnect(Request["RdmaConnected | RdmaRefused"]):
     """Tie a responder queue pair to this connection; `endpoint` is the client's (its fields
     are checked by kspeedfs.rdma.wire.Endpoint, which this layer does not import)."""
 
     OP = "rdma_connect"
     endpoint: dict[str, Any]
 
+    def answer(self, msg: Mapping[str, Any]) -> RdmaConnected | RdmaRefused:
+        return RdmaConnected.from_wire(msg) if msg.get("available") else RdmaRefused.from_wire(msg)
+
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class RdmaSegments(Request):
+class RdmaSegments(Request["RdmaSegmentTable | RdmaRefused"]):
     """The registered segment table of dataset `name`, for one-sided reads."""
 
     OP = "rdma_segments"
     name: str = dataset_name()
+
+    def answer(self, msg: Mapping[str, Any]) -> RdmaSegmentTable | RdmaRefused:
+        if msg.get("available"):
+            return RdmaSegmentTable.from_wire(msg)
+        return RdmaRefused.from_wire(msg)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

@@ -12,7 +12,7 @@ from kspeedfs.format.errors import InvalidArgument
 
 
 @dataclasses.dataclass(frozen=True)
-class RegisterSource(Request):
+class RegisterSource(Request["Registered"]):
     """Create (or find) the read-through dataset `name` of `source` (an absolute folder or a
     URL; the node checks which, it knows the source schemes)."""
 
@@ -56,7 +56,7 @@ class Registered(Wire):
 
 
 @dataclasses.dataclass(frozen=True)
-class FillSegment(Request):
+class FillSegment(Request["Filled"]):
     """Make segment `segment` of `name` resident on the node (of instance `uuid` when given)."""
 
     OP = "fill"
@@ -76,7 +76,7 @@ class Filled(Wire):
 
 
 @dataclasses.dataclass(frozen=True)
-class Touch(Request):
+class Touch(Request["Touched"]):
     """A reader's report: these segments of `name` were read, `hits` times in all (the node's
     eviction policy cannot see reads through a map)."""
 
@@ -104,7 +104,7 @@ def _reader(reader: str) -> str:
 
 
 @dataclasses.dataclass(frozen=True)
-class PlanReq(Request):
+class PlanReq(Request["Planned"]):
     """Part of the upcoming segment order of `reader` (a rank's share of the sampler, as
     "rank/replicas"; "": the only reader) of instance `uuid` of `name`: `segments` go at
     position `start` of a plan of `total` uses that `plan` names (the workers of one rank
@@ -129,7 +129,7 @@ class Planned(Wire):
 
 
 @dataclasses.dataclass(frozen=True)
-class Refresh(Request):
+class Refresh(Request["Refreshed"]):
     """List the source of `name` again; a new instance when it changed."""
 
     OP = "refresh"

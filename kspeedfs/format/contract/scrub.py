@@ -8,7 +8,7 @@ from kspeedfs.format.contract import Request, Wire, at_least, dataset_name
 
 
 @dataclasses.dataclass(frozen=True)
-class ReportDamage(Request):
+class ReportDamage(Request["DamageChecked"]):
     """Segments of a dataset's local copy whose bytes a reader found not the manifest's
     (flipped, cut short, grown): the node checks each itself, and quarantines and fetches
     again those that fail. Answers how many it found damaged."""

@@ -23,6 +23,7 @@ from kspeedfs.client.clusterstate import UNAVAILABLE
 from kspeedfs.format.config import Settings
 from kspeedfs.format.contract.control import Adopt, Adopted
 from kspeedfs.format.contract.node import Rebalance, Rebalanced
+from kspeedfs.format.contract.status import ControlStatus
 from kspeedfs.format.errors import NotFound
 from kspeedfs.format.manifest import plan_layout
 from kspeedfs.node.control.adopt import Adoption, Unload
@@ -68,7 +69,7 @@ class ClusterControl(Protocol):
 
     async def forget_failed(self, name: str, uuid: str) -> None: ...
 
-    def status(self) -> dict[str, Any] | None: ...
+    def status(self) -> ControlStatus | None: ...
 
 
 class ControlPlane:
@@ -235,16 +236,16 @@ class ControlPlane:
         await self.converger.run_once(self.catalog, self.address)
         await self.healer.heal(self.catalog, snap, me)
 
-    def status(self) -> dict[str, Any]:
-        return {
-            "etcd": self.state.endpoints,
-            "cluster": self.settings.cluster,
-            "reachable": self.reachable,
-            "registered": self.registered,
-            "live": self.live,
-            "heal": dict(self.healer.stats),
-            "under_replicated": dict(self.healer.under_replicated),
-        }
+    def status(self) -> ControlStatus:
+        return ControlStatus(
+            etcd=list(self.state.endpoints),
+            cluster=self.settings.cluster,
+            reachable=self.reachable,
+            registered=self.registered,
+            live=list(self.live),
+            heal=self.healer.status(),
+            under_replicated=dict(self.healer.under_replicated),
+        )
 
 
 def loading_record(plan: Plan, coordinator: str) -> CatalogEntry:

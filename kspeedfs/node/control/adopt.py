@@ -13,9 +13,9 @@ from typing import Any
 import trio
 
 from kspeedfs.client.catalog import CatalogEntry
+from kspeedfs.format.contract import READTHROUGH
 from kspeedfs.format.contract.control import Adopt, Adopted
 from kspeedfs.format.errors import NotFound
-from kspeedfs.format.readthrough_view import READTHROUGH
 from kspeedfs.node.control.catalog import EtcdCatalog
 from kspeedfs.node.readthrough import ReadThroughCache
 from kspeedfs.node.store import SegmentStore

@@ -15,7 +15,7 @@ from kspeedfs.client.catalog import CatalogEntry, ListedInstance
 from kspeedfs.client.clusterstate import ClusterState
 from kspeedfs.format.config import Settings
 from kspeedfs.format.contract.control import Adopt
-from kspeedfs.format.contract.node import ManifestPiece, ManifestReq
+from kspeedfs.format.contract.node import ManifestReq
 from kspeedfs.format.contract.pieces import Assembly
 from kspeedfs.format.errors import DataError, KSpeedError
 from kspeedfs.node.control.membership import Membership
@@ -89,7 +89,7 @@ class EtcdCatalog:
         whole = Assembly(MAX_MANIFEST_BYTES)
         while not whole.done:
             asked = ManifestReq(name=name, uuid=uuid, offset=whole.received)
-            piece = ManifestPiece.from_wire(await self.ask(peer, asked)).piece
+            piece = (await self.ask(peer, asked)).piece
             if not piece.size and piece.total:
                 raise DataError(f"{peer} sent an empty piece of the manifest of {name}")
             whole.add(piece)

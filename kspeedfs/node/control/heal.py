@@ -22,10 +22,11 @@ from kspeedfs.client.clusterstate import (
 )
 from kspeedfs.format import placement
 from kspeedfs.format.config import Settings
-from kspeedfs.format.contract.node import DatasetEntry, DatasetListing, List
+from kspeedfs.format.contract import READTHROUGH
+from kspeedfs.format.contract.node import DatasetEntry, List
+from kspeedfs.format.contract.status import HealStatus
 from kspeedfs.format.errors import DataError, KSpeedError, NoSpace
 from kspeedfs.format.manifest import Manifest
-from kspeedfs.format.readthrough_view import READTHROUGH
 from kspeedfs.format.tls import client_context
 from kspeedfs.node import sourceio
 from kspeedfs.node.control.adopt import Adoption
@@ -96,6 +97,19 @@ class Healer:
     @property
     def address(self) -> str:
         return self.membership.address
+
+    def status(self) -> HealStatus:
+        s = self.stats
+        return HealStatus(
+            segments=int(s["segments"]),
+            bytes=int(s["bytes"]),
+            failed=int(s["failed"]),
+            pending=int(s["pending"]),
+            seconds=float(s["seconds"]),
+            dropped=int(s["dropped"]),
+            dropped_bytes=int(s["dropped_bytes"]),
+            from_source=int(s["from_source"]),
+        )
 
     async def heal(
         self, catalog: dict[str, CatalogEntry], snap: Snapshot, me: Registration
@@ -187,7 +201,7 @@ class Healer:
             if peer not in self.membership.live:
                 continue
             try:
-                listing = DatasetListing.from_wire(await self.ask(peer, List()))
+                listing = await self.ask(peer, List())
             except KSpeedError as e:
                 log.debug("%s: cannot ask %s what it holds: %s", name, peer, e)
                 continue

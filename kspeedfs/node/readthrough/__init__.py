@@ -36,12 +36,12 @@ composes them, registers their ops and runs their tasks.
 from __future__ import annotations
 
 import logging
-from typing import Any
 
 import trio
 
 from kspeedfs.client.catalog import CatalogEntry
 from kspeedfs.format.config import Settings
+from kspeedfs.format.contract import READTHROUGH
 from kspeedfs.format.contract.readthrough import (
     FillSegment,
     PlanReq,
@@ -49,8 +49,8 @@ from kspeedfs.format.contract.readthrough import (
     RegisterSource,
     Touch,
 )
+from kspeedfs.format.contract.status import CacheStatus
 from kspeedfs.format.errors import KSpeedError
-from kspeedfs.format.readthrough_view import READTHROUGH
 from kspeedfs.format.units import format_size
 from kspeedfs.node.loads import LoadTable
 from kspeedfs.node.ops import ADMIN, JOB, OpRegistry
@@ -68,7 +68,13 @@ from kspeedfs.node.readthrough.status import cache_status
 from kspeedfs.node.readthrough.watch import SourceWatch
 from kspeedfs.node.store import SegmentStore
 
-__all__ = ["CachedDataset", "ClusterCatalog", "EvictionPolicy", "LocalCatalog", "ReadThroughCache"]
+__all__ = [
+    "CachedDataset",
+    "ClusterCatalog",
+    "EvictionPolicy",
+    "LocalCatalog",
+    "ReadThroughCache",
+]
 
 log = logging.getLogger(__name__)
 
@@ -184,5 +190,5 @@ class ReadThroughCache:
         """Segments another node read from here (its reads miss this node's policy otherwise)."""
         self.evictor.note_reads(name, segments)
 
-    def status(self) -> dict[str, Any]:
+    def status(self) -> CacheStatus:
         return cache_status(self.store, self.instances, self.disk, self.evictor.shares())

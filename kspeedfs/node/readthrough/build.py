@@ -11,10 +11,10 @@ from typing import Any
 import numpy as np
 
 from kspeedfs.client.catalog import ListedInstance
+from kspeedfs.format.contract import READTHROUGH
 from kspeedfs.format.layout import Layout
-from kspeedfs.format.localdata import MANIFEST_FILE, segment_path
+from kspeedfs.format.localdata import EPOCH_FILE, MANIFEST_FILE, SEGSUMS_FILE, segment_path
 from kspeedfs.format.manifest import plan_layout, write_manifest
-from kspeedfs.format.readthrough_view import EPOCH_FILE, READTHROUGH, SEGSUMS_FILE
 from kspeedfs.format.tree import Tree
 from kspeedfs.node.preload import tree_digest
 from kspeedfs.node.readthrough.dataset import CachedDataset, base_bytes

@@ -19,9 +19,8 @@ import xxhash
 from kspeedfs.format.contract.readthrough import LIMITS
 from kspeedfs.format.errors import DataError, NotFound
 from kspeedfs.format.layout import Layout
-from kspeedfs.format.localdata import MANIFEST_FILE
+from kspeedfs.format.localdata import EPOCH_FILE, MANIFEST_FILE, SEGSUMS_FILE
 from kspeedfs.format.manifest import Manifest
-from kspeedfs.format.readthrough_view import EPOCH_FILE, SEGSUMS_FILE
 from kspeedfs.node.budget import Budgets
 from kspeedfs.node.readthrough.places import InstancePlaces
 from kspeedfs.node.readthrough.policy import EvictionPolicy

@@ -37,6 +37,7 @@ import trio
 
 from kspeedfs.format.localdata import SEGMENT_DIR, read_meta, segment_path
 from kspeedfs.format.units import format_size
+from kspeedfs.node import nodefolders
 from kspeedfs.node.readthrough.dataset import CachedDataset, Instances, file_checksum
 from kspeedfs.node.safedir import FILE_MODE, link_segment, remove_beneath, unlink_file
 from kspeedfs.node.store import SegmentStore
@@ -216,7 +217,7 @@ class DiskTier:
             return
         tier = self.store.disk_root
         for entry in sorted(tier.parent.iterdir()):
-            if entry.name != tier.name:
+            if entry.name not in (tier.name, nodefolders.MARKER):
                 log.info("removing spilled data of the old layout: %s", entry.name)
                 remove_beneath(None, os.fspath(entry))
 

@@ -16,9 +16,9 @@ from typing import Any
 import trio
 
 from kspeedfs.client.catalog import CatalogEntry
+from kspeedfs.format.contract import READTHROUGH
 from kspeedfs.format.contract.readthrough import Registered, RegisterSource
 from kspeedfs.format.errors import AlreadyExists, InvalidArgument, KSpeedError, NotFound
-from kspeedfs.format.readthrough_view import READTHROUGH
 from kspeedfs.format.units import format_size
 from kspeedfs.node import sourceio
 from kspeedfs.node.loads import LoadTable

@@ -4,10 +4,12 @@ by tier."""
 
 from __future__ import annotations
 
+import dataclasses
 from collections import Counter
 from collections.abc import Mapping
 from typing import Any
 
+from kspeedfs.format.contract.status import CacheStatus, DatasetCacheStatus, SpillStatus
 from kspeedfs.node.readthrough.dataset import Instances
 from kspeedfs.node.readthrough.disktier import DiskTier
 from kspeedfs.node.store import SegmentStore
@@ -30,52 +32,51 @@ COUNTERS = (
 
 def cache_status(
     store: SegmentStore, instances: Instances, disk: DiskTier, shares: Mapping[str, int]
-) -> dict[str, Any]:
-    datasets: dict[str, Any] = {}
+) -> CacheStatus:
+    datasets: dict[str, DatasetCacheStatus] = {}
     for record in store.datasets.values():
         uid, changed = instances.changed.get(record.name, ("", 0))
-        d: dict[str, Any] = {
-            "lifetime": record.lifetime,
-            "segments": record.segments,
-            "in_memory": len(record.held),
-            "memory_bytes": record.stored,
-            "disk_bytes": record.disk_stored,  # a preload's disk tier (a read-through one's below)
-            "stale": changed if uid == record.uuid else 0,
-            "max_memory": record.max_memory,  # a preload's caps (a read-through one's below)
-            "max_disk": record.max_disk,
-        }
+        d = DatasetCacheStatus(
+            lifetime=record.lifetime,
+            segments=record.segments,
+            in_memory=len(record.held),
+            memory_bytes=record.stored,
+            disk_bytes=record.disk_stored,  # a preload's disk tier (a read-through one's below)
+            stale=changed if uid == record.uuid else 0,
+            max_memory=record.max_memory,  # a preload's caps (a read-through one's below)
+            max_disk=record.max_disk,
+        )
         ds = instances.by_name.get(record.name)
         if ds is not None and ds.uuid == record.uuid:
-            d.update(
+            plan = instances.policy.plan_position(ds.name)
+            figures: dict[str, Any] = {k: ds.stats[k] for k in COUNTERS} | tiers(ds.stats)
+            d = dataclasses.replace(
+                d,
+                counted=True,
                 resident_bytes=ds.segment_bytes,
                 on_disk=len(ds.on_disk),
                 disk_bytes=ds.disk_bytes,
                 on_spill=len(ds.places.spilled),
                 spill_bytes=ds.places.spilled_bytes(),
-                plan=instances.policy.plan_position(ds.name),
+                plan=None if plan is None else {k: list(v) for k, v in plan.items()},
                 max_memory=ds.max_memory,
                 max_disk=ds.max_disk,
                 min_memory=ds.min_memory,
                 weight=ds.weight,
                 share=shares.get(ds.name, ds.max_memory),  # a capped one's share is its cap
-                **{k: ds.stats[k] for k in COUNTERS},
-                **tiers(ds.stats),
+                **figures,
             )
         datasets[record.name] = d
-    spill_info: dict[str, Any] | None = None
+    spill = None
     if disk.root is not None:
-        spill_info = {
-            "dir": str(disk.root),
-            "used": disk.spilled_bytes(),
-            "budget": disk.spill_room(),
-        }
-    return {
-        "datasets": datasets,
-        "spill": spill_info,
-        "stats": dict(instances.stats),
-        "policy": instances.policy.name,
-        "evictions_by_policy": dict(instances.evictions_by),
-    }
+        spill = SpillStatus(dir=str(disk.root), used=disk.spilled_bytes(), budget=disk.spill_room())
+    return CacheStatus(
+        datasets=datasets,
+        spill=spill,
+        stats=dict(instances.stats),
+        policy=instances.policy.name,
+        evictions_by_policy=dict(instances.evictions_by),
+    )
 
 
 def tiers(stats: Counter[str]) -> dict[str, int]:

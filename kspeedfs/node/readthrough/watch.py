@@ -10,9 +10,9 @@ from typing import Any
 
 import trio
 
+from kspeedfs.format.contract import READTHROUGH
 from kspeedfs.format.contract.readthrough import Refresh, Refreshed
 from kspeedfs.format.errors import InvalidArgument, KSpeedError, NotFound
-from kspeedfs.format.readthrough_view import READTHROUGH
 from kspeedfs.format.tree import Tree
 from kspeedfs.node import sourceio
 from kspeedfs.node.preload import tree_digest

@@ -86,21 +86,19 @@ def test_a_single_node_preload_plans_once(
                     LoadProgress(name="once", wait_for_change_after=seen, wait_s=2.0)
                 )
                 answers.append(p)
-                seen = p["version"]
-                if p["state"] in ("ready", "failed"):
+                seen = p.version
+                if p.state in ("ready", "failed"):
                     break
             nursery.cancel_scope.cancel()
 
     started = time.monotonic()
     trio.run(preload)
     elapsed = time.monotonic() - started
-    assert answers[-1]["state"] == "ready", answers[-1]
+    assert answers[-1].state == "ready", answers[-1]
     assert counts == {"plan_layout": 1, "Layout.of_tree": 1, "check_source": 1, "tree_digest": 1}
     # Long-polled: an answer when the state changes (loading, then ready), else one per wait.
     states = [
-        s
-        for i, s in enumerate(a["state"] for a in answers)
-        if i == 0 or s != answers[i - 1]["state"]
+        s for i, s in enumerate(a.state for a in answers) if i == 0 or s != answers[i - 1].state
     ]
     assert states == ["loading", "ready"]
     assert len(answers) <= 2 + int(elapsed / 2.0)

@@ -13,8 +13,8 @@ import trio
 from rdmafakes import FakeDevice, FakeRegistrar
 
 from kspeedfs.format.config import Settings
+from kspeedfs.format.contract import READTHROUGH
 from kspeedfs.format.contract.readthrough import Refresh, RegisterSource
-from kspeedfs.format.readthrough_view import READTHROUGH
 from kspeedfs.node.control import ControlPlane, EtcdCatalog
 from kspeedfs.node.events import DatasetEvents
 from kspeedfs.node.readthrough import LocalCatalog

@@ -9,14 +9,13 @@ import shutil
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 import pytest
 import trio
 
 from kspeedfs.format.config import Settings
-from kspeedfs.format.contract import Request
-from kspeedfs.format.contract.node import Ping
+from kspeedfs.format.contract import Answer, Request
+from kspeedfs.format.contract.node import Ping, Pong
 from kspeedfs.format.contract.preload import Preload
 from kspeedfs.format.errors import NoSpace
 from kspeedfs.node.control.static import StaticControl
@@ -53,9 +52,10 @@ class Member:
         self.ops = OpRegistry()
         self.stager.register_ops(self.ops)
         self.ops.add(Ping, self.pong, READ)
+        self.address = address
 
-    async def pong(self, request: Ping) -> dict[str, Any]:
-        return {}
+    async def pong(self, request: Ping) -> Pong:
+        return Pong(self.address, 1)
 
 
 def source(tmp_path: Path, files: int) -> Path:
@@ -69,7 +69,7 @@ def source(tmp_path: Path, files: int) -> Path:
 def coordinator_over(members: dict[str, Member]) -> PreloadCoordinator:
     settings = Settings(segment_size=SEGMENT)
 
-    async def ask(member: str, request: Request) -> dict[str, Any]:
+    async def ask(member: str, request: Request[Answer]) -> Answer:
         return await members[member].ops.call(request)
 
     async def after_preload(name: str, uuid: str, decoded: int) -> None:
@@ -105,7 +105,7 @@ async def settled(coordinator: PreloadCoordinator, name: str) -> str:
 
 async def in_queue(coordinator: PreloadCoordinator, name: str) -> None:
     """Wait until `name` waits in the coordinator's queue, refused there at least once."""
-    while not any(w["name"] == name and w["reason"] for w in coordinator.queue.status()):
+    while not any(w.name == name and w.reason for w in coordinator.queue.status()):
         await trio.sleep(0.01)  # polling the queue
 
 
@@ -196,8 +196,8 @@ def test_a_queued_preload_waits_for_room_and_starts_when_an_unload_frees_it(
             progress = coordinator.loads.get("two")
             assert progress is not None and progress.state == "queued"
             (waiting,) = coordinator.queue.status()
-            assert waiting["name"] == "two" and waiting["position"] == 1
-            assert waiting["short_by"] > 0 and "held by one" in waiting["reason"]
+            assert waiting.name == "two" and waiting.position == 1
+            assert waiting.short_by and "held by one" in waiting.reason
             for member in members.values():  # nothing of "two" claimed while it waits
                 assert not any("two" in k for k in member.store.budgets.reserved)
             for member in members.values():

@@ -1,8 +1,10 @@
 """Ops answer typed Wire types (issue 31): each answer comes back off the wire equal to what was
-sent, and every handler a node registers is annotated to answer one, not a dict."""
+sent, every handler a node registers is annotated to answer one, not a dict, each request names
+that answer, and no caller decodes an answer itself (issue 42)."""
 
 from __future__ import annotations
 
+import ast
 import dataclasses
 import json
 import types
@@ -15,7 +17,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from kspeedfs.format.config import Settings
-from kspeedfs.format.contract import Wire, field_types
+from kspeedfs.format.contract import Request, Wire, answer_hint, field_types
+from kspeedfs.format.contract.decoded import DatasetVariants, DecodeStatus, MemberVariants
 from kspeedfs.format.contract.metaindexes import (
     IndexAddAborted,
     IndexAdded,
@@ -25,10 +28,12 @@ from kspeedfs.format.contract.metaindexes import (
     IndexReserved,
     MetaAdded,
 )
+from kspeedfs.format.contract.pieces import BlobPiece
 from kspeedfs.format.contract.preload import (
     Aborted,
     Checksummed,
     Committed,
+    LoadProgress,
     ManifestPieceTaken,
     ManifestPlaced,
     Progressing,
@@ -36,9 +41,21 @@ from kspeedfs.format.contract.preload import (
     PushStaged,
     SegmentPiecePut,
     StageClaimed,
+    StageManifest,
     StageStarted,
 )
+from kspeedfs.format.contract.rdma import RdmaConnect, RdmaRefused, RdmaSegments, RdmaSegmentTable
+from kspeedfs.format.contract.status import (
+    CacheStatus,
+    ControlStatus,
+    DiskTierStatus,
+    IntegrityStatus,
+    LocalSocketStatus,
+    QueuedPreload,
+    RdmaStatus,
+)
 from kspeedfs.format.errors import InvalidArgument
+from kspeedfs.node.loads import progressing
 from kspeedfs.node.ops import OpRegistry
 from kspeedfs.node.server import NodeServer
 from kspeedfs.node.store import DatasetRecord
@@ -63,6 +80,13 @@ ANSWERS: list[type[Wire]] = [
     IndexCommitted,
     IndexAddAborted,
     Checksummed,
+    DiskTierStatus,
+    IntegrityStatus,
+    LocalSocketStatus,
+    RdmaStatus,
+    CacheStatus,
+    ControlStatus,
+    QueuedPreload,
 ]
 
 
@@ -74,6 +98,8 @@ def values(hint: Any) -> st.SearchStrategy[Any]:
     """Values of a field of type `hint` that its checks pass (the answers' numbers are counts,
     sizes and times: none is below 0)."""
     origin = get_origin(hint)
+    if origin in (Union, types.UnionType):
+        return st.one_of(*(st.none() if a is type(None) else values(a) for a in get_args(hint)))
     if origin is Literal:
         return st.sampled_from(get_args(hint))
     if origin is list:
@@ -166,3 +192,66 @@ def test_progress_answers_carry_the_keys_they_always_had(tmp_path: Path) -> None
     assert list(field_types(Progressing)) == [*Progress().to_wire(), "version"]
     record = DatasetRecord("d", "u", "/src", "offline", 1, 2, 3, 4, 5.0, tmp_path)
     assert list(field_types(Published)) == [*record.to_wire(), "version"]
+
+
+def test_every_request_names_the_answer_its_handler_gives(registry: OpRegistry) -> None:
+    """A call returns the request's own answer type (Request["Answer"]): the one its op's
+    handler is annotated to answer, each type of a union."""
+    wrong = {}
+    for name in registry.names():
+        op = registry.get(name)
+        handler = set(answered(typing.get_type_hints(op.handler)["return"]))
+        named = set(answered(answer_hint(op.request)))
+        if handler != named:
+            wrong[name] = (sorted(t.__name__ for t in named), sorted(t.__name__ for t in handler))
+    assert not wrong, f"requests naming another answer than their handler's (named, given): {wrong}"
+
+
+@pytest.mark.parametrize(
+    ("request_", "answer"),
+    [
+        (LoadProgress(name="d"), progressing(Progress(state="loading", source="/s"))),
+        (StageManifest(name="d", uuid="u", piece=BlobPiece(0, 0, "")), ManifestPlaced(node="a")),
+        (
+            StageManifest(name="d", uuid="u", piece=BlobPiece(0, 0, "")),
+            ManifestPieceTaken(node="a", received=3),
+        ),
+        (RdmaConnect(endpoint={}), RdmaRefused(reason="no device")),
+        (RdmaSegments(name="d"), RdmaRefused(reason="no device")),
+        (RdmaSegments(name="d"), RdmaSegmentTable(uuid="u", table="t")),
+        (DecodeStatus(name="d", local=True), MemberVariants(node="a", variants={})),
+        (DecodeStatus(name="d"), DatasetVariants(name="d", uuid="u", nodes={}, variants={})),
+    ],
+)
+def test_a_request_answered_by_one_of_several_types_tells_them_apart(
+    request_: Request[Any], answer: Wire
+) -> None:
+    assert request_.answer(json.loads(json.dumps(answer.to_wire()))) == answer
+
+
+ROOT = Path(__file__).resolve().parents[3]
+
+
+def test_no_caller_decodes_an_answer_itself(registry: OpRegistry) -> None:
+    """An answer is decoded in one place (Request.answer, from the type its request names):
+    no code outside kspeedfs/format/contract calls an op's answer type's `from_wire`."""
+    answers: set[str] = set()
+    for name in registry.names():
+        hint = typing.get_type_hints(registry.get(name).handler)["return"]
+        answers.update(t.__name__ for t in answered(hint))
+    contract = ROOT / "kspeedfs" / "format" / "contract"
+    found = []
+    for package in ("kspeedfs", "mountd", "pytorch_ext"):
+        for path in sorted((ROOT / package).rglob("*.py")):
+            if contract in path.parents:
+                continue
+            for node in ast.walk(ast.parse(path.read_text(), str(path))):
+                if (
+                    isinstance(node, ast.Call)
+                    and isinstance(node.func, ast.Attribute)
+                    and node.func.attr == "from_wire"
+                    and isinstance(node.func.value, ast.Name)
+                    and node.func.value.id in answers
+                ):
+                    found.append(f"{path.relative_to(ROOT)}:{node.lineno} {node.func.value.id}")
+    assert not found, f"callers decoding an answer themselves (call returns it typed): {found}"

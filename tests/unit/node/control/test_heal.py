@@ -152,12 +152,12 @@ def test_a_lost_members_copies_are_made_again_from_the_members_holding_them_afte
             await trio.sleep(HEAL_AFTER - 2)  # under test: still within heal_after
             assert etcd.value(RECORD).get("lost", []) == []
             assert held(stores) == before  # nothing copied yet: c may come back
-            assert all(p.status()["under_replicated"] == {"ds": lost_segments} for p in planes)
+            assert all(p.status().under_replicated == {"ds": lost_segments} for p in planes)
             await trio.sleep(3)  # under test: past heal_after
             assert etcd.value(RECORD)["lost"] == ["c:1"]
             nursery.cancel_scope.cancel()
         assert_placed(etcd, stores, ds)
-        assert all(p.status()["under_replicated"] == {"ds": 0} for p in planes)
+        assert all(p.status().under_replicated == {"ds": 0} for p in planes)
         assert sum(peers.reads.values()) == lost_segments  # each copy read once, from a peer
         assert "c:1" not in peers.reads
         assert all(p.healer.stats["from_source"] == 0 for p in planes)

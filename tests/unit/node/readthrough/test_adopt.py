@@ -11,9 +11,9 @@ from pathlib import Path
 
 from kspeedfs.client.clusterstate import ClusterState
 from kspeedfs.format.config import Settings
+from kspeedfs.format.contract import READTHROUGH
 from kspeedfs.format.contract.node import ManifestReq
 from kspeedfs.format.contract.readthrough import RegisterSource
-from kspeedfs.format.readthrough_view import READTHROUGH
 from kspeedfs.node.control import ControlPlane, EtcdCatalog
 from kspeedfs.node.control.membership import Membership
 from kspeedfs.node.events import DatasetEvents

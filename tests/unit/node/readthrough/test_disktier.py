@@ -14,6 +14,7 @@ import trio
 
 from kspeedfs.format.localdata import segment_path
 from kspeedfs.node.events import DatasetEvents
+from kspeedfs.node.nodefolders import MARKER
 from kspeedfs.node.readthrough.build import InstanceBuilder
 from kspeedfs.node.readthrough.dataset import CachedDataset, Instances, file_checksum
 from kspeedfs.node.readthrough.disktier import SPILL_DIR, DiskTier
@@ -132,7 +133,7 @@ def test_a_restart_after_a_crash_keeps_whole_spilled_copies_only(node: Node) -> 
     assert set(ds2.places.spilled) == {0, 3}
     assert sorted(os.listdir(spill)) == [f"{0:08d}", f"{3:08d}"]
     assert sorted(os.listdir(folder)) == sorted(["seg", SPILL_DIR])
-    assert sorted(os.listdir(node.work / "spill")) == [TIER_DIR]
+    assert sorted(os.listdir(node.work / "spill")) == sorted([TIER_DIR, MARKER])
     assert after.store.budgets.disk_used() == 2 * SEG
     assert (spill / f"{3:08d}").read_bytes() == kept[3]
 

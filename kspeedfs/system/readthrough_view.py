@@ -17,12 +17,8 @@ from pathlib import Path
 from kspeedfs.format import sealing
 from kspeedfs.format.contract import READTHROUGH
 from kspeedfs.format.errors import DataError
-from kspeedfs.format.localdata import DamageReport, LocalDataset, read_meta
-
-SEGSUMS_FILE = "segsums"  # u64 per segment: xxh3 of its bytes once filled (0: never filled)
-
-
-EPOCH_FILE = "epoch"  # u64 the node bumps on every eviction
+from kspeedfs.format.localdata import EPOCH_FILE, DamageReport, read_meta
+from kspeedfs.system.local_dataset import LocalDataset
 
 
 def open_local(
@@ -60,35 +56,33 @@ class ReadThroughDataset(LocalDataset):
         epoch = self._read_epoch()
         if epoch == self._epoch_seen:
             return
-        with self._lock:
+        with self.lock:
             self._epoch_seen = epoch
             for seg in list(self._present):
                 try:
-                    ino: int | None = self._stat_segment(seg).st_ino
+                    ino: int | None = self.stat_segment(seg).st_ino
                 except FileNotFoundError:
                     ino = None
                 if ino is None or self._inodes.get(seg, ino) != ino:
                     self._present.discard(seg)
                     self._inodes.pop(seg, None)
-                    # Dropped, not closed: a thread reading it still holds a reference.
-                    self._maps.pop(seg, None)
-                    self._watched.pop(seg, None)
+                    self._drop_map(seg)  # a thread reading it still holds a reference
             self.held = frozenset(self._present)
 
     def release(self) -> None:
-        with self._lock:
+        with self.lock:
             self._present.clear()
             self._inodes.clear()
         super().release()
 
     def _appeared(self, seg: int) -> bool:
         try:
-            st = self._stat_segment(seg)
+            st = self.stat_segment(seg)
         except (FileNotFoundError, NotADirectoryError):
             return False
         if not 0 <= seg < self.manifest.segments or st.st_size != int(self.manifest.seg_len[seg]):
             return False
-        with self._lock:
+        with self.lock:
             self._present.add(seg)
             self.held = frozenset(self._present)
         return True
@@ -106,7 +100,7 @@ class ReadThroughDataset(LocalDataset):
         if m is None:
             if seg not in self._present and not self._appeared(seg):
                 raise DataError(f"segment {seg} of {self.path.name} is not cached on this node")
-            with self._lock:
+            with self.lock:
                 m = self._maps.get(seg)
                 if m is None:
                     m = self._map(seg)
@@ -118,9 +112,8 @@ class ReadThroughDataset(LocalDataset):
     def _cut_short(self, seg: int) -> None:
         """Not a damaged segment to report (its fill checked what it wrote; a node evicts
         and fills again): the map is dropped and the read goes to the node or the source."""
-        with self._lock:
-            self._maps.pop(seg, None)
-            self._watched.pop(seg, None)
+        with self.lock:
+            self._drop_map(seg)
             self._present.discard(seg)
             self.held = frozenset(self._present)
         raise DataError(f"segment {seg} of {self.path.name} was cut short")
@@ -128,7 +121,7 @@ class ReadThroughDataset(LocalDataset):
     def _map(self, seg: int) -> mmap.mmap:
         kept: io.FileIO | None = None
         try:
-            fd = self._open_segment(seg)
+            fd = self.open_segment(seg)
             try:
                 m = mmap.mmap(fd, 0, prot=mmap.PROT_READ)
                 ino = os.fstat(fd).st_ino
