@@ -789,6 +789,18 @@ def require_container_tools() -> None:
             )
 
 
+def publish_sample(
+    stack: Stack, tmp_path: Path, suffix: str, classes: int, per_class: int
+) -> tuple[Path, Path]:
+    """An ImageFolder-shaped source published as volume vol-SUFFIX of pod-SUFFIX: (the
+    source, the target)."""
+    src = tmp_path / "imagenet"
+    make_sample(src, classes=classes, per_class=per_class, file_size=6000, bases=classes)
+    target = stack.target(f"pod-{suffix}")
+    stack.client.publish(f"vol-{suffix}", target, inline_context("imagenet", source=str(src)))
+    return src, target
+
+
 @pytest.fixture
 def shared_kubelet(stack: Stack) -> Iterator[Stack]:
     """The stack with its kubelet folder a shared mount of its own, as kubelet makes its root
@@ -811,11 +823,8 @@ def test_a_container_reads_a_published_volume(shared_kubelet: Stack, tmp_path: P
     computed in the container), cannot write, and sees the kspeedfs mount as a slave of the
     host's."""
     require_container_tools()
-    stack, c = shared_kubelet, shared_kubelet.client
-    src = tmp_path / "imagenet"
-    make_sample(src, classes=3, per_class=6, file_size=6000, bases=3)
-    target = stack.target("pod-c")
-    c.publish("vol-c", target, inline_context("imagenet", source=str(src)))
+    c = shared_kubelet.client
+    src, target = publish_sample(shared_kubelet, tmp_path, "c", classes=3, per_class=6)
     root = busybox_root(tmp_path / "rootfs")
     done = subprocess.run(
         container_command(root, {target: "/data"}, ["/bin/sh", "-c", CONTAINER_READ]),
@@ -856,10 +865,7 @@ def test_a_container_reads_on_while_its_mount_process_is_killed(
     and the container reads on after the takeover."""
     require_container_tools()
     stack, c = shared_kubelet, shared_kubelet.client
-    src = tmp_path / "imagenet"
-    make_sample(src, classes=2, per_class=4, file_size=6000, bases=2)
-    target = stack.target("pod-k")
-    c.publish("vol-k", target, inline_context("imagenet", source=str(src)))
+    src, target = publish_sample(stack, tmp_path, "k", classes=2, per_class=4)
     files = {str(p.relative_to(src)): p.read_bytes() for p in src.rglob("*") if p.is_file()}
     root = busybox_root(tmp_path / "rootfs")
     loop = container_loop(sorted(files), seconds=40)
