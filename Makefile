@@ -8,7 +8,7 @@ PYTHON  ?= python3
 SUDO    := $(shell [ "$$(id -u)" -eq 0 ] || echo sudo)
 APT_PKGS := fuse3 libfuse3-dev pkg-config gcc systemd attr etcd-server etcd-client debootstrap \
 	systemd-container dnsmasq-base squashfuse squashfs-tools faketime iproute2 \
-	podman runc busybox-static
+	podman runc busybox-static librsvg2-bin
 CHECKED := kspeedfs mountd pytorch_ext tests bench
 
 .PHONY: demo test quick lint deps apt bench clean

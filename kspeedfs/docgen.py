@@ -496,9 +496,10 @@ def _metric_rows(families: Sequence[tuple[str, str, str, list[str]]]) -> list[tu
 
 
 def metrics_reference() -> str:
+    from kspeedfs.format.contract.jobs import JobsAnswer
     from kspeedfs.fuse.counters import SharedCounters
     from kspeedfs.fuse.metrics import MountCollector
-    from kspeedfs.node.metrics import NodeCollector
+    from kspeedfs.node.metrics import JobCollector, NodeCollector
 
     snapshot = _node_snapshot()
     node = _families(NodeCollector(lambda: snapshot))
@@ -531,7 +532,17 @@ def metrics_reference() -> str:
         "or `preload` for room a preload took; [readthrough.md](readthrough.md)).",
         "",
     ]
-    lines += _table(head, _metric_rows(node)) + ["", "## Mount", ""]
+    lines += _table(head, _metric_rows(node)) + ["", "## Jobs", ""]
+    lines += [
+        "Per job whose training loop is watched (`pytorch_ext.watch`, `KSPEEDFS_WATCH=1`;",
+        "[telemetry.md](telemetry.md)), on the node its loops report to: at most 64 jobs, one",
+        "idle for 5 minutes is dropped. `tenant` is empty until tenants exist; the `dataset`",
+        "families count what the dataset did while the job read it (shared by jobs reading it",
+        "at once).",
+        "",
+    ]
+    lines += _table(head, _metric_rows(_families(JobCollector(lambda: JobsAnswer(jobs=[])))))
+    lines += ["", "## Mount", ""]
     lines += [
         "Summed over every serving process of the mount. `op` is the FUSE request kind in",
         "lower case (lookup, read, getattr, ...); `path` is `local` (mapped), `remote` (one per",

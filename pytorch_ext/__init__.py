@@ -16,6 +16,7 @@ if TYPE_CHECKING:
     from .folder import KSpeedFolder
     from .image_folder import KSpeedImageFolder
     from .lease import release_all as release_leases
+    from .loop_watch import watch
     from .meta import KSpeedMetaDataset
     from .mini_epoch import MiniEpochSampler
     from .prefetch import ClairvoyantSampler
@@ -37,6 +38,7 @@ _WHERE = {
     "PrioritySampler": ("priority", "PrioritySampler"),
     "SampleInfo": ("external_source", "SampleInfo"),
     "release_leases": ("lease", "release_all"),
+    "watch": ("loop_watch", "watch"),
 }
 
 __all__ = [
@@ -52,6 +54,7 @@ __all__ = [
     "PrioritySampler",
     "SampleInfo",
     "release_leases",
+    "watch",
 ]
 
 

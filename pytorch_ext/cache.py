@@ -19,6 +19,7 @@ from kspeedfs.client import admin, on_mount
 from kspeedfs.client.dataset_reader import CacheRef as CacheRef  # the fast path's names for them
 from kspeedfs.client.dataset_reader import Reader as Reader
 from kspeedfs.client.job_settings import client_settings as client_settings
+from kspeedfs.client.loop_reports import note_dataset
 from kspeedfs.client.reader import ClusterReader, local_node_for
 from kspeedfs.format.config import Settings
 from kspeedfs.format.contract.node import DatasetEntry, List, LoadingEntry
@@ -182,6 +183,7 @@ def attach(
             info=info,
             local=local,
         )
+        note_dataset(info.name)  # named in this process's loop reports (pytorch_ext.watch)
         return ref, rel, key
     raise KSpeedError(f"could not attach {path}: the cache kept changing under us")
 

@@ -6,7 +6,7 @@ import argparse
 import sys
 from collections.abc import Callable
 
-from kspeedfs.cli import datasets, kubernetes, mounts, node, security, setup
+from kspeedfs.cli import datasets, jobs, kubernetes, mounts, node, security, setup
 from kspeedfs.cli.parser import build_parser
 from kspeedfs.format.errors import KSpeedError
 from kspeedfs.system.logs import setup_logging
@@ -16,6 +16,10 @@ COMMANDS: dict[str, Callable[[argparse.Namespace], int]] = {
     "preload": datasets.cmd_preload,
     "ls": datasets.cmd_ls,
     "status": node.cmd_status,
+    "jobs": jobs.cmd_jobs,
+    "top": jobs.cmd_top,
+    "report": jobs.cmd_report,
+    "dashboard": jobs.cmd_dashboard,
     "unload": datasets.cmd_unload,
     "rebalance": datasets.cmd_rebalance,
     "meta": datasets.cmd_meta,

@@ -117,6 +117,30 @@ def build_parser() -> argparse.ArgumentParser:
         _client_options(p)
         p.add_argument("--json", action="store_true", help="machine-readable output")
 
+    p = sub.add_parser(
+        "jobs", help="the jobs whose training loops report: whether each waits on its data"
+    )
+    _client_options(p)
+    p.add_argument("--json", action="store_true", help="machine-readable output")
+
+    p = sub.add_parser("top", help="`jobs`, refreshed in place until Ctrl-C")
+    _client_options(p)
+    p.add_argument("--interval", type=float, default=2.0, help="seconds between refreshes")
+    p.add_argument(
+        "--iterations", type=int, default=0, metavar="N", help="stop after N screens (0: never)"
+    )
+
+    p = sub.add_parser("report", help="one job's stall over time (and a picture of it)")
+    _client_options(p)
+    p.add_argument("job", help="the job (as `kspeedfs jobs` names it)")
+    p.add_argument("--svg", metavar="FILE", help="draw the stall and hit rate over time here")
+    p.add_argument("--png", metavar="FILE", help="the same picture as PNG (needs rsvg-convert)")
+
+    p = sub.add_parser("dashboard", help="print a Grafana dashboard (JSON) of the job metrics")
+    p.add_argument(
+        "--datasource", default="Prometheus", help="the Prometheus data source's name in Grafana"
+    )
+
     p = sub.add_parser("meta", help="meta-file indexes of a cached dataset")
     msub = p.add_subparsers(dest="meta_command", required=True, metavar="ACTION")
     t = msub.add_parser(

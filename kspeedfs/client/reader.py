@@ -29,7 +29,7 @@ from typing import NamedTuple
 
 import xxhash
 
-from kspeedfs.client import latency, passed
+from kspeedfs.client import latency, passed, read_times
 from kspeedfs.client.handle import DatasetHandle
 from kspeedfs.client.health import NodeHealth
 from kspeedfs.client.hedged import HedgedRead
@@ -227,7 +227,9 @@ class ClusterReader:
         local = ds.local
         if local is not None and not ds.readthrough and local.holds_file(i):
             try:
+                started = read_times.start()
                 data = local.read(i, offset, n)
+                read_times.done(started, "local")
                 self.stats["local"] += 1
                 self.stats["local_bytes"] += n
                 return data
@@ -245,6 +247,7 @@ class ClusterReader:
         vectored request per node; the source file, if it still matches the manifest; else
         StaleDataset or DataError. A whole file that came from another node is checked against
         the manifest's checksum."""
+        started = read_times.start()
         by_node: dict[str, list[Piece]] = {}
         from_source: list[Piece] = []
         remote_entries: set[int] = set()
@@ -266,6 +269,7 @@ class ClusterReader:
         if pos != len(out):
             raise InvalidArgument(f"a buffer of {len(out)} bytes for {pos} bytes of reads")
         if not by_node and not from_source:
+            read_times.done(started, "local")
             return  # all copied here (the common case)
         if by_node:
             from_source += self._read_owners(ds, by_node, out)
@@ -273,6 +277,7 @@ class ClusterReader:
             out[p.pos : p.pos + p.n] = self._read_source(ds, p.entry, p.file_off, p.n)
         if remote_entries:
             self._verify_whole_files(ds, requests, remote_entries, out)
+        read_times.done(started, "source" if from_source else "remote")
 
     def _read_owners(
         self, ds: DatasetHandle, by_node: dict[str, list[Piece]], out: memoryview

@@ -11,6 +11,7 @@ from prometheus_client import Histogram, start_http_server
 from prometheus_client.core import CollectorRegistry, CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
+from kspeedfs.format.contract.jobs import JobsAnswer
 from kspeedfs.format.contract.status import (
     CacheStatus,
     ControlStatus,
@@ -226,3 +227,76 @@ def _integrity(i: IntegrityStatus) -> Iterator[CounterMetricFamily]:
         ("scrub_cpu_seconds", "scrub_cpu_seconds", "CPU time of the scrubber's reads and hashes"),
     ):
         yield CounterMetricFamily(f"kspeedfs_node_{name}", doc, getattr(i, key))
+
+
+class JobCollector(Collector):
+    """The jobs reporting their training loops to this node (kspeedfs.node.jobs), read from
+    its table on each scrape: labels job and tenant (empty until tenants exist), and dataset
+    for what the job's datasets did while it read them."""
+
+    def __init__(self, answer: Callable[[], JobsAnswer]):
+        self.answer = answer
+
+    def collect(self) -> Iterator[CounterMetricFamily | GaugeMetricFamily]:
+        jobs = self.answer().jobs
+        labels = ["job", "tenant"]
+        blocked = CounterMetricFamily(
+            "kspeedfs_job_loop_blocked_seconds",
+            "seconds the job's training loops waited in next(loader), summed over its ranks",
+            labels=labels,
+        )
+        busy = CounterMetricFamily(
+            "kspeedfs_job_loop_busy_seconds",
+            "seconds the job's training loops spent between batches (computing)",
+            labels=labels,
+        )
+        samples = CounterMetricFamily(
+            "kspeedfs_job_samples", "samples the job's loops drew", labels=labels
+        )
+        ranks = GaugeMetricFamily("kspeedfs_job_ranks", "processes reporting", labels=labels)
+        per_dataset = labels + ["dataset"]
+        source = CounterMetricFamily(
+            "kspeedfs_job_source_bytes",
+            "bytes the dataset read from its source while the job read it",
+            labels=per_dataset,
+        )
+        hits = CounterMetricFamily(
+            "kspeedfs_job_dataset_hits",
+            "segment hits of the dataset while the job read it",
+            labels=per_dataset,
+        )
+        misses = CounterMetricFamily(
+            "kspeedfs_job_dataset_misses",
+            "segment misses of the dataset while the job read it",
+            labels=per_dataset,
+        )
+        resident = GaugeMetricFamily(
+            "kspeedfs_job_resident_bytes",
+            "memory the job's dataset holds on this node",
+            labels=per_dataset,
+        )
+        fetch = CounterMetricFamily(
+            "kspeedfs_job_worker_fetch_seconds",
+            "seconds the job's DataLoader workers spent fetching batches (__getitem__ and collate)",
+            labels=labels,
+        )
+        read_wait = CounterMetricFamily(
+            "kspeedfs_job_read_wait_seconds",
+            "of those, seconds in kspeedfs reads by path (local, remote, source)",
+            labels=[*labels, "path"],
+        )
+        for job in jobs:
+            names = [job.job, job.tenant]
+            fetch.add_metric(names, job.fetch_seconds)
+            for path, spent in sorted(job.read_seconds.items()):
+                read_wait.add_metric([*names, path], spent)
+            blocked.add_metric(names, job.blocked)
+            busy.add_metric(names, job.busy)
+            samples.add_metric(names, job.samples)
+            ranks.add_metric(names, job.ranks)
+            for ds in job.datasets:
+                source.add_metric([*names, ds.name], ds.source_bytes)
+                hits.add_metric([*names, ds.name], ds.hits)
+                misses.add_metric([*names, ds.name], ds.misses)
+                resident.add_metric([*names, ds.name], ds.resident_bytes)
+        yield from (blocked, busy, samples, ranks, fetch, read_wait, source, hits, misses, resident)

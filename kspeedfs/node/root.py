@@ -26,10 +26,11 @@ from kspeedfs.node.discovery import placement_list
 from kspeedfs.node.events import DatasetEvents
 from kspeedfs.node.fdserver import FdServer
 from kspeedfs.node.info import NodeInfo
+from kspeedfs.node.jobs import DatasetCounters, JobTable
 from kspeedfs.node.leases import LeaseOwner, LeaseTable
 from kspeedfs.node.loads import LoadTable
 from kspeedfs.node.metaindexes import AddedIndexes
-from kspeedfs.node.metrics import serve_metrics
+from kspeedfs.node.metrics import JobCollector, serve_metrics
 from kspeedfs.node.ops import OpRegistry
 from kspeedfs.node.peers import PeerPool
 from kspeedfs.node.preload_queue import PreloadQueue
@@ -130,8 +131,10 @@ class Node:
             self.store.budgets, [self.preload_promotions, self.cache.promotions]
         )
         self.info = NodeInfo(self)
+        self.jobs = JobTable(time.monotonic, counters_of(self.store, self.cache))
         owners = (
             self.info,
+            self.jobs,
             self.coordinator,
             self.lease_owner,
             self.unloader,
@@ -176,7 +179,11 @@ class Node:
     async def join(self, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         """Once the port is known: the control plane joins the cluster, the metrics serve."""
         if self.settings.metrics_listen:  # Prometheus /metrics, its own thread
-            histograms = [self.cache.fill_seconds, *self.control.histograms]
+            histograms = [
+                self.cache.fill_seconds,
+                *self.control.histograms,
+                JobCollector(self.jobs.answer),
+            ]
             serve_metrics(self.settings.metrics_listen, self.info.metrics_snapshot, histograms)
         await self.control.run(self.address, task_status=task_status)
 
@@ -189,3 +196,24 @@ class Node:
         if member == self.address:
             return await self.ops.call(request)
         return await self.peers.ask(member, request)
+
+
+def counters_of(
+    store: SegmentStore, cache: ReadThroughCache
+) -> Callable[[str], DatasetCounters | None]:
+    """What the job table reads of a dataset: a read-through one's hits, misses and source
+    bytes and its segments in memory; a preload's memory (its reads are not counted here)."""
+
+    def counters(name: str) -> DatasetCounters | None:
+        ds = cache.datasets.get(name)
+        if ds is not None:
+            return DatasetCounters(
+                hits=ds.stats["hits"],
+                misses=ds.stats["misses"],
+                source_bytes=ds.stats["source_bytes"],
+                resident_bytes=ds.segment_bytes,
+            )
+        record = store.datasets.get(name)
+        return DatasetCounters(resident_bytes=record.stored) if record is not None else None
+
+    return counters
