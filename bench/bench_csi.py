@@ -1,4 +1,4 @@
-"""CSI plugin benchmark: publish-to-ready, read rate in a "pod" against the host, the plugin's memory.
+"""CSI plugin benchmark: publish-to-ready, read rate in a "pod" against the host, memory, read gaps.
 
     .venv/bin/python bench/bench_csi.py [--size 1GiB] [--files 1024] [--rounds 3]
 
@@ -15,7 +15,12 @@ plugin as kubelet does (kspeedfs/csi/harness.py). Prints:
    variant yet (the mount starts it), and the images/s of stock ImageFolder (PIL loader) in a
    pod on it, once the variant is filled, against the all-datasets mount's `NAME@N/` from the
    host and against the plain (decoded=0) volume, which decodes each JPEG; each pass past the
-   page cache.
+   page cache;
+5. the read gap a reader sees (reading `--gap-files` files in a loop, each read past the page
+   cache) when the volume's mount process is SIGKILLed (a host reader, and a real container
+   with the target bound `rslave` where podman, runc and busybox-static are installed) and
+   when mountd is SIGKILLed and started again: failed reads (target 0) and the longest gap
+   between two good reads (target <= 2 s).
 """
 
 from __future__ import annotations
@@ -23,6 +28,8 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
+import signal
 import statistics
 import subprocess
 import sys
@@ -34,9 +41,12 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from kspeedfs.csi.harness import (
+    BUSYBOX,
     CsiClient,
     MountdDaemon,
     PluginDaemon,
+    busybox_root,
+    container_command,
     inline_context,
     pod_command,
 )
@@ -44,6 +54,7 @@ from kspeedfs.format.units import format_size, parse_size
 from kspeedfs.system.mountinfo import kspeedfs_mounted, lazy_unmount
 from kspeedfs.testing.cache import LocalCache
 from kspeedfs.testing.node import remove_tree
+from kspeedfs.testing.readgap import ContainerReader, HostReader, container_loop
 
 READ_PASS = """
 import json, os, sys, time
@@ -179,6 +190,76 @@ def decoded_section(cache: LocalCache, client: CsiClient, target: Any, args: Any
     client.unpublish("vol-plain", plain)
 
 
+def mount_pid(state_file: Path, target: Path, pid_of_mountd: int | None = None) -> int | None:
+    """The pid of the mount at `target`, once mounted (by mountd `pid_of_mountd`, if given)."""
+    try:
+        state = json.loads(state_file.read_text())
+    except (OSError, ValueError):
+        return None
+    if pid_of_mountd is not None and state.get("pid") != pid_of_mountd:
+        return None
+    for mount in state["mounts"]:
+        if mount["mountpoint"] == str(target) and mount["state"] == "mounted":
+            return int(mount["pid"])
+    return None
+
+
+def wait(predicate: Any, timeout: float = 120.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise RuntimeError("timed out")
+        time.sleep(0.05)
+
+
+def gap_section(
+    mountd: MountdDaemon, run: Path, env: dict[str, str], work: Path, vol: Path, args: Any
+) -> MountdDaemon:
+    """Section 5; returns the mountd that runs at its end."""
+    print(
+        f"\n5. the read gap while the mount process, then mountd, is killed ({args.gap_files} files)"
+    )
+    paths = sorted(p for p in vol.rglob("*") if p.is_file())[: args.gap_files]
+    files = {p: p.read_bytes() for p in paths}
+    state = run / "mountd.json"
+
+    def kill_mount_process(reads: Any) -> None:
+        wait(lambda: reads.good >= 20)
+        pid = mount_pid(state, vol)
+        assert pid is not None
+        os.kill(pid, signal.SIGKILL)
+        wait(lambda: mount_pid(state, vol) not in (None, pid))
+        good = reads.good
+        wait(lambda: reads.good >= good + 20)
+
+    host = HostReader(files).start()
+    kill_mount_process(host.reads)
+    print("   " + host.stop().line("mount process killed, host reader     "))
+    if all(shutil.which(t) for t in ("podman", "runc", BUSYBOX)):
+        rel = {str(p.relative_to(vol)): data for p, data in files.items()}
+        root = busybox_root(work / "rootfs")
+        loop = container_loop(sorted(rel), seconds=30)
+        pod = ContainerReader(container_command(root, {vol: "/data"}, loop), rel, vol).start()
+        try:
+            if pod.first_read(120):
+                kill_mount_process(pod.reads)
+        finally:
+            reads = pod.wait(120)
+        print("   " + reads.line("mount process killed, container reader"))
+    else:
+        print("   (no container reader: podman, runc or busybox-static is missing)")
+    host = HostReader(files).start()
+    wait(lambda: host.reads.good >= 20)
+    mountd.kill9()
+    mountd = MountdDaemon(run / "mounts.d", state, env, work).start()
+    assert mountd.proc is not None
+    wait(lambda: mount_pid(state, vol, mountd.proc.pid if mountd.proc else None) is not None)
+    good = host.reads.good
+    wait(lambda: host.reads.good >= good + 20)
+    print("   " + host.stop().line("mountd killed and restarted, host reader"))
+    return mountd
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--size", default="1GiB", help="the uncached source's size")
@@ -187,6 +268,7 @@ def main() -> int:
     parser.add_argument("--cache", default="/var/tmp/kspeedfs-bench-csi", help="source folder")
     parser.add_argument("--images", type=int, default=512, help="JPEGs of the decoded volume")
     parser.add_argument("--decoded", type=int, default=256, help="its decoded size (0: skip)")
+    parser.add_argument("--gap-files", type=int, default=16, help="files read in section 5")
     args = parser.parse_args()
     size = parse_size(args.size)
     src = make_source(Path(args.cache), size, args.files)
@@ -262,8 +344,9 @@ def main() -> int:
             print(f"   plugin (kspeedfs csi): {format_size(rss(plugin.proc.pid))}")
             print(f"   mountd:                {format_size(rss(mountd.proc.pid))}")
             print(f"   node:                  {format_size(rss(cache.node.proc.pid))}")
-            for volume_id, path in (("vol-cached", cached), ("vol-warm", warm)):
-                client.unpublish(volume_id, path)
+            client.unpublish("vol-warm", warm)
+            mountd = gap_section(mountd, run, env, work, cached, args)
+            client.unpublish("vol-cached", cached)
             if args.decoded:
                 decoded_section(cache, client, target, args)
         finally:

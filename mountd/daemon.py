@@ -6,6 +6,7 @@ import argparse
 import logging
 import os
 import signal
+import socket
 import sys
 import time
 from pathlib import Path
@@ -14,10 +15,13 @@ from typing import Any
 import trio
 
 from kspeedfs.format.errors import EXIT_CODES_DOC, InvalidArgument, KSpeedError
+from kspeedfs.fuse.takeover import Kept
 from kspeedfs.system.logs import setup_logging
 from kspeedfs.system.mountinfo import clear_stale
 from kspeedfs.system.notify import notify, watchdog_interval
 
+from . import adopt
+from .adopt import keeper_address
 from .declarations import (
     DEFAULT_MOUNTS_DIR,
     Declaration,
@@ -59,6 +63,8 @@ class Mountd:
             try:
                 async with trio.open_nursery() as nursery:
                     self._nursery = nursery
+                    # Before any supervisor: the live mounts of an earlier mountd call here.
+                    await nursery.start(self._listen)
                     self.reload()
                     nursery.start_soon(self._announce_ready)
                     interval = watchdog_interval()
@@ -78,6 +84,20 @@ class Mountd:
                     nursery.cancel_scope.cancel()
             finally:
                 remove_state(self.state_file)
+
+    async def _listen(self, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        address = keeper_address(self.state_file)
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(adopt.listen, address, self._adopt)
+            while not address.exists():
+                await trio.sleep(0.01)
+            task_status.started()
+
+    def _adopt(self, mountpoint: str, sock: socket.socket, kept: Kept, pid: int) -> bool:
+        for sup in self.supervisors.values():
+            if _same_place(sup.decl.mountpoint, mountpoint):
+                return sup.adopt(sock, kept, pid)
+        return False
 
     def reload(self) -> None:
         """Start new declarations, stop removed ones, restart changed ones."""
@@ -105,7 +125,8 @@ class Mountd:
     def _start(self, decl: Declaration) -> None:
         assert self._nursery is not None
         after = [s.done for s in self.retiring if s.decl.mountpoint == decl.mountpoint]
-        sup = MountSupervisor(decl, self.timing, self.changed, self.verbose, after)
+        address = str(keeper_address(self.state_file))
+        sup = MountSupervisor(decl, self.timing, self.changed, self.verbose, after, address)
         self.supervisors[decl.name] = sup
         self._nursery.start_soon(sup.run)
 
@@ -191,6 +212,17 @@ class Mountd:
         if line != self._status:
             self._status = line
             notify(f"STATUS={line}")
+
+
+def _same_place(a: str, b: str) -> bool:
+    """Whether two paths name one mountpoint; never looks at a mount itself (a kept mount
+    waits for its next process)."""
+
+    def place(p: str) -> str:
+        p = os.path.abspath(p)
+        return os.path.join(os.path.realpath(os.path.dirname(p)), os.path.basename(p))
+
+    return place(a) == place(b)
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -85,9 +85,32 @@ class DatasetList:
         self.mounted_at_ns = time.time_ns()
         self.node_answers = True
         self._next_slot = 1
+        # A taken-over connection's slots (takeover.py): the kernel holds their inodes.
+        self._kept_slots: dict[tuple[str, str], int] = {}
         self._has_tars: dict[tuple[str, str], bool] = {}  # by (dataset, instance)
         self._last_error = ""  # of the last failed refresh: logged once, not every second
         self._lock = trio.Lock()
+
+    def reuse_slots(self, slots: dict[tuple[str, str], int], next_slot: int) -> None:
+        """Number the instances as the mount process before us did: the kernel still holds
+        the inodes it gave out on the connection taken over."""
+        self._kept_slots = dict(slots)
+        self._next_slot = max(self._next_slot, next_slot, *[s + 1 for s in slots.values()])
+
+    def slots(self) -> dict[tuple[str, str], int]:
+        """(name, instance uuid) -> slot of every instance served now."""
+        return {(m.name, m.uuid): m.slot for m in self.by_slot.values()}
+
+    @property
+    def next_slot(self) -> int:
+        return self._next_slot
+
+    def _new_slot(self, name: str, uuid: str) -> int:
+        slot = self._kept_slots.pop((name, uuid), None)
+        if slot is None:
+            slot = self._next_slot
+            self._next_slot += 1
+        return slot
 
     async def refresh(self, on_change: OnChange = _unheard, strict: bool = False) -> None:
         """Sync with the node. Errors are logged and the known datasets kept; `strict` (the
@@ -169,8 +192,7 @@ class DatasetList:
             except KSpeedError as e:
                 log.error("cannot open dataset %s: %s", name, e)
                 continue
-            mounted = MountedDataset(self._next_slot, name, d.uuid, data, d)
-            self._next_slot += 1
+            mounted = MountedDataset(self._new_slot(name, d.uuid), name, d.uuid, data, d)
             by_slot[mounted.slot] = mounted
             by_name[name] = mounted
             added.append(mounted)
@@ -181,10 +203,8 @@ class DatasetList:
                 continue
             of = by_name[base]
             view = variants.ViewOf(base, size, name.endswith(untar.UNTAR_SUFFIX))
-            mounted = MountedDataset(
-                self._next_slot, name, of.uuid, of.data, ready[base], view=view
-            )
-            self._next_slot += 1
+            slot = self._new_slot(name, of.uuid)
+            mounted = MountedDataset(slot, name, of.uuid, of.data, ready[base], view=view)
             by_slot[mounted.slot] = mounted
             by_name[name] = mounted
             added.append(mounted)

@@ -16,6 +16,7 @@ import subprocess
 import sys
 from collections.abc import AsyncIterator, Callable, Collection, Iterable
 from pathlib import Path
+from typing import Any
 
 import trio
 
@@ -29,9 +30,10 @@ from kspeedfs.fuse import uring
 from kspeedfs.fuse.counters import SharedCounters
 from kspeedfs.fuse.damage_news import drop_damaged_pages
 from kspeedfs.fuse.datasets import DatasetList
-from kspeedfs.fuse.kernel import FuseSession
+from kspeedfs.fuse.kernel import MAX_WRITE, FuseSession
 from kspeedfs.fuse.metrics import serve_mount_metrics
 from kspeedfs.fuse.supervisor import Workers, default_workers
+from kspeedfs.fuse.takeover import LINGER, KeeperLink, Kept, slot_list
 from kspeedfs.net.aconnection import AsyncNodeClient
 from kspeedfs.system import mountlock
 from kspeedfs.system.mountinfo import is_stale, kspeedfs_mounted, mount_at
@@ -83,44 +85,84 @@ async def serve_mount(
     options: set[str],
     on_ready: Callable[[], None],
     on_mounted: Callable[[], None] = lambda: None,
+    keeper: KeeperLink | None = None,
+    kept: Kept | None = None,
 ) -> None:
     """Mount, then serve from settings.fuse_workers processes (0: one per CPU, at most 8)
     while this one keeps the dataset list in step with the node and supervises them.
-    `on_mounted` runs once the kernel has the mount, before any worker starts."""
+    `on_mounted` runs once the kernel has the mount, before any worker starts. With `kept`
+    (a connection mountd handed over: takeover.py) serve it instead of mounting; `keeper`
+    (mountd) is given dups of the connection's fds and told the instances' slots."""
     local = local_node_for(settings)
     order = sorted(settings.nodes, key=lambda a: str(a) != local)
     tls = client_context(settings)
     clients = [AsyncNodeClient(a, settings.credential(), settings.timeout, tls) for a in order]
     reader = ClusterReader(settings, local)
     datasets = DatasetList(clients, reader, dataset)
+    if kept is not None:  # before the first refresh: it numbers the instances
+        datasets.reuse_slots(kept.slots(), int(kept.record.get("next_slot", 1)))
     # A mount with no node to ask is useless: check before mounting, fail with a clear error.
     await _first_answer(clients)
     await datasets.refresh(strict=True)
     if dataset:
         datasets.require(dataset)
-    count = settings.fuse_workers or default_workers()
+    count = kept.workers if kept is not None else settings.fuse_workers or default_workers()
     # Under x-systemd.automount, a look at the mountpoint from here (out of PID 1's process
     # group once on_mounted has run) waits for autofs, which waits for this mount to be
     # reported done: the first access through autofs is the check there.
     check_here = not _automount_point(Path(mountpoint))
-    # Held until this process exits, however it ends: `umount` waits for that.
-    mountlock.hold(mountpoint)
-    if settings.fuse_uring:  # before the mount: the kernel offers io_uring in its INIT
+    # Held until this process exits, however it ends: `umount` waits for that. Not on a
+    # connection taken over: the folder is covered, and opening the mount waits for us.
+    if kept is None:
+        mountlock.hold(mountpoint)
+    if settings.fuse_uring and kept is None:  # the kernel offers io_uring in its INIT
         why = uring.enable_in_kernel(os.geteuid() == 0)
         if why is not None:
             log.warning("fuse_uring: serving through /dev/fuse: %s", why)
             settings = dataclasses.replace(settings, fuse_uring=False)
+    if kept is not None:  # INIT was answered on this connection: no io_uring (takeover.py)
+        settings = dataclasses.replace(settings, fuse_uring=False)
     counters = SharedCounters.create(count)  # a row for each serving process
     session = FuseSession(None, str(mountpoint), options, counters=counters)
-    try:
-        session.mount()
-    except OSError as e:
-        counters.close()
-        raise MountError(e.strerror or str(e)) from None
+    if kept is not None:
+        session.fd, session.device = kept.fds[0], kept.record.get("device")
+        session.resend_pending()  # what the dead process's workers had read
+        log.info("took over the connection of %s at %s", session.device, mountpoint)
+    else:
+        try:
+            session.mount()
+        except OSError as e:
+            counters.close()
+            raise MountError(e.strerror or str(e)) from None
     on_mounted()
-    if settings.fuse_read_ahead:
+    if settings.fuse_read_ahead and kept is None:
         session.set_read_ahead(settings.fuse_read_ahead // 1024)
-    pool = Workers(session, datasets, settings, dataset, count, clients, counters)
+
+    def tell_slots() -> None:
+        if keeper is not None:
+            keeper.slots_changed(datasets.slots(), datasets.next_slot)
+
+    pool = Workers(
+        session, datasets, settings, dataset, count, clients, counters,
+        fds=kept.fds[1:] if kept is not None else None, before_change=tell_slots,
+        linger=LINGER if keeper is not None else 0.0,
+    )  # fmt: skip
+
+    def kept_now() -> tuple[dict[str, Any], list[int]]:
+        """What mountd keeps of this mount: the record (takeover.py) and the fds."""
+        record: dict[str, Any] = {
+            "device": session.device,
+            "workers": count,
+            # io_uring rings end with their process; fusermount3 unmounts (auto_unmount)
+            "can_take_over": not settings.fuse_uring and "auto_unmount" not in options,
+            "max_write": MAX_WRITE,
+            "slots": slot_list(datasets.slots()),
+            "next_slot": datasets.next_slot,
+        }
+        return record, [session.fd, *pool.fds]
+
+    if keeper is not None:
+        keeper.keep(*kept_now())
     if settings.metrics_listen:  # metrics: Prometheus /metrics over the shared counters
         serve_mount_metrics(settings.metrics_listen, counters)
     error: MountError | None = None
@@ -128,9 +170,13 @@ async def serve_mount(
         with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT, signal.SIGHUP) as signals:
             async with trio.open_nursery() as nursery:
                 await nursery.start(pool.run)
+                if keeper is not None:
+                    keeper.serving()
                 nursery.start_soon(datasets.keep_refreshed, pool.on_change)
                 nursery.start_soon(drop_damaged_pages, datasets, session)
                 nursery.start_soon(_unmount_on_signal, signals, session, pool)
+                if keeper is not None:
+                    nursery.start_soon(keeper.stay_kept, str(mountpoint), kept_now)
                 if check_here:
                     error = await _answering(session, datasets, settings.timeout + READY_WAIT)
                 if error is None:
@@ -145,6 +191,7 @@ async def serve_mount(
     finally:
         with trio.CancelScope(shield=True):
             await pool.stop()
+        pool.close_fds()
         session.unmount()
         session.close()
         counters.close()
@@ -228,10 +275,15 @@ def run_mount(
     """Mount and serve; in the background unless `foreground`, returning once the mount is up."""
     if dataset is not None:
         validate_mount_name(dataset)
-    path = check_mountpoint(mountpoint)
     opts = fuse_options(options)
+    keeper = KeeperLink.from_env()  # mountd's: it may hand over a live connection
+    kept = keeper.handoff() if keeper is not None else None
+    # A kept mount waits for us: any look at it would wait too.
+    path = Path(os.path.abspath(mountpoint)) if kept is not None else check_mountpoint(mountpoint)
     if foreground:
-        trio.run(serve_mount, path, settings, dataset, opts, lambda: None)
+        trio.run(
+            serve_mount, path, settings, dataset, opts, lambda: None, lambda: None, keeper, kept
+        )
         return
     read_fd, write_fd = os.pipe()
     pid = os.fork()
@@ -257,7 +309,7 @@ def run_mount(
         # A session of its own only once mounted, as libfuse daemonizes after fuse_mount: an
         # automounter (systemd for x-systemd.automount) runs mount(8) in its own process
         # group, the one autofs lets through the mountpoint while the mount it awaits is made.
-        trio.run(serve_mount, path, settings, dataset, opts, ready, os.setsid)
+        trio.run(serve_mount, path, settings, dataset, opts, ready, os.setsid, keeper, kept)
     except KSpeedError as e:
         _report(write_fd, f"{e.exit_code} {e}")
         status = e.exit_code

@@ -1,5 +1,5 @@
-"""The serving processes of one mount: started with a clone of its fd, told of every dataset
-change, restarted when they die, stopped with the mount.
+"""The serving processes of one mount: each started on its clone of the fd, told of every
+dataset change, restarted (on the same clone) when it dies, stopped with the mount.
 
 The supervisor (the mount process) keeps each worker's fd open too, so that when a worker is
 killed the requests it had read stay queued on that fd instead of failing; the kernel is then
@@ -18,6 +18,7 @@ import signal
 import socket
 import sys
 import time
+from collections.abc import Callable
 from typing import Any
 
 import trio
@@ -56,14 +57,24 @@ class Workers:
         count: int,
         clients: list[AsyncNodeClient],
         counters: SharedCounters,
+        fds: list[int] | None = None,
+        before_change: Callable[[], None] = lambda: None,
+        linger: float = 0.0,
     ):
         self.session = session
+        # A clone of the session's fd per worker, kept across its restarts (and by mountd:
+        # takeover.py), so that the requests a dead worker had read wait to be resent.
+        self.fds = fds if fds is not None else [session.clone_fd() for _ in range(count)]
         self.datasets = datasets
         self.settings = settings
         self.dataset = dataset
         self.count = count
         self.clients = clients
         self.counters = counters
+        self.before_change = before_change  # new slots: told to mountd before any worker
+        # Seconds a worker serves on once this process is gone (mountd ends it once a new
+        # mount process took the connection over: takeover.py); 0 without mountd.
+        self.linger = linger
         self.finished = trio.Event()  # the mount is gone (a worker saw ENODEV)
         self.stopping = False
         self._links: dict[int, trio.MemorySendChannel[tuple[Any, ...]]] = {}
@@ -96,6 +107,8 @@ class Workers:
         kernel forgets only after every worker has switched: a lookup answered in between
         with the old instance would stay cached (a day), its reads failing with ESTALE."""
         self._changes += 1
+        if change.added:
+            self.before_change()
         if change.forget:
             self._invalidations += 1
             self._to_forget.append((self._changes, change.forget, self._invalidations))
@@ -135,7 +148,7 @@ class Workers:
     def _snapshot(self, index: int) -> list[tuple[Any, ...]]:
         """What a new worker is told first: every dataset, then "refreshed"."""
         d = self.datasets
-        hello = ("hello", self.settings, self.dataset, index, self.count)
+        hello = ("hello", self.settings, self.dataset, index, self.count, self.linger)
         adds = [_added(m) for m in d.by_slot.values()]
         return [hello, *adds, ("refreshed", d.node_answers, d.mounted_at_ns, self._changes)]
 
@@ -145,17 +158,12 @@ class Workers:
         self, index: int, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED
     ) -> None:
         started = False
+        fd = self.fds[index]
         while not self.stopping:
             began = time.monotonic()
-            fd = self.session.clone_fd()
-            try:
-                ready, code = await self._run_once(index, fd, None if started else task_status)
-            except BaseException:
-                os.close(fd)
-                raise
+            ready, code = await self._run_once(index, fd, None if started else task_status)
             started = started or ready
             if self.stopping or code == EXIT_DETACHED:
-                os.close(fd)
                 if not started:
                     # Unmounted while this worker was starting: nothing is left to serve, so
                     # the start ends here quietly rather than as "failed to start".
@@ -165,7 +173,6 @@ class Workers:
                     self.finished.set()
                 return
             if not started:
-                os.close(fd)
                 raise MountError(f"the serving process failed to start ({_describe(code)})")
             log.warning("worker %d %s: restarting it", index, _describe(code))
             if self.settings.fuse_uring:
@@ -175,7 +182,6 @@ class Workers:
                 )  # fmt: skip
             # Its fd is still open here: the requests it had read wait there, to be resent.
             self.session.resend_pending()
-            os.close(fd)
             if time.monotonic() - began < QUICK_DEATH:
                 await trio.sleep(1.0)
 
@@ -292,6 +298,12 @@ class Workers:
         for proc in procs:
             if proc.returncode is None:
                 proc.kill()
+
+    def close_fds(self) -> None:
+        """Once every worker has ended: let go of their clones."""
+        for fd in self.fds:
+            os.close(fd)
+        self.fds = []
 
 
 def _added(m: MountedDataset) -> tuple[Any, ...]:

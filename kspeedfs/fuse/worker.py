@@ -6,7 +6,8 @@ the socket come the settings, the datasets with the slots the supervisor gave th
 results and interrupts other workers could not place; back go refresh requests, interrupts for
 requests this worker does not hold, and read-through touches. It starts serving only once it
 has opened every dataset it was told about, so a restarted worker never answers ESTALE for a
-live instance. It ends when the mount goes (exit 0), or with the supervisor (its socket closes).
+live instance. It ends when the mount goes (exit 0), or with the supervisor (its socket closes;
+under mountd, once the next mount process serves: takeover.py).
 """
 
 from __future__ import annotations
@@ -137,7 +138,7 @@ def serve(fuse_fd: int, control_fd: int, counters_fd: int) -> int:
     if hello is None or hello[0] != "hello":
         log.error("no settings from the supervisor")
         return 1
-    _, settings, dataset, index, rows = hello
+    _, settings, dataset, index, rows, linger = hello
     assert isinstance(settings, Settings)
     counters = SharedCounters(counters_fd, rows)
     reader = ClusterReader(settings, local_node_for(settings))
@@ -175,7 +176,10 @@ def serve(fuse_fd: int, control_fd: int, counters_fd: int) -> int:
                 for touch in fs.drain_touches():
                     link.post("touch", *touch)
     except (EOFError, OSError):
-        return EXIT_DETACHED  # the supervisor is gone, and with it the mount
+        # The supervisor is gone. Under mountd a new one takes the connection over: serve on
+        # meanwhile (the datasets as they are), until mountd ends us once it serves.
+        loop.done.wait(linger)
+        return EXIT_DETACHED
     loop.shutdown()
     reader.close()
     return EXIT_DETACHED if loop.detached else 1

@@ -10,6 +10,7 @@ import json
 import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -47,6 +48,7 @@ from kspeedfs.format import auth
 from kspeedfs.format.errors import InvalidArgument
 from kspeedfs.sample import make_sample
 from kspeedfs.system.mountinfo import kspeedfs_mounted, lazy_unmount
+from kspeedfs.testing.readgap import ContainerReader, container_loop
 
 CSI_DIR = Path(__file__).parents[2] / "kspeedfs" / "csi"
 
@@ -779,6 +781,26 @@ CONTAINER_READ = (
 )
 
 
+def require_container_tools() -> None:
+    for tool in ("podman", "runc", BUSYBOX):
+        if shutil.which(tool) is None:
+            pytest.skip(
+                f"{tool} is not installed (make test installs podman, runc, busybox-static)"
+            )
+
+
+def publish_sample(
+    stack: Stack, tmp_path: Path, suffix: str, classes: int, per_class: int
+) -> tuple[Path, Path]:
+    """An ImageFolder-shaped source published as volume vol-SUFFIX of pod-SUFFIX: (the
+    source, the target)."""
+    src = tmp_path / "imagenet"
+    make_sample(src, classes=classes, per_class=per_class, file_size=6000, bases=classes)
+    target = stack.target(f"pod-{suffix}")
+    stack.client.publish(f"vol-{suffix}", target, inline_context("imagenet", source=str(src)))
+    return src, target
+
+
 @pytest.fixture
 def shared_kubelet(stack: Stack) -> Iterator[Stack]:
     """The stack with its kubelet folder a shared mount of its own, as kubelet makes its root
@@ -800,16 +822,9 @@ def test_a_container_reads_a_published_volume(shared_kubelet: Stack, tmp_path: P
     bound `ro,rslave` at /data reads every file of the source byte-equal (sha256 of each,
     computed in the container), cannot write, and sees the kspeedfs mount as a slave of the
     host's."""
-    for tool in ("podman", "runc", BUSYBOX):
-        if shutil.which(tool) is None:
-            pytest.skip(
-                f"{tool} is not installed (make test installs podman, runc, busybox-static)"
-            )
-    stack, c = shared_kubelet, shared_kubelet.client
-    src = tmp_path / "imagenet"
-    make_sample(src, classes=3, per_class=6, file_size=6000, bases=3)
-    target = stack.target("pod-c")
-    c.publish("vol-c", target, inline_context("imagenet", source=str(src)))
+    require_container_tools()
+    c = shared_kubelet.client
+    src, target = publish_sample(shared_kubelet, tmp_path, "c", classes=3, per_class=6)
     root = busybox_root(tmp_path / "rootfs")
     done = subprocess.run(
         container_command(root, {target: "/data"}, ["/bin/sh", "-c", CONTAINER_READ]),
@@ -831,3 +846,44 @@ def test_a_container_reads_a_published_volume(shared_kubelet: Stack, tmp_path: P
     (line,) = mountinfo
     assert "fuse.kspeedfs" in line and "master:" in line, line
     c.unpublish("vol-c", target)
+
+
+def mount_pid(stack: Stack) -> int | None:
+    (mount,) = json.loads(stack.mountd.state_file.read_text())["mounts"]
+    return mount["pid"] if mount["state"] == "mounted" else None
+
+
+@pytest.mark.slow
+@pytest.mark.fuse
+def test_a_container_reads_on_while_its_mount_process_is_killed(
+    shared_kubelet: Stack, tmp_path: Path
+) -> None:
+    """A real container (the target bound `ro,rslave`) reads every file in a loop, each read
+    reaching the mount process (the host drops the pages meanwhile); the volume's mount process
+    is SIGKILLed (as an OOM kill would). mountd keeps the FUSE connection and a new process
+    takes it over: no read in the container fails (ENOTCONN or other), every byte is right,
+    and the container reads on after the takeover."""
+    require_container_tools()
+    stack, c = shared_kubelet, shared_kubelet.client
+    src, target = publish_sample(stack, tmp_path, "k", classes=2, per_class=4)
+    files = {str(p.relative_to(src)): p.read_bytes() for p in src.rglob("*") if p.is_file()}
+    root = busybox_root(tmp_path / "rootfs")
+    loop = container_loop(sorted(files), seconds=40)
+    reader = ContainerReader(container_command(root, {target: "/data"}, loop), files, target)
+    reader.start()
+    try:
+        assert reader.first_read(120), "the container never read"
+        pid = mount_pid(stack)
+        assert pid is not None
+        wait_for(lambda: reader.reads.good >= 20, what="the container reads")
+        os.kill(pid, signal.SIGKILL)
+        wait_for(
+            lambda: "mount process serves" in stack.mountd.log(), timeout=60, what="taken over"
+        )
+        good = reader.reads.good
+        wait_for(lambda: reader.reads.good >= good + 20, timeout=60, what="reads after it")
+    finally:
+        reads = reader.wait(120)
+    print(reads.line("container reader, mount process killed"))
+    assert reads.failed == []
+    c.unpublish("vol-k", target)

@@ -25,6 +25,7 @@ from mountdutil import (
 )
 
 from kspeedfs.system.mountinfo import is_stale, kspeedfs_mounted
+from kspeedfs.testing.readgap import HostReader
 from mountd.declarations import Declaration, InvalidDeclaration, load_declarations
 
 pytestmark = [pytest.mark.fuse, pytest.mark.slow]  # the mount daemon restarting mounts
@@ -372,3 +373,82 @@ def test_check_command_reports_bad_declarations(tmp_path: Path) -> None:
         f"bad  {d / 'bad.toml'}: mountpoint must be an absolute path: 'rel'",
         f"ok   {d / 'ok.toml'}: all datasets at /mnt/ok",
     ]
+
+
+SERVES = "the new mount process serves"  # mountd's line once a takeover is done
+
+
+def reads_on(reader: HostReader, what: str) -> None:
+    good = reader.reads.good
+    wait_for(lambda: reader.reads.good >= good + 20, what=what)
+
+
+def no_read_failed(reader: HostReader, what: str, mountpoint: Path, device: int) -> None:
+    """Stop the reader: none of its reads failed, and the mount is the one it was (the same
+    connection, never mounted again)."""
+    reads = reader.stop()
+    print(reads.line(what))
+    assert reads.failed == []
+    assert os.stat(mountpoint).st_dev == device
+    assert kspeedfs_mounts_under(mountpoint.parents[1]) == [str(mountpoint.resolve())]
+
+
+def test_a_killed_mount_process_is_taken_over_without_a_failed_read(
+    mountds: Mountds, tmp_path: Path
+) -> None:
+    """The mount process SIGKILLed twice (as an OOM kill would) while a reader reads every file
+    through the kernel in a loop: mountd's dups of its FUSE fds keep the connection, the next
+    process takes it over, and no read fails or reads wrong bytes; the mount is never made
+    again (same device, one mount at the mountpoint)."""
+    a = tmp_path / "mnt" / "a"
+    declare(mountds.mounts_dir, "a", mountpoint=str(a), dataset="alpha")
+    mountd = mountds.start()
+    mountd.wait_mount("a", lambda m: m["state"] == "mounted", "mounted")
+    device = os.stat(a).st_dev
+    reader = HostReader({a / rel: data for rel, data in FILES.items()}).start()
+    wait_for(lambda: reader.reads.good >= 20, what="the reader reads")
+    for served in (1, 2):
+        before = mountd.mount("a")
+        assert before
+        os.kill(before["pid"], signal.SIGKILL)
+        wait_for(lambda n=served: mountd.log().count(SERVES) == n, what="taken over")
+        reads_on(reader, "reads after the takeover")
+    no_read_failed(reader, "host reader, mount process killed twice", a, device)
+    assert "took over the connection" in mountd.log()
+
+
+def test_mountd_killed_and_restarted_adopts_its_mount_and_still_takes_it_over(
+    mountds: Mountds, tmp_path: Path
+) -> None:
+    """mountd SIGKILLed while a reader reads: its mount process serves on (its own fds keep
+    the connection) and calls the restarted mountd with them; the new mountd watches it, and
+    when it is SIGKILLed in turn, takes its connection over. No read fails, the mount is
+    never made again."""
+    a = tmp_path / "mnt" / "a"
+    declare(mountds.mounts_dir, "a", mountpoint=str(a), dataset="alpha")
+    first = mountds.start()
+    first.wait_mount("a", lambda m: m["state"] == "mounted", "mounted")
+    pid = first.mount("a")["pid"]  # type: ignore[index]
+    device = os.stat(a).st_dev
+    reader = HostReader({a / rel: data for rel, data in FILES.items()}).start()
+    wait_for(lambda: reader.reads.good >= 20, what="the reader reads")
+    assert first.proc is not None
+    first.proc.kill()
+    first.proc.wait()
+    second = mountds.start(wait_ready=False)
+    assert second.proc is not None
+    new_pid = second.proc.pid
+    second.wait(
+        lambda s: (
+            s["pid"] == new_pid
+            and [(m["state"], m["pid"]) for m in s["mounts"]] == [("mounted", pid)]
+        ),
+        "the live mount process adopted",
+    )
+    reads_on(reader, "reads after mountd's restart")
+    os.kill(pid, signal.SIGKILL)
+    wait_for(lambda: second.log().count(SERVES) == 1, what="taken over")
+    reads_on(reader, "reads after the takeover")
+    what = "host reader, mountd killed and restarted, then the mount process"
+    no_read_failed(reader, what, a, device)
+    assert "watching mount process" in second.log()
