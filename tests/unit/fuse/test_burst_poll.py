@@ -10,7 +10,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from kspeedfs.fuse.kernel import BurstPoll
+from kspeedfs.fuse.burstpoll import BurstPoll
 
 READER = 4242  # the requesting thread in the requests' headers
 
