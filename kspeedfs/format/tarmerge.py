@@ -55,7 +55,10 @@ class _Records:
         self.ends.append(len(self.blob))
         self.shard.append(shard)
         self.kind.append(kind)
-        self.mode.append(mode & 0o7777)
+        # A folder's mode is never shown (0o555, shown_mode): one value for every folder, so
+        # a folder a later shard only implies (the parser's node) and one a header named (the
+        # scan's) are the same row.
+        self.mode.append(0o755 if kind == DIR else mode & 0o7777)
         self.mtime.append(mtime)
         self.offset.append(offset)
         self.size.append(size)

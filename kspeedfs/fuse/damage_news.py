@@ -45,27 +45,34 @@ async def drop_damaged_pages(datasets: DatasetList, session: FuseSession) -> Non
     their own files: not followed); runs until cancelled."""
     followed: dict[int, DamageNews] = {}
     while True:
-        for slot, mounted in list(datasets.by_slot.items()):
-            local = mounted.data.local
-            if local is None or mounted.view is not None:
-                continue
-            news = followed.get(slot)
-            if news is None:
-                followed[slot] = local.news.follow()
-                continue
-            if news.heard:
-                damaged, _passed = news.take()
-                entries = files_in(local.manifest, damaged)
-                if entries:
-                    session.invalidate_pages_async(
-                        [(slot << SLOT_SHIFT) | (i + 1) for i in entries]
-                    )
-                    said = functools.partial(
-                        log.info,
-                        "%s: segments %s found damaged: the kernel's pages of %d files dropped",
-                        mounted.name, ",".join(map(str, damaged)), len(entries),
-                    )  # fmt: skip
-                    session.after_invalidations(said)
-        for slot in followed.keys() - datasets.by_slot.keys():
-            del followed[slot]
+        # One pass in a function of its own: nothing of an instance stays referenced from here
+        # while this sleeps (an unloaded one's maps must go with its last user).
+        follow_once(datasets, session, followed)
         await trio.sleep(POLL_S)
+
+
+def follow_once(
+    datasets: DatasetList, session: FuseSession, followed: dict[int, DamageNews]
+) -> None:
+    """Look once at the news of every mounted instance; forget the ones no longer mounted."""
+    for slot, mounted in list(datasets.by_slot.items()):
+        local = mounted.data.local
+        if local is None or mounted.view is not None:
+            continue
+        news = followed.get(slot)
+        if news is None:
+            followed[slot] = local.news.follow()
+            continue
+        if news.heard:
+            damaged, _passed = news.take()
+            entries = files_in(local.manifest, damaged)
+            if entries:
+                session.invalidate_pages_async([(slot << SLOT_SHIFT) | (i + 1) for i in entries])
+                said = functools.partial(
+                    log.info,
+                    "%s: segments %s found damaged: the kernel's pages of %d files dropped",
+                    mounted.name, ",".join(map(str, damaged)), len(entries),
+                )  # fmt: skip
+                session.after_invalidations(said)
+    for slot in followed.keys() - datasets.by_slot.keys():
+        del followed[slot]

@@ -45,6 +45,9 @@ def create_table(dir_fd: int, segments: int, mode: int = 0o640, gid: int = -1) -
     fd = os.open(DAMAGE_FILE, os.O_RDWR | os.O_CREAT | _FLAGS, mode, dir_fd=dir_fd)
     try:
         os.ftruncate(fd, size)
+        # Its pages taken now (zeros), not at the first news: what the instance holds in
+        # memory stays the same from publish on, restarts and announcements included.
+        os.posix_fallocate(fd, 0, size)
         os.fchmod(fd, mode)
         if gid >= 0:
             os.fchown(fd, -1, gid)

@@ -32,6 +32,7 @@ import mmap
 import os
 import threading
 import time
+import weakref
 from collections import OrderedDict
 from pathlib import Path
 from typing import NoReturn, Protocol
@@ -70,7 +71,9 @@ class DiskCopies:
     folder (a segment on another one is on the disk tier)."""
 
     def __init__(self, ds: MappedSegments, on_disk: frozenset[int], memory_dev: int | None):
-        self.ds = ds
+        # A proxy, not a reference: the dataset owns this, and a cycle would keep an unloaded
+        # instance's maps (its manifest's too) until the cyclic collector ran.
+        self.ds = weakref.proxy(ds)
         self.manifest = ds.manifest
         self.on_disk = on_disk
         self._memory_dev = memory_dev

@@ -119,7 +119,7 @@ try:
     for h in hosts:
         with client(h) as c:
             reply = c.call(List())
-        listed[h] = [d.get("members") for d in reply["datasets"] if d["name"] == "train"]
+        listed[h] = [d.members for d in reply.datasets if d.name == "train"]
     out["members"] = listed
     # The job: a pod on the host of 127.0.0.2, kspeed_iplist=None, no nodes setting.
     job_env = {**base, "KUBERNETES_SERVICE_HOST": "10.96.0.1", "HOST_IP": hosts[1],
@@ -334,7 +334,7 @@ try:
                           env=base, capture_output=True, text=True)
     assert done.returncode == 0, done.stderr
     with NodeClient(Address(hosts[0], 7420), token, 10.0) as c:
-        out["placed"] = [sorted(d["members"]) for d in c.call(List())["datasets"]]
+        out["placed"] = [sorted(d.members) for d in c.call(List()).datasets]
     # The second node goes: its record leaves the Service, the others stop placing on it.
     procs[hosts[1]].terminate()
     procs[hosts[1]].wait(20)

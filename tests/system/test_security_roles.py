@@ -27,6 +27,8 @@ NEEDS = {
     "ping": "read",
     "status": "read",
     "list": "read",
+    "loop_report": "read",
+    "jobs": "read",
     "progress": "read",
     "manifest": "read",
     "meta_index": "read",
