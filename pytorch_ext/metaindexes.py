@@ -5,15 +5,13 @@ Apart from KSpeedMetaDataset, so that a WebDataset reader needs no torchvision."
 from __future__ import annotations
 
 import logging
-import os
-import tempfile
 import threading
 from collections.abc import Sequence
 from typing import TypeVar
 
+from kspeedfs.client.blobs import fetch_blob
 from kspeedfs.format import metaindex
 from kspeedfs.format.contract.metaindexes import FetchMetaIndex, MetaAdd
-from kspeedfs.format.contract.pieces import BlobPiece, fetch_all
 from kspeedfs.format.errors import AuthError, DataError, NotFound
 from kspeedfs.format.metaindex import MetaIndex
 from kspeedfs.format.tarindex import TarIndex
@@ -85,19 +83,10 @@ def _fetch(reader: cache.Reader, meta: str, kind: type[Index]) -> Index:
     a temporary file this process maps."""
     ref = reader.ref
     cluster = reader.cluster
-    first, reply = cluster.pool.live_call(FetchMetaIndex(name=ref.name, uuid=ref.uuid, meta=meta))
-
-    def ask(offset: int) -> BlobPiece:
-        nonlocal reply
-        if offset:
-            request = FetchMetaIndex(name=ref.name, uuid=ref.uuid, meta=meta, offset=offset)
-            reply = cluster.pool.call(first, request)
-        return reply.piece
-
-    fd, path = tempfile.mkstemp(prefix=f"kspeedfs-{ref.name}-", suffix=".kmi")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            fetch_all(ask, f.write)
-        return kind(path)
-    finally:
-        os.unlink(path)  # the map keeps it alive; nothing to clean up later
+    return fetch_blob(
+        cluster.pool,
+        lambda offset: FetchMetaIndex(name=ref.name, uuid=ref.uuid, meta=meta, offset=offset),
+        f"kspeedfs-{ref.name}-",
+        ".kmi",
+        kind,
+    )

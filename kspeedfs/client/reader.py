@@ -20,7 +20,6 @@ from __future__ import annotations
 import functools
 import logging
 import os
-import tempfile
 import time
 from collections import Counter
 from collections.abc import Iterator, Sequence
@@ -30,6 +29,7 @@ from typing import NamedTuple
 import xxhash
 
 from kspeedfs.client import latency, passed, read_times
+from kspeedfs.client.blobs import fetch_blob
 from kspeedfs.client.handle import DatasetHandle
 from kspeedfs.client.health import NodeHealth
 from kspeedfs.client.hedged import HedgedRead
@@ -40,7 +40,6 @@ from kspeedfs.format.contract.node import (
     List,
     ManifestReq,
 )
-from kspeedfs.format.contract.pieces import BlobPiece, fetch_all
 from kspeedfs.format.contract.readthrough import FillSegment
 from kspeedfs.format.contract.scrub import ReportDamage
 from kspeedfs.format.errors import (
@@ -200,21 +199,13 @@ class ClusterReader:
     def _fetch_manifest(self, name: str, uuid: str) -> Manifest:
         """The manifest of instance `uuid`, in pieces from the first node that answers (a node
         that holds another instance refuses with StaleDataset)."""
-        node, reply = self.pool.live_call(ManifestReq(name=name, uuid=uuid))
-
-        def ask(offset: int) -> BlobPiece:
-            nonlocal reply
-            if offset:
-                reply = self.pool.call(node, ManifestReq(name=name, uuid=uuid, offset=offset))
-            return reply.piece
-
-        fd, path = tempfile.mkstemp(prefix=f"kspeedfs-{name}-", suffix=".ksm")
-        try:
-            with os.fdopen(fd, "wb") as f:
-                fetch_all(ask, f.write)
-            return Manifest(path)
-        finally:
-            os.unlink(path)  # the mapping keeps it alive; nothing to clean up later
+        return fetch_blob(
+            self.pool,
+            lambda offset: ManifestReq(name=name, uuid=uuid, offset=offset),
+            f"kspeedfs-{name}-",
+            ".ksm",
+            Manifest,
+        )
 
     # Reads: the one read policy.
 
